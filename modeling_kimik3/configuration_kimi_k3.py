@@ -1,0 +1,502 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Configuration classes for Kimi K3.
+
+`KimiK3TextConfig` reads the release's nested `text_config` (model_type `kimi_linear`, 1-based layer lists inside
+`linear_attn_config`) and Kimi-Linear style configs; `KimiK3Config` reads the released top-level `config.json`
+unchanged. Our own model types (`kimik3`, `kimik3_text`) cannot collide with transformers' in-tree `kimi_linear`.
+"""
+
+import copy
+
+from transformers.configuration_utils import PretrainedConfig
+
+
+# The release's nested text_config was written by transformers 4.56.2 (`to_dict()`): these 50 boilerplate keys are
+# accepted and ignored on load, and written back verbatim by `KimiK3Config.to_release_dict()` (export).
+_RELEASE_TEXT_BOILERPLATE = {
+    "_name_or_path": "", "add_cross_attention": False, "bad_words_ids": None, "begin_suppress_tokens": None,
+    "chunk_size_feed_forward": 0, "cross_attention_hidden_size": None, "decoder_start_token_id": None,
+    "diversity_penalty": 0.0, "do_sample": False, "early_stopping": False, "encoder_no_repeat_ngram_size": 0,
+    "exponential_decay_length_penalty": None, "finetuning_task": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "initializer_range": 0.02,
+    "is_decoder": False, "is_encoder_decoder": False, "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+    "length_penalty": 1.0, "max_length": 20, "min_length": 0, "no_repeat_ngram_size": 0, "num_beam_groups": 1,
+    "num_beams": 1, "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False,
+    "output_scores": False, "prefix": None, "problem_type": None, "pruned_heads": {}, "remove_invalid_values": False,
+    "repetition_penalty": 1.0, "return_dict": True, "return_dict_in_generate": False, "sep_token_id": None,
+    "suppress_tokens": None, "task_specific_params": None, "temperature": 1.0, "tf_legacy_loss": False,
+    "tie_encoder_decoder": False, "tokenizer_class": None, "top_k": 50, "top_p": 1.0, "torchscript": False,
+    "typical_p": 1.0, "use_bfloat16": False, "use_cache": True,
+}
+# Architecture keys of the release's text_config, in our attribute names (identical to the release's).
+_RELEASE_TEXT_KEYS = (
+    "activation_situ_beta", "activation_situ_linear_beta", "attn_res_block_size", "bos_token_id",
+    "eos_token_id", "first_k_dense_replace", "hidden_act", "hidden_size", "intermediate_size", "kv_lora_rank",
+    "latent_moe_use_norm", "linear_attn_config", "max_position_embeddings", "mla_use_nope", "mla_use_output_gate",
+    "moe_intermediate_size", "moe_layer_freq", "moe_renormalize", "moe_router_activation_func",
+    "num_attention_heads", "num_expert_group", "num_experts", "num_experts_per_token", "num_hidden_layers",
+    "num_key_value_heads", "num_nextn_predict_layers", "num_shared_experts", "pad_token_id", "q_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "rms_norm_eps", "routed_expert_hidden_size", "routed_scaling_factor",
+    "tie_word_embeddings", "topk_group", "topk_method", "use_grouped_topk", "v_head_dim", "vocab_size",
+)
+_RELEASE_TEXT_MODEL_TYPE = "kimi_linear"
+_RELEASE_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+}
+_RELEASE_TEXT_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
+    "AutoModel": "modeling_kimi_linear.KimiLinearModel",
+    "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM",
+}
+_SUPPORTED_ACTIVATIONS = ("situ", "silu")
+
+
+def _config_error(key: str, message: str) -> ValueError:
+    return ValueError(f"Kimi K3 config, key `{key}`: {message}")
+
+
+class KimiK3TextConfig(PretrainedConfig):
+    r"""Configuration of the Kimi K3 text backbone (KDA + gated NoPE-MLA, Block Attention Residuals, Stable LatentMoE).
+
+    Field names follow the release (`num_experts`, `num_experts_per_token`, `linear_attn_config`, ...). Optional K3
+    features fall back to Kimi Linear behaviour when absent: no `gate_lower_bound` gives the softplus decay, no
+    `use_full_rank_gate` gives the low-rank `g_a/g_b` output gate, no `attn_res_block_size` gives a plain residual
+    stream, no `routed_expert_hidden_size` gives experts at full width.
+
+    Derived (not stored in the release): `layer_types` (`linear_attention` for KDA, `full_attention` for MLA) and
+    `mlp_layer_types` (`dense` / `sparse`).
+    """
+
+    model_type = "kimik3_text"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    attribute_map = {
+        "num_local_experts": "num_experts",
+        "n_routed_experts": "num_experts",
+        "num_experts_per_tok": "num_experts_per_token",
+        "n_shared_experts": "num_shared_experts",
+        "n_group": "num_expert_group",
+        "norm_topk_prob": "moe_renormalize",
+    }
+
+    def __init__(
+        self,
+        vocab_size: int = 163840,
+        hidden_size: int = 7168,
+        intermediate_size: int = 33792,
+        num_hidden_layers: int = 93,
+        num_attention_heads: int = 96,
+        num_key_value_heads: int | None = None,
+        hidden_act: str = "situ",
+        activation_situ_beta: float | None = None,
+        activation_situ_linear_beta: float | None = None,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-5,
+        mla_rms_norm_eps: float = 1e-6,
+        use_cache: bool = True,
+        pad_token_id: int | None = 163839,
+        bos_token_id: int | None = 163584,
+        eos_token_id: int | list[int] | None = 163586,
+        tie_word_embeddings: bool = False,
+        max_position_embeddings: int = 1048576,
+        # MLA
+        q_lora_rank: int | None = 1536,
+        kv_lora_rank: int = 512,
+        qk_nope_head_dim: int = 128,
+        qk_rope_head_dim: int = 64,
+        v_head_dim: int = 128,
+        mla_use_nope: bool = True,
+        mla_use_output_gate: bool = False,
+        attention_dropout: float = 0.0,
+        # KDA
+        linear_attn_config: dict | None = None,
+        kda_chunk_size: int = 64,
+        # Block Attention Residuals
+        attn_res_block_size: int | None = None,
+        # MoE
+        num_experts: int | None = 896,
+        num_experts_per_token: int = 16,
+        num_shared_experts: int = 2,
+        moe_intermediate_size: int = 3072,
+        routed_expert_hidden_size: int | None = None,
+        latent_moe_use_norm: bool = False,
+        first_k_dense_replace: int = 1,
+        moe_layer_freq: int = 1,
+        moe_renormalize: bool = True,
+        moe_router_activation_func: str = "sigmoid",
+        routed_scaling_factor: float = 1.0,
+        num_expert_group: int = 1,
+        topk_group: int = 1,
+        use_grouped_topk: bool = True,
+        topk_method: str = "noaux_tc",
+        # Quantile Balancing (training only, k3_math.md 6.5)
+        quantile_balancing: bool = False,
+        quantile_balancing_bins: int = 512,
+        num_nextn_predict_layers: int = 0,
+        layer_types: list[str] | None = None,
+        mlp_layer_types: list[str] | None = None,
+        **kwargs,
+    ):
+        # The nested release dict says `kimi_linear`; it is the same schema, read by this class.
+        kwargs.pop("model_type", None)
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.hidden_act = hidden_act
+        self.activation_situ_beta = activation_situ_beta
+        self.activation_situ_linear_beta = activation_situ_linear_beta
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.mla_rms_norm_eps = mla_rms_norm_eps
+        self.use_cache = use_cache
+        self.max_position_embeddings = max_position_embeddings
+
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.mla_use_nope = mla_use_nope
+        self.mla_use_output_gate = mla_use_output_gate
+        self.attention_dropout = attention_dropout
+
+        self.linear_attn_config = copy.deepcopy(linear_attn_config) if linear_attn_config is not None else None
+        self.kda_chunk_size = kda_chunk_size
+        self.attn_res_block_size = attn_res_block_size
+
+        self.num_experts = num_experts
+        self.num_experts_per_token = num_experts_per_token
+        self.num_shared_experts = num_shared_experts
+        self.moe_intermediate_size = moe_intermediate_size
+        self.routed_expert_hidden_size = routed_expert_hidden_size
+        self.latent_moe_use_norm = latent_moe_use_norm
+        self.first_k_dense_replace = first_k_dense_replace
+        self.moe_layer_freq = moe_layer_freq
+        self.moe_renormalize = moe_renormalize
+        self.moe_router_activation_func = moe_router_activation_func
+        self.routed_scaling_factor = routed_scaling_factor
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.use_grouped_topk = use_grouped_topk
+        self.topk_method = topk_method
+        self.quantile_balancing = quantile_balancing
+        self.quantile_balancing_bins = quantile_balancing_bins
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.tie_word_embeddings = tie_word_embeddings
+
+        derived_layer_types = self._derive_layer_types()
+        if layer_types is not None and list(layer_types) != derived_layer_types:
+            raise _config_error(
+                "layer_types",
+                "does not match linear_attn_config.kda_layers / full_attn_layers "
+                f"(given {list(layer_types)}, derived {derived_layer_types})",
+            )
+        self.layer_types = derived_layer_types
+        derived_mlp_types = self._derive_mlp_layer_types()
+        if mlp_layer_types is not None and list(mlp_layer_types) != derived_mlp_types:
+            raise _config_error(
+                "mlp_layer_types",
+                f"does not match first_k_dense_replace / moe_layer_freq (given {list(mlp_layer_types)}, "
+                f"derived {derived_mlp_types})",
+            )
+        self.mlp_layer_types = derived_mlp_types
+        super().__init__(**kwargs)
+        # transformers 5.x strips generation keys of the release's boilerplate into a generation config; the
+        # token ids are model facts and must stay.
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.tie_word_embeddings = tie_word_embeddings
+        self._validate()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Derived quantities
+    @property
+    def linear_num_heads(self) -> int:
+        return int(self._lac().get("num_heads", self.num_attention_heads))
+
+    @property
+    def linear_head_dim(self) -> int:
+        return int(self._lac().get("head_dim", self.qk_nope_head_dim))
+
+    @property
+    def linear_conv_kernel_size(self) -> int:
+        return int(self._lac().get("short_conv_kernel_size", 4))
+
+    @property
+    def gate_lower_bound(self) -> float | None:
+        value = self._lac().get("gate_lower_bound")
+        return None if value is None else float(value)
+
+    @property
+    def use_full_rank_gate(self) -> bool:
+        return bool(self._lac().get("use_full_rank_gate", False))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mla_cache_dim(self) -> int:
+        """Values cached per token per MLA layer: normalised latent followed by the shared k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def latent_size(self) -> int:
+        return self.routed_expert_hidden_size or self.hidden_size
+
+    @property
+    def kda_layer_indices(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def mla_layer_indices(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    def _lac(self) -> dict:
+        return self.linear_attn_config or {}
+
+    def _derive_layer_types(self) -> list[str]:
+        n = self.num_hidden_layers
+        lac = self._lac()
+        if not lac:
+            return ["full_attention"] * n
+        kda = lac.get("kda_layers") or []
+        full = lac.get("full_attn_layers") or []
+        for key, values in (("kda_layers", kda), ("full_attn_layers", full)):
+            for v in values:
+                if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= n:
+                    raise _config_error(
+                        f"linear_attn_config.{key}",
+                        f"entry {v!r} is not a 1-based layer index in 1..num_hidden_layers={n}",
+                    )
+            if len(set(values)) != len(values):
+                raise _config_error(f"linear_attn_config.{key}", "lists a layer twice")
+        both = sorted(set(kda) & set(full))
+        if both:
+            raise _config_error(
+                "linear_attn_config.kda_layers/full_attn_layers",
+                f"1-based layer(s) {both} are in both lists",
+            )
+        neither = [i for i in range(1, n + 1) if i not in set(kda) | set(full)]
+        if neither:
+            raise _config_error(
+                "linear_attn_config.kda_layers/full_attn_layers",
+                f"1-based layer(s) {neither} are in neither list",
+            )
+        kda_set = set(kda)
+        return ["linear_attention" if (i + 1) in kda_set else "full_attention" for i in range(n)]
+
+    def _derive_mlp_layer_types(self) -> list[str]:
+        if not self.num_experts:
+            return ["dense"] * self.num_hidden_layers
+        return [
+            "sparse" if (i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0) else "dense"
+            for i in range(self.num_hidden_layers)
+        ]
+
+    def _validate(self) -> None:
+        def positive(key, value):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise _config_error(key, f"must be a positive integer, got {value!r}")
+
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                    "qk_nope_head_dim", "v_head_dim", "intermediate_size", "kda_chunk_size"):
+            positive(key, getattr(self, key))
+        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
+            raise _config_error("qk_rope_head_dim", f"must be a non-negative integer, got {self.qk_rope_head_dim!r}")
+        if self.q_lora_rank is not None:
+            positive("q_lora_rank", self.q_lora_rank)
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise _config_error(
+                "num_key_value_heads",
+                f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}",
+            )
+        if self.hidden_act not in _SUPPORTED_ACTIVATIONS:
+            raise _config_error("hidden_act", f"{self.hidden_act!r} is not one of {_SUPPORTED_ACTIVATIONS}")
+        if self.rms_norm_eps <= 0 or self.mla_rms_norm_eps <= 0:
+            raise _config_error("rms_norm_eps", "eps values must be positive")
+        if self.linear_attn_config:
+            positive("linear_attn_config.num_heads", self.linear_num_heads)
+            positive("linear_attn_config.head_dim", self.linear_head_dim)
+            positive("linear_attn_config.short_conv_kernel_size", self.linear_conv_kernel_size)
+            lb = self.gate_lower_bound
+            if lb is not None and not lb < 0:
+                raise _config_error(
+                    "linear_attn_config.gate_lower_bound", f"must be negative (log-decay bound), got {lb!r}"
+                )
+        if self.attn_res_block_size is not None:
+            positive("attn_res_block_size", self.attn_res_block_size)
+        if self.num_experts:
+            positive("num_experts", self.num_experts)
+            positive("num_experts_per_token", self.num_experts_per_token)
+            positive("moe_intermediate_size", self.moe_intermediate_size)
+            positive("moe_layer_freq", self.moe_layer_freq)
+            if self.num_experts_per_token > self.num_experts:
+                raise _config_error(
+                    "num_experts_per_token",
+                    f"top-k {self.num_experts_per_token} is larger than num_experts={self.num_experts}",
+                )
+            if self.quantile_balancing and self.num_experts_per_token + 1 > self.num_experts:
+                raise _config_error(
+                    "quantile_balancing", "needs num_experts_per_token + 1 <= num_experts (top-(k+1) routing)"
+                )
+            if self.num_expert_group <= 0 or self.num_experts % self.num_expert_group != 0:
+                raise _config_error(
+                    "num_expert_group", f"{self.num_expert_group} does not divide num_experts={self.num_experts}"
+                )
+            if not 1 <= self.topk_group <= self.num_expert_group:
+                raise _config_error("topk_group", f"must be in 1..num_expert_group, got {self.topk_group}")
+            if self.moe_router_activation_func != "sigmoid":
+                raise _config_error(
+                    "moe_router_activation_func", f"only 'sigmoid' is supported, got {self.moe_router_activation_func!r}"
+                )
+            if self.routed_expert_hidden_size is not None:
+                positive("routed_expert_hidden_size", self.routed_expert_hidden_size)
+        if self.first_k_dense_replace < 0:
+            raise _config_error("first_k_dense_replace", "must be >= 0")
+        if self.mla_use_nope is False:
+            raise _config_error("mla_use_nope", "Kimi K3 MLA has no positional encoding; rotary MLA is not supported")
+        quant = getattr(self, "quantization_config", None)
+        if isinstance(quant, dict) and self.num_experts:
+            group = (
+                quant.get("config_groups", {}).get("group_0", {}).get("weights", {}).get("group_size")
+                if quant.get("config_groups")
+                else None
+            )
+            if group:
+                for key in ("moe_intermediate_size", "routed_expert_hidden_size"):
+                    value = getattr(self, key)
+                    if value is not None and value % group != 0:
+                        raise _config_error(key, f"{value} is not a multiple of the MXFP4 group size {group}")
+
+
+class KimiK3VisionConfig(PretrainedConfig):
+    """MoonViT-V2 settings, carried unchanged (the vision tower itself is not implemented yet)."""
+
+    model_type = "kimik3_vision"
+
+    def __init__(self, **kwargs):
+        kwargs.pop("model_type", None)
+        attn = kwargs.pop("_attn_implementation", None)
+        self._release_vision_keys = sorted(kwargs)
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        super().__init__()
+        if attn is not None:
+            self.release_attn_implementation = attn
+
+
+class KimiK3Config(PretrainedConfig):
+    r"""The released top-level (multimodal) Kimi K3 configuration.
+
+    Loads the release's `config.json` unchanged: `text_config` becomes a `KimiK3TextConfig` (the nested
+    `quantization_config` stays on it, describing the release's MXFP4 experts), `vision_config` a `KimiK3VisionConfig`.
+    """
+
+    model_type = "kimik3"
+    sub_configs = {"text_config": KimiK3TextConfig, "vision_config": KimiK3VisionConfig}
+
+    def __init__(
+        self,
+        text_config: dict | KimiK3TextConfig | None = None,
+        vision_config: dict | KimiK3VisionConfig | None = None,
+        ignore_index: int = -100,
+        media_placeholder_token_id: int = 163605,
+        image_placeholder: str = "<|kimi_image_placeholder|>",
+        pad_token_id: int | None = 163839,
+        bos_token_id: int | None = 163584,
+        eos_token_id: int | None = 163586,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        kwargs.pop("model_type", None)
+        if text_config is None:
+            text_config = KimiK3TextConfig()
+        elif isinstance(text_config, dict):
+            text_config = KimiK3TextConfig(**text_config)
+        if vision_config is None:
+            vision_config = KimiK3VisionConfig()
+        elif isinstance(vision_config, dict):
+            vision_config = KimiK3VisionConfig(**vision_config)
+        self.text_config = text_config
+        self.vision_config = vision_config
+        self.ignore_index = ignore_index
+        self.media_placeholder_token_id = media_placeholder_token_id
+        self.image_placeholder = image_placeholder
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.tie_word_embeddings = tie_word_embeddings
+        super().__init__(**kwargs)
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.tie_word_embeddings = tie_word_embeddings
+
+    def get_text_config(self, *args, **kwargs) -> KimiK3TextConfig:
+        return self.text_config
+
+    def to_release_dict(self) -> dict:
+        """The config in the release's schema (what `moonshotai/Kimi-K3` ships), for export.
+
+        `json.dumps(config.to_release_dict(), indent=2, sort_keys=True)` of the released config reproduces the
+        released file byte for byte.
+        """
+        text = self.text_config
+        text_dict = dict(_RELEASE_TEXT_BOILERPLATE)
+        text_dict["initializer_range"] = text.initializer_range
+        for key in _RELEASE_TEXT_KEYS:
+            text_dict[key] = copy.deepcopy(getattr(text, key))
+        text_dict.update(
+            architectures=["KimiLinearForCausalLM"],
+            auto_map=dict(_RELEASE_TEXT_AUTO_MAP),
+            dtype="bfloat16",
+            model_type=_RELEASE_TEXT_MODEL_TYPE,
+            transformers_version="4.56.2",
+        )
+        quant = getattr(text, "quantization_config", None)
+        if quant is not None:
+            text_dict["quantization_config"] = copy.deepcopy(quant)
+        vision = self.vision_config
+        vision_dict = {key: copy.deepcopy(getattr(vision, key)) for key in vision._release_vision_keys}
+        if getattr(vision, "release_attn_implementation", None) is not None:
+            vision_dict["_attn_implementation"] = vision.release_attn_implementation
+        return {
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "auto_map": dict(_RELEASE_AUTO_MAP),
+            "bos_token_id": self.bos_token_id,
+            "dtype": "bfloat16",
+            "eos_token_id": self.eos_token_id,
+            "ignore_index": self.ignore_index,
+            "image_placeholder": self.image_placeholder,
+            "media_placeholder_token_id": self.media_placeholder_token_id,
+            "model_type": "kimi_k3",
+            "pad_token_id": self.pad_token_id,
+            "text_config": text_dict,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "vision_config": vision_dict,
+        }
+
+
+__all__ = ["KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig"]

@@ -1,0 +1,283 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Pure-PyTorch reference ops of Kimi K3 (the "naive" twins of the optional fast kernels).
+
+Names and signatures mirror fla-core where a kernel exists (`chunk_kda`, `fused_recurrent_kda`), so the model calls
+one function and `kimik3.kernels` can swap in the fast one when it is importable and the tensors live on CUDA.
+Section numbers refer to k3_math.md.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kimi Delta Attention (2, 3)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # fla's l2norm: eps is added to the sum of squares, inside the sqrt (2.2 step 3)
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def kda_gate(
+    z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+) -> torch.Tensor:
+    """Per-channel log-decay g (f32, <= 0). z: [..., H, D] decay logits; A_log: [H]; dt_bias: [H*D].
+
+    K3 (`lower_bound` set): g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias)), in (lb, 0).
+    Kimi Linear (`lower_bound` None): g = -exp(A_log[h]) * softplus(z + dt_bias).
+    """
+    num_heads, head_dim = z.shape[-2], z.shape[-1]
+    z = z.float() + dt_bias.float().view(num_heads, head_dim)
+    a = A_log.float()[:num_heads].view(num_heads, 1).exp()
+    if lower_bound is None:
+        return -a * F.softplus(z)
+    return lower_bound * torch.sigmoid(a * z)
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU, computed in f32 and returned in x's dtype (fla ShortConvolution).
+
+    x: [B, T, C] pre-conv projections; weight: [C, 1, K]; conv_state: [B, C, K-1] previous pre-conv inputs or None
+    (zeros, a new sequence). Returns (y [B, T, C], new conv_state [B, C, K-1] in x's dtype).
+    """
+    kernel_size = weight.shape[-1]
+    x_t = x.transpose(1, 2)
+    if conv_state is None:
+        conv_state = x_t.new_zeros(x_t.shape[0], x_t.shape[1], kernel_size - 1)
+    window = torch.cat([conv_state.to(x_t.dtype), x_t], dim=-1)
+    y = F.conv1d(window.float(), weight.float(), groups=x_t.shape[1])
+    y = F.silu(y).to(x.dtype).transpose(1, 2)
+    return y, window[..., window.shape[-1] - (kernel_size - 1):]
+
+
+def _prepare_qk(q, k, scale, use_qk_l2norm_in_kernel):
+    q, k = q.float(), k.float()
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return q * scale, k
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA (decode form). q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H];
+    state [B, H, K, V] in f32. Output in v's dtype. S <- diag(a) S; S <- S + beta k (v - S^T k)^T; o = S^T q."""
+    dtype = v.dtype
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm_in_kernel)
+    v, g, beta = v.float(), g.float(), beta.float()
+    batch, seq_len, num_heads, k_dim = k.shape
+    state = (
+        q.new_zeros(batch, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.float()
+    )
+    outputs = []
+    for t in range(seq_len):
+        state = state * g[:, t].exp().unsqueeze(-1)
+        k_t = k[:, t]
+        delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k_t)) * beta[:, t].unsqueeze(-1)
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
+    return out.to(dtype), (state if output_final_state else None)
+
+
+def _chunk_kda_step(q, k, v, g, beta, state, causal_incl, causal_strict, eye):
+    """One chunk of the WY/UT chunked form (3). Shapes [B, H, C, *]; f32; every exponent is <= 0."""
+    G = g.cumsum(dim=-2)
+    # decay[i, j, c] = exp(G_i - G_j) for j <= i (masked before exp, so no overflow for any gate)
+    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal_incl[..., None], float("-inf"))
+    decay = diff.exp()
+    A_kk = torch.einsum("bhic,bhjc,bhijc->bhij", k, k, decay).masked_fill(~causal_strict, 0.0)
+    A_qk = torch.einsum("bhic,bhjc,bhijc->bhij", q, k, decay)
+    lhs = eye + beta.unsqueeze(-1) * A_kk
+    rhs = beta.unsqueeze(-1) * torch.cat([k * G.exp(), v], dim=-1)
+    wu = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
+    w, u = wu.split([k.shape[-1], v.shape[-1]], dim=-1)
+    v_new = u - w @ state
+    out = (q * G.exp()) @ state + A_qk @ v_new
+    g_last = G[..., -1:, :]
+    state = state * g_last.transpose(-1, -2).exp() + (k * (g_last - G).exp()).transpose(-1, -2) @ v_new
+    return out, state
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA for prefill and training, same contract as `fused_recurrent_kda`.
+
+    Chunks are processed one after another and only the running state is carried, so live memory is
+    O(B*H*chunk*(chunk*K + V)) per step and the output O(T): no T x T matrix and no stored per-chunk states. Under
+    autograd, segments of chunks are recomputed in backward (`torch.utils.checkpoint`), so the saved tensors are
+    the inputs plus one state per segment.
+    """
+    dtype = v.dtype
+    q, k = _prepare_qk(q, k, scale, use_qk_l2norm_in_kernel)
+    v, g, beta = v.float(), g.float(), beta.float()
+    batch, seq_len, num_heads, k_dim = k.shape
+    state = (
+        q.new_zeros(batch, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.float()
+    )
+    q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))
+    beta = beta.transpose(1, 2)
+    idx = torch.arange(chunk_size, device=q.device)
+    causal_incl = idx[:, None] >= idx[None, :]
+    causal_strict = idx[:, None] > idx[None, :]
+    eye = torch.eye(chunk_size, device=q.device, dtype=q.dtype)
+
+    def run_chunks(start, stop, state, q, k, v, g, beta):
+        outs = []
+        for s in range(start, stop, chunk_size):
+            e = min(s + chunk_size, stop)
+            n = e - s
+            o, state = _chunk_kda_step(
+                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g[:, :, s:e], beta[:, :, s:e], state,
+                causal_incl[:n, :n], causal_strict[:n, :n], eye[:n, :n],
+            )
+            outs.append(o)
+        return torch.cat(outs, dim=2), state
+
+    needs_grad = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q, k, v, g, beta, state)
+    )
+    segment = chunk_size * 16
+    outs = []
+    for s in range(0, seq_len, segment):
+        e = min(s + segment, seq_len)
+        if needs_grad and seq_len > segment:
+            o, state = torch.utils.checkpoint.checkpoint(
+                run_chunks, s, e, state, q, k, v, g, beta, use_reentrant=False
+            )
+        else:
+            o, state = run_chunks(s, e, state, q, k, v, g, beta)
+        outs.append(o)
+    out = torch.cat(outs, dim=2).transpose(1, 2) if outs else v.transpose(1, 2).new_zeros(v.transpose(1, 2).shape)
+    return out.to(dtype), (state if output_final_state else None)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fla FusedRMSNormGated(activation='sigmoid'): RMS over the last dim, weight, sigmoid gate; all f32 (2.2.8)."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Block Attention Residuals (5.1)
+
+
+def block_attn_res_mix(
+    candidates: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Softmax depth-mixture of raw candidates [b_0, ..., b_{n-1}, P], each [B, T, D].
+
+    Scores use the weightless RMS-normalised candidates against w = norm_weight * proj_weight; the mixture is of
+    the raw candidates. Everything in f32, result cast to the candidates' dtype.
+    """
+    values = torch.stack(candidates, dim=0).float()
+    query = norm_weight.float() * proj_weight.float().reshape(-1)
+    keys = values * torch.rsqrt(values.pow(2).mean(dim=-1, keepdim=True) + eps)
+    weights = torch.softmax(keys @ query, dim=0)
+    return (weights.unsqueeze(-1) * values).sum(dim=0).to(candidates[-1].dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SiTU (6.3)
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU: [b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(u/b2)] in f32, cast back to the input dtype.
+
+    `beta` None means 1.0 (release default); `linear_beta` None leaves the up branch uncapped.
+    """
+    a, u = gate.float(), up.float()
+    b1 = 1.0 if beta is None else float(beta)
+    act = b1 * torch.tanh(a / b1) * torch.sigmoid(a)
+    if linear_beta is not None:
+        u = float(linear_beta) * torch.tanh(u / float(linear_beta))
+    return (act * u).to(gate.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MXFP4 (7): E2M1 codes, low nibble = even element, E8M0 scales with bias 127, groups of 32 along the input dim.
+
+MXFP4_GROUP_SIZE = 32
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """packed: uint8 [..., N, K/2]; scale: uint8 [..., N, K/32] -> [..., N, K] in `dtype` (exact for bf16/f32)."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise TypeError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
+    k = packed.shape[-1] * 2
+    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * MXFP4_GROUP_SIZE != k:
+        raise ValueError(
+            f"MXFP4 shapes do not match: packed {tuple(packed.shape)} (K={k}) needs scale "
+            f"{tuple(packed.shape[:-1]) + (k // MXFP4_GROUP_SIZE,)}, got {tuple(scale.shape)}"
+        )
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
+    values = table[codes.long()]
+    exponent = scale.to(torch.int32) - 127
+    factor = torch.exp2(exponent.float()).repeat_interleave(MXFP4_GROUP_SIZE, dim=-1)
+    return (values * factor).to(dtype)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest MXFP4 (OCP scale rule: 2^(floor(log2(amax)) - 2)); returns (packed, scale) uint8.
+
+    Values that are exactly representable (e.g. dequantised MXFP4 weights) round-trip bit for bit.
+    """
+    w = weight.float()
+    k = w.shape[-1]
+    if k % MXFP4_GROUP_SIZE:
+        raise ValueError(f"MXFP4 needs the input dim to be a multiple of {MXFP4_GROUP_SIZE}, got {k}")
+    groups = w.reshape(*w.shape[:-1], k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0**-127))) - 2, torch.full_like(amax, -127.0))
+    exp = exp.clamp(-127, 127)
+    scaled = groups / torch.exp2(exp)
+    magnitudes = torch.tensor(_E2M1_VALUES[:8], device=w.device)
+    dist = (scaled.abs().unsqueeze(-1) - magnitudes).abs()
+    # ties go to the even code (round half to even on the E2M1 grid)
+    idx = dist.argmin(dim=-1)
+    best = dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+    nxt = (idx + 1).clamp(max=7)
+    tie = (dist.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) == best) & (nxt != idx) & (idx % 2 == 1)
+    idx = torch.where(tie, nxt, idx)
+    codes = (idx + 8 * torch.signbit(scaled).long()).to(torch.uint8).reshape(*w.shape[:-1], k)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scale = (exp.squeeze(-1) + 127).to(torch.uint8)
+    return packed.contiguous(), scale.contiguous()
