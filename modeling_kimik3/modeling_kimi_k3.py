@@ -1,0 +1,925 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""PyTorch Kimi K3 text model: Kimi Delta Attention + gated NoPE-MLA, Block Attention Residuals, Stable LatentMoE.
+
+Numerics follow k3_math.md (section numbers in comments): bf16 weights and activations, f32 islands for the KDA
+gate/beta/L2 norm/state/output norm, the router, SiTU, the MoE combine, AttnRes and every RMS statistic.
+Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importable and the tensors are on CUDA.
+"""
+
+import math
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils import can_return_tuple, logging
+
+from .cache_kimi_k3 import KimiK3Cache
+from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from .ops_kimi_k3 import (
+    block_attn_res_mix,
+    causal_conv1d,
+    chunk_kda,
+    dequantize_mxfp4,
+    fused_recurrent_kda,
+    gated_rms_norm,
+    kda_gate,
+    situ_glu,
+)
+
+
+try:
+    from kimik3.kernels import get_fast_op as _get_fast_op
+except ImportError:
+    _get_fast_op = None
+
+logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the cache argument and output field from `past_key_values` to `cache` (5.17 uses the
+# old name). Forward accepts both; outputs and generate() use whichever this transformers expects.
+CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _fast_op(name: str, *tensors: torch.Tensor) -> Callable | None:
+    if _get_fast_op is None or os.environ.get("KIMIK3_REFERENCE_ONLY", "0") == "1":
+        return None
+    return _get_fast_op(name, *tensors)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Norms and activations
+
+
+class KimiK3RMSNorm(nn.Module):
+    """KimiRMSNorm (7): statistics in f32, cast back to the input dtype, then the weight."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden = hidden_states.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def glu_activation(config: KimiK3TextConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiTU-GLU for K3 (6.3), SwiGLU for Kimi-Linear-style configs."""
+    if config.hidden_act == "silu":
+        return F.silu(gate) * up
+    fast = _fast_op("situ_glu", gate)
+    fn = fast if fast is not None else situ_glu
+    return fn(gate, up, config.activation_situ_beta, config.activation_situ_linear_beta)
+
+
+class KimiK3MLP(nn.Module):
+    """Dense GLU MLP: layer 0's FFN and the fused shared experts."""
+
+    def __init__(self, config: KimiK3TextConfig, intermediate_size: int | None = None):
+        super().__init__()
+        self.config = config
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_activation(self.config, self.gate_proj(hidden_states), self.up_proj(hidden_states)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kimi Delta Attention (2, 3)
+
+
+class KimiK3DeltaAttention(nn.Module):
+    """KDA: short conv + SiLU on q/k/v, L2 norm, lower-bounded (or softplus) per-channel decay, delta rule on an
+    f32 state, gated RMSNorm output with a full-rank (K3) or low-rank (Kimi Linear) gate."""
+
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.linear_num_heads
+        self.head_dim = config.linear_head_dim
+        self.projection_size = self.num_heads * self.head_dim
+        self.conv_size = config.linear_conv_kernel_size
+        self.lower_bound = config.gate_lower_bound
+        hidden = config.hidden_size
+
+        self.q_proj = nn.Linear(hidden, self.projection_size, bias=False)
+        self.k_proj = nn.Linear(hidden, self.projection_size, bias=False)
+        self.v_proj = nn.Linear(hidden, self.projection_size, bias=False)
+        self.q_conv1d = self._short_conv()
+        self.k_conv1d = self._short_conv()
+        self.v_conv1d = self._short_conv()
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, self.projection_size, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(self.projection_size, dtype=torch.float32))
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        if config.use_full_rank_gate:
+            self.g_proj = nn.Linear(hidden, self.projection_size, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, self.projection_size, bias=False)
+        self.o_norm = KimiK3GatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(self.projection_size, hidden, bias=False)
+
+    def _short_conv(self) -> nn.Conv1d:
+        conv = nn.Conv1d(self.projection_size, self.projection_size, self.conv_size, groups=self.projection_size,
+                         bias=False)
+        conv.weight.data = conv.weight.data.float()
+        return conv
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        cache: KimiK3Cache | None = None,
+        document_index: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if document_index is not None:
+            # Packed documents: regroup into one row per document (right-padded), so every state and conv window
+            # starts from zero at a document boundary, then put the rows back in packed order.
+            gather_index, doc_mask = document_index
+            batch, seq_len, hidden = hidden_states.shape
+            docs = hidden_states.reshape(batch * seq_len, hidden)[gather_index]
+            out = self._attend(docs, doc_mask, None)
+            return out[doc_mask].reshape(batch, seq_len, -1)
+        return self._attend(hidden_states, token_mask, cache)
+
+    def _attend(self, hidden_states, token_mask, cache):
+        batch, seq_len, _ = hidden_states.shape
+        heads_shape = (batch, seq_len, self.num_heads, self.head_dim)
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if token_mask is not None:
+            # Padding must not reach a conv window: zero pre-conv inputs read exactly like "before the sequence".
+            keep = token_mask.unsqueeze(-1).to(q.dtype)
+            q, k, v = q * keep, k * keep, v * keep
+
+        conv_states = cache.conv_states[self.layer_idx] if cache is not None else None
+        recurrent_state = cache.recurrent_states[self.layer_idx] if cache is not None else None
+        conv_fn = _fast_op("causal_conv1d", q) or causal_conv1d
+        (q, q_state), (k, k_state), (v, v_state) = (
+            conv_fn(x, conv.weight, None if conv_states is None else state)
+            for x, conv, state in zip(
+                (q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_states or (None, None, None)
+            )
+        )
+        q, k, v = q.view(heads_shape), k.view(heads_shape), v.view(heads_shape)
+
+        decay_logits = self.f_b_proj(self.f_a_proj(hidden_states)).view(heads_shape)
+        g = kda_gate(decay_logits, self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        if token_mask is not None:
+            # A padded step must be the identity on the state: the decay is not 1 on zero input, so set g = 0 and
+            # beta = 0 there explicitly.
+            keep = token_mask.to(g.dtype)
+            g = g * keep[..., None, None]
+            beta = beta * keep[..., None]
+
+        if recurrent_state is not None and seq_len == 1:
+            kda_fn = _fast_op("fused_recurrent_kda", q) or fused_recurrent_kda
+            extra = {}
+        else:
+            kda_fn = _fast_op("chunk_kda", q)
+            extra = {} if kda_fn is not None else {"chunk_size": self.config.kda_chunk_size}
+            kda_fn = kda_fn or chunk_kda
+        core, final_state = kda_fn(
+            q, k, v, g, beta,
+            initial_state=recurrent_state,
+            output_final_state=cache is not None,
+            use_qk_l2norm_in_kernel=True,
+            **extra,
+        )
+        if cache is not None:
+            cache.update_kda_state(self.layer_idx, (q_state, k_state, v_state), final_state)
+
+        if self.config.use_full_rank_gate:
+            gate = self.g_proj(hidden_states)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(hidden_states))
+        core = self.o_norm(core, gate.view(heads_shape))
+        return self.o_proj(core.reshape(batch, seq_len, self.projection_size))
+
+
+class KimiK3GatedRMSNorm(nn.Module):
+    """Head-wise RMSNorm with a sigmoid output gate, all f32 (fla FusedRMSNormGated); weight kept f32."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(hidden_states, gate, self.weight, self.eps)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gated MLA with NoPE (4)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is None and query.shape[2] > 1:
+        attention_mask = _causal_mask(query.shape[2], key.shape[2], query.device)[None, None]
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
+        else:
+            attn_weights = attn_weights + attention_mask
+    attn_weights = torch.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+def _causal_mask(query_len: int, key_len: int, device: torch.device) -> torch.Tensor:
+    """Bottom-right aligned causal mask (queries are the last `query_len` of `key_len` positions)."""
+    q_pos = torch.arange(key_len - query_len, key_len, device=device)
+    return torch.arange(key_len, device=device)[None, :] <= q_pos[:, None]
+
+
+class KimiK3MLAAttention(nn.Module):
+    """Multi-head latent attention without positional encoding, with a sigmoid output gate (K3).
+
+    Prefill expands the cached latents through kv_b_proj and runs the configured attention implementation;
+    decode (one new token on a cache) runs the absorbed form on the latents directly (4.3).
+    """
+
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = 1
+        self.is_causal = True
+        self.attention_dropout = config.attention_dropout
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = config.qk_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.scaling = self.qk_head_dim**-0.5
+        hidden = config.hidden_size
+
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = KimiK3RMSNorm(self.q_lora_rank, eps=config.mla_rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = KimiK3RMSNorm(self.kv_lora_rank, eps=config.mla_rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                                   bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(hidden, self.num_heads * self.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: KimiK3Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, seq_len, _ = hidden_states.shape
+        if self.q_lora_rank is None:
+            query = self.q_proj(hidden_states)
+        else:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        query = query.view(batch, seq_len, self.num_heads, self.qk_head_dim).transpose(1, 2)
+
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        latents = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)
+        past_len = 0
+        if cache is not None:
+            past_len = cache.get_seq_length()
+            latents = cache.update_latents(latents, self.layer_idx)
+
+        if seq_len == 1 and past_len > 0:
+            attn_output, attn_weights = self._absorbed_attention(query, latents, attention_mask)
+        else:
+            attn_output, attn_weights = self._expanded_attention(query, latents, attention_mask, **kwargs)
+
+        attn_output = attn_output.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
+        if self.config.mla_use_output_gate:
+            attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(attn_output), attn_weights
+
+    def _kv_b_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        return weight[:, : self.qk_nope_head_dim], weight[:, self.qk_nope_head_dim :]
+
+    def _expanded_attention(self, query, latents, attention_mask, **kwargs):
+        batch, kv_len, _ = latents.shape
+        latent, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(batch, kv_len, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        # NoPE: the "rope" part of the key is the unrotated k_pe, shared by all heads
+        k_pe = k_pe.unsqueeze(1).expand(batch, self.num_heads, kv_len, self.qk_rope_head_dim)
+        key = torch.cat([k_nope, k_pe], dim=-1)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        return attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+
+    def _absorbed_attention(self, query, latents, attention_mask):
+        # score = (W_UK^T q_nope) . c + q_pe . k_pe ; out = W_UV (sum p c): the same numbers as the expanded form,
+        # without expanding a single cached token (4.3). Softmax in f32.
+        w_uk, w_uv = self._kv_b_weight()
+        q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
+        latent, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        fast = _fast_op("mla_decode", query)
+        if fast is not None and attention_mask is None:
+            o_latent = fast(torch.cat([q_latent, q_pe], dim=-1), latents, self.scaling)
+            attn_weights = None
+        else:
+            scores = (q_latent @ latent.unsqueeze(1).transpose(-1, -2) + q_pe @ k_pe.unsqueeze(1).transpose(-1, -2))
+            scores = scores * self.scaling
+            if attention_mask is not None:
+                scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+            attn_weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            o_latent = attn_weights @ latent.unsqueeze(1)
+        attn_output = torch.einsum("bhtr,hvr->bthv", o_latent, w_uv)
+        return attn_output, attn_weights
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stable LatentMoE (6)
+
+
+class KimiK3MoEGate(nn.Module):
+    """Sigmoid router in f32 with a selection-only correction bias (6.2)."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        self.config = config
+        self.top_k = config.num_experts_per_token
+        self.num_experts = config.num_experts
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        self.quantile_balancing_observer = None
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Both operands upcast: bf16 router logits change the selected set for a few % of tokens (8.1).
+        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        scores = torch.sigmoid(router_logits)
+        biased = scores + self.e_score_correction_bias.float()
+        if self.config.num_expert_group > 1:
+            biased = self._limit_to_groups(biased)
+        balancing = self.training and self.config.quantile_balancing
+        top_values, top_indices = torch.topk(biased, self.top_k + 1 if balancing else self.top_k, dim=-1,
+                                             sorted=balancing)
+        if balancing:
+            if self.quantile_balancing_observer is not None:
+                self.quantile_balancing_observer(self, scores.detach(), top_values[:, -1].detach(), None)
+            top_indices = top_indices[:, : self.top_k]
+        top_weights = scores.gather(-1, top_indices)
+        if self.config.moe_renormalize:
+            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return router_logits, top_weights * self.config.routed_scaling_factor, top_indices
+
+    def _limit_to_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        groups = self.config.num_expert_group
+        grouped = biased.view(-1, groups, self.num_experts // groups)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(self.config.topk_group, dim=-1).indices, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(biased)
+
+
+class KimiK3Experts(nn.Module):
+    """Routed experts as fused 3-D tensors in the latent width: gate_up_proj [E, 2I, Dl] (gate rows first),
+    down_proj [E, Dl, I]. With `experts_format == "mxfp4"` the same tensors are kept packed (uint8 codes + E8M0
+    scales) and dequantised per expert at forward time (weight-only)."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        self.config = config
+        self.num_experts = config.num_experts
+        self.intermediate_size = config.moe_intermediate_size
+        self.latent_size = config.latent_size
+        self.packed = getattr(config, "experts_format", "dense") == "mxfp4"
+        gate_up = (self.num_experts, 2 * self.intermediate_size, self.latent_size)
+        down = (self.num_experts, self.latent_size, self.intermediate_size)
+        if self.packed:
+            for name, shape in (("gate_up_proj", gate_up), ("down_proj", down)):
+                self.register_buffer(f"{name}_packed", torch.zeros(*shape[:-1], shape[-1] // 2, dtype=torch.uint8))
+                self.register_buffer(f"{name}_scale", torch.full((*shape[:-1], shape[-1] // 32), 127,
+                                                                 dtype=torch.uint8))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(gate_up))
+            self.down_proj = nn.Parameter(torch.empty(down))
+
+    def expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.packed:
+            return self.gate_up_proj, self.down_proj
+        return (
+            dequantize_mxfp4(self.gate_up_proj_packed, self.gate_up_proj_scale, dtype),
+            dequantize_mxfp4(self.down_proj_packed, self.down_proj_scale, dtype),
+        )
+
+    def forward(self, hidden_states: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor):
+        """hidden_states [N, Dl]; returns dtype( sum_e w_e * f32(dtype(expert_e(x))) ) (6.4)."""
+        fast = _fast_op("moe_experts", hidden_states)
+        if fast is not None:
+            if self.packed:
+                fast_packed = _fast_op("moe_experts_mxfp4", hidden_states)
+                if fast_packed is not None:
+                    return fast_packed(hidden_states, top_indices, top_weights, self.gate_up_proj_packed,
+                                       self.gate_up_proj_scale, self.down_proj_packed, self.down_proj_scale,
+                                       self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
+            gate_up, down = self.expert_weights(hidden_states.dtype)
+            return fast(hidden_states, top_indices, top_weights, gate_up, down,
+                        self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
+        return self._reference(hidden_states, top_indices, top_weights)
+
+    def _reference(self, hidden_states, top_indices, top_weights):
+        num_tokens, top_k = top_indices.shape
+        flat_experts = top_indices.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        routed_inputs = hidden_states[token_of]
+        outputs = []
+        for expert, tokens in enumerate(torch.split(routed_inputs, counts)):
+            if tokens.shape[0] == 0:
+                continue
+            gate_up, down = self._one_expert(expert, hidden_states.dtype)
+            gate, up = F.linear(tokens, gate_up).chunk(2, dim=-1)
+            outputs.append(F.linear(glu_activation(self.config, gate, up), down))
+        routed = torch.cat(outputs, dim=0)
+        weighted = routed.float() * top_weights.reshape(-1)[order].unsqueeze(-1).float()
+        combined = torch.zeros(num_tokens, hidden_states.shape[-1], dtype=torch.float32, device=hidden_states.device)
+        return combined.index_add(0, token_of, weighted).to(hidden_states.dtype)
+
+    def _one_expert(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.packed:
+            return self.gate_up_proj[expert], self.down_proj[expert]
+        return (
+            dequantize_mxfp4(self.gate_up_proj_packed[expert], self.gate_up_proj_scale[expert], dtype),
+            dequantize_mxfp4(self.down_proj_packed[expert], self.down_proj_scale[expert], dtype),
+        )
+
+
+class KimiK3SparseMoeBlock(nn.Module):
+    """Stable LatentMoE: router and shared experts on the full width; routed experts in the latent width, combined
+    in f32, RMS-normalised, projected back up (6.4)."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        self.config = config
+        self.gate = KimiK3MoEGate(config)
+        self.experts = KimiK3Experts(config)
+        self.is_latent = config.routed_expert_hidden_size is not None
+        if self.is_latent:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.latent_size, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = KimiK3RMSNorm(config.latent_size, eps=config.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(config.latent_size, config.hidden_size, bias=False)
+        if config.num_shared_experts:
+            self.shared_experts = KimiK3MLP(config, config.moe_intermediate_size * config.num_shared_experts)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        _, top_weights, top_indices = self.gate(flat)
+        routed = self.routed_expert_down_proj(flat) if self.is_latent else flat
+        routed = self.experts(routed, top_indices, top_weights)
+        if self.is_latent:
+            if self.config.latent_moe_use_norm:
+                routed = self.routed_expert_norm(routed)
+            routed = self.routed_expert_up_proj(routed)
+        if self.config.num_shared_experts:
+            routed = routed + self.shared_experts(flat)
+        return routed.view(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoder layer with Block Attention Residuals (0, 5)
+
+
+class KimiK3AttnResProjection(nn.Linear):
+    """The [1, D] projection of an AttnRes pseudo-query (`*_res_proj.weight`). Its own class so `_init_weights` can
+    zero it as the report does (uniform depth mixing at the start of training)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__(hidden_size, 1, bias=False)
+
+
+def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    """Mix [b_0, ..., b_{n-1}, P] with the pseudo-query w = norm.weight * proj.weight (5.1)."""
+    fast = _fast_op("block_attn_res_mix", candidates[-1])
+    fn = fast if fast is not None else block_attn_res_mix
+    return fn(candidates, norm.weight, proj.weight, norm.variance_epsilon)
+
+
+class KimiK3DecoderLayer(GradientCheckpointingLayer):
+    """One K3 layer. With Block AttnRes, `hidden_states` is the running block sum P and `banked_blocks` the banked
+    block vectors (inputs only: the model loop banks, so a recomputed layer mutates nothing)."""
+
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_linear = config.layer_types[layer_idx] == "linear_attention"
+        self.self_attn = KimiK3DeltaAttention(config, layer_idx) if self.is_linear else KimiK3MLAAttention(
+            config, layer_idx
+        )
+        self.mlp = KimiK3SparseMoeBlock(config) if config.mlp_layer_types[layer_idx] == "sparse" else KimiK3MLP(config)
+        self.input_layernorm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.use_attn_res = config.attn_res_block_size is not None
+        self.starts_block = self.use_attn_res and layer_idx % config.attn_res_block_size == 0
+        if self.use_attn_res:
+            self.self_attention_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.self_attention_res_proj = KimiK3AttnResProjection(config.hidden_size)
+            self.mlp_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp_res_proj = KimiK3AttnResProjection(config.hidden_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        *banked_blocks: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+        cache: KimiK3Cache | None = None,
+        document_index: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if not self.use_attn_res:
+            residual = hidden_states
+            hidden_states = self._attention(self.input_layernorm(hidden_states), attention_mask, token_mask, cache,
+                                            document_index, **kwargs)
+            hidden_states = residual + hidden_states
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+        prefix, blocks = hidden_states, list(banked_blocks)
+        # Layer 0 has no banked block yet: its attention reads the embedding directly.
+        attn_input = (
+            attn_res_mix([*blocks, prefix], self.self_attention_res_norm, self.self_attention_res_proj)
+            if blocks
+            else prefix
+        )
+        if self.starts_block:
+            blocks.append(prefix)
+            prefix = None
+        attn_output = self._attention(self.input_layernorm(attn_input), attention_mask, token_mask, cache,
+                                      document_index, **kwargs)
+        prefix = attn_output if prefix is None else prefix + attn_output
+        mlp_input = attn_res_mix([*blocks, prefix], self.mlp_res_norm, self.mlp_res_proj)
+        return prefix + self.mlp(self.post_attention_layernorm(mlp_input))
+
+    def _attention(self, hidden_states, attention_mask, token_mask, cache, document_index, **kwargs):
+        if self.is_linear:
+            return self.self_attn(hidden_states, token_mask=token_mask, cache=cache, document_index=document_index)
+        return self.self_attn(hidden_states, attention_mask=attention_mask, cache=cache, **kwargs)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+
+
+class KimiK3PreTrainedModel(PreTrainedModel):
+    config_class = KimiK3TextConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiK3DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _is_stateful = True
+    _can_compile_fullgraph = False
+    # The release stores these in F32; loading in bf16 must not round them (8.12).
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
+                                    "e_score_correction_bias"]
+    _keys_to_ignore_on_load_unexpected = [r"vision_tower\.", r"mm_projector\."]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.get_text_config().initializer_range
+        if isinstance(module, KimiK3DeltaAttention):
+            # fla initialisation: A in [1, 16], dt in [1e-3, 1e-1] stored as inverse softplus
+            module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            for conv in (module.q_conv1d, module.k_conv1d, module.v_conv1d):
+                bound = 1.0 / math.sqrt(conv.weight.shape[-1])
+                conv.weight.uniform_(-bound, bound)
+        elif isinstance(module, KimiK3GatedRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, KimiK3RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, KimiK3MoEGate):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, KimiK3Experts) and not module.packed:
+            module.gate_up_proj.normal_(0.0, std)
+            module.down_proj.normal_(0.0, std)
+        elif isinstance(module, KimiK3AttnResProjection):
+            # The report initialises every pseudo-query to zero: uniform depth mixing at the start of training.
+            module.weight.zero_()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
+        user_cache = model_kwargs.get(CACHE_FIELD)
+        if user_cache is not None:
+            if not isinstance(user_cache, KimiK3Cache):
+                raise TypeError(
+                    f"Kimi K3 needs a KimiK3Cache (MLA latents + KDA states), got {type(user_cache).__name__}"
+                )
+            user_cache._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return
+        if generation_config.cache_implementation not in (None, "dynamic", "hybrid"):
+            raise NotImplementedError(
+                f"cache_implementation={generation_config.cache_implementation!r}: Kimi K3 uses its own hybrid cache "
+                "(KimiK3Cache); leave cache_implementation unset."
+            )
+        model_kwargs[CACHE_FIELD] = KimiK3Cache(self.config)
+
+
+class KimiK3Model(KimiK3PreTrainedModel):
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.output_attn_res_proj = KimiK3AttnResProjection(config.hidden_size)
+        self.norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: KimiK3Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        cache: KimiK3Cache | None = None,
+        **kwargs,
+    ) -> MoeModelOutputWithPast:
+        cache = cache if cache is not None else past_key_values
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache, cache = False, None
+        if use_cache and cache is None:
+            cache = KimiK3Cache(self.config)
+        if cache is not None and not isinstance(cache, KimiK3Cache):
+            raise TypeError(f"Kimi K3 needs a KimiK3Cache, got {type(cache).__name__}")
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        for key in ("output_attentions", "output_router_logits", "return_dict"):
+            kwargs.pop(key, None)
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, seq_len = inputs_embeds.shape[:2]
+        past_len = cache.get_seq_length() if cache is not None else 0
+
+        document_ids = self._document_ids(position_ids, attention_mask, past_len, kwargs)
+        if document_ids is not None and cache is not None and past_len > 0:
+            raise ValueError("Packed sequences (restarting position_ids) cannot continue a cache")
+        token_mask = self._token_mask(attention_mask, seq_len)
+        mla_mask = self._mla_mask(attention_mask, document_ids, batch, seq_len, past_len, inputs_embeds.device)
+        document_index = self._document_index(document_ids) if document_ids is not None else None
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+            kwargs.pop(key, None)
+
+        hidden_states, banked = inputs_embeds, ()
+        all_hidden_states = (inputs_embeds,) if output_hidden_states else None
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            layer_output = layer(
+                hidden_states,
+                *banked,
+                attention_mask=mla_mask,
+                token_mask=token_mask,
+                cache=cache,
+                document_index=document_index,
+                **kwargs,
+            )
+            if layer.starts_block:
+                banked = banked + (hidden_states,)
+            hidden_states = layer_output
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+        if self.config.attn_res_block_size is not None:
+            hidden_states = attn_res_mix([*banked, hidden_states], self.output_attn_res_norm,
+                                         self.output_attn_res_proj)
+        hidden_states = self.norm(hidden_states)
+        if cache is not None:
+            cache.advance(seq_len)
+        return MoeModelOutputWithPast(
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_FIELD: cache}
+        )
+
+    @staticmethod
+    def _token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"Kimi K3 takes a 2-D padding attention_mask [batch, length]; got shape {tuple(attention_mask.shape)}"
+            )
+        mask = attention_mask[:, -seq_len:].bool()
+        return None if bool(mask.all()) else mask
+
+    @staticmethod
+    def _document_ids(position_ids, attention_mask, past_len, kwargs) -> torch.Tensor | None:
+        """Document index per token for packed rows (DataCollatorWithFlattening): a new document starts wherever
+        position_ids restart at 0. Only for uncached forwards without a padding mask (left padding also repeats
+        position 0)."""
+        cu_seqlens = kwargs.get("cu_seq_lens_q")
+        if cu_seqlens is not None and position_ids is None:
+            total = int(cu_seqlens[-1])
+            starts = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
+            starts[cu_seqlens[:-1].long()] = 1
+            return starts.cumsum(0).unsqueeze(0) - 1
+        if position_ids is None or attention_mask is not None or past_len > 0 or position_ids.shape[-1] < 2:
+            return None
+        restarts = position_ids[:, 1:] == 0
+        if not bool(restarts.any()):
+            return None
+        starts = torch.cat([torch.ones_like(position_ids[:, :1], dtype=torch.bool), restarts], dim=1)
+        return starts.long().cumsum(dim=1) - 1
+
+    @staticmethod
+    def _document_index(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gather index [docs, longest], mask) to regroup packed tokens into one right-padded row per document."""
+        batch, seq_len = document_ids.shape
+        flat_ids = (document_ids + torch.arange(batch, device=document_ids.device)[:, None] * seq_len).reshape(-1)
+        _, lengths = torch.unique_consecutive(flat_ids, return_counts=True)
+        starts = torch.cumsum(lengths, 0) - lengths
+        longest = int(lengths.max())
+        offsets = torch.arange(longest, device=document_ids.device)
+        mask = offsets[None, :] < lengths[:, None]
+        index = (starts[:, None] + offsets[None, :]).clamp(max=batch * seq_len - 1)
+        return index, mask
+
+    def _mla_mask(self, attention_mask, document_ids, batch, seq_len, past_len, device) -> torch.Tensor | None:
+        """4-D boolean mask [B, 1, T, past+T] (True = attend), or None when plain causal attention is exact."""
+        kv_len = past_len + seq_len
+        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        if not padded and document_ids is None and (seq_len == 1 or past_len == 0):
+            return None
+        mask = _causal_mask(seq_len, kv_len, device)[None, None].expand(batch, 1, seq_len, kv_len)
+        if padded:
+            mask = mask & attention_mask[:, None, None, -kv_len:].bool()
+        if document_ids is not None:
+            mask = mask & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+        # A padding query sees no key; let it see everything so softmax stays finite (its output is never used).
+        return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__(config)
+        self.model = KimiK3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: KimiK3Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cache: KimiK3Cache | None = None,
+        **kwargs,
+    ) -> MoeCausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
+        )
+
+
+class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
+    """The release's top-level class (`KimiK3Config`), text path: `language_model` is a `KimiK3ForCausalLM`, so
+    parameter names are the release's `language_model.model.*` / `language_model.lm_head.weight`. The vision tower
+    is not implemented yet; its tensors are ignored on load."""
+
+    config_class = KimiK3Config
+    base_model_prefix = ""
+    _tied_weights_keys = {}
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        self.language_model = KimiK3ForCausalLM(config.text_config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.language_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.language_model.get_output_embeddings()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, pixel_values=None,
+                **kwargs) -> MoeCausalLMOutputWithPast:
+        if pixel_values is not None:
+            raise NotImplementedError("The Kimi K3 vision tower is not implemented yet: pass text inputs only")
+        return self.language_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+
+
+__all__ = [
+    "KimiK3PreTrainedModel",
+    "KimiK3Model",
+    "KimiK3ForCausalLM",
+    "KimiK3ForConditionalGeneration",
+]
