@@ -1,0 +1,24 @@
+"""Fine-tuning helpers for Kimi K3: Quantile Balancing of the router bias, LoRA targets, data and memory tools.
+
+The model-independent parts import nothing from the model; see docs/training.md.
+"""
+
+from .quantile_balancing import (
+    ExpertLoadMonitor,
+    QuantileBalancer,
+    QuantileBalancingCallback,
+    estimate_bias_histogram,
+    exact_bias,
+    load_router_bias_state_dict,
+    router_bias_state_dict,
+)
+
+__all__ = [
+    "ExpertLoadMonitor",
+    "QuantileBalancer",
+    "QuantileBalancingCallback",
+    "estimate_bias_histogram",
+    "exact_bias",
+    "load_router_bias_state_dict",
+    "router_bias_state_dict",
+]
