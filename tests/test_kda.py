@@ -1,0 +1,101 @@
+"""KDA: chunked == recurrent == a naive per-token reference written from k3_math.md 2.2 (fp32, 1e-5)."""
+
+import pytest
+import torch
+
+from kimik3.modeling.ops_kimi_k3 import causal_conv1d, chunk_kda, fused_recurrent_kda, kda_gate
+
+
+def naive_kda(q, k, v, g, beta, state):
+    """One head at a time, one token at a time, exactly the spec's equations (no vectorisation tricks)."""
+    B, T, H, K = q.shape
+    out = torch.zeros(B, T, H, v.shape[-1], dtype=torch.float64)
+    S = state.double().clone()
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                qt = q[b, t, h].double() / torch.sqrt((q[b, t, h].double() ** 2).sum() + 1e-6) / K**0.5
+                kt = k[b, t, h].double() / torch.sqrt((k[b, t, h].double() ** 2).sum() + 1e-6)
+                A = torch.diag(g[b, t, h].double().exp())
+                S[b, h] = A @ S[b, h]
+                S[b, h] = S[b, h] + beta[b, t, h].double() * torch.outer(kt, v[b, t, h].double() - S[b, h].T @ kt)
+                out[b, t, h] = S[b, h].T @ qt
+    return out, S
+
+
+def _inputs(B, T, H, K, V, lower_bound=-5.0):
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v = torch.randn(B, T, H, V)
+    g = kda_gate(torch.randn(B, T, H, K) * 2, torch.rand(H) * 2, torch.randn(H * K), lower_bound)
+    beta = torch.rand(B, T, H)
+    state = torch.randn(B, H, K, V) * 0.3
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("T, chunk", [(1, 16), (15, 16), (16, 16), (17, 16), (50, 16), (37, 8), (130, 64)])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_chunked_equals_recurrent_equals_naive(T, chunk, lower_bound):
+    q, k, v, g, beta, state = _inputs(2, T, 2, 8, 6, lower_bound)
+    ref_out, ref_state = naive_kda(q, k, v, g, beta, state)
+    rec_out, rec_state = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)
+    chk_out, chk_state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, chunk_size=chunk)
+    torch.testing.assert_close(rec_out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chk_out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rec_state.double(), ref_state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chk_state.double(), ref_state, atol=1e-5, rtol=1e-5)
+    assert chk_state.dtype == torch.float32
+
+
+def test_gate_is_lower_bounded_sigmoid_not_softplus():
+    z = torch.randn(3, 4, 2, 8) * 5
+    A_log, dt_bias = torch.randn(2), torch.randn(16)
+    g = kda_gate(z, A_log, dt_bias, -5.0)
+    expected = -5.0 * torch.sigmoid(A_log.exp().view(2, 1) * (z + dt_bias.view(2, 8)))
+    torch.testing.assert_close(g, expected)
+    assert g.min() >= -5.0 and g.max() <= 0 and (g > -5.0).float().mean() > 0.5
+    soft = kda_gate(z, A_log, dt_bias, None)
+    assert not torch.allclose(g, soft)
+    # A_log padded to 128 as released: only the first num_heads entries are read
+    padded = torch.cat([A_log, torch.zeros(126)])
+    torch.testing.assert_close(kda_gate(z, padded, dt_bias, -5.0), g)
+
+
+def test_chunked_split_equals_one_pass_and_chunk_state_is_carried():
+    q, k, v, g, beta, _ = _inputs(1, 40, 2, 8, 8)
+    full, full_state = chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                 chunk_size=16)
+    first, state = chunk_kda(q[:, :23], k[:, :23], v[:, :23], g[:, :23], beta[:, :23], output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, chunk_size=16)
+    second, state = chunk_kda(q[:, 23:], k[:, 23:], v[:, 23:], g[:, 23:], beta[:, 23:], initial_state=state,
+                              output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
+    torch.testing.assert_close(torch.cat([first, second], 1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, full_state, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_backward_matches_recurrent_with_segment_recompute():
+    # 300 tokens with chunk 8: three recompute segments of 16 chunks under autograd.
+    q, k, v, g, beta, state = _inputs(1, 300, 1, 4, 4)
+    grads = []
+    for fn, kw in ((fused_recurrent_kda, {}), (chunk_kda, {"chunk_size": 8})):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        out, _ = fn(*leaves, initial_state=state, use_qk_l2norm_in_kernel=True, **kw)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_causal_conv_state_continues_the_sequence():
+    x = torch.randn(2, 11, 6)
+    w = torch.randn(6, 1, 4)
+    full, _ = causal_conv1d(x, w)
+    first, state = causal_conv1d(x[:, :5], w)
+    rest = []
+    for t in range(5, 11):
+        y, state = causal_conv1d(x[:, t:t + 1], w, state)
+        rest.append(y)
+    torch.testing.assert_close(torch.cat([first, *rest], 1), full)
+    manual = torch.nn.functional.silu(sum(w[:, 0, i] * x[:, 10 - 3 + i] for i in range(4)))
+    torch.testing.assert_close(full[:, 10], manual, atol=1e-6, rtol=1e-6)
