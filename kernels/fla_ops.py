@@ -1,0 +1,117 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Adapters from the `ops_kimi_k3` contracts to fla-core 0.6.0 (`pip install fla-core`; used as a dependency).
+
+Importing this module imports fla (and so Triton); it fails with ImportError when fla is missing.
+
+* `chunk_kda`, `fused_recurrent_kda`: same signature/contract as the references: q, k, g [B, T, H, K],
+  v [B, T, H, V], beta [B, T, H] (post-sigmoid), g the log-space decay already computed (fla's
+  `use_gate_in_kernel=False`), state [B, H, K, V] f32 -> (o in v.dtype, final state f32 or None).
+  `chunk_kda` has autograd (fla's); `fused_recurrent_kda` is forward-only (the dispatcher never hands it out when
+  a gradient is needed).
+* `chunk_kda_fused_gate`, `fused_recurrent_kda_fused_gate`: the same, but `g` is the raw decay logit and the gate
+  `kda_gate(g, A_log, dt_bias, lower_bound)` is computed inside fla's kernel:
+  lower_bound set -> lb * sigmoid(exp(A_log) (g + dt_bias)) (K3), else -exp(A_log) softplus(g + dt_bias).
+  With lower_bound in [-5, 0) the chunk variant also turns on fla's `safe_gate` (M=16 tensor-core path; the
+  precondition of fla's FlashKDA backend). Equivalent to `chunk_kda(q, k, v, kda_gate(g, A_log, dt_bias, lb), ...)`
+  but saves the f32 [B, T, H, K] gate tensor. A_log may be the release's zero-padded [128] vector: it is sliced
+  to [:H].
+* `causal_conv1d`: same contract as the reference (x [B, T, C], weight [C, 1, K], conv_state [B, C, K-1] of previous
+  pre-conv inputs or None -> (SiLU(conv) in x.dtype, new conv_state [B, C, K-1])). fla keeps a [B, C, K] state
+  whose last K-1 columns are the previous inputs; the adapter pads / slices. Autograd through fla's Triton
+  backward.
+"""
+
+import torch
+import torch.nn.functional as F
+from fla.modules.causal_conv1d import causal_conv1d as _fla_causal_conv1d
+from fla.ops.kda import chunk_kda as _fla_chunk_kda
+from fla.ops.kda import fused_recurrent_kda as _fla_fused_recurrent_kda
+
+
+def _state(initial_state):
+    if initial_state is None:
+        return None
+    return initial_state.float().contiguous()
+
+
+def _chunk_size(chunk_size):
+    return chunk_size if chunk_size in (32, 64) else 64
+
+
+def chunk_kda(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+    chunk_size=64,
+):
+    o, final = _fla_chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=_chunk_size(chunk_size),
+    )
+    return o.to(v.dtype), (final if output_final_state else None)
+
+
+def fused_recurrent_kda(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+):
+    o, final = _fla_fused_recurrent_kda(
+        q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+    return o.to(v.dtype), (final if output_final_state else None)
+
+
+def _gate_params(A_log, dt_bias, num_heads):
+    a = None if A_log is None else A_log.float()[:num_heads].contiguous()
+    b = None if dt_bias is None else dt_bias.float().reshape(-1).contiguous()
+    return a, b
+
+
+def chunk_kda_fused_gate(
+    q, k, v, g, beta, A_log, dt_bias, lower_bound=None, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, chunk_size=64,
+):
+    a, b = _gate_params(A_log, dt_bias, v.shape[2])
+    safe = lower_bound is not None and -5.0 <= float(lower_bound) < 0.0
+    o, final = _fla_chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=True, A_log=a, dt_bias=b,
+        lower_bound=None if lower_bound is None else float(lower_bound), safe_gate=safe,
+        chunk_size=_chunk_size(chunk_size),
+    )
+    return o.to(v.dtype), (final if output_final_state else None)
+
+
+def fused_recurrent_kda_fused_gate(
+    q, k, v, g, beta, A_log, dt_bias, lower_bound=None, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+):
+    a, b = _gate_params(A_log, dt_bias, v.shape[2])
+    o, final = _fla_fused_recurrent_kda(
+        q, k, v, g, beta, A_log=a, dt_bias=b, scale=scale, initial_state=_state(initial_state),
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=True, lower_bound=None if lower_bound is None else float(lower_bound),
+    )
+    return o.to(v.dtype), (final if output_final_state else None)
+
+
+def causal_conv1d(x, weight, conv_state=None):
+    channels, kernel_size = weight.shape[0], weight.shape[-1]
+    w = weight.reshape(channels, kernel_size)
+    init = None
+    if conv_state is not None:
+        init = F.pad(conv_state.to(x.dtype), (1, 0)).contiguous()  # [B, C, K]: column 0 is never read
+    y, final = _fla_causal_conv1d(
+        x, w, None, None, initial_state=init, output_final_state=True, activation="silu", backend="triton"
+    )
+    return y, final[..., 1:]

@@ -1,0 +1,95 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Routed experts through grouped GEMMs (`torch.nn.functional.grouped_mm` / `torch._grouped_mm`).
+
+No host synchronisation: the routed slots are sorted by expert on the device, the group offsets are a device
+cumsum, and the combine back to token order is a gather (Triton kernel when available, else a PyTorch gather +
+f32 sum). Autograd works through every step (grouped_mm has a backward in torch >= 2.9; the Triton SiTU and
+combine have their own).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .reference import situ_glu as _situ_reference
+
+
+def _grouped_mm_fn():
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        raise ImportError("this torch has neither torch.nn.functional.grouped_mm nor torch._grouped_mm")
+    return fn
+
+
+try:  # Triton parts are optional: without them the same math runs in PyTorch
+    from .triton_ops import moe_combine as _moe_combine_triton
+    from .triton_ops import situ_glu as _situ_triton
+except ImportError:  # pragma: no cover - depends on the environment
+    _moe_combine_triton = None
+    _situ_triton = None
+
+
+def _combine_torch(expert_out, weights, pos, out_dtype):
+    num_tokens, k = weights.shape
+    picked = expert_out.index_select(0, pos.reshape(-1)).view(num_tokens, k, -1)
+    return (picked.float() * weights.float().unsqueeze(-1)).sum(dim=1).to(out_dtype)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    beta: float | None = None,
+    linear_beta: float | None = None,
+) -> torch.Tensor:
+    """Same contract as `kimik3.kernels.reference.moe_experts`; x [N, Dl] -> [N, Dl] in x.dtype.
+
+    gate_up_proj [E, 2I, Dl], down_proj [E, Dl, I] in x.dtype (bf16 on the fast path)."""
+    grouped_mm = _grouped_mm_fn()
+    num_tokens, width = x.shape
+    k = topk_indices.shape[-1]
+    num_experts, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    flat = topk_indices.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # routed slots grouped by expert
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    xs = x.index_select(0, order // k)  # [N*k, Dl], expert-sorted
+    h = grouped_mm(xs, gate_up_proj.transpose(-2, -1), offs=offs)  # [N*k, 2I]
+    situ = _situ_triton if (_situ_triton is not None and h.is_cuda) else _situ_reference
+    act = situ(h[:, :inter], h[:, inter:], beta, linear_beta)
+    out = grouped_mm(act, down_proj.transpose(-2, -1), offs=offs)  # [N*k, Dl], rounded to x.dtype
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=x.device)  # row of slot (t, j) in `out`
+    pos = pos.view(num_tokens, k)
+    if _moe_combine_triton is not None and out.is_cuda:
+        return _moe_combine_triton(out, topk_weights, pos, x.dtype)
+    return _combine_torch(out, topk_weights, pos, x.dtype)
+
+
+def moe_experts_mxfp4(
+    x, topk_indices, topk_weights, gate_up_packed, gate_up_scale, down_packed, down_scale, beta=None,
+    linear_beta=None,
+):
+    """Same contract as `kimik3.kernels.reference.moe_experts_mxfp4`: Triton dequantisation of the packed experts
+    (whole stack, transient x.dtype copy of E x 3 x I x Dl) followed by the grouped-GEMM `moe_experts`.
+    Forward only in the sense that the packed weights get no gradient (x and the routing weights do)."""
+    from .triton_ops import mxfp4_dequant
+
+    gate_up = mxfp4_dequant(gate_up_packed, gate_up_scale, x.dtype)
+    down = mxfp4_dequant(down_packed, down_scale, x.dtype)
+    return moe_experts(x, topk_indices, topk_weights, gate_up, down, beta, linear_beta)

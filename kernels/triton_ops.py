@@ -1,0 +1,412 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Triton kernels of Kimi K3 (importing this module requires `triton`).
+
+* `situ_glu`            fused SiTU-GLU, forward and backward in Triton (autograd Function).
+* `block_attn_res_mix`  AttnRes softmax depth-mixture; forward in Triton (one read pass for the scores, one for the
+                        mix, no stacked copy of the candidates), backward analytic in PyTorch (per candidate, f32).
+* `moe_combine`         weighted f32 sum of the (rounded) expert outputs back to token order; Triton forward,
+                        PyTorch backward.
+* `mxfp4_dequant`       MXFP4 (E2M1 + E8M0) -> bf16/f32, bit-exact with the reference.
+
+Kernels avoid libdevice so they also run under `TRITON_INTERPRET=1` (fp32 inputs) for CPU debugging.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+@triton.jit
+def _tanh(x):
+    # tanh without libdevice: odd Taylor series near 0 (no cancellation), exp form elsewhere.
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = ax * ax
+    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    t = tl.where(ax < 0.0625, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """View x [..., width] as [rows, width] with unit stride on the last dim (copy only if needed)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x2 = x.reshape(-1, width)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SiTU-GLU
+
+
+@triton.jit
+def _situ_fwd_kernel(
+    a_ptr, u_ptr, o_ptr, n_cols, stride_a, stride_u, stride_o, b1, b2,
+    HAS_B2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    act = b1 * _tanh(a / b1) * tl.sigmoid(a)
+    if HAS_B2:
+        u = b2 * _tanh(u / b2)
+    tl.store(o_ptr + row * stride_o + cols, (act * u).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _situ_bwd_kernel(
+    a_ptr, u_ptr, g_ptr, da_ptr, du_ptr, n_cols, stride_a, stride_u, stride_g, stride_da, stride_du, b1, b2,
+    HAS_B2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    t = _tanh(a / b1)
+    s = tl.sigmoid(a)
+    act = b1 * t * s
+    dact = (1.0 - t * t) * s + b1 * t * s * (1.0 - s)
+    if HAS_B2:
+        tu = _tanh(u / b2)
+        h = b2 * tu
+        dh = 1.0 - tu * tu
+    else:
+        h = u
+        dh = 1.0
+    tl.store(da_ptr + row * stride_da + cols, (g * h * dact).to(da_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + row * stride_du + cols, (g * act * dh).to(du_ptr.dtype.element_ty), mask=mask)
+
+
+_SITU_BLOCK = 1024
+
+
+def _situ_fwd(a2, u2, b1, b2, out_dtype):
+    rows, n = a2.shape
+    out = torch.empty(rows, n, dtype=out_dtype, device=a2.device)
+    if rows and n:
+        grid = (rows, triton.cdiv(n, _SITU_BLOCK))
+        _situ_fwd_kernel[grid](
+            a2, u2, out, n, a2.stride(0), u2.stride(0), out.stride(0), b1, 1.0 if b2 is None else b2,
+            HAS_B2=b2 is not None, BLOCK=_SITU_BLOCK, num_warps=4,
+        )
+    return out
+
+
+class _SituGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, b1, b2):
+        n = gate.shape[-1]
+        a2, u2 = _rows(gate, n), _rows(up, n)
+        out = _situ_fwd(a2, u2, b1, b2, gate.dtype)
+        ctx.save_for_backward(a2, u2)
+        ctx.b1, ctx.b2 = b1, b2
+        ctx.shapes = (gate.shape, up.shape, gate.dtype, up.dtype)
+        return out.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a2, u2 = ctx.saved_tensors
+        gshape, ushape, gdtype, udtype = ctx.shapes
+        rows, n = a2.shape
+        g2 = _rows(grad, n)
+        da = torch.empty(rows, n, dtype=gdtype, device=a2.device)
+        du = torch.empty(rows, n, dtype=udtype, device=a2.device)
+        if rows and n:
+            grid = (rows, triton.cdiv(n, _SITU_BLOCK))
+            _situ_bwd_kernel[grid](
+                a2, u2, g2, da, du, n, a2.stride(0), u2.stride(0), g2.stride(0), da.stride(0), du.stride(0),
+                ctx.b1, 1.0 if ctx.b2 is None else ctx.b2,
+                HAS_B2=ctx.b2 is not None, BLOCK=_SITU_BLOCK, num_warps=4,
+            )
+        return da.view(gshape), du.view(ushape), None, None
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
+    """Fused SiTU-GLU, same contract as `ops_kimi_k3.situ_glu` (f32 math, result in gate's dtype); has autograd.
+
+    `gate`/`up` may be strided views (e.g. the two halves of a fused gate_up projection)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    b1 = 1.0 if beta is None else float(beta)
+    b2 = None if linear_beta is None else float(linear_beta)
+    return _SituGLU.apply(gate, up, b1, b2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Block Attention Residuals mix
+
+_ATTN_RES_MAX_CANDIDATES = 16
+
+
+@triton.jit
+def _pick(i: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    p = c0
+    if i == 1:
+        p = c1
+    if i == 2:
+        p = c2
+    if i == 3:
+        p = c3
+    if i == 4:
+        p = c4
+    if i == 5:
+        p = c5
+    if i == 6:
+        p = c6
+    if i == 7:
+        p = c7
+    if i == 8:
+        p = c8
+    if i == 9:
+        p = c9
+    if i == 10:
+        p = c10
+    if i == 11:
+        p = c11
+    if i == 12:
+        p = c12
+    if i == 13:
+        p = c13
+    if i == 14:
+        p = c14
+    if i == 15:
+        p = c15
+    return p
+
+
+@triton.jit
+def _attn_res_fwd_kernel(
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+    w_ptr, o_ptr, D, eps,
+    N_CAND: tl.constexpr, N_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    idx = tl.arange(0, N_POW2)
+    scores = tl.full([N_POW2], float("-inf"), dtype=tl.float32)
+    # pass 1: score_i = (x_i . w) / rms(x_i)
+    for i in tl.static_range(N_CAND):
+        base = _pick(i, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) + row * D
+        acc_ss = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc_dot = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + offs
+            m = cols < D
+            x = tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=m, other=0.0)
+            acc_ss += x * x
+            acc_dot += x * w
+        s = tl.sum(acc_dot, axis=0) / tl.sqrt(tl.sum(acc_ss, axis=0) / D + eps)
+        scores = tl.where(idx == i, s, scores)
+    mx = tl.max(scores, axis=0)
+    p = tl.exp(scores - mx)
+    p = p / tl.sum(p, axis=0)
+    # pass 2: mix of the raw candidates
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + offs
+        m = cols < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for i in tl.static_range(N_CAND):
+            base = _pick(i, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) + row * D
+            p_i = tl.sum(tl.where(idx == i, p, 0.0), axis=0)
+            acc += p_i * tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(o_ptr + row * D + cols, acc.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def _attn_res_fwd(cands, query, eps, out_dtype):
+    d = cands[0].shape[-1]
+    rows = cands[0].numel() // d
+    out = torch.empty(rows, d, dtype=out_dtype, device=cands[0].device)
+    n = len(cands)
+    ptrs = list(cands) + [cands[0]] * (_ATTN_RES_MAX_CANDIDATES - n)
+    if rows:
+        _attn_res_fwd_kernel[(rows,)](
+            *ptrs, query, out, d, eps,
+            N_CAND=n, N_POW2=max(2, triton.next_power_of_2(n)), BLOCK_D=1024, num_warps=4,
+        )
+    return out
+
+
+def _attn_res_bwd_torch(cands, query, eps, grad):
+    """Analytic backward, one candidate at a time in f32 (no stacked copy).
+
+    s_i = r_i (V_i . w), r_i = (mean V_i^2 + eps)^-1/2, p = softmax(s), y = sum p_i V_i.
+    dV_i = p_i g + ds_i (r_i w - (V_i . w) r_i^3 V_i / D), ds_i = p_i (g.V_i - sum_j p_j g.V_j), dw = sum_i ds_i r_i V_i.
+    """
+    d = query.numel()
+    g = grad.reshape(-1, d).float()
+    rs, dots, dps = [], [], []
+    for c in cands:
+        v = c.reshape(-1, d).float()
+        rs.append(torch.rsqrt(v.pow(2).mean(dim=-1) + eps))
+        dots.append(v @ query)
+        dps.append((g * v).sum(dim=-1))
+    r, a, dp = torch.stack(rs), torch.stack(dots), torch.stack(dps)  # [n, rows]
+    p = torch.softmax(r * a, dim=0)
+    ds = p * (dp - (p * dp).sum(dim=0, keepdim=True))
+    grads, dw = [], torch.zeros_like(query)
+    for i, c in enumerate(cands):
+        v = c.reshape(-1, d).float()
+        coef = (ds[i] * r[i]).unsqueeze(-1)
+        dv = p[i].unsqueeze(-1) * g + coef * query - (coef * (a[i] * r[i] * r[i]).unsqueeze(-1) / d) * v
+        dw += (coef * v).sum(dim=0)
+        grads.append(dv.to(c.dtype).view(c.shape))
+    return grads, dw
+
+
+class _AttnResMix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, norm_weight, proj_weight, eps, *cands):
+        query = (norm_weight.float() * proj_weight.float().reshape(-1)).contiguous()
+        out = _attn_res_fwd(cands, query, eps, cands[-1].dtype)
+        ctx.save_for_backward(norm_weight, proj_weight, *cands)
+        ctx.eps = eps
+        return out.view(cands[-1].shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        norm_weight, proj_weight, *cands = ctx.saved_tensors
+        query = norm_weight.float() * proj_weight.float().reshape(-1)
+        grads, dw = _attn_res_bwd_torch(cands, query, ctx.eps, grad)
+        d_norm = (dw * proj_weight.float().reshape(-1)).to(norm_weight.dtype)
+        d_proj = (dw * norm_weight.float()).reshape(proj_weight.shape).to(proj_weight.dtype)
+        return (d_norm, d_proj, None, *grads)
+
+
+def block_attn_res_mix(
+    candidates: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Same contract as `ops_kimi_k3.block_attn_res_mix`: softmax(rms-normed keys . (norm_weight*proj)) mixture of the
+    raw candidates [B, T, D] in f32, cast to the candidates' dtype. Forward in Triton; backward analytic (PyTorch).
+    Up to 16 candidates, all of one shape and dtype."""
+    n = len(candidates)
+    if not 1 <= n <= _ATTN_RES_MAX_CANDIDATES:
+        raise ValueError(f"block_attn_res_mix takes 1..{_ATTN_RES_MAX_CANDIDATES} candidates, got {n}")
+    shape, dtype = candidates[0].shape, candidates[0].dtype
+    if any(c.shape != shape or c.dtype != dtype for c in candidates):
+        raise ValueError("block_attn_res_mix candidates must share shape and dtype")
+    cands = [c if c.is_contiguous() else c.contiguous() for c in candidates]
+    return _AttnResMix.apply(norm_weight, proj_weight, float(eps), *cands)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MoE combine: y[t] = cast(sum_j w[t, j] * f32(o[pos[t, j]]))
+
+
+@triton.jit
+def _moe_combine_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        pos = tl.load(pos_ptr + t * K + j).to(tl.int64)
+        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += wj * tl.load(o_ptr + pos * D + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * D + cols, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+class _MoECombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights, pos, out_dtype):
+        num_tokens, k = weights.shape
+        d = expert_out.shape[-1]
+        expert_out = expert_out.contiguous()
+        w = weights.float().contiguous()
+        y = torch.empty(num_tokens, d, dtype=out_dtype, device=expert_out.device)
+        if num_tokens and d:
+            _moe_combine_kernel[(num_tokens, triton.cdiv(d, 1024))](
+                expert_out, pos, w, y, d, K=k, BLOCK=1024, num_warps=4
+            )
+        ctx.save_for_backward(expert_out, w, pos)
+        ctx.wdtype = weights.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        expert_out, w, pos = ctx.saved_tensors
+        num_tokens, k = w.shape
+        d = expert_out.shape[-1]
+        g = dy.float()
+        flat_pos = pos.reshape(-1)
+        d_out = torch.empty_like(expert_out)
+        d_out[flat_pos] = (w.unsqueeze(-1) * g.unsqueeze(1)).reshape(-1, d).to(expert_out.dtype)
+        picked = expert_out.index_select(0, flat_pos).view(num_tokens, k, d).float()
+        d_w = torch.bmm(picked, g.unsqueeze(-1)).squeeze(-1).to(ctx.wdtype)
+        return d_out, d_w, None, None
+
+
+def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype):
+    """expert_out [M, D] (rows in expert-sorted order), weights [N, k] f32, pos [N, k] int64 (row of each routed
+    slot in expert_out) -> [N, D] in out_dtype, f32 accumulation over j = 0..k-1. Has autograd."""
+    return _MoECombine.apply(expert_out, weights, pos.contiguous(), out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MXFP4 dequantisation
+
+
+@triton.jit
+def _e2m1(code):
+    sign = (code >> 3) & 1
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    pow2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
+    return tl.where(sign == 1, -mag, mag)
+
+
+@triton.jit
+def _mxfp4_dequant_kernel(p_ptr, s_ptr, o_ptr, KH, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < KH
+    byte = tl.load(p_ptr + row * KH + j, mask=m, other=0).to(tl.int32)
+    sc = tl.load(s_ptr + row * (KH // 16) + j // 16, mask=m, other=127).to(tl.int32)
+    # 2^(sc - 127) exactly: normal floats for sc >= 1, the denormal 2^-127 for sc == 0
+    bits = tl.where(sc == 0, 0x00400000, sc << 23)
+    factor = bits.to(tl.float32, bitcast=True)
+    lo = _e2m1(byte & 15) * factor
+    hi = _e2m1(byte >> 4) * factor
+    out = o_ptr + row * (2 * KH) + 2 * j
+    tl.store(out, lo.to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(out + 1, hi.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Same contract as `ops_kimi_k3.dequantize_mxfp4` (bit-exact): packed u8 [..., N, K/2], scale u8 [..., N, K/32]
+    -> [..., N, K] in dtype."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise TypeError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
+    kh = packed.shape[-1]
+    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * 16 != kh:
+        raise ValueError(f"MXFP4 shapes do not match: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}")
+    p2 = packed.contiguous().view(-1, kh)
+    s2 = scale.contiguous().view(-1, kh // 16)
+    out = torch.empty(*packed.shape[:-1], 2 * kh, dtype=dtype, device=packed.device)
+    if p2.shape[0] and kh:
+        _mxfp4_dequant_kernel[(p2.shape[0], triton.cdiv(kh, 512))](p2, s2, out, kh, BLOCK=512, num_warps=4)
+    return out

@@ -1,0 +1,165 @@
+"""fla-core fast paths (chunk_kda, fused_recurrent_kda, their fused-gate variants, causal_conv1d) against the
+pure-PyTorch references of ops_kimi_k3, forward and (where training uses them) backward."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available", allow_module_level=True)
+pytest.importorskip("fla")
+pytest.importorskip("triton")
+
+from gpu_helpers import max_rel, rel_err  # noqa: E402
+
+DEV = "cuda"
+H, K = 4, 128  # K3 head_dim 128 (the shape fla's kernels are tuned for), fewer heads
+
+
+def _kda_inputs(ops, batch, seq_len, requires_grad=False, lower_bound=-5.0):
+    q = torch.randn(batch, seq_len, H, K, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(batch, seq_len, H, K, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(batch, seq_len, H, K, device=DEV, dtype=torch.bfloat16)
+    raw = torch.randn(batch, seq_len, H, K, device=DEV, dtype=torch.bfloat16)
+    a_log = torch.zeros(128, device=DEV)  # release layout: [128] zero-padded
+    a_log[:H] = torch.randn(H, device=DEV) * 0.5
+    dt_bias = torch.randn(H * K, device=DEV) * 0.5
+    beta = torch.sigmoid(torch.randn(batch, seq_len, H, device=DEV))
+    h0 = torch.randn(batch, H, K, K, device=DEV) * 0.1
+    g = ops.kda_gate(raw, a_log, dt_bias, lower_bound)
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, raw=raw, a_log=a_log, dt_bias=dt_bias)
+    if requires_grad:
+        for name in ("q", "k", "v", "g", "beta", "h0"):
+            tensors[name] = tensors[name].detach().requires_grad_(True)
+    return tensors
+
+
+@pytest.mark.parametrize("seq_len", [64, 200])
+def test_chunk_kda_forward(kernels, ops, seq_len):
+    t = _kda_inputs(ops, 2, seq_len)
+    fast = kernels.get_fast_op("chunk_kda", t["q"])
+    assert fast is not None, kernels.available_ops()["chunk_kda"]
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    o, s = fast(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = ops.chunk_kda(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == t["v"].dtype and o.shape == o_ref.shape
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape
+    assert max_rel(o, o_ref) < 2e-2
+    assert rel_err(o, o_ref) < 1e-2
+    assert rel_err(s, s_ref) < 1e-2
+    o2, s2 = fast(*args, use_qk_l2norm_in_kernel=True)
+    assert s2 is None and rel_err(o2, ops.chunk_kda(*args, use_qk_l2norm_in_kernel=True)[0]) < 1e-2
+
+
+def test_chunk_kda_backward(kernels, ops):
+    t = _kda_inputs(ops, 1, 130, requires_grad=True)
+    names = ("q", "k", "v", "g", "beta", "h0")
+    inputs = [t[n] for n in names]
+    fast = kernels.get_fast_op("chunk_kda", t["q"])
+
+    def run(fn):
+        o, s = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=DEV)).sum() + (s * 0.1).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    grads, grads_ref = run(fast), run(ops.chunk_kda)
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert g.shape == g_ref.shape, name
+        assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
+
+
+@pytest.mark.parametrize("seq_len", [1, 5])
+def test_fused_recurrent_kda(kernels, ops, seq_len):
+    t = _kda_inputs(ops, 3, seq_len)
+    fast = kernels.get_fast_op("fused_recurrent_kda", t["q"])
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    h0_before = t["h0"].clone()
+    o, s = fast(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = ops.fused_recurrent_kda(
+        *args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert max_rel(o, o_ref) < 1e-2
+    assert rel_err(s, s_ref) < 1e-4
+    # the caller's state is not modified in place
+    assert torch.equal(t["h0"], h0_before)
+
+
+def test_fused_recurrent_is_forward_only_in_dispatch(kernels, ops):
+    q = torch.randn(1, 1, H, K, device=DEV, requires_grad=True)
+    assert kernels.get_fast_op("fused_recurrent_kda", q) is None
+    with torch.no_grad():
+        assert kernels.get_fast_op("fused_recurrent_kda", q) is not None
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_chunk_kda_fused_gate(kernels, ops, lower_bound):
+    t = _kda_inputs(ops, 2, 150, lower_bound=lower_bound)
+    fast = kernels.get_fast_op("chunk_kda_fused_gate", t["q"])
+    q, k, v, beta = (t[n].detach().requires_grad_(True) for n in ("q", "k", "v", "beta"))
+    raw = t["raw"].detach().requires_grad_(True)
+    a_log, dt_bias = t["a_log"].detach().requires_grad_(True), t["dt_bias"].detach().requires_grad_(True)
+    inputs = (q, k, v, raw, beta, a_log, dt_bias)
+
+    def run(use_fast):
+        if use_fast:
+            o, s = fast(q, k, v, raw, beta, a_log, dt_bias, lower_bound, initial_state=t["h0"],
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+        else:
+            g = ops.kda_gate(raw, a_log, dt_bias, lower_bound)
+            o, s = ops.chunk_kda(q, k, v, g, beta, initial_state=t["h0"], output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True)
+        loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=DEV)).sum() + (s * 0.1).sum()
+        return (o, s), torch.autograd.grad(loss, inputs)
+
+    (o, s), grads = run(True)
+    (o_ref, s_ref), grads_ref = run(False)
+    assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-2
+    for name, g, g_ref in zip(("q", "k", "v", "raw", "beta", "A_log", "dt_bias"), grads, grads_ref):
+        if name == "A_log":
+            g, g_ref = g[:H], g_ref[:H]
+        assert rel_err(g, g_ref) < 5e-2, (name, rel_err(g, g_ref))
+
+
+def test_fused_recurrent_kda_fused_gate(kernels, ops):
+    t = _kda_inputs(ops, 2, 3)
+    fast = kernels.get_fast_op("fused_recurrent_kda_fused_gate", t["q"])
+    o, s = fast(t["q"], t["k"], t["v"], t["raw"], t["beta"], t["a_log"], t["dt_bias"], -5.0,
+                initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = ops.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0"],
+                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert max_rel(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-4
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_causal_conv1d_forward_backward(kernels, ops, with_state):
+    channels, width = 384, 4
+    x = torch.randn(2, 37, channels, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(channels, 1, width, device=DEV) * 0.5).requires_grad_(True)
+    state = torch.randn(2, channels, width - 1, device=DEV, dtype=torch.bfloat16) if with_state else None
+    fast = kernels.get_fast_op("causal_conv1d", x)
+    assert fast is not None, kernels.available_ops()["causal_conv1d"]
+    y, new_state = fast(x, weight, state)
+    y_ref, new_state_ref = ops.causal_conv1d(x, weight, state)
+    assert y.dtype == x.dtype and y.shape == y_ref.shape
+    assert max_rel(y, y_ref) < 1e-2
+    assert torch.equal(new_state, new_state_ref)
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, weight), dy)
+    gx_ref, gw_ref = torch.autograd.grad(y_ref, (x, weight), dy)
+    assert rel_err(gx, gx_ref) < 1e-2 and rel_err(gw, gw_ref) < 1e-2
+
+
+def test_causal_conv1d_decode_chain(kernels, ops):
+    """Prefill 5 tokens, then 3 single-token steps through the returned state == one pass over 8 tokens."""
+    channels, width = 256, 4
+    x = torch.randn(1, 8, channels, device=DEV, dtype=torch.bfloat16)
+    weight = torch.randn(channels, 1, width, device=DEV)
+    fast = kernels.get_fast_op("causal_conv1d", x)
+    y_full, state_full = ops.causal_conv1d(x, weight)
+    y, state = fast(x[:, :5], weight, None)
+    outs = [y]
+    for t in range(5, 8):
+        y_t, state = fast(x[:, t : t + 1], weight, state)
+        outs.append(y_t)
+    assert max_rel(torch.cat(outs, dim=1), y_full) < 1e-2
+    assert torch.equal(state, state_full)

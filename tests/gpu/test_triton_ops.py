@@ -1,0 +1,192 @@
+"""Own fast paths (Triton SiTU / AttnRes / MXFP4 / MoE combine, grouped_mm experts, bmm MLA decode) against the
+pure-PyTorch references (ops_kimi_k3 and kimik3.kernels.reference), forward and backward where training uses them."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available", allow_module_level=True)
+pytest.importorskip("triton")
+
+from gpu_helpers import max_rel, rel_err  # noqa: E402
+
+DEV = "cuda"
+
+
+def _fast(kernels, name, *tensors):
+    fn = kernels.get_fast_op(name, *tensors)
+    assert fn is not None, f"{name}: {kernels.available_ops()[name]}"
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------------------- SiTU
+
+
+@pytest.mark.parametrize("betas", [(4.0, 25.0), (None, None), (4.0, None)])
+def test_situ_glu_forward_backward(kernels, ops, betas):
+    h = (torch.randn(300, 2 * 3072, device=DEV) * 8).to(torch.bfloat16).requires_grad_(True)
+    gate, up = h[:, :3072], h[:, 3072:]  # strided halves of a fused gate_up output, as in the experts
+    fast = _fast(kernels, "situ_glu", gate)
+    y, y_ref = fast(gate, up, *betas), ops.situ_glu(gate, up, *betas)
+    assert y.dtype == torch.bfloat16 and y.shape == y_ref.shape
+    # both round the same f32 value to bf16: at most one bf16 ulp apart
+    assert max_rel(y, y_ref) < 1e-2
+    assert rel_err(y, y_ref) < 2e-3
+    dy = torch.randn_like(y)
+    (g,), (g_ref,) = torch.autograd.grad(y, [h], dy), torch.autograd.grad(y_ref, [h], dy)
+    assert g.dtype == torch.bfloat16
+    assert rel_err(g, g_ref) < 5e-3
+
+
+def test_situ_glu_small_and_large_arguments(kernels, ops):
+    a = torch.tensor([0.0, 1e-6, -3e-4, 0.05, 0.0626, -0.07, 2.0, -30.0, 200.0], device=DEV)
+    u = torch.tensor([1.0, -2.0, 1e-5, 0.3, 80.0, -300.0, 0.01, 1.0, 5.0], device=DEV)
+    fast = _fast(kernels, "situ_glu", a)
+    for betas in ((4.0, 25.0), (None, None)):
+        y, y_ref = fast(a, u, *betas), ops.situ_glu(a, u, *betas)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------------- AttnRes
+
+
+@pytest.mark.parametrize("num_candidates", [1, 2, 9])
+def test_block_attn_res_mix_forward_backward(kernels, ops, num_candidates):
+    d = 7168
+    cands = [
+        (torch.randn(2, 33, d, device=DEV) * (1 + i)).to(torch.bfloat16).requires_grad_(True)
+        for i in range(num_candidates)
+    ]
+    norm_weight = (1 + 0.1 * torch.randn(d, device=DEV)).to(torch.bfloat16).requires_grad_(True)
+    proj_weight = (0.05 * torch.randn(1, d, device=DEV)).to(torch.bfloat16).requires_grad_(True)
+    fast = _fast(kernels, "block_attn_res_mix", cands[-1])
+    y = fast(cands, norm_weight, proj_weight, 1e-5)
+    y_ref = ops.block_attn_res_mix(cands, norm_weight, proj_weight, 1e-5)
+    assert y.dtype == torch.bfloat16 and y.shape == y_ref.shape
+    assert max_rel(y, y_ref) < 1e-2
+    assert rel_err(y, y_ref) < 3e-3
+    dy = torch.randn_like(y)
+    params = cands + [norm_weight, proj_weight]
+    grads, grads_ref = torch.autograd.grad(y, params, dy), torch.autograd.grad(y_ref, params, dy)
+    for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+        assert g.dtype == g_ref.dtype and g.shape == g_ref.shape
+        assert rel_err(g, g_ref) < 1e-2, (i, rel_err(g, g_ref))
+
+
+# ---------------------------------------------------------------------------------------------------------- MXFP4
+
+
+def test_mxfp4_dequant_bit_exact(kernels, ops):
+    packed = torch.randint(0, 256, (3, 96, 512), dtype=torch.uint8, device=DEV)
+    scale = torch.randint(100, 140, (3, 96, 32), dtype=torch.uint8, device=DEV)
+    scale[0, 0, :4] = torch.tensor([0, 1, 127, 254], dtype=torch.uint8)
+    fast = _fast(kernels, "mxfp4_dequant", packed)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = fast(packed, scale, dtype)
+        ref = ops.dequantize_mxfp4(packed, scale, dtype)
+        assert out.dtype == dtype and out.shape == (3, 96, 1024)
+        assert torch.equal(out, ref)
+        assert torch.equal(kernels.reference.mxfp4_dequant(packed, scale, dtype), ref)
+
+
+# ---------------------------------------------------------------------------------------------------------- MoE
+
+
+def _moe_inputs(num_tokens, num_experts=16, top_k=4, width=256, inter=128, requires_grad=False):
+    x = torch.randn(num_tokens, width, device=DEV).to(torch.bfloat16)
+    scores = torch.rand(num_tokens, num_experts, device=DEV)
+    weights, indices = scores.topk(top_k, dim=-1, sorted=False)
+    gate_up = (torch.randn(num_experts, 2 * inter, width, device=DEV) * width**-0.5).to(torch.bfloat16)
+    down = (torch.randn(num_experts, width, inter, device=DEV) * inter**-0.5).to(torch.bfloat16)
+    if requires_grad:
+        x, weights, gate_up, down = (t.requires_grad_(True) for t in (x, weights, gate_up, down))
+    return x, indices, weights, gate_up, down
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_moe_experts_forward(kernels, num_tokens):
+    x, idx, w, gate_up, down = _moe_inputs(num_tokens)
+    fast = _fast(kernels, "moe_experts", x)
+    y = fast(x, idx, w, gate_up, down, 4.0, 25.0)
+    y_ref = kernels.reference.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
+    assert y.dtype == x.dtype and y.shape == y_ref.shape
+    assert max_rel(y, y_ref) < 2e-2
+    assert rel_err(y, y_ref) < 5e-3
+
+
+def test_moe_experts_unused_experts_and_no_sync(kernels):
+    # every token on expert 3 and 5 only: empty groups must be handled
+    x, _, w, gate_up, down = _moe_inputs(10, top_k=2)
+    idx = torch.tensor([[3, 5]] * 10, device=DEV)
+    fast = _fast(kernels, "moe_experts", x)
+    y = fast(x, idx, w, gate_up, down, 4.0, 25.0)
+    y_ref = kernels.reference.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
+    assert rel_err(y, y_ref) < 5e-3
+    # the fast path never synchronises with the host (CUDA-graph capturable)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast(x, idx, w, gate_up, down, 4.0, 25.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_moe_experts_backward(kernels):
+    x, idx, w, gate_up, down = _moe_inputs(64, requires_grad=True)
+    fast = _fast(kernels, "moe_experts", x)
+    dy = torch.randn(64, 256, device=DEV).to(torch.bfloat16)
+    y = fast(x, idx, w, gate_up, down, 4.0, 25.0)
+    y_ref = kernels.reference.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
+    params = (x, w, gate_up, down)
+    grads = torch.autograd.grad(y, params, dy)
+    grads_ref = torch.autograd.grad(y_ref, params, dy)
+    for name, g, g_ref in zip(("x", "weights", "gate_up", "down"), grads, grads_ref):
+        assert g.dtype == g_ref.dtype and g.shape == g_ref.shape, name
+        assert rel_err(g, g_ref) < 2e-2, (name, rel_err(g, g_ref))
+
+
+def test_moe_experts_mxfp4(kernels, ops):
+    x, idx, w, gate_up, down = _moe_inputs(20)
+    packed = [ops.quantize_mxfp4(t) for t in (gate_up, down)]
+    fast = _fast(kernels, "moe_experts_mxfp4", x)
+    y = fast(x, idx, w, packed[0][0], packed[0][1], packed[1][0], packed[1][1], 4.0, 25.0)
+    y_ref = kernels.reference.moe_experts_mxfp4(
+        x, idx, w, packed[0][0], packed[0][1], packed[1][0], packed[1][1], 4.0, 25.0
+    )
+    assert rel_err(y, y_ref) < 5e-3
+
+
+# ---------------------------------------------------------------------------------------------------------- MLA
+
+
+@pytest.mark.parametrize("batch,seq_len", [(1, 1), (2, 1000), (3, 4099)])
+def test_mla_decode(kernels, batch, seq_len):
+    heads, rank, rope = 96, 512, 64
+    q = torch.randn(batch, heads, 1, rank + rope, device=DEV).to(torch.bfloat16)
+    cache = torch.randn(batch, seq_len, rank + rope, device=DEV).to(torch.bfloat16)
+    scale = (128 + 64) ** -0.5
+    fast = _fast(kernels, "mla_decode", q)
+    out = fast(q, cache, scale)  # kv_lora_rank defaults to (R+P) - 64
+    ref = kernels.reference.mla_decode(q, cache, scale, rank)
+    assert out.shape == (batch, heads, 1, rank) and out.dtype == q.dtype
+    assert max_rel(out, ref) < 2e-2
+    assert rel_err(out, ref) < 1e-2
+    lens = torch.randint(1, seq_len + 1, (batch,), device=DEV)
+    out = fast(q, cache, scale, rank, lens)
+    ref = kernels.reference.mla_decode(q, cache, scale, rank, lens)
+    assert rel_err(out, ref) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_on_cuda(kernels):
+    x = torch.randn(4, 8, device=DEV)
+    available = kernels.available_ops()
+    for name in ("situ_glu", "block_attn_res_mix", "moe_experts", "mla_decode", "mxfp4_dequant"):
+        assert available[name] is True, (name, available[name])
+        assert kernels.get_fast_op(name, x) is not None
+    assert kernels.get_fast_op("situ_glu", x, torch.randn(4, 8)) is None  # one CPU tensor: reference
+    with kernels.reference_ops():
+        assert kernels.get_fast_op("situ_glu", x) is None
+    assert kernels.get_fast_op("situ_glu", x) is not None
