@@ -1,0 +1,135 @@
+"""Command-line entries. Each `run_*` takes an argparse-style argument list and returns an exit code:
+0 success, 1 verification found mismatches, 2 bad input / usage (the message names the file and tensor)."""
+
+import argparse
+import json
+import sys
+
+from .errors import ConversionError
+
+
+def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Convert a Kimi K3 release-layout checkpoint (folder or Hub "
+                                "repo id) into the transformers layout of this package.")
+    p.add_argument("src", help="release-layout folder, or a Hub repo id such as moonshotai/Kimi-K3")
+    p.add_argument("dst", help="output folder (created; resumed if it holds an unfinished run of the same job)")
+    p.add_argument("--revision", help="Hub revision (commit) when SRC is a repo id; pin one")
+    p.add_argument("--text-only", action="store_true", help="write KimiK3ForCausalLM alone (no vision tensors)")
+    p.add_argument("--experts-dtype", choices=("bf16", "mxfp4"), default="bf16",
+                   help="bf16: dequantise the routed experts (exact); mxfp4: keep them packed (experts_format=mxfp4)")
+    p.add_argument("--num-layers", type=int, help="keep a prefix of N layers (re-scheduled to end with MLA)")
+    p.add_argument("--num-experts", type=int, help="keep the first E experts with their router rows and biases")
+    p.add_argument("--allow-unknown", action="store_true", help="skip tensor names the name map does not know")
+    p.add_argument("--max-shard-size", default="5GB", help="output shard size limit (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint files already in DST")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    return p
+
+
+def _export_parser(prog: str = "kimik3 export") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Export one of our checkpoints (converted or fine-tuned) to "
+                                "the Kimi K3 release layout (experts re-quantised to MXFP4).")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--allow-unknown", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _verify_parser(prog: str = "kimik3 verify") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Compare a converted folder with its source, tensor by "
+                                "tensor and by the logits of a short forward.")
+    p.add_argument("src")
+    p.add_argument("converted")
+    p.add_argument("--revision")
+    p.add_argument("--logits", choices=("auto", "always", "never"), default="auto")
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    return p
+
+
+def _run(parser: argparse.ArgumentParser, argv, action) -> int:
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # argparse exits on --help and on usage errors; callers want a code
+        return int(exc.code or 0)
+    try:
+        return action(args)
+    except ConversionError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _do_convert(args) -> int:
+    from .converter import convert
+
+    summary = convert(
+        args.src, args.dst, text_only=args.text_only, experts_dtype=args.experts_dtype, num_layers=args.num_layers,
+        num_experts=args.num_experts, allow_unknown=args.allow_unknown, max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite, progress=not args.quiet, revision=args.revision,
+    )
+    print(f"converted {args.src} -> {args.dst}: {summary['shards']} shard(s), {summary['bytes'] / 1e9:.3f} GB, "
+          f"{len(summary['skipped'])} already done, {summary['seconds']:.1f} s")
+    for note in summary["provenance"]["notes"]:
+        print(f"note: {note}")
+    return 0
+
+
+def _do_export(args) -> int:
+    from .exporter import export
+
+    summary = export(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet,
+                     allow_unknown=args.allow_unknown)
+    err = summary["experts_roundtrip"]
+    print(f"exported {args.src} -> {args.dst}: {summary['shards']} shard(s), {summary['bytes'] / 1e9:.3f} GB; "
+          f"experts re-quantised: {err['experts_requantised']} ({err['experts_bit_exact']} bit-exact), relative RMS "
+          f"error {err['relative_rms_error']:.3g}, max |error| {err['max_abs_error']:.3g}")
+    for note in summary["notes"]:
+        print(f"note: {note}")
+    return 0
+
+
+def _do_verify(args) -> int:
+    from .verifier import verify
+
+    report = verify(args.src, args.converted, logits=args.logits, tokens=args.tokens, revision=args.revision)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    tensors = report["tensors"]
+    print(f"tensors: {tensors['compared']} compared, {len(tensors['mismatches'])} mismatch(es)")
+    for m in tensors["mismatches"][:20]:
+        print(f"  MISMATCH {m['tensor']} (source {m['source']}): {m['max_abs_diff']}")
+    logits = report["logits"]
+    if logits.get("skipped"):
+        print(f"logits: skipped ({logits['skipped']})")
+    else:
+        print(f"logits: {'equal' if logits.get('ok') else 'DIFFERENT'} (max |diff| {logits.get('max_abs_diff')})")
+    return 0 if report["ok"] else 1
+
+
+def run_convert(argv=None) -> int:
+    return _run(_convert_parser(), argv, _do_convert)
+
+
+def run_export(argv=None) -> int:
+    return _run(_export_parser(), argv, _do_export)
+
+
+def run_verify(argv=None) -> int:
+    return _run(_verify_parser(), argv, _do_verify)
+
+
+# Names the `kimik3` CLI (kimik3/cli.py, owned elsewhere) may call.
+main_convert, main_export, main_verify = run_convert, run_export, run_verify
+
+_COMMANDS = {"convert": run_convert, "export": run_export, "verify": run_verify}
+
+
+def cli_main(argv=None) -> int:
+    """`python -m kimik3.convert {convert,export,verify} ...`"""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in _COMMANDS:
+        print("usage: python -m kimik3.convert {convert,export,verify} ...", file=sys.stderr)
+        return 2
+    return _COMMANDS[argv[0]](argv[1:])

@@ -1,0 +1,154 @@
+"""`kimik3 convert SRC DST`: release layout -> our transformers layout."""
+
+import re
+import sys
+from pathlib import Path
+
+from . import files
+from .checkpoint import Checkpoint
+from .engine import plan_shards_by_size, write_checkpoint
+from .errors import ConversionError
+from .plan import ConvertOptions, RunContext, build_convert_plan
+from .schedule import output_config_dict
+
+CONVERTER_VERSION = "1"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
+def parse_size(value) -> int:
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ConversionError(f"cannot read size {value!r} (use e.g. 5GB, 500MB, 2GiB)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+
+
+def _hub_checkpoint(repo_id: str, revision: str | None, chunk_bytes: int) -> Checkpoint:
+    """A Hub repo: everything but the weights first, then each shard on first use (so only needed shards come)."""
+    try:
+        from huggingface_hub import hf_hub_download, snapshot_download
+    except ImportError:  # pragma: no cover - huggingface_hub is a transformers dependency
+        raise ConversionError(f"{repo_id}: not a local folder and huggingface_hub is not installed") from None
+    try:
+        root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=["*.safetensors"]))
+    except Exception as exc:  # network / auth / missing repo: report, do not guess
+        raise ConversionError(f"{repo_id}: not a local folder, and the Hub download failed: {exc}") from None
+    commit = root.name
+
+    def fetch(shard: str) -> None:
+        hf_hub_download(repo_id, shard, revision=commit)
+
+    return Checkpoint(root, chunk_bytes, fetch=fetch)
+
+
+def open_source(src, revision: str | None, chunk_bytes: int) -> Checkpoint:
+    path = Path(src)
+    if path.exists():
+        return Checkpoint(path, chunk_bytes)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(src)):
+        return _hub_checkpoint(str(src), revision, chunk_bytes)
+    raise ConversionError(f"{src}: no such folder (and not a Hub repo id)")
+
+
+def convert(
+    src,
+    dst,
+    *,
+    text_only: bool = False,
+    experts_dtype: str = "bf16",
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    allow_unknown: bool = False,
+    max_shard_size="5GB",
+    overwrite: bool = False,
+    progress: bool = True,
+    revision: str | None = None,
+    chunk_bytes: int | None = None,
+) -> dict:
+    """Converts a release-layout checkpoint (folder or Hub id) into our layout in `dst`. Returns a summary dict."""
+    if experts_dtype not in ("bf16", "mxfp4"):
+        raise ConversionError(f"--experts-dtype {experts_dtype!r}: choose bf16 or mxfp4")
+    options = ConvertOptions(
+        text_only=text_only,
+        experts_dtype=experts_dtype,
+        num_layers=num_layers,
+        num_experts=num_experts,
+        allow_unknown=allow_unknown,
+        max_shard_bytes=parse_size(max_shard_size),
+    )
+    if chunk_bytes:
+        options.chunk_bytes = chunk_bytes
+    dst = Path(dst)
+    with open_source(src, revision, options.chunk_bytes) as ckpt:
+        if dst.resolve() == ckpt.root.resolve():
+            raise ConversionError(f"{dst}: the destination is the source folder")
+        plan = build_convert_plan(ckpt, options)
+        classes = files.modeling_class_names()
+        config = output_config_dict(ckpt.config, plan.text_config, text_only, classes)
+        shards = plan_shards_by_size(plan.tensors, options.max_shard_bytes)
+        source_text = ckpt.text_config
+        provenance = {
+            "converter_version": CONVERTER_VERSION,
+            "source": str(src),
+            "revision": revision,
+            "source_index_sha256": ckpt.index_digest(),
+            "options": {
+                "text_only": text_only,
+                "experts_dtype": experts_dtype,
+                "num_layers": num_layers,
+                "num_experts": num_experts,
+                "allow_unknown": allow_unknown,
+            },
+            "layer_map": plan.layer_map,
+            "num_layers": len(plan.layer_map),
+            "source_num_layers": source_text.num_hidden_layers,
+            "num_experts": plan.num_experts,
+            "source_num_experts": source_text.num_experts,
+            "experts_format": plan.text_config.experts_format,
+            "notes": plan.notes,
+            "skipped_unknown": plan.skipped_unknown,
+            "tensors": len(plan.tensors),
+            "shards": len(shards),
+            "bytes": sum(s.nbytes for s in shards),
+        }
+        used_shards = ckpt.shards_used(plan.source_names)
+        identity = {
+            "provenance": provenance,
+            "config": config,
+            "source_shards": {s: ckpt.shard_path(s).stat().st_size for s in used_shards},
+            "max_shard_bytes": options.max_shard_bytes,
+        }
+        if "modeling_kimi_k3.py" not in {p.name for p in files.remote_code_files()}:
+            print("kimik3 convert: warning: modeling_kimi_k3.py is not available yet; the output will not load "
+                  "until it is copied in", file=sys.stderr)
+
+        def side_files():
+            out = [(p.name, p.read_bytes()) for p in files.tokenizer_files(ckpt.root)]
+            out += [(p.name, p.read_bytes()) for p in files.remote_code_files()]
+            out.append(("generation_config.json", files.generation_config_bytes(ckpt.root, ckpt.config)))
+            out.append((files.PROVENANCE_NAME, files.json_bytes(provenance)))
+            out.append(("README.md", files.model_card(provenance)))
+            return out
+
+        def final_files():
+            return [("config.json", files.json_bytes(config))]
+
+        summary = write_checkpoint(
+            dst,
+            shards,
+            identity,
+            side_files,
+            final_files,
+            RunContext(),
+            overwrite=overwrite,
+            progress=progress,
+            label="kimik3 convert",
+        )
+    summary.update(provenance=provenance, source_shards_read=used_shards)
+    return summary
+
+
+__all__ = ["convert", "parse_size", "open_source", "CONVERTER_VERSION"]

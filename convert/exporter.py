@@ -1,0 +1,85 @@
+"""`kimik3 export SRC DST`: our layout (converted or fine-tuned) -> the release layout.
+
+Names and shard layout as the release (shard k holds decoder layer k-1, then embed/head/norms, projector, vision;
+`model-XXXXX-of-0000NN.safetensors`, 6-digit total), config.json from `to_release_dict()` (1-based lists, the
+release's MXFP4 quantization_config), `A_log` zero-padded to max(128, H) (the release pads its 96 heads to 128;
+for H > 128 there is nothing to pad), experts split per expert and re-quantised to MXFP4 (`quantize_mxfp4`, OCP
+scale rule, round to nearest even), with the round-trip error measured on every expert. Experts kept packed are
+split without re-quantisation. Everything else is copied bit for bit (or cast to the release dtype, with a note).
+"""
+
+import json
+import math
+from pathlib import Path
+
+from . import files
+from .checkpoint import Checkpoint
+from .converter import CONVERTER_VERSION
+from .engine import ShardPlan, write_checkpoint
+from .errors import ConversionError
+from .plan import RunContext, build_export_plan
+from .schedule import release_config_dict
+
+EXPORT_REPORT_NAME = "kimik3_export.json"
+
+
+def release_shards(tensors, num_layers: int) -> list[ShardPlan]:
+    groups = [f"layer:{i}" for i in range(num_layers)] + ["model", "projector", "vision"]
+    by_group = {g: [t for t in tensors if t.group == g] for g in groups}
+    kept = [g for g in groups if by_group[g] or g.startswith("layer:") or g == "model"]
+    total = len(kept)
+    return [ShardPlan(f"model-{k:05d}-of-{total:06d}.safetensors", by_group[g]) for k, g in enumerate(kept, start=1)]
+
+
+def summarise_error(stats: dict) -> dict:
+    """Round-trip error of the re-quantised experts over all shards: relative RMS error, max |error|, and how many
+    experts came back bit-exact (all of them, when the experts were never changed after conversion)."""
+    totals = {"experts": 0, "exact_experts": 0, "weights": 0, "sum_sq_err": 0.0, "sum_sq_ref": 0.0, "max_abs_err": 0.0}
+    for bucket in stats.values():
+        for key in totals:
+            if key == "max_abs_err":
+                totals[key] = max(totals[key], bucket.get(key, 0.0))
+            else:
+                totals[key] += bucket.get(key, 0)
+    rel = math.sqrt(totals["sum_sq_err"] / totals["sum_sq_ref"]) if totals["sum_sq_ref"] else 0.0
+    return {
+        "experts_requantised": totals["experts"],
+        "experts_bit_exact": totals["exact_experts"],
+        "relative_rms_error": rel,
+        "max_abs_error": totals["max_abs_err"],
+        "weights": totals["weights"],
+    }
+
+
+def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_unknown: bool = False) -> dict:
+    dst = Path(dst)
+    context = RunContext()
+    with Checkpoint(src) as ckpt:
+        if dst.resolve() == ckpt.root.resolve():
+            raise ConversionError(f"{dst}: the destination is the source folder")
+        plan = build_export_plan(ckpt, context, "mxfp4", allow_unknown)
+        shards = release_shards(plan.tensors, ckpt.text_config.num_hidden_layers)
+        release_config = release_config_dict(ckpt.config)
+        identity = {"source_index_sha256": ckpt.index_digest(), "config": release_config,
+                    "version": CONVERTER_VERSION}
+
+        def side_files():
+            out = [(p.name, p.read_bytes()) for p in files.tokenizer_files(ckpt.root)]
+            out += [(p.name, p.read_bytes()) for p in files.remote_code_files()]
+            generation = ckpt.root / "generation_config.json"
+            if generation.exists():
+                out.append(("generation_config.json", generation.read_bytes()))
+            report = {"source": str(src), "notes": sorted(set(plan.notes)),
+                      "experts_roundtrip": summarise_error(context.stats)}
+            out.append((EXPORT_REPORT_NAME, files.json_bytes(report)))
+            return out
+
+        def final_files():
+            # the release's own formatting: sorted keys, indent 2, no trailing newline
+            return [("config.json", json.dumps(release_config, indent=2, sort_keys=True).encode())]
+
+        summary = write_checkpoint(dst, shards, identity, side_files, final_files, context, overwrite=overwrite,
+                                   progress=progress, label="kimik3 export")
+    summary["experts_roundtrip"] = summarise_error(context.stats)
+    summary["notes"] = sorted(set(plan.notes))
+    return summary

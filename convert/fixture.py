@@ -1,0 +1,236 @@
+"""A tiny random checkpoint in exactly the release's on-disk form, for tests and benchmarks.
+
+Same as `moonshotai/Kimi-K3` except for the sizes: the composite config.json is the released one with shrunk
+numbers (1-based layer lists, nested text_config with its quantization_config), tensor names and dtypes as the
+release (F32 A_log / dt_bias / convs / o_norm / router bias, BF16 elsewhere, routed experts MXFP4 `weight_packed` +
+`weight_scale`), A_log zero-padded to 128, one decoder layer per shard named `model-XXXXX-of-0000NN` (6-digit
+total), then the embed/head shard, the projector shard and the vision shard. Written with the `safetensors` library
+(not our writer), so tests of our reader are not circular.
+
+MXFP4 experts are random E2M1 codes with one code of magnitude 6 in every group of 32 (so re-quantising their
+dequantised values reproduces the same bytes) and E8M0 scales near 2^-7; their exact dense values are returned.
+"""
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from . import _modeling
+from . import name_map as nm
+
+TEXT_PREFIX = "language_model."
+TINY_TEXT = {
+    "hidden_size": 64,
+    "vocab_size": 256,
+    "intermediate_size": 96,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "moe_intermediate_size": 32,  # MXFP4 groups of 32 along the input dim: latent and intermediate multiples of 32
+    "routed_expert_hidden_size": 32,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 2,
+    "attn_res_block_size": 2,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 240,
+    "eos_token_id": 242,
+    "pad_token_id": 255,
+}
+TINY_LINEAR = {"num_heads": 2, "head_dim": 16}
+TINY_VISION = {
+    "vt_hidden_size": 32,
+    "vt_intermediate_size": 64,
+    "vt_num_attention_heads": 2,
+    "qkv_hidden_size": 32,
+    "vt_num_hidden_layers": 2,
+    "patch_size": 4,
+    "init_pos_emb_height": 4,
+    "init_pos_emb_width": 4,
+    "mm_hidden_size": 32,
+}
+TINY_TOP = {"bos_token_id": 240, "eos_token_id": 242, "pad_token_id": 255, "media_placeholder_token_id": 253}
+
+
+@dataclass
+class ReleaseFixture:
+    path: Path
+    config: dict  # the config.json written
+    dense: dict = field(default_factory=dict)  # release name -> exact dense value (experts as `...{w}.weight`)
+    shards: list = field(default_factory=list)
+
+
+def release_schedule(num_layers: int) -> tuple[list[int], list[int]]:
+    """The release's pattern (1-based): MLA at every 4th layer plus the last one, KDA elsewhere."""
+    full = [i for i in range(1, num_layers + 1) if i % 4 == 0]
+    if num_layers not in full:
+        full.append(num_layers)
+    kda = [i for i in range(1, num_layers + 1) if i not in full]
+    return kda, full
+
+
+def released_config() -> dict:
+    return json.loads((_modeling.configuration_data_dir() / "kimi_k3_config.json").read_text())
+
+
+def tiny_release_config(num_layers: int = 6, num_experts: int = 8, config_overrides: dict | None = None,
+                        vision_overrides: dict | None = None, linear_overrides: dict | None = None) -> dict:
+    config = released_config()
+    text = config["text_config"]
+    text.update(TINY_TEXT)
+    kda, full = release_schedule(num_layers)
+    text["linear_attn_config"].update(TINY_LINEAR, kda_layers=kda, full_attn_layers=full)
+    text["linear_attn_config"].update(linear_overrides or {})
+    text["num_hidden_layers"] = num_layers
+    text["num_experts"] = num_experts
+    text.update(config_overrides or {})
+    config.update(TINY_TOP)
+    config["vision_config"].update(TINY_VISION, text_hidden_size=text["hidden_size"])
+    config["vision_config"].update(vision_overrides or {})
+    return config
+
+
+def _random_codes(gen, shape) -> torch.Tensor:
+    """Random E2M1 codes with one magnitude-6 code (7 or 15) per group of 32 (round-trip-stable scales)."""
+    codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8)
+    groups = codes.view(*shape[:-1], shape[-1] // 32, 32)
+    sign = torch.randint(0, 2, groups.shape[:-1], generator=gen, dtype=torch.uint8) * 8
+    position = torch.randint(0, 32, groups.shape[:-1], generator=gen)
+    groups.scatter_(-1, position.unsqueeze(-1), (7 + sign).unsqueeze(-1))
+    return codes
+
+
+def random_mxfp4(gen, out_dim: int, in_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = _random_codes(gen, (out_dim, in_dim))
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scale = torch.randint(118, 123, (out_dim, in_dim // 32), generator=gen, dtype=torch.uint8)
+    return packed.contiguous(), scale
+
+
+def _value(gen, name: str, shape: tuple[int, ...], dtype: str, heads: int) -> torch.Tensor:
+    torch_dtype = torch.float32 if dtype == "F32" else torch.bfloat16
+    if name.endswith("A_log"):
+        values = torch.zeros(shape, dtype=torch.float32)
+        values[:heads] = torch.log(torch.rand(heads, generator=gen) * 15 + 1)
+        return values
+    if name.endswith("norm.weight"):
+        return (1 + 0.1 * torch.randn(shape, generator=gen)).to(torch_dtype)
+    if name.endswith(("e_score_correction_bias", "dt_bias")):
+        return (0.1 * torch.randn(shape, generator=gen)).to(torch_dtype)
+    fan_in = shape[-1] if len(shape) > 1 else 1
+    if name.endswith("conv1d.weight"):
+        fan_in = shape[-1]
+    scale = 1.0 if "embed_tokens" in name else 1 / math.sqrt(fan_in)
+    return (scale * torch.randn(shape, generator=gen)).to(torch_dtype)
+
+
+def _tensor_names(text_cfg, vision_cfg, vision: bool):
+    """(group, release name, rule) for every tensor of the checkpoint, from the release-side columns of the map."""
+    symbols = nm.dims(text_cfg, vision_cfg)
+    for layer in range(text_cfg.num_hidden_layers):
+        for rule in nm.expected_layer_rules(text_cfg, layer):
+            yield layer, TEXT_PREFIX + nm.fill(rule.release, L=layer), rule
+        for rule in nm.expected_layer_expert_rules(text_cfg, layer):
+            for expert in range(symbols["E"]):
+                for part in rule.parts:
+                    yield layer, TEXT_PREFIX + nm.fill(rule.release, L=layer, E=expert, W=part), (rule, part)
+    for rule in nm.expected_model_rules(text_cfg):
+        yield "model", TEXT_PREFIX + rule.release, rule
+    if vision:
+        for rule in nm.vision_rules():
+            blocks = range(symbols["VB"]) if "{B}" in rule.release else [None]
+            for block in blocks:
+                name = nm.fill(rule.release, B=block) if block is not None else rule.release
+                yield ("projector" if name.startswith("mm_projector.") else "vision"), name, rule
+
+
+def _aux_files(dst: Path, config: dict) -> None:
+    text = config["text_config"]
+    (dst / "generation_config.json").write_text(
+        json.dumps({"max_length": text["max_position_embeddings"], "eos_token_id": text["eos_token_id"]}, indent=2)
+    )
+    (dst / "tiktoken.model").write_bytes(b"IQ== 0\nIg== 1\n")
+    (dst / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}, "bos_token": "[BOS]",
+         "eos_token": "<|end_of_msg|>", "model_max_length": 1048576}, indent=2))
+    (dst / "tokenization_kimi.py").write_text("# release tokenizer (fixture placeholder)\n")
+    (dst / "encoding_k3.py").write_text("# release XTML chat encoder (fixture placeholder)\n")
+    (dst / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": {"patch_size": 14}}, indent=2))
+    (dst / "LICENSE").write_text("Kimi K3 License (fixture placeholder)\n")
+    (dst / "README.md").write_text("# Kimi K3 (fixture placeholder card)\n")
+    for name in ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeling_kimi_linear.py"):
+        (dst / name).write_text("# the release's own remote code (fixture placeholder): never copied\n")
+
+
+def write_release_checkpoint(
+    dst,
+    *,
+    seed: int = 0,
+    num_layers: int = 6,
+    num_experts: int = 8,
+    config_overrides: dict | None = None,
+    linear_overrides: dict | None = None,
+    vision_overrides: dict | None = None,
+    vision: bool = True,
+    experts: str = "mxfp4",
+    return_dense: bool = True,
+) -> ReleaseFixture:
+    """Writes the checkpoint to `dst` (created) and returns its config and, unless `return_dense=False`, the exact
+    dense value of every tensor under its release name (experts as dense `...experts.{E}.{w}.weight`)."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    config = tiny_release_config(num_layers, num_experts, config_overrides, vision_overrides, linear_overrides)
+    module = _modeling.config_module()
+    parsed = module.KimiK3Config(**copy.deepcopy(config))
+    text_cfg, vision_cfg = parsed.text_config, parsed.vision_config
+    symbols = nm.dims(text_cfg, vision_cfg)
+    gen = torch.Generator().manual_seed(seed)
+
+    groups: dict = {}
+    for group, name, rule in _tensor_names(text_cfg, vision_cfg, vision):
+        groups.setdefault(group, []).append((name, rule))
+    order = list(range(num_layers)) + ["model"] + (["projector", "vision"] if vision else [])
+    total = len(order)
+    fixture = ReleaseFixture(dst, config)
+    weight_map, total_size = {}, 0
+    for k, group in enumerate(order, start=1):
+        shard = f"model-{k:05d}-of-{total:06d}.safetensors"
+        tensors = {}
+        for name, rule in groups[group]:
+            if isinstance(rule, tuple):  # an expert part
+                expert_rule, part = rule
+                out_dim, in_dim = nm.shape_of(expert_rule.part_shape, symbols)
+                if experts == "mxfp4":
+                    packed, scale = random_mxfp4(gen, out_dim, in_dim)
+                    tensors[name + ".weight_packed"], tensors[name + ".weight_scale"] = packed, scale
+                    if return_dense:
+                        fixture.dense[name + ".weight"] = _modeling.ops_module().dequantize_mxfp4(packed, scale)
+                else:
+                    value = (torch.randn(out_dim, in_dim, generator=gen) / math.sqrt(in_dim)).to(torch.bfloat16)
+                    tensors[name + ".weight"] = value
+                    if return_dense:
+                        fixture.dense[name + ".weight"] = value
+                continue
+            value = _value(gen, name, nm.shape_of(rule.shape, symbols), rule.dtype, symbols["H"])
+            tensors[name] = value
+            if return_dense:
+                fixture.dense[name] = value
+        save_file(tensors, str(dst / shard), metadata={"format": "pt"})
+        for name, value in tensors.items():
+            weight_map[name] = shard
+            total_size += value.numel() * value.element_size()
+        fixture.shards.append(shard)
+        del tensors
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    _aux_files(dst, config)
+    return fixture

@@ -1,0 +1,582 @@
+"""Plans: the list of output tensors, each with its layout (name, dtype, shape) and a producer that streams its bytes.
+
+Both directions are evaluations of the rule tables in `name_map.py`. A producer yields the tensor's bytes in order as
+a sequence of chunks; the writer never holds more than one chunk, so peak memory is the largest chunk:
+  * plain tensors (all non-expert tensors) are copied as byte ranges of at most `chunk_bytes` (64 MiB by default);
+  * fused experts are produced a few experts at a time (as many as fit in `chunk_bytes` of output, at least one),
+    straight into the output file: the fused [E, 2I, Dl] tensor itself is never materialised.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from . import _modeling
+from . import name_map as nm
+from .errors import ConversionError, shard_error
+from .safetensors_io import DEFAULT_CHUNK_BYTES, DTYPES, OutSpec, itemsize
+
+TEXT_PREFIX = "language_model."
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+@dataclass
+class OutTensor:
+    spec: OutSpec
+    produce: Callable[[], Iterator[torch.Tensor]]
+    origin: str  # where the bytes come from; part of the resume fingerprint
+    group: str = "model"  # export: which release shard it belongs to ("layer:<L>", "model", "projector", "vision")
+
+
+@dataclass
+class RunContext:
+    """Shared by the producers of one run: the shard being written and per-shard statistics (export errors)."""
+
+    shard: str | None = None
+    stats: dict = field(default_factory=dict)
+
+    def add(self, **values) -> None:
+        bucket = self.stats.setdefault(self.shard or "", {})
+        for key, value in values.items():
+            if key.startswith("max_"):
+                bucket[key] = max(bucket.get(key, 0.0), value)
+            else:
+                bucket[key] = bucket.get(key, 0) + value
+
+
+def _ops():
+    return _modeling.ops_module()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Producers (the named transforms of the table)
+
+
+def copy_bytes(ckpt, name: str, nbytes: int | None = None):
+    """`copy` and `first_experts`: a prefix of the source bytes (rows are contiguous, so the first E rows are a byte
+    prefix), streamed in chunks."""
+
+    def produce():
+        yield from ckpt.reader(name).iter_byte_chunks(name, nbytes)
+
+    return produce
+
+
+def cast_tensor(ckpt, name: str, dtype: torch.dtype):
+    def produce():
+        yield ckpt.reader(name).read(name).to(dtype)
+
+    return produce
+
+
+def unpad_heads(ckpt, name: str, heads: int):
+    """Release A_log [A] -> ours [H]; the padding must be exactly zero, or the file is not what we think it is."""
+
+    def produce():
+        full = ckpt.reader(name).read(name)
+        tail = full[heads:]
+        nonzero = torch.nonzero(tail != 0)
+        if nonzero.numel():
+            first = heads + int(nonzero[0, 0])
+            raise shard_error(
+                ckpt.reader(name).path,
+                f"A_log has {full.numel()} entries of which {heads} are heads; the padding must be zero but entry "
+                f"{first} is {float(full[first])!r}",
+                name,
+            )
+        yield full[:heads].clone()
+
+    return produce
+
+
+def pad_heads(ckpt, name: str, length: int, dtype: torch.dtype):
+    """Ours [H] -> release [max(128, H)], zero padded (export)."""
+
+    def produce():
+        values = ckpt.reader(name).read(name).to(dtype)
+        padded = torch.zeros(length, dtype=dtype)
+        padded[: values.numel()] = values
+        yield padded
+
+    return produce
+
+
+def _batches(count: int, per_item_bytes: int, chunk_bytes: int):
+    step = max(1, chunk_bytes // max(1, per_item_bytes))
+    for start in range(0, count, step):
+        yield range(start, min(count, start + step))
+
+
+def fused_experts(ckpt, part_names, mode: str, per_expert_out_bytes: int, chunk_bytes: int):
+    """Our fused expert tensor from per-expert release tensors, a batch of experts at a time.
+
+    part_names[e] lists, per part (w1, w3 | w2), the release names: (packed, scale) or (weight,).
+    mode: "dense" (bf16; dequantised when the source is packed), "packed" or "scale" (kept MXFP4 bytes).
+    """
+    dequantize = _ops().dequantize_mxfp4
+
+    def read_stack(experts, part, slot):
+        return torch.stack([ckpt.reader(part_names[e][part][slot]).read(part_names[e][part][slot]) for e in experts])
+
+    def dense_part(experts, part):
+        if len(part_names[experts[0]][part]) == 2:
+            return dequantize(read_stack(experts, part, 0), read_stack(experts, part, 1), torch.bfloat16)
+        return read_stack(experts, part, 0).to(torch.bfloat16)
+
+    def produce():
+        num_parts = len(part_names[0])
+        for experts in _batches(len(part_names), per_expert_out_bytes, chunk_bytes):
+            if mode == "dense":
+                parts = [dense_part(experts, p) for p in range(num_parts)]
+            else:
+                slot = 0 if mode == "packed" else 1
+                parts = [read_stack(experts, p, slot) for p in range(num_parts)]
+            yield parts[0] if num_parts == 1 else torch.cat(parts, dim=1)
+
+    return produce
+
+
+class _ExpertCache:
+    """Export reads each expert's slice of a fused tensor once and serves its packed and scale outputs from it."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self.items: OrderedDict = OrderedDict()
+
+    def get(self, key, compute):
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = compute()
+        self.items[key] = value
+        if len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
+
+
+def _fused_rows(ckpt, name: str, expert: int, rows: tuple[int, int]) -> torch.Tensor:
+    """Rows [r0, r1) of expert `expert` of our fused [E, R, C] tensor, read as one contiguous byte range."""
+    entry = ckpt.entry(name)
+    _, total_rows, cols = entry.shape
+    row_bytes = cols * itemsize(entry.dtype)
+    start = (expert * total_rows + rows[0]) * row_bytes
+    data = ckpt.reader(name).read_bytes(name, start, start + (rows[1] - rows[0]) * row_bytes)
+    return data.view(entry.torch_dtype).reshape(rows[1] - rows[0], cols)
+
+
+def export_expert_part(ckpt, ours: str, packed: bool, expert: int, rows, suffix: str, cache, context):
+    """One release expert tensor (`weight_packed` / `weight_scale` / dense `weight`) from our fused tensors."""
+    quantize, dequantize = _ops().quantize_mxfp4, _ops().dequantize_mxfp4
+
+    def quantized():
+        if packed:
+            return _fused_rows(ckpt, ours + "_packed", expert, rows), _fused_rows(ckpt, ours + "_scale", expert, rows)
+        dense = _fused_rows(ckpt, ours, expert, rows)
+        q_packed, q_scale = quantize(dense)
+        # the round-trip error of re-quantisation, measured on every expert
+        back = dequantize(q_packed, q_scale, torch.float32)
+        ref = dense.float()
+        err = back - ref
+        context.add(
+            experts=1,
+            exact_experts=int(torch.equal(back, ref)),
+            weights=ref.numel(),
+            sum_sq_err=float((err * err).sum()),
+            sum_sq_ref=float((ref * ref).sum()),
+            max_abs_err=float(err.abs().max()) if err.numel() else 0.0,
+        )
+        return q_packed, q_scale
+
+    def dense_values():
+        if packed:
+            return dequantize(
+                _fused_rows(ckpt, ours + "_packed", expert, rows), _fused_rows(ckpt, ours + "_scale", expert, rows),
+                torch.bfloat16,
+            )
+        return _fused_rows(ckpt, ours, expert, rows).to(torch.bfloat16)
+
+    def produce():
+        if suffix == "weight":
+            yield cache.get((ours, expert, rows, "dense"), dense_values)
+        else:
+            q_packed, q_scale = cache.get((ours, expert, rows, "q"), quantized)
+            yield q_packed if suffix == "weight_packed" else q_scale
+
+    return produce
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Convert: release -> ours
+
+
+@dataclass
+class ConvertOptions:
+    text_only: bool = False
+    experts_dtype: str = "bf16"  # "bf16" | "mxfp4"
+    num_layers: int | None = None
+    num_experts: int | None = None
+    allow_unknown: bool = False
+    max_shard_bytes: int = 5 * 10**9
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+
+@dataclass
+class Classified:
+    matches: dict  # release name -> Match
+    unknown: list
+    expert_suffixes: dict  # layer -> set of release storage suffixes present
+
+
+def _split_scope(name: str, composite: bool):
+    if name.startswith(VISION_PREFIXES):
+        return name, "vision"
+    if composite:
+        return (name[len(TEXT_PREFIX):], "text") if name.startswith(TEXT_PREFIX) else (None, None)
+    return name, "text"
+
+
+def classify_release(src) -> Classified:
+    text = src.text_config
+    symbols = nm.dims(text, src.vision_config)
+    matches, unknown, suffixes = {}, [], {}
+    for name in sorted(src.weight_map):
+        relative, scope = _split_scope(name, src.composite)
+        if relative is None:
+            unknown.append(name)
+            continue
+        if scope == "text":
+            layer = nm.layer_of(relative)
+            if layer is not None and layer >= text.num_hidden_layers:
+                raise ConversionError(
+                    f"{src.index_path}: tensor `{name}` (shard {src.weight_map[name]}) is in layer {layer}, but "
+                    f"config.json has num_hidden_layers={text.num_hidden_layers} (layers 0..{text.num_hidden_layers - 1})"
+                )
+        match = nm.match_release(relative, text, scope)
+        if match is None:
+            unknown.append(name)
+            continue
+        if match.expert is not None:
+            if match.expert >= symbols["E"]:
+                raise ConversionError(
+                    f"{src.index_path}: tensor `{name}` is expert {match.expert}, but config.json has "
+                    f"num_experts={symbols['E']}"
+                )
+            suffixes.setdefault(match.layer, set()).add(match.suffix)
+        if match.block is not None and match.block >= symbols.get("VB", 0):
+            raise ConversionError(
+                f"{src.index_path}: tensor `{name}` is vision block {match.block}, but the vision config has "
+                f"{symbols.get('VB', 0)} blocks"
+            )
+        matches[name] = match
+    return Classified(matches, unknown, suffixes)
+
+
+def _check_entry(src, name: str, dtype: str, shape: tuple[int, ...], why: str):
+    if name not in src.weight_map:
+        raise ConversionError(f"{src.index_path}: tensor `{name}` is missing from the index ({why})")
+    entry = src.entry(name)
+    if entry.dtype != dtype or tuple(entry.shape) != tuple(shape):
+        raise shard_error(
+            src.shard_path(src.weight_map[name]),
+            f"expected {dtype} {list(shape)} ({why}), found {entry.dtype} {list(entry.shape)}",
+            name,
+        )
+    return entry
+
+
+def _expert_format(src, classified: Classified, layer: int, prefix: str) -> str:
+    present = classified.expert_suffixes.get(layer, set())
+    packed = bool(present & {"weight_packed", "weight_scale"})
+    if packed and "weight" in present:
+        raise ConversionError(
+            f"{src.index_path}: layer {layer} mixes packed (weight_packed/weight_scale) and plain (weight) experts "
+            f"under `{prefix}model.layers.{layer}.block_sparse_moe.experts`"
+        )
+    return "plain" if present == {"weight"} else "packed"
+
+
+def _expert_part_sources(src, rule: nm.ExpertRule, src_layer: int, fmt: str, keep: int, symbols, prefix: str):
+    """Validated release names of every kept expert's parts: [[(names of part 0), (names of part 1)], ...]."""
+    logical = nm.shape_of(rule.part_shape, symbols)
+    packed_shape, scale_shape = nm.packed_shapes(logical)
+    out = []
+    for expert in range(keep):
+        per_part = []
+        for part in rule.parts:
+            base = prefix + nm.fill(rule.release, L=src_layer, E=expert, W=part)
+            why = f"expert {expert} `{part}` of MoE layer {src_layer}"
+            if fmt == "plain":
+                _check_entry(src, base + ".weight", "BF16", logical, why)
+                per_part.append((base + ".weight",))
+                continue
+            packed_name, scale_name = base + ".weight_packed", base + ".weight_scale"
+            for name in (packed_name, scale_name):
+                if name not in src.weight_map:
+                    raise ConversionError(f"{src.index_path}: tensor `{name}` is missing from the index ({why})")
+            p, s = src.entry(packed_name), src.entry(scale_name)
+            if (p.dtype, tuple(p.shape), s.dtype, tuple(s.shape)) != ("U8", packed_shape, "U8", scale_shape):
+                raise shard_error(
+                    src.shard_path(src.weight_map[packed_name]),
+                    f"MXFP4 packed/scale shapes do not match: logical {list(logical)} (group 32) needs U8 packed "
+                    f"{list(packed_shape)} and U8 scale {list(scale_shape)}, found {p.dtype} {list(p.shape)} and "
+                    f"{s.dtype} {list(s.shape)} (`{scale_name}`)",
+                    packed_name,
+                )
+            per_part.append((packed_name, scale_name))
+        out.append(per_part)
+    return out
+
+
+@dataclass
+class ConvertPlan:
+    tensors: list[OutTensor]
+    text_config: object
+    layer_map: list[int]
+    num_experts: int | None
+    notes: list[str]
+    skipped_unknown: list[str]
+    source_names: set
+
+
+def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
+    from .schedule import layer_map as make_layer_map, output_text_config
+
+    text = src.text_config
+    symbols = nm.dims(text, src.vision_config)
+    classified = classify_release(src)
+    notes = []
+    if classified.unknown:
+        shown = ", ".join(f"`{n}` ({src.weight_map[n]})" for n in classified.unknown[:5])
+        if not options.allow_unknown:
+            raise ConversionError(
+                f"{src.index_path}: {len(classified.unknown)} tensor name(s) have no rule in the name map: {shown}"
+                f"{' ...' if len(classified.unknown) > 5 else ''}; pass --allow-unknown to skip them"
+            )
+        notes.append(f"skipped {len(classified.unknown)} unknown tensor(s), e.g. {shown}")
+
+    mapping, note = make_layer_map(text, options.num_layers)
+    if note:
+        notes.append(note)
+    total_experts = symbols["E"]
+    keep = total_experts
+    if options.num_experts is not None and total_experts:
+        if not 1 <= options.num_experts <= total_experts:
+            raise ConversionError(f"--num-experts {options.num_experts}: the source has {total_experts} experts")
+        keep = options.num_experts
+    experts_format = "mxfp4" if options.experts_dtype == "mxfp4" else "dense"
+    out_text = output_text_config(text, mapping, keep if total_experts else None, experts_format)
+    if out_text.num_experts and out_text.num_experts_per_token != text.num_experts_per_token:
+        notes.append(f"num_experts_per_token lowered to {out_text.num_experts_per_token} (only {keep} experts kept)")
+
+    text_out_prefix = "" if options.text_only or not src.composite else TEXT_PREFIX
+    src_prefix = TEXT_PREFIX if src.composite else ""
+    tensors: list[OutTensor] = []
+    used: set = set()
+
+    def add_rule(rule: nm.TensorRule, src_name: str, out_name: str, why: str, group: str):
+        shape = nm.shape_of(rule.shape, symbols)
+        entry = _check_entry(src, src_name, rule.dtype, shape, why)
+        used.add(src_name)
+        if rule.transform == "unpad_heads":
+            heads = symbols["H"]
+            spec = OutSpec(out_name, rule.dtype, (heads,))
+            produce = unpad_heads(src, src_name, heads)
+        elif rule.transform == "first_experts" and keep != total_experts:
+            spec = OutSpec(out_name, rule.dtype, (keep,) + shape[1:])
+            produce = copy_bytes(src, src_name, spec.nbytes)
+        else:
+            spec = OutSpec(out_name, rule.dtype, shape)
+            produce = copy_bytes(src, src_name, entry.nbytes)
+        tensors.append(OutTensor(spec, produce, f"{rule.transform}:{src_name}", group))
+
+    for out_layer, src_layer in enumerate(mapping):
+        kind = f"{text.layer_types[src_layer]} / {text.mlp_layer_types[src_layer]} layer {src_layer}"
+        for rule in nm.expected_layer_rules(text, src_layer):
+            add_rule(
+                rule,
+                src_prefix + nm.fill(rule.release, L=src_layer),
+                text_out_prefix + nm.fill(rule.ours, L=out_layer),
+                kind,
+                f"layer:{out_layer}",
+            )
+        for rule in nm.expected_layer_expert_rules(text, src_layer):
+            fmt = _expert_format(src, classified, src_layer, src_prefix)
+            if experts_format == "mxfp4" and fmt == "plain":
+                raise ConversionError(
+                    f"{src.index_path}: --experts-dtype mxfp4 keeps packed experts, but layer {src_layer}'s experts "
+                    "are plain bf16 (`.weight`); convert with --experts-dtype bf16"
+                )
+            parts = _expert_part_sources(src, rule, src_layer, fmt, keep, symbols, src_prefix)
+            used.update(n for per_part in parts for names in per_part for n in names)
+            logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
+            rows = sum(shape[0] for shape in logical)
+            cols = logical[0][1]
+            out_name = text_out_prefix + nm.fill(rule.ours, L=out_layer)
+            origin = f"experts:{src_prefix}{nm.fill(rule.release, L=src_layer, E='*', W='|'.join(rule.parts))}"
+            if experts_format == "dense":
+                spec = OutSpec(out_name, "BF16", (keep, rows, cols))
+                per_expert = rows * cols * 2
+                produce = fused_experts(src, parts, "dense", per_expert, options.chunk_bytes)
+                tensors.append(OutTensor(spec, produce, origin + ":dense", f"layer:{out_layer}"))
+            else:
+                for suffix, mode, width in (("_packed", "packed", cols // 2), ("_scale", "scale", cols // nm.MXFP4_GROUP)):
+                    spec = OutSpec(out_name + suffix, "U8", (keep, rows, width))
+                    produce = fused_experts(src, parts, mode, rows * width, options.chunk_bytes)
+                    tensors.append(OutTensor(spec, produce, f"{origin}:{mode}", f"layer:{out_layer}"))
+
+    for rule in nm.expected_model_rules(text):
+        add_rule(rule, src_prefix + rule.release, text_out_prefix + rule.ours, "model level", "model")
+
+    vision_names = [n for n, m in classified.matches.items() if getattr(m.rule, "scope", "text") == "vision"]
+    if src.composite and not options.text_only and vision_names:
+        if "VH" not in symbols:
+            raise ConversionError(f"{src.root / 'config.json'}: the index has vision tensors but vision_config "
+                                  "lacks the MoonViT sizes")
+        for rule in nm.vision_rules():
+            blocks = range(symbols["VB"]) if "{B}" in rule.release else [None]
+            for block in blocks:
+                name = nm.fill(rule.release, B=block) if block is not None else rule.release
+                group = "projector" if name.startswith("mm_projector.") else "vision"
+                add_rule(rule, name, name, "vision tower / projector", group)
+    elif src.composite and not options.text_only:
+        notes.append("the source has no vision tensors; none are written")
+    return ConvertPlan(tensors, out_text, mapping, keep if total_experts else None, notes, classified.unknown, used)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Export: ours -> release
+
+
+@dataclass
+class ExportPlan:
+    tensors: list[OutTensor]
+    notes: list[str]
+
+
+def _classify_ours(ckpt):
+    text = ckpt.text_config
+    matches, unknown = {}, []
+    for name in sorted(ckpt.weight_map):
+        relative, scope = _split_scope(name, ckpt.composite)
+        if relative is None:
+            unknown.append(name)
+            continue
+        if scope == "text":
+            layer = nm.layer_of(relative)
+            if layer is not None and layer >= text.num_hidden_layers:
+                raise ConversionError(
+                    f"{ckpt.index_path}: tensor `{name}` is in layer {layer}, but config.json has "
+                    f"num_hidden_layers={text.num_hidden_layers}"
+                )
+        match = nm.match_ours(relative, text, scope)
+        if match is None:
+            unknown.append(name)
+        else:
+            matches[name] = match
+    return matches, unknown
+
+
+def build_export_plan(ckpt, context: RunContext, experts: str = "mxfp4", allow_unknown: bool = False) -> ExportPlan:
+    """experts: "mxfp4" (the release layout: re-quantised, or split when kept packed) or "dense" (per-expert bf16
+    `.weight`; what `verify` compares against the source)."""
+    text = ckpt.text_config
+    symbols = nm.dims(text, ckpt.vision_config)
+    matches, unknown = _classify_ours(ckpt)
+    notes = []
+    if unknown:
+        if not allow_unknown:
+            raise ConversionError(
+                f"{ckpt.index_path}: {len(unknown)} tensor name(s) are not ours, e.g. `{unknown[0]}`; pass "
+                "--allow-unknown to skip them"
+            )
+        notes.append(f"skipped {len(unknown)} unknown tensor(s), e.g. `{unknown[0]}`")
+    our_prefix = TEXT_PREFIX if ckpt.composite else ""
+    tensors: list[OutTensor] = []
+    cache = _ExpertCache()
+
+    def add_rule(rule: nm.TensorRule, our_name: str, release_name: str, why: str, group: str):
+        release_shape = nm.shape_of(rule.shape, symbols)
+        ours_shape = (symbols["H"],) if rule.transform == "unpad_heads" else release_shape
+        if our_name not in ckpt.weight_map:
+            raise ConversionError(f"{ckpt.index_path}: tensor `{our_name}` is missing from the index ({why})")
+        entry = ckpt.entry(our_name)
+        if tuple(entry.shape) != ours_shape:
+            raise shard_error(ckpt.shard_path(ckpt.weight_map[our_name]),
+                              f"expected shape {list(ours_shape)} ({why}), found {list(entry.shape)}", our_name)
+        dtype = DTYPES[rule.dtype]
+        if entry.dtype != rule.dtype:
+            notes.append(f"`{our_name}` cast from {entry.dtype} to the release's {rule.dtype}")
+        if rule.transform == "unpad_heads":
+            produce = pad_heads(ckpt, our_name, release_shape[0], dtype)
+        elif entry.dtype != rule.dtype:
+            produce = cast_tensor(ckpt, our_name, dtype)
+        else:
+            produce = copy_bytes(ckpt, our_name)
+        tensors.append(OutTensor(OutSpec(release_name, rule.dtype, release_shape), produce, our_name, group))
+
+    for layer in range(text.num_hidden_layers):
+        why = f"{text.layer_types[layer]} / {text.mlp_layer_types[layer]} layer {layer}"
+        for rule in nm.expected_layer_rules(text, layer):
+            add_rule(rule, our_prefix + nm.fill(rule.ours, L=layer),
+                     TEXT_PREFIX + nm.fill(rule.release, L=layer), why, f"layer:{layer}")
+        for rule in nm.expected_layer_expert_rules(text, layer):
+            ours = our_prefix + nm.fill(rule.ours, L=layer)
+            packed = ours + "_packed" in ckpt.weight_map
+            if not packed and ours not in ckpt.weight_map:
+                raise ConversionError(f"{ckpt.index_path}: tensor `{ours}` (or `{ours}_packed`) is missing ({why})")
+            logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
+            rows, cols = sum(s[0] for s in logical), logical[0][1]
+            expected = {ours + "_packed": (symbols["E"], rows, cols // 2),
+                        ours + "_scale": (symbols["E"], rows, cols // nm.MXFP4_GROUP)} if packed else \
+                {ours: (symbols["E"], rows, cols)}
+            for name, shape in expected.items():
+                entry = ckpt.entry(name)
+                if tuple(entry.shape) != shape or (packed and entry.dtype != "U8"):
+                    raise shard_error(ckpt.shard_path(ckpt.weight_map[name]),
+                                      f"expected {'U8 ' if packed else ''}{list(shape)} ({why}), found "
+                                      f"{entry.dtype} {list(entry.shape)}", name)
+            for expert in range(symbols["E"]):
+                row = 0
+                for part, (out_dim, in_dim) in zip(rule.parts, logical):
+                    rows_range = (row, row + out_dim)
+                    row += out_dim
+                    base = TEXT_PREFIX + nm.fill(rule.release, L=layer, E=expert, W=part)
+                    if experts == "dense":
+                        outputs = (("weight", "BF16", (out_dim, in_dim)),)
+                    else:
+                        packed_shape, scale_shape = nm.packed_shapes((out_dim, in_dim))
+                        outputs = (("weight_packed", "U8", packed_shape), ("weight_scale", "U8", scale_shape))
+                    for suffix, dtype, shape in outputs:
+                        produce = export_expert_part(ckpt, ours, packed, expert, rows_range, suffix, cache, context)
+                        tensors.append(OutTensor(OutSpec(f"{base}.{suffix}", dtype, shape), produce,
+                                                 f"{ours}[{expert}, {rows_range[0]}:{rows_range[1]}]", f"layer:{layer}"))
+
+    for rule in nm.expected_model_rules(text):
+        add_rule(rule, our_prefix + rule.ours, TEXT_PREFIX + rule.release, "model level", "model")
+    vision_names = [n for n, m in matches.items() if getattr(m.rule, "scope", "text") == "vision"]
+    if vision_names:
+        for rule in nm.vision_rules():
+            blocks = range(symbols["VB"]) if "{B}" in rule.release else [None]
+            for block in blocks:
+                name = nm.fill(rule.release, B=block) if block is not None else rule.release
+                add_rule(rule, name, name, "vision", "projector" if name.startswith("mm_projector.") else "vision")
+    return ExportPlan(tensors, notes)
+
+
+def materialise(tensor: OutTensor) -> torch.Tensor:
+    """The whole tensor in memory (verify, tests): the producer's chunks joined and viewed with the planned layout."""
+    chunks = [c.contiguous().reshape(-1).view(torch.uint8) for c in tensor.produce()]
+    data = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    return data.view(DTYPES[tensor.spec.dtype]).reshape(tensor.spec.shape)
+
+
+def total_bytes(tensors) -> int:
+    return sum(t.spec.nbytes for t in tensors)
+
+
+__all__ = [
+    "ConvertOptions", "ConvertPlan", "ExportPlan", "OutTensor", "RunContext", "build_convert_plan",
+    "build_export_plan", "materialise", "total_bytes",
+]

@@ -1,0 +1,142 @@
+"""`kimik3 verify SRC CONVERTED`: a converted folder against its source.
+
+1. Tensors: the converted folder is read back into the release's naming (the export direction of the name map, with
+   experts split per expert and dequantised when kept packed), and every tensor is compared bit for bit with the
+   source's value (MXFP4 experts dequantised), following the layer / expert slicing recorded in
+   `kimik3_conversion.json`. Different code paths do the two directions (fusing vs slicing), so a mistake in either
+   shows up as a mismatch. Every converted tensor must be accounted for.
+2. Logits: the converted folder is loaded with `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`
+   and compared with the same class built from the source's values in memory (dense experts), on a short fixed
+   input. Skipped for models above `max_logits_params` parameters or when the model classes are not available.
+"""
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from . import name_map as nm
+from .checkpoint import Checkpoint
+from .converter import open_source
+from .errors import ConversionError
+from .files import PROVENANCE_NAME
+from .plan import ConvertOptions, RunContext, build_convert_plan, build_export_plan, materialise
+from .schedule import layer_map as make_layer_map
+
+_LAYER_IN_NAME = re.compile(r"^(language_model\.)?(model\.layers\.)(\d+)(\..*)$")
+
+
+def _source_value(src, release_name: str) -> torch.Tensor:
+    name = release_name if src.composite else release_name.removeprefix("language_model.")
+    if name in src.weight_map:
+        return src.reader(name).read(name)
+    if name.endswith(".weight") and name + "_packed" in src.weight_map:
+        from ._modeling import ops_module
+
+        packed, scale = name + "_packed", name + "_scale"
+        return ops_module().dequantize_mxfp4(src.reader(packed).read(packed), src.reader(scale).read(scale))
+    raise ConversionError(f"{src.index_path}: the source has no tensor `{name}`")
+
+
+def _to_source_name(name: str, layer_map: list[int]) -> str:
+    match = _LAYER_IN_NAME.match(name)
+    if not match:
+        return name
+    prefix, body, layer, rest = match.groups()
+    return f"{prefix or ''}{body}{layer_map[int(layer)]}{rest}"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) if a.numel() else True
+
+
+def compare_tensors(src, conv, layer_map: list[int]) -> dict:
+    plan = build_export_plan(conv, RunContext(), experts="dense")
+    mismatches, compared = [], 0
+    for tensor in plan.tensors:
+        release_name = tensor.spec.name
+        source_name = _to_source_name(release_name, layer_map)
+        expected = _source_value(src, source_name)
+        relative = release_name.removeprefix("language_model.")
+        scope = "vision" if relative.startswith(("vision_tower.", "mm_projector.")) else "text"
+        match = nm.match_release(relative, conv.text_config, scope)
+        if match is not None and getattr(match.rule, "transform", None) == "first_experts":
+            expected = expected[: tensor.spec.shape[0]]
+        actual = materialise(tensor)
+        compared += 1
+        if not _same_bits(actual, expected):
+            diff = (
+                float((actual.float() - expected.float()).abs().max())
+                if actual.shape == expected.shape
+                else f"shape {list(actual.shape)} vs {list(expected.shape)}"
+            )
+            mismatches.append({"tensor": release_name, "source": source_name, "max_abs_diff": diff})
+    return {"compared": compared, "mismatches": mismatches}
+
+
+def _reference_state(src, provenance: dict) -> dict:
+    options = provenance.get("options", {})
+    plan = build_convert_plan(src, ConvertOptions(
+        text_only=options.get("text_only", False),
+        experts_dtype="bf16",
+        num_layers=options.get("num_layers"),
+        num_experts=options.get("num_experts"),
+        allow_unknown=options.get("allow_unknown", False),
+    ))
+    return {t.spec.name: materialise(t) for t in plan.tensors}
+
+
+def compare_logits(src, converted: Path, provenance: dict, num_tokens: int) -> dict:
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(converted), trust_remote_code=True, dtype=torch.float32)
+    except Exception as exc:  # the model classes may not exist yet, or not support this layout
+        return {"skipped": f"could not load the converted model: {type(exc).__name__}: {exc}"}
+    config = copy.deepcopy(model.config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text.experts_format = "dense"
+    reference = type(model)(config).to(torch.float32)
+    state = _reference_state(src, provenance)
+    missing, unexpected = reference.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith(("vision_tower.", "mm_projector."))]
+    if missing:
+        return {"skipped": None, "ok": False, "error": f"reference model lacks values for {missing[:5]}"}
+    vocab = text.vocab_size
+    input_ids = (torch.arange(num_tokens).unsqueeze(0) * 7919 + 11) % vocab
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        got = model(input_ids=input_ids).logits.float()
+        want = reference(input_ids=input_ids).logits.float()
+    diff = float((got - want).abs().max())
+    return {"skipped": None, "ok": diff == 0.0, "max_abs_diff": diff, "tokens": num_tokens,
+            "ignored_keys": sorted(unexpected)[:5]}
+
+
+def verify(src, converted, *, logits: str = "auto", max_logits_params: float = 2e8, tokens: int = 8,
+           revision: str | None = None) -> dict:
+    """Returns a report; `report["ok"]` is False on any mismatch. logits: "auto" | "always" | "never"."""
+    converted = Path(converted)
+    provenance_path = converted / PROVENANCE_NAME
+    provenance = json.loads(provenance_path.read_text()) if provenance_path.exists() else {}
+    with Checkpoint(converted) as conv, open_source(src, revision, 64 * 2**20) as source:
+        layer_map = provenance.get("layer_map")
+        if layer_map is None:
+            layer_map, _ = make_layer_map(source.text_config, conv.text_config.num_hidden_layers)
+        if len(layer_map) != conv.text_config.num_hidden_layers:
+            raise ConversionError(f"{provenance_path}: layer_map has {len(layer_map)} layers, config.json "
+                                  f"{conv.text_config.num_hidden_layers}")
+        report = {"tensors": compare_tensors(source, conv, layer_map)}
+        params = sum(conv.entry(n).nbytes for n in conv.weight_map) / 2
+        if logits == "never" or (logits == "auto" and params > max_logits_params):
+            report["logits"] = {"skipped": "disabled" if logits == "never" else f"model too large (~{params:.3g} "
+                                "parameters); pass --logits always"}
+        else:
+            report["logits"] = compare_logits(source, converted, provenance, tokens)
+    report["ok"] = not report["tensors"]["mismatches"] and report["logits"].get("ok", True) is not False
+    return report
