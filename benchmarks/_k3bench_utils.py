@@ -1,0 +1,138 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Helpers of benchmarks/bench_k3.py: import layout, budgeted sections with incremental JSON, timing, rooflines."""
+
+import gc
+import importlib
+import importlib.util
+import json
+import math
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on this H200 kind (kernels_perf.md 6)
+BF16_FLOPS_PER_S = 790e12  # measured 8192^3 bf16 GEMM on this H200 kind
+
+
+def ensure_kimik3():
+    """Make `kimik3.kernels` / `kimik3.modeling` / `kimik3.configuration` importable without `pip install -e .`."""
+    try:
+        importlib.import_module("kimik3.modeling.modeling_kimi_k3")
+        importlib.import_module("kimik3.kernels")
+        return "installed"
+    except ImportError:
+        pass
+    pkg = types.ModuleType("kimik3")
+    pkg.__path__ = [str(ROOT / "kimik3")]
+    sys.modules["kimik3"] = pkg
+    for sub, folder in (("kernels", "kernels"), ("configuration", "configuration"), ("modeling", "modeling_kimik3")):
+        spec = importlib.util.spec_from_file_location(
+            f"kimik3.{sub}", ROOT / folder / "__init__.py", submodule_search_locations=[str(ROOT / folder)]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[f"kimik3.{sub}"] = module
+        spec.loader.exec_module(module)
+        setattr(pkg, sub, module)
+    return "path"
+
+
+class Runner:
+    """Runs named sections under one wall-clock budget; every result is written to the JSON file at once."""
+
+    def __init__(self, out_path: Path, budget_s: float):
+        self.out_path = Path(out_path)
+        self.t0 = time.monotonic()
+        self.budget_s = budget_s
+        self.results: dict = {}
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def emit(self, key, value):
+        self.results[key] = value
+        print(json.dumps({key: value}, default=str), flush=True)
+        tmp = self.out_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        tmp.replace(self.out_path)
+
+    def section(self, name, fn, need_s: float = 0.0):
+        if self.left() < need_s:
+            self.emit(name, {"skipped": f"time budget ({self.left():.0f} s left, needs ~{need_s:.0f} s)"})
+            return None
+        start = time.monotonic()
+        try:
+            result = fn()
+            if isinstance(result, dict):
+                result.setdefault("section_wall_s", round(time.monotonic() - start, 2))
+            self.emit(name, result)
+            return result
+        except torch.cuda.OutOfMemoryError as exc:
+            self.emit(name, {"error": "CUDA OOM", "detail": str(exc)[:400],
+                             "section_wall_s": round(time.monotonic() - start, 2)})
+        except Exception as exc:  # keep going: one failure must not lose the other measurements
+            self.emit(name, {"error": f"{type(exc).__name__}: {str(exc)[:400]}",
+                             "traceback": traceback.format_exc()[-1500:],
+                             "section_wall_s": round(time.monotonic() - start, 2)})
+        finally:
+            free_cuda()
+        return None
+
+
+def free_cuda():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def reset_peak():
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
+def timed(fn, repeats: int = 1, warmup: int = 0):
+    """Median seconds of `repeats` calls after `warmup` calls (CUDA-synchronised wall clock)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2], times
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """E[# distinct experts hit] when each of `batch` tokens picks top_k of num_experts uniformly."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def round_sig(x, digits=4):
+    if x is None or x == 0 or not math.isfinite(x):
+        return x
+    return round(x, -int(math.floor(math.log10(abs(x)))) + (digits - 1))

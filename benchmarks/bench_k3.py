@@ -1,0 +1,562 @@
+#!/usr/bin/env python3
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Kimi K3 inference benchmark on one GPU (random bf16 weights, K3's exact widths, 8 layers).
+
+Model: hidden 7168, 96 heads, MLA (q_lora 1536, kv_lora 512, nope 128, rope 64, v 128, output gate), KDA 96 x 128
+(lower-bounded gate, full-rank output gate), latent MoE (latent 3584, expert width 3072, top-16 of 64 experts,
+2 shared experts), SiTU, Block AttnRes (block 12), vocab 163840; layers (KDA, KDA, KDA, MLA) x 2, layer 0 dense.
+
+Measured, each in its own try/except under one time budget, JSON written after every measurement:
+  kernels      per-op fast path vs reference at K3 shapes
+  fast.*       our model with `kimik3.kernels` fast paths (fla-core KDA/conv, Triton, grouped_mm, bmm MLA decode)
+  ref.*        the same model forced onto the pure-PyTorch reference ops
+  kimi_linear.* transformers' in-tree KimiLinearForCausalLM at the closest config (64 experts, top-16, expert width
+               1536, hidden 7168, same layer schedule; uses fla when importable, as transformers does)
+  prefill_1m   chunked prefill of a 1M-token prompt through the cache (progress recorded per chunk)
+Each result carries the HBM roofline (decode: bytes read per step / 4.3 TB/s) or the bf16 roofline (prefill:
+FLOPs / 790 TFLOP/s). Decode at 64K context uses a cache filled with random values of the right shapes (timing
+depends only on shapes); at 4K the context is really prefilled.
+
+    python benchmarks/bench_k3.py --out benchmarks/results/h200.json --budget-s 480
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _k3bench_utils import (  # noqa: E402
+    BF16_FLOPS_PER_S,
+    HBM_BYTES_PER_S,
+    Runner,
+    ensure_kimik3,
+    expected_distinct_experts,
+    free_cuda,
+    peak_gib,
+    reset_peak,
+    round_sig,
+    timed,
+)
+
+K = 1024
+DEV = "cuda"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# models
+
+
+def k3_config(num_layers=8, num_experts=64):
+    from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
+
+    full = [i + 1 for i in range(num_layers) if i % 4 == 3]
+    kda = [i + 1 for i in range(num_layers) if (i + 1) not in full]
+    return KimiK3TextConfig(
+        vocab_size=163840, hidden_size=7168, intermediate_size=33792, num_hidden_layers=num_layers,
+        num_attention_heads=96, num_key_value_heads=96, hidden_act="situ", activation_situ_beta=4.0,
+        activation_situ_linear_beta=25.0, rms_norm_eps=1e-5, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, mla_use_output_gate=True,
+        linear_attn_config={"full_attn_layers": full, "kda_layers": kda, "gate_lower_bound": -5.0, "head_dim": 128,
+                            "num_heads": 96, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
+        attn_res_block_size=12, num_experts=num_experts, num_experts_per_token=16, num_shared_experts=2,
+        moe_intermediate_size=3072, routed_expert_hidden_size=3584, latent_moe_use_norm=True,
+        first_k_dense_replace=1, moe_layer_freq=1, moe_renormalize=True, routed_scaling_factor=1.0,
+        max_position_embeddings=1 << 21, use_cache=True,
+    )
+
+
+def kimi_linear_config(num_layers=8):
+    from transformers import KimiLinearConfig
+
+    full = [i + 1 for i in range(num_layers) if i % 4 == 3]
+    kda = [i + 1 for i in range(num_layers) if (i + 1) not in full]
+    return KimiLinearConfig(
+        vocab_size=163840, hidden_size=7168, intermediate_size=33792, moe_intermediate_size=1536,
+        num_hidden_layers=num_layers, num_attention_heads=96, num_key_value_heads=96, n_shared_experts=2,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+        num_experts_per_tok=16, num_local_experts=64, linear_head_dim=128, linear_num_heads=96,
+        linear_conv_kernel_dim=4, max_position_embeddings=1 << 21,
+        linear_attn_config={"full_attn_layers": full, "kda_layers": kda, "head_dim": 128, "num_heads": 96,
+                            "short_conv_kernel_size": 4},
+        first_k_dense_replace=1,
+    )
+
+
+def build(model_cls, config):
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEV):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval()
+    with torch.no_grad():  # random weights; never leave uninitialised memory (NaN/inf) in a parameter
+        for p in model.parameters():
+            if not bool(torch.isfinite(p).all()):
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def byte_stats(model):
+    """Parameter bytes by role. 3-D `*experts*` parameters are routed experts [E, out, in]."""
+    stats = {"dense_params": 0, "dense_bytes": 0, "embed_bytes": 0, "lm_head_params": 0, "lm_head_bytes": 0,
+             "expert_params_per_expert": 0, "expert_bytes_per_expert": 0, "num_experts": 0, "moe_layers": set()}
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if "embed_tokens" in name:
+            stats["embed_bytes"] += nbytes
+        elif "lm_head" in name:
+            stats["lm_head_params"] += p.numel()
+            stats["lm_head_bytes"] += nbytes
+        elif p.dim() == 3 and "experts" in name:
+            stats["num_experts"] = p.shape[0]
+            stats["moe_layers"].add(name.split(".experts")[0])
+            stats["expert_params_per_expert"] += p.numel() // p.shape[0]
+            stats["expert_bytes_per_expert"] += nbytes // p.shape[0]
+        else:
+            stats["dense_params"] += p.numel()
+            stats["dense_bytes"] += nbytes
+    n_moe = len(stats.pop("moe_layers"))
+    stats["moe_layers"] = n_moe
+    if n_moe:  # per layer
+        stats["expert_params_per_expert"] //= n_moe
+        stats["expert_bytes_per_expert"] //= n_moe
+    stats["total_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    return stats
+
+
+def layer_counts(config):
+    types = list(config.layer_types)
+    return types.count("full_attention"), types.count("linear_attention")
+
+
+def decode_roofline(stats, config, batch, context):
+    """Bytes read per decode step (all sequences of the batch advance one token) and the HBM-bound time."""
+    n_mla, n_kda = layer_counts(config)
+    heads, dk = 96, 128
+    top_k = getattr(config, "num_experts_per_token", None) or getattr(config, "num_experts_per_tok")
+    experts_hit = expected_distinct_experts(stats["num_experts"], top_k, batch) if stats["num_experts"] else 0
+    weights = stats["dense_bytes"] + stats["lm_head_bytes"] + stats["moe_layers"] * experts_hit * stats[
+        "expert_bytes_per_expert"]
+    latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
+    cache = n_mla * batch * context * latent_dim * 2 + n_kda * batch * heads * dk * dk * 4 * 2
+    total = weights + cache
+    return {"bytes_per_step": int(total), "weight_bytes": int(weights), "cache_bytes": int(cache),
+            "expected_experts_hit_per_layer": round(experts_hit, 2),
+            "hbm_roofline_ms": round(total / HBM_BYTES_PER_S * 1e3, 3)}
+
+
+def prefill_flops(stats, config, tokens, batch=1):
+    n_mla, n_kda = layer_counts(config)
+    heads, dk, chunk = 96, 128, 64
+    top_k = getattr(config, "num_experts_per_token", None) or getattr(config, "num_experts_per_tok")
+    linear = 2 * tokens * (stats["dense_params"] + stats["moe_layers"] * top_k * stats["expert_params_per_expert"])
+    lm_head = 2 * stats["lm_head_params"]  # logits for the last position only
+    mla = n_mla * heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) * tokens * tokens
+    kda = n_kda * heads * tokens * (6 * dk * dk + 3 * chunk * dk + chunk * chunk)  # Kimi Linear report's count
+    total = batch * (linear + mla + kda) + batch * lm_head
+    return {"flops": float(total), "flops_linear": float(batch * linear), "flops_mla_attention": float(batch * mla),
+            "flops_kda": float(batch * kda), "bf16_roofline_s": round_sig(total / BF16_FLOPS_PER_S)}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# model drivers (K3 takes `cache=`, transformers' Kimi Linear `past_key_values=`)
+
+
+class K3Driver:
+    name = "k3"
+
+    def __init__(self, model):
+        self.model = model
+        from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
+
+        self.cache_cls = KimiK3Cache
+
+    def new_cache(self):
+        return self.cache_cls(self.model.config)
+
+    def forward(self, ids, cache):
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits, cache
+
+    def synthetic_cache(self, batch, context):
+        """A cache holding `context` tokens of random state with the exact shapes/dtypes a real prefill leaves."""
+        cfg = self.model.config
+        cache = self.new_cache()
+        width = cfg.linear_num_heads * cfg.linear_head_dim
+        for layer, kind in enumerate(cfg.layer_types):
+            if kind == "full_attention":
+                cache.latents[layer] = torch.randn(batch, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                                   device=DEV, dtype=torch.bfloat16)
+            else:
+                cache.conv_states[layer] = tuple(
+                    torch.randn(batch, width, cfg.linear_conv_kernel_size - 1, device=DEV, dtype=torch.bfloat16)
+                    for _ in range(3))
+                cache.recurrent_states[layer] = 0.01 * torch.randn(
+                    batch, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim, device=DEV)
+        cache._seen_tokens = context
+        return cache
+
+
+class HFDriver:
+    name = "kimi_linear"
+
+    def __init__(self, model):
+        self.model = model
+
+    def new_cache(self):
+        return None
+
+    def forward(self, ids, cache):
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        new_cache = getattr(out, "past_key_values", None)
+        if new_cache is None:
+            new_cache = getattr(out, "cache", None)
+        return out.logits, new_cache
+
+    def synthetic_cache(self, batch, context):
+        raise NotImplementedError
+
+
+def prefill(driver, ids, chunk=None):
+    cache = driver.new_cache()
+    total = ids.shape[1]
+    chunk = chunk or total
+    logits = None
+    for start in range(0, total, chunk):
+        logits, cache = driver.forward(ids[:, start:start + chunk], cache)
+    return logits, cache
+
+
+def random_ids(batch, length, vocab=163840):
+    return torch.randint(0, vocab - 1, (batch, length), device=DEV)
+
+
+def measure_prefill(driver, stats, tokens, batch=1, repeats=2, warmup=1, chunk=None):
+    ids = random_ids(batch, tokens)
+    with torch.inference_mode():
+        for _ in range(warmup):
+            prefill(driver, ids, chunk)
+        free_cuda()
+        reset_peak()
+        seconds, all_times = timed(lambda: prefill(driver, ids, chunk), repeats=repeats)
+    flops = prefill_flops(stats, driver.model.config, tokens, batch)
+    return {
+        "batch": batch, "tokens": tokens, "chunk": chunk, "seconds": round(seconds, 4),
+        "times_s": [round(t, 4) for t in all_times], "tokens_per_s": round(batch * tokens / seconds, 1),
+        "peak_mem_gib": peak_gib(), "achieved_tflops": round(flops["flops"] / seconds / 1e12, 1),
+        "fraction_of_bf16_peak": round(flops["flops"] / seconds / BF16_FLOPS_PER_S, 3),
+        "bf16_roofline_s": flops["bf16_roofline_s"], "flops": flops,
+    }
+
+
+def measure_decode(driver, stats, batch, context, steps=10, warmup=3, synthetic=False):
+    with torch.inference_mode():
+        t_prefill = None
+        if synthetic:
+            cache = driver.synthetic_cache(batch, context)
+        else:
+            t = time.perf_counter()
+            _, cache = prefill(driver, random_ids(batch, context), chunk=None if batch * context <= 32 * K else
+                               max(1, 32 * K // batch))
+            torch.cuda.synchronize()
+            t_prefill = time.perf_counter() - t
+        tok = random_ids(batch, 1)
+        for _ in range(warmup):
+            logits, cache = driver.forward(tok, cache)
+            tok = logits[:, -1:].argmax(-1)
+        free_cuda()
+        reset_peak()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            logits, cache = driver.forward(tok, cache)
+            tok = logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        per_step = (time.perf_counter() - t) / steps
+    roof = decode_roofline(stats, driver.model.config, batch, context)
+    return {
+        "batch": batch, "context": context, "synthetic_context": synthetic, "steps": steps,
+        "ms_per_step": round(per_step * 1e3, 3), "ms_per_token_per_sequence": round(per_step * 1e3, 3),
+        "tokens_per_s": round(batch / per_step, 1), "peak_mem_gib": peak_gib(),
+        "context_prefill_s": None if t_prefill is None else round(t_prefill, 2),
+        "x_of_hbm_roofline": round(per_step * 1e3 / roof["hbm_roofline_ms"], 2), **roof,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------
+# sections
+
+
+def section_env():
+    import triton
+    import transformers
+
+    info = {
+        "gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+        "gpu_mem_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "hbm_bytes_per_s_assumed": HBM_BYTES_PER_S, "bf16_flops_per_s_assumed": BF16_FLOPS_PER_S,
+    }
+    try:
+        import fla
+
+        info["fla"] = getattr(fla, "__version__", "?")
+    except ImportError as exc:
+        info["fla"] = f"not importable: {exc}"
+    import kimik3.kernels as kk
+
+    info["kimik3_import"] = ensure_kimik3()
+    info["fast_ops"] = kk.available_ops()
+    return info
+
+
+def section_kernels():
+    """Per-op timings at K3 shapes (ms, median of 10 after warm-up): fast path vs reference."""
+    import kimik3.kernels as kk
+    from kimik3.kernels import reference as kref
+    from kimik3.modeling import ops_kimi_k3 as ops
+
+    res = {}
+
+    def bench(name, fast_fn, ref_fn, repeats=10):
+        entry = {}
+        for label, fn in (("fast_ms", fast_fn), ("ref_ms", ref_fn)):
+            if fn is None:
+                continue
+            try:
+                with torch.inference_mode():
+                    sec, _ = timed(fn, repeats=repeats, warmup=2)
+                entry[label] = round(sec * 1e3, 4)
+            except Exception as exc:  # noqa: BLE001
+                entry[label] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if isinstance(entry.get("fast_ms"), float) and isinstance(entry.get("ref_ms"), float):
+            entry["speedup"] = round(entry["ref_ms"] / entry["fast_ms"], 2)
+        res[name] = entry
+
+    bf = torch.bfloat16
+    # MLA absorbed decode
+    for batch, ctx in ((1, 4 * K), (1, 64 * K), (8, 64 * K)):
+        q = torch.randn(batch, 96, 1, 576, device=DEV, dtype=bf)
+        c = torch.randn(batch, ctx, 576, device=DEV, dtype=bf)
+        fast = kk.get_fast_op("mla_decode", q)
+        cache_bytes = c.numel() * 2
+        bench(f"mla_decode_b{batch}_t{ctx // K}k", lambda: fast(q, c, 0.07),
+              (lambda: kref.mla_decode(q, c, 0.07, 512)) if ctx <= 4 * K else None)
+        res[f"mla_decode_b{batch}_t{ctx // K}k"]["cache_bytes"] = cache_bytes
+        if isinstance(res[f"mla_decode_b{batch}_t{ctx // K}k"].get("fast_ms"), float):
+            res[f"mla_decode_b{batch}_t{ctx // K}k"]["fast_effective_TBps"] = round(
+                cache_bytes / (res[f"mla_decode_b{batch}_t{ctx // K}k"]["fast_ms"] * 1e-3) / 1e12, 2)
+        del q, c
+    # MoE experts (64 experts, top-16, latent 3584, width 3072)
+    gate_up = torch.randn(64, 6144, 3584, device=DEV, dtype=bf) * 0.02
+    down = torch.randn(64, 3584, 3072, device=DEV, dtype=bf) * 0.02
+    for n in (1, 8, 8 * K):
+        x = torch.randn(n, 3584, device=DEV, dtype=bf)
+        w, idx = torch.rand(n, 64, device=DEV).topk(16, dim=-1)
+        fast = kk.get_fast_op("moe_experts", x)
+        bench(f"moe_experts_n{n}", lambda: fast(x, idx, w, gate_up, down, 4.0, 25.0),
+              lambda: kref.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), repeats=5)
+    del gate_up, down
+    # SiTU on [8K*16, 3072] halves
+    h = torch.randn(8 * K * 2, 6144, device=DEV, dtype=bf)
+    fast = kk.get_fast_op("situ_glu", h)
+    bench("situ_glu_16k_x_3072", lambda: fast(h[:, :3072], h[:, 3072:], 4.0, 25.0),
+          lambda: ops.situ_glu(h[:, :3072], h[:, 3072:], 4.0, 25.0))
+    del h
+    # AttnRes over 9 candidates at 8K tokens and at 1 token
+    for tokens in (8 * K, 1):
+        cands = [torch.randn(1, tokens, 7168, device=DEV, dtype=bf) for _ in range(9)]
+        nw, pw = torch.ones(7168, device=DEV, dtype=bf), torch.randn(1, 7168, device=DEV, dtype=bf) * 0.02
+        fast = kk.get_fast_op("block_attn_res_mix", cands[-1])
+        bench(f"attn_res_9cand_{tokens}tok", lambda: fast(cands, nw, pw, 1e-5),
+              lambda: ops.block_attn_res_mix(cands, nw, pw, 1e-5))
+        del cands
+    # KDA chunk (8K) and recurrent step (B=1, B=8)
+    for batch, t in ((1, 8 * K),):
+        q, k_, v = (torch.randn(batch, t, 96, 128, device=DEV, dtype=bf) for _ in range(3))
+        g = ops.kda_gate(torch.randn(batch, t, 96, 128, device=DEV), torch.zeros(96, device=DEV),
+                         torch.zeros(96 * 128, device=DEV), -5.0)
+        beta = torch.rand(batch, t, 96, device=DEV)
+        fast = kk.get_fast_op("chunk_kda", q)
+        bench("chunk_kda_b1_t8k", (lambda: fast(q, k_, v, g, beta, use_qk_l2norm_in_kernel=True)) if fast else None,
+              lambda: ops.chunk_kda(q, k_, v, g, beta, use_qk_l2norm_in_kernel=True), repeats=3)
+        del q, k_, v, g, beta
+    for batch in (1, 8):
+        q, k_, v = (torch.randn(batch, 1, 96, 128, device=DEV, dtype=bf) for _ in range(3))
+        g = -torch.rand(batch, 1, 96, 128, device=DEV)
+        beta = torch.rand(batch, 1, 96, device=DEV)
+        h0 = torch.randn(batch, 96, 128, 128, device=DEV) * 0.01
+        with torch.inference_mode():
+            fast = kk.get_fast_op("fused_recurrent_kda", q)
+        bench(f"fused_recurrent_kda_b{batch}",
+              (lambda: fast(q, k_, v, g, beta, initial_state=h0, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)) if fast else None,
+              lambda: ops.fused_recurrent_kda(q, k_, v, g, beta, initial_state=h0, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True))
+    # MXFP4 dequant of one layer of 64 experts (gate_up)
+    packed = torch.randint(0, 256, (64, 6144, 1792), device=DEV, dtype=torch.uint8)
+    scale = torch.randint(110, 130, (64, 6144, 112), device=DEV, dtype=torch.uint8)
+    fast = kk.get_fast_op("mxfp4_dequant", packed)
+    bench("mxfp4_dequant_64x6144x3584", lambda: fast(packed, scale, bf),
+          lambda: ops.dequantize_mxfp4(packed, scale, bf), repeats=3)
+    return res
+
+
+def set_reference(flag: bool):
+    import kimik3.kernels as kk
+
+    kk.set_enabled(not flag)
+    os.environ["KIMIK3_REFERENCE_ONLY"] = "1" if flag else "0"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/bench_k3.json")
+    parser.add_argument("--budget-s", type=float, default=540.0)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--skip", default="", help="comma list of section prefixes to skip")
+    parser.add_argument("--prefill-1m-budget-s", type=float, default=120.0)
+    parser.add_argument("--chunk-1m", type=int, default=32 * K)
+    args = parser.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    run = Runner(Path(args.out), args.budget_s)
+    skip = tuple(s for s in args.skip.split(",") if s)
+
+    def sec(name, fn, need_s=0.0):
+        if skip and name.startswith(skip):
+            run.emit(name, {"skipped": "--skip"})
+            return None
+        return run.section(name, fn, need_s)
+
+    ensure_kimik3()
+    sec("env", section_env)
+    sec("kernels", section_kernels, 30)
+
+    # ---------------------------------------------------------------- our model
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+
+    holder = {}
+
+    def build_k3():
+        t = time.perf_counter()
+        holder["model"] = build(KimiK3ForCausalLM, k3_config(args.layers, args.experts))
+        holder["driver"] = K3Driver(holder["model"])
+        holder["stats"] = byte_stats(holder["model"])
+        return {"build_s": round(time.perf_counter() - t, 1), "params_gib": round(holder["stats"]["total_bytes"] / 2**30,
+                                                                                   2),
+                "layer_types": list(holder["model"].config.layer_types), **holder["stats"]}
+
+    sec("k3.build", build_k3, 30)
+    if "driver" in holder:
+        drv, stats = holder["driver"], holder["stats"]
+        set_reference(False)
+        sec("fast.prefill_8k", lambda: measure_prefill(drv, stats, 8 * K, repeats=3), 20)
+        sec("fast.decode_b1_4k", lambda: measure_decode(drv, stats, 1, 4 * K, steps=20), 15)
+        sec("fast.decode_b8_4k", lambda: measure_decode(drv, stats, 8, 4 * K, steps=10), 20)
+        sec("fast.prefill_64k", lambda: measure_prefill(drv, stats, 64 * K, repeats=1, warmup=1), 40)
+        sec("fast.decode_b1_64k", lambda: measure_decode(drv, stats, 1, 64 * K, steps=10, synthetic=True), 10)
+        sec("fast.decode_b8_64k", lambda: measure_decode(drv, stats, 8, 64 * K, steps=10, synthetic=True), 10)
+
+        def cache_bytes():
+            out = {}
+            with torch.inference_mode():
+                for tokens in (2 * K, 4 * K):
+                    _, cache = prefill(drv, random_ids(1, tokens))
+                    out[tokens] = cache.live_bytes()
+                    del cache
+            per_token = (out[4 * K]["total"] - out[2 * K]["total"]) / (2 * K)
+            return {"live_bytes_2k": out[2 * K], "live_bytes_4k": out[4 * K],
+                    "bytes_per_token": per_token,
+                    "constant_bytes_per_sequence": out[4 * K]["total"] - per_token * 4 * K}
+
+        sec("fast.cache_bytes", cache_bytes, 10)
+
+        set_reference(True)
+        sec("ref.prefill_8k", lambda: measure_prefill(drv, stats, 8 * K, repeats=1, warmup=0), 60)
+        sec("ref.decode_b1_4k", lambda: measure_decode(drv, stats, 1, 4 * K, steps=5, warmup=1, synthetic=True), 30)
+        set_reference(False)
+
+        def prefill_1m():
+            total, chunk = 1024 * K, args.chunk_1m
+            deadline = time.monotonic() + min(args.prefill_1m_budget_s, max(run.left() - 150, 0))
+            progress = []
+            reset_peak()
+            cache = drv.new_cache()
+            t0 = time.perf_counter()
+            status = "completed"
+            with torch.inference_mode():
+                for start in range(0, total, chunk):
+                    if time.monotonic() > deadline:
+                        status = "stopped: time budget"
+                        break
+                    try:
+                        drv.forward(random_ids(1, chunk), cache)
+                        torch.cuda.synchronize()
+                    except torch.cuda.OutOfMemoryError as exc:
+                        status = f"CUDA OOM at {start} tokens: {str(exc)[:200]}"
+                        break
+                    progress.append({"tokens": start + chunk, "elapsed_s": round(time.perf_counter() - t0, 2),
+                                     "peak_mem_gib": peak_gib()})
+            done = progress[-1]["tokens"] if progress else 0
+            elapsed = progress[-1]["elapsed_s"] if progress else None
+            flops = prefill_flops(stats, drv.model.config, total)
+            return {"status": status, "tokens_done": done, "elapsed_s": elapsed, "chunk": chunk,
+                    "peak_mem_gib": peak_gib(), "progress": progress[:: max(1, len(progress) // 16)],
+                    "bf16_roofline_s_1m": flops["bf16_roofline_s"],
+                    "cache_live_bytes": cache.live_bytes() if done else None}
+
+        sec("prefill_1m_chunked", prefill_1m, 90)
+        holder.clear()
+        del drv
+        free_cuda()
+
+    # ---------------------------------------------------------------- transformers' Kimi Linear
+    def build_kl():
+        from transformers import KimiLinearForCausalLM
+
+        t = time.perf_counter()
+        holder["model"] = build(KimiLinearForCausalLM, kimi_linear_config(args.layers))
+        holder["driver"] = HFDriver(holder["model"])
+        holder["stats"] = byte_stats(holder["model"])
+        return {"build_s": round(time.perf_counter() - t, 1),
+                "params_gib": round(holder["stats"]["total_bytes"] / 2**30, 2), **holder["stats"]}
+
+    sec("kimi_linear.build", build_kl, 60)
+    if "driver" in holder:
+        drv, stats = holder["driver"], holder["stats"]
+        sec("kimi_linear.prefill_8k", lambda: measure_prefill(drv, stats, 8 * K, repeats=2), 30)
+        sec("kimi_linear.decode_b1_4k", lambda: measure_decode(drv, stats, 1, 4 * K, steps=10), 20)
+        sec("kimi_linear.decode_b8_4k", lambda: measure_decode(drv, stats, 8, 4 * K, steps=5), 25)
+        sec("kimi_linear.prefill_64k", lambda: measure_prefill(drv, stats, 64 * K, repeats=1, warmup=0), 60)
+        holder.clear()
+        del drv
+        free_cuda()
+    run.emit("done", {"wall_s": round(args.budget_s - run.left(), 1)})
+    print(json.dumps(run.results, default=str)[:200])
+
+
+if __name__ == "__main__":
+    main()
