@@ -146,3 +146,35 @@ def test_release_f32_tensors_stay_f32_when_loading_in_bf16(tmp_path):
     for name, dtype in dtypes.items():
         expected = torch.float32 if any(k in name for k in F32_ISLANDS) else torch.bfloat16
         assert dtype == expected, name
+
+
+def test_init_weights_sets_every_custom_parameter_on_load(tmp_path):
+    """Missing tensors come back from meta through `_init_weights`, not as uninitialised memory."""
+    from safetensors.torch import load_file, save_file
+
+    from kimik3.cli import save_with_code
+
+    save_with_code(build_tiny_model(num_hidden_layers=4), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    dropped = [n for n in tensors if n.endswith(("A_log", "dt_bias", "e_score_correction_bias", "gate_up_proj",
+                                                    "res_proj.weight", "o_norm.weight", "conv1d.weight"))]
+    save_file({n: t for n, t in tensors.items() if n not in dropped}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    model = KimiK3ForCausalLM.from_pretrained(tmp_path)
+    state = model.state_dict()
+    for name in dropped:
+        value = state[name]
+        assert torch.isfinite(value).all(), name
+        if name.endswith("A_log"):
+            assert ((value.exp() >= 1.0) & (value.exp() <= 16.0)).all()
+        elif name.endswith("dt_bias"):
+            dt = torch.nn.functional.softplus(value)
+            assert ((dt > 0.9e-4) & (dt < 0.11)).all()
+        elif name.endswith(("e_score_correction_bias", "res_proj.weight")):
+            assert torch.equal(value, torch.zeros_like(value))
+        elif name.endswith("o_norm.weight"):
+            assert torch.equal(value, torch.ones_like(value))
+        elif name.endswith("gate_up_proj"):
+            assert 0.01 < value.std() < 0.03
+        elif name.endswith("conv1d.weight"):
+            assert value.abs().max() <= 0.5 and value.std() > 0
