@@ -71,8 +71,53 @@ def _format_bytes(n: int) -> str:
     return str(n)
 
 
+def _card_fields(provenance: dict) -> dict:
+    """Fields of `kimik3.hub_card.render_model_card`. Nothing here depends on the destination path, so a resumed
+    run writes the same bytes as an uninterrupted one."""
+    opts = provenance["options"]
+    source = str(provenance["source"])
+    is_repo = "/" in source and not Path(source).exists()
+    chosen = ", ".join(f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
+                       for k, v in sorted(opts.items()) if v not in (None, False)) or "defaults"
+    experts = ("MXFP4 (kept packed, dequantised on the fly)" if provenance["experts_format"] == "mxfp4"
+               else "bf16 (exactly dequantised from the release's MXFP4)")
+    notes = ["## Conversion notes", ""] + [f"- {n}" for n in provenance["notes"]] if provenance["notes"] else []
+    if opts["num_layers"] is not None or opts["num_experts"] is not None:
+        notes += ["", "This is a sliced model for tests and development; its outputs are not those of the full model."]
+    return {
+        # a Hub id names itself; a local folder is only called the release when it has the release's shape
+        "base_model": source if is_repo else (
+            "moonshotai/Kimi-K3" if (provenance["source_num_layers"], provenance["source_num_experts"]) == (93, 896)
+            else source),
+        "title": f"Kimi K3 ({'text only, ' if opts['text_only'] else ''}converted for transformers)",
+        "summary": (
+            f"Converted by `kimik3 convert` (converter format {provenance['converter_version']}) from the "
+            f"release-layout checkpoint `{source}`"
+            + (f" at revision `{provenance['revision']}`" if provenance.get("revision") else "")
+            + f" (index sha256 `{provenance['source_index_sha256'][:16]}`). Weights are unchanged apart from the "
+            "layout; the license of the source applies."
+        ),
+        "repo_id": "path/to/this/folder",
+        "source": f"`{source}`",
+        "num_layers": f"{provenance['num_layers']} of {provenance['source_num_layers']}",
+        "num_kda": provenance["num_kda"],
+        "num_mla": provenance["num_mla"],
+        "num_experts": f"{provenance['num_experts']} of {provenance['source_num_experts']}",
+        "top_k": provenance["top_k"],
+        "experts_format": experts,
+        "options": f"`{chosen}`",
+        "notes": "\n".join(notes),
+    }
+
+
 def model_card(provenance: dict) -> bytes:
-    """A plain card until `kimik3.hub_card` provides the template: what this is, from what, with which options."""
+    """The card from `kimik3.hub_card` when installed, else a plain one: what this is, from what, which options."""
+    try:
+        from kimik3.hub_card import render_model_card
+    except ImportError:
+        render_model_card = None
+    if render_model_card is not None:
+        return render_model_card(**_card_fields(provenance)).encode()
     opts = provenance["options"]
     text_only = opts["text_only"]
     lines = [

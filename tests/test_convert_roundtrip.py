@@ -1,0 +1,224 @@
+"""End to end: release-layout fixture -> convert -> `AutoModelForCausalLM.from_pretrained(trust_remote_code=True)`,
+compared with a model built directly from the fixture's exact dense values through a mapping written out here
+(independently of the converter's table); kept-MXFP4 experts; slicing; export and the round trips; verify."""
+
+import copy
+import filecmp
+import json
+
+import pytest
+import torch
+from conftest_convert_helpers import ensure_kimik3_convert
+from safetensors.torch import load_file, save_file
+
+kc = ensure_kimik3_convert()
+from kimik3.convert import fixture  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+NUM_LAYERS, NUM_EXPERTS, HEADS = 6, 8, 2
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    return fixture.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=1,
+                                            num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS)
+
+
+@pytest.fixture(scope="module")
+def converted(release, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("converted") / "out"
+    kc.convert(release.path, dst, progress=False)
+    return dst
+
+
+def dense_state(release, prefix: str, layer_map, keep: int) -> dict:
+    """Our parameter names (docs/design.md) from the release's dense values, written out by hand."""
+    state = {}
+    for out_layer, src_layer in enumerate(layer_map):
+        src = f"language_model.model.layers.{src_layer}."
+        for name, value in release.dense.items():
+            if not name.startswith(src) or ".experts." in name:
+                continue
+            rest = name[len(src):].replace("block_sparse_moe.", "mlp.")
+            if rest == "self_attn.A_log":
+                value = value[:HEADS]
+            if rest in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
+                value = value[:keep]
+            state[f"{prefix}model.layers.{out_layer}.{rest}"] = value
+        if f"{src}block_sparse_moe.experts.0.w1.weight" in release.dense:
+            def w(e, part):
+                return release.dense[f"{src}block_sparse_moe.experts.{e}.{part}.weight"]
+
+            out = f"{prefix}model.layers.{out_layer}.mlp.experts."
+            state[out + "gate_up_proj"] = torch.stack([torch.cat([w(e, "w1"), w(e, "w3")]) for e in range(keep)])
+            state[out + "down_proj"] = torch.stack([w(e, "w2") for e in range(keep)])
+    for name, value in release.dense.items():
+        if name.startswith("language_model.") and ".layers." not in name:
+            state[prefix + name[len("language_model."):]] = value
+    return state
+
+
+def load(path, **kwargs):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True,
+                                                              dtype=torch.float32, **kwargs)
+    return model.eval()
+
+
+def reference_like(model, state):
+    config = copy.deepcopy(model.config)
+    config.get_text_config().experts_format = "dense"
+    reference = type(model)(config).to(torch.float32).eval()
+    reference.load_state_dict(state, strict=True)
+    return reference
+
+
+def logits(model, vocab=256):
+    ids = (torch.arange(12).unsqueeze(0) * 37 + 5) % vocab
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_converted_composite_model_gives_the_logits_of_the_dense_values(release, converted):
+    model = load(converted)
+    assert type(model).__name__ == "KimiK3ForConditionalGeneration"
+    reference = reference_like(model, dense_state(release, "language_model.", range(NUM_LAYERS), NUM_EXPERTS))
+    got, want = logits(model), logits(reference)
+    assert torch.isfinite(want).all() and want.abs().max() > 0
+    assert torch.equal(got, want)
+    config = json.loads((converted / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForConditionalGeneration"
+    assert "quantization_config" not in config["text_config"] and config["text_config"]["experts_format"] == "dense"
+    # F32 release tensors stay F32, everything else keeps its dtype, experts are bf16
+    tensors = {}
+    for shard in sorted(converted.glob("model-*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    assert tensors["language_model.model.layers.0.self_attn.q_conv1d.weight"].dtype == torch.float32
+    assert tensors["language_model.model.layers.0.self_attn.A_log"].shape == (HEADS,)
+    assert tensors["language_model.model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    assert "vision_tower.encoder.blocks.1.wqkv.weight" in tensors
+
+
+def test_side_files_are_copied_and_the_release_model_code_is_replaced_by_ours(release, converted):
+    for name in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "encoding_k3.py",
+                 "preprocessor_config.json", "generation_config.json", "LICENSE"):
+        assert filecmp.cmp(release.path / name, converted / name, shallow=False), name
+    ours = kc._modeling.modeling_dir()
+    copied = [p for p in ours.glob("*.py") if p.name != "__init__.py"]
+    assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "ops_kimi_k3.py"} <= {p.name for p in copied}
+    for path in copied:
+        assert (converted / path.name).read_bytes() == path.read_bytes()
+    assert not (converted / "modeling_kimi_linear.py").exists()
+    card = (converted / "README.md").read_text()
+    assert "converted" in card and str(release.path) in card and "dequantised" in card
+    assert not (converted / ".kimik3-progress.json").exists()
+
+
+def test_kept_mxfp4_experts_load_packed_and_give_the_same_logits(release, converted, tmp_path):
+    dst = tmp_path / "mx"
+    kc.convert(release.path, dst, experts_dtype="mxfp4", progress=False)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["text_config"]["experts_format"] == "mxfp4"
+    tensors = load_file(str(next(dst.glob("model-*.safetensors"))))
+    src_shard = load_file(str(release.path / release.shards[2]))  # layer 2
+    part = "language_model.model.layers.2.block_sparse_moe.experts.{}.{}.weight_{}"
+    packed = tensors["language_model.model.layers.2.mlp.experts.gate_up_proj_packed"]
+    scale = tensors["language_model.model.layers.2.mlp.experts.down_proj_scale"]
+    assert packed.dtype == torch.uint8 and packed.shape == (NUM_EXPERTS, 64, 16)
+    assert torch.equal(packed[3], torch.cat([src_shard[part.format(3, "w1", "packed")],
+                                             src_shard[part.format(3, "w3", "packed")]]))
+    assert torch.equal(scale[5], src_shard[part.format(5, "w2", "scale")])
+    # packed size: a quarter of bf16 plus the scales
+    dense_bytes = (next(converted.glob("model-*.safetensors"))).stat().st_size
+    assert dst.joinpath(next(dst.glob("model-*.safetensors")).name).stat().st_size < dense_bytes
+    model = load(dst)
+    reference = load(converted)
+    assert torch.equal(logits(model), logits(reference))
+
+
+def test_text_only_sliced_conversion(release, tmp_path):
+    dst = tmp_path / "small"
+    summary = kc.convert(release.path, dst, text_only=True, num_layers=3, num_experts=4, progress=False)
+    assert summary["provenance"]["layer_map"] == [0, 1, 3]  # layer 2 (KDA) replaced by the next MLA layer 3
+    config = json.loads((dst / "config.json").read_text())
+    assert config["model_type"] == "kimik3_text" and "text_config" not in config
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForCausalLM"
+    assert config["linear_attn_config"]["kda_layers"] == [1, 2]
+    assert config["linear_attn_config"]["full_attn_layers"] == [3]
+    assert config["num_experts"] == 4 and config["num_experts_per_token"] == 2
+    names = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any(n.startswith(("language_model.", "vision_tower.", "mm_projector.")) for n in names)
+    # only the shards holding layers 0, 1, 3 and the embed/head shard were read
+    assert summary["source_shards_read"] == [release.shards[i] for i in (0, 1, 3, 6)]
+    model = load(dst)
+    assert type(model).__name__ == "KimiK3ForCausalLM"
+    reference = reference_like(model, dense_state(release, "", [0, 1, 3], 4))
+    assert torch.equal(logits(model), logits(reference))
+
+
+def test_export_reproduces_the_release_checkpoint_and_round_trips(release, converted, tmp_path):
+    exported = tmp_path / "exported"
+    summary = kc.export(converted, exported, progress=False)
+    err = summary["experts_roundtrip"]
+    assert err["experts_requantised"] == 5 * NUM_EXPERTS * 3 and err["experts_bit_exact"] == err["experts_requantised"]
+    assert err["relative_rms_error"] == 0.0
+    # same config bytes, same names in the same shards, same tensor values (MXFP4 bytes included)
+    assert (exported / "config.json").read_bytes() == (release.path / "config.json").read_bytes()
+    original_map = json.loads((release.path / "model.safetensors.index.json").read_text())["weight_map"]
+    exported_map = json.loads((exported / "model.safetensors.index.json").read_text())["weight_map"]
+    assert exported_map == original_map
+    for shard in release.shards:
+        a, b = load_file(str(release.path / shard)), load_file(str(exported / shard))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    # and converting the export again gives byte-identical tensors, index and config
+    again = tmp_path / "again"
+    kc.convert(exported, again, progress=False)
+    for name in ["config.json", "model.safetensors.index.json"] + [p.name for p in converted.glob("model-*")]:
+        assert filecmp.cmp(converted / name, again / name, shallow=False), name
+
+
+def test_export_of_changed_experts_requantises_with_a_measured_error(converted, tmp_path):
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    for path in converted.iterdir():
+        (tuned / path.name).write_bytes(path.read_bytes())
+    shard = next(tuned.glob("model-*.safetensors"))
+    tensors = load_file(str(shard))
+    key = "language_model.model.layers.1.mlp.experts.down_proj"
+    gen = torch.Generator().manual_seed(0)
+    tensors[key] = (tensors[key].float() * (1 + 0.05 * torch.randn(tensors[key].shape, generator=gen))).bfloat16()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    summary = kc.export(tuned, tmp_path / "exported", progress=False)
+    err = summary["experts_roundtrip"]
+    assert 0 < err["relative_rms_error"] < 0.2  # MXFP4 (E2M1, 2^k scales per 32) error on perturbed weights
+    assert err["experts_bit_exact"] == err["experts_requantised"] - NUM_EXPERTS  # only layer 1's w2 changed
+    report = json.loads((tmp_path / "exported" / "kimik3_export.json").read_text())
+    assert report["experts_roundtrip"]["relative_rms_error"] == pytest.approx(err["relative_rms_error"])
+
+
+def test_verify_passes_on_a_good_conversion_and_names_a_changed_tensor(release, converted, tmp_path, capsys):
+    assert kc.run_verify([str(release.path), str(converted), "--logits", "always"]) == 0
+    out = capsys.readouterr().out
+    assert "0 mismatch" in out and "logits: equal" in out
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in converted.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    shard = next(broken.glob("model-*.safetensors"))
+    tensors = load_file(str(shard))
+    tensors["language_model.model.layers.4.self_attn.o_norm.weight"][3] += 1
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert kc.run_verify([str(release.path), str(broken), "--logits", "always"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH language_model.model.layers.4.self_attn.o_norm.weight" in out and "logits: DIFFERENT" in out
+
+
+def test_cli_convert_reports_progress_and_returns_zero(release, tmp_path, capsys):
+    code = kc.run_convert([str(release.path), str(tmp_path / "cli"), "--text-only", "--experts-dtype", "mxfp4",
+                           "--max-shard-size", "200KB"])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "MB/s" in captured.err and "ETA" in captured.err and "GB" in captured.err
+    index = json.loads((tmp_path / "cli" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert kc.run_convert(["--help"]) == 0
