@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import cache_of
+from k3_test_utils import cache_of
 from kimik3.cli import build_tiny_model
 from kimik3.configuration import tiny_text_config_dict
 from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, analytic_cache_bytes

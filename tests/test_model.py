@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import spec_reference
-from conftest import cache_of
+from k3_test_utils import cache_of
 from kimik3.cli import build_tiny_model
 from kimik3.configuration import kimi_linear_style_text_config_dict, tiny_text_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
