@@ -257,7 +257,6 @@ def measure_prefill(driver, stats, tokens, batch=1, repeats=2, warmup=1, chunk=N
     with torch.inference_mode():
         for _ in range(warmup):
             prefill(driver, ids, chunk)
-        free_cuda()
         reset_peak()
         seconds, all_times = timed(lambda: prefill(driver, ids, chunk), repeats=repeats)
     flops = prefill_flops(stats, driver.model.config, tokens, batch)
@@ -285,8 +284,7 @@ def measure_decode(driver, stats, batch, context, steps=10, warmup=3, synthetic=
         for _ in range(warmup):
             logits, cache = driver.forward(tok, cache)
             tok = logits[:, -1:].argmax(-1)
-        free_cuda()
-        reset_peak()
+        reset_peak()  # no empty_cache here: timed steps must reuse the allocator's warm blocks
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(steps):
@@ -438,16 +436,28 @@ def main():
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--skip", default="", help="comma list of section prefixes to skip")
+    parser.add_argument("--only", default="", help="comma list of section prefixes to run (builds run as needed)")
     parser.add_argument("--prefill-1m-budget-s", type=float, default=120.0)
     parser.add_argument("--chunk-1m", type=int, default=32 * K)
     args = parser.parse_args()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     run = Runner(Path(args.out), args.budget_s)
     skip = tuple(s for s in args.skip.split(",") if s)
+    only = tuple(s for s in args.only.split(",") if s)
+
+    def wanted(name):
+        if skip and name.startswith(skip):
+            return False
+        if not only or name.startswith(only) or name == "env":
+            return True
+        if name == "k3.build":
+            return any(o.startswith(("fast", "ref", "prefill_1m")) for o in only)
+        if name == "kimi_linear.build":
+            return any(o.startswith("kimi_linear") for o in only)
+        return False
 
     def sec(name, fn, need_s=0.0):
-        if skip and name.startswith(skip):
-            run.emit(name, {"skipped": "--skip"})
+        if not wanted(name):
             return None
         return run.section(name, fn, need_s)
 
@@ -480,6 +490,35 @@ def main():
         sec("fast.decode_b1_64k", lambda: measure_decode(drv, stats, 1, 64 * K, steps=10, synthetic=True), 10)
         sec("fast.decode_b8_64k", lambda: measure_decode(drv, stats, 8, 64 * K, steps=10, synthetic=True), 10)
 
+        def decode_profile():
+            """GPU kernel time vs wall time of one decode step (B=1, 4K context): how far launch overhead is from
+            the HBM roofline. torch.profiler, 3 profiled steps after 3 warm-up steps."""
+            from torch.profiler import ProfilerActivity, profile
+
+            steps = 3
+            with torch.inference_mode():
+                cache = drv.synthetic_cache(1, 4 * K)
+                tok = random_ids(1, 1)
+                for _ in range(3):
+                    logits, cache = drv.forward(tok, cache)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        logits, cache = drv.forward(tok, cache)
+                    torch.cuda.synchronize()
+            kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            cuda_us = sum(e.self_device_time_total for e in kernels) / steps
+            launches = sum(e.count for e in kernels) / steps
+            top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+            roof = decode_roofline(stats, drv.model.config, 1, 4 * K)
+            return {"gpu_kernel_ms_per_step": round(cuda_us / 1e3, 3), "kernel_launches_per_step": launches,
+                    "hbm_roofline_ms": roof["hbm_roofline_ms"],
+                    "gpu_kernel_x_of_roofline": round(cuda_us / 1e3 / roof["hbm_roofline_ms"], 2),
+                    "top_kernels_ms_per_step": {e.key[:80]: round(e.self_device_time_total / steps / 1e3, 3)
+                                                for e in top}}
+
+        sec("fast.decode_profile_b1_4k", decode_profile, 15)
+
         def cache_bytes():
             out = {}
             with torch.inference_mode():
@@ -501,7 +540,7 @@ def main():
 
         def prefill_1m():
             total, chunk = 1024 * K, args.chunk_1m
-            deadline = time.monotonic() + min(args.prefill_1m_budget_s, max(run.left() - 150, 0))
+            deadline = time.monotonic() + min(args.prefill_1m_budget_s, max(run.left() - 20, 0))
             progress = []
             reset_peak()
             cache = drv.new_cache()

@@ -33,40 +33,6 @@ def _kda_inputs(ops, batch, seq_len, requires_grad=False, lower_bound=-5.0):
     return tensors
 
 
-@pytest.mark.parametrize("seq_len", [64, 200])
-def test_chunk_kda_forward(kernels, ops, seq_len):
-    t = _kda_inputs(ops, 2, seq_len)
-    fast = kernels.get_fast_op("chunk_kda", t["q"])
-    assert fast is not None, kernels.available_ops()["chunk_kda"]
-    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
-    o, s = fast(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_ref, s_ref = ops.chunk_kda(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
-    assert o.dtype == t["v"].dtype and o.shape == o_ref.shape
-    assert s.dtype == torch.float32 and s.shape == s_ref.shape
-    assert max_rel(o, o_ref) < 2e-2
-    assert rel_err(o, o_ref) < 1e-2
-    assert rel_err(s, s_ref) < 1e-2
-    o2, s2 = fast(*args, use_qk_l2norm_in_kernel=True)
-    assert s2 is None and rel_err(o2, ops.chunk_kda(*args, use_qk_l2norm_in_kernel=True)[0]) < 1e-2
-
-
-def test_chunk_kda_backward(kernels, ops):
-    t = _kda_inputs(ops, 1, 130, requires_grad=True)
-    names = ("q", "k", "v", "g", "beta", "h0")
-    inputs = [t[n] for n in names]
-    fast = kernels.get_fast_op("chunk_kda", t["q"])
-
-    def run(fn):
-        o, s = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
-        loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=DEV)).sum() + (s * 0.1).sum()
-        return torch.autograd.grad(loss, inputs)
-
-    grads, grads_ref = run(fast), run(ops.chunk_kda)
-    for name, g, g_ref in zip(names, grads, grads_ref):
-        assert g.shape == g_ref.shape, name
-        assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
-
-
 @pytest.mark.parametrize("seq_len", [1, 5])
 def test_fused_recurrent_kda(kernels, ops, seq_len):
     t = _kda_inputs(ops, 3, seq_len)
@@ -89,35 +55,6 @@ def test_fused_recurrent_is_forward_only_in_dispatch(kernels, ops):
     assert kernels.get_fast_op("fused_recurrent_kda", q) is None
     with torch.no_grad():
         assert kernels.get_fast_op("fused_recurrent_kda", q) is not None
-
-
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_chunk_kda_fused_gate(kernels, ops, lower_bound):
-    t = _kda_inputs(ops, 2, 150, lower_bound=lower_bound)
-    fast = kernels.get_fast_op("chunk_kda_fused_gate", t["q"])
-    q, k, v, beta = (t[n].detach().requires_grad_(True) for n in ("q", "k", "v", "beta"))
-    raw = t["raw"].detach().requires_grad_(True)
-    a_log, dt_bias = t["a_log"].detach().requires_grad_(True), t["dt_bias"].detach().requires_grad_(True)
-    inputs = (q, k, v, raw, beta, a_log, dt_bias)
-
-    def run(use_fast):
-        if use_fast:
-            o, s = fast(q, k, v, raw, beta, a_log, dt_bias, lower_bound, initial_state=t["h0"],
-                        output_final_state=True, use_qk_l2norm_in_kernel=True)
-        else:
-            g = ops.kda_gate(raw, a_log, dt_bias, lower_bound)
-            o, s = ops.chunk_kda(q, k, v, g, beta, initial_state=t["h0"], output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True)
-        loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=DEV)).sum() + (s * 0.1).sum()
-        return (o, s), torch.autograd.grad(loss, inputs)
-
-    (o, s), grads = run(True)
-    (o_ref, s_ref), grads_ref = run(False)
-    assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-2
-    for name, g, g_ref in zip(("q", "k", "v", "raw", "beta", "A_log", "dt_bias"), grads, grads_ref):
-        if name == "A_log":
-            g, g_ref = g[:H], g_ref[:H]
-        assert rel_err(g, g_ref) < 5e-2, (name, rel_err(g, g_ref))
 
 
 def test_fused_recurrent_kda_fused_gate(kernels, ops):
@@ -163,3 +100,66 @@ def test_causal_conv1d_decode_chain(kernels, ops):
         outs.append(y_t)
     assert max_rel(torch.cat(outs, dim=1), y_full) < 1e-2
     assert torch.equal(state, state_full)
+
+
+@pytest.mark.parametrize("seq_len", [64, 200])
+def test_chunk_kda_forward(kernels, ops, seq_len):
+    t = _kda_inputs(ops, 2, seq_len)
+    fast = kernels.get_fast_op("chunk_kda", t["q"])
+    assert fast is not None, kernels.available_ops()["chunk_kda"]
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    o, s = fast(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = ops.chunk_kda(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == t["v"].dtype and o.shape == o_ref.shape
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape
+    assert max_rel(o, o_ref) < 2e-2
+    assert rel_err(o, o_ref) < 1e-2
+    assert rel_err(s, s_ref) < 1e-2
+    o2, s2 = fast(*args, use_qk_l2norm_in_kernel=True)
+    assert s2 is None and rel_err(o2, ops.chunk_kda(*args, use_qk_l2norm_in_kernel=True)[0]) < 1e-2
+
+
+def test_chunk_kda_backward(kernels, ops):
+    t = _kda_inputs(ops, 1, 130, requires_grad=True)
+    names = ("q", "k", "v", "g", "beta", "h0")
+    inputs = [t[n] for n in names]
+    fast = kernels.get_fast_op("chunk_kda", t["q"])
+
+    def run(fn):
+        o, s = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=DEV)).sum() + (s * 0.1).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    grads, grads_ref = run(fast), run(ops.chunk_kda)
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert g.shape == g_ref.shape, name
+        assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_chunk_kda_fused_gate(kernels, ops, lower_bound):
+    t = _kda_inputs(ops, 2, 150, lower_bound=lower_bound)
+    fast = kernels.get_fast_op("chunk_kda_fused_gate", t["q"])
+    q, k, v, beta = (t[n].detach().requires_grad_(True) for n in ("q", "k", "v", "beta"))
+    raw = t["raw"].detach().requires_grad_(True)
+    a_log, dt_bias = t["a_log"].detach().requires_grad_(True), t["dt_bias"].detach().requires_grad_(True)
+    inputs = (q, k, v, raw, beta, a_log, dt_bias)
+
+    def run(use_fast):
+        if use_fast:
+            o, s = fast(q, k, v, raw, beta, a_log, dt_bias, lower_bound, initial_state=t["h0"],
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+        else:
+            g = ops.kda_gate(raw, a_log, dt_bias, lower_bound)
+            o, s = ops.chunk_kda(q, k, v, g, beta, initial_state=t["h0"], output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True)
+        loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=DEV)).sum() + (s * 0.1).sum()
+        return (o, s), torch.autograd.grad(loss, inputs)
+
+    (o, s), grads = run(True)
+    (o_ref, s_ref), grads_ref = run(False)
+    assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-2
+    for name, g, g_ref in zip(("q", "k", "v", "raw", "beta", "A_log", "dt_bias"), grads, grads_ref):
+        if name == "A_log":
+            g, g_ref = g[:H], g_ref[:H]
+        assert rel_err(g, g_ref) < 5e-2, (name, rel_err(g, g_ref))
