@@ -22,6 +22,7 @@ def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
     p.add_argument("--allow-unknown", action="store_true", help="skip tensor names the name map does not know")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size limit (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoint files already in DST")
+    p.add_argument("--threads", type=int, help="torch intra-op threads for dequantisation (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     return p
 
@@ -33,6 +34,7 @@ def _export_parser(prog: str = "kimik3 export") -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--allow-unknown", action="store_true")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--threads", type=int, help="torch intra-op threads for re-quantisation (default: torch's)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -67,7 +69,7 @@ def _do_convert(args) -> int:
     summary = convert(
         args.src, args.dst, text_only=args.text_only, experts_dtype=args.experts_dtype, num_layers=args.num_layers,
         num_experts=args.num_experts, allow_unknown=args.allow_unknown, max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite, progress=not args.quiet, revision=args.revision,
+        overwrite=args.overwrite, progress=not args.quiet, revision=args.revision, threads=args.threads,
     )
     print(f"converted {args.src} -> {args.dst}: {summary['shards']} shard(s), {summary['bytes'] / 1e9:.3f} GB, "
           f"{len(summary['skipped'])} already done, {summary['seconds']:.1f} s")
@@ -80,7 +82,7 @@ def _do_export(args) -> int:
     from .exporter import export
 
     summary = export(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet,
-                     allow_unknown=args.allow_unknown)
+                     allow_unknown=args.allow_unknown, threads=args.threads)
     err = summary["experts_roundtrip"]
     print(f"exported {args.src} -> {args.dst}: {summary['shards']} shard(s), {summary['bytes'] / 1e9:.3f} GB; "
           f"experts re-quantised: {err['experts_requantised']} ({err['experts_bit_exact']} bit-exact), relative RMS "

@@ -67,6 +67,7 @@ def convert(
     progress: bool = True,
     revision: str | None = None,
     chunk_bytes: int | None = None,
+    threads: int | None = None,
 ) -> dict:
     """Converts a release-layout checkpoint (folder or Hub id) into our layout in `dst`. Returns a summary dict."""
     if experts_dtype not in ("bf16", "mxfp4"):
@@ -149,6 +150,7 @@ def convert(
             overwrite=overwrite,
             progress=progress,
             label="kimik3 convert",
+            threads=threads,
         )
     summary.update(provenance=provenance, source_shards_read=used_shards)
     return summary

@@ -51,7 +51,8 @@ def summarise_error(stats: dict) -> dict:
     }
 
 
-def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_unknown: bool = False) -> dict:
+def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_unknown: bool = False,
+           threads: int | None = None) -> dict:
     dst = Path(dst)
     context = RunContext()
     with Checkpoint(src) as ckpt:
@@ -79,7 +80,7 @@ def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_un
             return [("config.json", json.dumps(release_config, indent=2, sort_keys=True).encode())]
 
         summary = write_checkpoint(dst, shards, identity, side_files, final_files, context, overwrite=overwrite,
-                                   progress=progress, label="kimik3 export")
+                                   progress=progress, label="kimik3 export", threads=threads)
     summary["experts_roundtrip"] = summarise_error(context.stats)
     summary["notes"] = sorted(set(plan.notes))
     return summary

@@ -109,31 +109,53 @@ def _batches(count: int, per_item_bytes: int, chunk_bytes: int):
         yield range(start, min(count, start + step))
 
 
+# Rows dequantised per call: dequantize_mxfp4 holds ~20 bytes of temporaries per weight (int64 codes, f32 values
+# and factors), so 1M weights keep its working set near 20 MB whatever the expert size.
+DEQUANT_BLOCK_WEIGHTS = 1 << 20
+
+
+def _dequantize_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
+    dequantize = _ops().dequantize_mxfp4
+    step = max(1, DEQUANT_BLOCK_WEIGHTS // max(1, out.shape[-1]))
+    for row in range(0, out.shape[0], step):
+        out[row:row + step] = dequantize(packed[row:row + step], scale[row:row + step], out.dtype)
+
+
 def fused_experts(ckpt, part_names, mode: str, per_expert_out_bytes: int, chunk_bytes: int):
-    """Our fused expert tensor from per-expert release tensors, a batch of experts at a time.
+    """Our fused expert tensor from per-expert release tensors, a batch of experts at a time, each written into its
+    place in one preallocated batch buffer (no stack / cat copies).
 
     part_names[e] lists, per part (w1, w3 | w2), the release names: (packed, scale) or (weight,).
     mode: "dense" (bf16; dequantised when the source is packed), "packed" or "scale" (kept MXFP4 bytes).
+    Memory: one batch buffer (<= max(chunk_bytes, one expert's output)) + one source part + the dequant block.
     """
-    dequantize = _ops().dequantize_mxfp4
 
-    def read_stack(experts, part, slot):
-        return torch.stack([ckpt.reader(part_names[e][part][slot]).read(part_names[e][part][slot]) for e in experts])
+    def read(name):
+        return ckpt.reader(name).read(name)
 
-    def dense_part(experts, part):
-        if len(part_names[experts[0]][part]) == 2:
-            return dequantize(read_stack(experts, part, 0), read_stack(experts, part, 1), torch.bfloat16)
-        return read_stack(experts, part, 0).to(torch.bfloat16)
+    def fill(out, names):
+        if mode == "dense" and len(names) == 2:
+            _dequantize_into(out, read(names[0]), read(names[1]))
+        elif mode == "dense":
+            out.copy_(read(names[0]))
+        else:
+            out.copy_(read(names[0 if mode == "packed" else 1]))
 
     def produce():
-        num_parts = len(part_names[0])
+        first = part_names[0]
+        shapes = [ckpt.entry(names[0 if mode != "scale" else 1]).shape for names in first]
+        rows = sum(shape[0] for shape in shapes)
+        width = shapes[0][1] * (2 if mode == "dense" and len(first[0]) == 2 else 1)
+        dtype = torch.bfloat16 if mode == "dense" else torch.uint8
         for experts in _batches(len(part_names), per_expert_out_bytes, chunk_bytes):
-            if mode == "dense":
-                parts = [dense_part(experts, p) for p in range(num_parts)]
-            else:
-                slot = 0 if mode == "packed" else 1
-                parts = [read_stack(experts, p, slot) for p in range(num_parts)]
-            yield parts[0] if num_parts == 1 else torch.cat(parts, dim=1)
+            out = torch.empty(len(experts), rows, width, dtype=dtype)
+            for slot, expert in enumerate(experts):
+                row = 0
+                for names, shape in zip(part_names[expert], shapes):
+                    fill(out[slot, row:row + shape[0]], names)
+                    row += shape[0]
+            yield out
+            del out
 
     return produce
 
@@ -166,17 +188,25 @@ def _fused_rows(ckpt, name: str, expert: int, rows: tuple[int, int]) -> torch.Te
     return data.view(entry.torch_dtype).reshape(rows[1] - rows[0], cols)
 
 
+def _quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_mxfp4 in row blocks: it holds ~32 bytes of temporaries per weight (distances to the 8 E2M1 codes)."""
+    quantize = _ops().quantize_mxfp4
+    step = max(1, DEQUANT_BLOCK_WEIGHTS // max(1, dense.shape[-1]))
+    blocks = [quantize(dense[row:row + step]) for row in range(0, dense.shape[0], step)]
+    return torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
+
+
 def export_expert_part(ckpt, ours: str, packed: bool, expert: int, rows, suffix: str, cache, context):
     """One release expert tensor (`weight_packed` / `weight_scale` / dense `weight`) from our fused tensors."""
-    quantize, dequantize = _ops().quantize_mxfp4, _ops().dequantize_mxfp4
 
     def quantized():
         if packed:
             return _fused_rows(ckpt, ours + "_packed", expert, rows), _fused_rows(ckpt, ours + "_scale", expert, rows)
         dense = _fused_rows(ckpt, ours, expert, rows)
-        q_packed, q_scale = quantize(dense)
+        q_packed, q_scale = _quantize_rows(dense)
         # the round-trip error of re-quantisation, measured on every expert
-        back = dequantize(q_packed, q_scale, torch.float32)
+        back = torch.empty(dense.shape, dtype=torch.float32)
+        _dequantize_into(back, q_packed, q_scale)
         ref = dense.float()
         err = back - ref
         context.add(
@@ -191,10 +221,10 @@ def export_expert_part(ckpt, ours: str, packed: bool, expert: int, rows, suffix:
 
     def dense_values():
         if packed:
-            return dequantize(
-                _fused_rows(ckpt, ours + "_packed", expert, rows), _fused_rows(ckpt, ours + "_scale", expert, rows),
-                torch.bfloat16,
-            )
+            values = torch.empty(rows[1] - rows[0], ckpt.entry(ours + "_packed").shape[-1] * 2, dtype=torch.bfloat16)
+            _dequantize_into(values, _fused_rows(ckpt, ours + "_packed", expert, rows),
+                             _fused_rows(ckpt, ours + "_scale", expert, rows))
+            return values
         return _fused_rows(ckpt, ours, expert, rows).to(torch.bfloat16)
 
     def produce():

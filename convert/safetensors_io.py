@@ -247,6 +247,8 @@ class ShardWriter:
             written += len(data) if isinstance(data, bytes) else data.nbytes
             if on_bytes is not None:
                 on_bytes(len(data) if isinstance(data, bytes) else data.nbytes)
+            # drop this chunk before the producer makes the next one: one chunk alive at a time
+            del chunk, data
         if written != spec.nbytes:
             raise RuntimeError(f"`{spec.name}`: producer gave {written} bytes, the plan says {spec.nbytes}")
         self._index += 1
