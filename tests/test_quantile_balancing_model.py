@@ -1,0 +1,122 @@
+"""Quantile Balancing on the tiny KimiK3ForCausalLM (trust_remote_code): the gate/observer contract of
+docs/design.md, checkpoint recomputation counted once, and a short Trainer fine-tune where balancing keeps the expert
+load imbalance (max/mean) low while it collapses without."""
+
+import torch
+from transformers import TrainerCallback
+
+from kimik3.training.quantile_balancing import (
+    ExpertLoadMonitor,
+    QuantileBalancer,
+    QuantileBalancingCallback,
+    find_router_gates,
+    mean_load_imbalance,
+)
+from test_training_helpers import batch_of, load_tiny, losses, make_trainer
+
+
+def test_real_gate_follows_the_observer_contract():
+    model = load_tiny()
+    gates = find_router_gates(model)
+    assert [n for n, _ in gates] == [f"model.layers.{i}.mlp.gate" for i in (1, 2, 3)]
+    k = model.config.num_experts_per_token
+    calls, outputs = [], {}
+    for name, gate in gates:
+        gate.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(name, out))
+    assert model.config.quantile_balancing is False
+    balancer = QuantileBalancer(model)
+    assert model.config.quantile_balancing is True
+    observers = [g.quantile_balancing_observer for _, g in gates]
+    for inner, (_, gate) in zip(observers, gates):  # spy on the observer
+        gate.quantile_balancing_observer = lambda m, s, c, mask, inner=inner: (calls.append((m, s, c, mask)),
+                                                                                inner(m, s, c, mask))
+    batch = batch_of(2)
+    model(**batch)
+    assert [c[0] for c in calls] == [g for _, g in gates]  # once per gate per forward
+    for (module, scores, cutoff, mask), (name, gate) in zip(calls, gates):
+        assert scores.dtype == cutoff.dtype == torch.float32 and not scores.requires_grad
+        assert scores.shape == (2 * 64, model.config.num_experts) and cutoff.shape == (2 * 64,)
+        biased = scores + gate.e_score_correction_bias
+        # the cutoff is each token's (k+1)-th biased score; the k routed experts are strictly above it
+        torch.testing.assert_close(cutoff, biased.topk(k + 1, dim=-1).values[:, -1], rtol=0, atol=0)
+        routed = outputs[name][2]
+        assert routed.shape == (2 * 64, k)
+        assert (biased.gather(-1, routed) > cutoff[:, None]).all()
+    # eval mode: plain top-k, no observer call
+    calls.clear()
+    model.eval()
+    with torch.no_grad():
+        model(**batch)
+    assert calls == []
+    for inner, (_, gate) in zip(observers, gates):
+        gate.quantile_balancing_observer = inner
+    balancer.remove()
+    assert model.config.quantile_balancing is False
+    assert all(g.quantile_balancing_observer is None for _, g in gates)
+
+
+def test_real_model_checkpoint_recompute_counted_once():
+    batch = batch_of(4)
+    results = []
+    for checkpointing in (False, True):
+        model = load_tiny()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        balancer = QuantileBalancer(model)
+        model(**batch).loss.backward()
+        stats = balancer.step()
+        results.append((stats, [g.e_score_correction_bias.clone() for _, g in find_router_gates(model)]))
+    (plain, bias_plain), (ckpt, bias_ckpt) = results
+    assert plain.tokens == ckpt.tokens == 4 * 64
+    assert torch.equal(plain.loads, ckpt.loads)
+    for a, b in zip(bias_plain, bias_ckpt):
+        assert torch.equal(a, b)
+
+
+class LoadLog(TrainerCallback):
+    """Expert-load imbalance of every optimizer step, from the gates' routed top-k (on or off balancing)."""
+
+    def __init__(self, model):
+        self.monitor = ExpertLoadMonitor(model)
+        self.imbalance = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.imbalance.append(mean_load_imbalance(self.monitor.pop()))
+
+
+def fine_tune(tmp_path, balancing: bool, steps: int = 30):
+    model = load_tiny()
+    bias_before = [g.e_score_correction_bias.clone() for _, g in find_router_gates(model)]
+    log = LoadLog(model)
+    callbacks = [log]
+    extra = {}
+    if balancing:
+        callbacks.append(QuantileBalancingCallback())
+        # same optimizer steps, in two micro-batches of 4 under activation checkpointing
+        extra = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, gradient_checkpointing=True)
+    trainer = make_trainer(model, tmp_path, max_steps=steps, callbacks=callbacks, **extra)
+    trainer.train()
+    bias_after = [g.e_score_correction_bias.clone() for _, g in find_router_gates(model)]
+    return trainer, log.imbalance, bias_before, bias_after, model
+
+
+def test_trainer_quantile_balancing_keeps_experts_balanced(tmp_path):
+    steps = 30
+    off, imb_off, before_off, after_off, _ = fine_tune(tmp_path / "off", balancing=False, steps=steps)
+    on, imb_on, before_on, after_on, model = fine_tune(tmp_path / "on", balancing=True, steps=steps)
+    assert len(imb_off) == len(imb_on) == steps
+    late_off, late_on = sum(imb_off[-10:]) / 10, sum(imb_on[-10:]) / 10
+    # 8 experts, top-2: max/mean is 4.0 when every token picks the same two experts, 1.0 when balanced
+    assert late_off > 3.0  # without balancing the routers collapse onto few experts
+    assert late_on < 2.2  # with Quantile Balancing they stay spread
+    # the bias moves only with balancing; it is a buffer, never a trainable parameter
+    assert all(torch.equal(a, b) for a, b in zip(before_off, after_off))
+    assert all(float((a - b).abs().max()) > 1e-3 for a, b in zip(before_on, after_on))
+    assert not any("e_score_correction_bias" in n for n, _ in model.named_parameters())
+    # the callback logged the imbalance and restored the config flag
+    logged = [h["qb/load_imbalance"] for h in on.state.log_history if "qb/load_imbalance" in h]
+    assert len(logged) == steps
+    assert abs(sum(logged[-10:]) / 10 - late_on) < 1e-6  # same figure as the gates' routed top-k
+    assert model.config.quantile_balancing is False
+    # both runs still learn
+    assert sum(losses(on)[-5:]) / 5 < 3.3 and sum(losses(off)[-5:]) / 5 < 3.3
