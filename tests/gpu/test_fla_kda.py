@@ -9,13 +9,16 @@ if not torch.cuda.is_available():
 pytest.importorskip("fla")
 pytest.importorskip("triton")
 
-from gpu_helpers import max_rel, rel_err  # noqa: E402
+from gpu_helpers import load_kernels, load_ops, max_rel, rel_err  # noqa: E402
+
+kernels = load_kernels()
+ops = load_ops()
 
 DEV = "cuda"
 H, K = 4, 128  # K3 head_dim 128 (the shape fla's kernels are tuned for), fewer heads
 
 
-def _kda_inputs(ops, batch, seq_len, requires_grad=False, lower_bound=-5.0):
+def _kda_inputs(batch, seq_len, requires_grad=False, lower_bound=-5.0):
     q = torch.randn(batch, seq_len, H, K, device=DEV, dtype=torch.bfloat16)
     k = torch.randn(batch, seq_len, H, K, device=DEV, dtype=torch.bfloat16)
     v = torch.randn(batch, seq_len, H, K, device=DEV, dtype=torch.bfloat16)
@@ -34,8 +37,8 @@ def _kda_inputs(ops, batch, seq_len, requires_grad=False, lower_bound=-5.0):
 
 
 @pytest.mark.parametrize("seq_len", [1, 5])
-def test_fused_recurrent_kda(kernels, ops, seq_len):
-    t = _kda_inputs(ops, 3, seq_len)
+def test_fused_recurrent_kda(seq_len):
+    t = _kda_inputs(3, seq_len)
     fast = kernels.get_fast_op("fused_recurrent_kda", t["q"])
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
     h0_before = t["h0"].clone()
@@ -50,15 +53,15 @@ def test_fused_recurrent_kda(kernels, ops, seq_len):
     assert torch.equal(t["h0"], h0_before)
 
 
-def test_fused_recurrent_is_forward_only_in_dispatch(kernels, ops):
+def test_fused_recurrent_is_forward_only_in_dispatch():
     q = torch.randn(1, 1, H, K, device=DEV, requires_grad=True)
     assert kernels.get_fast_op("fused_recurrent_kda", q) is None
     with torch.no_grad():
         assert kernels.get_fast_op("fused_recurrent_kda", q) is not None
 
 
-def test_fused_recurrent_kda_fused_gate(kernels, ops):
-    t = _kda_inputs(ops, 2, 3)
+def test_fused_recurrent_kda_fused_gate():
+    t = _kda_inputs(2, 3)
     fast = kernels.get_fast_op("fused_recurrent_kda_fused_gate", t["q"])
     o, s = fast(t["q"], t["k"], t["v"], t["raw"], t["beta"], t["a_log"], t["dt_bias"], -5.0,
                 initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -68,7 +71,7 @@ def test_fused_recurrent_kda_fused_gate(kernels, ops):
 
 
 @pytest.mark.parametrize("with_state", [False, True])
-def test_causal_conv1d_forward_backward(kernels, ops, with_state):
+def test_causal_conv1d_forward_backward(with_state):
     channels, width = 384, 4
     x = torch.randn(2, 37, channels, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(channels, 1, width, device=DEV) * 0.5).requires_grad_(True)
@@ -86,7 +89,7 @@ def test_causal_conv1d_forward_backward(kernels, ops, with_state):
     assert rel_err(gx, gx_ref) < 1e-2 and rel_err(gw, gw_ref) < 1e-2
 
 
-def test_causal_conv1d_decode_chain(kernels, ops):
+def test_causal_conv1d_decode_chain():
     """Prefill 5 tokens, then 3 single-token steps through the returned state == one pass over 8 tokens."""
     channels, width = 256, 4
     x = torch.randn(1, 8, channels, device=DEV, dtype=torch.bfloat16)
@@ -103,8 +106,8 @@ def test_causal_conv1d_decode_chain(kernels, ops):
 
 
 @pytest.mark.parametrize("seq_len", [64, 200])
-def test_chunk_kda_forward(kernels, ops, seq_len):
-    t = _kda_inputs(ops, 2, seq_len)
+def test_chunk_kda_forward(seq_len):
+    t = _kda_inputs(2, seq_len)
     fast = kernels.get_fast_op("chunk_kda", t["q"])
     assert fast is not None, kernels.available_ops()["chunk_kda"]
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
@@ -119,8 +122,8 @@ def test_chunk_kda_forward(kernels, ops, seq_len):
     assert s2 is None and rel_err(o2, ops.chunk_kda(*args, use_qk_l2norm_in_kernel=True)[0]) < 1e-2
 
 
-def test_chunk_kda_backward(kernels, ops):
-    t = _kda_inputs(ops, 1, 130, requires_grad=True)
+def test_chunk_kda_backward():
+    t = _kda_inputs(1, 130, requires_grad=True)
     names = ("q", "k", "v", "g", "beta", "h0")
     inputs = [t[n] for n in names]
     fast = kernels.get_fast_op("chunk_kda", t["q"])
@@ -137,8 +140,8 @@ def test_chunk_kda_backward(kernels, ops):
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_chunk_kda_fused_gate(kernels, ops, lower_bound):
-    t = _kda_inputs(ops, 2, 150, lower_bound=lower_bound)
+def test_chunk_kda_fused_gate(lower_bound):
+    t = _kda_inputs(2, 150, lower_bound=lower_bound)
     fast = kernels.get_fast_op("chunk_kda_fused_gate", t["q"])
     q, k, v, beta = (t[n].detach().requires_grad_(True) for n in ("q", "k", "v", "beta"))
     raw = t["raw"].detach().requires_grad_(True)
