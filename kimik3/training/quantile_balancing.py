@@ -101,17 +101,16 @@ def exact_bias(scores: torch.Tensor, cutoff: torch.Tensor, k: int, center: bool 
     return _center(b_hat) if center else b_hat
 
 
-def bin_range(bias: torch.Tensor, num_bins: int) -> tuple[float, float]:
-    """``(lo, width)`` of the B uniform bins over ``[min(bias) - 1, max(bias) + 1]`` of the current bias."""
+def bin_range(bias: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, width)`` of the B uniform bins over ``[min(bias) - 1, max(bias) + 1]`` of the current bias, as f32
+    tensors on the bias' device (no host sync); for a stack of biases ``[L, E]`` they are ``[L]``."""
     b = bias.detach().float()
-    lo = float(b.min()) - 1.0
-    hi = float(b.max()) + 1.0
+    lo = b.amin(-1) - 1.0
+    hi = b.amax(-1) + 1.0
     return lo, (hi - lo) / num_bins
 
 
-def histogram_counts(
-    scores: torch.Tensor, cutoff: torch.Tensor, lo: float, width: float, num_bins: int
-) -> torch.Tensor:
+def histogram_counts(scores: torch.Tensor, cutoff: torch.Tensor, lo, width, num_bins: int) -> torch.Tensor:
     """Per-expert histogram ``[E, B]`` (int64) of ``r_ij = alpha_i - s_ij`` over the bins ``lo + [0, B) * width``.
 
     Values outside the range (cannot happen with the range of :func:`bin_range`, up to rounding) go to the end bins.
@@ -125,21 +124,24 @@ def histogram_counts(
     return torch.bincount(idx.reshape(-1), minlength=e * num_bins).view(e, num_bins)
 
 
-def histogram_bias(counts: torch.Tensor, lo: float, width: float, q: float) -> torch.Tensor:
-    """Quantile read from per-expert histograms ``counts [E, B]``: the first bin whose cumulative count reaches
-    ``ceil(q)``, linearly interpolated inside it:
+def histogram_bias(counts: torch.Tensor, lo, width, q) -> torch.Tensor:
+    """Quantile read from per-expert histograms ``counts [..., E, B]``: the first bin whose cumulative count
+    reaches ``ceil(q)``, linearly interpolated inside it:
 
         b_hat_j = lo + (bin + clip((q - c_before) / h_bin, 0, 1)) * width
 
-    Returns ``b_hat`` ``[E]`` f32 (not centred).
+    ``lo``, ``width`` and ``q`` are numbers or tensors of the leading shape ``[...]``. Returns ``b_hat [..., E]``
+    f32 (not centred).
     """
     counts = counts.long()
     cum = counts.cumsum(-1)
-    need = max(1, math.ceil(q - 1e-9))
+    as_lead = lambda x: torch.as_tensor(x, dtype=torch.float64, device=counts.device)[..., None]  # noqa: E731
+    q, lo, width = as_lead(q), as_lead(lo), as_lead(width)
+    need = torch.ceil(q - 1e-9).clamp(min=1)
     # first bin with cum >= need (cum is non-decreasing, so count the bins below it)
-    first = (cum < need).sum(-1).clamp_(max=counts.shape[-1] - 1)
-    h = counts.gather(-1, first[:, None]).squeeze(-1).double()
-    c_before = cum.gather(-1, first[:, None]).squeeze(-1).double() - h
+    first = (cum < need[..., None]).sum(-1).clamp_(max=counts.shape[-1] - 1)
+    h = counts.gather(-1, first[..., None]).squeeze(-1).double()
+    c_before = cum.gather(-1, first[..., None]).squeeze(-1).double() - h
     frac = ((q - c_before) / h.clamp(min=1)).clamp(0.0, 1.0)
     return (lo + (first.double() + frac) * width).float()
 
@@ -305,7 +307,6 @@ class QuantileBalancer:
         self.last_stats: BalancerStats | None = None
         # [L, E, B + 1] int64: histogram of r per gate and expert, last column = tokens routed to the expert.
         self._counts: torch.Tensor | None = None
-        self._observed_calls = 0
         self._warned_silent = False
 
         self._saved_config: list[tuple[object, object]] = []
@@ -349,7 +350,6 @@ class QuantileBalancer:
         counts[index, :, : self.num_bins] += histogram_counts(scores, cutoff, lo, width, self.num_bins)
         # Routed experts are exactly those strictly above the (k+1)-th biased score (same f32 sum as the gate).
         counts[index, :, self.num_bins] += (scores + bias > cutoff[:, None]).sum(0)
-        self._observed_calls += 1
 
     # ---- update ------------------------------------------------------------------------------------------------
     def _all_reduce(self, counts: torch.Tensor) -> torch.Tensor:
@@ -363,13 +363,20 @@ class QuantileBalancer:
     def step(self) -> BalancerStats | None:
         """Update every gate's bias from the tokens observed since the last call; returns the step's statistics
         (``None`` when no token was observed on any rank). Call on every rank: it does one collective."""
-        device = getattr(self.gates[0][1], BIAS_NAME).device
-        counts = self._counts if self._counts is not None else self._buffer(device)
+        buffers = [getattr(gate, BIAS_NAME) for _, gate in self.gates]
+        counts = self._counts if self._counts is not None else self._buffer(buffers[0].device)
         counts = self._all_reduce(counts)
         self._counts = None
-        self._observed_calls = 0
-        tokens = int(counts[0, 0, : self.num_bins].sum())
-        if tokens == 0:
+        hist, loads = counts[..., : self.num_bins], counts[..., self.num_bins]  # [L, E, B], [L, E]
+        tokens = hist[:, 0].sum(-1)  # [L] (every token adds one count to each expert's row)
+        current = torch.stack([b.detach().float().to(counts.device) for b in buffers])  # [L, E]
+        lo, width = bin_range(current, self.num_bins)
+        b_hat = histogram_bias(hist, lo, width, tokens.double() * self.top_k / self.num_experts)
+        new = b_hat - b_hat.mean(-1, keepdim=True)
+        if self.ema:
+            new = self.ema * current + (1.0 - self.ema) * new
+        tokens = tokens.cpu()
+        if int(tokens.max()) == 0:
             if self.enabled and not self._warned_silent:
                 warnings.warn(
                     "QuantileBalancer saw no router call during this step: the gates did not call "
@@ -379,37 +386,23 @@ class QuantileBalancer:
                 )
                 self._warned_silent = True
             return None
-        layer_imbalance = []
-        bias_abs_max = 0.0
-        for index, (_, gate) in enumerate(self.gates):
-            hist = counts[index, :, : self.num_bins]
-            loads = counts[index, :, self.num_bins]
-            n_layer = int(hist[0].sum())
-            buffer = getattr(gate, BIAS_NAME)
-            if n_layer == 0:
-                layer_imbalance.append(float("nan"))
-                continue
-            lo, width = bin_range(buffer, self.num_bins)
-            q = target_load(n_layer, self.top_k, self.num_experts)
-            new = _center(histogram_bias(hist, lo, width, q)).to(buffer.device)
-            if self.ema:
-                new = self.ema * buffer.detach().float() + (1.0 - self.ema) * new
-            buffer.copy_(new.to(buffer.dtype))
-            layer_imbalance.append(load_imbalance(loads))
-            bias_abs_max = max(bias_abs_max, float(new.abs().max()))
+        for buffer, row, n in zip(buffers, new, tokens.tolist()):
+            if n > 0:  # a gate that saw no token keeps its bias
+                buffer.copy_(row.to(buffer.device, buffer.dtype))
+        loads = loads.cpu()
+        seen = tokens > 0
         self.num_steps += 1
         self.last_stats = BalancerStats(
-            tokens=tokens,
-            loads=counts[:, :, self.num_bins].cpu(),
-            layer_imbalance=layer_imbalance,
-            bias_abs_max=bias_abs_max,
+            tokens=int(tokens.max()),
+            loads=loads,
+            layer_imbalance=[load_imbalance(row) if n > 0 else float("nan") for row, n in zip(loads, tokens)],
+            bias_abs_max=float(new[seen.to(new.device)].abs().max()),
         )
         return self.last_stats
 
     def reset(self) -> None:
         """Drop what was observed since the last :meth:`step` (e.g. after an evaluation run in train mode)."""
         self._counts = None
-        self._observed_calls = 0
 
     def remove(self) -> None:
         """Detach the observers and restore ``config.quantile_balancing``."""
