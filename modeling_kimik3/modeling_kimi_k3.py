@@ -406,8 +406,9 @@ class KimiK3MoEGate(nn.Module):
         self.quantile_balancing_observer = None
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Both operands upcast: bf16 router logits change the selected set for a few % of tokens (8.1).
-        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        # Both operands upcast, autocast off: bf16 router logits change the selected set for a few % of tokens (8.1).
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            router_logits = F.linear(hidden_states.float(), self.weight.float())
         scores = torch.sigmoid(router_logits)
         biased = scores + self.e_score_correction_bias.float()
         if self.config.num_expert_group > 1:

@@ -18,8 +18,23 @@ one function and `kimik3.kernels` can swap in the fast one when it is importable
 Section numbers refer to k3_math.md.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+
+def f32_island(fn):
+    """Run `fn` with autocast off: its f32 arithmetic is part of the spec (k3_math.md 10), and a bf16 autocast
+    region around the model must not downcast its matmuls."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        with torch.autocast(device_type=device, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -31,6 +46,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+@f32_island
 def kda_gate(
     z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
 ) -> torch.Tensor:
@@ -47,6 +63,7 @@ def kda_gate(
     return lower_bound * torch.sigmoid(a * z)
 
 
+@f32_island
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +91,7 @@ def _prepare_qk(q, k, scale, use_qk_l2norm_in_kernel):
     return q * scale, k
 
 
+@f32_island
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,6 +142,7 @@ def _chunk_kda_step(q, k, v, g, beta, state, causal_incl, causal_strict, eye):
     return out, state
 
 
+@f32_island
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -187,6 +206,7 @@ def chunk_kda(
     return out.to(dtype), (state if output_final_state else None)
 
 
+@f32_island
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fla FusedRMSNormGated(activation='sigmoid'): RMS over the last dim, weight, sigmoid gate; all f32 (2.2.8)."""
     x32 = x.float()
@@ -198,6 +218,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 # Block Attention Residuals (5.1)
 
 
+@f32_island
 def block_attn_res_mix(
     candidates: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -217,6 +238,7 @@ def block_attn_res_mix(
 # SiTU (6.3)
 
 
+@f32_island
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU: [b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(u/b2)] in f32, cast back to the input dtype.
 

@@ -110,8 +110,6 @@ def test_gradient_checkpointing_without_trainer_matches():
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.xfail(strict=True, reason="model side: KimiK3MoEGate's f32 GEMM is downcast by autocast (k3_math 8.1); "
-                   "wrap it in torch.autocast(device_type, enabled=False), then drop this marker")
 def test_router_logits_stay_f32_under_bf16_autocast():
     model = load_tiny()
     dtypes = []
