@@ -188,12 +188,24 @@ def _fused_rows(ckpt, name: str, expert: int, rows: tuple[int, int]) -> torch.Te
     return data.view(entry.torch_dtype).reshape(rows[1] - rows[0], cols)
 
 
-def _quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_mxfp4 in row blocks: it holds ~32 bytes of temporaries per weight (distances to the 8 E2M1 codes)."""
-    quantize = _ops().quantize_mxfp4
+def _quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """quantize_mxfp4 in row blocks (it holds ~32 bytes of temporaries per weight), measuring the round-trip error
+    of each block as it goes. Returns (packed, scale, error statistics)."""
+    quantize, dequantize = _ops().quantize_mxfp4, _ops().dequantize_mxfp4
     step = max(1, DEQUANT_BLOCK_WEIGHTS // max(1, dense.shape[-1]))
-    blocks = [quantize(dense[row:row + step]) for row in range(0, dense.shape[0], step)]
-    return torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
+    packed, scales = [], []
+    stats = {"exact_experts": 1, "weights": dense.numel(), "sum_sq_err": 0.0, "sum_sq_ref": 0.0, "max_abs_err": 0.0}
+    for row in range(0, dense.shape[0], step):
+        ref = dense[row:row + step].float()
+        block_packed, block_scale = quantize(ref)
+        err = dequantize(block_packed, block_scale, torch.float32) - ref
+        stats["exact_experts"] &= int(not torch.any(err != 0))
+        stats["sum_sq_err"] += float((err * err).sum())
+        stats["sum_sq_ref"] += float((ref * ref).sum())
+        stats["max_abs_err"] = max(stats["max_abs_err"], float(err.abs().max()) if err.numel() else 0.0)
+        packed.append(block_packed)
+        scales.append(block_scale)
+    return torch.cat(packed), torch.cat(scales), stats
 
 
 def export_expert_part(ckpt, ours: str, packed: bool, expert: int, rows, suffix: str, cache, context):
@@ -202,21 +214,9 @@ def export_expert_part(ckpt, ours: str, packed: bool, expert: int, rows, suffix:
     def quantized():
         if packed:
             return _fused_rows(ckpt, ours + "_packed", expert, rows), _fused_rows(ckpt, ours + "_scale", expert, rows)
-        dense = _fused_rows(ckpt, ours, expert, rows)
-        q_packed, q_scale = _quantize_rows(dense)
         # the round-trip error of re-quantisation, measured on every expert
-        back = torch.empty(dense.shape, dtype=torch.float32)
-        _dequantize_into(back, q_packed, q_scale)
-        ref = dense.float()
-        err = back - ref
-        context.add(
-            experts=1,
-            exact_experts=int(torch.equal(back, ref)),
-            weights=ref.numel(),
-            sum_sq_err=float((err * err).sum()),
-            sum_sq_ref=float((ref * ref).sum()),
-            max_abs_err=float(err.abs().max()) if err.numel() else 0.0,
-        )
+        q_packed, q_scale, stats = _quantize_rows(_fused_rows(ckpt, ours, expert, rows))
+        context.add(experts=1, **stats)
         return q_packed, q_scale
 
     def dense_values():

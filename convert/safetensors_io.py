@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -225,15 +226,26 @@ def tensor_bytes(chunk: torch.Tensor):
 
 class ShardWriter:
     """Writes one shard to `path`: the header first (all shapes are known from the plan), then each tensor's bytes as
-    its producer yields them, so no more than one chunk of output is ever held."""
+    its producer yields them. One write is in flight on a helper thread while the producer makes the next chunk
+    (file writes release the GIL), so at most two chunks of output are alive at any time."""
 
     def __init__(self, path: Path, specs: list[OutSpec], metadata: dict[str, str] | None = None):
         self.path = path
         self.specs = specs
         self._handle = open(path, "wb")
         self._handle.write(encode_header(specs, metadata))
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimik3-writer")
+        self._pending = None
         self._index = 0
-        self._written = 0
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _submit(self, data) -> None:
+        self._wait()
+        self._pending = self._pool.submit(self._handle.write, data)
 
     def write_tensor(self, spec: OutSpec, chunks: Iterable[torch.Tensor], on_bytes=None) -> None:
         if self.specs[self._index] != spec:
@@ -243,17 +255,22 @@ class ShardWriter:
             if DTYPE_NAMES.get(chunk.dtype) != spec.dtype and chunk.dtype != torch.uint8:
                 raise RuntimeError(f"`{spec.name}`: producer gave {chunk.dtype}, the plan says {spec.dtype}")
             data = tensor_bytes(chunk)
-            self._handle.write(data)
-            written += len(data) if isinstance(data, bytes) else data.nbytes
+            size = len(data) if isinstance(data, bytes) else data.nbytes
+            if written + size > spec.nbytes:
+                raise RuntimeError(f"`{spec.name}`: producer gave more than the {spec.nbytes} bytes of the plan")
+            self._submit(data)
+            written += size
             if on_bytes is not None:
-                on_bytes(len(data) if isinstance(data, bytes) else data.nbytes)
-            # drop this chunk before the producer makes the next one: one chunk alive at a time
+                on_bytes(size)
+            # drop our references before the producer makes the next chunk (the writer thread holds its own)
             del chunk, data
         if written != spec.nbytes:
             raise RuntimeError(f"`{spec.name}`: producer gave {written} bytes, the plan says {spec.nbytes}")
         self._index += 1
 
     def close(self, durable: bool = True) -> None:
+        self._wait()
+        self._pool.shutdown()
         if self._index != len(self.specs):
             raise RuntimeError(f"{self.path}: closed after {self._index} of {len(self.specs)} tensors")
         self._handle.flush()
@@ -262,4 +279,10 @@ class ShardWriter:
         self._handle.close()
 
     def abort(self) -> None:
-        self._handle.close()
+        try:
+            self._wait()
+        except OSError:
+            pass
+        finally:
+            self._pool.shutdown()
+            self._handle.close()
