@@ -121,6 +121,7 @@ class KimiK3TextConfig(PretrainedConfig):
         mla_use_nope: bool = True,
         mla_use_output_gate: bool = False,
         attention_dropout: float = 0.0,
+        mla_prefill_block_size: int = 16384,
         # KDA
         linear_attn_config: dict | None = None,
         kda_chunk_size: int = 64,
@@ -175,6 +176,7 @@ class KimiK3TextConfig(PretrainedConfig):
         self.mla_use_nope = mla_use_nope
         self.mla_use_output_gate = mla_use_output_gate
         self.attention_dropout = attention_dropout
+        self.mla_prefill_block_size = mla_prefill_block_size
 
         self.linear_attn_config = copy.deepcopy(linear_attn_config) if linear_attn_config is not None else None
         self.kda_chunk_size = kda_chunk_size
@@ -321,7 +323,8 @@ class KimiK3TextConfig(PretrainedConfig):
                 raise _config_error(key, f"must be a positive integer, got {value!r}")
 
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                    "qk_nope_head_dim", "v_head_dim", "intermediate_size", "kda_chunk_size"):
+                    "qk_nope_head_dim", "v_head_dim", "intermediate_size", "kda_chunk_size",
+                    "mla_prefill_block_size"):
             positive(key, getattr(self, key))
         if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
             raise _config_error("qk_rope_head_dim", f"must be a non-negative integer, got {self.qk_rope_head_dim!r}")

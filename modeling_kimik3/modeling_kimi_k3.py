@@ -34,6 +34,7 @@ from transformers.utils import can_return_tuple, logging
 from .cache_kimi_k3 import KimiK3Cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .ops_kimi_k3 import (
+    attention_with_lse,
     block_attn_res_mix,
     causal_conv1d,
     chunk_kda,
@@ -333,6 +334,8 @@ class KimiK3MLAAttention(nn.Module):
 
         if seq_len == 1 and past_len > 0:
             attn_output, attn_weights = self._absorbed_attention(query, latents, attention_mask)
+        elif past_len > 0 and attention_mask is None:
+            attn_output, attn_weights = self._blockwise_prefill_attention(query, latents), None
         else:
             attn_output, attn_weights = self._expanded_attention(query, latents, attention_mask, **kwargs)
 
@@ -346,13 +349,8 @@ class KimiK3MLAAttention(nn.Module):
         return weight[:, : self.qk_nope_head_dim], weight[:, self.qk_nope_head_dim :]
 
     def _expanded_attention(self, query, latents, attention_mask, **kwargs):
-        batch, kv_len, _ = latents.shape
-        latent, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(batch, kv_len, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # NoPE: the "rope" part of the key is the unrotated k_pe, shared by all heads
-        k_pe = k_pe.unsqueeze(1).expand(batch, self.num_heads, kv_len, self.qk_rope_head_dim)
-        key = torch.cat([k_nope, k_pe], dim=-1)
+        key, value = self._expand_latents(latents)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -366,6 +364,35 @@ class KimiK3MLAAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
+
+    def _expand_latents(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, kv_len, _ = latents.shape
+        latent, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(batch, kv_len, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(1).expand(batch, self.num_heads, kv_len, self.qk_rope_head_dim)
+        return torch.cat([k_nope, k_pe], dim=-1), value
+
+    def _blockwise_prefill_attention(self, query: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk continuing a cache (no padding): cached latents are expanded one key block at a time and
+        the blocks merged by log-sum-exp, so the workspace is O(chunk x block), with no [chunk, context] mask and no
+        expanded copy of the whole context. Causal masking is only needed on the chunk's own (diagonal) block."""
+        seq_len, kv_len = query.shape[2], latents.shape[1]
+        past_len = kv_len - seq_len
+        block = self.config.mla_prefill_block_size
+        spans = [(s, min(s + block, past_len)) for s in range(0, past_len, block)] + [(past_len, kv_len)]
+        attend = _fast_op("attention_with_lse", query) or attention_with_lse
+        out = lse = None
+        for start, end in spans:
+            key, value = self._expand_latents(latents[:, start:end])
+            block_out, block_lse = attend(query, key, value, self.scaling, start == past_len)
+            if out is None:
+                out, lse = block_out, block_lse
+                continue
+            merged = torch.logaddexp(lse, block_lse)
+            out = out * (lse - merged).exp().unsqueeze(-1) + block_out * (block_lse - merged).exp().unsqueeze(-1)
+            lse = merged
+        return out.to(query.dtype).transpose(1, 2)
 
     def _absorbed_attention(self, query, latents, attention_mask):
         # score = (W_UK^T q_nope) . c + q_pe . k_pe ; out = W_UV (sum p c): the same numbers as the expanded form,

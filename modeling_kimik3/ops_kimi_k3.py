@@ -215,6 +215,25 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Attention over one key block, with its log-sum-exp (blockwise MLA prefill over a long cache)
+
+
+@f32_island
+def attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale) v for one key block. query [B, H, T, Dk], key [B, H, S, Dk], value [B, H, S, Dv];
+    `causal` is for the diagonal block (T == S, same positions). Returns (out f32 [B, H, T, Dv], lse f32 [B, H, T]),
+    so blocks can be merged exactly: out = sum_b exp(lse_b - lse) out_b with lse = logaddexp over blocks."""
+    scores = (query.float() @ key.float().transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ value.float(), lse
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Block Attention Residuals (5.1)
 
 

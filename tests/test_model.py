@@ -178,3 +178,18 @@ def test_init_weights_sets_every_custom_parameter_on_load(tmp_path):
             assert 0.01 < value.std() < 0.03
         elif name.endswith("conv1d.weight"):
             assert value.abs().max() <= 0.5 and value.std() > 0
+
+
+def test_blockwise_chunked_prefill_over_many_key_blocks_equals_full_forward():
+    """Chunked prefill continuing a cache merges key blocks by log-sum-exp; with 3-token blocks every chunk spans
+    several blocks, and the result must be the one-shot forward."""
+    model = build_tiny_model(num_hidden_layers=4)
+    model.config.mla_prefill_block_size = 3
+    ids = torch.randint(3, 128, (2, 26))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :7], use_cache=True)
+        cache, pieces = cache_of(out), [out.logits]
+        for start, end in ((7, 12), (12, 13), (13, 26)):
+            pieces.append(model(ids[:, start:end], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
