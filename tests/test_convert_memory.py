@@ -74,10 +74,12 @@ def test_peak_rss_does_not_grow_with_the_model(checkpoints, tmp_path, experts):
     small, large = measured["small"], measured["large"]
     largest_tensor = 64 * 2 * 256 * 256 * (2 if experts == "bf16" else 1)  # the fused gate_up of one layer
     assert large["bytes"] > 6 * small["bytes"]
-    # bounded by a few chunks, far below the output, and no larger for the 6x larger checkpoint
-    assert large["growth"] < 12 * CHUNK, measured
-    assert large["growth"] < large["bytes"] / 8, measured
-    assert large["growth"] < small["growth"] + 2 * CHUNK, measured
+    # bounded by a few chunks (two in flight + reads, plus allocator slack), far below the output, and no larger
+    # for the 6x larger checkpoint
+    slack = 8 * 2**20
+    assert large["growth"] < 4 * CHUNK + slack, measured
+    assert large["growth"] < large["bytes"] / 4, measured
+    assert large["growth"] < small["growth"] + 2 * CHUNK + slack / 2, measured
     if experts == "bf16":
         assert large["growth"] < 3 * largest_tensor, measured
     Path(tmp_path / "measured.json").write_text(json.dumps(measured))
