@@ -222,3 +222,23 @@ def test_cli_convert_reports_progress_and_returns_zero(release, tmp_path, capsys
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert kc.run_convert(["--help"]) == 0
+
+
+def test_plain_bf16_experts_and_a_single_file_source(tmp_path):
+    """Packed versus plain is decided from the tensor names present; an unsharded `model.safetensors` works too."""
+    plain = fixture.write_release_checkpoint(tmp_path / "plain", seed=5, num_layers=2, num_experts=4,
+                                             experts="bf16", vision=False)
+    with pytest.raises(kc.ConversionError, match="plain bf16"):
+        kc.convert(plain.path, tmp_path / "mx", experts_dtype="mxfp4", progress=False)
+    single = tmp_path / "single"
+    single.mkdir()
+    merged = {}
+    for shard in plain.shards:
+        merged.update(load_file(str(plain.path / shard)))
+    save_file(merged, str(single / "model.safetensors"), metadata={"format": "pt"})
+    (single / "config.json").write_bytes((plain.path / "config.json").read_bytes())
+    kc.convert(single, tmp_path / "out", progress=False)
+    tensors = load_file(str(next((tmp_path / "out").glob("model-*.safetensors"))))
+    w = {k: plain.dense[f"language_model.model.layers.1.block_sparse_moe.experts.2.{k}.weight"] for k in ("w1", "w3")}
+    assert torch.equal(tensors["language_model.model.layers.1.mlp.experts.gate_up_proj"][2],
+                       torch.cat([w["w1"], w["w3"]]))
