@@ -37,6 +37,7 @@ Ops (reference -> fast implementation; "fwd+bwd" = usable in training):
 | moe_experts_mxfp4 | kernels.reference.moe_experts_mxfp4 | Triton MXFP4 dequant of the stack + moe_experts |
 | mla_decode | kernels.reference.mla_decode | two cuBLAS bmm (f32 scores) + f32 softmax |
 | mxfp4_dequant | ops_kimi_k3.dequantize_mxfp4 (= kernels.reference.mxfp4_dequant) | own Triton (bit-exact) |
+| attention_with_lse | ops_kimi_k3.attention_with_lse | PyTorch flash attention op with its log-sum-exp (fwd only) |
 """
 
 import contextlib
@@ -80,6 +81,12 @@ def _load_moe_mxfp4():
     return moe.moe_experts_mxfp4
 
 
+def _load_mla_prefill():
+    from . import mla_prefill
+
+    return mla_prefill.attention_with_lse
+
+
 def _load_mla():
     from . import mla
 
@@ -97,10 +104,13 @@ _LOADERS = {
     "moe_experts": _load_moe,
     "moe_experts_mxfp4": _load_moe_mxfp4,
     "mla_decode": _load_mla,
+    "attention_with_lse": _load_mla_prefill,
     "mxfp4_dequant": _load_triton("mxfp4_dequant"),
 }
 OP_NAMES = tuple(_LOADERS)
-_FORWARD_ONLY = frozenset({"fused_recurrent_kda", "fused_recurrent_kda_fused_gate", "mxfp4_dequant"})
+_FORWARD_ONLY = frozenset(
+    {"fused_recurrent_kda", "fused_recurrent_kda_fused_gate", "mxfp4_dequant", "attention_with_lse"}
+)
 
 _cache: dict = {}
 _errors: dict = {}

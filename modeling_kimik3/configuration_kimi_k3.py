@@ -134,6 +134,7 @@ class KimiK3TextConfig(PretrainedConfig):
         moe_intermediate_size: int = 3072,
         routed_expert_hidden_size: int | None = None,
         latent_moe_use_norm: bool = False,
+        experts_format: str = "dense",
         first_k_dense_replace: int = 1,
         moe_layer_freq: int = 1,
         moe_renormalize: bool = True,
@@ -188,6 +189,7 @@ class KimiK3TextConfig(PretrainedConfig):
         self.moe_intermediate_size = moe_intermediate_size
         self.routed_expert_hidden_size = routed_expert_hidden_size
         self.latent_moe_use_norm = latent_moe_use_norm
+        self.experts_format = experts_format
         self.first_k_dense_replace = first_k_dense_replace
         self.moe_layer_freq = moe_layer_freq
         self.moe_renormalize = moe_renormalize
@@ -376,6 +378,12 @@ class KimiK3TextConfig(PretrainedConfig):
                 )
             if self.routed_expert_hidden_size is not None:
                 positive("routed_expert_hidden_size", self.routed_expert_hidden_size)
+        if self.experts_format not in ("dense", "mxfp4"):
+            raise _config_error("experts_format", f"must be 'dense' or 'mxfp4', got {self.experts_format!r}")
+        if self.experts_format == "mxfp4" and self.num_experts:
+            for key in ("moe_intermediate_size", "latent_size"):
+                if getattr(self, key) % 32:
+                    raise _config_error("experts_format", f"mxfp4 needs {key} to be a multiple of 32")
         if self.first_k_dense_replace < 0:
             raise _config_error("first_k_dense_replace", "must be >= 0")
         if self.mla_use_nope is False:

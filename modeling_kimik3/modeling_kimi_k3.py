@@ -403,7 +403,7 @@ class KimiK3MLAAttention(nn.Module):
         latent, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         fast = _fast_op("mla_decode", query)
         if fast is not None and attention_mask is None:
-            o_latent = fast(torch.cat([q_latent, q_pe], dim=-1), latents, self.scaling)
+            o_latent = fast(torch.cat([q_latent, q_pe], dim=-1), latents, self.scaling, self.kv_lora_rank)
             attn_weights = None
         else:
             scores = (q_latent @ latent.unsqueeze(1).transpose(-1, -2) + q_pe @ k_pe.unsqueeze(1).transpose(-1, -2))
@@ -472,7 +472,7 @@ class KimiK3Experts(nn.Module):
         self.num_experts = config.num_experts
         self.intermediate_size = config.moe_intermediate_size
         self.latent_size = config.latent_size
-        self.packed = getattr(config, "experts_format", "dense") == "mxfp4"
+        self.packed = config.experts_format == "mxfp4"
         gate_up = (self.num_experts, 2 * self.intermediate_size, self.latent_size)
         down = (self.num_experts, self.latent_size, self.intermediate_size)
         if self.packed:

@@ -288,12 +288,12 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
             f"MXFP4 shapes do not match: packed {tuple(packed.shape)} (K={k}) needs scale "
             f"{tuple(packed.shape[:-1]) + (k // MXFP4_GROUP_SIZE,)}, got {tuple(scale.shape)}"
         )
+    # one lookup per byte: row b of the table is (value of the low nibble, value of the high nibble)
     table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
-    values = table[codes.long()]
-    exponent = scale.to(torch.int32) - 127
-    factor = torch.exp2(exponent.float()).repeat_interleave(MXFP4_GROUP_SIZE, dim=-1)
-    return (values * factor).to(dtype)
+    pairs = torch.stack([table.repeat(16), table.repeat_interleave(16)], dim=-1)
+    values = pairs[packed.long()].reshape(*packed.shape[:-1], k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
+    factor = torch.exp2(scale.float() - 127.0).unsqueeze(-1)
+    return (values * factor).reshape(*packed.shape[:-1], k).to(dtype)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -178,3 +178,17 @@ def test_reference_mxfp4_matches_ops():
     scale[0, 0, 0] = 0
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(reference.mxfp4_dequant(packed, scale, dtype), ops.dequantize_mxfp4(packed, scale, dtype))
+
+
+def test_flash_attention_with_lse_adapter_matches_reference_on_cpu_op():
+    """The CUDA fast path's adapter logic (V padding, LSE shape), exercised with the CPU flavour of the same op."""
+    from kimik3.kernels.mla_prefill import attention_with_lse as flash_lse
+    from kimik3.modeling.ops_kimi_k3 import attention_with_lse
+
+    q, k, v = torch.randn(2, 3, 6, 24), torch.randn(2, 3, 6, 24), torch.randn(2, 3, 6, 16)
+    for causal in (False, True):
+        out, lse = flash_lse(q, k, v, 0.2, causal)
+        ref_out, ref_lse = attention_with_lse(q, k, v, 0.2, causal)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert kernels.get_fast_op("attention_with_lse", q) is None  # CPU tensors: never the fast path
