@@ -381,7 +381,9 @@ class KimiK3MLAAttention(nn.Module):
         past_len = kv_len - seq_len
         block = self.config.mla_prefill_block_size
         spans = [(s, min(s + block, past_len)) for s in range(0, past_len, block)] + [(past_len, kv_len)]
-        attend = _fast_op("attention_with_lse", query) or attention_with_lse
+        # the flash kernel behind the fast path takes 16-bit inputs only
+        fast = _fast_op("attention_with_lse", query) if query.dtype in (torch.float16, torch.bfloat16) else None
+        attend = fast or attention_with_lse
         out = lse = None
         for start, end in spans:
             key, value = self._expand_latents(latents[:, start:end])
