@@ -101,8 +101,8 @@ def train(model_dir, steps=40, lora=False, balancing=False, packing=False, bf16=
     result = {
         "loss_first": logged[0],
         "loss_last": logged[-1],
-        "imbalance_first5": sum(load_log.imbalance[:5]) / 5,
-        "imbalance_last10": sum(load_log.imbalance[-10:]) / 10,
+        "imbalance_first5": sum(load_log.imbalance[:5]) / len(load_log.imbalance[:5]),
+        "imbalance_last10": sum(load_log.imbalance[-10:]) / len(load_log.imbalance[-10:]),
     }
     if output:
         trainer.save_model(output)  # a LoRA run saves the adapter only
