@@ -17,11 +17,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from kimik3.training.data import ascii_encode, blocks, documents, load_text
 from kimik3.training.memory import ActivationMeter
-from kimik3.training.quantile_balancing import ExpertLoadMonitor, QuantileBalancingCallback, mean_load_imbalance
+from kimik3.training.quantile_balancing import ExpertLoadCallback, QuantileBalancingCallback
 
 
 DATA = Path(__file__).resolve().parent / "data" / "rivers.txt"
@@ -37,17 +37,6 @@ def tiny_model_dir() -> str:
 
 def load(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=torch.float32)
-
-
-class LoadLog(TrainerCallback):
-    """Expert-load imbalance (max/mean, mean over MoE layers) of every optimizer step."""
-
-    def __init__(self, model):
-        self.monitor = ExpertLoadMonitor(model)
-        self.imbalance = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.imbalance.append(mean_load_imbalance(self.monitor.pop()))
 
 
 def train(model_dir, steps=40, lora=False, balancing=False, packing=False, bf16=False, checkpointing=False,
@@ -71,7 +60,7 @@ def train(model_dir, steps=40, lora=False, balancing=False, packing=False, bf16=
         model = get_peft_model(model, default_lora_config(model, r=8))
         if not quiet:
             model.print_trainable_parameters()
-    load_log = LoadLog(model)
+    load_log = ExpertLoadCallback()
     callbacks = [load_log] + ([QuantileBalancingCallback()] if balancing else [])
     args = TrainingArguments(
         output_dir=output or tempfile.mkdtemp(),
@@ -80,7 +69,7 @@ def train(model_dir, steps=40, lora=False, balancing=False, packing=False, bf16=
         learning_rate=lr or (2e-2 if lora else 3e-3),
         lr_scheduler_type="constant",
         warmup_steps=0,
-        logging_steps=5,
+        logging_steps=1,
         save_strategy="no",
         report_to=[],
         use_cpu=True,
@@ -99,8 +88,8 @@ def train(model_dir, steps=40, lora=False, balancing=False, packing=False, bf16=
     trainer.train()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result = {
-        "loss_first": logged[0],
-        "loss_last": logged[-1],
+        "loss_first": sum(logged[:5]) / len(logged[:5]),  # mean of steps 1-5
+        "loss_last": sum(logged[-5:]) / len(logged[-5:]),
         "imbalance_first5": sum(load_log.imbalance[:5]) / len(load_log.imbalance[:5]),
         "imbalance_last10": sum(load_log.imbalance[-10:]) / len(load_log.imbalance[-10:]),
     }

@@ -3,14 +3,12 @@ docs/design.md, checkpoint recomputation counted once, and a short Trainer fine-
 load imbalance (max/mean) low while it collapses without."""
 
 import torch
-from transformers import TrainerCallback
 
 from kimik3.training.quantile_balancing import (
-    ExpertLoadMonitor,
+    ExpertLoadCallback,
     QuantileBalancer,
     QuantileBalancingCallback,
     find_router_gates,
-    mean_load_imbalance,
 )
 from test_training_helpers import batch_of, load_tiny, losses, make_trainer
 
@@ -73,21 +71,10 @@ def test_real_model_checkpoint_recompute_counted_once():
         assert torch.equal(a, b)
 
 
-class LoadLog(TrainerCallback):
-    """Expert-load imbalance of every optimizer step, from the gates' routed top-k (on or off balancing)."""
-
-    def __init__(self, model):
-        self.monitor = ExpertLoadMonitor(model)
-        self.imbalance = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.imbalance.append(mean_load_imbalance(self.monitor.pop()))
-
-
 def fine_tune(tmp_path, balancing: bool, steps: int = 30):
     model = load_tiny()
     bias_before = [g.e_score_correction_bias.clone() for _, g in find_router_gates(model)]
-    log = LoadLog(model)
+    log = ExpertLoadCallback()
     callbacks = [log]
     extra = {}
     if balancing:

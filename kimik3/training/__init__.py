@@ -4,6 +4,7 @@ The model-independent parts import nothing from the model; see docs/training.md.
 """
 
 from .quantile_balancing import (
+    ExpertLoadCallback,
     ExpertLoadMonitor,
     QuantileBalancer,
     QuantileBalancingCallback,
@@ -14,6 +15,7 @@ from .quantile_balancing import (
 )
 
 __all__ = [
+    "ExpertLoadCallback",
     "ExpertLoadMonitor",
     "QuantileBalancer",
     "QuantileBalancingCallback",

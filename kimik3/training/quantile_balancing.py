@@ -532,6 +532,31 @@ class QuantileBalancingCallback(TrainerCallback):
         return control
 
 
+class ExpertLoadCallback(TrainerCallback):
+    """Records the expert-load imbalance (max/mean, mean over MoE layers) of every optimizer step in
+    ``self.imbalance``, with or without balancing (an :class:`ExpertLoadMonitor` on the gates' routed top-k)."""
+
+    def __init__(self):
+        self.monitor: ExpertLoadMonitor | None = None
+        self.imbalance: list[float] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.monitor is None:
+            self.monitor = ExpertLoadMonitor(model)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.imbalance.append(mean_load_imbalance(self.monitor.pop()))
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.remove()
+            self.monitor = None
+        return control
+
+
 def router_bias_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{name: e_score_correction_bias}`` of every gate (names as in ``model.state_dict()``)."""
     return {f"{name}.{BIAS_NAME}": getattr(g, BIAS_NAME).detach().clone() for name, g in find_router_gates(model)}
@@ -550,6 +575,7 @@ def load_router_bias_state_dict(model: nn.Module, state: dict[str, torch.Tensor]
 
 __all__ = [
     "BalancerStats",
+    "ExpertLoadCallback",
     "ExpertLoadMonitor",
     "QuantileBalancer",
     "QuantileBalancingCallback",
