@@ -201,20 +201,12 @@ def find_router_gates(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _gate_shape(gate: nn.Module) -> tuple[int, int]:
     """``(num_experts, top_k)`` of a gate."""
-    num_experts = getattr(gate, BIAS_NAME).numel()
-    config = getattr(gate, "config", None)
-    top_k = None
-    for obj, names in ((gate, ("top_k", "num_experts_per_token")), (config, ("num_experts_per_token",))):
-        for name in names:
-            value = getattr(obj, name, None) if obj is not None else None
-            if isinstance(value, int):
-                top_k = value
-                break
-        if top_k is not None:
-            break
-    if top_k is None:
-        raise ValueError(f"cannot find top_k of gate {type(gate).__name__} (no config.num_experts_per_token)")
-    return num_experts, top_k
+    top_k = getattr(gate, "top_k", None)
+    if not isinstance(top_k, int):
+        top_k = getattr(getattr(gate, "config", None), "num_experts_per_token", None)
+    if not isinstance(top_k, int):
+        raise ValueError(f"cannot find top_k of gate {type(gate).__name__} (no top_k, no config.num_experts_per_token)")
+    return getattr(gate, BIAS_NAME).numel(), top_k
 
 
 class _GateObserver:
@@ -309,6 +301,9 @@ class QuantileBalancer:
         self._counts: torch.Tensor | None = None
         self._warned_silent = False
 
+        for name, gate in self.gates:
+            if getattr(gate, OBSERVER_ATTR, None) is not None:
+                raise ValueError(f"gate {name} already has a {OBSERVER_ATTR}")
         self._saved_config: list[tuple[object, object]] = []
         if set_config:
             seen = set()
@@ -320,8 +315,6 @@ class QuantileBalancer:
                 self._saved_config.append((config, getattr(config, "quantile_balancing", None)))
                 config.quantile_balancing = True
         for index, (_, gate) in enumerate(self.gates):
-            if getattr(gate, OBSERVER_ATTR, None) is not None:
-                raise ValueError(f"gate {self.gates[index][0]} already has a {OBSERVER_ATTR}")
             setattr(gate, OBSERVER_ATTR, _GateObserver(self, index))
 
     # ---- observation -------------------------------------------------------------------------------------------
@@ -348,7 +341,8 @@ class QuantileBalancer:
         lo, width = bin_range(bias, self.num_bins)
         counts = self._buffer(scores.device)
         counts[index, :, : self.num_bins] += histogram_counts(scores, cutoff, lo, width, self.num_bins)
-        # Routed experts are exactly those strictly above the (k+1)-th biased score (same f32 sum as the gate).
+        # Routed experts are exactly those strictly above the (k+1)-th biased score (same f32 sum as the gate;
+        # K3 has one expert group, so no group limit to repeat here).
         counts[index, :, self.num_bins] += (scores + bias > cutoff[:, None]).sum(0)
 
     # ---- update ------------------------------------------------------------------------------------------------
@@ -436,7 +430,7 @@ class ExpertLoadMonitor:
                 return
             topk_indices = output[2]
             num_experts = getattr(module, BIAS_NAME).numel()
-            loads = expert_loads(topk_indices.detach(), num_experts).cpu()
+            loads = expert_loads(topk_indices.detach(), num_experts)  # stays on the device until pop()
             self._loads[index] = loads if self._loads[index] is None else self._loads[index] + loads
 
         return hook
@@ -444,7 +438,7 @@ class ExpertLoadMonitor:
     def pop(self) -> torch.Tensor:
         num_experts = getattr(self.gates[0][1], BIAS_NAME).numel()
         loads = torch.stack(
-            [x if x is not None else torch.zeros(num_experts, dtype=torch.long) for x in self._loads]
+            [x.cpu() if x is not None else torch.zeros(num_experts, dtype=torch.long) for x in self._loads]
         )
         self._loads = [None] * len(self.gates)
         self.history.append(loads)
