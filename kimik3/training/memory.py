@@ -48,8 +48,8 @@ class ActivationMeter:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._seen: dict = {}
-        self._kind: dict = {}
+        self._seen: dict = {}  # storage key -> (bytes, "saved" | "checkpoint_input")
+        self._exclude: set = set()
         self.checkpointed_calls = 0
         self._patched: list[tuple[nn.Module, object]] = []
         self._hooks = None
@@ -57,15 +57,15 @@ class ActivationMeter:
     # ---- results ---------------------------------------------------------------------------------------------
     @property
     def saved_bytes(self) -> int:
-        return sum(n for k, n in self._seen.items() if self._kind[k] == "saved")
+        return sum(n for n, kind in self._seen.values() if kind == "saved")
 
     @property
     def checkpoint_input_bytes(self) -> int:
-        return sum(n for k, n in self._seen.items() if self._kind[k] == "checkpoint_input")
+        return sum(n for n, kind in self._seen.values() if kind == "checkpoint_input")
 
     @property
     def total_bytes(self) -> int:
-        return sum(self._seen.values())
+        return sum(n for n, _ in self._seen.values())
 
     # ---- recording -------------------------------------------------------------------------------------------
     def _record(self, t, kind):
@@ -74,8 +74,7 @@ class ActivationMeter:
         key, nbytes = _storage_key(t)
         if key in self._exclude or key in self._seen:
             return
-        self._seen[key] = nbytes
-        self._kind[key] = kind
+        self._seen[key] = (nbytes, kind)
 
     def _pack(self, t):
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
@@ -105,7 +104,7 @@ class ActivationMeter:
         return wrapper
 
     def __enter__(self):
-        self._seen, self._kind, self.checkpointed_calls = {}, {}, 0
+        self._seen, self.checkpointed_calls = {}, 0
         self._exclude = set()
         for tensor in list(self.model.parameters()) + list(self.model.buffers()):
             self._exclude.add(_storage_key(tensor)[0])
