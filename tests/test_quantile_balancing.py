@@ -355,3 +355,20 @@ def test_two_ranks_all_reduce_equals_one_process(tmp_path):
             assert torch.equal(a, b)
         assert torch.equal(res["loads"], balancer.last_stats.loads)
     assert float(single[0].abs().max()) > 0.05
+
+
+def test_balancer_ema_mixes_old_and_new_bias():
+    h = toy_inputs(1024, seed=5)
+    plain_model, ema_model = ToyRouted().train(), ToyRouted().train()
+    start = torch.linspace(-0.2, 0.2, 8)
+    for model in (plain_model, ema_model):
+        for gate in model.gates:
+            gate.e_score_correction_bias.copy_(start)
+    plain, ema = QuantileBalancer(plain_model), QuantileBalancer(ema_model, ema=0.75)
+    plain_model(h)
+    ema_model(h)
+    plain.step()
+    ema.step()
+    for p, e in zip(plain_model.gates, ema_model.gates):
+        torch.testing.assert_close(e.e_score_correction_bias, 0.75 * start + 0.25 * p.e_score_correction_bias)
+        assert not torch.allclose(e.e_score_correction_bias, p.e_score_correction_bias)
