@@ -842,10 +842,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
         return index, mask
 
     def _mla_mask(self, attention_mask, document_ids, batch, seq_len, past_len, device) -> torch.Tensor | None:
-        """4-D boolean mask [B, 1, T, past+T] (True = attend), or None when plain causal attention is exact."""
+        """4-D boolean mask [B, 1, T, past+T] (True = attend), or None when attention is plain causal (no padding, no
+        packed documents): the MLA layer then applies causality itself (SDPA's is_causal for a fresh prefill, the
+        diagonal block of the blockwise prefill over a cache, nothing to mask for one decode token)."""
         kv_len = past_len + seq_len
         padded = attention_mask is not None and not bool(attention_mask.bool().all())
-        if not padded and document_ids is None and (seq_len == 1 or past_len == 0):
+        if not padded and document_ids is None:
             return None
         mask = _causal_mask(seq_len, kv_len, device)[None, None].expand(batch, 1, seq_len, kv_len)
         if padded:

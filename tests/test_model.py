@@ -180,12 +180,17 @@ def test_init_weights_sets_every_custom_parameter_on_load(tmp_path):
             assert value.abs().max() <= 0.5 and value.std() > 0
 
 
-def test_blockwise_chunked_prefill_over_many_key_blocks_equals_full_forward():
+def test_blockwise_chunked_prefill_over_many_key_blocks_equals_full_forward(monkeypatch):
     """Chunked prefill continuing a cache merges key blocks by log-sum-exp; with 3-token blocks every chunk spans
     several blocks, and the result must be the one-shot forward."""
+    import kimik3.modeling.modeling_kimi_k3 as modeling
+
     model = build_tiny_model(num_hidden_layers=4)
     model.config.mla_prefill_block_size = 3
     ids = torch.randint(3, 128, (2, 26))
+    calls = []
+    original = modeling.attention_with_lse
+    monkeypatch.setattr(modeling, "attention_with_lse", lambda *a: calls.append(a[1].shape[2]) or original(*a))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :7], use_cache=True)
@@ -193,3 +198,6 @@ def test_blockwise_chunked_prefill_over_many_key_blocks_equals_full_forward():
         for start, end in ((7, 12), (12, 13), (13, 26)):
             pieces.append(model(ids[:, start:end], cache=cache).logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
+    # one MLA layer; chunks of 5, 1 (absorbed decode, no blocks) and 13 tokens over 7, -, 13 cached tokens:
+    # key blocks of at most 3 plus the chunk's own diagonal block
+    assert calls == [3, 3, 1, 5] + [3, 3, 3, 3, 1, 13]
