@@ -434,7 +434,9 @@ class KimiK3MoEGate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
         self.quantile_balancing_observer = None
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Both operands upcast, autocast off: bf16 router logits change the selected set for a few % of tokens (8.1).
         with torch.autocast(device_type=hidden_states.device.type, enabled=False):
             router_logits = F.linear(hidden_states.float(), self.weight.float())
@@ -447,7 +449,7 @@ class KimiK3MoEGate(nn.Module):
                                              sorted=balancing)
         if balancing:
             if self.quantile_balancing_observer is not None:
-                self.quantile_balancing_observer(self, scores.detach(), top_values[:, -1].detach(), None)
+                self.quantile_balancing_observer(self, scores.detach(), top_values[:, -1].detach(), token_mask)
             top_indices = top_indices[:, : self.top_k]
         top_weights = scores.gather(-1, top_indices)
         if self.config.moe_renormalize:
@@ -555,10 +557,10 @@ class KimiK3SparseMoeBlock(nn.Module):
         if config.num_shared_experts:
             self.shared_experts = KimiK3MLP(config, config.moe_intermediate_size * config.num_shared_experts)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
-        _, top_weights, top_indices = self.gate(flat)
+        _, top_weights, top_indices = self.gate(flat, None if token_mask is None else token_mask.reshape(-1))
         routed = self.routed_expert_down_proj(flat) if self.is_latent else flat
         routed = self.experts(routed, top_indices, top_weights)
         if self.is_latent:
@@ -584,7 +586,8 @@ class KimiK3AttnResProjection(nn.Linear):
 
 def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.Linear) -> torch.Tensor:
     """Mix [b_0, ..., b_{n-1}, P] with the pseudo-query w = norm.weight * proj.weight (5.1)."""
-    fast = _fast_op("block_attn_res_mix", candidates[-1])
+    same_dtype = all(c.dtype == candidates[-1].dtype for c in candidates)
+    fast = _fast_op("block_attn_res_mix", candidates[-1]) if same_dtype else None
     fn = fast if fast is not None else block_attn_res_mix
     return fn(candidates, norm.weight, proj.weight, norm.variance_epsilon)
 
@@ -610,6 +613,11 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             self.self_attention_res_proj = KimiK3AttnResProjection(config.hidden_size)
             self.mlp_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp_res_proj = KimiK3AttnResProjection(config.hidden_size)
+            if layer_idx == 0:
+                # The release ships layer 0's attention-side pseudo-query, but the spec skips that mix (5.2): kept
+                # for loading, frozen so DDP (find_unused_parameters=False) does not wait for its gradient.
+                self.self_attention_res_norm.weight.requires_grad_(False)
+                self.self_attention_res_proj.weight.requires_grad_(False)
 
     def forward(
         self,
@@ -626,7 +634,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             hidden_states = self._attention(self.input_layernorm(hidden_states), attention_mask, token_mask, cache,
                                             document_index, **kwargs)
             hidden_states = residual + hidden_states
-            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+            return hidden_states + self._feed_forward(self.post_attention_layernorm(hidden_states), token_mask)
 
         prefix, blocks = hidden_states, list(banked_blocks)
         # Layer 0 has no banked block yet: its attention reads the embedding directly.
@@ -642,7 +650,13 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
                                       document_index, **kwargs)
         prefix = attn_output if prefix is None else prefix + attn_output
         mlp_input = attn_res_mix([*blocks, prefix], self.mlp_res_norm, self.mlp_res_proj)
-        return prefix + self.mlp(self.post_attention_layernorm(mlp_input))
+        return prefix + self._feed_forward(self.post_attention_layernorm(mlp_input), token_mask)
+
+    def _feed_forward(self, hidden_states, token_mask):
+        if isinstance(self.mlp, KimiK3SparseMoeBlock):
+            # the router sees the padding mask so Quantile Balancing counts real tokens only
+            return self.mlp(hidden_states, token_mask)
+        return self.mlp(hidden_states)
 
     def _attention(self, hidden_states, attention_mask, token_mask, cache, document_index, **kwargs):
         if self.is_linear:

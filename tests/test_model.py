@@ -99,7 +99,7 @@ def test_every_parameter_gets_a_gradient():
     unused = {"model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"}
     for name, param in model.named_parameters():
         if name in unused:
-            assert name not in grads
+            assert name not in grads and not param.requires_grad  # frozen: DDP must not wait for it
             continue
         assert name in grads, name
         assert grads[name].abs().sum() > 0, name
@@ -201,3 +201,19 @@ def test_blockwise_chunked_prefill_over_many_key_blocks_equals_full_forward(monk
     # one MLA layer; chunks of 5, 1 (absorbed decode, no blocks) and 13 tokens over 7, -, 13 cached tokens:
     # key blocks of at most 3 plus the chunk's own diagonal block
     assert calls == [3, 3, 1, 5] + [3, 3, 3, 3, 1, 13]
+
+
+def test_router_observer_sees_the_padding_mask():
+    """Quantile Balancing must count real tokens only: the gate hands the padding mask to its observer."""
+    model = build_tiny_model(num_hidden_layers=4).train()
+    model.config.quantile_balancing = True
+    seen = []
+    for module in model.modules():
+        if type(module).__name__ == "KimiK3MoEGate":
+            module.quantile_balancing_observer = lambda gate, scores, cutoff, mask: seen.append(
+                (scores.shape[0], None if mask is None else int(mask.sum()), cutoff.shape[0]))
+    ids = torch.randint(3, 128, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    model(ids, attention_mask=mask)
+    assert seen == [(18, 14, 18)] * 3
