@@ -24,12 +24,25 @@ import torch
 from transformers.cache_utils import Cache
 
 
+def _static_address(tensor: torch.Tensor) -> torch.Tensor:
+    # CUDA graphs replay on fixed addresses; tell dynamo these buffers keep theirs
+    try:
+        torch._dynamo.mark_static_address(tensor)
+    except Exception:  # noqa: BLE001 - older torch or no dynamo: only a missed optimisation
+        pass
+    return tensor
+
+
 class KimiK3Cache(Cache):
-    """Hybrid cache for Kimi K3. `generate()` creates it; it can also be built by hand: `KimiK3Cache(config)`."""
+    """Hybrid cache for Kimi K3. `generate()` creates it; it can also be built by hand: `KimiK3Cache(config)`.
 
-    is_compileable = False
+    With `max_cache_len` it is static: MLA latents live in a preallocated [B, max_cache_len, R + P] buffer written in
+    place, KDA states and conv windows are updated in place, the write position is a device tensor and key validity
+    a [B, max_cache_len] mask. A one-token decode step then has fixed shapes and addresses and never reads a Python
+    counter, so `generate(..., cache_implementation="static")` can compile it (`torch.compile`, CUDA graphs).
+    """
 
-    def __init__(self, config, **kwargs):
+    def __init__(self, config, max_cache_len: int | None = None, **kwargs):
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         super().__init__(layers=[])
         self.config = text_config
@@ -39,50 +52,112 @@ class KimiK3Cache(Cache):
         self.conv_states: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
         self.recurrent_states: list[torch.Tensor | None] = [None] * num_layers
         self._seen_tokens = 0
+        self.has_past = False
+        self._max_cache_len = max_cache_len
+        self.is_static = max_cache_len is not None
+        self.position: torch.Tensor | None = None  # static: number of cached tokens, on the device
+        self.key_valid: torch.Tensor | None = None  # static: [B, max_cache_len], True where a real token is cached
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.is_static
+
+    @property
+    def max_cache_len(self) -> int | None:
+        return self._max_cache_len
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Static bookkeeping
+    def begin_static_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
+                          device: torch.device) -> None:
+        """Before the layers run: mark the new positions valid (padding stays invalid). Eager for a prefill (any
+        length, checked against `max_cache_len`), shape-static for one decode token."""
+        if self.position is None:
+            self.position = _static_address(torch.zeros(1, dtype=torch.long, device=device))
+            self.key_valid = _static_address(torch.zeros(batch_size, self.max_cache_len, dtype=torch.bool,
+                                                         device=device))
+        if num_tokens == 1 and self.has_past:
+            self.key_valid.index_fill_(1, self.position, True)
+            return
+        start = int(self.position.item())
+        if start + num_tokens > self.max_cache_len:
+            raise ValueError(
+                f"KimiK3Cache: {start} cached + {num_tokens} new tokens exceed max_cache_len={self.max_cache_len}"
+            )
+        valid = torch.ones(batch_size, num_tokens, dtype=torch.bool, device=device) if token_mask is None else token_mask
+        self.key_valid[:, start : start + num_tokens] = valid
 
     def __len__(self) -> int:
         return len(self.layer_types)
 
     def __repr__(self) -> str:
-        return f"KimiK3Cache(layers={len(self)}, seen_tokens={self._seen_tokens}, bytes={self.live_bytes()})"
+        return f"KimiK3Cache(layers={len(self)}, seen_tokens={self.get_seq_length()}, bytes={self.live_bytes()})"
 
     # ------------------------------------------------------------------------------------------------------------
     # Writers used by the model
     def update_latents(self, latents: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Append [B, T, kv_lora_rank + rope] latents of an MLA layer; returns all cached latents of that layer."""
-        past = self.latents[layer_idx]
-        full = latents if past is None else torch.cat([past, latents], dim=1)
-        self.latents[layer_idx] = full
-        return full
+        """Append [B, T, kv_lora_rank + rope] latents of an MLA layer; returns the cached latents of that layer
+        (static decode: the whole buffer, valid where `key_valid` says so)."""
+        if not self.is_static:
+            past = self.latents[layer_idx]
+            full = latents if past is None else torch.cat([past, latents], dim=1)
+            self.latents[layer_idx] = full
+            return full
+        buffer = self.latents[layer_idx]
+        if buffer is None:
+            buffer = latents.new_zeros(latents.shape[0], self.max_cache_len, latents.shape[-1])
+            self.latents[layer_idx] = buffer = _static_address(buffer)
+        if latents.shape[1] == 1 and self.has_past:
+            buffer.index_copy_(1, self.position, latents)
+            return buffer
+        start = int(self.position.item())
+        buffer[:, start : start + latents.shape[1]] = latents
+        return buffer[:, : start + latents.shape[1]]
 
     def update_kda_state(self, layer_idx: int, conv_states: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor):
+        if self.is_static and self.recurrent_states[layer_idx] is not None:
+            self.recurrent_states[layer_idx].copy_(recurrent_state)
+            for buffer, state in zip(self.conv_states[layer_idx], conv_states):
+                buffer.copy_(state)
+            return
+        if self.is_static:
+            conv_states = tuple(_static_address(s.clone()) for s in conv_states)
+            recurrent_state = _static_address(recurrent_state.float().clone())
         self.conv_states[layer_idx] = conv_states
         self.recurrent_states[layer_idx] = recurrent_state.float()
 
     def advance(self, num_tokens: int) -> None:
         """Called once per forward by the model, after every layer wrote its state."""
-        self._seen_tokens += num_tokens
+        if self.is_static:
+            self.position.add_(num_tokens)
+        else:
+            self._seen_tokens += num_tokens
+        self.has_past = True
 
     # ------------------------------------------------------------------------------------------------------------
     # transformers Cache API
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        if self.is_static:
+            return 0 if self.position is None else int(self.position.item())
         return self._seen_tokens
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if self.is_static:
+            return self.max_cache_len, 0
         return self._seen_tokens + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
+        return -1 if self.max_cache_len is None else self.max_cache_len
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return -1
+        return self.get_max_length()
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return self._seen_tokens > 0
+        return self.has_past
 
     @property
     def is_initialized(self) -> bool:
-        return self._seen_tokens > 0
+        return self.has_past
 
     @property
     def is_sliding(self) -> list[bool]:
@@ -107,6 +182,8 @@ class KimiK3Cache(Cache):
         return 0
 
     def _tensors(self):
+        if self.key_valid is not None:
+            yield self.key_valid
         for layer in range(len(self)):
             if self.latents[layer] is not None:
                 yield self.latents[layer]
@@ -116,6 +193,8 @@ class KimiK3Cache(Cache):
                 yield self.recurrent_states[layer]
 
     def _map_batch(self, fn) -> None:
+        if self.key_valid is not None:
+            self.key_valid = fn(self.key_valid)
         for layer in range(len(self)):
             if self.latents[layer] is not None:
                 self.latents[layer] = fn(self.latents[layer])
@@ -138,6 +217,8 @@ class KimiK3Cache(Cache):
 
         A KDA state cannot be rolled back (it folds every token in), so cropping a cache with KDA layers raises.
         """
+        if self.is_static:
+            raise NotImplementedError("KimiK3Cache.crop: not supported for a static cache")
         kda = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
         if kda and self._seen_tokens > 0:
             raise NotImplementedError(
@@ -159,6 +240,9 @@ class KimiK3Cache(Cache):
         self.conv_states = [None] * num_layers
         self.recurrent_states = [None] * num_layers
         self._seen_tokens = 0
+        self.has_past = False
+        self.position = None
+        self.key_valid = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Memory report

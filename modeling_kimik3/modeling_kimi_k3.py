@@ -59,7 +59,8 @@ CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ 
 
 
 def _fast_op(name: str, *tensors: torch.Tensor) -> Callable | None:
-    if _get_fast_op is None or os.environ.get("KIMIK3_REFERENCE_ONLY", "0") == "1":
+    # Under torch.compile the references are traced and fused by the compiler instead.
+    if _get_fast_op is None or os.environ.get("KIMIK3_REFERENCE_ONLY", "0") == "1" or torch.compiler.is_compiling():
         return None
     return _get_fast_op(name, *tensors)
 
@@ -327,14 +328,13 @@ class KimiK3MLAAttention(nn.Module):
 
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latents = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)
-        past_len = 0
+        has_past = cache is not None and cache.has_past
         if cache is not None:
-            past_len = cache.get_seq_length()
             latents = cache.update_latents(latents, self.layer_idx)
 
-        if seq_len == 1 and past_len > 0:
+        if seq_len == 1 and has_past:
             attn_output, attn_weights = self._absorbed_attention(query, latents, attention_mask)
-        elif past_len > 0 and attention_mask is None:
+        elif has_past and attention_mask is None:
             attn_output, attn_weights = self._blockwise_prefill_attention(query, latents), None
         else:
             attn_output, attn_weights = self._expanded_attention(query, latents, attention_mask, **kwargs)
@@ -511,7 +511,17 @@ class KimiK3Experts(nn.Module):
                         self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
         return self._reference(hidden_states, top_indices, top_weights)
 
+    def _gathered(self, hidden_states, top_indices, top_weights):
+        """Sync-free form for compiled decode (few tokens): gather each token's k experts and batch-multiply."""
+        gate_up, down = self.expert_weights(hidden_states.dtype)
+        gate, up = torch.einsum("nd,nkod->nko", hidden_states, gate_up[top_indices]).chunk(2, dim=-1)
+        routed = torch.einsum("nki,nkdi->nkd", glu_activation(self.config, gate, up), down[top_indices])
+        combined = (routed.float() * top_weights.unsqueeze(-1).float()).sum(dim=1)
+        return combined.to(hidden_states.dtype)
+
     def _reference(self, hidden_states, top_indices, top_weights):
+        if torch.compiler.is_compiling():
+            return self._gathered(hidden_states, top_indices, top_weights)
         num_tokens, top_k = top_indices.shape
         flat_experts = top_indices.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
@@ -722,12 +732,25 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             return
         if generation_config.use_cache is False:
             return
-        if generation_config.cache_implementation not in (None, "dynamic", "hybrid"):
+        implementation = generation_config.cache_implementation
+        if implementation in (None, "dynamic", "hybrid"):
+            model_kwargs[CACHE_FIELD] = KimiK3Cache(self.config)
+        elif implementation == "static":
+            max_cache_len = args[2] if len(args) > 2 else kwargs.get("max_cache_length")
+            model_kwargs[CACHE_FIELD] = KimiK3Cache(self.config, max_cache_len=max_cache_len)
+        else:
             raise NotImplementedError(
-                f"cache_implementation={generation_config.cache_implementation!r}: Kimi K3 uses its own hybrid cache "
-                "(KimiK3Cache); leave cache_implementation unset."
+                f"cache_implementation={implementation!r}: Kimi K3 uses its own hybrid cache (KimiK3Cache); use "
+                "the default or 'static'."
             )
-        model_kwargs[CACHE_FIELD] = KimiK3Cache(self.config)
+
+    def create_masks_for_generate(self, config=None, attention_mask=None, **kwargs):
+        """generate() asks for fixed-shape masks when the cache is static: the prefill keeps its 2-D padding mask
+        (the cache records it), decode steps need none (the cache's key_valid mask is the mask)."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and cache.has_past:
+            return None
+        return attention_mask
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
@@ -774,14 +797,23 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, seq_len = inputs_embeds.shape[:2]
-        past_len = cache.get_seq_length() if cache is not None else 0
 
-        document_ids = self._document_ids(position_ids, attention_mask, past_len, kwargs)
-        if document_ids is not None and cache is not None and past_len > 0:
-            raise ValueError("Packed sequences (restarting position_ids) cannot continue a cache")
-        token_mask = self._token_mask(attention_mask, seq_len)
-        mla_mask = self._mla_mask(attention_mask, document_ids, batch, seq_len, past_len, inputs_embeds.device)
-        document_index = self._document_index(document_ids) if document_ids is not None else None
+        if cache is not None and cache.is_static and seq_len == 1 and cache.has_past:
+            # Static decode step: fixed shapes, no host synchronisation, no Python counter read (compilable).
+            # The new token is real; which cached keys are real is the cache's key_valid mask.
+            cache.begin_static_step(batch, 1, None, inputs_embeds.device)
+            token_mask, document_index = None, None
+            mla_mask = cache.key_valid[:, None, None, :]
+        else:
+            past_len = cache.get_seq_length() if cache is not None else 0
+            document_ids = self._document_ids(position_ids, attention_mask, past_len, kwargs)
+            if document_ids is not None and cache is not None and past_len > 0:
+                raise ValueError("Packed sequences (restarting position_ids) cannot continue a cache")
+            token_mask = self._token_mask(attention_mask, seq_len)
+            if cache is not None and cache.is_static:
+                cache.begin_static_step(batch, seq_len, token_mask, inputs_embeds.device)
+            mla_mask = self._mla_mask(attention_mask, document_ids, batch, seq_len, past_len, inputs_embeds.device)
+            document_index = self._document_index(document_ids) if document_ids is not None else None
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
             kwargs.pop(key, None)
 
