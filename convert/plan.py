@@ -269,22 +269,30 @@ def _split_scope(name: str, composite: bool):
     return name, "text"
 
 
+def _scoped_name(ckpt, name: str):
+    """(name relative to its model, "text" | "vision"), or (None, None) outside both; a text layer the config does
+    not have is an error naming the index, tensor and shard."""
+    relative, scope = _split_scope(name, ckpt.composite)
+    if scope == "text":
+        layer = nm.layer_of(relative)
+        layers = ckpt.text_config.num_hidden_layers
+        if layer is not None and layer >= layers:
+            raise ConversionError(
+                f"{ckpt.index_path}: tensor `{name}` (shard {ckpt.weight_map[name]}) is in layer {layer}, but "
+                f"config.json has num_hidden_layers={layers} (layers 0..{layers - 1})"
+            )
+    return relative, scope
+
+
 def classify_release(src) -> Classified:
     text = src.text_config
     symbols = nm.dims(text, src.vision_config)
     matches, unknown, suffixes = {}, [], {}
     for name in sorted(src.weight_map):
-        relative, scope = _split_scope(name, src.composite)
+        relative, scope = _scoped_name(src, name)
         if relative is None:
             unknown.append(name)
             continue
-        if scope == "text":
-            layer = nm.layer_of(relative)
-            if layer is not None and layer >= text.num_hidden_layers:
-                raise ConversionError(
-                    f"{src.index_path}: tensor `{name}` (shard {src.weight_map[name]}) is in layer {layer}, but "
-                    f"config.json has num_hidden_layers={text.num_hidden_layers} (layers 0..{text.num_hidden_layers - 1})"
-                )
         match = nm.match_release(relative, text, scope)
         if match is None:
             unknown.append(name)
@@ -491,17 +499,10 @@ def _classify_ours(ckpt):
     text = ckpt.text_config
     matches, unknown = {}, []
     for name in sorted(ckpt.weight_map):
-        relative, scope = _split_scope(name, ckpt.composite)
+        relative, scope = _scoped_name(ckpt, name)
         if relative is None:
             unknown.append(name)
             continue
-        if scope == "text":
-            layer = nm.layer_of(relative)
-            if layer is not None and layer >= text.num_hidden_layers:
-                raise ConversionError(
-                    f"{ckpt.index_path}: tensor `{name}` is in layer {layer}, but config.json has "
-                    f"num_hidden_layers={text.num_hidden_layers}"
-                )
         match = nm.match_ours(relative, text, scope)
         if match is None:
             unknown.append(name)
