@@ -100,7 +100,7 @@ def mla_layer(cfg, sd, p, x):
 
 def moe_layer(cfg, sd, p, x):
     T, D = x.shape
-    E, k = cfg["num_experts"], cfg["num_experts_per_token"]
+    k = cfg["num_experts_per_token"]
     logits = x.float() @ sd[p + "gate.weight"].float().t()
     s = torch.sigmoid(logits)
     chosen = torch.topk(s + sd[p + "gate.e_score_correction_bias"].float(), k, dim=-1).indices

@@ -21,7 +21,6 @@ def test_generate_creates_the_hybrid_cache(model):
     out = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
     cache = cache_of(out)
     assert isinstance(cache, KimiK3Cache) and cache.get_seq_length() == 10
-    greedy = [ids]
     with torch.no_grad():
         seq = ids
         for _ in range(5):
