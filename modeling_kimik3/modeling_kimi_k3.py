@@ -624,10 +624,13 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             self.mlp_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp_res_proj = KimiK3AttnResProjection(config.hidden_size)
             if layer_idx == 0:
-                # The release ships layer 0's attention-side pseudo-query, but the spec skips that mix (5.2): kept
-                # for loading, frozen so DDP (find_unused_parameters=False) does not wait for its gradient.
-                self.self_attention_res_norm.weight.requires_grad_(False)
-                self.self_attention_res_proj.weight.requires_grad_(False)
+                # The release ships layer 0's attention-side pseudo-query, but the spec skips that mix (5.2). Kept
+                # under its release name as a buffer: it loads and saves, and no optimizer or DDP (with
+                # find_unused_parameters=False) waits for a gradient that never comes.
+                for module in (self.self_attention_res_norm, self.self_attention_res_proj):
+                    weight = module.weight
+                    del module.weight
+                    module.register_buffer("weight", weight.detach())
 
     def forward(
         self,
