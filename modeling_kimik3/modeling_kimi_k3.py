@@ -115,6 +115,18 @@ class KimiK3MLP(nn.Module):
 # Kimi Delta Attention (2, 3)
 
 
+class KimiK3GatedRMSNorm(nn.Module):
+    """Head-wise RMSNorm with a sigmoid output gate, all f32 (fla FusedRMSNormGated); weight kept f32."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(hidden_states, gate, self.weight, self.eps)
+
+
 class KimiK3DeltaAttention(nn.Module):
     """KDA: short conv + SiLU on q/k/v, L2 norm, lower-bounded (or softplus) per-channel decay, delta rule on an
     f32 state, gated RMSNorm output with a full-rank (K3) or low-rank (Kimi Linear) gate."""
@@ -150,10 +162,8 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_proj = nn.Linear(self.projection_size, hidden, bias=False)
 
     def _short_conv(self) -> nn.Conv1d:
-        conv = nn.Conv1d(self.projection_size, self.projection_size, self.conv_size, groups=self.projection_size,
-                         bias=False)
-        conv.weight.data = conv.weight.data.float()
-        return conv
+        return nn.Conv1d(self.projection_size, self.projection_size, self.conv_size, groups=self.projection_size,
+                         bias=False, dtype=torch.float32)
 
     def forward(
         self,
@@ -226,18 +236,6 @@ class KimiK3DeltaAttention(nn.Module):
             gate = self.g_b_proj(self.g_a_proj(hidden_states))
         core = self.o_norm(core, gate.view(heads_shape))
         return self.o_proj(core.reshape(batch, seq_len, self.projection_size))
-
-
-class KimiK3GatedRMSNorm(nn.Module):
-    """Head-wise RMSNorm with a sigmoid output gate, all f32 (fla FusedRMSNormGated); weight kept f32."""
-
-    def __init__(self, head_dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(head_dim, dtype=torch.float32))
-        self.eps = eps
-
-    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(hidden_states, gate, self.weight, self.eps)
 
 
 # ----------------------------------------------------------------------------------------------------------------
