@@ -45,7 +45,7 @@ def edit_index(root, change):
     (root / INDEX).write_text(json.dumps(index, indent=2))
 
 
-def convert_fails(src, dst, *fragments, **options):
+def assert_convert_fails(src, dst, *fragments, **options):
     with pytest.raises(ConversionError) as info:
         kc.convert(src, dst, progress=False, **options)
     message = str(info.value)
@@ -59,28 +59,28 @@ def convert_fails(src, dst, *fragments, **options):
 def test_missing_shard(release, tmp_path):
     root = release.path_copy
     (root / shard_of_layer(2)).unlink()
-    convert_fails(root, tmp_path / "out", shard_of_layer(2), "missing", LAYER.format(2))
+    assert_convert_fails(root, tmp_path / "out", shard_of_layer(2), "missing", LAYER.format(2))
 
 
 def test_index_names_a_tensor_its_shard_lacks(release, tmp_path):
     root = release.path_copy
     name = LAYER.format(2) + "self_attn.q_proj.weight"
     edit_index(root, lambda wm: wm.__setitem__(name, shard_of_layer(1)))
-    convert_fails(root, tmp_path / "out", shard_of_layer(1), name, "header lacks it")
+    assert_convert_fails(root, tmp_path / "out", shard_of_layer(1), name, "header lacks it")
 
 
 def test_index_lacks_an_expected_tensor(release, tmp_path):
     root = release.path_copy
     name = LAYER.format(4) + "self_attn.dt_bias"
     edit_index(root, lambda wm: wm.pop(name))
-    convert_fails(root, tmp_path / "out", INDEX, name, "missing from the index")
+    assert_convert_fails(root, tmp_path / "out", INDEX, name, "missing from the index")
 
 
 def test_truncated_shard(release, tmp_path):
     root = release.path_copy
     path = root / shard_of_layer(3)
     path.write_bytes(path.read_bytes()[:-100])
-    convert_fails(root, tmp_path / "out", shard_of_layer(3), "truncated", LAYER.format(3))
+    assert_convert_fails(root, tmp_path / "out", shard_of_layer(3), "truncated", LAYER.format(3))
 
 
 def test_corrupted_header(release, tmp_path):
@@ -89,28 +89,28 @@ def test_corrupted_header(release, tmp_path):
     data = bytearray(path.read_bytes())
     data[8:20] = b"\xff" * 12
     path.write_bytes(bytes(data))
-    convert_fails(root, tmp_path / "out", shard_of_layer(1), "corrupted safetensors header")
+    assert_convert_fails(root, tmp_path / "out", shard_of_layer(1), "corrupted safetensors header")
 
 
 def test_wrong_shape(release, tmp_path):
     root = release.path_copy
     name = LAYER.format(0) + "self_attn.q_proj.weight"
     edit_shard(root, shard_of_layer(0), lambda t: t.__setitem__(name, torch.zeros(33, 64, dtype=torch.bfloat16)))
-    convert_fails(root, tmp_path / "out", shard_of_layer(0), name, "expected BF16 [32, 64]", "found BF16 [33, 64]")
+    assert_convert_fails(root, tmp_path / "out", shard_of_layer(0), name, "expected BF16 [32, 64]", "found BF16 [33, 64]")
 
 
 def test_wrong_dtype(release, tmp_path):
     root = release.path_copy
     name = LAYER.format(1) + "self_attn.A_log"
     edit_shard(root, shard_of_layer(1), lambda t: t.__setitem__(name, t[name].to(torch.bfloat16)))
-    convert_fails(root, tmp_path / "out", shard_of_layer(1), name, "expected F32 [128]", "found BF16 [128]")
+    assert_convert_fails(root, tmp_path / "out", shard_of_layer(1), name, "expected F32 [128]", "found BF16 [128]")
 
 
 def test_mxfp4_packed_and_scale_shapes_that_do_not_match(release, tmp_path):
     root = release.path_copy
     base = LAYER.format(2) + "block_sparse_moe.experts.3.w1.weight_"
     edit_shard(root, shard_of_layer(2), lambda t: t.__setitem__(base + "scale", torch.zeros(32, 2, dtype=torch.uint8)))
-    convert_fails(root, tmp_path / "out", shard_of_layer(2), base + "packed", base + "scale",
+    assert_convert_fails(root, tmp_path / "out", shard_of_layer(2), base + "packed", base + "scale",
                   "MXFP4 packed/scale shapes do not match", "[32, 1]", "[32, 2]")
 
 
@@ -123,7 +123,7 @@ def test_nonzero_a_log_padding(release, tmp_path):
 
     edit_shard(root, shard_of_layer(4), poison)
     dst = tmp_path / "out"
-    convert_fails(root, dst, shard_of_layer(4), name, "padding must be zero", "entry 100", max_shard_size="60KB")
+    assert_convert_fails(root, dst, shard_of_layer(4), name, "padding must be zero", "entry 100", max_shard_size="60KB")
 
 
 @pytest.mark.parametrize("bad", ["../evil.safetensors", "sub/model.safetensors", "..\\model.safetensors",
@@ -132,7 +132,7 @@ def test_shard_names_outside_the_folder_are_refused(release, tmp_path, bad):
     root = release.path_copy
     name = LAYER.format(0) + "input_layernorm.weight"
     edit_index(root, lambda wm: wm.__setitem__(name, bad))
-    convert_fails(root, tmp_path / "out", INDEX, name, "refusing shard name", repr(bad))
+    assert_convert_fails(root, tmp_path / "out", INDEX, name, "refusing shard name", repr(bad))
 
 
 def test_layers_the_config_does_not_have(release, tmp_path):
@@ -140,14 +140,14 @@ def test_layers_the_config_does_not_have(release, tmp_path):
     name = LAYER.format(6) + "input_layernorm.weight"
     edit_shard(root, shard_of_layer(5), lambda t: t.__setitem__(name, torch.ones(64, dtype=torch.bfloat16)))
     edit_index(root, lambda wm: wm.__setitem__(name, shard_of_layer(5)))
-    convert_fails(root, tmp_path / "out", INDEX, name, "layer 6", "num_hidden_layers=6")
+    assert_convert_fails(root, tmp_path / "out", INDEX, name, "layer 6", "num_hidden_layers=6")
 
 
 def test_experts_the_config_does_not_have(release, tmp_path):
     root = release.path_copy
     name = LAYER.format(1) + "block_sparse_moe.experts.4.w2.weight_scale"
     edit_index(root, lambda wm: wm.__setitem__(name, shard_of_layer(1)))
-    convert_fails(root, tmp_path / "out", INDEX, name, "num_experts=4")
+    assert_convert_fails(root, tmp_path / "out", INDEX, name, "num_experts=4")
 
 
 def test_unknown_tensor_names_fail_unless_allowed(release, tmp_path):
@@ -155,7 +155,7 @@ def test_unknown_tensor_names_fail_unless_allowed(release, tmp_path):
     name = LAYER.format(0) + "self_attn.mystery.weight"
     edit_shard(root, shard_of_layer(0), lambda t: t.__setitem__(name, torch.ones(3, dtype=torch.bfloat16)))
     edit_index(root, lambda wm: wm.__setitem__(name, shard_of_layer(0)))
-    convert_fails(root, tmp_path / "out", INDEX, name, shard_of_layer(0), "--allow-unknown")
+    assert_convert_fails(root, tmp_path / "out", INDEX, name, shard_of_layer(0), "--allow-unknown")
     summary = kc.convert(root, tmp_path / "allowed", allow_unknown=True, progress=False)
     weight_map = json.loads((tmp_path / "allowed" / INDEX).read_text())["weight_map"]
     assert name not in weight_map and not any("mystery" in n for n in weight_map)
@@ -167,7 +167,7 @@ def test_mixed_packed_and_plain_experts_in_one_layer(release, tmp_path):
     name = LAYER.format(3) + "block_sparse_moe.experts.0.w1.weight"
     edit_shard(root, shard_of_layer(3), lambda t: t.__setitem__(name, torch.ones(32, 32, dtype=torch.bfloat16)))
     edit_index(root, lambda wm: wm.__setitem__(name, shard_of_layer(3)))
-    convert_fails(root, tmp_path / "out", INDEX, "layer 3 mixes packed")
+    assert_convert_fails(root, tmp_path / "out", INDEX, "layer 3 mixes packed")
 
 
 def test_cli_reports_the_error_and_returns_two(release, tmp_path, capsys):
