@@ -11,35 +11,26 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Pure-PyTorch references for the fast ops whose reference is not in `ops_kimi_k3`.
+"""Pure-PyTorch references of the fast ops, under the names and signatures `kimik3.kernels.get_fast_op` returns.
 
-Same names and semantics as the fast paths that `kimik3.kernels.get_fast_op` returns (`moe_experts`, `mla_decode`,
-`mxfp4_dequant`). They run on any device and are slow on purpose: they are the ground truth the GPU tests compare
-against and the fallback the model uses without CUDA. The other references (`chunk_kda`, `fused_recurrent_kda`,
-`causal_conv1d`, `block_attn_res_mix`, `situ_glu`, `dequantize_mxfp4`, `kda_gate`) live in
-`modeling_kimik3/ops_kimi_k3.py`; this file does not import them so `kimik3.kernels` has no dependency on the
-remote-code files.
+`moe_experts`, `moe_experts_mxfp4`, `situ_glu` and `mxfp4_dequant` are the model's own references
+(`modeling_kimik3/ops_kimi_k3.py`) in the fast paths' signatures, so the GPU tests compare against exactly what the
+model computes without CUDA; `mla_decode` is the absorbed decode attention as one function. Slow on purpose: they
+are the ground truth of the GPU tests.
 """
 
+import functools
+
 import torch
+
+from kimik3.modeling.ops_kimi_k3 import dequantize_mxfp4 as mxfp4_dequant
+from kimik3.modeling.ops_kimi_k3 import moe_experts as _moe_experts
+from kimik3.modeling.ops_kimi_k3 import situ_glu
 
 
 __all__ = ["situ_glu", "moe_experts", "moe_experts_mxfp4", "mla_decode", "mxfp4_dequant"]
 
 DEFAULT_ROPE_DIM = 64  # qk_rope_head_dim of K3 (the P in an R+P latent row when kv_lora_rank is not given)
-
-
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU, identical to `ops_kimi_k3.situ_glu`: [b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(u/b2)] in f32, cast back.
-
-    `beta` None means 1.0; `linear_beta` None leaves the up branch uncapped.
-    """
-    a, u = gate.float(), up.float()
-    b1 = 1.0 if beta is None else float(beta)
-    act = b1 * torch.tanh(a / b1) * torch.sigmoid(a)
-    if linear_beta is not None:
-        u = float(linear_beta) * torch.tanh(u / float(linear_beta))
-    return (act * u).to(gate.dtype)
 
 
 def moe_experts(
@@ -56,18 +47,14 @@ def moe_experts(
     x [N, Dl]; topk_indices [N, k] (int); topk_weights [N, k] (f32); gate_up_proj [E, 2I, Dl] (rows [0:I] gate/w1,
     [I:2I] up/w3); down_proj [E, Dl, I] (w2). For each token: y = sum_e w_e * f32(E_e(x)) with
     E_e(x) = down_e @ situ(gate_e x, up_e x) computed and rounded in x.dtype; the sum is f32, cast to x.dtype.
-    Loops over the experts that are hit (host sync; reference only).
+    The model's reference (`ops_kimi_k3.moe_experts`) with SiTU; loops over the experts that are hit.
     """
-    num_tokens, width = x.shape
-    inter = down_proj.shape[-1]
-    out = torch.zeros(num_tokens, width, dtype=torch.float32, device=x.device)
-    for expert in torch.unique(topk_indices).tolist():
-        token, slot = torch.nonzero(topk_indices == expert, as_tuple=True)
-        h = x[token] @ gate_up_proj[expert].to(x.dtype).t()
-        act = situ_glu(h[:, :inter], h[:, inter:], beta, linear_beta)
-        y = act @ down_proj[expert].to(x.dtype).t()  # rounded to x.dtype: the "bf16 expert output"
-        out.index_add_(0, token, y.float() * topk_weights[token, slot].float().unsqueeze(-1))
-    return out.to(x.dtype)
+    return _moe_experts(
+        x, topk_indices, topk_weights,
+        lambda expert: (gate_up_proj[expert], down_proj[expert]),
+        gate_up_proj.shape[0],
+        functools.partial(situ_glu, beta=beta, linear_beta=linear_beta),
+    )
 
 
 def mla_decode(
@@ -97,26 +84,6 @@ def mla_decode(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhst,btr->bhsr", probs, cache[..., :kv_lora_rank])
     return out.to(q_lat.dtype)
-
-
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 -> dense, same semantics as `ops_kimi_k3.dequantize_mxfp4`.
-
-    packed uint8 [..., N, K/2] (low nibble = even element), scale uint8 [..., N, K/32] (E8M0, bias 127)
-    -> [..., N, K] in `dtype`; value = E2M1(code) * 2^(scale - 127), computed in f32 (exact), then cast.
-    """
-    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
-        raise TypeError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
-    k = packed.shape[-1] * 2
-    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * 32 != k:
-        raise ValueError(f"MXFP4 shapes do not match: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}")
-    table = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
-    factor = torch.exp2(scale.float() - 127.0).repeat_interleave(32, dim=-1)
-    return (table[codes.long()] * factor).to(dtype)
 
 
 def moe_experts_mxfp4(

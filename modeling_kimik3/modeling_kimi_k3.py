@@ -42,6 +42,7 @@ from .ops_kimi_k3 import (
     fused_recurrent_kda,
     gated_rms_norm,
     kda_gate,
+    moe_experts,
     situ_glu,
 )
 
@@ -520,23 +521,12 @@ class KimiK3Experts(nn.Module):
     def _reference(self, hidden_states, top_indices, top_weights):
         if torch.compiler.is_compiling():
             return self._gathered(hidden_states, top_indices, top_weights)
-        num_tokens, top_k = top_indices.shape
-        flat_experts = top_indices.reshape(-1)
-        order = torch.argsort(flat_experts, stable=True)
-        token_of = order // top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
-        routed_inputs = hidden_states[token_of]
-        outputs = []
-        for expert, tokens in enumerate(torch.split(routed_inputs, counts)):
-            if tokens.shape[0] == 0:
-                continue
-            gate_up, down = self._one_expert(expert, hidden_states.dtype)
-            gate, up = F.linear(tokens, gate_up).chunk(2, dim=-1)
-            outputs.append(F.linear(glu_activation(self.config, gate, up), down))
-        routed = torch.cat(outputs, dim=0)
-        weighted = routed.float() * top_weights.reshape(-1)[order].unsqueeze(-1).float()
-        combined = torch.zeros(num_tokens, hidden_states.shape[-1], dtype=torch.float32, device=hidden_states.device)
-        return combined.index_add(0, token_of, weighted).to(hidden_states.dtype)
+        return moe_experts(
+            hidden_states, top_indices, top_weights,
+            lambda expert: self._one_expert(expert, hidden_states.dtype),
+            self.num_experts,
+            lambda gate, up: glu_activation(self.config, gate, up),
+        )
 
     def _one_expert(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.packed:

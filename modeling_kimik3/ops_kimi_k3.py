@@ -19,6 +19,7 @@ Section numbers refer to k3_math.md.
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -269,6 +270,41 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_be
     if linear_beta is not None:
         u = float(linear_beta) * torch.tanh(u / float(linear_beta))
     return (act * u).to(gate.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Routed experts (6.4)
+
+
+def moe_experts(
+    hidden_states: torch.Tensor,
+    top_indices: torch.Tensor,
+    top_weights: torch.Tensor,
+    expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    num_experts: int,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """dtype( sum_e w_e * f32(dtype(E_e(x))) ) with E_e(x) = down_e @ act(gate_e x, up_e x).
+
+    hidden_states [N, Dl]; top_indices / top_weights [N, k]; `expert_weights(e)` gives (gate_up [2I, Dl] with the
+    gate (w1) rows first, down [Dl, I]) in the activation dtype (a slice of fused 3-D tensors, or one expert
+    dequantised on the fly). Loops over the experts that are hit: one host sync per call (a reference; the CUDA
+    fast path is sync-free)."""
+    num_tokens, top_k = top_indices.shape
+    flat_experts = top_indices.reshape(-1)
+    order = torch.argsort(flat_experts, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
+    outputs = []
+    for expert, tokens in enumerate(torch.split(hidden_states[token_of], counts)):
+        if tokens.shape[0] == 0:
+            continue
+        gate_up, down = expert_weights(expert)
+        gate, up = F.linear(tokens, gate_up.to(tokens.dtype)).chunk(2, dim=-1)
+        outputs.append(F.linear(activation(gate, up), down.to(tokens.dtype)))
+    weighted = torch.cat(outputs, dim=0).float() * top_weights.reshape(-1)[order].unsqueeze(-1).float()
+    combined = torch.zeros(num_tokens, hidden_states.shape[-1], dtype=torch.float32, device=hidden_states.device)
+    return combined.index_add(0, token_of, weighted).to(hidden_states.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------

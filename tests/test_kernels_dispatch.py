@@ -105,10 +105,10 @@ def test_available_ops_reports_reasons():
 # ---------------------------------------------------------------------------------------------- references
 
 
-def test_reference_situ_matches_ops():
-    a, u = torch.randn(7, 9) * 10, torch.randn(7, 9) * 40
-    for betas in ((4.0, 25.0), (None, None), (2.0, None)):
-        assert torch.equal(reference.situ_glu(a, u, *betas), ops.situ_glu(a, u, *betas))
+def test_references_are_the_models_own():
+    # one reference per op: the GPU tests compare the fast paths against exactly what the model runs without CUDA
+    assert reference.situ_glu is ops.situ_glu
+    assert reference.mxfp4_dequant is ops.dequantize_mxfp4
 
 
 def test_reference_moe_experts_matches_dense_per_token_loop():
