@@ -47,18 +47,18 @@ def save_with_code(model, directory: str | Path) -> Path:
     model.config.register_for_auto_class()
     model.register_for_auto_class("AutoModelForCausalLM")
     model.save_pretrained(directory)
+    # save_pretrained copies the modeling file and what it imports relatively; copy all of them in any case, and
+    # map AutoModel too (the release's auto_map has both).
     for path in remote_code_files():
         shutil.copy2(path, directory / path.name)
     config = json.loads((directory / "config.json").read_text())
-    prefix = "configuration_kimi_k3" if "KimiK3" in type(model.config).__name__ else None
-    if prefix:
-        model_cls = f"modeling_kimi_k3.{type(model).__name__}"
-        config["auto_map"] = {
-            "AutoConfig": f"configuration_kimi_k3.{type(model.config).__name__}",
-            "AutoModel": model_cls,
-            "AutoModelForCausalLM": model_cls,
-        }
-        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model_class = f"modeling_kimi_k3.{type(model).__name__}"
+    config["auto_map"] = {
+        "AutoConfig": f"configuration_kimi_k3.{type(model.config).__name__}",
+        "AutoModel": model_class,
+        "AutoModelForCausalLM": model_class,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
 
 
