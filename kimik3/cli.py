@@ -33,11 +33,10 @@ def build_tiny_model(seed: int = 0, num_hidden_layers: int = 4, **overrides):
     config = KimiK3TextConfig(**tiny_text_config_dict(num_hidden_layers=num_hidden_layers, **overrides))
     model = KimiK3ForCausalLM(config)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        # every pseudo-query, layer 0's unused one (a buffer) included, in module order
+        for name, tensor in model.state_dict(keep_vars=True).items():
             if name.endswith("res_proj.weight"):
-                param.normal_(0.0, 0.5)
-            elif name.endswith("e_score_correction_bias"):
-                param.normal_(0.0, 0.01)
+                tensor.normal_(0.0, 0.5)
     return model.eval()
 
 
