@@ -19,6 +19,7 @@ Section numbers refer to k3_math.md.
 """
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -160,8 +161,8 @@ def chunk_kda(
 
     Chunks are processed one after another and only the running state is carried, so live memory is
     O(B*H*chunk*(chunk*K + V)) per step and the output O(T): no T x T matrix and no stored per-chunk states. Under
-    autograd, segments of chunks are recomputed in backward (`torch.utils.checkpoint`), so the saved tensors are
-    the inputs plus one state per segment.
+    autograd, segments of about sqrt(T / chunk) chunks are recomputed in backward (`torch.utils.checkpoint`), so the
+    saved tensors are the inputs plus one state per segment (O(sqrt(T)) states).
     """
     dtype = v.dtype
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm_in_kernel)
@@ -192,7 +193,8 @@ def chunk_kda(
     needs_grad = torch.is_grad_enabled() and any(
         x.requires_grad for x in (q, k, v, g, beta, state)
     )
-    segment = chunk_size * 16
+    # sqrt(#chunks) chunks per recompute segment: the saved states and the recompute workspace both stay O(sqrt(T))
+    segment = chunk_size * max(16, math.isqrt(-(-seq_len // chunk_size)) + 1)
     outs = []
     for s in range(0, seq_len, segment):
         e = min(s + segment, seq_len)

@@ -99,3 +99,22 @@ def test_causal_conv_state_continues_the_sequence():
     torch.testing.assert_close(torch.cat([first, *rest], 1), full)
     manual = torch.nn.functional.silu(sum(w[:, 0, i] * x[:, 10 - 3 + i] for i in range(4)))
     torch.testing.assert_close(full[:, 10], manual, atol=1e-6, rtol=1e-6)
+
+
+def test_chunked_training_memory_saves_no_state_per_chunk():
+    """Under autograd only one state per recompute segment is kept for backward, not one per chunk."""
+    B, T, H, K, V, chunk = 1, 2048, 2, 8, 8, 16  # 128 chunks
+    q, k, v, g, beta, state = _inputs(B, T, H, K, V)
+    leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    state_shaped = []
+
+    def pack(tensor):
+        if tuple(tensor.shape) == (B, H, K, V):
+            state_shaped.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = chunk_kda(*leaves, initial_state=state, use_qk_l2norm_in_kernel=True, chunk_size=chunk)
+    out.sum().backward()
+    assert all(t.grad is not None for t in leaves)
+    assert len(state_shaped) <= 10, len(state_shaped)  # 8 segments of 16 chunks (+ the initial state)
