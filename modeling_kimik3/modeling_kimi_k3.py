@@ -59,9 +59,15 @@ logger = logging.get_logger(__name__)
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+# Fast paths built on 16-bit-only CUDA kernels (flash attention, grouped GEMM); f32 inputs keep the reference.
+_HALF_ONLY_OPS = frozenset({"attention_with_lse", "moe_experts", "moe_experts_mxfp4"})
+
+
 def _fast_op(name: str, *tensors: torch.Tensor) -> Callable | None:
     # Under torch.compile the references are traced and fused by the compiler instead.
     if _get_fast_op is None or os.environ.get("KIMIK3_REFERENCE_ONLY", "0") == "1" or torch.compiler.is_compiling():
+        return None
+    if name in _HALF_ONLY_OPS and any(t.dtype not in (torch.float16, torch.bfloat16) for t in tensors):
         return None
     return _get_fast_op(name, *tensors)
 
@@ -380,9 +386,7 @@ class KimiK3MLAAttention(nn.Module):
         past_len = kv_len - seq_len
         block = self.config.mla_prefill_block_size
         spans = [(s, min(s + block, past_len)) for s in range(0, past_len, block)] + [(past_len, kv_len)]
-        # the flash kernel behind the fast path takes 16-bit inputs only
-        fast = _fast_op("attention_with_lse", query) if query.dtype in (torch.float16, torch.bfloat16) else None
-        attend = fast or attention_with_lse
+        attend = _fast_op("attention_with_lse", query) or attention_with_lse
         out = lse = None
         for start, end in spans:
             key, value = self._expand_latents(latents[:, start:end])
