@@ -137,3 +137,10 @@ def test_continue_generation_from_a_returned_cache(model):
                           **{"past_key_values" if not hasattr(first, "cache") else "cache": cache_of(first)})
     straight = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(more, straight)
+
+
+def test_generate_from_inputs_embeds_equals_from_ids(model):
+    ids = torch.randint(3, 128, (2, 6))
+    from_ids = model.generate(ids, max_new_tokens=4, do_sample=False)[:, 6:]
+    from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(from_embeds, from_ids)
