@@ -18,6 +18,7 @@ gate/beta/L2 norm/state/output norm, the router, SiTU, the MoE combine, AttnRes 
 Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importable and the tensors are on CUDA.
 """
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -748,6 +749,29 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         return attention_mask
 
 
+@contextlib.contextmanager
+def _recorded_outputs(model: nn.Module, attentions: bool, router_logits: bool):
+    """Collect MLA attention weights (eager/absorbed paths return them; SDPA returns None) and router logits with
+    forward hooks for one forward, so the layers keep returning plain tensors."""
+    recorded, hooks = {}, []
+    for wanted, key, cls, index in ((attentions, "attentions", KimiK3MLAAttention, 1),
+                                    (router_logits, "router_logits", KimiK3MoEGate, 0)):
+        if not wanted:
+            continue
+        recorded[key] = []
+        for module in model.modules():
+            if isinstance(module, cls):
+                hooks.append(module.register_forward_hook(
+                    lambda mod, args, out, key=key, index=index: recorded[key].append(out[index])))
+    try:
+        yield recorded
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for key in recorded:
+            recorded[key] = tuple(recorded[key])
+
+
 class KimiK3Model(KimiK3PreTrainedModel):
     def __init__(self, config: KimiK3TextConfig):
         super().__init__(config)
@@ -786,8 +810,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
-        for key in ("output_attentions", "output_router_logits", "return_dict"):
-            kwargs.pop(key, None)
+        kwargs.pop("return_dict", None)
+        output_attentions = kwargs.pop("output_attentions", None)
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_router_logits = kwargs.pop("output_router_logits", None)
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -814,21 +842,22 @@ class KimiK3Model(KimiK3PreTrainedModel):
 
         hidden_states, banked = inputs_embeds, ()
         all_hidden_states = (inputs_embeds,) if output_hidden_states else None
-        for layer in self.layers[: self.config.num_hidden_layers]:
-            layer_output = layer(
-                hidden_states,
-                *banked,
-                attention_mask=mla_mask,
-                token_mask=token_mask,
-                cache=cache,
-                document_index=document_index,
-                **kwargs,
-            )
-            if layer.starts_block:
-                banked = banked + (hidden_states,)
-            hidden_states = layer_output
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+        with _recorded_outputs(self, output_attentions, output_router_logits) as recorded:
+            for layer in self.layers[: self.config.num_hidden_layers]:
+                layer_output = layer(
+                    hidden_states,
+                    *banked,
+                    attention_mask=mla_mask,
+                    token_mask=token_mask,
+                    cache=cache,
+                    document_index=document_index,
+                    **kwargs,
+                )
+                if layer.starts_block:
+                    banked = banked + (hidden_states,)
+                hidden_states = layer_output
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,)
         if self.config.attn_res_block_size is not None:
             hidden_states = attn_res_mix([*banked, hidden_states], self.output_attn_res_norm,
                                          self.output_attn_res_proj)
@@ -836,7 +865,11 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if cache is not None:
             cache.advance(seq_len)
         return MoeModelOutputWithPast(
-            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{CACHE_FIELD: cache}
+            last_hidden_state=hidden_states,
+            hidden_states=all_hidden_states,
+            attentions=recorded.get("attentions"),
+            router_logits=recorded.get("router_logits"),
+            **{CACHE_FIELD: cache},
         )
 
     @staticmethod
@@ -944,6 +977,8 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 

@@ -216,3 +216,22 @@ def test_router_observer_sees_the_padding_mask():
     mask[1, :4] = 0
     model(ids, attention_mask=mask)
     assert seen == [(18, 14, 18)] * 3
+
+
+def test_output_attentions_and_router_logits():
+    model = build_tiny_model(num_hidden_layers=6)
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(3, 128, (2, 7))
+    with torch.no_grad():
+        out = model(ids, output_attentions=True, output_router_logits=True)
+        plain = model(ids)
+    config = model.config
+    assert len(out.attentions) == len(config.mla_layer_indices)
+    for weights in out.attentions:
+        assert weights.shape == (2, config.num_attention_heads, 7, 7)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, config.num_attention_heads, 7))
+        assert weights.triu(1).abs().max() == 0  # causal
+    assert len(out.router_logits) == config.mlp_layer_types.count("sparse")
+    assert all(r.shape == (14, config.num_experts) and r.dtype == torch.float32 for r in out.router_logits)
+    assert plain.attentions is None and plain.router_logits is None
+    torch.testing.assert_close(out.logits, plain.logits)
