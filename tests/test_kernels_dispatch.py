@@ -2,34 +2,13 @@
 import), the switches work, and the references in kimik3.kernels.reference agree with independent formulas."""
 
 import importlib
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_by_path(name, path, package_dir=None):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, path, submodule_search_locations=[str(package_dir)] if package_dir else None
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-try:
-    kernels = importlib.import_module("kimik3.kernels")
-except ImportError:  # not installed: import the folder as a package
-    kernels = _load_by_path("kimik3_kernels_local", ROOT / "kernels" / "__init__.py", ROOT / "kernels")
-reference = importlib.import_module(kernels.__name__ + ".reference")
-ops = _load_by_path("kimik3_ops_for_kernel_tests", ROOT / "modeling_kimik3" / "ops_kimi_k3.py")
+kernels = importlib.import_module("kimik3.kernels")
+reference = importlib.import_module("kimik3.kernels.reference")
+ops = importlib.import_module("kimik3.modeling.ops_kimi_k3")
 
 
 @pytest.fixture
@@ -107,10 +86,9 @@ def test_available_ops_reports_reasons():
 
 def test_references_are_the_models_own():
     # one reference per op: the GPU tests compare the fast paths against exactly what the model runs without CUDA
-    installed_ops = importlib.import_module("kimik3.modeling.ops_kimi_k3")
-    assert reference.situ_glu is installed_ops.situ_glu
-    assert reference.mxfp4_dequant is installed_ops.dequantize_mxfp4
-    assert reference._moe_experts is installed_ops.moe_experts
+    assert reference.situ_glu is ops.situ_glu
+    assert reference.mxfp4_dequant is ops.dequantize_mxfp4
+    assert reference._moe_experts is ops.moe_experts
 
 
 def test_reference_moe_experts_matches_dense_per_token_loop():

@@ -1,39 +1,15 @@
 """Helpers of the GPU tests (kernels / reference-op loaders, error metrics)."""
 
 import importlib
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_by_path(name, path, package_dir=None):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, path, submodule_search_locations=[str(package_dir)] if package_dir else None
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_kernels():
-    try:
-        return importlib.import_module("kimik3.kernels")
-    except ImportError:
-        return _load_by_path("kimik3_kernels_local", ROOT / "kernels" / "__init__.py", ROOT / "kernels")
+    return importlib.import_module("kimik3.kernels")
 
 
 def load_ops():
-    try:
-        return importlib.import_module("kimik3.modeling.ops_kimi_k3")
-    except ImportError:
-        return _load_by_path("kimik3_ops_local", ROOT / "modeling_kimik3" / "ops_kimi_k3.py")
+    return importlib.import_module("kimik3.modeling.ops_kimi_k3")
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
