@@ -21,6 +21,8 @@ Model: hidden 7168, 96 heads, MLA (q_lora 1536, kv_lora 512, nope 128, rope 64, 
 Measured, each in its own try/except under one time budget, JSON written after every measurement:
   kernels      per-op fast path vs reference at K3 shapes
   fast.*       our model with `kimik3.kernels` fast paths (fla-core KDA/conv, Triton, grouped_mm, bmm MLA decode)
+  generate.*   decode steps of generate(), eager (dynamic cache) vs compiled (cache_implementation="static": torch
+               compile with CUDA graphs), side by side
   ref.*        the same model forced onto the pure-PyTorch reference ops
   kimi_linear.* transformers' in-tree KimiLinearForCausalLM at the closest config (64 experts, top-16, expert width
                1536, hidden 7168, same layer schedule; uses fla when importable, as transformers does)
@@ -303,6 +305,103 @@ def measure_decode(driver, stats, batch, context, steps=10, warmup=3, synthetic=
 
 
 # ------------------------------------------------------------------------------------------------------------
+# decode through generate(): eager (dynamic cache) vs compiled (static cache, CUDA graphs)
+
+
+class _StepClock:
+    """A logits processor that stamps the wall time after every forward of generate() (device synchronised), so the
+    intervals are whole decode steps as generate() runs them (forward, sampling, bookkeeping)."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        if scores.is_cuda:
+            torch.cuda.synchronize()
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def synthetic_static_cache(model, batch, context, max_cache_len):
+    """A static KimiK3Cache holding `context` tokens of random state, laid out as a static prefill leaves it."""
+    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, _static_address
+
+    cfg = model.config
+    device, dtype = model.device, model.dtype
+    cache = KimiK3Cache(cfg, max_cache_len=max_cache_len)
+    cache.position = _static_address(torch.full((1,), context, dtype=torch.long, device=device))
+    cache.key_valid = _static_address(torch.zeros(batch, max_cache_len, dtype=torch.bool, device=device))
+    cache.key_valid[:, :context] = True
+    width = cfg.linear_num_heads * cfg.linear_head_dim
+    for layer, kind in enumerate(cfg.layer_types):
+        if kind == "full_attention":
+            buffer = torch.zeros(batch, max_cache_len, cfg.mla_cache_dim, device=device, dtype=dtype)
+            buffer[:, :context].normal_()
+            cache.latents[layer] = _static_address(buffer)
+        else:
+            cache.conv_states[layer] = tuple(
+                _static_address(torch.randn(batch, width, cfg.linear_conv_kernel_size - 1, device=device,
+                                            dtype=dtype)) for _ in range(3))
+            cache.recurrent_states[layer] = _static_address(0.01 * torch.randn(
+                batch, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim, device=device))
+    cache.has_past = True
+    return cache
+
+
+def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=48, steady_from=8,
+                            synthetic=False):
+    """ms per decode step of `generate()` (greedy, `new_tokens` tokens): eager with the dynamic cache and the fast
+    ops, or `cache_implementation="static"`, which generate() compiles by itself on CUDA (torch.compile,
+    mode="reduce-overhead": CUDA graphs). The first `steady_from` steps (compilation, CUDA-graph warm-up and
+    recording) are reported apart; the figure is the median of the later steps. `synthetic`: the context is a
+    cache of random state (only the last prompt token runs), as for the eager 64K decode above."""
+    from torch._dynamo.utils import counters
+
+    from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
+
+    torch._dynamo.reset()  # each configuration compiles its own static-shape graph
+    counters.clear()
+    free_cuda()
+    device = model.device
+    clock = _StepClock()
+    ids = torch.randint(3, model.config.vocab_size - 1, (batch, context + (1 if synthetic else 0)), device=device)
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
+              "do_sample": False, "logits_processor": [clock], "pad_token_id": 0}
+    if compiled and synthetic:
+        kwargs[CACHE_FIELD] = synthetic_static_cache(model, batch, context, context + new_tokens + 1)
+    elif compiled:
+        kwargs["cache_implementation"] = "static"
+    else:
+        kwargs["disable_compile"] = True
+        if synthetic:
+            driver = K3Driver(model)
+            kwargs[CACHE_FIELD] = driver.synthetic_cache(batch, context)
+    if device.type == "cuda":
+        reset_peak()
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, **kwargs)
+    total = time.perf_counter() - start
+    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+    steady = sorted(steps[steady_from:])
+    per_step = steady[len(steady) // 2]
+    roof = decode_roofline(stats, model.config, batch, context)
+    return {
+        "batch": batch, "context": context, "compiled": compiled, "synthetic_context": synthetic,
+        "new_tokens": new_tokens, "ms_per_step": round(per_step * 1e3, 3),
+        "ms_per_step_p10_p90": [round(steady[len(steady) // 10] * 1e3, 3),
+                                round(steady[-(len(steady) // 10) - 1] * 1e3, 3)],
+        "first_steps_ms": [round(x * 1e3, 1) for x in steps[:steady_from]],
+        "prefill_s": round(clock.stamps[0] - start, 3), "generate_total_s": round(total, 2),
+        "tokens_per_s": round(batch / per_step, 1), "peak_mem_gib": peak_gib() if device.type == "cuda" else None,
+        "x_of_hbm_roofline": round(per_step * 1e3 / roof["hbm_roofline_ms"], 2),
+        "dynamo_unique_graphs": counters["stats"].get("unique_graphs", 0),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "cudagraph_skips": counters["inductor"].get("cudagraph_skips", 0), **roof,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------
 # sections
 
 
@@ -451,7 +550,7 @@ def main():
         if not only or name.startswith(only) or name == "env":
             return True
         if name == "k3.build":
-            return any(o.startswith(("fast", "ref", "prefill_1m")) for o in only)
+            return any(o.startswith(("fast", "ref", "prefill_1m", "generate")) for o in only)
         if name == "kimi_linear.build":
             return any(o.startswith("kimi_linear") for o in only)
         return False
@@ -518,6 +617,18 @@ def main():
                                                 for e in top}}
 
         sec("fast.decode_profile_b1_4k", decode_profile, 15)
+
+        model = holder["model"]
+        for batch, context in ((1, 4 * K), (8, 4 * K), (1, 64 * K), (8, 64 * K)):
+            tag, synthetic = f"b{batch}_{context // K}k", context > 4 * K
+            sec(f"generate.eager.decode_{tag}",
+                lambda b=batch, c=context, s=synthetic: measure_generate_decode(model, stats, b, c, False,
+                                                                                synthetic=s), 15)
+            sec(f"generate.compiled.decode_{tag}",
+                lambda b=batch, c=context, s=synthetic: measure_generate_decode(model, stats, b, c, True,
+                                                                                synthetic=s), 60)
+        torch._dynamo.reset()
+        free_cuda()
 
         def cache_bytes():
             out = {}

@@ -15,7 +15,8 @@
 
 No host synchronisation: the routed slots are sorted by expert on the device, the group offsets are a device
 cumsum, and the combine back to token order is a gather (Triton kernel when available, else a PyTorch gather +
-f32 sum). Autograd works through every step (grouped_mm has a backward in torch >= 2.9; the Triton SiTU and
+f32 sum). Every shape depends only on the number of tokens, so the same code is traced by torch.compile into a
+compiled (CUDA-graph) decode step. Autograd works through every step (grouped_mm has a backward in torch >= 2.9; the Triton SiTU and
 combine have their own).
 """
 
@@ -70,13 +71,16 @@ def moe_experts(
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
     xs = x.index_select(0, order // k)  # [N*k, Dl], expert-sorted
     h = grouped_mm(xs, gate_up_proj.transpose(-2, -1), offs=offs)  # [N*k, 2I]
-    situ = _situ_triton if (_situ_triton is not None and h.is_cuda) else _situ_reference
+    # Under torch.compile the grouped GEMMs stay and the elementwise parts are left to the compiler to fuse (our
+    # Triton kernels are opaque to it).
+    own_kernels = h.is_cuda and not torch.compiler.is_compiling()
+    situ = _situ_triton if (_situ_triton is not None and own_kernels) else _situ_reference
     act = situ(h[:, :inter], h[:, inter:], beta, linear_beta)
     out = grouped_mm(act, down_proj.transpose(-2, -1), offs=offs)  # [N*k, Dl], rounded to x.dtype
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=x.device)  # row of slot (t, j) in `out`
     pos = pos.view(num_tokens, k)
-    if _moe_combine_triton is not None and out.is_cuda:
+    if _moe_combine_triton is not None and own_kernels:
         return _moe_combine_triton(out, topk_weights, pos, x.dtype)
     return _combine_torch(out, topk_weights, pos, x.dtype)
 

@@ -62,11 +62,15 @@ CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ 
 
 # Fast paths built on 16-bit-only CUDA kernels (flash attention, grouped GEMM); f32 inputs keep the reference.
 _HALF_ONLY_OPS = frozenset({"attention_with_lse", "moe_experts", "moe_experts_mxfp4"})
+# Fast paths made only of torch ops (grouped GEMMs, sorts, gathers), which torch.compile traces into its graph. The
+# others launch their own kernels; under compile the references are traced and fused by the compiler instead.
+_TRACEABLE_OPS = frozenset({"moe_experts"})
 
 
 def _fast_op(name: str, *tensors: torch.Tensor) -> Callable | None:
-    # Under torch.compile the references are traced and fused by the compiler instead.
-    if _get_fast_op is None or os.environ.get("KIMIK3_REFERENCE_ONLY", "0") == "1" or torch.compiler.is_compiling():
+    if _get_fast_op is None or os.environ.get("KIMIK3_REFERENCE_ONLY", "0") == "1":
+        return None
+    if torch.compiler.is_compiling() and name not in _TRACEABLE_OPS:
         return None
     if name in _HALF_ONLY_OPS and any(t.dtype not in (torch.float16, torch.bfloat16) for t in tensors):
         return None
@@ -406,18 +410,23 @@ class KimiK3MLAAttention(nn.Module):
         w_uk, w_uv = self._kv_b_weight()
         q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
-        latent, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = latents[..., : self.kv_lora_rank]
+        q_all = torch.cat([q_latent, q_pe], dim=-1)
         fast = _fast_op("mla_decode", query)
         if fast is not None and attention_mask is None:
-            o_latent = fast(torch.cat([q_latent, q_pe], dim=-1), latents, self.scaling, self.kv_lora_rank)
+            o_latent = fast(q_all, latents, self.scaling, self.kv_lora_rank)
             attn_weights = None
         else:
-            scores = (q_latent @ latent.unsqueeze(1).transpose(-1, -2) + q_pe @ k_pe.unsqueeze(1).transpose(-1, -2))
-            scores = scores * self.scaling
+            # Every head reads the same cached rows (MQA), so the heads fold into the rows of one matmul per
+            # sequence: a broadcast over heads would copy the cache once per head.
+            batch, heads, q_len, width = q_all.shape
+            scores = torch.bmm(q_all.reshape(batch, heads * q_len, width), latents.transpose(1, 2))
+            scores = scores.view(batch, heads, q_len, -1) * self.scaling
             if attention_mask is not None:
                 scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
             attn_weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            o_latent = attn_weights @ latent.unsqueeze(1)
+            o_latent = torch.bmm(attn_weights.view(batch, heads * q_len, -1), latent)
+            o_latent = o_latent.view(batch, heads, q_len, self.kv_lora_rank)
         attn_output = torch.einsum("bhtr,hvr->bthv", o_latent, w_uv)
         return attn_output, attn_weights
 

@@ -45,3 +45,38 @@ def test_compiled_static_decode_is_one_graph_and_exact():
     # fullgraph=True: no graph break anywhere in the decode step; one graph serves every step (no recompiles)
     assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+def test_compiled_decode_keeps_the_grouped_gemm_experts(monkeypatch):
+    """On CUDA the compiled decode step keeps the grouped-GEMM experts (a fast path made only of torch ops) instead of
+    the gathered reference. The dispatcher is pointed at that path on CPU (grouped_mm runs there in bf16) to show it
+    is traced into the single graph and gives the tokens of the same path run eagerly."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import kimik3.modeling.modeling_kimi_k3 as modeling
+    from kimik3.kernels import moe
+
+    monkeypatch.setattr(modeling, "_get_fast_op", lambda name, *t: moe.moe_experts if name == "moe_experts" else None)
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    model = build_tiny_model(num_hidden_layers=4, seed=5).to(torch.bfloat16)
+    batch, mask = _left_padded([torch.randint(3, 128, (n,)) for n in (6, 4)])
+    expected = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                              cache_implementation="static", disable_compile=True)
+    config = CompileConfig(fullgraph=True, backend=recording_backend, mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                              cache_implementation="static", compile_config=config)
+    assert torch.equal(compiled, expected)
+    assert counters["stats"]["unique_graphs"] == 1 and len(graphs) == 1
+    calls = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    num_moe_layers = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    assert sum("grouped_mm" in c for c in calls) == 2 * num_moe_layers  # gate_up and down of every MoE layer
+    torch._dynamo.reset()

@@ -27,19 +27,29 @@ def test_flash_attention_with_lse_matches_reference(causal):
     assert (lse - ref_lse).abs().max() < 2e-2
 
 
-@pytest.mark.xfail(strict=False, reason="failed on the H200 on 2026-11-30 (both dtypes) with all fast paths on; "
-                   "undiagnosed: the CPU twin passes at 1e-5 and the flash-LSE op test passes, so the suspects are "
-                   "the fla KDA/conv fast paths continuing a state at head_dim 64")
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-3), (torch.bfloat16, 6e-2)])
-def test_model_chunked_prefill_matches_one_shot_on_cuda(dtype, tol):
+@pytest.mark.xfail(strict=False, reason="an earlier form (fixed 2e-3 / 6e-2 tolerances against the fast one-shot "
+                   "prefill) failed on the H200 on 2026-11-30 in both dtypes, undiagnosed; this form, measured against "
+                   "an f32 reference-op model, has not run on a GPU yet (tests/gpu/diagnose_chunked_prefill.py finds the op responsible)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_chunked_prefill_matches_one_shot_on_cuda(dtype):
+    """Prefill in two chunks through the cache (fla KDA/conv continuing their states, blockwise MLA over the cached
+    latents) against one-shot prefill, both with every fast path on; both are measured against the f32 model run
+    on the reference ops, and the chunked error may not exceed the one-shot error by more than bf16/TF32 noise."""
+    import copy
+
     from kimik3.cli import build_tiny_model
 
-    model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda().to(dtype)
-    model.config.mla_prefill_block_size = 64
+    gold_model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
+    gold_model.config.mla_prefill_block_size = 64
+    model = copy.deepcopy(gold_model).to(dtype)
     ids = torch.randint(3, 128, (1, 300), device="cuda")
     with torch.no_grad():
-        full = model(ids, use_cache=False).logits
+        with kernels.reference_ops():
+            gold = gold_model(ids, use_cache=False).logits.float()
+        full = model(ids, use_cache=False).logits.float()
         out = model(ids[:, :100], use_cache=True)
         cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
         rest = model(ids[:, 100:], cache=cache).logits
-    torch.testing.assert_close(torch.cat([out.logits, rest], 1).float(), full.float(), atol=tol, rtol=tol)
+    chunked = torch.cat([out.logits, rest], 1).float()
+    one_shot_err, chunked_err = rel_err(full, gold), rel_err(chunked, gold)
+    assert chunked_err < 1.5 * one_shot_err + (2e-3 if dtype == torch.float32 else 1e-2), (one_shot_err, chunked_err)
