@@ -15,9 +15,9 @@
 
 No host synchronisation: the routed slots are sorted by expert on the device, the group offsets are a device
 cumsum, and the combine back to token order is a gather (Triton kernel when available, else a PyTorch gather +
-f32 sum). Every shape depends only on the number of tokens, so the same code is traced by torch.compile into a
-compiled (CUDA-graph) decode step. Autograd works through every step (grouped_mm has a backward in torch >= 2.9; the Triton SiTU and
-combine have their own).
+f32 sum). Every shape depends only on the number of tokens, so torch.compile traces the same code into a compiled
+(CUDA-graph) decode step. Autograd works through every step (grouped_mm has a backward in torch >= 2.9; the Triton
+SiTU and combine have their own).
 """
 
 import torch
