@@ -219,6 +219,27 @@ class K3Driver:
         cache._seen_tokens = context
         return cache
 
+    def synthetic_static_cache(self, batch, context, max_cache_len):
+        """The same random state laid out as a static prefill leaves it: latents at the head of preallocated
+        buffers, a device-side position and key-validity mask, every buffer at a fixed address."""
+        from kimik3.modeling.cache_kimi_k3 import _static_address
+
+        dynamic = self.synthetic_cache(batch, context)
+        cache = self.cache_cls(self.model.config, max_cache_len=max_cache_len)
+        cache.position = _static_address(torch.full((1,), context, dtype=torch.long, device=DEV))
+        cache.key_valid = _static_address(torch.zeros(batch, max_cache_len, dtype=torch.bool, device=DEV))
+        cache.key_valid[:, :context] = True
+        for layer, latents in enumerate(dynamic.latents):
+            if latents is not None:
+                buffer = latents.new_zeros(batch, max_cache_len, latents.shape[-1])
+                buffer[:, :context] = latents
+                cache.latents[layer] = _static_address(buffer)
+            if dynamic.conv_states[layer] is not None:
+                cache.conv_states[layer] = tuple(_static_address(s) for s in dynamic.conv_states[layer])
+                cache.recurrent_states[layer] = _static_address(dynamic.recurrent_states[layer])
+        cache.has_past = True
+        return cache
+
 
 class HFDriver:
     name = "kimi_linear"
@@ -322,32 +343,6 @@ class _StepClock:
         return scores
 
 
-def synthetic_static_cache(model, batch, context, max_cache_len):
-    """A static KimiK3Cache holding `context` tokens of random state, laid out as a static prefill leaves it."""
-    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, _static_address
-
-    cfg = model.config
-    device, dtype = model.device, model.dtype
-    cache = KimiK3Cache(cfg, max_cache_len=max_cache_len)
-    cache.position = _static_address(torch.full((1,), context, dtype=torch.long, device=device))
-    cache.key_valid = _static_address(torch.zeros(batch, max_cache_len, dtype=torch.bool, device=device))
-    cache.key_valid[:, :context] = True
-    width = cfg.linear_num_heads * cfg.linear_head_dim
-    for layer, kind in enumerate(cfg.layer_types):
-        if kind == "full_attention":
-            buffer = torch.zeros(batch, max_cache_len, cfg.mla_cache_dim, device=device, dtype=dtype)
-            buffer[:, :context].normal_()
-            cache.latents[layer] = _static_address(buffer)
-        else:
-            cache.conv_states[layer] = tuple(
-                _static_address(torch.randn(batch, width, cfg.linear_conv_kernel_size - 1, device=device,
-                                            dtype=dtype)) for _ in range(3))
-            cache.recurrent_states[layer] = _static_address(0.01 * torch.randn(
-                batch, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim, device=device))
-    cache.has_past = True
-    return cache
-
-
 def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=48, steady_from=8,
                             synthetic=False):
     """ms per decode step of `generate()` (greedy, `new_tokens` tokens): eager with the dynamic cache and the fast
@@ -368,14 +363,13 @@ def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=4
     kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
               "do_sample": False, "logits_processor": [clock], "pad_token_id": 0}
     if compiled and synthetic:
-        kwargs[CACHE_FIELD] = synthetic_static_cache(model, batch, context, context + new_tokens + 1)
+        kwargs[CACHE_FIELD] = K3Driver(model).synthetic_static_cache(batch, context, context + new_tokens + 1)
     elif compiled:
         kwargs["cache_implementation"] = "static"
     else:
         kwargs["disable_compile"] = True
         if synthetic:
-            driver = K3Driver(model)
-            kwargs[CACHE_FIELD] = driver.synthetic_cache(batch, context)
+            kwargs[CACHE_FIELD] = K3Driver(model).synthetic_cache(batch, context)
     if device.type == "cuda":
         reset_peak()
         torch.cuda.synchronize()
