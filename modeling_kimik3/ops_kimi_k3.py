@@ -330,7 +330,10 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=packed.device)
     pairs = torch.stack([table.repeat(16), table.repeat_interleave(16)], dim=-1)
     values = pairs[packed.long()].reshape(*packed.shape[:-1], k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
-    factor = torch.exp2(scale.float() - 127.0).unsqueeze(-1)
+    # 2^(scale - 127) assembled from its f32 bits: exact on every device, where CUDA's exp2 is off in the last bits
+    # at the denormal 2^-127 (byte 0). Byte 255 gives inf, as compressed-tensors does (k3_checkpoint.md 2.3).
+    exponent_bits = torch.where(scale == 0, 1 << 22, scale.to(torch.int32) << 23)
+    factor = exponent_bits.view(torch.float32).unsqueeze(-1)
     return (values * factor).reshape(*packed.shape[:-1], k).to(dtype)
 
 

@@ -1,5 +1,7 @@
 """Reference ops against the spec's formulas and the one piece of real K3 data (an MXFP4 test vector)."""
 
+import math
+
 import pytest
 import torch
 
@@ -36,6 +38,20 @@ def test_mxfp4_round_trip_and_shape_errors():
     assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(dense), torch.float32), dense)
     with pytest.raises(ValueError, match="MXFP4 shapes do not match"):
         dequantize_mxfp4(packed, scale[..., :1])
+
+
+def test_mxfp4_every_scale_byte_is_an_exact_power_of_two():
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = (codes | (codes.flip(0) << 4)).repeat(256, 2)  # [256, 32]: every code in both nibbles
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 2)
+    dense = dequantize_mxfp4(packed, scale, torch.float32)
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    for byte in (0, 1, 2, 100, 127, 200, 254, 255):
+        for k in range(64):
+            code = int(packed[byte, k // 2]) >> (4 * (k % 2)) & 15
+            magnitude = e2m1[code & 7] * 2.0 ** (byte - 127) if byte < 255 else e2m1[code & 7] * math.inf
+            expected = torch.tensor(-magnitude if code & 8 else magnitude, dtype=torch.float64).float()
+            assert torch.equal(dense[byte, k], expected) or (expected.isnan() and dense[byte, k].isnan()), (byte, k)
 
 
 def test_situ_formula_and_bound():

@@ -27,10 +27,6 @@ def test_flash_attention_with_lse_matches_reference(causal):
     assert (lse - ref_lse).abs().max() < 2e-2
 
 
-@pytest.mark.xfail(strict=False, reason="an earlier form (fixed 2e-3 / 6e-2 tolerances against the fast one-shot "
-                   "prefill) failed on the H200 on 2026-11-30 in both dtypes, undiagnosed; this form, measured against "
-                   "an f32 reference-op model, has not run on a GPU yet; tests/gpu/diagnose_chunked_prefill.py "
-                   "finds the op responsible")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_chunked_prefill_matches_one_shot_on_cuda(dtype):
     """Prefill in two chunks through the cache (fla KDA/conv continuing their states, blockwise MLA over the cached
