@@ -330,11 +330,14 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=packed.device)
     pairs = torch.stack([table.repeat(16), table.repeat_interleave(16)], dim=-1)
     values = pairs[packed.long()].reshape(*packed.shape[:-1], k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
+    return (values * _e8m0_to_float(scale).unsqueeze(-1)).reshape(*packed.shape[:-1], k).to(dtype)
+
+
+def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     # 2^(scale - 127) assembled from its f32 bits: exact on every device, where CUDA's exp2 is off in the last bits
     # at the denormal 2^-127 (byte 0). Byte 255 gives inf, as compressed-tensors does (k3_checkpoint.md 2.3).
     exponent_bits = torch.where(scale == 0, 1 << 22, scale.to(torch.int32) << 23)
-    factor = exponent_bits.view(torch.float32).unsqueeze(-1)
-    return (values * factor).reshape(*packed.shape[:-1], k).to(dtype)
+    return exponent_bits.view(torch.float32)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,9 +351,11 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"MXFP4 needs the input dim to be a multiple of {MXFP4_GROUP_SIZE}, got {k}")
     groups = w.reshape(*w.shape[:-1], k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
     amax = groups.abs().amax(dim=-1, keepdim=True)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0**-127))) - 2, torch.full_like(amax, -127.0))
-    exp = exp.clamp(-127, 127)
-    scaled = groups / torch.exp2(exp)
+    # floor(log2(amax)) read off the float's exponent (frexp: amax = m * 2^e, m in [0.5, 1)), exact where log2 may
+    # round up just below a power of two
+    exp = torch.where(amax > 0, torch.frexp(amax).exponent - 3, -127).clamp(-127, 127)
+    scale = (exp.squeeze(-1) + 127).to(torch.uint8)
+    scaled = groups / _e8m0_to_float(scale).unsqueeze(-1)
     magnitudes = torch.tensor(_E2M1_VALUES[:8], device=w.device)
     dist = (scaled.abs().unsqueeze(-1) - magnitudes).abs()
     # ties go to the even code (round half to even on the E2M1 grid)
@@ -361,5 +366,4 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     idx = torch.where(tie, nxt, idx)
     codes = (idx + 8 * torch.signbit(scaled).long()).to(torch.uint8).reshape(*w.shape[:-1], k)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    scale = (exp.squeeze(-1) + 127).to(torch.uint8)
     return packed.contiguous(), scale.contiguous()
