@@ -423,13 +423,8 @@ def section_env():
     return info
 
 
-def section_kernels():
-    """Per-op timings at K3 shapes (ms, median of 10 after warm-up): fast path vs reference."""
-    import kimik3.kernels as kk
-    from kimik3.kernels import reference as kref
-    from kimik3.modeling import ops_kimi_k3 as ops
-
-    res = {}
+def _op_bencher(res):
+    """bench(name, fast_fn, ref_fn, repeats): ms (median after 2 warm-up calls) of both into res[name]."""
 
     def bench(name, fast_fn, ref_fn, repeats=10):
         entry = {}
@@ -446,6 +441,17 @@ def section_kernels():
             entry["speedup"] = round(entry["ref_ms"] / entry["fast_ms"], 2)
         res[name] = entry
 
+    return bench
+
+
+def section_kernels():
+    """Per-op timings at K3 shapes (ms, median of 10 after warm-up): fast path vs reference."""
+    import kimik3.kernels as kk
+    from kimik3.kernels import reference as kref
+    from kimik3.modeling import ops_kimi_k3 as ops
+
+    res = {}
+    bench = _op_bencher(res)
     bf = torch.bfloat16
     # MLA absorbed decode
     for batch, ctx in ((1, 4 * K), (1, 64 * K), (8, 64 * K)):
@@ -460,16 +466,6 @@ def section_kernels():
             res[f"mla_decode_b{batch}_t{ctx // K}k"]["fast_effective_TBps"] = round(
                 cache_bytes / (res[f"mla_decode_b{batch}_t{ctx // K}k"]["fast_ms"] * 1e-3) / 1e12, 2)
         del q, c
-    # MoE experts (64 experts, top-16, latent 3584, width 3072)
-    gate_up = torch.randn(64, 6144, 3584, device=DEV, dtype=bf) * 0.02
-    down = torch.randn(64, 3584, 3072, device=DEV, dtype=bf) * 0.02
-    for n in (1, 8, 8 * K):
-        x = torch.randn(n, 3584, device=DEV, dtype=bf)
-        w, idx = torch.rand(n, 64, device=DEV).topk(16, dim=-1)
-        fast = kk.get_fast_op("moe_experts", x)
-        bench(f"moe_experts_n{n}", lambda: fast(x, idx, w, gate_up, down, 4.0, 25.0),
-              lambda: kref.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), repeats=5)
-    del gate_up, down
     # SiTU on [8K*16, 3072] halves
     h = torch.randn(8 * K * 2, 6144, device=DEV, dtype=bf)
     fast = kk.get_fast_op("situ_glu", h)
@@ -515,6 +511,61 @@ def section_kernels():
     return res
 
 
+def section_moe_kernels():
+    """Routed experts at K3 widths (64 experts, top-16, latent 3584, expert width 3072; ms, median of 5 after
+    warm-up): bf16 experts through grouped_mm against the reference loop, and packed MXFP4 experts."""
+    import kimik3.kernels as kk
+    from kimik3.kernels import reference as kref
+
+    res = {}
+    bench = _op_bencher(res)
+    bf = torch.bfloat16
+    gate_up = torch.randn(64, 6144, 3584, device=DEV, dtype=bf) * 0.02
+    down = torch.randn(64, 3584, 3072, device=DEV, dtype=bf) * 0.02
+    for n in (1, 8, 8 * K):
+        x = torch.randn(n, 3584, device=DEV, dtype=bf)
+        w, idx = torch.rand(n, 64, device=DEV).topk(16, dim=-1)
+        fast = kk.get_fast_op("moe_experts", x)
+        bench(f"moe_experts_n{n}", lambda: fast(x, idx, w, gate_up, down, 4.0, 25.0),
+              lambda: kref.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), repeats=5)
+    # The same experts packed as MXFP4 (release format): the Triton grouped matmul that dequantises tiles in
+    # registers, against dequantising the whole stack first and then the bf16 grouped GEMMs (the fast path before),
+    # and against bf16 experts. Roofline: the packed bytes of the experts routed to, read once.
+    packed = [(torch.randint(0, 256, (*t.shape[:-1], t.shape[-1] // 2), device=DEV, dtype=torch.uint8),
+               torch.randint(110, 122, (*t.shape[:-1], t.shape[-1] // 32), device=DEV, dtype=torch.uint8))
+              for t in (gate_up, down)]
+    packed_args = (packed[0][0], packed[0][1], packed[1][0], packed[1][1], 4.0, 25.0)
+    bytes_per_expert = sum(t[0].numel() + t[1].numel() for t in packed) // 64
+    fast_mxfp4, dequant = kk.get_fast_op("moe_experts_mxfp4", gate_up), kk.get_fast_op("mxfp4_dequant", packed[0][0])
+    fast_bf16 = kk.get_fast_op("moe_experts", gate_up)
+
+    def dequant_then_grouped_mm(x, idx, w):
+        return fast_bf16(x, idx, w, dequant(packed[0][0], packed[0][1], bf), dequant(packed[1][0], packed[1][1], bf),
+                         4.0, 25.0)
+
+    for n in (1, 8, 8 * K):
+        x = torch.randn(n, 3584, device=DEV, dtype=bf)
+        w, idx = torch.rand(n, 64, device=DEV).topk(16, dim=-1)
+        name = f"moe_experts_mxfp4_n{n}"
+        bench(name, lambda: fast_mxfp4(x, idx, w, *packed_args), lambda: dequant_then_grouped_mm(x, idx, w),
+              repeats=5)
+        with torch.inference_mode():
+            sec, _ = timed(lambda: fast_bf16(x, idx, w, gate_up, down, 4.0, 25.0), repeats=5, warmup=2)
+        entry = res[name]
+        entry["ref_is"] = "Triton dequant of the whole stack + bf16 grouped_mm"
+        entry["bf16_experts_ms"] = round(sec * 1e3, 4)
+        active = int(torch.unique(idx).numel())
+        entry["packed_bytes_read"] = active * bytes_per_expert
+        entry["hbm_roofline_ms"] = round(active * bytes_per_expert / HBM_BYTES_PER_S * 1e3, 4)
+        if isinstance(entry.get("fast_ms"), float):
+            entry["fast_effective_TBps"] = round(active * bytes_per_expert / (entry["fast_ms"] * 1e-3) / 1e12, 2)
+        with torch.inference_mode():
+            entry["rel_err_vs_dequant_then_grouped_mm"] = float(
+                (fast_mxfp4(x, idx, w, *packed_args).float() - dequant_then_grouped_mm(x, idx, w).float()).norm()
+                / dequant_then_grouped_mm(x, idx, w).float().norm())
+    return res
+
+
 def set_reference(flag: bool):
     import kimik3.kernels as kk
 
@@ -557,6 +608,7 @@ def main():
     ensure_kimik3()
     sec("env", section_env)
     sec("kernels", section_kernels, 30)
+    sec("kernels_moe", section_moe_kernels, 30)
 
     # ---------------------------------------------------------------- our model
     from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM

@@ -34,7 +34,7 @@ Ops (reference -> fast implementation; "fwd+bwd" = usable in training):
 | block_attn_res_mix | ops_kimi_k3.block_attn_res_mix | own Triton forward, analytic PyTorch backward |
 | situ_glu | ops_kimi_k3.situ_glu | own Triton, fwd+bwd |
 | moe_experts | kernels.reference.moe_experts | torch grouped_mm + Triton SiTU + Triton combine (fwd+bwd)* |
-| moe_experts_mxfp4 | kernels.reference.moe_experts_mxfp4 | Triton MXFP4 dequant of the stack + moe_experts |
+| moe_experts_mxfp4 | kernels.reference.moe_experts_mxfp4 | Triton grouped matmul dequantising packed tiles in registers |
 | mla_decode | kernels.reference.mla_decode | two cuBLAS bmm (f32 scores) + f32 softmax |
 | mxfp4_dequant | ops_kimi_k3.dequantize_mxfp4 (= kernels.reference.mxfp4_dequant) | own Triton (bit-exact) |
 | attention_with_lse | ops_kimi_k3.attention_with_lse | PyTorch flash attention op with its log-sum-exp (fwd only) |

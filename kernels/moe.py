@@ -47,6 +47,33 @@ def _combine_torch(expert_out, weights, pos, out_dtype):
     return (picked.float() * weights.float().unsqueeze(-1)).sum(dim=1).to(out_dtype)
 
 
+def _routed_experts(x, topk_indices, topk_weights, num_experts, inter, gate_up_matmul, down_matmul, beta,
+                    linear_beta):
+    """Sort the routed slots by expert, run `gate_up_matmul(xs, group_ends)`, SiTU, `down_matmul(act, group_ends)`
+    and combine back to token order; the two matmuls are grouped over the experts."""
+    num_tokens = x.shape[0]
+    k = topk_indices.shape[-1]
+    flat = topk_indices.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # routed slots grouped by expert
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    xs = x.index_select(0, order // k)  # [N*k, Dl], expert-sorted
+    h = gate_up_matmul(xs, offs)  # [N*k, 2I]
+    # Under torch.compile the grouped GEMMs stay and the elementwise parts are left to the compiler to fuse (our
+    # Triton kernels are opaque to it).
+    own_kernels = h.is_cuda and not torch.compiler.is_compiling()
+    situ = _situ_triton if (_situ_triton is not None and own_kernels) else _situ_reference
+    act = situ(h[:, :inter], h[:, inter:], beta, linear_beta)
+    out = down_matmul(act, offs)  # [N*k, Dl], rounded to x.dtype
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=x.device)  # row of slot (t, j) in `out`
+    pos = pos.view(num_tokens, k)
+    if _moe_combine_triton is not None and own_kernels:
+        return _moe_combine_triton(out, topk_weights, pos, x.dtype)
+    return _combine_torch(out, topk_weights, pos, x.dtype)
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_indices: torch.Tensor,
@@ -60,40 +87,35 @@ def moe_experts(
 
     gate_up_proj [E, 2I, Dl], down_proj [E, Dl, I] in x.dtype (bf16 on the fast path)."""
     grouped_mm = _grouped_mm_fn()
-    num_tokens, width = x.shape
-    k = topk_indices.shape[-1]
-    num_experts, two_i, _ = gate_up_proj.shape
-    inter = two_i // 2
-    flat = topk_indices.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)  # routed slots grouped by expert
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    xs = x.index_select(0, order // k)  # [N*k, Dl], expert-sorted
-    h = grouped_mm(xs, gate_up_proj.transpose(-2, -1), offs=offs)  # [N*k, 2I]
-    # Under torch.compile the grouped GEMMs stay and the elementwise parts are left to the compiler to fuse (our
-    # Triton kernels are opaque to it).
-    own_kernels = h.is_cuda and not torch.compiler.is_compiling()
-    situ = _situ_triton if (_situ_triton is not None and own_kernels) else _situ_reference
-    act = situ(h[:, :inter], h[:, inter:], beta, linear_beta)
-    out = grouped_mm(act, down_proj.transpose(-2, -1), offs=offs)  # [N*k, Dl], rounded to x.dtype
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel(), device=x.device)  # row of slot (t, j) in `out`
-    pos = pos.view(num_tokens, k)
-    if _moe_combine_triton is not None and own_kernels:
-        return _moe_combine_triton(out, topk_weights, pos, x.dtype)
-    return _combine_torch(out, topk_weights, pos, x.dtype)
+    return _routed_experts(
+        x, topk_indices, topk_weights, gate_up_proj.shape[0], gate_up_proj.shape[1] // 2,
+        lambda xs, offs: grouped_mm(xs, gate_up_proj.transpose(-2, -1), offs=offs),
+        lambda act, offs: grouped_mm(act, down_proj.transpose(-2, -1), offs=offs),
+        beta, linear_beta,
+    )
 
 
 def moe_experts_mxfp4(
     x, topk_indices, topk_weights, gate_up_packed, gate_up_scale, down_packed, down_scale, beta=None,
     linear_beta=None,
 ):
-    """Same contract as `kimik3.kernels.reference.moe_experts_mxfp4`: Triton dequantisation of the packed experts
-    (whole stack, transient x.dtype copy of E x 3 x I x Dl) followed by the grouped-GEMM `moe_experts`.
-    Forward only in the sense that the packed weights get no gradient (x and the routing weights do)."""
-    from .triton_ops import mxfp4_dequant
+    """Same contract as `kimik3.kernels.reference.moe_experts_mxfp4`; x and the routing weights get gradients, the
+    packed weights are frozen.
 
-    gate_up = mxfp4_dequant(gate_up_packed, gate_up_scale, x.dtype)
-    down = mxfp4_dequant(down_packed, down_scale, x.dtype)
-    return moe_experts(x, topk_indices, topk_weights, gate_up, down, beta, linear_beta)
+    With at most 16 routed rows per expert on average (decode, small batches), both expert matmuls read the packed
+    weights and dequantise them tile by tile inside the Triton grouped matmul: HBM traffic is the routed experts'
+    packed bytes. With more rows (prefill), every row block would dequantise its tiles again, so the stack is
+    dequantised once into a transient x.dtype copy and goes through the grouped GEMMs (docs/benchmarks.md)."""
+    from .triton_ops import mxfp4_dequant, mxfp4_grouped_matmul
+
+    num_experts = gate_up_packed.shape[0]
+    if x.shape[0] * topk_indices.shape[-1] > 16 * num_experts:
+        gate_up, down = mxfp4_dequant(gate_up_packed, gate_up_scale, x.dtype), mxfp4_dequant(down_packed, down_scale,
+                                                                                              x.dtype)
+        return moe_experts(x, topk_indices, topk_weights, gate_up, down, beta, linear_beta)
+    return _routed_experts(
+        x, topk_indices, topk_weights, num_experts, gate_up_packed.shape[1] // 2,
+        lambda xs, offs: mxfp4_grouped_matmul(xs, gate_up_packed, gate_up_scale, offs),
+        lambda act, offs: mxfp4_grouped_matmul(act, down_packed, down_scale, offs),
+        beta, linear_beta,
+    )

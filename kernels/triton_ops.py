@@ -19,6 +19,8 @@
 * `moe_combine`         weighted f32 sum of the (rounded) expert outputs back to token order; Triton forward,
                         PyTorch backward.
 * `mxfp4_dequant`       MXFP4 (E2M1 + E8M0) -> bf16/f32, bit-exact with the reference.
+* `mxfp4_grouped_matmul` expert-grouped matmul over packed MXFP4 weights, dequantised tile by tile in registers;
+                        gradient for the activations only.
 
 Kernels avoid libdevice so they also run under `TRITON_INTERPRET=1` (fp32 inputs) for CPU debugging.
 """
@@ -371,12 +373,18 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, pos: torch.Tens
 
 @triton.jit
 def _e2m1(code):
-    sign = (code >> 3) & 1
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    pow2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
-    return tl.where(sign == 1, -mag, mag)
+    # The 3 magnitude bits of an E2M1 code placed at the top of an f32's exponent/mantissa field make 2^-126 times
+    # the E2M1 value (codes 0 and 1 land on the denormals 0 and 2^-127), so one exact multiply by 2^126 decodes
+    # every code. Fewer instructions per weight than branching on the exponent (this runs once per weight).
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def _e8m0(sc):
+    # 2^(sc - 127) exactly, built from its f32 bits: normal floats for sc >= 1, the denormal 2^-127 for sc == 0
+    bits = tl.where(sc == 0, 0x00400000, sc << 23)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -386,9 +394,7 @@ def _mxfp4_dequant_kernel(p_ptr, s_ptr, o_ptr, KH, BLOCK: tl.constexpr):
     m = j < KH
     byte = tl.load(p_ptr + row * KH + j, mask=m, other=0).to(tl.int32)
     sc = tl.load(s_ptr + row * (KH // 16) + j // 16, mask=m, other=127).to(tl.int32)
-    # 2^(sc - 127) exactly: normal floats for sc >= 1, the denormal 2^-127 for sc == 0
-    bits = tl.where(sc == 0, 0x00400000, sc << 23)
-    factor = bits.to(tl.float32, bitcast=True)
+    factor = _e8m0(sc)
     lo = _e2m1(byte & 15) * factor
     hi = _e2m1(byte >> 4) * factor
     out = o_ptr + row * (2 * KH) + 2 * j
@@ -410,3 +416,116 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
     if p2.shape[0] and kh:
         _mxfp4_dequant_kernel[(p2.shape[0], triton.cdiv(kh, 512))](p2, s2, out, kh, BLOCK=512, num_warps=4)
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grouped matmul over packed MXFP4 experts. Each weight tile is dequantised in registers inside the matmul loop, so
+# HBM traffic is the routed experts' packed bytes (4.25 bits per weight) and never a dequantised copy. The even and
+# odd input columns are two half-width dots (low nibble = even element), which needs no interleave.
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn, "BLOCK_KH": bkh}, num_warps=w, num_stages=st)
+        for bn, bkh, w, st in ((64, 64, 4, 2), (64, 64, 4, 4), (128, 32, 4, 3), (128, 64, 8, 3), (32, 64, 2, 2),
+                               (64, 128, 4, 3))
+    ],
+    key=["N", "KH", "E_PAD"],
+)
+@triton.jit
+def _mxfp4_grouped_matmul_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_PAD: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
+                                 PRECISION: tl.constexpr):
+    # Row block `blk` of the expert-sorted rows, blocks never straddling two experts: found here from the group
+    # ends (a prefix sum over the experts) rather than from a table built by a dozen small launches on the host.
+    blk = tl.program_id(0)
+    e_idx = tl.arange(0, E_PAD)
+    emask = e_idx < E
+    ends = tl.load(ends_ptr + e_idx, mask=emask, other=0)
+    starts = tl.load(ends_ptr + e_idx - 1, mask=emask & (e_idx > 0), other=0)
+    blocks = tl.where(emask, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    block_ends = tl.cumsum(blocks, axis=0)
+    expert = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
+    mine = e_idx == expert
+    row0 = tl.sum(tl.where(mine, starts + (blk - block_ends + blocks) * BLOCK_M, 0), axis=0)
+    row_end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    if expert < E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * (2 * KH)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/2] packed matrix
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, KH, BLOCK_KH):
+            j = start + tl.arange(0, BLOCK_KH)
+            jmask = j < KH
+            xmask = rmask[:, None] & jmask[None, :]
+            x_even = tl.load(x_rows + 2 * j[None, :], mask=xmask, other=0.0)
+            x_odd = tl.load(x_rows + 2 * j[None, :] + 1, mask=xmask, other=0.0)
+            wmask = cmask[:, None] & jmask[None, :]
+            byte = tl.load(p_ptr + w_rows[:, None] * KH + j[None, :], mask=wmask, other=0).to(tl.int32)
+            sc = tl.load(s_ptr + w_rows[:, None] * (KH // 16) + j[None, :] // 16, mask=wmask, other=127).to(tl.int32)
+            factor = _e8m0(sc)
+            # exact in bf16/f32: an E2M1 value times a power of two
+            w_even = (_e2m1(byte & 15) * factor).to(x_ptr.dtype.element_ty)
+            w_odd = (_e2m1(byte >> 4) * factor).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(x_even, tl.trans(w_even), acc, input_precision=PRECISION)
+            acc = tl.dot(x_odd, tl.trans(w_odd), acc, input_precision=PRECISION)
+        out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
+    num_rows, k = xs.shape
+    num_experts, n, kh = packed.shape
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise TypeError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
+    if kh * 2 != k or scale.shape != (num_experts, n, k // 32) or group_ends.shape != (num_experts,):
+        raise ValueError(f"MXFP4 grouped matmul shapes do not match: x {tuple(xs.shape)}, packed "
+                         f"{tuple(packed.shape)}, scale {tuple(scale.shape)}, group_ends {tuple(group_ends.shape)}")
+    xs, packed, scale = xs.contiguous(), packed.contiguous(), scale.contiguous()
+    out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
+    if num_rows == 0 or n == 0:
+        return out
+    block_m = 16  # the smallest tl.dot tile: decode has a row or a few per expert
+    precision = "ieee" if xs.dtype == torch.float32 else None  # f32 stays exact (no TF32)
+
+    def grid(meta):
+        # an upper bound on the number of row blocks; the ones past the last real block return at once
+        return (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, meta["BLOCK_N"]))
+
+    _mxfp4_grouped_matmul_kernel[grid](xs, packed, scale, out, group_ends.to(torch.int32).contiguous(), n, kh,
+                                       num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+                                       PRECISION=precision)
+    return out
+
+
+class _MXFP4GroupedMatmul(torch.autograd.Function):
+    """Gradient for x only (the packed weights are frozen): dx = dout @ W per group, through a transient
+    dequantised copy and grouped_mm."""
+
+    @staticmethod
+    def forward(ctx, xs, packed, scale, group_ends):
+        ctx.save_for_backward(packed, scale, group_ends)
+        return _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        packed, scale, group_ends = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        from .moe import _grouped_mm_fn
+
+        weight = mxfp4_dequant(packed, scale, grad_out.dtype)  # [E, N, K]
+        return _grouped_mm_fn()(grad_out, weight, offs=group_ends.to(torch.int32)), None, None, None
+
+
+def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                         group_ends: torch.Tensor) -> torch.Tensor:
+    """xs [M, K], its rows grouped by expert (group e is rows group_ends[e-1]:group_ends[e]); packed u8 [E, N, K/2],
+    scale u8 [E, N, K/32] -> [M, N] in xs.dtype: each group times its dequantised expert transposed, f32
+    accumulation, as `grouped_mm(xs, dequant(packed).transpose(-2, -1), offs=group_ends)`.
+
+    Built for few rows per expert: every block of 16 rows dequantises its expert's tiles again."""
+    return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends)

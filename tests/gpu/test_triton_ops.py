@@ -161,15 +161,41 @@ def test_moe_experts_backward():
         assert rel_err(g, g_ref) < 2e-2, (name, rel_err(g, g_ref))
 
 
-def test_moe_experts_mxfp4():
-    x, idx, w, gate_up, down = _moe_inputs(20)
-    packed = [ops.quantize_mxfp4(t) for t in (gate_up, down)]
+@pytest.mark.parametrize("num_tokens", [1, 20, 300])
+def test_moe_experts_mxfp4_forward_backward(num_tokens):
+    x, idx, w, gate_up, down = _moe_inputs(num_tokens, requires_grad=True)
+    packed = [ops.quantize_mxfp4(t.detach()) for t in (gate_up, down)]
+    args = (packed[0][0], packed[0][1], packed[1][0], packed[1][1], 4.0, 25.0)
     fast = _fast("moe_experts_mxfp4", x)
-    y = fast(x, idx, w, packed[0][0], packed[0][1], packed[1][0], packed[1][1], 4.0, 25.0)
-    y_ref = kernels.reference.moe_experts_mxfp4(
-        x, idx, w, packed[0][0], packed[0][1], packed[1][0], packed[1][1], 4.0, 25.0
-    )
-    assert rel_err(y, y_ref) < 5e-3
+    y = fast(x, idx, w, *args)
+    y_ref = kernels.reference.moe_experts_mxfp4(x, idx, w, *args)
+    assert y.dtype == x.dtype and y.shape == y_ref.shape
+    assert rel_err(y, y_ref) < 5e-3 and max_rel(y, y_ref) < 2e-2
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w), dy)
+    grads_ref = torch.autograd.grad(y_ref, (x, w), dy)
+    for name, g, g_ref in zip(("x", "weights"), grads, grads_ref):
+        assert rel_err(g, g_ref) < 2e-2, (name, rel_err(g, g_ref))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("counts", [[3, 0, 40, 1, 0, 7], [0, 0, 1, 0, 0, 0], [200, 0, 0, 0, 0, 513]])
+def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, tol):
+    # the packed tiles dequantised inside the matmul = the dequantised experts times x, group by group; f32 uses
+    # IEEE dots (no TF32)
+    from kimik3.kernels.triton_ops import mxfp4_grouped_matmul
+
+    counts = torch.tensor(counts, device=DEV)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    packed, scale = ops.quantize_mxfp4(torch.randn(6, 192, 512, device=DEV) * 0.05)
+    scale[0, :4, 0] = torch.tensor([0, 1, 200, 127], dtype=torch.uint8)
+    weight = ops.dequantize_mxfp4(packed, scale, torch.float32)
+    xs = torch.randn(int(counts.sum()), 512, device=DEV).to(dtype)
+    out = mxfp4_grouped_matmul(xs, packed, scale, ends)
+    assert out.dtype == dtype and out.shape == (xs.shape[0], 192)
+    starts = (ends - counts).tolist()
+    ref = torch.cat([xs[a:b].double() @ weight[e].double().T for e, (a, b) in enumerate(zip(starts, ends.tolist()))])
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
 
 
 # ---------------------------------------------------------------------------------------------------------- MLA
