@@ -492,8 +492,9 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     precision = "ieee" if xs.dtype == torch.float32 else None  # f32 stays exact (no TF32)
 
     def grid(meta):
-        # an upper bound on the number of row blocks; the ones past the last real block return at once
-        return (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, meta["BLOCK_N"]))
+        # an upper bound on the number of row blocks (each has a row, and at most one per expert is partial); the
+        # ones past the last real block return at once
+        return (min(num_rows, triton.cdiv(num_rows, block_m) + num_experts), triton.cdiv(n, meta["BLOCK_N"]))
 
     _mxfp4_grouped_matmul_kernel[grid](xs, packed, scale, out, group_ends.to(torch.int32).contiguous(), n, kh,
                                        num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
