@@ -536,19 +536,15 @@ def section_moe_kernels():
               for t in (gate_up, down)]
     packed_args = (packed[0][0], packed[0][1], packed[1][0], packed[1][1], 4.0, 25.0)
     bytes_per_expert = sum(t[0].numel() + t[1].numel() for t in packed) // 64
-    fast_mxfp4, dequant = kk.get_fast_op("moe_experts_mxfp4", gate_up), kk.get_fast_op("mxfp4_dequant", packed[0][0])
-    fast_bf16 = kk.get_fast_op("moe_experts", gate_up)
-
-    def dequant_then_grouped_mm(x, idx, w):
-        return fast_bf16(x, idx, w, dequant(packed[0][0], packed[0][1], bf), dequant(packed[1][0], packed[1][1], bf),
-                         4.0, 25.0)
+    fast_mxfp4, fast_bf16 = kk.get_fast_op("moe_experts_mxfp4", gate_up), kk.get_fast_op("moe_experts", gate_up)
+    from kimik3.kernels.moe import moe_experts_mxfp4_dequantised
 
     for n in (1, 8, 8 * K):
         x = torch.randn(n, 3584, device=DEV, dtype=bf)
         w, idx = torch.rand(n, 64, device=DEV).topk(16, dim=-1)
         name = f"moe_experts_mxfp4_n{n}"
-        bench(name, lambda: fast_mxfp4(x, idx, w, *packed_args), lambda: dequant_then_grouped_mm(x, idx, w),
-              repeats=5)
+        bench(name, lambda: fast_mxfp4(x, idx, w, *packed_args),
+              lambda: moe_experts_mxfp4_dequantised(x, idx, w, *packed_args), repeats=5)
         with torch.inference_mode():
             sec, _ = timed(lambda: fast_bf16(x, idx, w, gate_up, down, 4.0, 25.0), repeats=5, warmup=2)
         entry = res[name]
@@ -560,9 +556,9 @@ def section_moe_kernels():
         if isinstance(entry.get("fast_ms"), float):
             entry["fast_effective_TBps"] = round(active * bytes_per_expert / (entry["fast_ms"] * 1e-3) / 1e12, 2)
         with torch.inference_mode():
+            before = moe_experts_mxfp4_dequantised(x, idx, w, *packed_args).float()
             entry["rel_err_vs_dequant_then_grouped_mm"] = float(
-                (fast_mxfp4(x, idx, w, *packed_args).float() - dequant_then_grouped_mm(x, idx, w).float()).norm()
-                / dequant_then_grouped_mm(x, idx, w).float().norm())
+                (fast_mxfp4(x, idx, w, *packed_args).float() - before).norm() / before.norm())
     return res
 
 
