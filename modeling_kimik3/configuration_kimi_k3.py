@@ -19,6 +19,7 @@ unchanged. Our own model types (`kimik3`, `kimik3_text`) cannot collide with tra
 """
 
 import copy
+import math
 
 from transformers.configuration_utils import PretrainedConfig
 
@@ -67,6 +68,82 @@ _SUPPORTED_ACTIVATIONS = ("situ", "silu")
 
 def _config_error(key: str, message: str) -> ValueError:
     return ValueError(f"Kimi K3 config, key `{key}`: {message}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# What a field must be, checked before anything is derived from it (a string where a dict belongs, or a zero where a
+# divisor belongs, would otherwise surface as an AttributeError / ZeroDivisionError deep inside __init__, and a NaN
+# eps would pass silently into every norm).
+_RULES = {
+    "a positive integer": lambda v: _is_int(v) and v > 0,
+    "a non-negative integer": lambda v: _is_int(v) and v >= 0,
+    "a finite positive number": lambda v: _is_finite_number(v) and v > 0,
+    "a finite non-negative number": lambda v: _is_finite_number(v) and v >= 0,
+    "a finite negative number": lambda v: _is_finite_number(v) and v < 0,
+    "a JSON object": lambda v: isinstance(v, dict),
+    "a list of 1-based layer indices": lambda v: isinstance(v, (list, tuple)),
+}
+# key -> (rule, whether None / absent is allowed)
+_TEXT_FIELD_RULES = {
+    "vocab_size": ("a positive integer", False),
+    "hidden_size": ("a positive integer", False),
+    "intermediate_size": ("a positive integer", False),
+    "num_hidden_layers": ("a positive integer", False),
+    "num_attention_heads": ("a positive integer", False),
+    "num_key_value_heads": ("a positive integer", False),
+    "max_position_embeddings": ("a positive integer", False),
+    "q_lora_rank": ("a positive integer", True),
+    "kv_lora_rank": ("a positive integer", False),
+    "qk_nope_head_dim": ("a positive integer", False),
+    "qk_rope_head_dim": ("a non-negative integer", False),
+    "v_head_dim": ("a positive integer", False),
+    "mla_prefill_block_size": ("a positive integer", False),
+    "kda_chunk_size": ("a positive integer", False),
+    "attn_res_block_size": ("a positive integer", True),
+    "num_experts": ("a non-negative integer", True),
+    "num_experts_per_token": ("a positive integer", False),
+    "num_shared_experts": ("a non-negative integer", False),
+    "moe_intermediate_size": ("a positive integer", False),
+    "routed_expert_hidden_size": ("a positive integer", True),
+    "first_k_dense_replace": ("a non-negative integer", False),
+    "moe_layer_freq": ("a positive integer", False),
+    "num_expert_group": ("a positive integer", False),
+    "topk_group": ("a positive integer", False),
+    "quantile_balancing_bins": ("a positive integer", False),
+    "num_nextn_predict_layers": ("a non-negative integer", False),
+    "rms_norm_eps": ("a finite positive number", False),
+    "mla_rms_norm_eps": ("a finite positive number", False),
+    "routed_scaling_factor": ("a finite positive number", False),
+    "activation_situ_beta": ("a finite positive number", True),
+    "activation_situ_linear_beta": ("a finite positive number", True),
+    "initializer_range": ("a finite non-negative number", False),
+    "attention_dropout": ("a finite non-negative number", False),
+    "linear_attn_config": ("a JSON object", True),
+}
+_LINEAR_ATTN_FIELD_RULES = {
+    "num_heads": ("a positive integer", True),
+    "head_dim": ("a positive integer", True),
+    "short_conv_kernel_size": ("a positive integer", True),
+    "gate_lower_bound": ("a finite negative number", True),  # a bound on the log-decay
+    "kda_layers": ("a list of 1-based layer indices", True),
+    "full_attn_layers": ("a list of 1-based layer indices", True),
+}
+
+
+def _check_fields(values, rules: dict, prefix: str = "") -> None:
+    for key, (rule, optional) in rules.items():
+        value = values.get(key)
+        if value is None and optional:
+            continue
+        if not _RULES[rule](value):
+            raise _config_error(prefix + key, f"must be {rule}, got {value!r}")
 
 
 class KimiK3TextConfig(PretrainedConfig):
@@ -208,6 +285,8 @@ class KimiK3TextConfig(PretrainedConfig):
         self.eos_token_id = eos_token_id
         self.tie_word_embeddings = tie_word_embeddings
 
+        _check_fields(vars(self), _TEXT_FIELD_RULES)
+        _check_fields(self._lac(), _LINEAR_ATTN_FIELD_RULES, "linear_attn_config.")
         derived_layer_types = self._derive_layer_types()
         if layer_types is not None and list(layer_types) != derived_layer_types:
             raise _config_error(
@@ -320,18 +399,7 @@ class KimiK3TextConfig(PretrainedConfig):
         ]
 
     def _validate(self) -> None:
-        def positive(key, value):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise _config_error(key, f"must be a positive integer, got {value!r}")
-
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                    "qk_nope_head_dim", "v_head_dim", "intermediate_size", "kda_chunk_size",
-                    "mla_prefill_block_size"):
-            positive(key, getattr(self, key))
-        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
-            raise _config_error("qk_rope_head_dim", f"must be a non-negative integer, got {self.qk_rope_head_dim!r}")
-        if self.q_lora_rank is not None:
-            positive("q_lora_rank", self.q_lora_rank)
+        """Relations between fields (each field's own type and range is checked by `_check_fields` first)."""
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise _config_error(
                 "num_key_value_heads",
@@ -339,24 +407,7 @@ class KimiK3TextConfig(PretrainedConfig):
             )
         if self.hidden_act not in _SUPPORTED_ACTIVATIONS:
             raise _config_error("hidden_act", f"{self.hidden_act!r} is not one of {_SUPPORTED_ACTIVATIONS}")
-        if self.rms_norm_eps <= 0 or self.mla_rms_norm_eps <= 0:
-            raise _config_error("rms_norm_eps", "eps values must be positive")
-        if self.linear_attn_config:
-            positive("linear_attn_config.num_heads", self.linear_num_heads)
-            positive("linear_attn_config.head_dim", self.linear_head_dim)
-            positive("linear_attn_config.short_conv_kernel_size", self.linear_conv_kernel_size)
-            lb = self.gate_lower_bound
-            if lb is not None and not lb < 0:
-                raise _config_error(
-                    "linear_attn_config.gate_lower_bound", f"must be negative (log-decay bound), got {lb!r}"
-                )
-        if self.attn_res_block_size is not None:
-            positive("attn_res_block_size", self.attn_res_block_size)
         if self.num_experts:
-            positive("num_experts", self.num_experts)
-            positive("num_experts_per_token", self.num_experts_per_token)
-            positive("moe_intermediate_size", self.moe_intermediate_size)
-            positive("moe_layer_freq", self.moe_layer_freq)
             if self.num_experts_per_token > self.num_experts:
                 raise _config_error(
                     "num_experts_per_token",
@@ -366,7 +417,7 @@ class KimiK3TextConfig(PretrainedConfig):
                 raise _config_error(
                     "quantile_balancing", "needs num_experts_per_token + 1 <= num_experts (top-(k+1) routing)"
                 )
-            if self.num_expert_group <= 0 or self.num_experts % self.num_expert_group != 0:
+            if self.num_experts % self.num_expert_group != 0:
                 raise _config_error(
                     "num_expert_group", f"{self.num_expert_group} does not divide num_experts={self.num_experts}"
                 )
@@ -376,16 +427,12 @@ class KimiK3TextConfig(PretrainedConfig):
                 raise _config_error(
                     "moe_router_activation_func", f"only 'sigmoid' is supported, got {self.moe_router_activation_func!r}"
                 )
-            if self.routed_expert_hidden_size is not None:
-                positive("routed_expert_hidden_size", self.routed_expert_hidden_size)
         if self.experts_format not in ("dense", "mxfp4"):
             raise _config_error("experts_format", f"must be 'dense' or 'mxfp4', got {self.experts_format!r}")
         if self.experts_format == "mxfp4" and self.num_experts:
             for key in ("moe_intermediate_size", "latent_size"):
                 if getattr(self, key) % 32:
                     raise _config_error("experts_format", f"mxfp4 needs {key} to be a multiple of 32")
-        if self.first_k_dense_replace < 0:
-            raise _config_error("first_k_dense_replace", "must be >= 0")
         if self.mla_use_nope is False:
             raise _config_error("mla_use_nope", "Kimi K3 MLA has no positional encoding; rotary MLA is not supported")
         quant = getattr(self, "quantization_config", None)
@@ -418,6 +465,20 @@ class KimiK3VisionConfig(PretrainedConfig):
             self.release_attn_implementation = attn
 
 
+def _sub_config(key: str, value, config_class):
+    """None -> defaults, a dict -> `config_class(**dict)`; errors inside it name `key.field`."""
+    if value is None:
+        return config_class()
+    if isinstance(value, config_class):
+        return value
+    if not isinstance(value, dict):
+        raise _config_error(key, f"must be a JSON object, got {type(value).__name__} {value!r:.80}")
+    try:
+        return config_class(**value)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("config, key `", f"config, key `{key}.", 1)) from None
+
+
 class KimiK3Config(PretrainedConfig):
     r"""The released top-level (multimodal) Kimi K3 configuration.
 
@@ -442,14 +503,8 @@ class KimiK3Config(PretrainedConfig):
         **kwargs,
     ):
         kwargs.pop("model_type", None)
-        if text_config is None:
-            text_config = KimiK3TextConfig()
-        elif isinstance(text_config, dict):
-            text_config = KimiK3TextConfig(**text_config)
-        if vision_config is None:
-            vision_config = KimiK3VisionConfig()
-        elif isinstance(vision_config, dict):
-            vision_config = KimiK3VisionConfig(**vision_config)
+        text_config = _sub_config("text_config", text_config, KimiK3TextConfig)
+        vision_config = _sub_config("vision_config", vision_config, KimiK3VisionConfig)
         self.text_config = text_config
         self.vision_config = vision_config
         self.ignore_index = ignore_index
