@@ -36,15 +36,21 @@ def check_shard_name(shard: str, index_path: Path, tensor: str) -> None:
 def load_config_dict(root: Path) -> dict:
     path = root / "config.json"
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ConversionError(f"{path}: config.json is missing") from None
+    except UnicodeDecodeError as exc:
+        raise ConversionError(f"{path}: not UTF-8 text ({exc})") from None
     except json.JSONDecodeError as exc:
         raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConversionError(f"{path}: must hold a JSON object, not a {type(raw).__name__}")
+    return raw
 
 
 def config_from_dict(raw: dict, path: Path):
-    """Our config classes read both the release's config.json and ours (composite or text-only)."""
+    """Our config classes read both the release's config.json and ours (composite or text-only). Their validation
+    errors name the key; this adds the file."""
     module = _modeling.config_module()
     try:
         if "text_config" in raw:
@@ -75,13 +81,19 @@ class Checkpoint:
         if index_path.exists():
             raw = index_path.read_bytes()
             try:
-                index = json.loads(raw)
-                weight_map = index["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError("weight_map is not an object")
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ConversionError(f"{index_path}: not a safetensors index ({exc})") from None
+                index = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise ConversionError(f"{index_path}: not a safetensors index (not UTF-8 text: {exc})") from None
+            except json.JSONDecodeError as exc:
+                raise ConversionError(f"{index_path}: not a safetensors index (not valid JSON: {exc})") from None
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index_path}: not a safetensors index (needs a `weight_map` object mapping "
+                                      "tensor names to shard file names)")
             for tensor, shard in weight_map.items():
+                if not isinstance(shard, str):
+                    raise ConversionError(f"{index_path}, tensor `{tensor}`: weight_map values must be shard file "
+                                          f"names (strings), got {shard!r}")
                 check_shard_name(shard, index_path, tensor)
             return index_path, raw, dict(weight_map)
         single = self.root / SINGLE_FILE_NAME

@@ -8,6 +8,17 @@ import sys
 from .errors import ConversionError
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a usage error, exit code 2, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
 def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Convert a Kimi K3 release-layout checkpoint (folder or Hub "
                                 "repo id) into the transformers layout of this package.")
@@ -17,12 +28,12 @@ def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
     p.add_argument("--text-only", action="store_true", help="write KimiK3ForCausalLM alone (no vision tensors)")
     p.add_argument("--experts-dtype", choices=("bf16", "mxfp4"), default="bf16",
                    help="bf16: dequantise the routed experts (exact); mxfp4: keep them packed (experts_format=mxfp4)")
-    p.add_argument("--num-layers", type=int, help="keep a prefix of N layers (re-scheduled to end with MLA)")
-    p.add_argument("--num-experts", type=int, help="keep the first E experts with their router rows and biases")
+    p.add_argument("--num-layers", type=positive_int, help="keep a prefix of N layers (re-scheduled to end with MLA)")
+    p.add_argument("--num-experts", type=positive_int, help="keep the first E experts with their router rows and biases")
     p.add_argument("--allow-unknown", action="store_true", help="skip tensor names the name map does not know")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size limit (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoint files already in DST")
-    p.add_argument("--threads", type=int, help="torch intra-op threads for dequantisation (default: torch's)")
+    p.add_argument("--threads", type=positive_int, help="torch intra-op threads for dequantisation (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     return p
 
@@ -34,7 +45,7 @@ def _export_parser(prog: str = "kimik3 export") -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--allow-unknown", action="store_true")
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--threads", type=int, help="torch intra-op threads for re-quantisation (default: torch's)")
+    p.add_argument("--threads", type=positive_int, help="torch intra-op threads for re-quantisation (default: torch's)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -46,7 +57,7 @@ def _verify_parser(prog: str = "kimik3 verify") -> argparse.ArgumentParser:
     p.add_argument("converted")
     p.add_argument("--revision")
     p.add_argument("--logits", choices=("auto", "always", "never"), default="auto")
-    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--tokens", type=positive_int, default=8)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     return p
 
@@ -58,9 +69,18 @@ def _run(parser: argparse.ArgumentParser, argv, action) -> int:
         return int(exc.code or 0)
     try:
         return action(args)
-    except ConversionError as exc:
+    except (ConversionError, OSError) as exc:  # bad input, or a folder we may not read / write (the message names it)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _report_writes(prog: str, dst, summary: dict) -> bool:
+    """Says what the run did not do; True when there was nothing to do."""
+    for name in summary.get("kept", []):
+        print(f"note: kept {name} in {dst} (kimik3 did not write it)")
+    if summary.get("already_done"):
+        print(f"{prog}: {dst} already holds this result (same source files and options); nothing to do")
+    return summary.get("already_done", False)
 
 
 def _do_convert(args) -> int:
@@ -71,6 +91,8 @@ def _do_convert(args) -> int:
         num_experts=args.num_experts, allow_unknown=args.allow_unknown, max_shard_size=args.max_shard_size,
         overwrite=args.overwrite, progress=not args.quiet, revision=args.revision, threads=args.threads,
     )
+    if _report_writes("kimik3 convert", args.dst, summary):
+        return 0
     print(f"converted {args.src} -> {args.dst}: {summary['shards']} shard(s), {summary['bytes'] / 1e9:.3f} GB, "
           f"{len(summary['skipped'])} already done, {summary['seconds']:.1f} s")
     for note in summary["provenance"]["notes"]:
@@ -83,6 +105,8 @@ def _do_export(args) -> int:
 
     summary = export(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet,
                      allow_unknown=args.allow_unknown, threads=args.threads)
+    if _report_writes("kimik3 export", args.dst, summary):
+        return 0
     err = summary["experts_roundtrip"]
     print(f"exported {args.src} -> {args.dst}: {summary['shards']} shard(s), {summary['bytes'] / 1e9:.3f} GB; "
           f"experts re-quantised: {err['experts_requantised']} ({err['experts_bit_exact']} bit-exact), relative RMS "

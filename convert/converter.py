@@ -6,7 +6,7 @@ from pathlib import Path
 
 from . import files
 from .checkpoint import Checkpoint
-from .engine import plan_shards_by_size, write_checkpoint
+from .engine import check_threads, plan_shards_by_size, write_checkpoint
 from .errors import ConversionError
 from .plan import ConvertOptions, RunContext, build_convert_plan
 from .schedule import output_config_dict
@@ -18,12 +18,11 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2*
 
 
 def parse_size(value) -> int:
-    if isinstance(value, int):
-        return value
-    match = _SIZE_RE.match(str(value))
-    if not match:
-        raise ConversionError(f"cannot read size {value!r} (use e.g. 5GB, 500MB, 2GiB)")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+    match = _SIZE_RE.match(str(value)) if not isinstance(value, bool) else None
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]) if match else value
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ConversionError(f"cannot read size {value!r} as a positive size (use e.g. 5GB, 500MB, 2GiB)")
+    return size
 
 
 def _hub_checkpoint(repo_id: str, revision: str | None, chunk_bytes: int) -> Checkpoint:
@@ -72,6 +71,7 @@ def convert(
     """Converts a release-layout checkpoint (folder or Hub id) into our layout in `dst`. Returns a summary dict."""
     if experts_dtype not in ("bf16", "mxfp4"):
         raise ConversionError(f"--experts-dtype {experts_dtype!r}: choose bf16 or mxfp4")
+    check_threads(threads)
     options = ConvertOptions(
         text_only=text_only,
         experts_dtype=experts_dtype,
@@ -119,10 +119,11 @@ def convert(
             "bytes": sum(s.nbytes for s in shards),
         }
         used_shards = ckpt.shards_used(plan.source_names)
+        # the source as a resolved path, so `k3`, `k3/` and `/abs/k3` are one run; its shards' contents are
+        # fingerprinted by the engine (`sources`)
         identity = {
-            "provenance": provenance,
+            "provenance": dict(provenance, source=str(ckpt.root.resolve())),
             "config": config,
-            "source_shards": {s: ckpt.shard_path(s).stat().st_size for s in used_shards},
             "max_shard_bytes": options.max_shard_bytes,
         }
         if "modeling_kimi_k3.py" not in {p.name for p in files.remote_code_files()}:
@@ -151,6 +152,7 @@ def convert(
             progress=progress,
             label="kimik3 convert",
             threads=threads,
+            sources={shard: ckpt.shard_path(shard) for shard in used_shards},
         )
     summary.update(provenance=provenance, source_shards_read=used_shards)
     return summary

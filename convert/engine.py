@@ -1,20 +1,29 @@
 """The streaming, resumable writer shared by convert and export.
 
 Order of work, chosen so that nothing half-written ever looks finished:
+  0. an exclusive `flock` on `DST/.kimik3.lock` for the whole run (a second run into the same folder is refused; the
+     kernel drops the lock when a process dies, so a killed run leaves no stale lock);
   1. each shard is written to `.NAME.partial`, fsynced, then `os.replace`d to NAME, then recorded in the progress
      manifest `.kimik3-progress.json` (itself replaced atomically);
   2. the side files (tokenizer, remote code, card, ...);
   3. `model.safetensors.index.json`;
-  4. `config.json` last; then the manifest is removed.
+  4. `config.json` last; then the manifest becomes the output record `.kimik3-output.json`.
 A loader needs config.json, so a folder without it is visibly unfinished, and the index never points at a shard that
-is not complete. A re-run with the same inputs and options (same fingerprint) skips the shards the manifest lists
-(and whose size matches) and writes the rest; the shard plan is a pure function of the inputs, and every byte
-written is a pure function of the plan, so a resumed result is byte-identical to an uninterrupted one.
+is not complete. A re-run with the same inputs and options (same fingerprint, source files included) skips the shards
+the manifest lists (and whose size matches) and writes the rest; the shard plan is a pure function of the inputs, and
+every byte written is a pure function of the plan, so a resumed result is byte-identical to an uninterrupted one. A
+re-run of a finished conversion does nothing and says so. Manifest and record list every file kimik3 wrote into the
+folder: `--overwrite` deletes exactly those, and never a file kimik3 did not write.
 """
 
+import errno
+import fcntl
+import fnmatch
 import hashlib
 import json
 import os
+import shutil
+import struct
 import sys
 import time
 from contextlib import contextmanager
@@ -26,6 +35,8 @@ from .plan import OutTensor, RunContext, total_bytes
 from .safetensors_io import ShardWriter, layout_order
 
 MANIFEST_NAME = ".kimik3-progress.json"
+RECORD_NAME = ".kimik3-output.json"
+LOCK_NAME = ".kimik3.lock"
 PARTIAL_SUFFIX = ".partial"
 INDEX_NAME = "model.safetensors.index.json"
 FORMAT_VERSION = 1
@@ -62,10 +73,42 @@ def plan_shards_by_size(tensors: list[OutTensor], max_bytes: int, width: int = 5
     return [ShardPlan(f"model-{i + 1:0{width}d}-of-{total:0{width}d}.safetensors", g) for i, g in enumerate(groups)]
 
 
-def fingerprint(shards: list[ShardPlan], identity: dict) -> str:
-    """Everything that determines the output bytes: the inputs' identity, the options, and the full layout."""
+SAMPLE_BLOCKS = 8
+SAMPLE_BLOCK_BYTES = 64 * 1024
+
+
+def source_fingerprint(path: Path) -> str:
+    """What a source file's content is taken to be, without reading it all: size, mtime_ns, a digest of the
+    safetensors header (every tensor's name, dtype, shape and offsets) and a digest of 8 evenly strided 64 KiB blocks.
+
+    Limit: a change of tensor bytes outside the sampled blocks that also keeps the size, the header and the mtime
+    (an in-place patch followed by `touch -d` to the old time) goes unnoticed. Anything that rewrites the file (a
+    re-download, `save_file`, `cp` without `-p`) changes the mtime, and a changed layout changes the header.
+    """
+    path = Path(path).resolve()
+    stat = path.stat()
+    digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        digest.update(prefix)
+        if len(prefix) == 8:
+            header_len = min(struct.unpack("<Q", prefix)[0], max(stat.st_size - 8, 0))
+            digest.update(handle.read(header_len))
+        span = max(stat.st_size - SAMPLE_BLOCK_BYTES, 0)
+        for i in range(SAMPLE_BLOCKS):
+            handle.seek(span * i // (SAMPLE_BLOCKS - 1))
+            digest.update(handle.read(SAMPLE_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
+def fingerprint(shards: list[ShardPlan], identity: dict, sources: dict | None = None) -> str:
+    """Everything that determines the output bytes: the inputs' identity (source file fingerprints included), the
+    options, and the full layout."""
     digest = hashlib.sha256()
-    digest.update(json.dumps({"version": FORMAT_VERSION, "identity": identity}, sort_keys=True).encode())
+    header = {"version": FORMAT_VERSION, "identity": identity}
+    if sources:
+        header["sources"] = sources
+    digest.update(json.dumps(header, sort_keys=True).encode())
     for shard in shards:
         digest.update(shard.name.encode())
         for t in shard.tensors:
@@ -75,10 +118,14 @@ def fingerprint(shards: list[ShardPlan], identity: dict) -> str:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name("." + path.name + PARTIAL_SUFFIX)
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -118,13 +165,19 @@ class Progress:
             self._draw(time.monotonic(), "\n")
 
 
+def check_threads(threads) -> None:
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ConversionError(f"--threads {threads!r}: must be a whole number >= 1 (leave it out for torch's default)")
+
+
 @contextmanager
 def torch_threads(threads: int | None):
     """Intra-op threads for the (de)quantisation, restored afterwards. Conversion is disk-bound; on a shared or
     small machine one thread avoids OpenMP oversubscription (measured here under load: 1 thread 8x faster than 2)."""
     import torch
 
-    if not threads:
+    check_threads(threads)
+    if threads is None:
         yield
         return
     before = torch.get_num_threads()
@@ -143,36 +196,116 @@ def _interrupt_budget():
     return int(count), mode == "kill"
 
 
-def _our_outputs(dst: Path) -> list[Path]:
-    return [p for p in dst.iterdir() if p.suffix == ".safetensors" or p.name.endswith(PARTIAL_SUFFIX)]
+# Names a folder of model files holds: a file like these that kimik3 did not write would end up mixed into the new
+# model, so `--overwrite` refuses to run next to one rather than delete it or leave it.
+MODEL_FILE_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.json", "*.py", "*.model", "*.jinja",
+                       "*.tiktoken", "tokenizer*", "chat_template*", "README*", "LICENSE*")
 
 
-def prepare_destination(dst: Path, fp: str, overwrite: bool) -> dict:
-    """Returns the manifest to resume from (empty when starting fresh)."""
-    manifest_path = dst / MANIFEST_NAME
-    if not dst.exists():
-        return {}
-    if not dst.is_dir():
+@contextmanager
+def destination_lock(dst: Path):
+    """Holds an exclusive flock on DST/.kimik3.lock (creating DST) for the duration; the kernel releases it when the
+    process ends, however it ends. A folder this call created and that is still empty afterwards is removed."""
+    if dst.exists() and not dst.is_dir():
         raise ConversionError(f"{dst}: exists and is not a folder")
-    if manifest_path.exists():
+    created = not dst.exists()
+    dst.mkdir(parents=True, exist_ok=True)
+    path = dst / LOCK_NAME
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError:
-            manifest = {}
-        if manifest.get("fingerprint") == fp:
-            return manifest
-        if not overwrite:
-            raise ConversionError(
-                f"{dst}: holds an unfinished run with different inputs or options ({MANIFEST_NAME}); pass "
-                "--overwrite to start over"
-            )
-    elif any(dst.iterdir()) and not overwrite:
-        raise ConversionError(f"{dst}: the folder is not empty; pass --overwrite to replace its checkpoint files")
-    if overwrite:
-        for path in _our_outputs(dst) + [dst / INDEX_NAME, dst / "config.json", manifest_path]:
-            if path.exists():
-                path.unlink()
-    return {}
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConversionError(f"{dst}: another kimik3 conversion is writing into this folder (it holds "
+                                  f"{LOCK_NAME}); wait for it to finish, or choose another folder") from None
+        try:  # the previous holder unlinks the file on its way out: a lock on that unlinked file guards nothing
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+        if created and not any(dst.iterdir()):
+            dst.rmdir()
+
+
+def _read_record(path: Path) -> dict | None:
+    """A manifest or output record; {} when it exists but cannot be read (it is still ours), None when absent."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _files_of(record: dict) -> set[str]:
+    names = record.get("files", [])
+    return {n for n in (names if isinstance(names, list) else []) if isinstance(n, str)} | set(record.get("done", {}))
+
+
+def _is_ours(name: str, record: dict) -> bool:
+    return (name in (MANIFEST_NAME, RECORD_NAME) or name in _files_of(record)
+            or (name.startswith(".") and name.endswith(PARTIAL_SUFFIX)))
+
+
+def _name_list(paths, limit: int = 8) -> str:
+    names = sorted(p.name for p in paths)
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _refusal(dst: Path, record: dict | None, finished: bool, sources: dict, source_paths: dict) -> ConversionError:
+    if record is None:
+        return ConversionError(f"{dst}: the folder is not empty; pass --overwrite to replace the files of an earlier "
+                               "kimik3 run there (files kimik3 did not write are never deleted)")
+    what = "a finished conversion" if finished else "an unfinished run"
+    old = record.get("sources", {}) if isinstance(record.get("sources"), dict) else {}
+    changed = sorted(n for n in sources if n in old and old[n] != sources[n])
+    if changed:
+        return ConversionError(
+            f"{dst}: holds {what} made from a different version of "
+            f"{_name_list([Path(source_paths.get(n, n)) for n in changed])} in {Path(source_paths[changed[0]]).parent} "
+            "(size, modification time or sampled content changed since); its shards cannot be reused; pass "
+            "--overwrite to start over")
+    name = RECORD_NAME if finished else MANIFEST_NAME
+    return ConversionError(f"{dst}: holds {what} with different inputs or options ({name}); pass --overwrite to "
+                           "start over")
+
+
+def prepare_destination(dst: Path, fp: str, overwrite: bool, sources: dict | None = None,
+                        source_paths: dict | None = None) -> tuple[dict, list[str]]:
+    """Returns (the manifest or record to resume from, empty when starting fresh; names of files kept because kimik3
+    did not write them). DST exists (the caller holds its lock)."""
+    sources, source_paths = sources or {}, source_paths or {}
+    manifest = _read_record(dst / MANIFEST_NAME)
+    record = manifest if manifest is not None else _read_record(dst / RECORD_NAME)
+    if record and record.get("fingerprint") == fp:
+        if manifest is None:
+            record = dict(record, complete=True)
+        return record, []
+    entries = [p for p in dst.iterdir() if p.name != LOCK_NAME]
+    if not entries:
+        return {}, []
+    if not overwrite:
+        raise _refusal(dst, record, manifest is None, sources, source_paths)
+    record = record or {}
+    foreign = [p for p in entries if not _is_ours(p.name, record)]
+    mixed_in = [p for p in foreign if any(fnmatch.fnmatch(p.name, pat) for pat in MODEL_FILE_PATTERNS)]
+    if mixed_in:
+        raise ConversionError(
+            f"{dst}: --overwrite only replaces files an earlier kimik3 run wrote here, and these look like model "
+            f"files that kimik3 did not write: {_name_list(mixed_in)}; delete or move them yourself, or choose another "
+            "folder")
+    for path in entries:
+        if _is_ours(path.name, record) and path.is_file():
+            path.unlink()
+    return {}, sorted(p.name for p in foreign)
 
 
 def _shard_is_done(dst: Path, shard: ShardPlan, manifest: dict) -> bool:
@@ -204,6 +337,28 @@ def _write_shard(dst: Path, shard: ShardPlan, progress: Progress, budget: list) 
     return (dst / shard.name).stat().st_size
 
 
+def _check_free_space(dst: Path, needed: int) -> None:
+    free = shutil.disk_usage(dst).free
+    if free < needed:
+        raise ConversionError(f"{dst}: not enough free disk space: the shards still to write need {needed:,} bytes, "
+                              f"{free:,} are free; free some space (or choose another folder) and run again")
+
+
+def _disk_full_error(path: Path, exc: OSError, needed: int, done: int) -> ConversionError:
+    return ConversionError(
+        f"{path}: {os.strerror(exc.errno)} while writing; about {needed:,} more bytes are needed to finish. Free some "
+        f"space and run the same command again: it resumes after the {done} finished shard(s)")
+
+
+def _save_manifest(dst: Path, manifest: dict, name: str = MANIFEST_NAME) -> None:
+    _write_atomic(dst / name, json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def _all_written(dst: Path, shards: list[ShardPlan], record: dict) -> bool:
+    return (bool(record.get("complete")) and all(_shard_is_done(dst, s, record) for s in shards)
+            and all((dst / name).exists() for name in _files_of(record)))
+
+
 def write_checkpoint(
     dst: Path,
     shards: list[ShardPlan],
@@ -216,56 +371,82 @@ def write_checkpoint(
     label: str = "kimik3",
     metadata: dict | None = None,
     threads: int | None = None,
+    sources: dict | None = None,
 ) -> dict:
     """side_files / final_files: callables returning [(file name, bytes)], called only once every shard is done
-    (final_files go after the index; config.json belongs there). Returns a summary."""
-    fp = fingerprint(shards, identity)
-    manifest = prepare_destination(dst, fp, overwrite)
-    dst.mkdir(parents=True, exist_ok=True)
-    manifest = {"fingerprint": fp, "done": dict(manifest.get("done", {})), "stats": dict(manifest.get("stats", {}))}
-    context.stats.update(manifest["stats"])
-    # recorded before the first byte of output, so even a run killed inside its first shard is recognised (and
-    # resumed) by the next run with the same fingerprint
-    _write_atomic(dst / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    (final_files go after the index; config.json belongs there). sources: {name: path} of the input files the
+    shards are made from; their `source_fingerprint`s are part of the run's fingerprint, so a resume never mixes
+    shards made from an older version of a source. Returns a summary (`already_done` when nothing was left to do)."""
+    check_threads(threads)
+    dst = Path(dst)
+    source_paths = {name: Path(path) for name, path in (sources or {}).items()}
+    source_fps = {name: source_fingerprint(path) for name, path in source_paths.items()}
+    fp = fingerprint(shards, identity, source_fps)
+    started = time.monotonic()
+    with destination_lock(dst):
+        record, kept = prepare_destination(dst, fp, overwrite, source_fps, source_paths)
+        context.stats.update(record.get("stats", {}))
+        summary = {"shards": len(shards), "bytes": sum(s.nbytes for s in shards), "stats": context.stats,
+                   "kept": kept, "already_done": False}
+        if _all_written(dst, shards, record):
+            return dict(summary, written=[], skipped=[s.name for s in shards], already_done=True,
+                        seconds=time.monotonic() - started)
+        manifest = {"fingerprint": fp, "sources": source_fps, "done": dict(record.get("done", {})),
+                    "stats": dict(record.get("stats", {})), "files": sorted(_files_of(record))}
+        todo = [s for s in shards if not _shard_is_done(dst, s, manifest)]
+        _check_free_space(dst, sum(s.nbytes for s in todo))
+        # recorded before the first byte of output, so even a run killed inside its first shard is recognised (and
+        # resumed) by the next run with the same fingerprint
+        _save_manifest(dst, manifest)
+        written = _write_all(dst, shards, manifest, context, label, progress, threads, side_files, final_files,
+                             metadata)
+    return dict(summary, written=written, skipped=[s.name for s in shards if s.name not in written],
+                seconds=time.monotonic() - started)
+
+
+def _write_all(dst, shards, manifest, context, label, progress, threads, side_files, final_files, metadata):
+    """Shards, side files, index, config.json, output record; returns the names of the shards written. A full disk
+    becomes a ConversionError naming the file and the bytes still needed (the manifest stays, so a re-run resumes)."""
     bar = Progress(label, sum(s.nbytes for s in shards), progress)
     budget = list(_interrupt_budget())
-    written, skipped = [], []
-    started = time.monotonic()
+    written = []
+    current = dst
     try:
-        for shard in shards:
-            if _shard_is_done(dst, shard, manifest):
-                bar.skip(shard.nbytes)
-                skipped.append(shard.name)
-                continue
-            context.shard = shard.name
-            with torch_threads(threads):
-                size = _write_shard(dst, shard, bar, budget)
-            manifest["done"][shard.name] = {"bytes": size}
-            if shard.name in context.stats:
-                manifest["stats"][shard.name] = context.stats[shard.name]
-            _write_atomic(dst / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode())
-            written.append(shard.name)
-    finally:
-        bar.close()
-    for name, data in side_files():
-        _write_atomic(dst / name, data)
-    index = {
-        "metadata": dict(metadata or {}, total_size=sum(s.nbytes for s in shards)),
-        "weight_map": {t.spec.name: s.name for s in shards for t in s.tensors},
-    }
-    _write_atomic(dst / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-    for name, data in final_files():
-        _write_atomic(dst / name, data)
+        try:
+            for shard in shards:
+                if _shard_is_done(dst, shard, manifest):
+                    bar.skip(shard.nbytes)
+                    continue
+                context.shard = shard.name
+                current = dst / shard.name
+                with torch_threads(threads):
+                    size = _write_shard(dst, shard, bar, budget)
+                manifest["done"][shard.name] = {"bytes": size}
+                manifest["files"] = sorted(set(manifest["files"]) | {shard.name})
+                if shard.name in context.stats:
+                    manifest["stats"][shard.name] = context.stats[shard.name]
+                _save_manifest(dst, manifest)
+                written.append(shard.name)
+        finally:
+            bar.close()
+        index = {
+            "metadata": dict(metadata or {}, total_size=sum(s.nbytes for s in shards)),
+            "weight_map": {t.spec.name: s.name for s in shards for t in s.tensors},
+        }
+        index_file = [(INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())]
+        for batch in (side_files, lambda: index_file, final_files):
+            files = batch()
+            # named in the manifest before they exist, so `--overwrite` knows them even after a kill mid-batch
+            manifest["files"] = sorted(set(manifest["files"]) | {name for name, _ in files})
+            _save_manifest(dst, manifest)
+            for name, data in files:
+                current = dst / name
+                _write_atomic(current, data)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        needed = sum(s.nbytes for s in shards if s.name not in manifest["done"])
+        raise _disk_full_error(current, exc, needed, len(manifest["done"])) from None
+    _save_manifest(dst, manifest, RECORD_NAME)
     (dst / MANIFEST_NAME).unlink(missing_ok=True)
-    planned = {s.name for s in shards}
-    for stale in _our_outputs(dst):
-        if stale.name not in planned:
-            stale.unlink()
-    return {
-        "shards": len(shards),
-        "written": written,
-        "skipped": skipped,
-        "bytes": sum(s.nbytes for s in shards),
-        "seconds": time.monotonic() - started,
-        "stats": context.stats,
-    }
+    return written

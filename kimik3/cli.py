@@ -1,12 +1,12 @@
 """The `kimik3` command: tiny models, the cache-memory table, the demo, and the converter entry points."""
 
 import argparse
+import fnmatch
 import json
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-
 
 
 def _modeling_dir() -> Path:
@@ -123,9 +123,46 @@ def _load_text_config(path: str | None):
 # Commands
 
 
+# What `kimik3 tiny` writes (save_pretrained, then the remote code); with --overwrite these are replaced.
+TINY_FILES = ("config.json", "generation_config.json", "model.safetensors")
+
+
+class TinyFolderError(ValueError):
+    pass
+
+
+def check_tiny_directory(directory: Path, overwrite: bool) -> list[str]:
+    """Refuses a folder that is not empty unless --overwrite; even then refuses one holding model files that tiny
+    does not write (they would be mixed into the new model). Returns the names of the other files, which stay."""
+    if directory.exists() and not directory.is_dir():
+        raise TinyFolderError(f"{directory}: exists and is not a folder")
+    if not directory.exists() or not any(directory.iterdir()):
+        return []
+    if not overwrite:
+        raise TinyFolderError(f"{directory}: the folder is not empty; pass --overwrite to replace the model files "
+                              "there (other files are kept)")
+    from kimik3.convert.engine import MODEL_FILE_PATTERNS
+
+    ours = set(TINY_FILES) | {p.name for p in remote_code_files()}
+    others = sorted(p.name for p in directory.iterdir() if p.name not in ours)
+    mixed = [name for name in others if any(fnmatch.fnmatch(name, pattern) for pattern in MODEL_FILE_PATTERNS)]
+    if mixed:
+        raise TinyFolderError(f"{directory}: holds model files that `kimik3 tiny` does not write ({', '.join(mixed)}); "
+                              "they would be mixed into the new model: delete or move them, or choose another folder")
+    return others
+
+
 def cmd_tiny(args) -> int:
+    directory = Path(args.directory)
+    try:
+        kept = check_tiny_directory(directory, args.overwrite)
+    except TinyFolderError as exc:
+        print(f"kimik3 tiny: error: {exc}", file=sys.stderr)
+        return 2
     model = build_tiny_model(seed=args.seed, num_hidden_layers=args.layers)
-    save_with_code(model, args.directory)
+    save_with_code(model, directory)
+    for name in kept:
+        print(f"note: kept {name} in {directory} (not a file kimik3 tiny writes)")
     print(f"wrote a tiny random Kimi K3 ({sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{args.layers} layers) to {args.directory}")
     return 0
@@ -183,12 +220,15 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kimik3.convert.cli import positive_int
+
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 for Hugging Face transformers")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tiny", help="write a small random K3 model folder loadable with trust_remote_code")
     p.add_argument("directory")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty folder")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny)
 
@@ -207,13 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=f"{name} checkpoints (see `kimik3 {name} --help`)", add_help=False)
         p.set_defaults(fn=None, passthrough=name)
 
-    args, rest = parser.parse_known_args(argv)
-    if getattr(args, "passthrough", None):
-        from kimik3.convert import cli as convert_cli
+    try:  # argparse exits (code 2, `kimik3 <cmd>: error: ...`) on a usage error; callers want the code
+        args, rest = parser.parse_known_args(argv)
+        if getattr(args, "passthrough", None):
+            from kimik3.convert import cli as convert_cli
 
-        return getattr(convert_cli, f"run_{args.passthrough}")(rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            return getattr(convert_cli, f"run_{args.passthrough}")(rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as exc:
+        return int(exc.code or 0)
     return args.fn(args)
 
 
