@@ -5,18 +5,9 @@ import argparse
 import json
 import sys
 
+from kimik3.cli import positive_int
+
 from .errors import ConversionError
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a usage error, exit code 2, otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
 
 
 def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:

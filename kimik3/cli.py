@@ -9,6 +9,17 @@ import tempfile
 from pathlib import Path
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a usage error, exit code 2, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
 def _modeling_dir() -> Path:
     import kimik3.modeling
 
@@ -220,8 +231,6 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kimik3.convert.cli import positive_int
-
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 for Hugging Face transformers")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -1,0 +1,396 @@
+"""Bad input on the run side (issue 10): configs, source index/config files, destination folders, resume, locking,
+disk space, CLI arguments. Each case id here has a row in docs/bad_inputs.md ("Runs, folders and configs")."""
+
+import errno
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest_convert_helpers import ensure_kimik3_convert, subprocess_env
+from safetensors.torch import load_file, save_file
+
+kc = ensure_kimik3_convert()
+from kimik3.cli import main as kimik3_main  # noqa: E402
+from kimik3.configuration import kimi_linear_style_text_config_dict, released_config_dict, tiny_text_config_dict  # noqa: E402
+from kimik3.convert import engine, fixture  # noqa: E402
+from kimik3.convert.errors import ConversionError  # noqa: E402
+from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig  # noqa: E402
+
+SHARD = "60KB"  # about ten output shards from the tiny release: enough to interrupt in the middle
+INDEX = engine.INDEX_NAME
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    return fixture.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=4, num_layers=4,
+                                            num_experts=4, return_dense=False)
+
+
+@pytest.fixture(scope="module")
+def reference(release, tmp_path_factory):
+    """An uninterrupted conversion, for byte comparisons."""
+    dst = tmp_path_factory.mktemp("reference") / "out"
+    kc.convert(release.path, dst, max_shard_size=SHARD, progress=False)
+    return dst
+
+
+def convert(src, dst, **options):
+    return kc.convert(src, dst, max_shard_size=SHARD, progress=False, **options)
+
+
+def contents(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != engine.RECORD_NAME}
+
+
+def looks_unfinished(folder):
+    return not (folder / "config.json").exists() and not (folder / INDEX).exists()
+
+
+def fail_after_tensors(monkeypatch, count, exc):
+    """Makes the shard writer raise `exc` when it is asked for tensor number `count` + 1 of this run."""
+    original = engine.ShardWriter.write_tensor
+    calls = [0]
+
+    def write_tensor(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] > count:
+            raise exc
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.ShardWriter, "write_tensor", write_tensor)
+
+
+def interrupted_run(release_path, dst, monkeypatch, count=25):
+    fail_after_tensors(monkeypatch, count, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        convert(release_path, dst)
+    monkeypatch.undo()
+    done = json.loads((dst / engine.MANIFEST_NAME).read_text())["done"]
+    assert looks_unfinished(dst) and 1 <= len(done)
+    return sorted(done)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config values: a ValueError naming the key, never an AttributeError / ZeroDivisionError, never a silent NaN
+
+
+def text_config(**changes):
+    cfg = tiny_text_config_dict()
+    for key, value in changes.items():
+        if key.startswith("lac_"):
+            cfg["linear_attn_config"][key[4:]] = value
+        else:
+            cfg[key] = value
+    return cfg
+
+
+@pytest.mark.parametrize("cfg, key", [
+    pytest.param(text_config(linear_attn_config="kda"), "linear_attn_config", id="cfg-linear-attn-config-str"),
+    pytest.param(text_config(num_key_value_heads=0), "num_key_value_heads", id="cfg-num-key-value-heads-zero"),
+    pytest.param(text_config(moe_layer_freq=0), "moe_layer_freq", id="cfg-moe-layer-freq-zero"),
+    pytest.param(text_config(rms_norm_eps=math.nan), "rms_norm_eps", id="cfg-rms-norm-eps-nan"),
+    pytest.param(text_config(rms_norm_eps=-1e-5), "rms_norm_eps", id="cfg-rms-norm-eps-negative"),
+    pytest.param(text_config(mla_rms_norm_eps=0.0), "mla_rms_norm_eps", id="cfg-mla-rms-norm-eps-zero"),
+    pytest.param(text_config(routed_scaling_factor=math.inf), "routed_scaling_factor",
+                 id="cfg-routed-scaling-factor-inf"),
+    pytest.param(text_config(activation_situ_beta=math.nan), "activation_situ_beta", id="cfg-situ-beta-nan"),
+    pytest.param(text_config(max_position_embeddings=0), "max_position_embeddings",
+                 id="cfg-max-position-embeddings-zero"),
+    pytest.param(text_config(hidden_size=64.0), "hidden_size", id="cfg-hidden-size-float"),
+    pytest.param(text_config(num_hidden_layers=0), "num_hidden_layers", id="cfg-num-hidden-layers-zero"),
+    pytest.param(text_config(lac_gate_lower_bound=math.nan), "linear_attn_config.gate_lower_bound",
+                 id="cfg-gate-lower-bound-nan"),
+    pytest.param(text_config(lac_kda_layers="123"), "linear_attn_config.kda_layers", id="cfg-kda-layers-str"),
+    pytest.param(text_config(lac_num_heads=0), "linear_attn_config.num_heads", id="cfg-linear-num-heads-zero"),
+])
+def test_bad_text_config_values_name_the_key(cfg, key):
+    with pytest.raises(ValueError, match=rf"key `{key}`: must be "):
+        KimiK3TextConfig(**cfg)
+
+
+@pytest.mark.parametrize("change, key", [
+    pytest.param(lambda c: c.__setitem__("text_config", [1, 2]), "text_config", id="cfg-text-config-list"),
+    pytest.param(lambda c: c.__setitem__("vision_config", "moonvit"), "vision_config", id="cfg-vision-config-str"),
+    pytest.param(lambda c: c["text_config"].__setitem__("num_key_value_heads", 0), "text_config.num_key_value_heads",
+                 id="cfg-nested-key-named"),
+])
+def test_bad_composite_config_values_name_the_key(change, key):
+    cfg = released_config_dict()
+    change(cfg)
+    with pytest.raises(ValueError, match=rf"key `{key}`"):
+        KimiK3Config(**cfg)
+
+
+def test_the_release_and_the_presets_still_pass():
+    KimiK3Config(**released_config_dict())
+    KimiK3TextConfig(**kimi_linear_style_text_config_dict())
+    for layers in (1, 2, 5, 8):
+        assert len(KimiK3TextConfig(**tiny_text_config_dict(num_hidden_layers=layers)).layer_types) == layers
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Source config.json / index: a ConversionError naming the file (and key), before anything is written
+
+
+def set_in_config(path, key, value):
+    cfg = json.loads(path.read_text())
+    cfg["text_config"][key] = value
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("name, damage, fragments", [
+    pytest.param("config.json", lambda p: p.write_bytes(b'{"text_config": "\xff\xfe"}'), ["not UTF-8"],
+                 id="config-not-utf8"),
+    pytest.param("config.json", lambda p: p.write_text("[1, 2]"), ["JSON object", "list"], id="config-not-object"),
+    pytest.param("config.json", lambda p: set_in_config(p, "moe_layer_freq", 0),
+                 ["text_config.moe_layer_freq", "positive integer"], id="config-moe-layer-freq-zero"),
+    pytest.param("config.json", lambda p: set_in_config(p, "rms_norm_eps", "1e-5"),
+                 ["text_config.rms_norm_eps", "finite positive number"], id="config-rms-norm-eps-str"),
+    pytest.param(INDEX, lambda p: p.write_bytes(b'{"weight_map": {"a": "\xc3\x28"}}'), ["not UTF-8"],
+                 id="index-not-utf8"),
+    pytest.param(INDEX, lambda p: p.write_text('{"weight_map": '), ["not valid JSON"], id="index-not-json"),
+    pytest.param(INDEX, lambda p: p.write_text("[]"), ["weight_map"], id="index-not-object"),
+    pytest.param(INDEX, lambda p: p.write_text('{"weight_map": ["model.safetensors"]}'), ["weight_map"],
+                 id="index-weight-map-list"),
+    pytest.param(INDEX, lambda p: p.write_text('{"weight_map": {"lm_head.weight": 3}}'),
+                 ["lm_head.weight", "strings", "3"], id="index-weight-map-value-int"),
+])
+def test_bad_source_files_are_named(release, tmp_path, name, damage, fragments):
+    src = tmp_path / "src"
+    src.mkdir()
+    for keep in ("config.json", INDEX):  # both are read before any shard
+        shutil.copy(release.path / keep, src / keep)
+    damage(src / name)
+    with pytest.raises(ConversionError) as info:
+        convert(src, tmp_path / "out")
+    message = str(info.value)
+    assert str(src / name) in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command-line arguments: `kimik3 <cmd>: error: ...`, exit code 2, no traceback, nothing written
+
+
+@pytest.mark.parametrize("args, fragment", [
+    pytest.param(["--threads", "-1"], "argument --threads: -1 must be at least 1", id="threads-negative"),
+    pytest.param(["--threads", "two"], "argument --threads: 'two' is not a whole number", id="threads-not-a-number"),
+    pytest.param(["--num-layers", "0"], "argument --num-layers: 0 must be at least 1", id="num-layers-zero"),
+    pytest.param(["--num-experts", "-2"], "argument --num-experts: -2 must be at least 1", id="num-experts-negative"),
+    pytest.param(["--max-shard-size", "0"], "cannot read size '0' as a positive size", id="max-shard-size-zero"),
+])
+def test_bad_cli_arguments_exit_two(release, tmp_path, capsys, args, fragment):
+    dst = tmp_path / "out"
+    assert kc.run_convert([str(release.path), str(dst), "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert "kimik3 convert: error: " in err and fragment in err and "Traceback" not in err, err
+    assert not dst.exists()
+
+
+def test_tiny_layers_zero_exits_two_in_a_real_process(tmp_path):
+    """One subprocess: the console entry's exit code and stderr, as a shell sees them."""
+    result = subprocess.run([sys.executable, "-m", "kimik3.cli", "tiny", str(tmp_path / "t"), "--layers", "0"],
+                            capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "kimik3 tiny: error: argument --layers: 0 must be at least 1" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("setup, overwrite, fragment", [
+    pytest.param(lambda d: (d / "notes.txt").write_text("mine"), False, "not empty; pass --overwrite",
+                 id="tiny-not-empty"),
+    pytest.param(lambda d: (d / "model-00001-of-00002.safetensors").write_bytes(b"x"), True,
+                 "model-00001-of-00002.safetensors", id="tiny-overwrite-foreign-model-files"),
+])
+def test_tiny_refuses_folders_it_would_mix_into(tmp_path, capsys, setup, overwrite, fragment):
+    folder = tmp_path / "t"
+    folder.mkdir()
+    setup(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert kimik3_main(["tiny", str(folder)] + (["--overwrite"] if overwrite else [])) == 2
+    err = capsys.readouterr().err
+    assert f"kimik3 tiny: error: {folder}" in err and fragment in err, err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs and destination folders
+
+
+def lock_held(release, reference, tmp_path, monkeypatch, capsys):
+    """A second conversion into a folder another one is writing is refused, naming the folder; the first is intact."""
+    dst = tmp_path / "out"
+    with engine.destination_lock(dst):
+        with pytest.raises(ConversionError, match="another kimik3 conversion is writing into this folder") as info:
+            convert(release.path, dst)
+        assert str(dst) in str(info.value)
+        assert [p.name for p in dst.iterdir()] == [engine.LOCK_NAME]
+    assert not dst.exists()  # the holder created it and left it empty: removed
+    convert(release.path, dst)
+    assert contents(dst) == contents(reference)
+
+
+def lock_file_left_by_kill(release, reference, tmp_path, monkeypatch, capsys):
+    """A lock file nobody holds (what a kill -9 leaves) does not block, and is gone after the run."""
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / engine.LOCK_NAME).write_text("")
+    convert(release.path, dst)
+    assert not (dst / engine.LOCK_NAME).exists() and contents(dst) == contents(reference)
+
+
+def src_changed_same_size(release, reference, tmp_path, monkeypatch, capsys):
+    """A source shard rewritten with other values but the same size, header and mtime: the resume refuses to mix."""
+    src = tmp_path / "k3"
+    shutil.copytree(release.path, src)
+    dst = tmp_path / "out"
+    interrupted_run(src, dst, monkeypatch)
+    shard = src / "model-00001-of-000007.safetensors"
+    stat = shard.stat()
+    tensors = load_file(str(shard))
+    name = next(n for n in sorted(tensors) if n.endswith("q_proj.weight"))
+    tensors[name] = -tensors[name]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert shard.stat().st_size == stat.st_size and shard.stat().st_mtime_ns == stat.st_mtime_ns
+    with pytest.raises(ConversionError, match="different version of model-00001-of-000007.safetensors") as info:
+        convert(src, dst)
+    assert str(dst) in str(info.value) and "--overwrite" in str(info.value)
+    assert looks_unfinished(dst)
+    convert(src, dst, overwrite=True)
+    assert load_file(str(dst / "model-00001-of-00010.safetensors")).keys()  # rebuilt from the new source
+
+
+def src_spelled_differently(release, reference, tmp_path, monkeypatch, capsys):
+    """`k3/` (trailing slash), `k3` relative to the working folder and the absolute path are one run."""
+    dst = tmp_path / "out"
+    done = interrupted_run(str(release.path) + "/", dst, monkeypatch)
+    monkeypatch.chdir(release.path.parent)
+    summary = convert(release.path.name, dst)
+    assert sorted(summary["skipped"]) == done and summary["written"]
+    # the same bytes, apart from the provenance and card, which quote SRC as it was typed
+    quoted = ("README.md", "kimik3_conversion.json")
+    assert {n: b for n, b in contents(dst).items() if n not in quoted} == {
+        n: b for n, b in contents(reference).items() if n not in quoted}
+    assert convert(str(release.path.resolve()), dst)["already_done"]
+
+
+def rerun_finished_noop(release, reference, tmp_path, monkeypatch, capsys):
+    """Re-running a finished conversion writes nothing and says so (exit code 0)."""
+    dst = tmp_path / "out"
+    shutil.copytree(reference, dst)
+    stamps = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
+    summary = convert(release.path, dst)
+    assert summary["already_done"] and summary["written"] == [] and len(summary["skipped"]) == summary["shards"]
+    assert kc.run_convert([str(release.path), str(dst), "--max-shard-size", SHARD, "--quiet"]) == 0
+    assert "already holds this result" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()} == stamps
+
+
+def finished_with_other_options(release, reference, tmp_path, monkeypatch, capsys):
+    """A finished conversion with other options is not replaced without --overwrite."""
+    dst = tmp_path / "out"
+    shutil.copytree(reference, dst)
+    with pytest.raises(ConversionError, match="holds a finished conversion with different inputs or options"):
+        convert(release.path, dst, num_experts=2)
+    assert contents(dst) == contents(reference)
+
+
+def overwrite_replaces_previous_model(release, reference, tmp_path, monkeypatch, capsys):
+    """--overwrite removes every file of the previous model (here ten shards become one), keeps the user's file,
+    and says it kept it."""
+    dst = tmp_path / "out"
+    shutil.copytree(reference, dst)
+    (dst / "notes.txt").write_text("mine")
+    summary = kc.convert(release.path, dst, max_shard_size="10MB", num_experts=2, overwrite=True, progress=False)
+    assert summary["kept"] == ["notes.txt"] and (dst / "notes.txt").read_text() == "mine"
+    weight_map = json.loads((dst / INDEX).read_text())["weight_map"]
+    assert {p.name for p in dst.glob("*.safetensors")} == set(weight_map.values()) == {
+        "model-00001-of-00001.safetensors"}
+    record = json.loads((dst / engine.RECORD_NAME).read_text())
+    assert {p.name for p in dst.iterdir()} == set(record["files"]) | {"notes.txt", engine.RECORD_NAME}
+
+
+def overwrite_foreign_model_files(release, reference, tmp_path, monkeypatch, capsys):
+    """--overwrite never deletes model files kimik3 did not write: it names them and touches nothing."""
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "config.json").write_text("{}")
+    (dst / "pytorch_model.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(ConversionError, match="config.json, pytorch_model.bin; delete or move them yourself"):
+        convert(release.path, dst, overwrite=True)
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "pytorch_model.bin"]
+
+
+def dst_not_empty(release, reference, tmp_path, monkeypatch, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="the folder is not empty; pass --overwrite"):
+        convert(release.path, dst)
+    assert [p.name for p in dst.iterdir()] == ["notes.txt"]
+
+
+def dst_is_a_file(release, reference, tmp_path, monkeypatch, capsys):
+    dst = tmp_path / "out"
+    dst.write_text("x")
+    with pytest.raises(ConversionError, match="exists and is not a folder"):
+        convert(release.path, dst)
+
+
+def disk_full_upfront(release, reference, tmp_path, monkeypatch, capsys):
+    """Too little free space is found before the first byte, naming the folder and the bytes needed."""
+    dst = tmp_path / "out"
+    monkeypatch.setattr(engine.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(ConversionError, match=r"not enough free disk space: the shards still to write need [\d,]+ "
+                                              r"bytes, 1,000 are free") as info:
+        convert(release.path, dst)
+    assert str(dst) in str(info.value) and not dst.exists()
+
+
+def disk_full_mid_run(release, reference, tmp_path, monkeypatch, capsys):
+    """ENOSPC while writing names the file and the bytes still needed; the same command then resumes."""
+    dst = tmp_path / "out"
+    fail_after_tensors(monkeypatch, 30, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    with pytest.raises(ConversionError, match=r"model-000\d\d-of-00010.safetensors: No space left on device while "
+                                              r"writing; about [\d,]+ more bytes are needed") as info:
+        convert(release.path, dst)
+    assert "run the same command again: it resumes" in str(info.value)
+    assert looks_unfinished(dst) and not list(dst.glob(".*.partial"))
+    monkeypatch.undo()
+    summary = convert(release.path, dst)
+    assert summary["skipped"] and contents(dst) == contents(reference)
+
+
+def threads_negative_api(release, reference, tmp_path, monkeypatch, capsys):
+    with pytest.raises(ConversionError, match="--threads -1: must be a whole number >= 1"):
+        convert(release.path, tmp_path / "out", threads=-1)
+    assert not (tmp_path / "out").exists()
+
+
+RUN_CASES = [
+    pytest.param(lock_held, id="lock-held"),
+    pytest.param(lock_file_left_by_kill, id="lock-file-left-by-kill"),
+    pytest.param(src_changed_same_size, id="src-changed-same-size"),
+    pytest.param(src_spelled_differently, id="src-spelled-differently"),
+    pytest.param(rerun_finished_noop, id="rerun-finished-noop"),
+    pytest.param(finished_with_other_options, id="finished-other-options"),
+    pytest.param(overwrite_replaces_previous_model, id="overwrite-replaces-previous-model"),
+    pytest.param(overwrite_foreign_model_files, id="overwrite-foreign-model-files"),
+    pytest.param(dst_not_empty, id="dst-not-empty"),
+    pytest.param(dst_is_a_file, id="dst-is-a-file"),
+    pytest.param(disk_full_upfront, id="disk-full-upfront"),
+    pytest.param(disk_full_mid_run, id="disk-full-mid-run"),
+    pytest.param(threads_negative_api, id="threads-negative-api"),
+]
+
+
+@pytest.mark.parametrize("scenario", RUN_CASES)
+def test_runs_and_destination_folders(scenario, release, reference, tmp_path, monkeypatch, capsys):
+    scenario(release, reference, tmp_path, monkeypatch, capsys)
