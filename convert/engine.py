@@ -101,6 +101,13 @@ def source_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _fingerprint_source(path: Path) -> str:
+    try:
+        return source_fingerprint(path)
+    except FileNotFoundError:
+        raise ConversionError(f"{path}: the source file is missing (the index names it)") from None
+
+
 def fingerprint(shards: list[ShardPlan], identity: dict, sources: dict | None = None) -> str:
     """Everything that determines the output bytes: the inputs' identity (source file fingerprints included), the
     options, and the full layout."""
@@ -380,7 +387,7 @@ def write_checkpoint(
     check_threads(threads)
     dst = Path(dst)
     source_paths = {name: Path(path) for name, path in (sources or {}).items()}
-    source_fps = {name: source_fingerprint(path) for name, path in source_paths.items()}
+    source_fps = {name: _fingerprint_source(path) for name, path in source_paths.items()}
     fp = fingerprint(shards, identity, source_fps)
     started = time.monotonic()
     with destination_lock(dst):
