@@ -80,7 +80,8 @@ def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_un
             return [("config.json", json.dumps(release_config, indent=2, sort_keys=True).encode())]
 
         summary = write_checkpoint(dst, shards, identity, side_files, final_files, context, overwrite=overwrite,
-                                   progress=progress, label="kimik3 export", threads=threads)
+                                   progress=progress, label="kimik3 export", threads=threads,
+                                   sources={s: ckpt.shard_path(s) for s in sorted(set(ckpt.weight_map.values()))})
     summary["experts_roundtrip"] = summarise_error(context.stats)
     summary["notes"] = sorted(set(plan.notes))
     return summary
