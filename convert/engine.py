@@ -262,8 +262,7 @@ def _is_ours(name: str, record: dict) -> bool:
             or (name.startswith(".") and name.endswith(PARTIAL_SUFFIX)))
 
 
-def _name_list(paths, limit: int = 8) -> str:
-    names = sorted(p.name for p in paths)
+def _listing(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
@@ -273,13 +272,11 @@ def _refusal(dst: Path, record: dict | None, finished: bool, sources: dict, sour
                                "kimik3 run there (files kimik3 did not write are never deleted)")
     what = "a finished conversion" if finished else "an unfinished run"
     old = record.get("sources", {}) if isinstance(record.get("sources"), dict) else {}
-    changed = sorted(n for n in sources if n in old and old[n] != sources[n])
+    changed = [str(source_paths.get(n, n)) for n in sorted(sources) if n in old and old[n] != sources[n]]
     if changed:
         return ConversionError(
-            f"{dst}: holds {what} made from a different version of "
-            f"{_name_list([Path(source_paths.get(n, n)) for n in changed])} in {Path(source_paths[changed[0]]).parent} "
-            "(size, modification time or sampled content changed since); its shards cannot be reused; pass "
-            "--overwrite to start over")
+            f"{dst}: holds {what} made from a different version of {_listing(changed)} (size, modification time or "
+            "sampled content changed since); its shards cannot be reused; pass --overwrite to start over")
     name = RECORD_NAME if finished else MANIFEST_NAME
     return ConversionError(f"{dst}: holds {what} with different inputs or options ({name}); pass --overwrite to "
                            "start over")
@@ -307,7 +304,7 @@ def prepare_destination(dst: Path, fp: str, overwrite: bool, sources: dict | Non
     if mixed_in:
         raise ConversionError(
             f"{dst}: --overwrite only replaces files an earlier kimik3 run wrote here, and these look like model "
-            f"files that kimik3 did not write: {_name_list(mixed_in)}; delete or move them yourself, or choose another "
+            f"files that kimik3 did not write: {_listing(sorted(p.name for p in mixed_in))}; delete or move them yourself, or choose another "
             "folder")
     for path in entries:
         if _is_ours(path.name, record) and path.is_file():
