@@ -20,7 +20,8 @@ def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
     p.add_argument("--experts-dtype", choices=("bf16", "mxfp4"), default="bf16",
                    help="bf16: dequantise the routed experts (exact); mxfp4: keep them packed (experts_format=mxfp4)")
     p.add_argument("--num-layers", type=positive_int, help="keep a prefix of N layers (re-scheduled to end with MLA)")
-    p.add_argument("--num-experts", type=positive_int, help="keep the first E experts with their router rows and biases")
+    p.add_argument("--num-experts", type=positive_int,
+                   help="keep the first E experts with their router rows and biases")
     p.add_argument("--allow-unknown", action="store_true", help="skip tensor names the name map does not know")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size limit (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoint files already in DST")

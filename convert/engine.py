@@ -302,10 +302,10 @@ def prepare_destination(dst: Path, fp: str, overwrite: bool, sources: dict | Non
     foreign = [p for p in entries if not _is_ours(p.name, record)]
     mixed_in = [p for p in foreign if any(fnmatch.fnmatch(p.name, pat) for pat in MODEL_FILE_PATTERNS)]
     if mixed_in:
+        names = _listing(sorted(p.name for p in mixed_in))
         raise ConversionError(
             f"{dst}: --overwrite only replaces files an earlier kimik3 run wrote here, and these look like model "
-            f"files that kimik3 did not write: {_listing(sorted(p.name for p in mixed_in))}; delete or move them yourself, or choose another "
-            "folder")
+            f"files that kimik3 did not write: {names}; delete or move them yourself, or choose another folder")
     for path in entries:
         if _is_ours(path.name, record) and path.is_file():
             path.unlink()

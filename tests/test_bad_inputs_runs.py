@@ -15,7 +15,11 @@ from safetensors.torch import load_file, save_file
 
 kc = ensure_kimik3_convert()
 from kimik3.cli import main as kimik3_main  # noqa: E402
-from kimik3.configuration import kimi_linear_style_text_config_dict, released_config_dict, tiny_text_config_dict  # noqa: E402
+from kimik3.configuration import (  # noqa: E402
+    kimi_linear_style_text_config_dict,
+    released_config_dict,
+    tiny_text_config_dict,
+)
 from kimik3.convert import engine, fixture  # noqa: E402
 from kimik3.convert.errors import ConversionError  # noqa: E402
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig  # noqa: E402
@@ -193,12 +197,15 @@ def test_bad_cli_arguments_exit_two(release, tmp_path, capsys, args, fragment):
     assert not dst.exists()
 
 
-def test_tiny_layers_zero_exits_two_in_a_real_process(tmp_path):
-    """One subprocess: the console entry's exit code and stderr, as a shell sees them."""
-    result = subprocess.run([sys.executable, "-m", "kimik3.cli", "tiny", str(tmp_path / "t"), "--layers", "0"],
+@pytest.mark.parametrize("args, fragment", [
+    pytest.param(["--layers", "0"], "argument --layers: 0 must be at least 1", id="tiny-layers-zero"),
+])
+def test_tiny_bad_arguments_exit_two_in_a_real_process(tmp_path, args, fragment):
+    """The one subprocess: the console entry's exit code and stderr, as a shell sees them."""
+    result = subprocess.run([sys.executable, "-m", "kimik3.cli", "tiny", str(tmp_path / "t"), *args],
                             capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert result.returncode == 2, result.stderr
-    assert "kimik3 tiny: error: argument --layers: 0 must be at least 1" in result.stderr
+    assert f"kimik3 tiny: error: {fragment}" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "t").exists()
 
 
