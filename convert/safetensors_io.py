@@ -106,17 +106,20 @@ def _parse_entry(path, name, raw, data_start: int, data_size: int) -> TensorEntr
 
 def _check_layout(path, entries: dict[str, TensorEntry], data_start: int, data_size: int) -> None:
     """The format indexes the byte buffer fully: sorted by offset, each tensor starts where the previous one ended,
-    and the last one ends at the end of the file. Overlaps would let two names share bytes (`q_proj` reading
-    `k_proj`'s values), holes or a tail would be bytes that belong to no tensor."""
-    position, previous = data_start, None
-    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
-        if entry.begin < position:
-            raise _bad_header(path, f"its data overlaps `{previous}` (bytes {entry.begin - data_start}.."
-                              f"{position - data_start} of the data section belong to both)", entry.name)
+    and the last one ends at the end of the file. Overlaps would let two names share bytes (`k_proj` reading
+    `q_proj`'s values); holes or a tail would be bytes that belong to no tensor."""
+    ordered = sorted(entries.values(), key=lambda e: (e.begin, e.end))
+    for before, after in zip(ordered, ordered[1:]):
+        if after.begin < before.end:
+            raise _bad_header(path, f"its data overlaps `{before.name}` (bytes {after.begin - data_start}.."
+                              f"{min(after.end, before.end) - data_start} of the data section belong to both)",
+                              after.name)
+    position = data_start
+    for entry in ordered:
         if entry.begin > position:
             raise _bad_header(path, f"bytes {position - data_start}..{entry.begin - data_start} of the data section "
                               "before this tensor belong to no tensor (the format allows no holes)", entry.name)
-        position, previous = entry.end, entry.name
+        position = entry.end
     if position != data_start + data_size:
         raise _bad_header(path, f"the last {data_start + data_size - position} bytes of the file belong to no tensor "
                           "(the format allows no trailing data)")
