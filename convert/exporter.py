@@ -2,10 +2,10 @@
 
 Names and shard layout as the release (shard k holds decoder layer k-1, then embed/head/norms, projector, vision;
 `model-XXXXX-of-0000NN.safetensors`, 6-digit total), config.json from `to_release_dict()` (1-based lists, the
-release's MXFP4 quantization_config), `A_log` zero-padded to max(128, H) (the release pads its 96 heads to 128;
-for H > 128 there is nothing to pad), experts split per expert and re-quantised to MXFP4 (`quantize_mxfp4`, OCP
-scale rule, round to nearest even), with the round-trip error measured on every expert. Experts kept packed are
-split without re-quantisation. Everything else is copied bit for bit (or cast to the release dtype, with a note).
+release's MXFP4 quantization_config), `A_log` zero-padded to the length the source had (recorded by convert in
+kimik3_conversion.json; without a record max(128, H), as the release pads its 96 heads to 128), experts split per
+expert and re-quantised to MXFP4 (`quantize_mxfp4`, OCP scale rule, round to nearest even), with the round-trip
+error measured on every expert. Experts kept packed are split without re-quantisation. Everything else is copied bit for bit (or cast to the release dtype, with a note).
 
 The exported folder carries no model code. Its config.json is the release's, whose `auto_map` names the release's
 own `configuration_kimi_k3.py` / `modeling_kimi_k3.py` / `modeling_kimi_linear.py`; our files under those names
