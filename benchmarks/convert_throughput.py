@@ -8,6 +8,9 @@ from the page cache (posix_fadvise DONTNEED, so reads come from the disk, not RA
   * `convert --experts-dtype bf16` (dequantises: the expert output is ~3.8x the packed input).
 Reported as MB/s of source read and of output written, with the peak RSS growth of each conversion.
 
+With `--compare-value-check` each conversion also runs with the always-on NaN/Inf/E8M0 check of the reader
+switched off (here only), to measure what the check costs.
+
     python benchmarks/convert_throughput.py [--layers 12] [--workdir DIR] [--threads 1] [--markdown]
 """
 
@@ -26,13 +29,13 @@ import torch
 
 try:
     import kimik3.convert as kc
-    from kimik3.convert import fixture
+    from kimik3.convert import fixture, safetensors_io
 except ImportError:  # a plain checkout: the same path mapping as the tests
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest_convert_helpers import ensure_kimik3_convert
 
     kc = ensure_kimik3_convert()
-    from kimik3.convert import fixture
+    from kimik3.convert import fixture, safetensors_io
 
 # experts dominate the bytes, as in the release (93% of it); sizes multiples of the MXFP4 group of 32
 WIDE = {"hidden_size": 2048, "moe_intermediate_size": 1024, "routed_expert_hidden_size": 1024,
@@ -95,7 +98,17 @@ def status_bytes(key: str) -> int:
     return 0
 
 
-def timed_convert(src: Path, dst: Path, experts: str, threads: int | None) -> dict:
+def timed_convert(src: Path, dst: Path, experts: str, threads: int | None, value_check: bool = True) -> dict:
+    real_check = safetensors_io.check_values
+    if not value_check:
+        safetensors_io.check_values = lambda *args, **kwargs: None
+    try:
+        return _timed_convert(src, dst, experts, threads) | {"value_check": value_check}
+    finally:
+        safetensors_io.check_values = real_check
+
+
+def _timed_convert(src: Path, dst: Path, experts: str, threads: int | None) -> dict:
     evict(src)
     can_reset = reset_peak()
     base = status_bytes("VmRSS:")
@@ -156,7 +169,8 @@ def markdown(info: dict, source: dict, read: tuple, copy: tuple, runs: list[dict
     for run in runs:
         growth = "n/a" if run["peak_rss_growth"] is None else f"{run['peak_rss_growth'] / 2**20:.0f} MiB"
         lines.append(
-            f"| convert --experts-dtype {run['experts']} | {run['seconds']:.1f} | "
+            f"| convert --experts-dtype {run['experts']}{'' if run['value_check'] else ' (no value check)'} | "
+            f"{run['seconds']:.1f} | "
             f"{rate(run['read_bytes'], run['seconds'])} | {rate(run['written_bytes'], run['seconds'])} | "
             f"{run['written_bytes'] / 1e9:.2f} | {growth} |"
         )
@@ -170,6 +184,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", help="where to write (default: a temporary folder, removed afterwards)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for dequantisation (0: torch's)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table (for docs/benchmarks.md)")
+    parser.add_argument("--compare-value-check", action="store_true",
+                        help="also run each conversion without the reader's NaN/Inf check (its cost)")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kimik3-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -190,9 +206,11 @@ def main(argv=None) -> int:
         shutil.rmtree(workdir / "copy")
         runs = []
         for experts in ("mxfp4", "bf16"):
-            runs.append(timed_convert(release.path, workdir / f"out-{experts}", experts, args.threads or None))
-            shutil.rmtree(workdir / f"out-{experts}")
-            print(json.dumps(runs[-1]), file=sys.stderr)
+            for check in (True, False) if args.compare_value_check else (True,):
+                runs.append(timed_convert(release.path, workdir / f"out-{experts}", experts, args.threads or None,
+                                          check))
+                shutil.rmtree(workdir / f"out-{experts}")
+                print(json.dumps(runs[-1]), file=sys.stderr)
         result = {"machine": info, "source": source, "plain_read": read, "plain_copy": copy, "runs": runs}
         print(markdown(info, source, read, copy, runs) if args.markdown else json.dumps(result, indent=2))
     finally:

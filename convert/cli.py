@@ -116,6 +116,9 @@ def _do_verify(args) -> int:
         print(json.dumps(report, indent=2, default=str))
     tensors = report["tensors"]
     print(f"tensors: {tensors['compared']} compared, {len(tensors['mismatches'])} mismatch(es)")
+    if "values_equal_bytes_differ" in tensors:  # two release-layout folders (an export against its source)
+        print(f"  {tensors['bytes_equal']} bytes-equal, {tensors['values_equal_bytes_differ']} values-equal with "
+              "different bytes (MXFP4 experts re-quantised with another valid scale)")
     for m in tensors["mismatches"][:20]:
         print(f"  MISMATCH {m['tensor']} (source {m['source']}): {m['max_abs_diff']}")
     logits = report["logits"]

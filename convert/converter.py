@@ -112,6 +112,8 @@ def convert(
             "num_kda": plan.text_config.layer_types.count("linear_attention"),
             "num_mla": plan.text_config.layer_types.count("full_attention"),
             "top_k": plan.text_config.num_experts_per_token,
+            # the source's zero-padded A_log length (the release pads 96 heads to 128); export restores it
+            "release_a_log_length": plan.release_a_log_length(),
             "notes": plan.notes,
             "skipped_unknown": plan.skipped_unknown,
             "tensors": len(plan.tensors),

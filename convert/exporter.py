@@ -2,10 +2,15 @@
 
 Names and shard layout as the release (shard k holds decoder layer k-1, then embed/head/norms, projector, vision;
 `model-XXXXX-of-0000NN.safetensors`, 6-digit total), config.json from `to_release_dict()` (1-based lists, the
-release's MXFP4 quantization_config), `A_log` zero-padded to max(128, H) (the release pads its 96 heads to 128;
-for H > 128 there is nothing to pad), experts split per expert and re-quantised to MXFP4 (`quantize_mxfp4`, OCP
-scale rule, round to nearest even), with the round-trip error measured on every expert. Experts kept packed are
-split without re-quantisation. Everything else is copied bit for bit (or cast to the release dtype, with a note).
+release's MXFP4 quantization_config), `A_log` zero-padded to the length the source had (recorded by convert in
+kimik3_conversion.json; without a record max(128, H), as the release pads its 96 heads to 128), experts split per
+expert and re-quantised to MXFP4 (`quantize_mxfp4`, OCP scale rule, round to nearest even), with the round-trip
+error measured on every expert. Experts kept packed are split without re-quantisation. Everything else is copied bit for bit (or cast to the release dtype, with a note).
+
+The exported folder carries no model code. Its config.json is the release's, whose `auto_map` names the release's
+own `configuration_kimi_k3.py` / `modeling_kimi_k3.py` / `modeling_kimi_linear.py`; our files under those names
+would load into the wrong layout, so none are written, and README.md, the report and the CLI say how to load the
+folder instead (`HOW_TO_LOAD`). The release's tokenizer and processor files are carried verbatim when present.
 """
 
 import json
@@ -21,6 +26,22 @@ from .plan import RunContext, build_export_plan
 from .schedule import release_config_dict
 
 EXPORT_REPORT_NAME = "kimik3_export.json"
+HOW_TO_LOAD = (
+    "this folder is in the Kimi K3 release layout and carries no model code: config.json's auto_map names the "
+    "release's configuration_kimi_k3.py, modeling_kimi_k3.py and modeling_kimi_linear.py, which are not here. Load "
+    "it with the release's official code (copy those three files from the release, moonshotai/Kimi-K3, into the "
+    "folder), or convert it back with `kimik3 convert THIS_FOLDER OUT` and load OUT with trust_remote_code=True"
+)
+REQUANTISED_NOTE = (
+    "experts were re-quantised with the OCP scale rule: `experts_bit_exact` counts experts whose values came back "
+    "exactly; where the source chose another valid scale the bytes differ though the values are equal "
+    "(`kimik3 verify SOURCE_RELEASE EXPORTED` reports bytes-equal and values-equal tensors separately)"
+)
+
+
+def export_readme(source) -> bytes:
+    return (f"# Kimi K3, release layout (exported by `kimik3 export` from `{source}`)\n\n"
+            f"How to load: {HOW_TO_LOAD}.\n").encode()
 
 
 def release_shards(tensors, num_layers: int) -> list[ShardPlan]:
@@ -64,15 +85,19 @@ def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_un
         identity = {"source_index_sha256": ckpt.index_digest(), "config": release_config,
                     "version": CONVERTER_VERSION}
 
+        notes = sorted(set(plan.notes + ([REQUANTISED_NOTE] if plan.requantised else [])))
+        notes.append(f"how to load: {HOW_TO_LOAD}")
+
         def side_files():
+            # the release's tokenizer / processor files only: no model code (see the module docstring)
             out = [(p.name, p.read_bytes()) for p in files.tokenizer_files(ckpt.root)]
-            out += [(p.name, p.read_bytes()) for p in files.remote_code_files()]
             generation = ckpt.root / "generation_config.json"
             if generation.exists():
                 out.append(("generation_config.json", generation.read_bytes()))
-            report = {"source": str(src), "notes": sorted(set(plan.notes)),
+            report = {"source": str(src), "notes": notes, "how_to_load": HOW_TO_LOAD,
                       "experts_roundtrip": summarise_error(context.stats)}
             out.append((EXPORT_REPORT_NAME, files.json_bytes(report)))
+            out.append(("README.md", export_readme(src)))
             return out
 
         def final_files():
@@ -83,5 +108,6 @@ def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_un
                                    progress=progress, label="kimik3 export", threads=threads,
                                    sources={s: ckpt.shard_path(s) for s in sorted(set(ckpt.weight_map.values()))})
     summary["experts_roundtrip"] = summarise_error(context.stats)
-    summary["notes"] = sorted(set(plan.notes))
+    summary["notes"] = notes
+    summary["how_to_load"] = HOW_TO_LOAD
     return summary

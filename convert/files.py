@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from . import _modeling
+from .errors import ConversionError
 
 # Tokenizer, chat and processor files of the release, copied verbatim when present.
 TOKENIZER_PATTERNS = (
@@ -26,6 +27,20 @@ TOKENIZER_PATTERNS = (
 # The release's own model code: replaced by ours, never copied (the names would shadow our files).
 RELEASE_MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeling_kimi_linear.py")
 PROVENANCE_NAME = "kimik3_conversion.json"
+
+
+def read_provenance(root: Path) -> dict:
+    """The conversion record of one of our folders ({} when there is none, e.g. a folder saved by a trainer)."""
+    path = Path(root) / PROVENANCE_NAME
+    if not path.is_file():
+        return {}
+    try:
+        provenance = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(provenance, dict):
+        raise ConversionError(f"{path}: not a JSON object")
+    return provenance
 
 
 def tokenizer_files(src: Path) -> list[Path]:

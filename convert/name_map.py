@@ -9,8 +9,8 @@ Name patterns: text rules are relative to the text model (`model.` / `lm_head.`)
 to every text name, our composite model also adds `language_model.`, our text-only model adds nothing. Vision rules
 are at the root in both layouts. `{L}` is a 0-based decoder layer, `{E}` an expert, `{B}` a vision block.
 
-Symbols (see `dims()`): D hidden, V vocab, H/Dk/K KDA heads/head dim/conv kernel, A the stored A_log length
-(max(128, H): the release zero-pads to 128), HM MLA heads, QL/KVL q/kv LoRA ranks, NOPE/ROPE/VD MLA head dims,
+Symbols (see `dims()`): D hidden, V vocab, H/Dk/K KDA heads/head dim/conv kernel, A the usual stored A_log length
+(max(128, H): the release zero-pads 96 heads to 128; convert accepts any length >= H and records it for export), HM MLA heads, QL/KVL q/kv LoRA ranks, NOPE/ROPE/VD MLA head dims,
 F dense MLP width, I expert width, DL latent width (hidden size when the MoE is not latent), E experts, S shared
 expert width, and vision VH/VI/VQ/VP/PH/PW/MM/VT.
 """
@@ -50,7 +50,8 @@ class TensorRule:
     shape: tuple[str, ...]  # release shape, each entry a product of symbols / integers ("H*Dk")
     dtype: str = "BF16"
     when: tuple[str, ...] = ()
-    # copy: same bytes. unpad_heads: release [A] zero-padded -> ours [H] (export pads back).
+    # copy: same bytes. unpad_heads: release [A] zero-padded (any A >= H) -> ours [H] (export pads back to the
+    # length recorded at conversion).
     # first_experts: keep the first E' rows (router rows / correction biases) when experts are sliced.
     transform: str = "copy"
     scope: str = "text"  # "text" or "vision"

@@ -15,10 +15,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import _modeling
+from . import _modeling, files
 from . import name_map as nm
 from .errors import ConversionError, shard_error
-from .safetensors_io import DEFAULT_CHUNK_BYTES, DTYPES, OutSpec, itemsize
+from .safetensors_io import DEFAULT_CHUNK_BYTES, DTYPES, E8M0, OutSpec, itemsize
 
 TEXT_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -74,12 +74,13 @@ def cast_tensor(ckpt, name: str, dtype: torch.dtype):
 
 
 def unpad_heads(ckpt, name: str, heads: int):
-    """Release A_log [A] -> ours [H]; the padding must be exactly zero, or the file is not what we think it is."""
+    """Release A_log [A] (any A >= H) -> ours [H]; the padding must be exactly +0.0 (bit for bit, so that export can
+    restore it), or the file is not what we think it is."""
 
     def produce():
         full = ckpt.reader(name).read(name)
         tail = full[heads:]
-        nonzero = torch.nonzero(tail != 0)
+        nonzero = torch.nonzero(tail.view(torch.int32) != 0)
         if nonzero.numel():
             first = heads + int(nonzero[0, 0])
             raise shard_error(
@@ -94,7 +95,7 @@ def unpad_heads(ckpt, name: str, heads: int):
 
 
 def pad_heads(ckpt, name: str, length: int, dtype: torch.dtype):
-    """Ours [H] -> release [max(128, H)], zero padded (export)."""
+    """Ours [H] -> release [length], zero padded (export; the length the source had, see `release_a_log_length`)."""
 
     def produce():
         values = ckpt.reader(name).read(name).to(dtype)
@@ -132,16 +133,16 @@ def fused_experts(ckpt, part_names, mode: str, per_expert_out_bytes: int, chunk_
     Memory: one batch buffer (<= max(chunk_bytes, one expert's output)) + one source part + the dequant block.
     """
 
-    def read(name):
-        return ckpt.reader(name).read(name)
+    def read(name, encoding=None):
+        return ckpt.reader(name).read(name, encoding)
 
     def fill(out, names):
-        if mode == "dense" and len(names) == 2:
-            _dequantize_into(out, read(names[0]), read(names[1]))
-        elif mode == "dense":
-            out.copy_(read(names[0]))
+        if mode == "scale":
+            out.copy_(read(names[1], E8M0))
+        elif mode == "dense" and len(names) == 2:
+            _dequantize_into(out, read(names[0]), read(names[1], E8M0))
         else:
-            out.copy_(read(names[0 if mode == "packed" else 1]))
+            out.copy_(read(names[0]))
 
     def produce():
         first = part_names[0]
@@ -186,7 +187,8 @@ def _fused_rows(ckpt, name: str, expert: int, rows: tuple[int, int]) -> torch.Te
     _, total_rows, cols = entry.shape
     row_bytes = cols * itemsize(entry.dtype)
     start = (expert * total_rows + rows[0]) * row_bytes
-    data = ckpt.reader(name).read_bytes(name, start, start + (rows[1] - rows[0]) * row_bytes)
+    encoding = E8M0 if name.endswith("_scale") else None
+    data = ckpt.reader(name).read_bytes(name, start, start + (rows[1] - rows[0]) * row_bytes, encoding)
     return data.view(entry.torch_dtype).reshape(rows[1] - rows[0], cols)
 
 
@@ -326,6 +328,22 @@ def _check_entry(src, name: str, dtype: str, shape: tuple[int, ...], why: str):
     return entry
 
 
+def _check_padded_heads(src, name: str, dtype: str, heads: int, usual: tuple[int, ...], why: str):
+    """A_log: the official code declares [H], the release stores [128] (96 heads + zeros), other checkpoints pad
+    differently; any 1-D length >= H is accepted (its tail is checked when read)."""
+    if name not in src.weight_map:
+        raise ConversionError(f"{src.index_path}: tensor `{name}` is missing from the index ({why})")
+    entry = src.entry(name)
+    if entry.dtype != dtype or len(entry.shape) != 1 or entry.shape[0] < heads:
+        raise shard_error(
+            src.shard_path(src.weight_map[name]),
+            f"expected {dtype} {list(usual)} ({why}; any length >= {heads} heads with a zero tail is accepted), "
+            f"found {entry.dtype} {list(entry.shape)}",
+            name,
+        )
+    return entry
+
+
 def _expert_format(src, classified: Classified, layer: int, prefix: str) -> str:
     present = classified.expert_suffixes.get(layer, set())
     packed = bool(present & {"weight_packed", "weight_scale"})
@@ -378,6 +396,15 @@ class ConvertPlan:
     notes: list[str]
     skipped_unknown: list[str]
     source_names: set
+    a_log_lengths: dict = field(default_factory=dict)  # output layer -> length of the source's padded A_log
+
+    def release_a_log_length(self):
+        """What the provenance records for export: one length when all layers agree (the usual case), else
+        {output layer: length}; None without KDA layers."""
+        lengths = set(self.a_log_lengths.values())
+        if len(lengths) <= 1:
+            return lengths.pop() if lengths else None
+        return {str(layer): length for layer, length in sorted(self.a_log_lengths.items())}
 
 
 def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
@@ -414,13 +441,18 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
     src_prefix = TEXT_PREFIX if src.composite else ""
     tensors: list[OutTensor] = []
     used: set = set()
+    a_log_lengths: dict = {}
 
     def add_rule(rule: nm.TensorRule, src_name: str, out_name: str, why: str, group: str):
         shape = nm.shape_of(rule.shape, symbols)
-        entry = _check_entry(src, src_name, rule.dtype, shape, why)
-        used.add(src_name)
         if rule.transform == "unpad_heads":
             heads = symbols["H"]
+            entry = _check_padded_heads(src, src_name, rule.dtype, heads, shape, why)
+            a_log_lengths[nm.layer_of(out_name.removeprefix(text_out_prefix))] = entry.shape[0]
+        else:
+            entry = _check_entry(src, src_name, rule.dtype, shape, why)
+        used.add(src_name)
+        if rule.transform == "unpad_heads":
             spec = OutSpec(out_name, rule.dtype, (heads,))
             produce = unpad_heads(src, src_name, heads)
         elif rule.transform == "first_experts" and keep != total_experts:
@@ -482,7 +514,8 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
                 add_rule(rule, name, name, "vision tower / projector", group)
     elif src.composite and not options.text_only:
         notes.append("the source has no vision tensors; none are written")
-    return ConvertPlan(tensors, out_text, mapping, keep if total_experts else None, notes, classified.unknown, used)
+    return ConvertPlan(tensors, out_text, mapping, keep if total_experts else None, notes, classified.unknown, used,
+                       a_log_lengths)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -493,6 +526,7 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
 class ExportPlan:
     tensors: list[OutTensor]
     notes: list[str]
+    requantised: bool = False  # some dense experts were quantised to MXFP4 (their bytes are not the source's)
 
 
 def _classify_ours(ckpt):
@@ -509,6 +543,29 @@ def _classify_ours(ckpt):
         else:
             matches[name] = match
     return matches, unknown
+
+
+def _recorded_a_log_length(ckpt, heads: int):
+    """{output layer: length} or one length for all layers, as `convert` recorded the source's A_log padding; None
+    when the folder has no record (then export pads like the release)."""
+    path = ckpt.root / files.PROVENANCE_NAME
+    recorded = files.read_provenance(ckpt.root).get("release_a_log_length")
+    values = recorded.values() if isinstance(recorded, dict) else [recorded]
+    if recorded is not None and not all(isinstance(v, int) and not isinstance(v, bool) and v >= heads for v in values):
+        raise ConversionError(f"{path}: release_a_log_length {recorded!r} must be a length >= {heads} (the KDA heads) "
+                              "or a map of layer -> length")
+    return recorded
+
+
+def _a_log_length(recorded, layer: int, default: int, ckpt) -> int:
+    if recorded is None:
+        return default
+    if isinstance(recorded, int):
+        return recorded
+    if str(layer) not in recorded:
+        raise ConversionError(f"{ckpt.root / files.PROVENANCE_NAME}: release_a_log_length has no entry for layer "
+                              f"{layer}")
+    return recorded[str(layer)]
 
 
 def build_export_plan(ckpt, context: RunContext, experts: str = "mxfp4", allow_unknown: bool = False) -> ExportPlan:
@@ -528,10 +585,19 @@ def build_export_plan(ckpt, context: RunContext, experts: str = "mxfp4", allow_u
     our_prefix = TEXT_PREFIX if ckpt.composite else ""
     tensors: list[OutTensor] = []
     cache = _ExpertCache()
+    requantised = False
+    a_log_recorded = _recorded_a_log_length(ckpt, symbols["H"])
 
     def add_rule(rule: nm.TensorRule, our_name: str, release_name: str, why: str, group: str):
         release_shape = nm.shape_of(rule.shape, symbols)
-        ours_shape = (symbols["H"],) if rule.transform == "unpad_heads" else release_shape
+        ours_shape = release_shape
+        if rule.transform == "unpad_heads":
+            ours_shape = (symbols["H"],)
+            layer = nm.layer_of(our_name.removeprefix(our_prefix))
+            release_shape = (_a_log_length(a_log_recorded, layer, symbols["A"], ckpt),)
+            if a_log_recorded is None:
+                notes.append(f"A_log padded to {symbols['A']} entries like the release: {files.PROVENANCE_NAME} "
+                             "records no source length")
         if our_name not in ckpt.weight_map:
             raise ConversionError(f"{ckpt.index_path}: tensor `{our_name}` is missing from the index ({why})")
         entry = ckpt.entry(our_name)
@@ -557,6 +623,7 @@ def build_export_plan(ckpt, context: RunContext, experts: str = "mxfp4", allow_u
         for rule in nm.expected_layer_expert_rules(text, layer):
             ours = our_prefix + nm.fill(rule.ours, L=layer)
             packed = ours + "_packed" in ckpt.weight_map
+            requantised = requantised or (experts == "mxfp4" and not packed)
             if not packed and ours not in ckpt.weight_map:
                 raise ConversionError(f"{ckpt.index_path}: tensor `{ours}` (or `{ours}_packed`) is missing ({why})")
             logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
@@ -595,7 +662,7 @@ def build_export_plan(ckpt, context: RunContext, experts: str = "mxfp4", allow_u
             for block in blocks:
                 name = nm.fill(rule.release, B=block) if block is not None else rule.release
                 add_rule(rule, name, name, "vision", "projector" if name.startswith("mm_projector.") else "vision")
-    return ExportPlan(tensors, notes)
+    return ExportPlan(tensors, notes, requantised)
 
 
 def materialise(tensor: OutTensor) -> torch.Tensor:

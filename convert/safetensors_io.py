@@ -5,13 +5,17 @@ the process's RSS until the file is closed (measured here: reading a 1 GiB shard
 `safe_open` raised RSS by 1 GiB). A release shard is 17 GB, so the bound "peak RSS independent of model size" needs
 plain positioned reads into buffers we own. The format is simple and fixed: an 8-byte little-endian header length,
 a JSON header `{name: {dtype, shape, data_offsets}}` (+ optional `__metadata__`), then the raw little-endian data.
-The header parser below is strict, so a truncated or corrupted shard fails with the file and tensor named; tests
-cross-check both directions against the `safetensors` library.
+The header parser below is as strict as the format (known dtypes, shape x itemsize = offset span, no duplicate keys,
+the data section indexed fully with no overlaps, holes or trailing bytes, `__metadata__` strings only), so a
+truncated, corrupted or ambiguous shard fails with the file and tensor named instead of yielding wrong weights; tests
+cross-check both directions against the `safetensors` library. Every chunk read is also checked for NaN / infinity
+(and E8M0 scale bytes for 0xFF) on the way through, so non-finite values never reach an output.
 """
 
 import json
 import math
 import os
+import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,27 +67,31 @@ class TensorEntry:
         return DTYPES[self.dtype]
 
 
+def _bad_header(path, message: str, tensor: str | None = None):
+    return shard_error(path, f"corrupted safetensors header: {message}", tensor)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _parse_entry(path, name, raw, data_start: int, data_size: int) -> TensorEntry:
-    if not isinstance(raw, dict) or set(raw) - {"dtype", "shape", "data_offsets"}:
-        raise shard_error(path, f"corrupted safetensors header: bad entry {raw!r}", name)
-    dtype, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
+    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
+        raise _bad_header(path, f"an entry needs exactly dtype, shape and data_offsets, found {raw!r}", name)
+    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if dtype not in DTYPES:
-        raise shard_error(path, f"corrupted safetensors header: unknown dtype {dtype!r}", name)
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise shard_error(path, f"corrupted safetensors header: bad shape {shape!r}", name)
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise shard_error(path, f"corrupted safetensors header: bad data_offsets {offsets!r}", name)
+        raise _bad_header(path, f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})", name)
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _bad_header(path, f"bad shape {shape!r} (a list of non-negative integers)", name)
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise _bad_header(path, f"bad data_offsets {offsets!r} (two non-negative integers)", name)
+    if offsets[0] > offsets[1]:
+        raise _bad_header(path, f"data_offsets {offsets} end before they begin", name)
     expected = math.prod(shape) * itemsize(dtype)
     if offsets[1] - offsets[0] != expected:
-        raise shard_error(
+        raise _bad_header(
             path,
-            f"corrupted safetensors header: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but "
-            f"{dtype} {shape} needs {expected}",
+            f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype} {shape} needs {expected}",
             name,
         )
     if offsets[1] > data_size:
@@ -96,35 +104,176 @@ def _parse_entry(path, name, raw, data_start: int, data_size: int) -> TensorEntr
     return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
-def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
-    """Parses and validates a shard's header. Returns ({name: entry}, metadata)."""
-    path = Path(path)
+def _check_layout(path, entries: dict[str, TensorEntry], data_start: int, data_size: int) -> None:
+    """The format indexes the byte buffer fully: sorted by offset, each tensor starts where the previous one ended,
+    and the last one ends at the end of the file. Overlaps would let two names share bytes (`k_proj` reading
+    `q_proj`'s values); holes or a tail would be bytes that belong to no tensor."""
+    ordered = sorted(entries.values(), key=lambda e: (e.begin, e.end))
+    for before, after in zip(ordered, ordered[1:]):
+        if after.begin < before.end:
+            raise _bad_header(path, f"its data overlaps `{before.name}` (bytes {after.begin - data_start}.."
+                              f"{min(after.end, before.end) - data_start} of the data section belong to both)",
+                              after.name)
+    position = data_start
+    for entry in ordered:
+        if entry.begin > position:
+            raise _bad_header(path, f"bytes {position - data_start}..{entry.begin - data_start} of the data section "
+                              "before this tensor belong to no tensor (the format allows no holes)", entry.name)
+        position = entry.end
+    if position != data_start + data_size:
+        raise _bad_header(path, f"the last {data_start + data_size - position} bytes of the file belong to no tensor "
+                          "(the format allows no trailing data)")
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _object_without_duplicates(pairs):
+    # json.loads keeps the last of two equal keys; in a header that silently replaces one tensor by another
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_json_header(path, raw: bytes) -> dict:
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise shard_error(path, f"file is truncated: {size} bytes, not even the 8-byte header length")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                raise shard_error(
-                    path,
-                    f"truncated or corrupted safetensors header: it claims {header_len} header bytes, the file has "
-                    f"{size} bytes in total",
-                )
-            raw = handle.read(header_len)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad_header(path, f"not UTF-8 ({exc})") from None
+    try:
+        header = json.loads(text, object_pairs_hook=_object_without_duplicates, parse_constant=_reject_constant)
+    except _DuplicateKey as exc:
+        raise _bad_header(path, "the key appears twice in the header (which one is meant is ambiguous)",
+                          exc.key) from None
+    except ValueError as exc:  # JSONDecodeError and rejected constants
+        raise _bad_header(path, f"not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _bad_header(path, f"not a JSON object (found {type(header).__name__})")
+    return header
+
+
+def _parse_metadata(path, header: dict) -> dict[str, str]:
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _bad_header(path, f"__metadata__ must map strings to strings, found {metadata!r}"[:300])
+    return metadata
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def open_regular_file(path: Path):
+    """Opens `path` for reading only if it is a regular file (a symlink to one is fine: Hub caches use them).
+    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer; on a regular file it does
+    nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise shard_error(path, "shard file is missing") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise shard_error(path, f"corrupted safetensors header (not JSON: {exc})") from None
-    if not isinstance(header, dict):
-        raise shard_error(path, "corrupted safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
+    except IsADirectoryError:
+        raise shard_error(path, "is a directory, not a shard file") from None
+    except OSError as exc:
+        raise shard_error(path, f"cannot be opened for reading ({exc.strerror or exc})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise shard_error(path, f"is {_file_kind(mode)}, not a shard file (a regular `.safetensors` file)")
+    return os.fdopen(fd, "rb")
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Parses and validates a shard's header as strictly as the format: returns ({name: entry}, metadata)."""
+    path = Path(path)
+    with open_regular_file(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise shard_error(path, f"file is truncated: {size} bytes, not even the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            limit = "more than the format's 100 MB limit" if header_len > MAX_HEADER_BYTES else "beyond the end"
+            raise shard_error(
+                path,
+                f"truncated or corrupted safetensors header: it claims {header_len} header bytes ({limit}), the file "
+                f"has {size} bytes in total",
+            )
+        raw = handle.read(header_len)
+    header = _parse_json_header(path, raw)
+    metadata = _parse_metadata(path, header)
     data_start, data_size = 8 + header_len, size - 8 - header_len
     entries = {name: _parse_entry(path, name, raw_entry, data_start, data_size) for name, raw_entry in header.items()}
+    _check_layout(path, entries, data_start, data_size)
     return entries, metadata
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Values: nothing non-finite passes into a model. Checked on every chunk as it is read (no second read): a NaN-
+# propagating min/max runs at memory speed, and only a chunk that fails it is searched for the first bad element.
+
+# Bytes that hold E8M0 scales (MXFP4 `weight_scale`): the dtype says U8, the format says 0xFF is NaN.
+E8M0 = "e8m0"
+_CHECK_BLOCK = 1 << 24  # elements per min/max call (f8 blocks are widened to f32 first)
+_NO_MINMAX = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _first_non_finite(values: torch.Tensor) -> int | None:
+    for start in range(0, values.numel(), _CHECK_BLOCK):
+        block = values[start:start + _CHECK_BLOCK]
+        if block.dtype in _NO_MINMAX:
+            block = block.float()
+        low, high = torch.aminmax(block)
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            return start + int(torch.nonzero(~torch.isfinite(block))[0, 0])
+    return None
+
+
+def _position(entry: TensorEntry, flat: int) -> list[int]:
+    index = []
+    for dim in reversed(entry.shape or (1,)):
+        index.append(flat % dim)
+        flat //= dim
+    return index[::-1]
+
+
+def check_values(path, entry: TensorEntry, data: torch.Tensor, offset: int, encoding: str | None = None) -> None:
+    """Raises if the whole elements among `data` (bytes [offset, offset + len) of the tensor's data) include a NaN or
+    infinity, or, with encoding E8M0, a scale byte 0xFF."""
+    if encoding == E8M0:
+        if data.numel() and int(data.max()) == 0xFF:
+            flat = offset + int(torch.nonzero(data == 0xFF)[0, 0])
+            raise shard_error(path, f"E8M0 scale byte 0xFF (NaN in the MX format) at {_position(entry, flat)}; "
+                              "valid scales are 0x00..0xFE", entry.name)
+        return
+    dtype = entry.torch_dtype
+    if not dtype.is_floating_point:
+        return
+    size = itemsize(entry.dtype)
+    skip = -offset % size  # a chunk may start or end inside an element; check the whole ones
+    count = (data.numel() - skip) // size
+    if count <= 0:
+        return
+    values = data[skip:skip + count * size].view(dtype)
+    bad = _first_non_finite(values)
+    if bad is not None:
+        flat = (offset + skip) // size + bad
+        raise shard_error(path, f"non-finite value {float(values[bad])} at {_position(entry, flat)} "
+                          f"({entry.dtype} {list(entry.shape)}); a checkpoint with NaN or infinity is refused",
+                          entry.name)
 
 
 class ShardReader:
@@ -155,31 +304,35 @@ class ShardReader:
 
     def _read_into(self, buffer: torch.Tensor, offset: int, name: str) -> None:
         if self._handle is None:
-            self._handle = open(self.path, "rb")
+            self._handle = open_regular_file(self.path)
         self._handle.seek(offset)
         view = memoryview(buffer.numpy()).cast("B")
         got = self._handle.readinto(view)
         if got != len(view):
             raise shard_error(self.path, f"file is truncated: short read ({got} of {len(view)} bytes)", name)
 
-    def read_bytes(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Raw bytes [start, stop) of a tensor's data as a uint8 tensor."""
+    def read_bytes(self, name: str, start: int = 0, stop: int | None = None, encoding: str | None = None) -> torch.Tensor:
+        """Raw bytes [start, stop) of a tensor's data as a uint8 tensor, its values checked (`check_values`)."""
         entry = self.entry(name)
         stop = entry.nbytes if stop is None else stop
         buffer = torch.empty(stop - start, dtype=torch.uint8)
         if stop > start:
             self._read_into(buffer, entry.begin + start, name)
+            check_values(self.path, entry, buffer, start, encoding)
         return buffer
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, encoding: str | None = None) -> torch.Tensor:
         entry = self.entry(name)
-        return self.read_bytes(name).view(entry.torch_dtype).reshape(entry.shape)
+        return self.read_bytes(name, encoding=encoding).view(entry.torch_dtype).reshape(entry.shape)
 
     def iter_byte_chunks(self, name: str, nbytes: int | None = None) -> Iterator[torch.Tensor]:
-        """The first `nbytes` (default: all) of a tensor's data in chunks of at most `chunk_bytes`."""
-        total = self.entry(name).nbytes if nbytes is None else nbytes
-        for start in range(0, total, self.chunk_bytes):
-            yield self.read_bytes(name, start, min(total, start + self.chunk_bytes))
+        """The first `nbytes` (default: all) of a tensor's data in chunks of at most `chunk_bytes` (whole elements,
+        so every element is value-checked)."""
+        entry = self.entry(name)
+        total = entry.nbytes if nbytes is None else nbytes
+        step = max(itemsize(entry.dtype), self.chunk_bytes - self.chunk_bytes % itemsize(entry.dtype))
+        for start in range(0, total, step):
+            yield self.read_bytes(name, start, min(total, start + step))
 
 
 # ------------------------------------------------------------------------------------------------------------------
