@@ -201,8 +201,9 @@ class KimiK3DeltaAttention(nn.Module):
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
         if token_mask is not None:
             # Padding must not reach a conv window: zero pre-conv inputs read exactly like "before the sequence".
-            keep = token_mask.unsqueeze(-1).to(q.dtype)
-            q, k, v = q * keep, k * keep, v * keep
+            # Selected, not multiplied, so a NaN/Inf in a padded position cannot survive as NaN * 0.
+            padded = ~token_mask.unsqueeze(-1)
+            q, k, v = q.masked_fill(padded, 0.0), k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
 
         conv_states = cache.conv_states[self.layer_idx] if cache is not None else None
         recurrent_state = cache.recurrent_states[self.layer_idx] if cache is not None else None
@@ -220,10 +221,9 @@ class KimiK3DeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
         if token_mask is not None:
             # A padded step must be the identity on the state: the decay is not 1 on zero input, so set g = 0 and
-            # beta = 0 there explicitly.
-            keep = token_mask.to(g.dtype)
-            g = g * keep[..., None, None]
-            beta = beta * keep[..., None]
+            # beta = 0 there explicitly (selected, like q/k/v above).
+            g = g.masked_fill(~token_mask[..., None, None], 0.0)
+            beta = beta.masked_fill(~token_mask[..., None], 0.0)
 
         if recurrent_state is not None and seq_len == 1:
             kda_fn = _fast_op("fused_recurrent_kda", q) or fused_recurrent_kda
@@ -816,6 +816,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             cache = KimiK3Cache(self.config)
         if cache is not None and not isinstance(cache, KimiK3Cache):
             raise TypeError(f"Kimi K3 needs a KimiK3Cache, got {type(cache).__name__}")
+        self._check_model_inputs(input_ids, inputs_embeds, attention_mask, cache)
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
@@ -849,6 +850,11 @@ class KimiK3Model(KimiK3PreTrainedModel):
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
             kwargs.pop(key, None)
 
+        if token_mask is not None:
+            # Padded positions hold whatever the pad embedding row or the caller put there, NaN included. Select zeros
+            # there (as the release's multimodal merge does, k3_math 7), so every later op reads finite values and a
+            # padded key's exactly-zero attention weight times its value stays exactly zero.
+            inputs_embeds = inputs_embeds.masked_fill(~token_mask.unsqueeze(-1), 0.0)
         hidden_states, banked = inputs_embeds, ()
         all_hidden_states = (inputs_embeds,) if output_hidden_states else None
         with _recorded_outputs(self, output_attentions, output_router_logits) as recorded:
@@ -880,6 +886,74 @@ class KimiK3Model(KimiK3PreTrainedModel):
             router_logits=recorded.get("router_logits"),
             **{CACHE_FIELD: cache},
         )
+
+    def _check_model_inputs(self, input_ids, inputs_embeds, attention_mask, cache) -> None:
+        """Reject inputs that would otherwise fail deep inside a layer with an unrelated message, or silently give
+        wrong outputs. Shape checks cost nothing (under torch.compile they are decided at trace time); the value
+        checks read the inputs once and are skipped while compiling, so the static decode step stays one graph
+        with no host synchronisation."""
+        if input_ids is not None and input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, length]; got shape {tuple(input_ids.shape)}")
+        hidden_size = self.config.hidden_size
+        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size):
+            raise ValueError(
+                f"inputs_embeds must be [batch, length, hidden_size={hidden_size}]; got shape "
+                f"{tuple(inputs_embeds.shape)}"
+            )
+        name, inputs = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
+        batch, seq_len = inputs.shape[:2]
+        if batch == 0 or seq_len == 0:
+            raise ValueError(
+                f"{name} has shape {tuple(inputs.shape)}: Kimi K3 needs at least one sequence of at least one token"
+            )
+        has_past = cache is not None and cache.has_past
+        if has_past and not torch.compiler.is_compiling() and cache.batch_size != batch:
+            raise ValueError(
+                f"The cache holds {cache.batch_size} sequences but {name} has batch size {batch} (shape "
+                f"{tuple(inputs.shape)}); continue a cache with the batch it was filled with, or start a new cache"
+            )
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch:
+                raise ValueError(
+                    f"Kimi K3 takes a 2-D padding attention_mask [batch={batch}, length]; got shape "
+                    f"{tuple(attention_mask.shape)} for {name} of shape {tuple(inputs.shape)}"
+                )
+            # generate() passes the mask of the whole sequence (cached + new tokens). A static decode step does not
+            # read the mask (the cache's key_valid is the mask) and its cached length lives on the device, so the
+            # length is checked everywhere but there.
+            static_decode = has_past and cache.is_static and seq_len == 1
+            if not static_decode:
+                past_len = cache.get_seq_length() if has_past else 0
+                if attention_mask.shape[1] != past_len + seq_len:
+                    raise ValueError(
+                        f"attention_mask has shape {tuple(attention_mask.shape)} but {name} has shape "
+                        f"{tuple(inputs.shape)} and the cache holds {past_len} tokens: the mask must cover the "
+                        f"cached and the new tokens, length {past_len} + {seq_len} = {past_len + seq_len}"
+                    )
+        if torch.compiler.is_compiling():
+            return
+        if input_ids is not None:
+            # One min/max per forward (one host sync in eager): an id outside the table is an opaque IndexError on
+            # CPU and a device-side assert that ends the CUDA context on GPU.
+            vocab_size = self.embed_tokens.num_embeddings
+            low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+            if low < 0 or high >= vocab_size:
+                raise ValueError(
+                    f"input_ids (shape {tuple(input_ids.shape)}) hold ids from {low} to {high}, outside the "
+                    f"vocabulary [0, vocab_size={vocab_size})"
+                )
+            return
+        # Real (unmasked) positions of user-given embeddings must be finite; padded ones may hold anything, they are
+        # replaced by zeros before the first layer.
+        non_finite = ~torch.isfinite(inputs_embeds).all(dim=-1)
+        if attention_mask is not None:
+            non_finite &= attention_mask[:, -seq_len:].bool()
+        if bool(non_finite.any()):
+            row, position = non_finite.nonzero()[0].tolist()
+            raise ValueError(
+                f"inputs_embeds (shape {tuple(inputs_embeds.shape)}) has non-finite values at a real (unmasked) "
+                f"token: batch {row}, position {position} ({int(non_finite.sum())} such tokens in all)"
+            )
 
     @staticmethod
     def _token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
