@@ -48,8 +48,9 @@ def test_padding_never_reaches_kda_state_or_conv_window(model):
         alone = cache_of(model(prompt, use_cache=True))
         masked = cache_of(model(padded, attention_mask=mask, use_cache=True))
     for layer in model.config.kda_layer_indices:
-        torch.testing.assert_close(masked.recurrent_states[layer], alone.recurrent_states[layer], atol=1e-6, rtol=1e-5)
-        for a, b in zip(masked.conv_states[layer], alone.conv_states[layer]):
+        (masked_conv, masked_state), (alone_conv, alone_state) = masked.kda_state(layer), alone.kda_state(layer)
+        torch.testing.assert_close(masked_state, alone_state, atol=1e-6, rtol=1e-5)
+        for a, b in zip(masked_conv, alone_conv):
             torch.testing.assert_close(a, b)
 
 
@@ -84,10 +85,11 @@ def test_cache_bytes_equal_analytic_and_mla_holds_only_the_latent(model):
     config = model.config
     assert cache.live_bytes() == analytic_cache_bytes(config, 12, batch_size=3, dtype_bytes=4)
     for layer in config.mla_layer_indices:
-        assert cache.latents[layer].shape == (3, 12, config.kv_lora_rank + config.qk_rope_head_dim)
+        assert cache.layers[layer].latents.shape == (3, 12, config.kv_lora_rank + config.qk_rope_head_dim)
     for layer in config.kda_layer_indices:
-        assert cache.recurrent_states[layer].dtype == torch.float32
-        assert cache.conv_states[layer][0].shape[-1] == config.linear_conv_kernel_size - 1
+        conv_states, recurrent_state = cache.kda_state(layer)
+        assert recurrent_state.dtype == torch.float32
+        assert conv_states[0].shape[-1] == config.linear_conv_kernel_size - 1
     # K3 at release size: 576 values/token/MLA layer; KDA state constant in the context length
     from kimik3.cli import _load_text_config
 
@@ -104,12 +106,13 @@ def test_cache_batch_operations(model):
         per_row = [cache_of(model(ids[i:i + 1], use_cache=True)) for i in range(2)]
     base.reorder_cache(torch.tensor([1, 0]))
     layer_kda, layer_mla = model.config.kda_layer_indices[0], model.config.mla_layer_indices[0]
-    torch.testing.assert_close(base.recurrent_states[layer_kda][0], per_row[1].recurrent_states[layer_kda][0],
+    torch.testing.assert_close(base.kda_state(layer_kda)[1][0], per_row[1].kda_state(layer_kda)[1][0],
                                atol=1e-5, rtol=1e-4)
     base.batch_repeat_interleave(3)
-    assert base.batch_size == 6 and base.latents[layer_mla].shape[0] == 6
+    assert base.batch_size == 6 and base.layers[layer_mla].latents.shape[0] == 6
     base.batch_select_indices(torch.tensor([0, 5]))
-    torch.testing.assert_close(base.latents[layer_mla][1], per_row[0].latents[layer_mla][0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(base.layers[layer_mla].latents[1], per_row[0].layers[layer_mla].latents[0],
+                               atol=1e-5, rtol=1e-4)
     with pytest.raises(NotImplementedError, match="KDA"):
         base.crop(3)
     base.reset()
