@@ -6,9 +6,17 @@ import torch
 from k3_test_utils import cache_of
 from kimik3.cli import build_tiny_model
 from kimik3.configuration import tiny_text_config_dict
-from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, analytic_cache_bytes
+from kimik3.modeling.cache_kimi_k3 import (
+    KimiK3Cache,
+    KimiK3KDAStateLayer,
+    KimiK3LatentLayer,
+    KimiK3StaticCache,
+    KimiK3StaticKDAStateLayer,
+    KimiK3StaticLatentLayer,
+    analytic_cache_bytes,
+)
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
-from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +105,39 @@ def test_cache_bytes_equal_analytic_and_mla_holds_only_the_latent(model):
     small, large = analytic_cache_bytes(k3, 131072), analytic_cache_bytes(k3, 1048576)
     assert large["kda_state"] == small["kda_state"] == 69 * 96 * 128 * 128 * 4
     assert large["mla_kv"] == 24 * 1048576 * 576 * 2 == 8 * small["mla_kv"]
+
+
+def test_cache_builds_one_layer_object_per_layer_type_dynamic_or_static(model):
+    config = model.config
+    dynamic, static = KimiK3Cache(config), KimiK3Cache(config, max_cache_len=16)
+    assert type(static) is KimiK3StaticCache and isinstance(static, KimiK3Cache) and not dynamic.is_static
+    for layer_type, dynamic_layer, static_layer in zip(config.layer_types, dynamic.layers, static.layers):
+        if layer_type == "linear_attention":
+            assert type(dynamic_layer) is KimiK3KDAStateLayer and type(static_layer) is KimiK3StaticKDAStateLayer
+        else:
+            assert type(dynamic_layer) is KimiK3LatentLayer and type(static_layer) is KimiK3StaticLatentLayer
+    # generate() compiles the decode step only for a compileable cache
+    assert static.is_compileable and not dynamic.is_compileable
+    assert dynamic.is_linear == [t == "linear_attention" for t in config.layer_types]
+    assert dynamic.get_max_length() == -1 and static.get_max_length() == 16
+    assert dynamic.kda_state(config.kda_layer_indices[0]) == (None, None) and not dynamic.has_previous_state()
+
+
+def test_generate_cache_routes_give_the_same_tokens(model):
+    """No cache, a cache generate() creates, a user's dynamic or static cache (filled in place and returned):
+    the same greedy tokens. A cache of another kind is refused by name."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 128, (2, 5))
+    greedy = dict(max_new_tokens=4, do_sample=False)
+    default = model.generate(ids, **greedy)
+    assert torch.equal(model.generate(ids, use_cache=False, **greedy), default)
+    for user_cache in (KimiK3Cache(model.config), KimiK3Cache(model.config, max_cache_len=16)):
+        out = model.generate(ids, return_dict_in_generate=True, **greedy, **{CACHE_FIELD: user_cache})
+        assert torch.equal(out.sequences, default)
+        assert cache_of(out) is user_cache and user_cache.get_seq_length() == 5 + 4 - 1
+    with pytest.raises(TypeError, match="KimiK3Cache"):
+        model.generate(ids, **greedy, **{CACHE_FIELD: DynamicCache()})
 
 
 def test_cache_batch_operations(model):
