@@ -190,6 +190,7 @@ class KimiK3Cache(Cache):
         return super().__new__(cls)
 
     def __init__(self, config, max_cache_len: int | None = None, **kwargs):
+        # `max_cache_len` has chosen the class in __new__
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         super().__init__(layers=[self._new_layer(layer_type) for layer_type in text_config.layer_types])
         self._seen_tokens = 0
@@ -241,6 +242,12 @@ class KimiK3Cache(Cache):
 
     # ------------------------------------------------------------------------------------------------------------
     # transformers Cache API
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        raise NotImplementedError(
+            "KimiK3Cache holds MLA latents and KDA states, not key/value tensors: use update_latents(latents, "
+            "layer_idx) or update_kda_state(conv_states, recurrent_state, layer_idx)"
+        )
+
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return self._seen_tokens
 
@@ -295,7 +302,8 @@ class KimiK3Cache(Cache):
         if max_length >= self._seen_tokens:
             return
         for layer in self.layers:
-            layer.crop(max_length)
+            if not layer.is_linear:
+                layer.crop(max_length)
         self._seen_tokens = max(max_length, 0)
 
     def reset(self) -> None:

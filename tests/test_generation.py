@@ -121,6 +121,10 @@ def test_cache_builds_one_layer_object_per_layer_type_dynamic_or_static(model):
     assert dynamic.is_linear == [t == "linear_attention" for t in config.layer_types]
     assert dynamic.get_max_length() == -1 and static.get_max_length() == 16
     assert dynamic.kda_state(config.kda_layer_indices[0]) == (None, None) and not dynamic.has_previous_state()
+    dynamic.crop(-2)  # nothing cached yet: a no-op even with KDA layers
+    assert dynamic.get_seq_length() == 0
+    with pytest.raises(NotImplementedError, match="update_latents"):
+        dynamic.update(torch.zeros(1), torch.zeros(1), 0)  # the library's key/value entry point
 
 
 def test_generate_cache_routes_give_the_same_tokens(model):
