@@ -201,43 +201,26 @@ class K3Driver:
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits, cache
 
-    def synthetic_cache(self, batch, context):
-        """A cache holding `context` tokens of random state with the exact shapes/dtypes a real prefill leaves."""
+    def synthetic_cache(self, batch, context, max_cache_len=None):
+        """A cache holding `context` tokens of random state, written through the cache's own accessors as a
+        prefill writes it (static with `max_cache_len`: latents at the head of preallocated buffers, a
+        device-side position and key-validity mask, every buffer at a fixed address)."""
         cfg = self.model.config
-        cache = self.new_cache()
+        cache = self.cache_cls(cfg, max_cache_len=max_cache_len)
+        cache.begin_step(batch, context, None, torch.device(DEV))
         width = cfg.linear_num_heads * cfg.linear_head_dim
         for layer, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
-                cache.latents[layer] = torch.randn(batch, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                                   device=DEV, dtype=torch.bfloat16)
+                cache.update_latents(torch.randn(batch, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                                 device=DEV, dtype=torch.bfloat16), layer)
             else:
-                cache.conv_states[layer] = tuple(
+                conv_states = tuple(
                     torch.randn(batch, width, cfg.linear_conv_kernel_size - 1, device=DEV, dtype=torch.bfloat16)
                     for _ in range(3))
-                cache.recurrent_states[layer] = 0.01 * torch.randn(
+                recurrent_state = 0.01 * torch.randn(
                     batch, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim, device=DEV)
-        cache._seen_tokens = context
-        return cache
-
-    def synthetic_static_cache(self, batch, context, max_cache_len):
-        """The same random state laid out as a static prefill leaves it: latents at the head of preallocated
-        buffers, a device-side position and key-validity mask, every buffer at a fixed address."""
-        from kimik3.modeling.cache_kimi_k3 import _static_address
-
-        dynamic = self.synthetic_cache(batch, context)
-        cache = self.cache_cls(self.model.config, max_cache_len=max_cache_len)
-        cache.position = _static_address(torch.full((1,), context, dtype=torch.long, device=DEV))
-        cache.key_valid = _static_address(torch.zeros(batch, max_cache_len, dtype=torch.bool, device=DEV))
-        cache.key_valid[:, :context] = True
-        for layer, latents in enumerate(dynamic.latents):
-            if latents is not None:
-                buffer = latents.new_zeros(batch, max_cache_len, latents.shape[-1])
-                buffer[:, :context] = latents
-                cache.latents[layer] = _static_address(buffer)
-            if dynamic.conv_states[layer] is not None:
-                cache.conv_states[layer] = tuple(_static_address(s) for s in dynamic.conv_states[layer])
-                cache.recurrent_states[layer] = _static_address(dynamic.recurrent_states[layer])
-        cache.has_past = True
+                cache.update_kda_state(conv_states, recurrent_state, layer)
+        cache.advance(context)
         return cache
 
 
@@ -363,7 +346,7 @@ def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=4
     kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
               "do_sample": False, "logits_processor": [clock], "pad_token_id": 0}
     if compiled and synthetic:
-        kwargs[CACHE_FIELD] = K3Driver(model).synthetic_static_cache(batch, context, context + new_tokens + 1)
+        kwargs[CACHE_FIELD] = K3Driver(model).synthetic_cache(batch, context, context + new_tokens + 1)
     elif compiled:
         kwargs["cache_implementation"] = "static"
     else:

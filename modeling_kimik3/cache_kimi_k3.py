@@ -13,11 +13,20 @@
 # limitations under the License.
 """The hybrid Kimi K3 cache: compressed MLA latents + KDA conv windows and f32 recurrent states.
 
-Per MLA layer it holds `kv_lora_rank + qk_rope_head_dim` values per token (the normalised latent followed by the
-shared, unrotated k_pe), never expanded K/V. Per KDA layer it holds the last `K - 1` pre-conv inputs of q, k and v
-and the [H, Dk, Dv] f32 state. The class is a `transformers.Cache` so `generate()` (5.17 to the newest 5.x) treats
-it as a cache, but it keeps its own per-layer storage instead of the library's layer classes, whose API moved
-between those versions.
+Laid out like transformers' caches: a `Cache` holding one layer object per model layer, built from
+`config.layer_types`, in a dynamic and a static variant.
+
+* `KimiK3LatentLayer` (MLA): `kv_lora_rank + qk_rope_head_dim` values per token (the normalised latent followed by
+  the shared, unrotated k_pe), never expanded K/V. Appended per forward; `KimiK3StaticLatentLayer` preallocates
+  `max_cache_len` tokens and writes in place.
+* `KimiK3KDAStateLayer` (KDA): the last `K - 1` pre-conv inputs of q, k and v and the [H, Dk, Dv] f32 state.
+  Replaced per forward; `KimiK3StaticKDAStateLayer` copies into buffers that keep their addresses.
+
+The layer objects are our own rather than transformers' `CacheLayerMixin` / `LinearAttentionCacheLayerMixin`,
+whose API moved between 5.17 and 5.24 and which hold K/V, not latents. The model reaches the storage only through
+the cache's accessors (`update_latents`, `kda_state`, `update_kda_state`, `has_previous_state`), and the token
+bookkeeping (a Python count, or a device-side position and key-validity mask) lives in the cache, since every layer
+of one forward writes the same positions.
 """
 
 import torch
@@ -33,118 +42,217 @@ def _static_address(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-layer storage
+
+
+class KimiK3LatentLayer:
+    """MLA layer of a growing cache: [B, T, kv_lora_rank + rope] latents, appended along the token axis."""
+
+    is_linear = False
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self):
+        self.latents: torch.Tensor | None = None
+
+    def update(self, latents: torch.Tensor) -> torch.Tensor:
+        self.latents = latents if self.latents is None else torch.cat([self.latents, latents], dim=1)
+        return self.latents
+
+    def crop(self, max_length: int) -> None:
+        if self.latents is not None:
+            self.latents = self.latents[:, :max_length]
+
+    def map_batch(self, fn) -> None:
+        if self.latents is not None:
+            self.latents = fn(self.latents)
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.latents is None else self.latents.shape[0]
+
+    def live_bytes(self) -> dict[str, int]:
+        return {"mla_kv": 0 if self.latents is None else _nbytes(self.latents)}
+
+    def reset(self) -> None:
+        self.latents = None
+
+
+class KimiK3StaticLatentLayer(KimiK3LatentLayer):
+    """MLA layer of a static cache: a preallocated [B, max_cache_len, R + P] buffer at a fixed address, written in
+    place; the cache's key-validity mask says which rows hold real tokens."""
+
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, max_cache_len: int):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+
+    def _buffer(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.latents is None:
+            buffer = latents.new_zeros(latents.shape[0], self.max_cache_len, latents.shape[-1])
+            self.latents = _static_address(buffer)
+        return self.latents
+
+    def write(self, latents: torch.Tensor, start: int) -> torch.Tensor:
+        """A prefill chunk at a host-known offset; returns the filled prefix."""
+        end = start + latents.shape[1]
+        buffer = self._buffer(latents)
+        buffer[:, start:end] = latents
+        return buffer[:, :end]
+
+    def write_step(self, latents: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """One decode token at a device-side position (no host read); returns the whole buffer."""
+        buffer = self._buffer(latents)
+        buffer.index_copy_(1, position, latents)
+        return buffer
+
+
+class KimiK3KDAStateLayer:
+    """KDA layer: the q/k/v conv windows (last K - 1 pre-conv inputs) and the f32 recurrent state, replaced after
+    every forward."""
+
+    is_linear = True
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self):
+        self.conv_states: tuple[torch.Tensor, ...] | None = None
+        self.recurrent_state: torch.Tensor | None = None
+
+    def update(self, conv_states: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor) -> None:
+        self.conv_states = tuple(conv_states)
+        self.recurrent_state = recurrent_state.float()
+
+    def map_batch(self, fn) -> None:
+        if self.conv_states is not None:
+            self.conv_states = tuple(fn(state) for state in self.conv_states)
+        if self.recurrent_state is not None:
+            self.recurrent_state = fn(self.recurrent_state)
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.recurrent_state is None else self.recurrent_state.shape[0]
+
+    def live_bytes(self) -> dict[str, int]:
+        return {
+            "kda_state": 0 if self.recurrent_state is None else _nbytes(self.recurrent_state),
+            "kda_conv": 0 if self.conv_states is None else sum(_nbytes(state) for state in self.conv_states),
+        }
+
+    def reset(self) -> None:
+        self.conv_states = None
+        self.recurrent_state = None
+
+
+class KimiK3StaticKDAStateLayer(KimiK3KDAStateLayer):
+    """KDA layer of a static cache: the first write allocates static-address buffers, later ones copy into them."""
+
+    is_compileable = True
+
+    def update(self, conv_states: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor) -> None:
+        if self.recurrent_state is None:
+            self.conv_states = tuple(_static_address(state.clone()) for state in conv_states)
+            self.recurrent_state = _static_address(recurrent_state.float().clone())
+            return
+        self.recurrent_state.copy_(recurrent_state)
+        for buffer, state in zip(self.conv_states, conv_states):
+            buffer.copy_(state)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The cache
+
+
 class KimiK3Cache(Cache):
     """Hybrid cache for Kimi K3. `generate()` creates it; it can also be built by hand: `KimiK3Cache(config)`.
 
-    With `max_cache_len` it is static: MLA latents live in a preallocated [B, max_cache_len, R + P] buffer written in
-    place, KDA states and conv windows are updated in place, the write position is a device tensor and key validity
-    a [B, max_cache_len] mask. A one-token decode step then has fixed shapes and addresses and never reads a Python
-    counter, so `generate(..., cache_implementation="static")` can compile it (`torch.compile`, CUDA graphs).
+    `KimiK3Cache(config, max_cache_len=N)` builds the static variant (`KimiK3StaticCache`), which
+    `generate(..., cache_implementation="static")` uses and can compile.
     """
 
-    def __init__(self, config, max_cache_len: int | None = None, **kwargs):
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        super().__init__(layers=[])
-        self.config = text_config
-        self.layer_types = list(text_config.layer_types)
-        num_layers = len(self.layer_types)
-        self.latents: list[torch.Tensor | None] = [None] * num_layers
-        self.conv_states: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
-        self.recurrent_states: list[torch.Tensor | None] = [None] * num_layers
-        self._seen_tokens = 0
-        self.has_past = False
-        self._max_cache_len = max_cache_len
-        self.is_static = max_cache_len is not None
-        self.position: torch.Tensor | None = None  # static: number of cached tokens, on the device
-        self.key_valid: torch.Tensor | None = None  # static: [B, max_cache_len], True where a real token is cached
+    is_static = False
 
-    @property
-    def is_compileable(self) -> bool:
-        return self.is_static
+    def __new__(cls, config=None, max_cache_len: int | None = None, **kwargs):
+        # One constructor for both variants, as users, benchmarks and generate() call it
+        if cls is KimiK3Cache and max_cache_len is not None:
+            cls = KimiK3StaticCache
+        return super().__new__(cls)
+
+    def __init__(self, config, max_cache_len: int | None = None, **kwargs):
+        # `max_cache_len` has chosen the class in __new__
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        super().__init__(layers=[self._new_layer(layer_type) for layer_type in text_config.layer_types])
+        self._seen_tokens = 0
+        self._has_past = False
+
+    def _new_layer(self, layer_type: str) -> KimiK3LatentLayer | KimiK3KDAStateLayer:
+        return KimiK3KDAStateLayer() if layer_type == "linear_attention" else KimiK3LatentLayer()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(layers={len(self)}, seen_tokens={self.get_seq_length()}, "
+                f"bytes={self.live_bytes()})")
 
     @property
     def max_cache_len(self) -> int | None:
-        return self._max_cache_len
+        return None
 
     # ------------------------------------------------------------------------------------------------------------
-    # Static bookkeeping
-    def begin_static_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
-                          device: torch.device) -> None:
-        """Before the layers run: mark the new positions valid (padding stays invalid). Eager for a prefill (any
-        length, checked against `max_cache_len`), shape-static for one decode token."""
-        if self.position is None:
-            self.position = _static_address(torch.zeros(1, dtype=torch.long, device=device))
-            self.key_valid = _static_address(torch.zeros(batch_size, self.max_cache_len, dtype=torch.bool,
-                                                         device=device))
-        if num_tokens == 1 and self.has_past:
-            self.key_valid.index_fill_(1, self.position, True)
-            return
-        start = int(self.position.item())
-        if start + num_tokens > self.max_cache_len:
-            raise ValueError(
-                f"KimiK3Cache: {start} cached + {num_tokens} new tokens exceed max_cache_len={self.max_cache_len}"
-            )
-        valid = torch.ones(batch_size, num_tokens, dtype=torch.bool, device=device) if token_mask is None else token_mask
-        self.key_valid[:, start : start + num_tokens] = valid
+    # Accessors the model calls, in forward order
+    def is_fixed_shape_step(self, num_tokens: int) -> bool:
+        """Whether this forward is a one-token decode step with fixed shapes and addresses, whose attention mask
+        is the cache's own (static cache only)."""
+        return False
 
-    def __len__(self) -> int:
-        return len(self.layer_types)
+    def begin_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
+                   device: torch.device) -> None:
+        """Before the layers run. A growing cache has nothing to prepare."""
 
-    def __repr__(self) -> str:
-        return f"KimiK3Cache(layers={len(self)}, seen_tokens={self.get_seq_length()}, bytes={self.live_bytes()})"
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether an earlier forward wrote this cache (every forward writes every layer)."""
+        return self._has_past
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Writers used by the model
     def update_latents(self, latents: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Append [B, T, kv_lora_rank + rope] latents of an MLA layer; returns the cached latents of that layer
-        (static decode: the whole buffer, valid where `key_valid` says so)."""
-        if not self.is_static:
-            past = self.latents[layer_idx]
-            full = latents if past is None else torch.cat([past, latents], dim=1)
-            self.latents[layer_idx] = full
-            return full
-        buffer = self.latents[layer_idx]
-        if buffer is None:
-            buffer = latents.new_zeros(latents.shape[0], self.max_cache_len, latents.shape[-1])
-            self.latents[layer_idx] = buffer = _static_address(buffer)
-        if latents.shape[1] == 1 and self.has_past:
-            buffer.index_copy_(1, self.position, latents)
-            return buffer
-        start = int(self.position.item())
-        buffer[:, start : start + latents.shape[1]] = latents
-        return buffer[:, : start + latents.shape[1]]
+        """Add the [B, T, kv_lora_rank + rope] latents of an MLA layer; returns that layer's cached latents."""
+        return self.layers[layer_idx].update(latents)
 
-    def update_kda_state(self, layer_idx: int, conv_states: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor):
-        if self.is_static and self.recurrent_states[layer_idx] is not None:
-            self.recurrent_states[layer_idx].copy_(recurrent_state)
-            for buffer, state in zip(self.conv_states[layer_idx], conv_states):
-                buffer.copy_(state)
-            return
-        if self.is_static:
-            conv_states = tuple(_static_address(s.clone()) for s in conv_states)
-            recurrent_state = _static_address(recurrent_state.float().clone())
-        self.conv_states[layer_idx] = conv_states
-        self.recurrent_states[layer_idx] = recurrent_state.float()
+    def kda_state(self, layer_idx: int) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
+        """(conv windows of q, k, v, f32 recurrent state) of a KDA layer; (None, None) before the first write."""
+        layer = self.layers[layer_idx]
+        return layer.conv_states, layer.recurrent_state
+
+    def update_kda_state(self, conv_states: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor,
+                         layer_idx: int) -> None:
+        self.layers[layer_idx].update(conv_states, recurrent_state)
 
     def advance(self, num_tokens: int) -> None:
         """Called once per forward by the model, after every layer wrote its state."""
-        if self.is_static:
-            self.position.add_(num_tokens)
-        else:
-            self._seen_tokens += num_tokens
-        self.has_past = True
+        self._seen_tokens += num_tokens
+        self._has_past = True
 
     # ------------------------------------------------------------------------------------------------------------
     # transformers Cache API
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        raise NotImplementedError(
+            "KimiK3Cache holds MLA latents and KDA states, not key/value tensors: use update_latents(latents, "
+            "layer_idx) or update_kda_state(conv_states, recurrent_state, layer_idx)"
+        )
+
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
-        if self.is_static:
-            return 0 if self.position is None else int(self.position.item())
         return self._seen_tokens
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        if self.is_static:
-            return self.max_cache_len, 0
-        return self._seen_tokens + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1 if self.max_cache_len is None else self.max_cache_len
@@ -152,56 +260,22 @@ class KimiK3Cache(Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.get_max_length()
 
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return self.has_past
-
     @property
     def is_initialized(self) -> bool:
-        return self.has_past
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * len(self)
+        return self._has_past
 
     @property
     def is_linear(self) -> list[bool]:
-        return [t == "linear_attention" for t in self.layer_types]
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * len(self)
-
-    @property
-    def is_croppable(self) -> bool:
-        return all(t != "linear_attention" for t in self.layer_types)
+        return [layer.is_linear for layer in self.layers]
 
     @property
     def batch_size(self) -> int:
-        for tensor in self._tensors():
-            return tensor.shape[0]
-        return 0
-
-    def _tensors(self):
-        if self.key_valid is not None:
-            yield self.key_valid
-        for layer in range(len(self)):
-            if self.latents[layer] is not None:
-                yield self.latents[layer]
-            if self.conv_states[layer] is not None:
-                yield from self.conv_states[layer]
-            if self.recurrent_states[layer] is not None:
-                yield self.recurrent_states[layer]
+        """Rows held (0 before the first forward)."""
+        return next((layer.batch_size for layer in self.layers if layer.batch_size), 0)
 
     def _map_batch(self, fn) -> None:
-        if self.key_valid is not None:
-            self.key_valid = fn(self.key_valid)
-        for layer in range(len(self)):
-            if self.latents[layer] is not None:
-                self.latents[layer] = fn(self.latents[layer])
-            if self.conv_states[layer] is not None:
-                self.conv_states[layer] = tuple(fn(s) for s in self.conv_states[layer])
-            if self.recurrent_states[layer] is not None:
-                self.recurrent_states[layer] = fn(self.recurrent_states[layer])
+        for layer in self.layers:
+            layer.map_batch(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -217,9 +291,7 @@ class KimiK3Cache(Cache):
 
         A KDA state cannot be rolled back (it folds every token in), so cropping a cache with KDA layers raises.
         """
-        if self.is_static:
-            raise NotImplementedError("KimiK3Cache.crop: not supported for a static cache")
-        kda = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+        kda = [i for i, layer in enumerate(self.layers) if layer.is_linear]
         if kda and self._seen_tokens > 0:
             raise NotImplementedError(
                 f"KimiK3Cache.crop: KDA layers {kda[:4]}{'...' if len(kda) > 4 else ''} hold a recurrent state that "
@@ -229,36 +301,108 @@ class KimiK3Cache(Cache):
             max_length = self._seen_tokens + max_length
         if max_length >= self._seen_tokens:
             return
-        for layer, latents in enumerate(self.latents):
-            if latents is not None:
-                self.latents[layer] = latents[:, :max_length]
+        for layer in self.layers:
+            if not layer.is_linear:
+                layer.crop(max_length)
         self._seen_tokens = max(max_length, 0)
 
     def reset(self) -> None:
-        num_layers = len(self)
-        self.latents = [None] * num_layers
-        self.conv_states = [None] * num_layers
-        self.recurrent_states = [None] * num_layers
+        for layer in self.layers:
+            layer.reset()
         self._seen_tokens = 0
-        self.has_past = False
-        self.position = None
-        self.key_valid = None
+        self._has_past = False
 
     # ------------------------------------------------------------------------------------------------------------
     # Memory report
     def live_bytes(self) -> dict[str, int]:
         """Bytes actually held, by kind: MLA latent KV, KDA recurrent state, KDA conv windows."""
         report = {"mla_kv": 0, "kda_state": 0, "kda_conv": 0}
-        for layer in range(len(self)):
-            if self.latents[layer] is not None:
-                report["mla_kv"] += self.latents[layer].numel() * self.latents[layer].element_size()
-            if self.conv_states[layer] is not None:
-                report["kda_conv"] += sum(s.numel() * s.element_size() for s in self.conv_states[layer])
-            if self.recurrent_states[layer] is not None:
-                state = self.recurrent_states[layer]
-                report["kda_state"] += state.numel() * state.element_size()
+        for layer in self.layers:
+            for kind, num_bytes in layer.live_bytes().items():
+                report[kind] += num_bytes
         report["total"] = sum(report.values())
         return report
+
+
+class KimiK3StaticCache(KimiK3Cache):
+    """Static Kimi K3 cache (`KimiK3Cache(config, max_cache_len=N)`): MLA latents live in preallocated buffers
+    written in place, KDA states and conv windows are updated in place, the write position is a device tensor and
+    key validity a [B, max_cache_len] mask. A one-token decode step then has fixed shapes and addresses and never
+    reads a Python counter, so `generate(..., cache_implementation="static")` can compile it (`torch.compile`, CUDA
+    graphs)."""
+
+    is_static = True
+
+    def __init__(self, config, max_cache_len: int, **kwargs):
+        self._max_cache_len = max_cache_len
+        super().__init__(config, **kwargs)
+        self.position: torch.Tensor | None = None  # number of cached tokens, on the device
+        self.key_valid: torch.Tensor | None = None  # [B, max_cache_len], True where a real token is cached
+
+    def _new_layer(self, layer_type: str) -> KimiK3StaticLatentLayer | KimiK3StaticKDAStateLayer:
+        if layer_type == "linear_attention":
+            return KimiK3StaticKDAStateLayer()
+        return KimiK3StaticLatentLayer(self.max_cache_len)
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._max_cache_len
+
+    def is_fixed_shape_step(self, num_tokens: int) -> bool:
+        return num_tokens == 1 and self._has_past
+
+    def begin_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
+                   device: torch.device) -> None:
+        """Mark the new positions valid (padding stays invalid). Eager for a prefill (any length, checked against
+        `max_cache_len`), shape-static for one decode token."""
+        if self.position is None:
+            self.position = _static_address(torch.zeros(1, dtype=torch.long, device=device))
+            self.key_valid = _static_address(torch.zeros(batch_size, self.max_cache_len, dtype=torch.bool,
+                                                         device=device))
+        if self.is_fixed_shape_step(num_tokens):
+            self.key_valid.index_fill_(1, self.position, True)
+            return
+        start = int(self.position.item())
+        if start + num_tokens > self.max_cache_len:
+            raise ValueError(
+                f"KimiK3Cache: {start} cached + {num_tokens} new tokens exceed max_cache_len={self.max_cache_len}"
+            )
+        valid = torch.ones(batch_size, num_tokens, dtype=torch.bool, device=device) if token_mask is None else token_mask
+        self.key_valid[:, start : start + num_tokens] = valid
+
+    def key_valid_mask(self) -> torch.Tensor:
+        """[B, 1, 1, max_cache_len] attention mask of a fixed-shape decode step over the whole buffer."""
+        return self.key_valid[:, None, None, :]
+
+    def update_latents(self, latents: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Static decode returns the whole buffer (valid where `key_valid` says so), a prefill its filled prefix."""
+        layer = self.layers[layer_idx]
+        if self.is_fixed_shape_step(latents.shape[1]):
+            return layer.write_step(latents, self.position)
+        return layer.write(latents, int(self.position.item()))
+
+    def advance(self, num_tokens: int) -> None:
+        self.position.add_(num_tokens)
+        self._has_past = True
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return 0 if self.position is None else int(self.position.item())
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def _map_batch(self, fn) -> None:
+        if self.key_valid is not None:
+            self.key_valid = fn(self.key_valid)
+        super()._map_batch(fn)
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("KimiK3Cache.crop: not supported for a static cache")
+
+    def reset(self) -> None:
+        super().reset()
+        self.position = None
+        self.key_valid = None
 
 
 def analytic_cache_bytes(config, num_tokens: int, batch_size: int = 1, dtype_bytes: int = 2) -> dict[str, int]:
@@ -282,4 +426,4 @@ def analytic_cache_bytes(config, num_tokens: int, batch_size: int = 1, dtype_byt
     return report
 
 
-__all__ = ["KimiK3Cache", "analytic_cache_bytes"]
+__all__ = ["KimiK3Cache", "KimiK3StaticCache", "analytic_cache_bytes"]

@@ -205,8 +205,7 @@ class KimiK3DeltaAttention(nn.Module):
             padded = ~token_mask.unsqueeze(-1)
             q, k, v = q.masked_fill(padded, 0.0), k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
 
-        conv_states = cache.conv_states[self.layer_idx] if cache is not None else None
-        recurrent_state = cache.recurrent_states[self.layer_idx] if cache is not None else None
+        conv_states, recurrent_state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
         conv_fn = _fast_op("causal_conv1d", q) or causal_conv1d
         (q, q_state), (k, k_state), (v, v_state) = (
             conv_fn(x, conv.weight, None if conv_states is None else state)
@@ -240,7 +239,7 @@ class KimiK3DeltaAttention(nn.Module):
             **extra,
         )
         if cache is not None:
-            cache.update_kda_state(self.layer_idx, (q_state, k_state, v_state), final_state)
+            cache.update_kda_state((q_state, k_state, v_state), final_state, self.layer_idx)
 
         if self.config.use_full_rank_gate:
             gate = self.g_proj(hidden_states)
@@ -338,7 +337,7 @@ class KimiK3MLAAttention(nn.Module):
 
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latents = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)
-        has_past = cache is not None and cache.has_past
+        has_past = cache is not None and cache.has_previous_state(self.layer_idx)
         if cache is not None:
             latents = cache.update_latents(latents, self.layer_idx)
 
@@ -726,7 +725,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             # The report initialises every pseudo-query to zero: uniform depth mixing at the start of training.
             module.weight.zero_()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length) -> None:
+        # generate() would build the library's DynamicCache/StaticCache, which hold K/V, not MLA latents. The cache
+        # must exist before generate() decides whether to compile the decode step, so it cannot wait for forward.
+        # Same signature in transformers 5.0 through 5.24.
         user_cache = model_kwargs.get(CACHE_FIELD)
         if user_cache is not None:
             if not isinstance(user_cache, KimiK3Cache):
@@ -741,8 +744,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         if implementation in (None, "dynamic", "hybrid"):
             model_kwargs[CACHE_FIELD] = KimiK3Cache(self.config)
         elif implementation == "static":
-            max_cache_len = args[2] if len(args) > 2 else kwargs.get("max_cache_length")
-            model_kwargs[CACHE_FIELD] = KimiK3Cache(self.config, max_cache_len=max_cache_len)
+            model_kwargs[CACHE_FIELD] = KimiK3Cache(self.config, max_cache_len=max_cache_length)
         else:
             raise NotImplementedError(
                 f"cache_implementation={implementation!r}: Kimi K3 uses its own hybrid cache (KimiK3Cache); use "
@@ -753,7 +755,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         """generate() asks for fixed-shape masks when the cache is static: the prefill keeps its 2-D padding mask
         (the cache records it), decode steps need none (the cache's key_valid mask is the mask)."""
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if cache is not None and cache.has_past:
+        if cache is not None and cache.has_previous_state():
             return None
         return attention_mask
 
@@ -831,20 +833,20 @@ class KimiK3Model(KimiK3PreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         batch, seq_len = inputs_embeds.shape[:2]
 
-        if cache is not None and cache.is_static and seq_len == 1 and cache.has_past:
+        if cache is not None and cache.is_fixed_shape_step(seq_len):
             # Static decode step: fixed shapes, no host synchronisation, no Python counter read (compilable).
             # The new token is real; which cached keys are real is the cache's key_valid mask.
-            cache.begin_static_step(batch, 1, None, inputs_embeds.device)
+            cache.begin_step(batch, 1, None, inputs_embeds.device)
             token_mask, document_index = None, None
-            mla_mask = cache.key_valid[:, None, None, :]
+            mla_mask = cache.key_valid_mask()
         else:
             past_len = cache.get_seq_length() if cache is not None else 0
             document_ids = self._document_ids(position_ids, attention_mask, past_len, kwargs)
             if document_ids is not None and cache is not None and past_len > 0:
                 raise ValueError("Packed sequences (restarting position_ids) cannot continue a cache")
             token_mask = self._token_mask(attention_mask, seq_len)
-            if cache is not None and cache.is_static:
-                cache.begin_static_step(batch, seq_len, token_mask, inputs_embeds.device)
+            if cache is not None:
+                cache.begin_step(batch, seq_len, token_mask, inputs_embeds.device)
             mla_mask = self._mla_mask(attention_mask, document_ids, batch, seq_len, past_len, inputs_embeds.device)
             document_index = self._document_index(document_ids) if document_ids is not None else None
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):

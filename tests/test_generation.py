@@ -6,9 +6,17 @@ import torch
 from k3_test_utils import cache_of
 from kimik3.cli import build_tiny_model
 from kimik3.configuration import tiny_text_config_dict
-from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, analytic_cache_bytes
+from kimik3.modeling.cache_kimi_k3 import (
+    KimiK3Cache,
+    KimiK3KDAStateLayer,
+    KimiK3LatentLayer,
+    KimiK3StaticCache,
+    KimiK3StaticKDAStateLayer,
+    KimiK3StaticLatentLayer,
+    analytic_cache_bytes,
+)
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
-from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +56,9 @@ def test_padding_never_reaches_kda_state_or_conv_window(model):
         alone = cache_of(model(prompt, use_cache=True))
         masked = cache_of(model(padded, attention_mask=mask, use_cache=True))
     for layer in model.config.kda_layer_indices:
-        torch.testing.assert_close(masked.recurrent_states[layer], alone.recurrent_states[layer], atol=1e-6, rtol=1e-5)
-        for a, b in zip(masked.conv_states[layer], alone.conv_states[layer]):
+        (masked_conv, masked_state), (alone_conv, alone_state) = masked.kda_state(layer), alone.kda_state(layer)
+        torch.testing.assert_close(masked_state, alone_state, atol=1e-6, rtol=1e-5)
+        for a, b in zip(masked_conv, alone_conv):
             torch.testing.assert_close(a, b)
 
 
@@ -84,10 +93,11 @@ def test_cache_bytes_equal_analytic_and_mla_holds_only_the_latent(model):
     config = model.config
     assert cache.live_bytes() == analytic_cache_bytes(config, 12, batch_size=3, dtype_bytes=4)
     for layer in config.mla_layer_indices:
-        assert cache.latents[layer].shape == (3, 12, config.kv_lora_rank + config.qk_rope_head_dim)
+        assert cache.layers[layer].latents.shape == (3, 12, config.kv_lora_rank + config.qk_rope_head_dim)
     for layer in config.kda_layer_indices:
-        assert cache.recurrent_states[layer].dtype == torch.float32
-        assert cache.conv_states[layer][0].shape[-1] == config.linear_conv_kernel_size - 1
+        conv_states, recurrent_state = cache.kda_state(layer)
+        assert recurrent_state.dtype == torch.float32
+        assert conv_states[0].shape[-1] == config.linear_conv_kernel_size - 1
     # K3 at release size: 576 values/token/MLA layer; KDA state constant in the context length
     from kimik3.cli import _load_text_config
 
@@ -97,6 +107,43 @@ def test_cache_bytes_equal_analytic_and_mla_holds_only_the_latent(model):
     assert large["mla_kv"] == 24 * 1048576 * 576 * 2 == 8 * small["mla_kv"]
 
 
+def test_cache_builds_one_layer_object_per_layer_type_dynamic_or_static(model):
+    config = model.config
+    dynamic, static = KimiK3Cache(config), KimiK3Cache(config, max_cache_len=16)
+    assert type(static) is KimiK3StaticCache and isinstance(static, KimiK3Cache) and not dynamic.is_static
+    for layer_type, dynamic_layer, static_layer in zip(config.layer_types, dynamic.layers, static.layers):
+        if layer_type == "linear_attention":
+            assert type(dynamic_layer) is KimiK3KDAStateLayer and type(static_layer) is KimiK3StaticKDAStateLayer
+        else:
+            assert type(dynamic_layer) is KimiK3LatentLayer and type(static_layer) is KimiK3StaticLatentLayer
+    # generate() compiles the decode step only for a compileable cache
+    assert static.is_compileable and not dynamic.is_compileable
+    assert dynamic.is_linear == [t == "linear_attention" for t in config.layer_types]
+    assert dynamic.get_max_length() == -1 and static.get_max_length() == 16
+    assert dynamic.kda_state(config.kda_layer_indices[0]) == (None, None) and not dynamic.has_previous_state()
+    dynamic.crop(-2)  # nothing cached yet: a no-op even with KDA layers
+    assert dynamic.get_seq_length() == 0
+    with pytest.raises(NotImplementedError, match="update_latents"):
+        dynamic.update(torch.zeros(1), torch.zeros(1), 0)  # the library's key/value entry point
+
+
+def test_generate_cache_routes_give_the_same_tokens(model):
+    """No cache, a cache generate() creates, a user's dynamic or static cache (filled in place and returned):
+    the same greedy tokens. A cache of another kind is refused by name."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 128, (2, 5))
+    greedy = dict(max_new_tokens=4, do_sample=False)
+    default = model.generate(ids, **greedy)
+    assert torch.equal(model.generate(ids, use_cache=False, **greedy), default)
+    for user_cache in (KimiK3Cache(model.config), KimiK3Cache(model.config, max_cache_len=16)):
+        out = model.generate(ids, return_dict_in_generate=True, **greedy, **{CACHE_FIELD: user_cache})
+        assert torch.equal(out.sequences, default)
+        assert cache_of(out) is user_cache and user_cache.get_seq_length() == 5 + 4 - 1
+    with pytest.raises(TypeError, match="KimiK3Cache"):
+        model.generate(ids, **greedy, **{CACHE_FIELD: DynamicCache()})
+
+
 def test_cache_batch_operations(model):
     ids = torch.randint(3, 128, (2, 6))
     with torch.no_grad():
@@ -104,12 +151,13 @@ def test_cache_batch_operations(model):
         per_row = [cache_of(model(ids[i:i + 1], use_cache=True)) for i in range(2)]
     base.reorder_cache(torch.tensor([1, 0]))
     layer_kda, layer_mla = model.config.kda_layer_indices[0], model.config.mla_layer_indices[0]
-    torch.testing.assert_close(base.recurrent_states[layer_kda][0], per_row[1].recurrent_states[layer_kda][0],
+    torch.testing.assert_close(base.kda_state(layer_kda)[1][0], per_row[1].kda_state(layer_kda)[1][0],
                                atol=1e-5, rtol=1e-4)
     base.batch_repeat_interleave(3)
-    assert base.batch_size == 6 and base.latents[layer_mla].shape[0] == 6
+    assert base.batch_size == 6 and base.layers[layer_mla].latents.shape[0] == 6
     base.batch_select_indices(torch.tensor([0, 5]))
-    torch.testing.assert_close(base.latents[layer_mla][1], per_row[0].latents[layer_mla][0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(base.layers[layer_mla].latents[1], per_row[0].layers[layer_mla].latents[0],
+                               atol=1e-5, rtol=1e-4)
     with pytest.raises(NotImplementedError, match="KDA"):
         base.crop(3)
     base.reset()

@@ -24,7 +24,7 @@ def test_static_cache_generate_equals_dynamic_with_left_padding():
     cache = cache_of(out)
     assert cache.is_static and cache.is_compileable and cache.get_seq_length() == 9 + 7
     layer = model.config.mla_layer_indices[0]
-    assert cache.latents[layer].shape[1] == cache.max_cache_len  # preallocated, written in place
+    assert cache.layers[layer].latents.shape[1] == cache.max_cache_len  # preallocated, written in place
     assert cache.key_valid[1, :5].sum() == 0 and cache.key_valid[1, 5:16].all() and not cache.key_valid[:, 16:].any()
 
 
