@@ -202,6 +202,14 @@ def test_incompatible_or_broken_kernels_fall_back_with_one_warning(monkeypatch, 
         assert ops._import_kernels() is None
     assert not caplog.records
 
+    def broken_install(name):
+        raise AttributeError("module 'triton' has no attribute 'jit'")
+
+    monkeypatch.setattr(ops.importlib, "import_module", broken_install)
+    with caplog.at_level(logging.WARNING):
+        assert ops._import_kernels() is None
+    assert len(caplog.records) == 1 and "AttributeError" in caplog.records[0].getMessage()
+
 
 def test_model_folder_code_with_incompatible_installed_kernels(tmp_path, monkeypatch, caplog):
     """The remote-code files copied flat into a folder, imported as transformers imports them, next to an installed
