@@ -430,7 +430,6 @@ def _op_bencher(res):
 def section_kernels():
     """Per-op timings at K3 shapes (ms, median of 10 after warm-up): fast path vs reference."""
     import kimik3.kernels as kk
-    from kimik3.kernels import reference as kref
     from kimik3.modeling import ops_kimi_k3 as ops
 
     res = {}
@@ -440,10 +439,10 @@ def section_kernels():
     for batch, ctx in ((1, 4 * K), (1, 64 * K), (8, 64 * K)):
         q = torch.randn(batch, 96, 1, 576, device=DEV, dtype=bf)
         c = torch.randn(batch, ctx, 576, device=DEV, dtype=bf)
-        fast = kk.get_fast_op("mla_decode", q)
+        fast = kk.load("mla_decode")
         cache_bytes = c.numel() * 2
-        bench(f"mla_decode_b{batch}_t{ctx // K}k", lambda: fast(q, c, 0.07),
-              (lambda: kref.mla_decode(q, c, 0.07, 512)) if ctx <= 4 * K else None)
+        bench(f"mla_decode_b{batch}_t{ctx // K}k", lambda: fast(q, c, 0.07, 512),
+              (lambda: ops.mla_decode(q, c, 0.07, 512)) if ctx <= 4 * K else None)
         res[f"mla_decode_b{batch}_t{ctx // K}k"]["cache_bytes"] = cache_bytes
         if isinstance(res[f"mla_decode_b{batch}_t{ctx // K}k"].get("fast_ms"), float):
             res[f"mla_decode_b{batch}_t{ctx // K}k"]["fast_effective_TBps"] = round(
@@ -451,7 +450,7 @@ def section_kernels():
         del q, c
     # SiTU on [8K*16, 3072] halves
     h = torch.randn(8 * K * 2, 6144, device=DEV, dtype=bf)
-    fast = kk.get_fast_op("situ_glu", h)
+    fast = kk.load("situ_glu")
     bench("situ_glu_16k_x_3072", lambda: fast(h[:, :3072], h[:, 3072:], 4.0, 25.0),
           lambda: ops.situ_glu(h[:, :3072], h[:, 3072:], 4.0, 25.0))
     del h
@@ -459,7 +458,7 @@ def section_kernels():
     for tokens in (8 * K, 1):
         cands = [torch.randn(1, tokens, 7168, device=DEV, dtype=bf) for _ in range(9)]
         nw, pw = torch.ones(7168, device=DEV, dtype=bf), torch.randn(1, 7168, device=DEV, dtype=bf) * 0.02
-        fast = kk.get_fast_op("block_attn_res_mix", cands[-1])
+        fast = kk.load("block_attn_res_mix")
         bench(f"attn_res_9cand_{tokens}tok", lambda: fast(cands, nw, pw, 1e-5),
               lambda: ops.block_attn_res_mix(cands, nw, pw, 1e-5))
         del cands
@@ -469,7 +468,7 @@ def section_kernels():
         g = ops.kda_gate(torch.randn(batch, t, 96, 128, device=DEV), torch.zeros(96, device=DEV),
                          torch.zeros(96 * 128, device=DEV), -5.0)
         beta = torch.rand(batch, t, 96, device=DEV)
-        fast = kk.get_fast_op("chunk_kda", q)
+        fast = kk.load("chunk_kda")
         bench("chunk_kda_b1_t8k", (lambda: fast(q, k_, v, g, beta, use_qk_l2norm_in_kernel=True)) if fast else None,
               lambda: ops.chunk_kda(q, k_, v, g, beta, use_qk_l2norm_in_kernel=True), repeats=3)
         del q, k_, v, g, beta
@@ -479,7 +478,7 @@ def section_kernels():
         beta = torch.rand(batch, 1, 96, device=DEV)
         h0 = torch.randn(batch, 96, 128, 128, device=DEV) * 0.01
         with torch.inference_mode():
-            fast = kk.get_fast_op("fused_recurrent_kda", q)
+            fast = kk.load("fused_recurrent_kda")
         bench(f"fused_recurrent_kda_b{batch}",
               (lambda: fast(q, k_, v, g, beta, initial_state=h0, output_final_state=True,
                             use_qk_l2norm_in_kernel=True)) if fast else None,
@@ -488,7 +487,7 @@ def section_kernels():
     # MXFP4 dequant of one layer of 64 experts (gate_up)
     packed = torch.randint(0, 256, (64, 6144, 1792), device=DEV, dtype=torch.uint8)
     scale = torch.randint(110, 130, (64, 6144, 112), device=DEV, dtype=torch.uint8)
-    fast = kk.get_fast_op("mxfp4_dequant", packed)
+    fast = kk.load("mxfp4_dequant")
     bench("mxfp4_dequant_64x6144x3584", lambda: fast(packed, scale, bf),
           lambda: ops.dequantize_mxfp4(packed, scale, bf), repeats=3)
     return res
@@ -498,7 +497,7 @@ def section_moe_kernels():
     """Routed experts at K3 widths (64 experts, top-16, latent 3584, expert width 3072; ms, median of 5 after
     warm-up): bf16 experts through grouped_mm against the reference loop, and packed MXFP4 experts."""
     import kimik3.kernels as kk
-    from kimik3.kernels import reference as kref
+    from kimik3.modeling import ops_kimi_k3 as ops
 
     res = {}
     bench = _op_bencher(res)
@@ -508,9 +507,9 @@ def section_moe_kernels():
     for n in (1, 8, 8 * K):
         x = torch.randn(n, 3584, device=DEV, dtype=bf)
         w, idx = torch.rand(n, 64, device=DEV).topk(16, dim=-1)
-        fast = kk.get_fast_op("moe_experts", x)
+        fast = kk.load("moe_experts")
         bench(f"moe_experts_n{n}", lambda: fast(x, idx, w, gate_up, down, 4.0, 25.0),
-              lambda: kref.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), repeats=5)
+              lambda: ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), repeats=5)
     # The same experts packed as MXFP4 (release format): the Triton grouped matmul that dequantises tiles in
     # registers, against dequantising the whole stack first and then the bf16 grouped GEMMs (the fast path before),
     # and against bf16 experts. Roofline: the packed bytes of the experts routed to, read once.
@@ -519,7 +518,7 @@ def section_moe_kernels():
               for t in (gate_up, down)]
     packed_args = (packed[0][0], packed[0][1], packed[1][0], packed[1][1], 4.0, 25.0)
     bytes_per_expert = sum(t[0].numel() + t[1].numel() for t in packed) // 64
-    fast_mxfp4, fast_bf16 = kk.get_fast_op("moe_experts_mxfp4", gate_up), kk.get_fast_op("moe_experts", gate_up)
+    fast_mxfp4, fast_bf16 = kk.load("moe_experts_mxfp4"), kk.load("moe_experts")
     from kimik3.kernels.moe import moe_experts_mxfp4_dequantised
 
     for n in (1, 8, 8 * K):
@@ -546,9 +545,6 @@ def section_moe_kernels():
 
 
 def set_reference(flag: bool):
-    import kimik3.kernels as kk
-
-    kk.set_enabled(not flag)
     os.environ["KIMIK3_REFERENCE_ONLY"] = "1" if flag else "0"
 
 

@@ -18,22 +18,15 @@ Importing this module imports fla (and so Triton); it fails with ImportError whe
 * `chunk_kda`, `fused_recurrent_kda`: same signature/contract as the references: q, k, g [B, T, H, K],
   v [B, T, H, V], beta [B, T, H] (post-sigmoid), g the log-space decay already computed (fla's
   `use_gate_in_kernel=False`), state [B, H, K, V] f32 -> (o in v.dtype, final state f32 or None).
-  `chunk_kda` has autograd (fla's); `fused_recurrent_kda` is forward-only (the dispatcher never hands it out when
-  a gradient is needed).
-* `chunk_kda_fused_gate`, `fused_recurrent_kda_fused_gate`: the same, but `g` is the raw decay logit and the gate
-  `kda_gate(g, A_log, dt_bias, lower_bound)` is computed inside fla's kernel:
-  lower_bound set -> lb * sigmoid(exp(A_log) (g + dt_bias)) (K3), else -exp(A_log) softplus(g + dt_bias).
-  With lower_bound in [-5, 0) the chunk variant also turns on fla's `safe_gate` (M=16 tensor-core path; the
-  precondition of fla's FlashKDA backend). Equivalent to `chunk_kda(q, k, v, kda_gate(g, A_log, dt_bias, lb), ...)`
-  but saves the f32 [B, T, H, K] gate tensor. A_log may be the release's zero-padded [128] vector: it is sliced
-  to [:H].
+  `chunk_kda` has autograd (fla's); `fused_recurrent_kda` is forward-only (declared so in FAST_OPS: the model
+  keeps the reference when a gradient is needed). The reference's `chunk_size` is a memory knob of its own chunked
+  loop; fla's kernels are tuned for 64-token chunks and always use them.
 * `causal_conv1d`: same contract as the reference (x [B, T, C], weight [C, 1, K], conv_state [B, C, K-1] of previous
   pre-conv inputs or None -> (SiLU(conv) in x.dtype, new conv_state [B, C, K-1])). fla keeps a [B, C, K] state
   whose last K-1 columns are the previous inputs; the adapter pads / slices. Autograd through fla's Triton
   backward.
 """
 
-import torch
 import torch.nn.functional as F
 from fla.modules.causal_conv1d import causal_conv1d as _fla_causal_conv1d
 from fla.ops.kda import chunk_kda as _fla_chunk_kda
@@ -46,17 +39,13 @@ def _state(initial_state):
     return initial_state.float().contiguous()
 
 
-def _chunk_size(chunk_size):
-    return chunk_size if chunk_size in (32, 64) else 64
-
-
 def chunk_kda(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-    chunk_size=64,
+    chunk_size=None,  # the reference's memory knob, passed by the model to either twin; fla always chunks by 64
 ):
     o, final = _fla_chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=_chunk_size(chunk_size),
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=64,
     )
     return o.to(v.dtype), (final if output_final_state else None)
 
@@ -67,40 +56,6 @@ def fused_recurrent_kda(
     o, final = _fla_fused_recurrent_kda(
         q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-    )
-    return o.to(v.dtype), (final if output_final_state else None)
-
-
-def _gate_params(A_log, dt_bias, num_heads):
-    a = None if A_log is None else A_log.float()[:num_heads].contiguous()
-    b = None if dt_bias is None else dt_bias.float().reshape(-1).contiguous()
-    return a, b
-
-
-def chunk_kda_fused_gate(
-    q, k, v, g, beta, A_log, dt_bias, lower_bound=None, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, chunk_size=64,
-):
-    a, b = _gate_params(A_log, dt_bias, v.shape[2])
-    safe = lower_bound is not None and -5.0 <= float(lower_bound) < 0.0
-    o, final = _fla_chunk_kda(
-        q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=True, A_log=a, dt_bias=b,
-        lower_bound=None if lower_bound is None else float(lower_bound), safe_gate=safe,
-        chunk_size=_chunk_size(chunk_size),
-    )
-    return o.to(v.dtype), (final if output_final_state else None)
-
-
-def fused_recurrent_kda_fused_gate(
-    q, k, v, g, beta, A_log, dt_bias, lower_bound=None, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False,
-):
-    a, b = _gate_params(A_log, dt_bias, v.shape[2])
-    o, final = _fla_fused_recurrent_kda(
-        q, k, v, g, beta, A_log=a, dt_bias=b, scale=scale, initial_state=_state(initial_state),
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=True, lower_bound=None if lower_bound is None else float(lower_bound),
     )
     return o.to(v.dtype), (final if output_final_state else None)
 

@@ -20,8 +20,6 @@ softmax, probabilities in the cache dtype (as flash attention does), PV in f32 a
 
 import torch
 
-from .reference import DEFAULT_ROPE_DIM
-
 
 def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     try:
@@ -31,25 +29,18 @@ def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def mla_decode(
-    q_lat: torch.Tensor,
-    latent_cache: torch.Tensor,
-    scale: float,
-    kv_lora_rank: int | None = None,
-    seq_lens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Same contract as `kimik3.kernels.reference.mla_decode`: q_lat [B, H, S, R+P], latent_cache [B, T, R+P]
-    -> o_lat [B, H, S, R] in q_lat's dtype."""
+    q_lat: torch.Tensor, latent_cache: torch.Tensor, scale: float, kv_lora_rank: int, attention_mask: None = None
+) -> tuple[torch.Tensor, None]:
+    """Same contract as `ops_kimi_k3.mla_decode` without a mask (with one, the model calls the reference):
+    q_lat [B, H, S, R+P], latent_cache [B, T, R+P] -> (o_lat [B, H, S, R] in q_lat's dtype, None: the probabilities
+    are not kept)."""
+    if attention_mask is not None:
+        raise ValueError("the fast mla_decode takes no attention mask; masked decode runs ops_kimi_k3.mla_decode")
     batch, heads, s_len, dim = q_lat.shape
-    if kv_lora_rank is None:
-        kv_lora_rank = dim - DEFAULT_ROPE_DIM
     cache = latent_cache if latent_cache.dtype == q_lat.dtype else latent_cache.to(q_lat.dtype)
     q = q_lat.reshape(batch, heads * s_len, dim)
     scores = _bmm_f32(q, cache.transpose(1, 2))  # [B, H*S, T]
     scores.mul_(scale)
-    if seq_lens is not None:
-        pos = torch.arange(cache.shape[1], device=cache.device)
-        invalid = pos.view(1, 1, -1) >= seq_lens.view(-1, 1, 1).to(pos.device)
-        scores.masked_fill_(invalid, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(cache.dtype)
     out = torch.bmm(probs, cache[:, :, :kv_lora_rank])  # [B, H*S, R]
-    return out.view(batch, heads, s_len, kv_lora_rank)
+    return out.view(batch, heads, s_len, kv_lora_rank), None

@@ -23,7 +23,7 @@ SiTU and combine have their own).
 import torch
 import torch.nn.functional as F
 
-from .reference import situ_glu as _situ_reference
+from kimik3.modeling.ops_kimi_k3 import situ_glu as _situ_reference
 
 
 def _grouped_mm_fn():
@@ -61,7 +61,8 @@ def _routed_experts(x, topk_indices, topk_weights, num_experts, inter, gate_up_m
     xs = x.index_select(0, order // k)  # [N*k, Dl], expert-sorted
     h = gate_up_matmul(xs, offs)  # [N*k, 2I]
     # Under torch.compile the grouped GEMMs stay and the elementwise parts are left to the compiler to fuse (our
-    # Triton kernels are opaque to it).
+    # Triton kernels are opaque to it). The op as a whole is declared traceable (FAST_OPS), so this inner choice is
+    # the op's own; the device test is for direct callers (the CPU tests run this routing on CPU grouped_mm).
     own_kernels = h.is_cuda and not torch.compiler.is_compiling()
     situ = _situ_triton if (_situ_triton is not None and own_kernels) else _situ_reference
     act = situ(h[:, :inter], h[:, inter:], beta, linear_beta)
@@ -83,7 +84,7 @@ def moe_experts(
     beta: float | None = None,
     linear_beta: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as `kimik3.kernels.reference.moe_experts`; x [N, Dl] -> [N, Dl] in x.dtype.
+    """Same contract as `ops_kimi_k3.moe_experts`; x [N, Dl] -> [N, Dl] in x.dtype.
 
     gate_up_proj [E, 2I, Dl], down_proj [E, Dl, I] in x.dtype (bf16 on the fast path)."""
     grouped_mm = _grouped_mm_fn()
@@ -99,7 +100,7 @@ def moe_experts_mxfp4(
     x, topk_indices, topk_weights, gate_up_packed, gate_up_scale, down_packed, down_scale, beta=None,
     linear_beta=None,
 ):
-    """Same contract as `kimik3.kernels.reference.moe_experts_mxfp4`; x and the routing weights get gradients, the
+    """Same contract as `ops_kimi_k3.moe_experts_mxfp4`; x and the routing weights get gradients, the
     packed weights are frozen.
 
     With at most 16 routed rows per expert on average (decode, small batches), both expert matmuls read the packed

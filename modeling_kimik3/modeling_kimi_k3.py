@@ -20,8 +20,6 @@ Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importab
 
 import contextlib
 import math
-import os
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,46 +33,20 @@ from transformers.utils import can_return_tuple, logging
 from .cache_kimi_k3 import KimiK3Cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .ops_kimi_k3 import (
-    attention_with_lse,
-    block_attn_res_mix,
-    causal_conv1d,
-    chunk_kda,
     dequantize_mxfp4,
-    fused_recurrent_kda,
+    fast_or_reference,
     gated_rms_norm,
     kda_gate,
-    moe_experts,
-    situ_glu,
+    mla_decode,
+    routed_experts,
 )
 
-
-try:
-    from kimik3.kernels import get_fast_op as _get_fast_op
-except ImportError:
-    _get_fast_op = None
 
 logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the cache argument and output field from `past_key_values` to `cache` (5.17 uses the
 # old name). Forward accepts both; outputs and generate() use whichever this transformers expects.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-# Fast paths built on 16-bit-only CUDA kernels (flash attention, grouped GEMM); f32 inputs keep the reference.
-_HALF_ONLY_OPS = frozenset({"attention_with_lse", "moe_experts", "moe_experts_mxfp4"})
-# Fast paths made only of torch ops (grouped GEMMs, sorts, gathers), which torch.compile traces into its graph. The
-# others launch their own kernels; under compile the references are traced and fused by the compiler instead.
-_TRACEABLE_OPS = frozenset({"moe_experts"})
-
-
-def _fast_op(name: str, *tensors: torch.Tensor) -> Callable | None:
-    if _get_fast_op is None or os.environ.get("KIMIK3_REFERENCE_ONLY", "0") == "1":
-        return None
-    if torch.compiler.is_compiling() and name not in _TRACEABLE_OPS:
-        return None
-    if name in _HALF_ONLY_OPS and any(t.dtype not in (torch.float16, torch.bfloat16) for t in tensors):
-        return None
-    return _get_fast_op(name, *tensors)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -103,9 +75,8 @@ def glu_activation(config: KimiK3TextConfig, gate: torch.Tensor, up: torch.Tenso
     """SiTU-GLU for K3 (6.3), SwiGLU for Kimi-Linear-style configs."""
     if config.hidden_act == "silu":
         return F.silu(gate) * up
-    fast = _fast_op("situ_glu", gate)
-    fn = fast if fast is not None else situ_glu
-    return fn(gate, up, config.activation_situ_beta, config.activation_situ_linear_beta)
+    situ = fast_or_reference("situ_glu", gate)
+    return situ(gate, up, config.activation_situ_beta, config.activation_situ_linear_beta)
 
 
 class KimiK3MLP(nn.Module):
@@ -206,7 +177,7 @@ class KimiK3DeltaAttention(nn.Module):
             q, k, v = q.masked_fill(padded, 0.0), k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
 
         conv_states, recurrent_state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
-        conv_fn = _fast_op("causal_conv1d", q) or causal_conv1d
+        conv_fn = fast_or_reference("causal_conv1d", q)
         (q, q_state), (k, k_state), (v, v_state) = (
             conv_fn(x, conv.weight, None if conv_states is None else state)
             for x, conv, state in zip(
@@ -225,12 +196,9 @@ class KimiK3DeltaAttention(nn.Module):
             beta = beta.masked_fill(~token_mask[..., None], 0.0)
 
         if recurrent_state is not None and seq_len == 1:
-            kda_fn = _fast_op("fused_recurrent_kda", q) or fused_recurrent_kda
-            extra = {}
+            kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
         else:
-            kda_fn = _fast_op("chunk_kda", q)
-            extra = {} if kda_fn is not None else {"chunk_size": self.config.kda_chunk_size}
-            kda_fn = kda_fn or chunk_kda
+            kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": self.config.kda_chunk_size}
         core, final_state = kda_fn(
             q, k, v, g, beta,
             initial_state=recurrent_state,
@@ -390,7 +358,7 @@ class KimiK3MLAAttention(nn.Module):
         past_len = kv_len - seq_len
         block = self.config.mla_prefill_block_size
         spans = [(s, min(s + block, past_len)) for s in range(0, past_len, block)] + [(past_len, kv_len)]
-        attend = _fast_op("attention_with_lse", query) or attention_with_lse
+        attend = fast_or_reference("attention_with_lse", query)
         out = lse = None
         for start, end in spans:
             key, value = self._expand_latents(latents[:, start:end])
@@ -409,23 +377,10 @@ class KimiK3MLAAttention(nn.Module):
         w_uk, w_uv = self._kv_b_weight()
         q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
-        latent = latents[..., : self.kv_lora_rank]
         q_all = torch.cat([q_latent, q_pe], dim=-1)
-        fast = _fast_op("mla_decode", query)
-        if fast is not None and attention_mask is None:
-            o_latent = fast(q_all, latents, self.scaling, self.kv_lora_rank)
-            attn_weights = None
-        else:
-            # Every head reads the same cached rows (MQA), so the heads fold into the rows of one matmul per
-            # sequence: a broadcast over heads would copy the cache once per head.
-            batch, heads, q_len, width = q_all.shape
-            scores = torch.bmm(q_all.reshape(batch, heads * q_len, width), latents.transpose(1, 2))
-            scores = scores.view(batch, heads, q_len, -1) * self.scaling
-            if attention_mask is not None:
-                scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-            attn_weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            o_latent = torch.bmm(attn_weights.view(batch, heads * q_len, -1), latent)
-            o_latent = o_latent.view(batch, heads, q_len, self.kv_lora_rank)
+        # the fast decode takes no mask: with one (padding, static caches) the reference runs
+        decode = fast_or_reference("mla_decode", query) if attention_mask is None else mla_decode
+        o_latent, attn_weights = decode(q_all, latents, self.scaling, self.kv_lora_rank, attention_mask)
         attn_output = torch.einsum("bhtr,hvr->bthv", o_latent, w_uv)
         return attn_output, attn_weights
 
@@ -480,7 +435,7 @@ class KimiK3MoEGate(nn.Module):
 class KimiK3Experts(nn.Module):
     """Routed experts as fused 3-D tensors in the latent width: gate_up_proj [E, 2I, Dl] (gate rows first),
     down_proj [E, Dl, I]. With `experts_format == "mxfp4"` the same tensors are kept packed (uint8 codes + E8M0
-    scales) and dequantised per expert at forward time (weight-only)."""
+    scales) and dequantised at forward time (weight-only), unless a fast path multiplies the packed tiles directly."""
 
     def __init__(self, config: KimiK3TextConfig):
         super().__init__()
@@ -510,44 +465,18 @@ class KimiK3Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor):
         """hidden_states [N, Dl]; returns dtype( sum_e w_e * f32(dtype(expert_e(x))) ) (6.4)."""
-        fast = _fast_op("moe_experts", hidden_states)
-        if fast is not None:
-            if self.packed:
-                fast_packed = _fast_op("moe_experts_mxfp4", hidden_states)
-                if fast_packed is not None:
-                    return fast_packed(hidden_states, top_indices, top_weights, self.gate_up_proj_packed,
-                                       self.gate_up_proj_scale, self.down_proj_packed, self.down_proj_scale,
-                                       self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
+        if self.config.hidden_act == "silu":
+            # SwiGLU experts (Kimi-Linear-style configs): the fast experts are SiTU-only
             gate_up, down = self.expert_weights(hidden_states.dtype)
-            return fast(hidden_states, top_indices, top_weights, gate_up, down,
-                        self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
-        return self._reference(hidden_states, top_indices, top_weights)
-
-    def _gathered(self, hidden_states, top_indices, top_weights):
-        """Sync-free form for compiled decode (few tokens): gather each token's k experts and batch-multiply."""
-        gate_up, down = self.expert_weights(hidden_states.dtype)
-        gate, up = torch.einsum("nd,nkod->nko", hidden_states, gate_up[top_indices]).chunk(2, dim=-1)
-        routed = torch.einsum("nki,nkdi->nkd", glu_activation(self.config, gate, up), down[top_indices])
-        combined = (routed.float() * top_weights.unsqueeze(-1).float()).sum(dim=1)
-        return combined.to(hidden_states.dtype)
-
-    def _reference(self, hidden_states, top_indices, top_weights):
-        if torch.compiler.is_compiling():
-            return self._gathered(hidden_states, top_indices, top_weights)
-        return moe_experts(
-            hidden_states, top_indices, top_weights,
-            lambda expert: self._one_expert(expert, hidden_states.dtype),
-            self.num_experts,
-            lambda gate, up: glu_activation(self.config, gate, up),
-        )
-
-    def _one_expert(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.packed:
-            return self.gate_up_proj[expert], self.down_proj[expert]
-        return (
-            dequantize_mxfp4(self.gate_up_proj_packed[expert], self.gate_up_proj_scale[expert], dtype),
-            dequantize_mxfp4(self.down_proj_packed[expert], self.down_proj_scale[expert], dtype),
-        )
+            return routed_experts(hidden_states, top_indices, top_weights, gate_up, down,
+                                  lambda gate, up: glu_activation(self.config, gate, up))
+        situ_betas = (self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
+        if self.packed:
+            experts = fast_or_reference("moe_experts_mxfp4", hidden_states)
+            return experts(hidden_states, top_indices, top_weights, self.gate_up_proj_packed, self.gate_up_proj_scale,
+                           self.down_proj_packed, self.down_proj_scale, *situ_betas)
+        experts = fast_or_reference("moe_experts", hidden_states)
+        return experts(hidden_states, top_indices, top_weights, self.gate_up_proj, self.down_proj, *situ_betas)
 
 
 class KimiK3SparseMoeBlock(nn.Module):
@@ -597,10 +526,8 @@ class KimiK3AttnResProjection(nn.Linear):
 
 def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.Linear) -> torch.Tensor:
     """Mix [b_0, ..., b_{n-1}, P] with the pseudo-query w = norm.weight * proj.weight (5.1)."""
-    same_dtype = all(c.dtype == candidates[-1].dtype for c in candidates)
-    fast = _fast_op("block_attn_res_mix", candidates[-1]) if same_dtype else None
-    fn = fast if fast is not None else block_attn_res_mix
-    return fn(candidates, norm.weight, proj.weight, norm.variance_epsilon)
+    mix = fast_or_reference("block_attn_res_mix", *candidates)
+    return mix(candidates, norm.weight, proj.weight, norm.variance_epsilon)
 
 
 class KimiK3DecoderLayer(GradientCheckpointingLayer):
@@ -908,7 +835,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             raise ValueError(
                 f"{name} has shape {tuple(inputs.shape)}: Kimi K3 needs at least one sequence of at least one token"
             )
-        has_past = cache is not None and cache.has_past
+        has_past = cache is not None and cache.has_previous_state()
         if has_past and not torch.compiler.is_compiling() and cache.batch_size != batch:
             raise ValueError(
                 f"The cache holds {cache.batch_size} sequences but {name} has batch size {batch} (shape "

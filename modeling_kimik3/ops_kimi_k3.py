@@ -11,19 +11,28 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Pure-PyTorch reference ops of Kimi K3 (the "naive" twins of the optional fast kernels).
+"""Pure-PyTorch reference ops of Kimi K3 and the declaration of their optional fast twins.
 
-Names and signatures mirror fla-core where a kernel exists (`chunk_kda`, `fused_recurrent_kda`), so the model calls
-one function and `kimik3.kernels` can swap in the fast one when it is importable and the tensors live on CUDA.
-Section numbers refer to k3_math.md.
+Every op the model may run fast has its reference here and one `FastOp` entry in `FAST_OPS` (the last section):
+the reference and the conditions under which the installed `kimik3.kernels` may replace it. The model asks
+`fast_or_reference(name, *tensors)` and calls what it gets; both have the same signature and contract. Names and
+signatures mirror fla-core where a kernel exists (`chunk_kda`, `fused_recurrent_kda`). Section numbers refer to
+k3_math.md.
 """
 
 import functools
+import importlib
 import math
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
 
 
 def f32_island(fn):
@@ -218,7 +227,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Attention over one key block, with its log-sum-exp (blockwise MLA prefill over a long cache)
+# MLA attention forms: one key block with its log-sum-exp (blockwise prefill over a long cache), absorbed decode
 
 
 @f32_island
@@ -234,6 +243,33 @@ def attention_with_lse(
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse.unsqueeze(-1)) @ value.float(), lse
+
+
+def mla_decode(
+    q_lat: torch.Tensor,
+    latent_cache: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Absorbed MLA attention over the shared latent cache (MQA, 4.3), for decode.
+
+    q_lat [B, H, S, R+P]: q_nope absorbed through W_UK (R = kv_lora_rank) concatenated with q_pe (P);
+    latent_cache [B, T, R+P]: normalised c_kv concatenated with k_pe. p = softmax(scale * q_lat . cache) in f32,
+    rounded to q_lat's dtype; o_lat = p @ cache[..., :R]. `attention_mask` bool [B, 1 or H, S, T] (True = attend);
+    None lets every query row see every cached row. Returns (o_lat [B, H, S, R], p [B, H, S, T]) in q_lat's dtype;
+    a fast twin may return None for p.
+    """
+    # Every head reads the same cached rows, so the heads fold into the rows of one matmul per sequence: a broadcast
+    # over heads would copy the cache once per head.
+    batch, heads, q_len, width = q_lat.shape
+    scores = torch.bmm(q_lat.reshape(batch, heads * q_len, width), latent_cache.transpose(1, 2))
+    scores = scores.view(batch, heads, q_len, -1) * scale
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+    o_lat = torch.bmm(probs.view(batch, heads * q_len, -1), latent_cache[..., :kv_lora_rank])
+    return o_lat.view(batch, heads, q_len, kv_lora_rank), probs
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -278,35 +314,83 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_be
 # Routed experts (6.4)
 
 
-def moe_experts(
+def routed_experts(
     hidden_states: torch.Tensor,
     top_indices: torch.Tensor,
     top_weights: torch.Tensor,
-    expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    num_experts: int,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
     activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """dtype( sum_e w_e * f32(dtype(E_e(x))) ) with E_e(x) = down_e @ act(gate_e x, up_e x).
+    """dtype( sum_e w_e * f32(dtype(E_e(x))) ) with E_e(x) = down_e @ act(gate_e x, up_e x), any GLU activation.
 
-    hidden_states [N, Dl]; top_indices / top_weights [N, k]; `expert_weights(e)` gives (gate_up [2I, Dl] with the
-    gate (w1) rows first, down [Dl, I]) in the activation dtype (a slice of fused 3-D tensors, or one expert
-    dequantised on the fly). Loops over the experts that are hit: one host sync per call (a reference; the CUDA
-    fast path is sync-free)."""
+    hidden_states [N, Dl]; top_indices / top_weights [N, k]; gate_up_proj [E, 2I, Dl] (gate/w1 rows first),
+    down_proj [E, Dl, I]. Eagerly it loops over the experts that are hit (one host sync: a reference; the CUDA fast
+    path is sync-free); under torch.compile it gathers each token's k experts instead, which traces without a sync.
+    """
+    if torch.compiler.is_compiling():
+        return _gathered_experts(hidden_states, top_indices, top_weights, gate_up_proj, down_proj, activation)
     num_tokens, top_k = top_indices.shape
     flat_experts = top_indices.reshape(-1)
     order = torch.argsort(flat_experts, stable=True)
     token_of = order // top_k
-    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
+    counts = torch.bincount(flat_experts, minlength=gate_up_proj.shape[0]).tolist()
     outputs = []
     for expert, tokens in enumerate(torch.split(hidden_states[token_of], counts)):
         if tokens.shape[0] == 0:
             continue
-        gate_up, down = expert_weights(expert)
-        gate, up = F.linear(tokens, gate_up.to(tokens.dtype)).chunk(2, dim=-1)
-        outputs.append(F.linear(activation(gate, up), down.to(tokens.dtype)))
+        gate, up = F.linear(tokens, gate_up_proj[expert].to(tokens.dtype)).chunk(2, dim=-1)
+        outputs.append(F.linear(activation(gate, up), down_proj[expert].to(tokens.dtype)))
     weighted = torch.cat(outputs, dim=0).float() * top_weights.reshape(-1)[order].unsqueeze(-1).float()
     combined = torch.zeros(num_tokens, hidden_states.shape[-1], dtype=torch.float32, device=hidden_states.device)
     return combined.index_add(0, token_of, weighted).to(hidden_states.dtype)
+
+
+def _gathered_experts(hidden_states, top_indices, top_weights, gate_up_proj, down_proj, activation):
+    # few tokens (compiled decode): every token's k experts gathered and batch-multiplied
+    gate, up = torch.einsum("nd,nkod->nko", hidden_states, gate_up_proj[top_indices]).chunk(2, dim=-1)
+    routed = torch.einsum("nki,nkdi->nkd", activation(gate, up), down_proj[top_indices])
+    combined = (routed.float() * top_weights.unsqueeze(-1).float()).sum(dim=1)
+    return combined.to(hidden_states.dtype)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    top_indices: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    beta: float | None = None,
+    linear_beta: float | None = None,
+) -> torch.Tensor:
+    """K3's routed experts (SiTU-GLU) over fused 3-D weights in x.dtype: `routed_experts` with `situ_glu`.
+
+    The SiTU is itself a fast op (`fast_or_reference("situ_glu", ..)`), as in every other GLU of the model."""
+
+    def situ(gate, up):
+        return fast_or_reference("situ_glu", gate)(gate, up, beta, linear_beta)
+
+    return routed_experts(x, top_indices, top_weights, gate_up_proj, down_proj, situ)
+
+
+def moe_experts_mxfp4(
+    x: torch.Tensor,
+    top_indices: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up_packed: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down_packed: torch.Tensor,
+    down_scale: torch.Tensor,
+    beta: float | None = None,
+    linear_beta: float | None = None,
+) -> torch.Tensor:
+    """`moe_experts` over packed MXFP4 experts (weight-only): the stacks are dequantised to x.dtype (exact), then go
+    through `moe_experts`, itself a fast op (the grouped GEMMs also under torch.compile, where the packed kernel is
+    not traced). gate_up_packed u8 [E, 2I, Dl/2], gate_up_scale u8 [E, 2I, Dl/32], down_packed u8 [E, Dl, I/2],
+    down_scale u8 [E, Dl, I/32]."""
+    gate_up = dequantize_mxfp4(gate_up_packed, gate_up_scale, x.dtype)
+    down = dequantize_mxfp4(down_packed, down_scale, x.dtype)
+    return fast_or_reference("moe_experts", x)(x, top_indices, top_weights, gate_up, down, beta, linear_beta)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -367,3 +451,116 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (idx + 8 * torch.signbit(scaled).long()).to(torch.uint8).reshape(*w.shape[:-1], k)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.contiguous(), scale.contiguous()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fast paths: one declaration per op. The references above are the truth; `kimik3.kernels` (installed separately,
+# imported only if present) provides faster twins with the same contracts, loaded by name.
+
+# The `kimik3.kernels` interface this file is written against: `load(name)` returns the fast twin of FAST_OPS[name]
+# (or None), with the reference's signature and contract. Bump it on both sides when that changes.
+KERNELS_API_VERSION = 1
+# "1" (or "all"): every op runs its reference; a comma list of op names: those ops do; unset or "0": none.
+REFERENCE_ONLY_ENV = "KIMIK3_REFERENCE_ONLY"
+
+
+@dataclass(frozen=True)
+class FastOp:
+    """Where the fast twin of `reference` may run instead of it."""
+
+    reference: Callable
+    cuda_only: bool = True  # a CUDA kernel: every tensor asked about must be on CUDA
+    half_only: bool = False  # built on 16-bit-only kernels (flash attention, grouped GEMM): fp16/bf16 tensors only
+    one_dtype: bool = False  # reads every tensor through one element type: all of one dtype
+    forward_only: bool = False  # no backward: the reference while autograd records for any tensor asked about
+    # made only of torch ops, so torch.compile traces it into the graph; the others launch their own kernels, and
+    # under compile their references are traced and fused by the compiler instead
+    traceable: bool = False
+
+
+FAST_OPS = {
+    "chunk_kda": FastOp(chunk_kda),
+    "fused_recurrent_kda": FastOp(fused_recurrent_kda, forward_only=True),
+    "causal_conv1d": FastOp(causal_conv1d),
+    "attention_with_lse": FastOp(attention_with_lse, half_only=True, forward_only=True),
+    "mla_decode": FastOp(mla_decode),
+    "block_attn_res_mix": FastOp(block_attn_res_mix, one_dtype=True),
+    "situ_glu": FastOp(situ_glu),
+    "moe_experts": FastOp(moe_experts, half_only=True, traceable=True),
+    "moe_experts_mxfp4": FastOp(moe_experts_mxfp4, half_only=True),
+    "mxfp4_dequant": FastOp(dequantize_mxfp4, forward_only=True),
+}
+
+
+def _import_kernels():
+    """The installed `kimik3.kernels` if its interface is the one this file expects, else None (the references).
+
+    Not installed (a model folder run without the package) is the normal case and silent; an install that fails to
+    import or has another interface version gets one warning."""
+    try:
+        kernels = importlib.import_module("kimik3.kernels")
+    except ImportError:
+        return None
+    except Exception as exc:  # a broken install must not stop the model: it still has its references
+        logger.warning(f"kimik3.kernels failed to import ({type(exc).__name__}: {exc}); the model runs its "
+                       "pure-PyTorch reference ops")
+        return None
+    version = getattr(kernels, "KERNELS_API_VERSION", None)
+    if version != KERNELS_API_VERSION:
+        logger.warning(
+            f"the installed kimik3.kernels has interface version {version}, this model code expects "
+            f"{KERNELS_API_VERSION}; the model runs its pure-PyTorch reference ops. Install the kimik3 version this "
+            "model folder was saved with (or re-save the folder with the installed one) to use the fast kernels."
+        )
+        return None
+    return kernels
+
+
+_KERNELS = _import_kernels()
+
+
+def _forced_references() -> frozenset:
+    raw = os.environ.get(REFERENCE_ONLY_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return frozenset()
+    if raw in ("1", "all", "true", "yes"):
+        return frozenset(FAST_OPS)
+    names = frozenset(x.strip() for x in raw.split(",") if x.strip())
+    unknown = sorted(names - set(FAST_OPS))
+    if unknown:
+        raise ValueError(f"{REFERENCE_ONLY_ENV}={raw!r}: unknown op name(s) {unknown}; use 1 (every op) or a comma "
+                         f"list of {sorted(FAST_OPS)}")
+    return names
+
+
+def fast_path_allowed(name: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether FAST_OPS[name]'s declaration lets its fast twin run on these tensors (None entries are skipped; at
+    least one tensor is needed). The one place where these rules live."""
+    op = FAST_OPS[name]
+    if name in _forced_references():
+        return False
+    if torch.compiler.is_compiling() and not op.traceable:
+        return False
+    present = [t for t in tensors if t is not None]
+    if not present or not all(isinstance(t, torch.Tensor) for t in present):
+        return False
+    if op.cuda_only and any(t.device.type != "cuda" for t in present):
+        return False
+    if op.half_only and any(t.dtype not in (torch.float16, torch.bfloat16) for t in present):
+        return False
+    if op.one_dtype and any(t.dtype != present[0].dtype for t in present):
+        return False
+    if op.forward_only and torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False
+    return True
+
+
+def fast_or_reference(name: str, *tensors: torch.Tensor | None) -> Callable:
+    """The function to call for op `name` on these tensors: its fast twin from `kimik3.kernels` when that is
+    installed (with a matching interface), loads (its optional dependencies import) and `fast_path_allowed`, else
+    its reference. Both take the same arguments and keep the same contract."""
+    reference = FAST_OPS[name].reference
+    if _KERNELS is None or not fast_path_allowed(name, *tensors):
+        return reference
+    fast = _KERNELS.load(name)
+    return reference if fast is None else fast

@@ -1,77 +1,160 @@
-"""CPU tests of `kimik3.kernels`: the dispatcher never hands a fast path to CPU tensors (even when fla/Triton
-import), the switches work, and the references in kimik3.kernels.reference agree with independent formulas."""
+"""CPU tests of the fast-path declarations (`ops_kimi_k3.FAST_OPS`, `fast_or_reference`) and of `kimik3.kernels`:
+the model never gets a fast twin for CPU tensors (even when fla/Triton import), each declared constraint and the one
+switch work, an incompatible `kimik3.kernels` falls back to the references with one warning, and the references
+agree with independent formulas."""
 
+import dataclasses
 import importlib
+import logging
+import shutil
+import sys
+import types
 
 import pytest
 import torch
 
+from kimik3.cli import build_tiny_model
+from kimik3.configuration import tiny_text_config_dict
+from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
+from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+
 kernels = importlib.import_module("kimik3.kernels")
-reference = importlib.import_module("kimik3.kernels.reference")
 ops = importlib.import_module("kimik3.modeling.ops_kimi_k3")
+
+
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that reports a CUDA device: exercises the positive paths of the rules on a CPU machine."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def fake_cuda(*shape, dtype=torch.float32, requires_grad=False):
+    return torch.randn(*shape, dtype=dtype, requires_grad=requires_grad).as_subclass(FakeCuda)
 
 
 @pytest.fixture
 def fake_fast_ops(monkeypatch):
-    """Pretend every fast implementation imported fine (as when fla is installed on a CPU box)."""
-    sentinel = {name: (lambda *a, _n=name, **k: _n) for name in kernels.OP_NAMES}
-    monkeypatch.setattr(kernels, "_cache", dict(sentinel))
-    monkeypatch.delenv("KIMIK3_DISABLE_KERNELS", raising=False)
-    monkeypatch.setattr(kernels, "_enabled", True)
-    return sentinel
+    """Pretend an installed kimik3.kernels loads every fast twin (as when fla and Triton import on a CPU box)."""
+    twins = {name: (lambda *a, _n=name, **k: _n) for name in ops.FAST_OPS}
+    monkeypatch.setattr(ops, "_KERNELS", types.SimpleNamespace(load=twins.get))
+    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV, raising=False)
+    return twins
 
 
-def test_op_names_contract():
+def is_reference(name, fn):
+    return fn is ops.FAST_OPS[name].reference
+
+
+def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
+    """One table on each side, the same names; every op but mxfp4_dequant (kept for the benchmark, which measures
+    it) is asked for by a tiny model's prefill, chunked prefill continuing a cache and decode, with bf16 and with
+    packed experts."""
+    assert set(ops.FAST_OPS) == set(kernels.OP_NAMES)
     for name in ("chunk_kda", "fused_recurrent_kda", "causal_conv1d", "block_attn_res_mix", "situ_glu",
-                 "moe_experts", "mla_decode", "mxfp4_dequant"):
-        assert name in kernels.OP_NAMES
+                 "moe_experts", "moe_experts_mxfp4", "mla_decode", "attention_with_lse", "mxfp4_dequant"):
+        assert name in ops.FAST_OPS
+    for name, op in ops.FAST_OPS.items():
+        assert callable(op.reference) and op.reference.__module__ == ops.__name__, name
+
+    asked = []
+
+    class Recording(dict):
+        def __getitem__(self, name):
+            asked.append(name)
+            return super().__getitem__(name)
+
+    recording = Recording(ops.FAST_OPS)
+    ids = torch.randint(3, 128, (1, 9))
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "FAST_OPS", recording)
+        packed = KimiK3ForCausalLM(KimiK3TextConfig(**tiny_text_config_dict(num_hidden_layers=4),
+                                                     experts_format="mxfp4"))
+        for model in (build_tiny_model(num_hidden_layers=4), packed):
+            out = model(ids[:, :4], use_cache=True)
+            cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+            model(ids[:, 4:8], cache=cache)
+            model(ids[:, 8:], cache=cache)
+    assert set(asked) == set(ops.FAST_OPS) - {"mxfp4_dequant"}
 
 
-def test_cpu_tensors_never_get_a_fast_path(fake_fast_ops):
-    x = torch.randn(2, 3)
-    for name in kernels.OP_NAMES:
-        assert kernels.get_fast_op(name, x) is None
-        assert kernels.get_fast_op(name, x, None, x) is None
+def test_cpu_tensors_never_get_a_fast_twin(fake_fast_ops):
+    x = torch.randn(2, 3, dtype=torch.bfloat16)
+    for name in ops.FAST_OPS:
+        assert is_reference(name, ops.fast_or_reference(name, x))
+        assert is_reference(name, ops.fast_or_reference(name, x, None, x))
+        assert not ops.fast_path_allowed(name, x)
     meta = torch.empty(2, 3, device="meta")
-    assert kernels.get_fast_op("situ_glu", meta) is None
+    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", meta))
 
 
-def test_no_tensor_unknown_name_and_switches(fake_fast_ops, monkeypatch):
-    assert kernels.get_fast_op("situ_glu") is None
-    assert kernels.get_fast_op("situ_glu", None) is None
-    assert kernels.get_fast_op("no_such_op", torch.randn(1)) is None
-    with kernels.reference_ops():
-        assert kernels._enabled is False
-    assert kernels._enabled is True
-    kernels.set_enabled(False)
-    try:
-        assert kernels._enabled is False
-    finally:
-        kernels.set_enabled(True)
-    monkeypatch.setenv("KIMIK3_DISABLE_KERNELS", "situ_glu, moe_experts")
-    assert kernels._env_disabled() == {"situ_glu", "moe_experts"}
-    monkeypatch.setenv("KIMIK3_DISABLE_KERNELS", "1")
-    assert kernels._env_disabled() == set(kernels.OP_NAMES)
-    monkeypatch.setenv("KIMIK3_DISABLE_KERNELS", "0")
-    assert kernels._env_disabled() == set()
+def test_no_tensor_and_unknown_names(fake_fast_ops):
+    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu"))
+    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", None))
+    with pytest.raises(KeyError):
+        ops.fast_or_reference("no_such_op", fake_cuda(1))
+    # an older install asked for an op it lacks: None, and the model keeps its reference
+    assert kernels.load("no_such_op") is None
 
 
-def test_positive_path_with_device_check_patched(fake_fast_ops, monkeypatch):
-    """With the device test satisfied, the cached implementation is returned, except forward-only ops under grad."""
-
-    class FakeCuda(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda", 0)
-
-    x = torch.randn(2, 3).as_subclass(FakeCuda)
-    assert kernels.get_fast_op("situ_glu", x)() == "situ_glu"
-    assert kernels.get_fast_op("situ_glu", x, torch.randn(2)) is None  # one real CPU tensor
-    y = torch.randn(2, 3, requires_grad=True).as_subclass(FakeCuda)
-    assert kernels.get_fast_op("fused_recurrent_kda", y) is None
+def test_each_declared_constraint(fake_fast_ops, monkeypatch):
+    """With the device test satisfied the twin is returned, except where a declared constraint says otherwise."""
+    x = fake_cuda(2, 3)
+    assert ops.fast_or_reference("situ_glu", x)() == "situ_glu"
+    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", x, torch.randn(2)))  # one real CPU tensor
+    # forward_only: the reference while autograd records
+    y = fake_cuda(2, 3, requires_grad=True)
+    assert is_reference("fused_recurrent_kda", ops.fast_or_reference("fused_recurrent_kda", y))
+    assert is_reference("attention_with_lse", ops.fast_or_reference("attention_with_lse", y.bfloat16()))
     with torch.no_grad():
-        assert kernels.get_fast_op("fused_recurrent_kda", y)() == "fused_recurrent_kda"
-    assert kernels.get_fast_op("chunk_kda", y)() == "chunk_kda"
+        assert ops.fast_or_reference("fused_recurrent_kda", y)() == "fused_recurrent_kda"
+    assert ops.fast_or_reference("chunk_kda", y)() == "chunk_kda"  # has a backward
+    # half_only: f32 keeps the reference, bf16/fp16 take the twin
+    for name in ("attention_with_lse", "moe_experts", "moe_experts_mxfp4"):
+        assert is_reference(name, ops.fast_or_reference(name, x)), name
+        assert ops.fast_or_reference(name, fake_cuda(2, 3, dtype=torch.bfloat16))() == name
+        assert ops.fast_or_reference(name, fake_cuda(2, 3, dtype=torch.float16))() == name
+    assert ops.fast_or_reference("mla_decode", x)() == "mla_decode"  # f32 is fine there
+    # one_dtype: AttnRes candidates of mixed dtypes keep the reference
+    b = fake_cuda(2, 3, dtype=torch.bfloat16)
+    assert ops.fast_or_reference("block_attn_res_mix", b, b)() == "block_attn_res_mix"
+    assert is_reference("block_attn_res_mix", ops.fast_or_reference("block_attn_res_mix", b, x))
+    # traceable: under torch.compile only the grouped-GEMM experts stay fast
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for name, op in ops.FAST_OPS.items():
+        fn = ops.fast_or_reference(name, b)
+        assert (fn() == name) if op.traceable else is_reference(name, fn), name
+    assert [name for name, op in ops.FAST_OPS.items() if op.traceable] == ["moe_experts"]
+
+
+def test_one_switch_forces_references(fake_fast_ops, monkeypatch):
+    x = fake_cuda(2, 3, dtype=torch.bfloat16)
+    for value in ("1", "all", " ALL "):
+        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", value)
+        assert all(is_reference(name, ops.fast_or_reference(name, x)) for name in ops.FAST_OPS)
+    monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "situ_glu, moe_experts")
+    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", x))
+    assert is_reference("moe_experts", ops.fast_or_reference("moe_experts", x))
+    assert ops.fast_or_reference("chunk_kda", x)() == "chunk_kda"
+    for value in ("0", ""):
+        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", value)
+        assert ops.fast_or_reference("situ_glu", x)() == "situ_glu"
+    monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "situ_glu,moe_expert")
+    with pytest.raises(ValueError, match=r"KIMIK3_REFERENCE_ONLY.*'moe_expert'"):
+        ops.fast_or_reference("situ_glu", x)
+
+
+def test_kernels_module_without_dependencies_keeps_the_reference(monkeypatch):
+    """A twin whose dependencies do not import is None from `load`, with the reason in `available_ops`."""
+    monkeypatch.setattr(kernels, "_cache", {})
+    monkeypatch.setattr(kernels, "_errors", {})
+    monkeypatch.setitem(kernels._LOADERS, "situ_glu", lambda: importlib.import_module("no_such_triton"))
+    monkeypatch.setattr(ops, "_KERNELS", kernels)
+    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV, raising=False)
+    assert kernels.load("situ_glu") is None
+    assert "no_such_triton" in kernels.available_ops()["situ_glu"]
+    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", fake_cuda(2)))
 
 
 def test_available_ops_reports_reasons():
@@ -81,49 +164,128 @@ def test_available_ops_reports_reasons():
         assert value is True or isinstance(value, str), name
 
 
+# ------------------------------------------------------------------------------------- remote code vs kimik3.kernels
+
+
+def test_interface_versions_agree():
+    # the two single sources of truth: bumping one side without the other fails here
+    assert isinstance(kernels.KERNELS_API_VERSION, int)
+    assert kernels.KERNELS_API_VERSION == ops.KERNELS_API_VERSION
+
+
+def _fake_kernels(version):
+    module = types.ModuleType("kimik3.kernels")
+    module.KERNELS_API_VERSION = version
+    module.load = lambda name: (lambda *a, **k: "fast")
+    return module
+
+
+def test_incompatible_or_broken_kernels_fall_back_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "kimik3.kernels", _fake_kernels(ops.KERNELS_API_VERSION + 1))
+    with caplog.at_level(logging.WARNING):
+        assert ops._import_kernels() is None
+    warnings = [r for r in caplog.records if "kimik3.kernels" in r.getMessage()]
+    assert len(warnings) == 1 and "interface version" in warnings[0].getMessage()
+    caplog.clear()
+    del sys.modules["kimik3.kernels"].KERNELS_API_VERSION  # an install from before the versioned interface
+    with caplog.at_level(logging.WARNING):
+        assert ops._import_kernels() is None
+    assert len(caplog.records) == 1
+    caplog.clear()
+    compatible = _fake_kernels(ops.KERNELS_API_VERSION)
+    monkeypatch.setitem(sys.modules, "kimik3.kernels", compatible)
+    with caplog.at_level(logging.WARNING):
+        assert ops._import_kernels() is compatible
+    assert not caplog.records
+    monkeypatch.setitem(sys.modules, "kimik3.kernels", None)  # not installed: silent
+    with caplog.at_level(logging.WARNING):
+        assert ops._import_kernels() is None
+    assert not caplog.records
+
+    def broken_install(name):
+        raise AttributeError("module 'triton' has no attribute 'jit'")
+
+    monkeypatch.setattr(ops.importlib, "import_module", broken_install)
+    with caplog.at_level(logging.WARNING):
+        assert ops._import_kernels() is None
+    assert len(caplog.records) == 1 and "AttributeError" in caplog.records[0].getMessage()
+
+
+def test_model_folder_code_with_incompatible_installed_kernels(tmp_path, monkeypatch, caplog):
+    """The remote-code files copied flat into a folder, imported as transformers imports them, next to an installed
+    kimik3.kernels of another interface version: one warning at import, and the references run even for CUDA."""
+    folder = tmp_path / "k3_folder_code"
+    folder.mkdir()
+    for path in importlib.import_module("kimik3.modeling").__path__:
+        for source in __import__("pathlib").Path(path).glob("*_kimi_k3.py"):
+            shutil.copy(source, folder / source.name)
+    (folder / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "kimik3.kernels", _fake_kernels(ops.KERNELS_API_VERSION + 1))
+    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV, raising=False)
+    with caplog.at_level(logging.WARNING):
+        modeling = importlib.import_module("k3_folder_code.modeling_kimi_k3")
+    folder_ops = sys.modules["k3_folder_code.ops_kimi_k3"]
+    try:
+        assert folder_ops is not ops and folder_ops._KERNELS is None
+        assert len([r for r in caplog.records if "interface version" in r.getMessage()]) == 1
+        x = fake_cuda(2, 3, dtype=torch.bfloat16)
+        assert folder_ops.fast_or_reference("situ_glu", x) is folder_ops.situ_glu
+        assert modeling.fast_or_reference is folder_ops.fast_or_reference
+    finally:
+        for name in [n for n in sys.modules if n.startswith("k3_folder_code")]:
+            monkeypatch.delitem(sys.modules, name)
+
+
 # ---------------------------------------------------------------------------------------------- references
 
 
-def test_references_are_the_models_own():
-    # one reference per op: the GPU tests compare the fast paths against exactly what the model runs without CUDA
-    assert reference.situ_glu is ops.situ_glu
-    assert reference.mxfp4_dequant is ops.dequantize_mxfp4
-    assert reference._moe_experts is ops.moe_experts
-
-
-def test_reference_moe_experts_matches_dense_per_token_loop():
-    n, k, e, width, inter = 11, 3, 6, 16, 8
-    x = torch.randn(n, width, dtype=torch.bfloat16)
-    idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
-    w = torch.rand(n, k)
-    gate_up = torch.randn(e, 2 * inter, width).to(torch.bfloat16) * 0.3
-    down = torch.randn(e, width, inter).to(torch.bfloat16) * 0.3
-    out = reference.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
-    expected = torch.zeros(n, width)
-    for t in range(n):
-        for j in range(k):
+def _dense_moe(x, idx, w, gate_up, down, beta, linear_beta):
+    inter = gate_up.shape[1] // 2
+    expected = torch.zeros(x.shape[0], x.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
             ex = int(idx[t, j])
             h = x[t : t + 1] @ gate_up[ex].t()
-            act = ops.situ_glu(h[:, :inter], h[:, inter:], 4.0, 25.0)
+            act = ops.situ_glu(h[:, :inter], h[:, inter:], beta, linear_beta)
             expected[t] += w[t, j] * (act @ down[ex].t()).float()[0]
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, expected.to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    return expected.to(x.dtype)
 
 
-def test_grouped_mm_moe_matches_reference_on_cpu():
-    """The fast MoE's routing/sort/offset/combine logic, run through torch's CPU grouped_mm when it exists."""
-    moe = importlib.import_module(kernels.__name__ + ".moe")
-    n, k, e, width, inter = 21, 4, 8, 64, 32
+def _moe_case(n=11, k=3, e=6, width=64, inter=32):
     x = torch.randn(n, width, dtype=torch.bfloat16)
     idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
     w = torch.rand(n, k)
     gate_up = (torch.randn(e, 2 * inter, width) * 0.2).to(torch.bfloat16)
     down = (torch.randn(e, width, inter) * 0.2).to(torch.bfloat16)
+    return x, idx, w, gate_up, down
+
+
+def test_reference_moe_experts_matches_dense_per_token_loop():
+    x, idx, w, gate_up, down = _moe_case()
+    out = ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, _dense_moe(x, idx, w, gate_up, down, 4.0, 25.0), rtol=1e-2, atol=1e-2)
+
+
+def test_reference_moe_experts_mxfp4_is_the_experts_of_the_dequantised_weights():
+    x, idx, w, gate_up, down = _moe_case()
+    packed = [ops.quantize_mxfp4(t) for t in (gate_up, down)]
+    out = ops.moe_experts_mxfp4(x, idx, w, *packed[0], *packed[1], 4.0, 25.0)
+    dense = [ops.dequantize_mxfp4(p, s, torch.bfloat16) for p, s in packed]
+    assert not torch.equal(dense[0], gate_up)  # the quantisation did change the weights
+    torch.testing.assert_close(out, _dense_moe(x, idx, w, *dense, 4.0, 25.0), rtol=1e-2, atol=1e-2)
+
+
+def test_grouped_mm_moe_matches_reference_on_cpu():
+    """The fast MoE's routing/sort/offset/combine logic, run through torch's CPU grouped_mm when it exists."""
+    moe = importlib.import_module(kernels.__name__ + ".moe")
+    x, idx, w, gate_up, down = _moe_case(n=21, k=4, e=8)
     try:
         out = moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
     except (RuntimeError, NotImplementedError, ImportError) as exc:
         pytest.skip(f"grouped_mm unavailable on this CPU torch: {exc}")
-    torch.testing.assert_close(out, reference.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), rtol=0, atol=0)
+    torch.testing.assert_close(out, ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), rtol=0, atol=0)
 
 
 def test_reference_mla_decode_matches_expanded_attention():
@@ -138,37 +300,40 @@ def test_reference_mla_decode_matches_expanded_attention():
     k_full = torch.cat([torch.einsum("hnr,btr->bhtn", w_uk, c), k_pe[:, None].expand(-1, heads, -1, -1)], -1)
     v_full = torch.einsum("hvr,btr->bhtv", w_uv, c)
     q_full = torch.cat([q_nope, q_pe], -1)
-    expected = torch.softmax(q_full @ k_full.transpose(-1, -2) * scale, -1) @ v_full
+    expected_probs = torch.softmax(q_full @ k_full.transpose(-1, -2) * scale, -1)
     q_lat = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk), q_pe], -1)
-    o_lat = reference.mla_decode(q_lat, torch.cat([c, k_pe], -1), scale, rank)
-    got = torch.einsum("bhsr,hvr->bhsv", o_lat, w_uv)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    # seq_lens masks the tail; kv_lora_rank defaults to (R+P) - 64
-    lens = torch.tensor([10, 4])
-    o_masked = reference.mla_decode(q_lat, torch.cat([c, k_pe], -1), scale, rank, lens)
-    o_short = reference.mla_decode(q_lat[1:], torch.cat([c, k_pe], -1)[1:, :4], scale, rank)
-    torch.testing.assert_close(o_masked[1:], o_short)
-    wide = torch.randn(1, 2, 1, 576)
-    assert reference.mla_decode(wide, torch.randn(1, 5, 576), 0.1).shape == (1, 2, 1, 512)
+    latents = torch.cat([c, k_pe], -1)
+    o_lat, probs = ops.mla_decode(q_lat, latents, scale, rank)
+    torch.testing.assert_close(torch.einsum("bhsr,hvr->bhsv", o_lat, w_uv), expected_probs @ v_full,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-6)
+    # a mask hiding the tail equals the shorter cache
+    keep = (torch.arange(seq_len) < torch.tensor([10, 4])[:, None])[:, None, None, :]
+    o_masked, _ = ops.mla_decode(q_lat, latents, scale, rank, keep)
+    torch.testing.assert_close(o_masked[1:], ops.mla_decode(q_lat[1:], latents[1:, :4], scale, rank)[0])
+    # the fast twin's bmm/f32-softmax form, run on CPU in f32: same numbers, no probabilities, refuses a mask
+    from kimik3.kernels.mla import mla_decode as fast_mla_decode
+
+    fast_out, fast_probs = fast_mla_decode(q_lat, latents, scale, rank)
+    assert fast_probs is None
+    torch.testing.assert_close(fast_out, o_lat, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="no attention mask"):
+        fast_mla_decode(q_lat, latents, scale, rank, keep)
 
 
-def test_reference_mxfp4_matches_ops():
-    w = torch.randn(4, 64, 96)
-    packed, scale = ops.quantize_mxfp4(w)
-    scale[0, 0, 0] = 0
-    for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(reference.mxfp4_dequant(packed, scale, dtype), ops.dequantize_mxfp4(packed, scale, dtype))
+def test_reference_mxfp4_dequant_is_the_models():
+    assert ops.FAST_OPS["mxfp4_dequant"].reference is ops.dequantize_mxfp4
+    assert ops.FAST_OPS["moe_experts"].reference is ops.moe_experts
 
 
 def test_flash_attention_with_lse_adapter_matches_reference_on_cpu_op():
     """The CUDA fast path's adapter logic (V padding, LSE shape), exercised with the CPU flavour of the same op."""
     from kimik3.kernels.mla_prefill import attention_with_lse as flash_lse
-    from kimik3.modeling.ops_kimi_k3 import attention_with_lse
 
     q, k, v = torch.randn(2, 3, 6, 24), torch.randn(2, 3, 6, 24), torch.randn(2, 3, 6, 16)
     for causal in (False, True):
         out, lse = flash_lse(q, k, v, 0.2, causal)
-        ref_out, ref_lse = attention_with_lse(q, k, v, 0.2, causal)
+        ref_out, ref_lse = ops.attention_with_lse(q, k, v, 0.2, causal)
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
-    assert kernels.get_fast_op("attention_with_lse", q) is None  # CPU tensors: never the fast path
+    assert is_reference("attention_with_lse", ops.fast_or_reference("attention_with_lse", q))

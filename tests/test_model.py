@@ -182,14 +182,17 @@ def test_init_weights_sets_every_custom_parameter_on_load(tmp_path):
 def test_blockwise_chunked_prefill_over_many_key_blocks_equals_full_forward(monkeypatch):
     """Chunked prefill continuing a cache merges key blocks by log-sum-exp; with 3-token blocks every chunk spans
     several blocks, and the result must be the one-shot forward."""
-    import kimik3.modeling.modeling_kimi_k3 as modeling
+    import dataclasses
+
+    import kimik3.modeling.ops_kimi_k3 as ops
 
     model = build_tiny_model(num_hidden_layers=4)
     model.config.mla_prefill_block_size = 3
     ids = torch.randint(3, 128, (2, 26))
     calls = []
-    original = modeling.attention_with_lse
-    monkeypatch.setattr(modeling, "attention_with_lse", lambda *a: calls.append(a[1].shape[2]) or original(*a))
+    op = ops.FAST_OPS["attention_with_lse"]
+    spy = dataclasses.replace(op, reference=lambda *a: calls.append(a[1].shape[2]) or op.reference(*a))
+    monkeypatch.setitem(ops.FAST_OPS, "attention_with_lse", spy)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :7], use_cache=True)

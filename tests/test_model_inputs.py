@@ -140,13 +140,14 @@ def _assert_real_positions_bit_identical(model, mask, got, expected):
         assert torch.equal(h[real.reshape(-1)], r[real.reshape(-1)])
     # KDA recurrent states, conv windows, MLA latents at real positions
     for layer in model.config.kda_layer_indices:
-        assert torch.equal(cache.recurrent_states[layer], ref_cache.recurrent_states[layer])
-        for a, b in zip(cache.conv_states[layer], ref_cache.conv_states[layer]):
+        (conv, state), (ref_conv, ref_state) = cache.kda_state(layer), ref_cache.kda_state(layer)
+        assert torch.equal(state, ref_state)
+        for a, b in zip(conv, ref_conv):
             assert torch.equal(a, b)
     for layer in model.config.mla_layer_indices:
-        latents = cache.latents[layer][:, : mask.shape[1]]
+        latents = cache.layers[layer].latents[:, : mask.shape[1]]
         assert torch.isfinite(latents).all()  # padded keys too: the decode step below reads them with weight 0
-        assert torch.equal(latents[real], ref_cache.latents[layer][:, : mask.shape[1]][real])
+        assert torch.equal(latents[real], ref_cache.layers[layer].latents[:, : mask.shape[1]][real])
     # the next decode step over the cache (MLA attends over the padded keys, KDA continues the state)
     assert torch.isfinite(ref_step).all() and torch.equal(step, ref_step)
 
@@ -206,7 +207,8 @@ def test_kda_layer_selects_padding_itself(model, value, side):
         cache = KimiK3Cache(model.config)
         with torch.no_grad():
             out = kda(hidden.masked_fill(~mask.unsqueeze(-1), fill), token_mask=mask, cache=cache)
-        results.append((out, cache.recurrent_states[layer_idx], cache.conv_states[layer_idx]))
+        conv, state = cache.kda_state(layer_idx)
+        results.append((out, state, conv))
     (out, state, conv), (ref, ref_state, ref_conv) = results
     assert torch.isfinite(ref[mask]).all() and torch.equal(out[mask], ref[mask])
     assert torch.isfinite(ref_state).all() and torch.equal(state, ref_state)

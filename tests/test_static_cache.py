@@ -49,15 +49,17 @@ def test_compiled_static_decode_is_one_graph_and_exact():
 
 def test_compiled_decode_keeps_the_grouped_gemm_experts(monkeypatch):
     """On CUDA the compiled decode step keeps the grouped-GEMM experts (a fast path made only of torch ops) instead of
-    the gathered reference. The dispatcher is pointed at that path on CPU (grouped_mm runs there in bf16) to show it
-    is traced into the single graph and gives the tokens of the same path run eagerly."""
+    the gathered reference. Its declaration is relaxed to allow CPU tensors (grouped_mm runs there in bf16) to show
+    it is traced into the single graph and gives the tokens of the same path run eagerly."""
+    import dataclasses
+
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import kimik3.modeling.modeling_kimi_k3 as modeling
-    from kimik3.kernels import moe
+    import kimik3.modeling.ops_kimi_k3 as ops
 
-    monkeypatch.setattr(modeling, "_get_fast_op", lambda name, *t: moe.moe_experts if name == "moe_experts" else None)
+    assert ops._KERNELS is not None and ops._KERNELS.load("moe_experts") is not None
+    monkeypatch.setitem(ops.FAST_OPS, "moe_experts", dataclasses.replace(ops.FAST_OPS["moe_experts"], cuda_only=False))
     graphs = []
 
     def recording_backend(graph_module, example_inputs):

@@ -2,7 +2,7 @@
 
 For f32 and bf16, the tiny model prefills 300 tokens in one shot and in two chunks (100 + 200, continuing the cache),
 first with every fast path off, then with all on, then with each fast op turned off in turn
-(`KIMIK3_DISABLE_KERNELS`). It prints, per configuration, the largest logit difference chunked vs one-shot and the
+(`KIMIK3_REFERENCE_ONLY` set to that op's name). It prints, per configuration, the largest logit difference chunked vs one-shot and the
 one-shot difference against the all-reference run, and writes them as JSON to $OUT (or the working directory).
 
     python tests/gpu/diagnose_chunked_prefill.py
@@ -17,12 +17,12 @@ import torch
 from kimik3.cli import build_tiny_model
 
 
-OP_GROUPS = ["", "chunk_kda,chunk_kda_fused_gate", "causal_conv1d", "block_attn_res_mix", "situ_glu",
+OP_GROUPS = ["", "chunk_kda", "causal_conv1d", "block_attn_res_mix", "situ_glu",
              "attention_with_lse", "moe_experts"]
 
 
 def prefill_both_ways(dtype, disabled):
-    os.environ["KIMIK3_DISABLE_KERNELS"] = disabled
+    os.environ["KIMIK3_REFERENCE_ONLY"] = disabled
     torch.manual_seed(0)
     model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda().to(dtype)
     model.config.mla_prefill_block_size = 64
@@ -52,7 +52,7 @@ def main():
                 row = {"error": repr(exc)[:300]}
             results[f"{dtype} off: [{disabled}]"] = row
             print(dtype, f"off: [{disabled}]", row, flush=True)
-    os.environ.pop("KIMIK3_DISABLE_KERNELS", None)
+    os.environ.pop("KIMIK3_REFERENCE_ONLY", None)
     out = Path(os.environ.get("OUT", ".")) / "diagnose_chunked_prefill.json"
     out.write_text(json.dumps(results, indent=1))
 

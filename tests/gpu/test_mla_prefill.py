@@ -7,9 +7,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
 
-from gpu_helpers import load_kernels, load_ops, rel_err  # noqa: E402
+from gpu_helpers import load_fast, load_ops, reference_only, rel_err  # noqa: E402
 
-kernels = load_kernels()
 ops = load_ops()
 
 
@@ -18,8 +17,7 @@ def test_flash_attention_with_lse_matches_reference(causal):
     q = torch.randn(1, 96, 512, 192, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 96, 512, 192, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 96, 512, 128, device="cuda", dtype=torch.bfloat16)
-    fast = kernels.get_fast_op("attention_with_lse", q)
-    assert fast is not None
+    fast = load_fast("attention_with_lse")
     out, lse = fast(q, k, v, 192**-0.5, causal)
     ref_out, ref_lse = ops.attention_with_lse(q, k, v, 192**-0.5, causal)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
@@ -41,7 +39,7 @@ def test_model_chunked_prefill_matches_one_shot_on_cuda(dtype):
     model = copy.deepcopy(gold_model).to(dtype)
     ids = torch.randint(3, 128, (1, 300), device="cuda")
     with torch.no_grad():
-        with kernels.reference_ops():
+        with reference_only():
             gold = gold_model(ids, use_cache=False).logits.float()
         full = model(ids, use_cache=False).logits.float()
         out = model(ids[:, :100], use_cache=True)
