@@ -4,8 +4,8 @@ Writes a synthetic release-layout checkpoint (MXFP4 experts, a few GB), then mea
 from the page cache (posix_fadvise DONTNEED, so reads come from the disk, not RAM):
   * plain read of the source shards (64 MiB positioned reads, what the converter's reader does),
   * plain copy of the source shards (read + write + fsync: the floor for any conversion that writes its output),
-  * `convert --experts-dtype mxfp4` (a re-layout: the output is as large as the input),
-  * `convert --experts-dtype bf16` (dequantises: the expert output is ~3.8x the packed input).
+  * `convert --experts-format mxfp4` (a re-layout: the output is as large as the input),
+  * `convert --experts-format dense` (dequantises: the expert output is ~3.8x the packed input).
 Reported as MB/s of source read and of output written, with the peak RSS growth of each conversion.
 
 With `--compare-value-check` each conversion also runs with the always-on NaN/Inf/E8M0 check of the reader
@@ -27,15 +27,8 @@ from pathlib import Path
 
 import torch
 
-try:
-    import kimik3.convert as kc
-    from kimik3.convert import fixture, safetensors_io
-except ImportError:  # a plain checkout: the same path mapping as the tests
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest_convert_helpers import ensure_kimik3_convert
-
-    kc = ensure_kimik3_convert()
-    from kimik3.convert import fixture, safetensors_io
+import kimik3.convert as kc
+from kimik3.convert import safetensors_io, testing
 
 # experts dominate the bytes, as in the release (93% of it); sizes multiples of the MXFP4 group of 32
 WIDE = {"hidden_size": 2048, "moe_intermediate_size": 1024, "routed_expert_hidden_size": 1024,
@@ -113,7 +106,7 @@ def _timed_convert(src: Path, dst: Path, experts: str, threads: int | None) -> d
     can_reset = reset_peak()
     base = status_bytes("VmRSS:")
     start = time.perf_counter()
-    summary = kc.convert(src, dst, experts_dtype=experts, progress=False, threads=threads)
+    summary = kc.convert(src, dst, experts_format=experts, progress=False, threads=threads)
     seconds = time.perf_counter() - start
     growth = status_bytes("VmHWM:") - base if can_reset else None
     read = sum(src.joinpath(s).stat().st_size for s in summary["source_shards_read"])
@@ -169,7 +162,7 @@ def markdown(info: dict, source: dict, read: tuple, copy: tuple, runs: list[dict
     for run in runs:
         growth = "n/a" if run["peak_rss_growth"] is None else f"{run['peak_rss_growth'] / 2**20:.0f} MiB"
         lines.append(
-            f"| convert --experts-dtype {run['experts']}{'' if run['value_check'] else ' (no value check)'} | "
+            f"| convert --experts-format {run['experts']}{'' if run['value_check'] else ' (no value check)'} | "
             f"{run['seconds']:.1f} | "
             f"{rate(run['read_bytes'], run['seconds'])} | {rate(run['written_bytes'], run['seconds'])} | "
             f"{run['written_bytes'] / 1e9:.2f} | {growth} |"
@@ -192,7 +185,7 @@ def main(argv=None) -> int:
     try:
         info = machine_info(workdir)
         start = time.perf_counter()
-        release = fixture.write_release_checkpoint(workdir / "release", num_layers=args.layers,
+        release = testing.write_release_checkpoint(workdir / "release", num_layers=args.layers,
                                                    num_experts=args.experts, config_overrides=WIDE, vision=False,
                                                    return_dense=False)
         source = {"layers": args.layers, "experts": args.experts, "shards": len(release.shards),
@@ -205,7 +198,7 @@ def main(argv=None) -> int:
         copy = plain_copy(release.path, workdir / "copy")
         shutil.rmtree(workdir / "copy")
         runs = []
-        for experts in ("mxfp4", "bf16"):
+        for experts in ("mxfp4", "dense"):
             for check in (True, False) if args.compare_value_check else (True,):
                 runs.append(timed_convert(release.path, workdir / f"out-{experts}", experts, args.threads or None,
                                           check))

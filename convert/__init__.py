@@ -1,25 +1,14 @@
 """Kimi K3 release <-> transformers checkpoint conversion (`kimik3 convert / export / verify`).
 
-Public API: `convert`, `export`, `verify`, the CLI entries `run_convert`, `run_export`, `run_verify`
-(argparse-style argument lists -> exit code), `cli_main`, `ConversionError`, and `fixture.write_release_checkpoint`.
+Public API: `convert`, `export`, `verify`, the `kimik3` CLI's entries `run_convert`, `run_export`, `run_verify`
+(argparse-style argument lists -> exit code), `ConversionError`; `testing.write_release_checkpoint` writes a tiny
+release-layout checkpoint for tests and demos.
 """
 
-from .cli import cli_main, main_convert, main_export, main_verify, run_convert, run_export, run_verify
+from .cli import run_convert, run_export, run_verify
 from .converter import convert
 from .errors import ConversionError
 from .exporter import export
 from .verifier import verify
 
-__all__ = [
-    "ConversionError",
-    "cli_main",
-    "convert",
-    "export",
-    "main_convert",
-    "main_export",
-    "main_verify",
-    "run_convert",
-    "run_export",
-    "run_verify",
-    "verify",
-]
+__all__ = ["ConversionError", "convert", "export", "run_convert", "run_export", "run_verify", "verify"]

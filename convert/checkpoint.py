@@ -8,12 +8,20 @@ import hashlib
 import json
 from pathlib import Path
 
-from . import _modeling
+from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+
 from .errors import ConversionError, shard_error
 from .safetensors_io import DEFAULT_CHUNK_BYTES, ShardReader, TensorEntry, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
+# The release numbers its shards like save_pretrained but writes the total with 6 digits (model-00001-of-000096)
+RELEASE_TOTAL_DIGITS = 6
+
+
+def shard_file_name(number: int, total: int, total_digits: int = 5) -> str:
+    """`model-00001-of-00004.safetensors`: save_pretrained's shard names (1-based)."""
+    return f"model-{number:05d}-of-{total:0{total_digits}d}.safetensors"
 
 
 def check_shard_name(shard: str, index_path: Path, tensor: str) -> None:
@@ -51,11 +59,10 @@ def load_config_dict(root: Path) -> dict:
 def config_from_dict(raw: dict, path: Path):
     """Our config classes read both the release's config.json and ours (composite or text-only). Their validation
     errors name the key; this adds the file."""
-    module = _modeling.config_module()
     try:
         if "text_config" in raw:
-            return module.KimiK3Config(**raw)
-        return module.KimiK3TextConfig(**raw)
+            return KimiK3Config(**raw)
+        return KimiK3TextConfig(**raw)
     except (TypeError, ValueError) as exc:
         raise ConversionError(f"{path / 'config.json'}: cannot be read as a Kimi K3 config: {exc}") from None
 

@@ -7,7 +7,11 @@ import sys
 
 from kimik3.cli import positive_int
 
+from .converter import EXPERTS_FORMATS
 from .errors import ConversionError
+
+# --experts-dtype (deprecated) value -> --experts-format value
+_OLD_EXPERTS_DTYPES = {"bf16": "dense", "mxfp4": "mxfp4"}
 
 
 def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
@@ -17,8 +21,11 @@ def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
     p.add_argument("dst", help="output folder (created; resumed if it holds an unfinished run of the same job)")
     p.add_argument("--revision", help="Hub revision (commit) when SRC is a repo id; pin one")
     p.add_argument("--text-only", action="store_true", help="write KimiK3ForCausalLM alone (no vision tensors)")
-    p.add_argument("--experts-dtype", choices=("bf16", "mxfp4"), default="bf16",
-                   help="bf16: dequantise the routed experts (exact); mxfp4: keep them packed (experts_format=mxfp4)")
+    p.add_argument("--experts-format", choices=EXPERTS_FORMATS, default=None,
+                   help="the config's experts_format: dense (default) dequantises the routed experts to bf16 "
+                   "(exact); mxfp4 keeps them packed")
+    # the old spelling, still accepted so existing commands keep working
+    p.add_argument("--experts-dtype", choices=tuple(_OLD_EXPERTS_DTYPES), help=argparse.SUPPRESS)
     p.add_argument("--num-layers", type=positive_int, help="keep a prefix of N layers (re-scheduled to end with MLA)")
     p.add_argument("--num-experts", type=positive_int,
                    help="keep the first E experts with their router rows and biases")
@@ -75,11 +82,24 @@ def _report_writes(prog: str, dst, summary: dict) -> bool:
     return summary.get("already_done", False)
 
 
+def experts_format_of(args) -> str:
+    """--experts-format, or the deprecated --experts-dtype translated (a usage error when the two disagree)."""
+    old = _OLD_EXPERTS_DTYPES.get(args.experts_dtype)
+    if old is not None:
+        print("kimik3 convert: note: --experts-dtype is deprecated; use --experts-format "
+              f"{old}", file=sys.stderr)
+        if args.experts_format not in (None, old):
+            raise ConversionError(f"--experts-dtype {args.experts_dtype} and --experts-format {args.experts_format} "
+                                  "disagree; pass --experts-format alone")
+    return args.experts_format or old or "dense"
+
+
 def _do_convert(args) -> int:
     from .converter import convert
 
     summary = convert(
-        args.src, args.dst, text_only=args.text_only, experts_dtype=args.experts_dtype, num_layers=args.num_layers,
+        args.src, args.dst, text_only=args.text_only, experts_format=experts_format_of(args),
+        num_layers=args.num_layers,
         num_experts=args.num_experts, allow_unknown=args.allow_unknown, max_shard_size=args.max_shard_size,
         overwrite=args.overwrite, progress=not args.quiet, revision=args.revision, threads=args.threads,
     )
@@ -139,18 +159,3 @@ def run_export(argv=None) -> int:
 
 def run_verify(argv=None) -> int:
     return _run(_verify_parser(), argv, _do_verify)
-
-
-# Names the `kimik3` CLI (kimik3/cli.py, owned elsewhere) may call.
-main_convert, main_export, main_verify = run_convert, run_export, run_verify
-
-_COMMANDS = {"convert": run_convert, "export": run_export, "verify": run_verify}
-
-
-def cli_main(argv=None) -> int:
-    """`python -m kimik3.convert {convert,export,verify} ...`"""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in _COMMANDS:
-        print("usage: python -m kimik3.convert {convert,export,verify} ...", file=sys.stderr)
-        return 2
-    return _COMMANDS[argv[0]](argv[1:])

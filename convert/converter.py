@@ -1,8 +1,9 @@
 """`kimik3 convert SRC DST`: release layout -> our transformers layout."""
 
 import re
-import sys
 from pathlib import Path
+
+from transformers.utils.hub import convert_file_size_to_int
 
 from . import files
 from .checkpoint import Checkpoint
@@ -12,14 +13,17 @@ from .plan import ConvertOptions, RunContext, build_convert_plan
 from .schedule import output_config_dict
 
 CONVERTER_VERSION = "1"
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-          "TIB": 2**40}
+# The runtime config's `experts_format` values: bf16 experts dequantised exactly, or kept packed
+EXPERTS_FORMATS = ("dense", "mxfp4")
 
 
 def parse_size(value) -> int:
-    match = _SIZE_RE.match(str(value)) if not isinstance(value, bool) else None
-    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]) if match else value
+    """--max-shard-size: transformers' spelling ("5GB", "500MB", "2GiB"; what save_pretrained's max_shard_size takes),
+    or a whole number of bytes."""
+    try:
+        size = int(value) if isinstance(value, str) and value.strip().isdigit() else convert_file_size_to_int(value)
+    except (ValueError, AttributeError):
+        size = None
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         raise ConversionError(f"cannot read size {value!r} as a positive size (use e.g. 5GB, 500MB, 2GiB)")
     return size
@@ -57,7 +61,7 @@ def convert(
     dst,
     *,
     text_only: bool = False,
-    experts_dtype: str = "bf16",
+    experts_format: str = "dense",
     num_layers: int | None = None,
     num_experts: int | None = None,
     allow_unknown: bool = False,
@@ -69,12 +73,12 @@ def convert(
     threads: int | None = None,
 ) -> dict:
     """Converts a release-layout checkpoint (folder or Hub id) into our layout in `dst`. Returns a summary dict."""
-    if experts_dtype not in ("bf16", "mxfp4"):
-        raise ConversionError(f"--experts-dtype {experts_dtype!r}: choose bf16 or mxfp4")
+    if experts_format not in EXPERTS_FORMATS:
+        raise ConversionError(f"--experts-format {experts_format!r}: choose dense or mxfp4")
     check_threads(threads)
     options = ConvertOptions(
         text_only=text_only,
-        experts_dtype=experts_dtype,
+        experts_format=experts_format,
         num_layers=num_layers,
         num_experts=num_experts,
         allow_unknown=allow_unknown,
@@ -98,7 +102,7 @@ def convert(
             "source_index_sha256": ckpt.index_digest(),
             "options": {
                 "text_only": text_only,
-                "experts_dtype": experts_dtype,
+                "experts_format": experts_format,
                 "num_layers": num_layers,
                 "num_experts": num_experts,
                 "allow_unknown": allow_unknown,
@@ -128,10 +132,6 @@ def convert(
             "config": config,
             "max_shard_bytes": options.max_shard_bytes,
         }
-        if "modeling_kimi_k3.py" not in {p.name for p in files.remote_code_files()}:
-            print("kimik3 convert: warning: modeling_kimi_k3.py is not available yet; the output will not load "
-                  "until it is copied in", file=sys.stderr)
-
         def side_files():
             out = [(p.name, p.read_bytes()) for p in files.tokenizer_files(ckpt.root)]
             out += [(p.name, p.read_bytes()) for p in files.remote_code_files()]

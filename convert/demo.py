@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from .converter import convert
-from .fixture import write_release_checkpoint
+from .testing import write_release_checkpoint
 
 
 def release_layout_to_model_dir(workdir, model_dir, seed: int = 0) -> dict:

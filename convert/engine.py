@@ -30,6 +30,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from .checkpoint import INDEX_NAME, shard_file_name
 from .errors import ConversionError
 from .plan import OutTensor, RunContext, total_bytes
 from .safetensors_io import ShardWriter, layout_order
@@ -38,15 +41,7 @@ MANIFEST_NAME = ".kimik3-progress.json"
 RECORD_NAME = ".kimik3-output.json"
 LOCK_NAME = ".kimik3.lock"
 PARTIAL_SUFFIX = ".partial"
-INDEX_NAME = "model.safetensors.index.json"
 FORMAT_VERSION = 1
-# Test hook: "N" raises after N tensors have been written in this run, "N:kill" ends the process on the spot (no
-# cleanup runs, like a SIGKILL). Used to test resumption.
-INTERRUPT_ENV = "KIMIK3_CONVERT_INTERRUPT_AFTER_TENSORS"
-
-
-class SimulatedInterruption(RuntimeError):
-    pass
 
 
 @dataclass
@@ -59,7 +54,7 @@ class ShardPlan:
         return total_bytes(self.tensors)
 
 
-def plan_shards_by_size(tensors: list[OutTensor], max_bytes: int, width: int = 5) -> list[ShardPlan]:
+def plan_shards_by_size(tensors: list[OutTensor], max_bytes: int) -> list[ShardPlan]:
     """Greedy packing in plan order; a tensor larger than the limit gets a shard of its own (never split)."""
     groups: list[list[OutTensor]] = []
     size = 0
@@ -70,7 +65,7 @@ def plan_shards_by_size(tensors: list[OutTensor], max_bytes: int, width: int = 5
         groups[-1].append(tensor)
         size += tensor.spec.nbytes
     total = len(groups)
-    return [ShardPlan(f"model-{i + 1:0{width}d}-of-{total:0{width}d}.safetensors", g) for i, g in enumerate(groups)]
+    return [ShardPlan(shard_file_name(i + 1, total), g) for i, g in enumerate(groups)]
 
 
 SAMPLE_BLOCKS = 8
@@ -136,40 +131,26 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-class Progress:
-    """One stderr line, rewritten at most a few times a second: bytes done / total, rate and ETA."""
+class ByteProgress(tqdm):
+    """tqdm in the units the CLI reports: GB done / total and MB/s, whatever the size (tqdm's own scaling would
+    switch between kB, MB and GB as the run grows)."""
 
-    def __init__(self, label: str, total: int, enabled: bool = True, stream=None):
-        self.label, self.total, self.enabled = label, max(total, 1), enabled
-        self.stream = stream or sys.stderr
-        self.done = self.skipped = 0
-        self.started = self.last = time.monotonic()
+    BAR_FORMAT = "{desc}: {gb_done:.2f}/{gb_total:.2f} GB ({percentage:5.1f}%) {mb_per_s:.0f} MB/s ETA {remaining}"
 
-    def skip(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.skipped += nbytes
+    @property
+    def format_dict(self):
+        values = super().format_dict
+        rate = values["rate"]
+        if rate is None:
+            rate = (values["n"] - values["initial"]) / max(values["elapsed"], 1e-9)
+        return dict(values, gb_done=values["n"] / 1e9, gb_total=(values["total"] or 0) / 1e9, mb_per_s=rate / 1e6)
 
-    def update(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = time.monotonic()
-        if self.enabled and now - self.last >= 0.25:
-            self.last = now
-            self._draw(now)
 
-    def _draw(self, now: float, end: str = "") -> None:
-        elapsed = max(now - self.started, 1e-9)
-        rate = (self.done - self.skipped) / elapsed
-        left = (self.total - self.done) / rate if rate > 0 else float("inf")
-        eta = "--:--" if left == float("inf") else time.strftime("%H:%M:%S", time.gmtime(left))
-        self.stream.write(
-            f"\r{self.label}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
-            f"({100 * self.done / self.total:5.1f}%) {rate / 1e6:.0f} MB/s ETA {eta}   {end}"
-        )
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self._draw(time.monotonic(), "\n")
+def progress_bar(label: str, total: int, done: int, enabled: bool) -> ByteProgress:
+    """Bytes written / total on stderr; `done`, the shards finished by an earlier run, counts from the start without
+    entering the rate and ETA."""
+    return ByteProgress(total=total, initial=done, desc=label, bar_format=ByteProgress.BAR_FORMAT,
+                        disable=not enabled, file=sys.stderr)
 
 
 def check_threads(threads) -> None:
@@ -193,14 +174,6 @@ def torch_threads(threads: int | None):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _interrupt_budget():
-    raw = os.environ.get(INTERRUPT_ENV)
-    if not raw:
-        return None, False
-    count, _, mode = raw.partition(":")
-    return int(count), mode == "kill"
 
 
 # Names a folder of model files holds: a file like these that kimik3 did not write would end up mixed into the new
@@ -318,7 +291,7 @@ def _shard_is_done(dst: Path, shard: ShardPlan, manifest: dict) -> bool:
     return bool(record) and path.exists() and path.stat().st_size == record["bytes"]
 
 
-def _write_shard(dst: Path, shard: ShardPlan, progress: Progress, budget: list) -> int:
+def _write_shard(dst: Path, shard: ShardPlan, progress: ByteProgress) -> int:
     tmp = dst / ("." + shard.name + PARTIAL_SUFFIX)
     ordered = layout_order([t.spec for t in shard.tensors])
     by_name = {t.spec.name: t for t in shard.tensors}
@@ -326,12 +299,6 @@ def _write_shard(dst: Path, shard: ShardPlan, progress: Progress, budget: list) 
     try:
         for spec in ordered:
             writer.write_tensor(spec, by_name[spec.name].produce(), progress.update)
-            if budget[0] is not None:
-                budget[0] -= 1
-                if budget[0] <= 0:
-                    if budget[1]:
-                        os._exit(137)
-                    raise SimulatedInterruption(f"simulated interruption in {shard.name} after `{spec.name}`")
         writer.close()
     except BaseException:
         writer.abort()
@@ -411,20 +378,19 @@ def write_checkpoint(
 def _write_all(dst, shards, manifest, context, label, progress, threads, side_files, final_files, metadata):
     """Shards, side files, index, config.json, output record; returns the names of the shards written. A full disk
     becomes a ConversionError naming the file and the bytes still needed (the manifest stays, so a re-run resumes)."""
-    bar = Progress(label, sum(s.nbytes for s in shards), progress)
-    budget = list(_interrupt_budget())
+    done = sum(s.nbytes for s in shards if _shard_is_done(dst, s, manifest))
+    bar = progress_bar(label, sum(s.nbytes for s in shards), done, progress)
     written = []
     current = dst
     try:
         try:
             for shard in shards:
                 if _shard_is_done(dst, shard, manifest):
-                    bar.skip(shard.nbytes)
                     continue
                 context.shard = shard.name
                 current = dst / shard.name
                 with torch_threads(threads):
-                    size = _write_shard(dst, shard, bar, budget)
+                    size = _write_shard(dst, shard, bar)
                 manifest["done"][shard.name] = {"bytes": size}
                 manifest["files"] = sorted(set(manifest["files"]) | {shard.name})
                 if shard.name in context.stats:

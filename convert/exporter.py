@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from . import files
-from .checkpoint import Checkpoint
+from .checkpoint import RELEASE_TOTAL_DIGITS, Checkpoint, shard_file_name
 from .converter import CONVERTER_VERSION
 from .engine import ShardPlan, write_checkpoint
 from .errors import ConversionError
@@ -49,7 +49,8 @@ def release_shards(tensors, num_layers: int) -> list[ShardPlan]:
     by_group = {g: [t for t in tensors if t.group == g] for g in groups}
     kept = [g for g in groups if by_group[g] or g.startswith("layer:") or g == "model"]
     total = len(kept)
-    return [ShardPlan(f"model-{k:05d}-of-{total:06d}.safetensors", by_group[g]) for k, g in enumerate(kept, start=1)]
+    return [ShardPlan(shard_file_name(k, total, RELEASE_TOTAL_DIGITS), by_group[g])
+            for k, g in enumerate(kept, start=1)]
 
 
 def summarise_error(stats: dict) -> dict:

@@ -4,7 +4,8 @@ import fnmatch
 import json
 from pathlib import Path
 
-from . import _modeling
+import kimik3.modeling
+
 from .errors import ConversionError
 
 # Tokenizer, chat and processor files of the release, copied verbatim when present.
@@ -53,12 +54,12 @@ def tokenizer_files(src: Path) -> list[Path]:
 
 
 def remote_code_files() -> list[Path]:
-    folder = _modeling.modeling_dir()
+    folder = Path(kimik3.modeling.__file__).parent
     return sorted(p for p in folder.glob("*.py") if p.name != "__init__.py")
 
 
 def modeling_class_names() -> set[str]:
-    path = _modeling.modeling_dir() / "modeling_kimi_k3.py"
+    path = Path(kimik3.modeling.__file__).parent / "modeling_kimi_k3.py"
     if not path.exists():
         return set()
     return {line.split("class ", 1)[1].split("(")[0].split(":")[0].strip()
@@ -160,7 +161,7 @@ def model_card(provenance: dict) -> bytes:
         "## Conversion options",
         "",
         f"- model: {'text only (`KimiK3ForCausalLM`, no vision tensors)' if text_only else 'composite (`KimiK3ForConditionalGeneration`, text model under `language_model.`)'}",
-        f"- routed experts: {'kept MXFP4 (`experts.*_packed` / `*_scale`, dequantised on the fly; `experts_format: mxfp4`)' if opts['experts_dtype'] == 'mxfp4' else 'dequantised exactly from MXFP4 to bf16 (`experts_format: dense`)'}",
+        f"- routed experts: {'kept MXFP4 (`experts.*_packed` / `*_scale`, dequantised on the fly; `experts_format: mxfp4`)' if provenance['experts_format'] == 'mxfp4' else 'dequantised exactly from MXFP4 to bf16 (`experts_format: dense`)'}",
         f"- layers: {provenance['num_layers']} of {provenance['source_num_layers']}"
         + ("" if provenance['num_layers'] == provenance['source_num_layers'] else f" (source layers {provenance['layer_map']})"),
         f"- experts: {provenance['num_experts']} of {provenance['source_num_experts']}"

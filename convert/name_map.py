@@ -172,7 +172,6 @@ EXPERT_RULES: tuple[ExpertRule, ...] = (
 # Release suffixes of one expert part, by storage format.
 PACKED_SUFFIXES = ("weight_packed", "weight_scale")
 PLAIN_SUFFIXES = ("weight",)
-MXFP4_GROUP = 32
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -230,11 +229,6 @@ def evaluate(expr: str, symbols: dict[str, int]) -> int:
 
 def shape_of(shape: tuple[str, ...], symbols: dict[str, int]) -> tuple[int, ...]:
     return tuple(evaluate(e, symbols) for e in shape)
-
-
-def packed_shapes(logical: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
-    out_dim, in_dim = logical
-    return (out_dim, in_dim // 2), (out_dim, in_dim // MXFP4_GROUP)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import _modeling, files
+from . import files
 from . import name_map as nm
 from .errors import ConversionError, shard_error
+from .mxfp4 import MXFP4_GROUP_SIZE, dequantize_into, packed_shapes, quantize_rows
 from .safetensors_io import DEFAULT_CHUNK_BYTES, DTYPES, E8M0, OutSpec, itemsize
 
 TEXT_PREFIX = "language_model."
@@ -46,10 +47,6 @@ class RunContext:
                 bucket[key] = max(bucket.get(key, 0.0), value)
             else:
                 bucket[key] = bucket.get(key, 0) + value
-
-
-def _ops():
-    return _modeling.ops_module()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -112,24 +109,13 @@ def _batches(count: int, per_item_bytes: int, chunk_bytes: int):
         yield range(start, min(count, start + step))
 
 
-# Rows dequantised per call: dequantize_mxfp4 holds ~20 bytes of temporaries per weight (int64 codes, f32 values
-# and factors), so 1M weights keep its working set near 20 MB whatever the expert size.
-DEQUANT_BLOCK_WEIGHTS = 1 << 20
-
-
-def _dequantize_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
-    dequantize = _ops().dequantize_mxfp4
-    step = max(1, DEQUANT_BLOCK_WEIGHTS // max(1, out.shape[-1]))
-    for row in range(0, out.shape[0], step):
-        out[row:row + step] = dequantize(packed[row:row + step], scale[row:row + step], out.dtype)
-
-
-def fused_experts(ckpt, part_names, mode: str, per_expert_out_bytes: int, chunk_bytes: int):
+def fused_experts(ckpt, part_names, tensor: str, per_expert_out_bytes: int, chunk_bytes: int):
     """Our fused expert tensor from per-expert release tensors, a batch of experts at a time, each written into its
     place in one preallocated batch buffer (no stack / cat copies).
 
     part_names[e] lists, per part (w1, w3 | w2), the release names: (packed, scale) or (weight,).
-    mode: "dense" (bf16; dequantised when the source is packed), "packed" or "scale" (kept MXFP4 bytes).
+    tensor: which of our tensors: "dense" (bf16; dequantised when the source is MXFP4), or the "packed" / "scale"
+    half of kept MXFP4 experts (bytes copied).
     Memory: one batch buffer (<= max(chunk_bytes, one expert's output)) + one source part + the dequant block.
     """
 
@@ -137,19 +123,19 @@ def fused_experts(ckpt, part_names, mode: str, per_expert_out_bytes: int, chunk_
         return ckpt.reader(name).read(name, encoding)
 
     def fill(out, names):
-        if mode == "scale":
+        if tensor == "scale":
             out.copy_(read(names[1], E8M0))
-        elif mode == "dense" and len(names) == 2:
-            _dequantize_into(out, read(names[0]), read(names[1], E8M0))
+        elif tensor == "dense" and len(names) == 2:
+            dequantize_into(out, read(names[0]), read(names[1], E8M0))
         else:
             out.copy_(read(names[0]))
 
     def produce():
         first = part_names[0]
-        shapes = [ckpt.entry(names[0 if mode != "scale" else 1]).shape for names in first]
+        shapes = [ckpt.entry(names[0 if tensor != "scale" else 1]).shape for names in first]
         rows = sum(shape[0] for shape in shapes)
-        width = shapes[0][1] * (2 if mode == "dense" and len(first[0]) == 2 else 1)
-        dtype = torch.bfloat16 if mode == "dense" else torch.uint8
+        width = shapes[0][1] * (2 if tensor == "dense" and len(first[0]) == 2 else 1)
+        dtype = torch.bfloat16 if tensor == "dense" else torch.uint8
         for experts in _batches(len(part_names), per_expert_out_bytes, chunk_bytes):
             out = torch.empty(len(experts), rows, width, dtype=dtype)
             for slot, expert in enumerate(experts):
@@ -192,41 +178,22 @@ def _fused_rows(ckpt, name: str, expert: int, rows: tuple[int, int]) -> torch.Te
     return data.view(entry.torch_dtype).reshape(rows[1] - rows[0], cols)
 
 
-def _quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """quantize_mxfp4 in row blocks (it holds ~32 bytes of temporaries per weight), measuring the round-trip error
-    of each block as it goes. Returns (packed, scale, error statistics)."""
-    quantize, dequantize = _ops().quantize_mxfp4, _ops().dequantize_mxfp4
-    step = max(1, DEQUANT_BLOCK_WEIGHTS // max(1, dense.shape[-1]))
-    packed, scales = [], []
-    stats = {"exact_experts": 1, "weights": dense.numel(), "sum_sq_err": 0.0, "sum_sq_ref": 0.0, "max_abs_err": 0.0}
-    for row in range(0, dense.shape[0], step):
-        ref = dense[row:row + step].float()
-        block_packed, block_scale = quantize(ref)
-        err = dequantize(block_packed, block_scale, torch.float32) - ref
-        stats["exact_experts"] &= int(not torch.any(err != 0))
-        stats["sum_sq_err"] += float((err * err).sum())
-        stats["sum_sq_ref"] += float((ref * ref).sum())
-        stats["max_abs_err"] = max(stats["max_abs_err"], float(err.abs().max()) if err.numel() else 0.0)
-        packed.append(block_packed)
-        scales.append(block_scale)
-    return torch.cat(packed), torch.cat(scales), stats
-
-
-def export_expert_part(ckpt, ours: str, packed: bool, expert: int, rows, suffix: str, cache, context):
-    """One release expert tensor (`weight_packed` / `weight_scale` / dense `weight`) from our fused tensors."""
+def export_expert_part(ckpt, ours: str, stored_format: str, expert: int, rows, suffix: str, cache, context):
+    """One release expert tensor (`weight_packed` / `weight_scale` / dense `weight`) from our fused tensors, which
+    are stored in `stored_format` ("dense" | "mxfp4")."""
 
     def quantized():
-        if packed:
+        if stored_format == "mxfp4":
             return _fused_rows(ckpt, ours + "_packed", expert, rows), _fused_rows(ckpt, ours + "_scale", expert, rows)
         # the round-trip error of re-quantisation, measured on every expert
-        q_packed, q_scale, stats = _quantize_rows(_fused_rows(ckpt, ours, expert, rows))
+        q_packed, q_scale, stats = quantize_rows(_fused_rows(ckpt, ours, expert, rows))
         context.add(experts=1, **stats)
         return q_packed, q_scale
 
     def dense_values():
-        if packed:
+        if stored_format == "mxfp4":
             values = torch.empty(rows[1] - rows[0], ckpt.entry(ours + "_packed").shape[-1] * 2, dtype=torch.bfloat16)
-            _dequantize_into(values, _fused_rows(ckpt, ours + "_packed", expert, rows),
+            dequantize_into(values, _fused_rows(ckpt, ours + "_packed", expert, rows),
                              _fused_rows(ckpt, ours + "_scale", expert, rows))
             return values
         return _fused_rows(ckpt, ours, expert, rows).to(torch.bfloat16)
@@ -248,7 +215,7 @@ def export_expert_part(ckpt, ours: str, packed: bool, expert: int, rows, suffix:
 @dataclass
 class ConvertOptions:
     text_only: bool = False
-    experts_dtype: str = "bf16"  # "bf16" | "mxfp4"
+    experts_format: str = "dense"  # "dense" | "mxfp4", as the runtime config names it
     num_layers: int | None = None
     num_experts: int | None = None
     allow_unknown: bool = False
@@ -344,7 +311,8 @@ def _check_padded_heads(src, name: str, dtype: str, heads: int, usual: tuple[int
     return entry
 
 
-def _expert_format(src, classified: Classified, layer: int, prefix: str) -> str:
+def _source_experts_format(src, classified: Classified, layer: int, prefix: str) -> str:
+    """How the source stores a layer's experts: "mxfp4" (`weight_packed` + `weight_scale`) or "dense" (`weight`)."""
     present = classified.expert_suffixes.get(layer, set())
     packed = bool(present & {"weight_packed", "weight_scale"})
     if packed and "weight" in present:
@@ -352,20 +320,21 @@ def _expert_format(src, classified: Classified, layer: int, prefix: str) -> str:
             f"{src.index_path}: layer {layer} mixes packed (weight_packed/weight_scale) and plain (weight) experts "
             f"under `{prefix}model.layers.{layer}.block_sparse_moe.experts`"
         )
-    return "plain" if present == {"weight"} else "packed"
+    return "dense" if present == {"weight"} else "mxfp4"
 
 
-def _expert_part_sources(src, rule: nm.ExpertRule, src_layer: int, fmt: str, keep: int, symbols, prefix: str):
+def _expert_part_sources(src, rule: nm.ExpertRule, src_layer: int, source_format: str, keep: int, symbols,
+                         prefix: str):
     """Validated release names of every kept expert's parts: [[(names of part 0), (names of part 1)], ...]."""
     logical = nm.shape_of(rule.part_shape, symbols)
-    packed_shape, scale_shape = nm.packed_shapes(logical)
+    packed_shape, scale_shape = packed_shapes(logical)
     out = []
     for expert in range(keep):
         per_part = []
         for part in rule.parts:
             base = prefix + nm.fill(rule.release, L=src_layer, E=expert, W=part)
             why = f"expert {expert} `{part}` of MoE layer {src_layer}"
-            if fmt == "plain":
+            if source_format == "dense":
                 _check_entry(src, base + ".weight", "BF16", logical, why)
                 per_part.append((base + ".weight",))
                 continue
@@ -377,9 +346,9 @@ def _expert_part_sources(src, rule: nm.ExpertRule, src_layer: int, fmt: str, kee
             if (p.dtype, tuple(p.shape), s.dtype, tuple(s.shape)) != ("U8", packed_shape, "U8", scale_shape):
                 raise shard_error(
                     src.shard_path(src.weight_map[packed_name]),
-                    f"MXFP4 packed/scale shapes do not match: logical {list(logical)} (group 32) needs U8 packed "
-                    f"{list(packed_shape)} and U8 scale {list(scale_shape)}, found {p.dtype} {list(p.shape)} and "
-                    f"{s.dtype} {list(s.shape)} (`{scale_name}`)",
+                    f"MXFP4 packed/scale shapes do not match: logical {list(logical)} (group {MXFP4_GROUP_SIZE}) "
+                    f"needs U8 packed {list(packed_shape)} and U8 scale {list(scale_shape)}, found {p.dtype} "
+                    f"{list(p.shape)} and {s.dtype} {list(s.shape)} (`{scale_name}`)",
                     packed_name,
                 )
             per_part.append((packed_name, scale_name))
@@ -432,7 +401,7 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
         if not 1 <= options.num_experts <= total_experts:
             raise ConversionError(f"--num-experts {options.num_experts}: the source has {total_experts} experts")
         keep = options.num_experts
-    experts_format = "mxfp4" if options.experts_dtype == "mxfp4" else "dense"
+    experts_format = options.experts_format
     out_text = output_text_config(text, mapping, keep if total_experts else None, experts_format)
     if out_text.num_experts and out_text.num_experts_per_token != text.num_experts_per_token:
         notes.append(f"num_experts_per_token lowered to {out_text.num_experts_per_token} (only {keep} experts kept)")
@@ -474,13 +443,13 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
                 f"layer:{out_layer}",
             )
         for rule in nm.expected_layer_expert_rules(text, src_layer):
-            fmt = _expert_format(src, classified, src_layer, src_prefix)
-            if experts_format == "mxfp4" and fmt == "plain":
+            source_format = _source_experts_format(src, classified, src_layer, src_prefix)
+            if experts_format == "mxfp4" and source_format == "dense":
                 raise ConversionError(
-                    f"{src.index_path}: --experts-dtype mxfp4 keeps packed experts, but layer {src_layer}'s experts "
-                    "are plain bf16 (`.weight`); convert with --experts-dtype bf16"
+                    f"{src.index_path}: --experts-format mxfp4 keeps packed experts, but layer {src_layer}'s experts "
+                    "are plain bf16 (`.weight`); convert with --experts-format dense"
                 )
-            parts = _expert_part_sources(src, rule, src_layer, fmt, keep, symbols, src_prefix)
+            parts = _expert_part_sources(src, rule, src_layer, source_format, keep, symbols, src_prefix)
             used.update(n for per_part in parts for names in per_part for n in names)
             logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
             rows = sum(shape[0] for shape in logical)
@@ -493,10 +462,10 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
                 produce = fused_experts(src, parts, "dense", per_expert, options.chunk_bytes)
                 tensors.append(OutTensor(spec, produce, origin + ":dense", f"layer:{out_layer}"))
             else:
-                for suffix, mode, width in (("_packed", "packed", cols // 2), ("_scale", "scale", cols // nm.MXFP4_GROUP)):
-                    spec = OutSpec(out_name + suffix, "U8", (keep, rows, width))
-                    produce = fused_experts(src, parts, mode, rows * width, options.chunk_bytes)
-                    tensors.append(OutTensor(spec, produce, f"{origin}:{mode}", f"layer:{out_layer}"))
+                for half, width in (("packed", cols // 2), ("scale", cols // MXFP4_GROUP_SIZE)):
+                    spec = OutSpec(f"{out_name}_{half}", "U8", (keep, rows, width))
+                    produce = fused_experts(src, parts, half, rows * width, options.chunk_bytes)
+                    tensors.append(OutTensor(spec, produce, f"{origin}:{half}", f"layer:{out_layer}"))
 
     for rule in nm.expected_model_rules(text):
         add_rule(rule, src_prefix + rule.release, text_out_prefix + rule.ours, "model level", "model")
@@ -568,8 +537,9 @@ def _a_log_length(recorded, layer: int, default: int, ckpt) -> int:
     return recorded[str(layer)]
 
 
-def build_export_plan(ckpt, context: RunContext, experts: str = "mxfp4", allow_unknown: bool = False) -> ExportPlan:
-    """experts: "mxfp4" (the release layout: re-quantised, or split when kept packed) or "dense" (per-expert bf16
+def build_export_plan(ckpt, context: RunContext, experts_format: str = "mxfp4",
+                      allow_unknown: bool = False) -> ExportPlan:
+    """experts_format: "mxfp4" (the release layout: re-quantised, or split when kept packed) or "dense" (per-expert bf16
     `.weight`; what `verify` compares against the source)."""
     text = ckpt.text_config
     symbols = nm.dims(text, ckpt.vision_config)
@@ -623,13 +593,14 @@ def build_export_plan(ckpt, context: RunContext, experts: str = "mxfp4", allow_u
         for rule in nm.expected_layer_expert_rules(text, layer):
             ours = our_prefix + nm.fill(rule.ours, L=layer)
             packed = ours + "_packed" in ckpt.weight_map
-            requantised = requantised or (experts == "mxfp4" and not packed)
+            stored_format = "mxfp4" if packed else "dense"
+            requantised = requantised or (experts_format == "mxfp4" and not packed)
             if not packed and ours not in ckpt.weight_map:
                 raise ConversionError(f"{ckpt.index_path}: tensor `{ours}` (or `{ours}_packed`) is missing ({why})")
             logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
             rows, cols = sum(s[0] for s in logical), logical[0][1]
             expected = {ours + "_packed": (symbols["E"], rows, cols // 2),
-                        ours + "_scale": (symbols["E"], rows, cols // nm.MXFP4_GROUP)} if packed else \
+                        ours + "_scale": (symbols["E"], rows, cols // MXFP4_GROUP_SIZE)} if packed else \
                 {ours: (symbols["E"], rows, cols)}
             for name, shape in expected.items():
                 entry = ckpt.entry(name)
@@ -643,13 +614,13 @@ def build_export_plan(ckpt, context: RunContext, experts: str = "mxfp4", allow_u
                     rows_range = (row, row + out_dim)
                     row += out_dim
                     base = TEXT_PREFIX + nm.fill(rule.release, L=layer, E=expert, W=part)
-                    if experts == "dense":
+                    if experts_format == "dense":
                         outputs = (("weight", "BF16", (out_dim, in_dim)),)
                     else:
-                        packed_shape, scale_shape = nm.packed_shapes((out_dim, in_dim))
+                        packed_shape, scale_shape = packed_shapes((out_dim, in_dim))
                         outputs = (("weight_packed", "U8", packed_shape), ("weight_scale", "U8", scale_shape))
                     for suffix, dtype, shape in outputs:
-                        produce = export_expert_part(ckpt, ours, packed, expert, rows_range, suffix, cache, context)
+                        produce = export_expert_part(ckpt, ours, stored_format, expert, rows_range, suffix, cache, context)
                         tensors.append(OutTensor(OutSpec(f"{base}.{suffix}", dtype, shape), produce,
                                                  f"{ours}[{expert}, {rows_range[0]}:{rows_range[1]}]", f"layer:{layer}"))
 

@@ -12,8 +12,10 @@ after N-1 the prefix is kept as is.
 
 import copy
 
-from . import _modeling
+from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+
 from .errors import ConversionError
+from .mxfp4 import MXFP4_GROUP_SIZE
 
 OUR_COMPOSITE_AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3Config",
@@ -37,7 +39,7 @@ RELEASE_QUANTIZATION_CONFIG = {
                 "actorder": None,
                 "block_structure": None,
                 "dynamic": False,
-                "group_size": 32,
+                "group_size": MXFP4_GROUP_SIZE,
                 "num_bits": 4,
                 "observer": "minmax",
                 "observer_kwargs": {},
@@ -100,7 +102,6 @@ def _text_dict(text_config) -> dict:
 
 def output_text_config(source_text, mapping: list[int], num_experts: int | None, experts_format: str):
     """Our text config for the kept layers / experts. The layer lists stay 1-based (the config class converts)."""
-    module = _modeling.config_module()
     raw = _text_dict(source_text)
     kept_types = [source_text.layer_types[i] for i in mapping]
     raw["num_hidden_layers"] = len(mapping)
@@ -117,7 +118,7 @@ def output_text_config(source_text, mapping: list[int], num_experts: int | None,
     raw["dtype"] = "bfloat16"
     raw["experts_format"] = experts_format
     try:
-        config = module.KimiK3TextConfig(**raw)
+        config = KimiK3TextConfig(**raw)
     except ValueError as exc:
         raise ConversionError(f"the sliced config is not valid: {exc}") from None
     kept_mlp = [source_text.mlp_layer_types[i] for i in mapping]
@@ -131,14 +132,13 @@ def output_text_config(source_text, mapping: list[int], num_experts: int | None,
 
 def output_config_dict(source_config, text_config, text_only: bool, modeling_classes: set[str]) -> dict:
     """The config.json we write: save_pretrained-style `to_dict()` with our auto_map."""
-    module = _modeling.config_module()
     text_raw = text_config.to_dict()
     text_raw["_name_or_path"] = ""
     if text_only or not hasattr(source_config, "text_config"):
         raw = text_raw
         if "KimiK3Model" in modeling_classes:
             raw["auto_map"] = dict(OUR_TEXT_AUTO_MAP, AutoModel="modeling_kimi_k3.KimiK3Model")
-        module.KimiK3TextConfig(**copy.deepcopy(raw))
+        KimiK3TextConfig(**copy.deepcopy(raw))
         return raw
     raw = copy.deepcopy(source_config.to_dict())
     raw.pop("quantization_config", None)
@@ -147,16 +147,15 @@ def output_config_dict(source_config, text_config, text_only: bool, modeling_cla
     raw["architectures"] = ["KimiK3ForConditionalGeneration"]
     raw["auto_map"] = dict(OUR_COMPOSITE_AUTO_MAP)
     raw["dtype"] = "bfloat16"
-    module.KimiK3Config(**copy.deepcopy(raw))
+    KimiK3Config(**copy.deepcopy(raw))
     return raw
 
 
 def release_config_dict(our_config) -> dict:
     """The release's config.json for one of our configs (export): 1-based lists and the release's schema via the
     config class's `to_release_dict()`, and the release's MXFP4 quantization_config (experts are written packed)."""
-    module = _modeling.config_module()
     if not hasattr(our_config, "text_config"):
-        our_config = module.KimiK3Config(text_config=our_config, vision_config={})
+        our_config = KimiK3Config(text_config=our_config, vision_config={})
     text = our_config.text_config
     saved = getattr(text, "quantization_config", None)
     text.quantization_config = copy.deepcopy(RELEASE_QUANTIZATION_CONFIG)

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from . import files, name_map as nm
-from ._modeling import ops_module
 from .checkpoint import Checkpoint
 from .converter import open_source
 from .errors import ConversionError, shard_error
 from .files import PROVENANCE_NAME
+from .mxfp4 import dequantize_mxfp4
 from .plan import ConvertOptions, RunContext, build_convert_plan, build_export_plan, materialise
 from .safetensors_io import E8M0
 from .schedule import layer_map as make_layer_map
@@ -64,7 +64,7 @@ def _source_value(src, lib: LibraryReader, release_name: str) -> torch.Tensor:
     if name in src.weight_map:
         return lib.read(name)
     if name.endswith(".weight") and name + "_packed" in src.weight_map:
-        return ops_module().dequantize_mxfp4(lib.read(name + "_packed"), lib.read(name + "_scale"))
+        return dequantize_mxfp4(lib.read(name + "_packed"), lib.read(name + "_scale"))
     raise ConversionError(f"{src.index_path}: the source has no tensor `{name}`")
 
 
@@ -83,7 +83,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def compare_tensors(src, conv, layer_map: list[int]) -> dict:
-    plan = build_export_plan(conv, RunContext(), experts="dense")
+    plan = build_export_plan(conv, RunContext(), experts_format="dense")
     mismatches, compared = [], 0
     lib = LibraryReader(src)
     for tensor in plan.tensors:
@@ -143,7 +143,7 @@ def compare_release_layouts(src, other) -> dict:
         if all(_same_bits(a, b) for a, b in zip(got, want)):
             bytes_equal += len(group)
         elif len(group) == 2 and all(a.shape == b.shape for a, b in zip(got, want)) and torch.equal(
-                ops_module().dequantize_mxfp4(*got, torch.float32), ops_module().dequantize_mxfp4(*want, torch.float32)):
+                dequantize_mxfp4(*got, torch.float32), dequantize_mxfp4(*want, torch.float32)):
             values_equal += len(group)
         else:
             diff = (float((got[0].float() - want[0].float()).abs().max()) if got[0].shape == want[0].shape
@@ -158,7 +158,7 @@ def _reference_state(src, provenance: dict) -> dict:
     options = provenance.get("options", {})
     plan = build_convert_plan(src, ConvertOptions(
         text_only=options.get("text_only", False),
-        experts_dtype="bf16",
+        experts_format="dense",
         num_layers=options.get("num_layers"),
         num_experts=options.get("num_experts"),
         allow_unknown=options.get("allow_unknown", False),

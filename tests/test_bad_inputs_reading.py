@@ -7,16 +7,17 @@ import os
 import shutil
 import struct
 import threading
+from pathlib import Path
 
 import pytest
 import torch
-from conftest_convert_helpers import ensure_kimik3_convert
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-kc = ensure_kimik3_convert()
-from kimik3.convert import fixture, safetensors_io as sio  # noqa: E402
-from kimik3.convert.errors import ConversionError  # noqa: E402
+import kimik3.convert as kc
+import kimik3.modeling
+from kimik3.convert import safetensors_io as sio, testing
+from kimik3.convert.errors import ConversionError
 
 HEADS = 2
 L0 = "language_model.model.layers.0."
@@ -29,7 +30,7 @@ SHARD0, SHARD1 = "model-00001-of-000003.safetensors", "model-00002-of-000003.saf
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     """2 layers (KDA + dense MLP, MLA + MoE with 2 MXFP4 experts), no vision: 3 shards, ~270 kB."""
-    return fixture.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=7, num_layers=2,
+    return testing.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=7, num_layers=2,
                                             num_experts=2, vision=False, return_dense=False).path
 
 
@@ -252,7 +253,7 @@ VALUE_CASES = [
                  id="nan-in-last-chunk"),
     pytest.param(poke(SHARD1, EXPERT + "scale", (5, 0), 0xFF), {}, EXPERT + "scale",
                  ["E8M0 scale byte 0xFF", "at [5, 0]"], id="e8m0-0xff"),
-    pytest.param(poke(SHARD1, EXPERT + "scale", (31, 0), 0xFF), {"experts_dtype": "mxfp4"}, EXPERT + "scale",
+    pytest.param(poke(SHARD1, EXPERT + "scale", (31, 0), 0xFF), {"experts_format": "mxfp4"}, EXPERT + "scale",
                  ["E8M0 scale byte 0xFF", "at [31, 0]"], id="e8m0-0xff-kept-packed"),
 ]
 
@@ -313,7 +314,7 @@ def test_export_refuses_non_finite_weights(converted, tmp_path, damage, tensor, 
 @pytest.mark.parametrize("case", [pytest.param("e8m0-0xff", id="export-e8m0-0xff-packed")])
 def test_export_refuses_a_nan_scale_in_kept_packed_experts(release, tmp_path, case):
     packed = tmp_path / "packed"
-    kc.convert(release, packed, experts_dtype="mxfp4", progress=False)
+    kc.convert(release, packed, experts_format="mxfp4", progress=False)
     name = "language_model.model.layers.1.mlp.experts.down_proj_scale"
     poke_converted(name, (1, 7, 0), 0xFF)(packed)
     with pytest.raises(ConversionError, match=r"E8M0 scale byte 0xFF .*at \[1, 7, 0\]"):
@@ -387,7 +388,7 @@ def test_exported_folder_carries_no_model_code_and_says_how_to_load(converted, t
     assert kc.run_export([str(converted), str(tmp_path / "exported"), "--quiet"]) == 0
     out = capsys.readouterr().out
     exported = tmp_path / "exported"
-    ours = {p.name for p in kc._modeling.modeling_dir().glob("*.py")}
+    ours = {p.name for p in Path(kimik3.modeling.__file__).parent.glob("*.py")}
     assert not ours & {p.name for p in exported.iterdir()}
     config = json.loads((exported / "config.json").read_text())
     for target in list(config["auto_map"].values()) + list(config["text_config"]["auto_map"].values()):

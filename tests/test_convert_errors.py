@@ -5,12 +5,11 @@ import shutil
 
 import pytest
 import torch
-from conftest_convert_helpers import ensure_kimik3_convert
 from safetensors.torch import load_file, save_file
 
-kc = ensure_kimik3_convert()
-from kimik3.convert import fixture  # noqa: E402
-from kimik3.convert.errors import ConversionError  # noqa: E402
+import kimik3.convert as kc
+from kimik3.convert import testing
+from kimik3.convert.errors import ConversionError
 
 INDEX = "model.safetensors.index.json"
 LAYER = "language_model.model.layers.{}."
@@ -18,7 +17,7 @@ LAYER = "language_model.model.layers.{}."
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    return fixture.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=3, num_layers=6,
+    return testing.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=3, num_layers=6,
                                             num_experts=4, return_dense=False)
 
 

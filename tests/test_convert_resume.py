@@ -3,22 +3,22 @@ it, without rewriting finished shards, and the result is byte-identical to an un
 folder never looks finished."""
 
 import json
+import signal
 import subprocess
 import sys
 
 import pytest
-from conftest_convert_helpers import ensure_kimik3_convert, subprocess_env
 
-kc = ensure_kimik3_convert()
-from kimik3.convert import engine, fixture  # noqa: E402
-from kimik3.convert.errors import ConversionError  # noqa: E402
+import kimik3.convert as kc
+from kimik3.convert import engine, testing
+from kimik3.convert.errors import ConversionError
 
 SHARD = "120KB"
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
-    return fixture.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=2, num_layers=6)
+    return testing.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=2, num_layers=6)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,43 @@ def looks_unfinished(folder):
     return not (folder / "config.json").exists() and not (folder / engine.INDEX_NAME).exists()
 
 
+class Interrupted(Exception):
+    pass
+
+
+def interrupt_after_tensors(monkeypatch, count):
+    """The run stops with `Interrupted` once `count` tensors have been written (mid-shard unless a shard ends there)."""
+    original = engine.ShardWriter.write_tensor
+    written = [0]
+
+    def write_tensor(self, *args, **kwargs):
+        if written[0] == count:
+            raise Interrupted(f"after {count} tensors")
+        original(self, *args, **kwargs)
+        written[0] += 1
+
+    monkeypatch.setattr(engine.ShardWriter, "write_tensor", write_tensor)
+
+
+# A child process that SIGKILLs itself after N tensors: no `finally`, no atexit, nothing cleans up.
+KILL_AFTER_TENSORS = """
+import os, signal, sys
+import kimik3.convert as kc
+from kimik3.convert import engine
+
+original, written, count = engine.ShardWriter.write_tensor, [0], int(sys.argv[3])
+
+def write_tensor(self, *args, **kwargs):
+    if written[0] == count:
+        os.kill(os.getpid(), signal.SIGKILL)
+    original(self, *args, **kwargs)
+    written[0] += 1
+
+engine.ShardWriter.write_tensor = write_tensor
+kc.convert(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[4], progress=False)
+"""
+
+
 def stamps(folder, names):
     return {n: ((folder / n).stat().st_ino, (folder / n).stat().st_mtime_ns) for n in names}
 
@@ -44,10 +81,10 @@ def test_a_raised_interruption_resumes_to_identical_bytes(release, uninterrupted
     num_shards = len(list(uninterrupted.glob("model-*.safetensors")))
     assert num_shards >= 4
     dst = tmp_path / "out"
-    monkeypatch.setenv(engine.INTERRUPT_ENV, "70")
-    with pytest.raises(engine.SimulatedInterruption):
+    interrupt_after_tensors(monkeypatch, 70)
+    with pytest.raises(Interrupted):
         kc.convert(release.path, dst, max_shard_size=SHARD, progress=False)
-    monkeypatch.delenv(engine.INTERRUPT_ENV)
+    monkeypatch.undo()
     assert looks_unfinished(dst)
     assert not list(dst.glob("*.partial")) and not list(dst.glob(".*.partial"))
     done = sorted(json.loads((dst / engine.MANIFEST_NAME).read_text())["done"])
@@ -61,15 +98,9 @@ def test_a_raised_interruption_resumes_to_identical_bytes(release, uninterrupted
 
 def test_a_hard_kill_mid_shard_resumes_to_identical_bytes(release, uninterrupted, tmp_path):
     dst = tmp_path / "out"
-    code = (
-        "import kimik3.convert as kc, sys; "
-        f"kc.convert(sys.argv[1], sys.argv[2], max_shard_size='{SHARD}', progress=False)"
-    )
-    env = subprocess_env()
-    env[engine.INTERRUPT_ENV] = "45:kill"
-    result = subprocess.run([sys.executable, "-c", code, str(release.path), str(dst)], env=env,
+    result = subprocess.run([sys.executable, "-c", KILL_AFTER_TENSORS, str(release.path), str(dst), "45", SHARD],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 137, result.stderr
+    assert result.returncode == -signal.SIGKILL, result.stderr
     assert looks_unfinished(dst)
     assert list(dst.glob(".model-*.partial"))  # the shard being written when killed: not under its final name
     kc.convert(release.path, dst, max_shard_size=SHARD, progress=False)
@@ -78,10 +109,10 @@ def test_a_hard_kill_mid_shard_resumes_to_identical_bytes(release, uninterrupted
 
 def test_an_unfinished_run_with_other_options_is_not_mixed_in(release, tmp_path, monkeypatch):
     dst = tmp_path / "out"
-    monkeypatch.setenv(engine.INTERRUPT_ENV, "30")
-    with pytest.raises(engine.SimulatedInterruption):
+    interrupt_after_tensors(monkeypatch, 30)
+    with pytest.raises(Interrupted):
         kc.convert(release.path, dst, max_shard_size=SHARD, progress=False)
-    monkeypatch.delenv(engine.INTERRUPT_ENV)
+    monkeypatch.undo()
     with pytest.raises(ConversionError, match="different inputs or options"):
         kc.convert(release.path, dst, max_shard_size=SHARD, num_experts=4, progress=False)
     assert looks_unfinished(dst)

@@ -5,14 +5,15 @@ compared with a model built directly from the fixture's exact dense values throu
 import copy
 import filecmp
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from conftest_convert_helpers import ensure_kimik3_convert
 from safetensors.torch import load_file, save_file
 
-kc = ensure_kimik3_convert()
-from kimik3.convert import fixture  # noqa: E402
+import kimik3.convert as kc
+import kimik3.modeling
+from kimik3.convert import testing
 
 transformers = pytest.importorskip("transformers")
 NUM_LAYERS, NUM_EXPERTS, HEADS = 6, 8, 2
@@ -20,7 +21,7 @@ NUM_LAYERS, NUM_EXPERTS, HEADS = 6, 8, 2
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
-    return fixture.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=1,
+    return testing.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=1,
                                             num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS)
 
 
@@ -102,7 +103,7 @@ def test_side_files_are_copied_and_the_release_model_code_is_replaced_by_ours(re
     for name in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "encoding_k3.py",
                  "preprocessor_config.json", "generation_config.json", "LICENSE"):
         assert filecmp.cmp(release.path / name, converted / name, shallow=False), name
-    ours = kc._modeling.modeling_dir()
+    ours = Path(kimik3.modeling.__file__).parent
     copied = [p for p in ours.glob("*.py") if p.name != "__init__.py"]
     assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "ops_kimi_k3.py"} <= {p.name for p in copied}
     for path in copied:
@@ -115,7 +116,7 @@ def test_side_files_are_copied_and_the_release_model_code_is_replaced_by_ours(re
 
 def test_kept_mxfp4_experts_load_packed_and_give_the_same_logits(release, converted, tmp_path):
     dst = tmp_path / "mx"
-    kc.convert(release.path, dst, experts_dtype="mxfp4", progress=False)
+    kc.convert(release.path, dst, experts_format="mxfp4", progress=False)
     config = json.loads((dst / "config.json").read_text())
     assert config["text_config"]["experts_format"] == "mxfp4"
     tensors = load_file(str(next(dst.glob("model-*.safetensors"))))
@@ -213,7 +214,7 @@ def test_verify_passes_on_a_good_conversion_and_names_a_changed_tensor(release, 
 
 
 def test_cli_convert_reports_progress_and_returns_zero(release, tmp_path, capsys):
-    code = kc.run_convert([str(release.path), str(tmp_path / "cli"), "--text-only", "--experts-dtype", "mxfp4",
+    code = kc.run_convert([str(release.path), str(tmp_path / "cli"), "--text-only", "--experts-format", "mxfp4",
                            "--max-shard-size", "200KB"])
     assert code == 0
     captured = capsys.readouterr()
@@ -226,10 +227,10 @@ def test_cli_convert_reports_progress_and_returns_zero(release, tmp_path, capsys
 
 def test_plain_bf16_experts_and_a_single_file_source(tmp_path):
     """Packed versus plain is decided from the tensor names present; an unsharded `model.safetensors` works too."""
-    plain = fixture.write_release_checkpoint(tmp_path / "plain", seed=5, num_layers=2, num_experts=4,
-                                             experts="bf16", vision=False)
+    plain = testing.write_release_checkpoint(tmp_path / "plain", seed=5, num_layers=2, num_experts=4,
+                                             experts_format="dense", vision=False)
     with pytest.raises(kc.ConversionError, match="plain bf16"):
-        kc.convert(plain.path, tmp_path / "mx", experts_dtype="mxfp4", progress=False)
+        kc.convert(plain.path, tmp_path / "mx", experts_format="mxfp4", progress=False)
     single = tmp_path / "single"
     single.mkdir()
     merged = {}

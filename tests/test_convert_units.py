@@ -7,20 +7,21 @@ import struct
 
 import pytest
 import torch
-from conftest_convert_helpers import REPO, ensure_kimik3_convert
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-kc = ensure_kimik3_convert()
-from kimik3.convert import _modeling, fixture, name_map as nm, safetensors_io as sio, schedule  # noqa: E402
-from kimik3.convert.errors import ConversionError  # noqa: E402
+import kimik3.convert as kc
+from kimik3.configuration import RELEASED_CONFIG_PATH, TENSOR_PATTERNS_PATH
+from kimik3.convert import mxfp4, name_map as nm, safetensors_io as sio, schedule, testing
+from kimik3.convert.errors import ConversionError
+from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 
-PATTERNS = json.loads((REPO / "configuration" / "kimi_k3_tensor_patterns.json").read_text())["patterns"]
-RELEASE_CONFIG = json.loads((REPO / "configuration" / "kimi_k3_config.json").read_text())
+PATTERNS = json.loads(TENSOR_PATTERNS_PATH.read_text())["patterns"]
+RELEASE_CONFIG = json.loads(RELEASED_CONFIG_PATH.read_text())
 
 
 def _release_config():
-    return _modeling.config_module().KimiK3Config(**json.loads(json.dumps(RELEASE_CONFIG)))
+    return KimiK3Config(**json.loads(json.dumps(RELEASE_CONFIG)))
 
 
 def _layers(spec):
@@ -45,7 +46,7 @@ def test_every_release_pattern_maps_to_one_rule_with_the_release_shape_and_dtype
             assert match is not None, name
             if isinstance(match.rule, nm.ExpertRule):
                 logical = nm.shape_of(match.rule.part_shape, symbols)
-                expected = dict(zip(("weight_packed", "weight_scale"), nm.packed_shapes(logical)))[match.suffix]
+                expected = dict(zip(("weight_packed", "weight_scale"), mxfp4.packed_shapes(logical)))[match.suffix]
                 assert list(expected) == pattern["shape"] and pattern["dtype"] == "U8", name
             else:
                 assert list(nm.shape_of(match.rule.shape, symbols)) == pattern["shape"], name
@@ -92,7 +93,7 @@ def test_our_names_match_the_design_contract():
 
 
 def test_fixture_has_exactly_the_release_name_patterns_dtypes_and_shard_rule(tmp_path):
-    fx = fixture.write_release_checkpoint(tmp_path / "fx", num_layers=9, num_experts=4)
+    fx = testing.write_release_checkpoint(tmp_path / "fx", num_layers=9, num_experts=4)
     index = json.loads((tmp_path / "fx" / "model.safetensors.index.json").read_text())["weight_map"]
     generalised = {
         re.sub(r"experts\.\d+\.", "experts.{E}.", re.sub(r"layers\.\d+\.", "layers.{L}.",
@@ -129,7 +130,7 @@ def test_fixture_has_exactly_the_release_name_patterns_dtypes_and_shard_rule(tmp
 
 
 def test_fixture_experts_decode_to_the_returned_dense_values_with_an_independent_decoder(tmp_path):
-    fx = fixture.write_release_checkpoint(tmp_path / "fx", num_layers=2, num_experts=2, vision=False)
+    fx = testing.write_release_checkpoint(tmp_path / "fx", num_layers=2, num_experts=2, vision=False)
     name = "language_model.model.layers.1.block_sparse_moe.experts.1.w2"
     tensors = load_file(str(tmp_path / "fx" / fx.shards[1]))
     packed, scale = tensors[name + ".weight_packed"], tensors[name + ".weight_scale"]
@@ -199,11 +200,10 @@ def test_reader_names_the_file_for_damaged_headers(tmp_path, damage, message):
 
 
 def test_mxfp4_dequantise_then_quantise_is_bit_exact_for_round_trip_stable_codes():
-    ops = _modeling.ops_module()
     gen = torch.Generator().manual_seed(3)
-    packed, scale = fixture.random_mxfp4(gen, 64, 96)
-    dense = ops.dequantize_mxfp4(packed, scale)
-    again_packed, again_scale = ops.quantize_mxfp4(dense)
+    packed, scale = testing.random_mxfp4(gen, 64, 96)
+    dense = mxfp4.dequantize_mxfp4(packed, scale)
+    again_packed, again_scale = mxfp4.quantize_mxfp4(dense)
     assert torch.equal(again_packed, packed) and torch.equal(again_scale, scale)
 
 
@@ -228,6 +228,29 @@ def test_release_config_round_trips_through_our_config_and_export():
         config.text_config, list(range(93)), None, "dense"), False, set())
     assert converted["auto_map"] == schedule.OUR_COMPOSITE_AUTO_MAP and "quantization_config" not in converted[
         "text_config"]
-    reloaded = _modeling.config_module().KimiK3Config(**json.loads(json.dumps(converted)))
+    reloaded = KimiK3Config(**json.loads(json.dumps(converted)))
     exported = json.dumps(schedule.release_config_dict(reloaded), indent=2, sort_keys=True)
-    assert exported == (REPO / "configuration" / "kimi_k3_config.json").read_text()
+    assert exported == RELEASED_CONFIG_PATH.read_text()
+
+
+def test_experts_format_flag_and_its_deprecated_spelling():
+    from kimik3.convert import cli
+
+    parse = cli._convert_parser().parse_args
+    assert cli.experts_format_of(parse(["src", "dst"])) == "dense"
+    assert cli.experts_format_of(parse(["src", "dst", "--experts-format", "mxfp4"])) == "mxfp4"
+    assert cli.experts_format_of(parse(["src", "dst", "--experts-dtype", "bf16"])) == "dense"
+    assert cli.experts_format_of(parse(["src", "dst", "--experts-dtype", "mxfp4"])) == "mxfp4"
+    with pytest.raises(ConversionError, match="disagree"):
+        cli.experts_format_of(parse(["src", "dst", "--experts-dtype", "bf16", "--experts-format", "mxfp4"]))
+    assert "--experts-dtype" not in cli._convert_parser().format_help()
+
+
+def test_shard_sizes_are_read_like_transformers_reads_max_shard_size():
+    from kimik3.convert.converter import parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("120KB") == 120_000
+    assert parse_size("4096") == 4096 and parse_size(4096) == 4096
+    for bad in ("0", "-1MB", "five GB", "", True):
+        with pytest.raises(ConversionError, match="positive size"):
+            parse_size(bad)

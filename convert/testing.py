@@ -1,4 +1,5 @@
-"""A tiny random checkpoint in exactly the release's on-disk form, for tests and benchmarks.
+"""Testing support: a tiny random checkpoint in exactly the release's on-disk form, for tests, benchmarks and the
+demo.
 
 Same as `moonshotai/Kimi-K3` except for the sizes: the composite config.json is the released one with shrunk
 numbers (1-based layer lists, nested text_config with its quantization_config), tensor names and dtypes as the
@@ -20,10 +21,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import _modeling
-from . import name_map as nm
+from kimik3.configuration import released_config_dict
+from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 
-TEXT_PREFIX = "language_model."
+from . import name_map as nm
+from .checkpoint import INDEX_NAME, RELEASE_TOTAL_DIGITS, shard_file_name
+from .mxfp4 import MXFP4_GROUP_SIZE, dequantize_mxfp4, pack_codes
+from .plan import TEXT_PREFIX
+
 TINY_TEXT = {
     "hidden_size": 64,
     "vocab_size": 256,
@@ -77,13 +82,9 @@ def release_schedule(num_layers: int) -> tuple[list[int], list[int]]:
     return kda, full
 
 
-def released_config() -> dict:
-    return json.loads((_modeling.configuration_data_dir() / "kimi_k3_config.json").read_text())
-
-
 def tiny_release_config(num_layers: int = 6, num_experts: int = 8, config_overrides: dict | None = None,
                         vision_overrides: dict | None = None, linear_overrides: dict | None = None) -> dict:
-    config = released_config()
+    config = released_config_dict()
     text = config["text_config"]
     text.update(TINY_TEXT)
     kda, full = release_schedule(num_layers)
@@ -101,18 +102,17 @@ def tiny_release_config(num_layers: int = 6, num_experts: int = 8, config_overri
 def _random_codes(gen, shape) -> torch.Tensor:
     """Random E2M1 codes with one magnitude-6 code (7 or 15) per group of 32 (round-trip-stable scales)."""
     codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8)
-    groups = codes.view(*shape[:-1], shape[-1] // 32, 32)
+    groups = codes.view(*shape[:-1], shape[-1] // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
     sign = torch.randint(0, 2, groups.shape[:-1], generator=gen, dtype=torch.uint8) * 8
-    position = torch.randint(0, 32, groups.shape[:-1], generator=gen)
+    position = torch.randint(0, MXFP4_GROUP_SIZE, groups.shape[:-1], generator=gen)
     groups.scatter_(-1, position.unsqueeze(-1), (7 + sign).unsqueeze(-1))
     return codes
 
 
 def random_mxfp4(gen, out_dim: int, in_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     codes = _random_codes(gen, (out_dim, in_dim))
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    scale = torch.randint(118, 123, (out_dim, in_dim // 32), generator=gen, dtype=torch.uint8)
-    return packed.contiguous(), scale
+    scale = torch.randint(118, 123, (out_dim, in_dim // MXFP4_GROUP_SIZE), generator=gen, dtype=torch.uint8)
+    return pack_codes(codes), scale
 
 
 def _value(gen, name: str, shape: tuple[int, ...], dtype: str, heads: int) -> torch.Tensor:
@@ -180,16 +180,16 @@ def write_release_checkpoint(
     linear_overrides: dict | None = None,
     vision_overrides: dict | None = None,
     vision: bool = True,
-    experts: str = "mxfp4",
+    experts_format: str = "mxfp4",
     return_dense: bool = True,
 ) -> ReleaseFixture:
     """Writes the checkpoint to `dst` (created) and returns its config and, unless `return_dense=False`, the exact
-    dense value of every tensor under its release name (experts as dense `...experts.{E}.{w}.weight`)."""
+    dense value of every tensor under its release name (experts as dense `...experts.{E}.{w}.weight`).
+    experts_format: "mxfp4" (as the release) or "dense" (plain bf16 `.weight` experts)."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     config = tiny_release_config(num_layers, num_experts, config_overrides, vision_overrides, linear_overrides)
-    module = _modeling.config_module()
-    parsed = module.KimiK3Config(**copy.deepcopy(config))
+    parsed = KimiK3Config(**copy.deepcopy(config))
     text_cfg, vision_cfg = parsed.text_config, parsed.vision_config
     symbols = nm.dims(text_cfg, vision_cfg)
     gen = torch.Generator().manual_seed(seed)
@@ -202,17 +202,17 @@ def write_release_checkpoint(
     fixture = ReleaseFixture(dst, config)
     weight_map, total_size = {}, 0
     for k, group in enumerate(order, start=1):
-        shard = f"model-{k:05d}-of-{total:06d}.safetensors"
+        shard = shard_file_name(k, total, RELEASE_TOTAL_DIGITS)
         tensors = {}
         for name, rule in groups[group]:
             if isinstance(rule, tuple):  # an expert part
                 expert_rule, part = rule
                 out_dim, in_dim = nm.shape_of(expert_rule.part_shape, symbols)
-                if experts == "mxfp4":
+                if experts_format == "mxfp4":
                     packed, scale = random_mxfp4(gen, out_dim, in_dim)
                     tensors[name + ".weight_packed"], tensors[name + ".weight_scale"] = packed, scale
                     if return_dense:
-                        fixture.dense[name + ".weight"] = _modeling.ops_module().dequantize_mxfp4(packed, scale)
+                        fixture.dense[name + ".weight"] = dequantize_mxfp4(packed, scale)
                 else:
                     value = (torch.randn(out_dim, in_dim, generator=gen) / math.sqrt(in_dim)).to(torch.bfloat16)
                     tensors[name + ".weight"] = value
@@ -230,7 +230,7 @@ def write_release_checkpoint(
         fixture.shards.append(shard)
         del tensors
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (dst / INDEX_NAME).write_text(json.dumps(index, indent=2))
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     _aux_files(dst, config)
     return fixture
