@@ -18,6 +18,7 @@ expert width, and vision VH/VI/VQ/VP/PH/PW/MM/VT.
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Iterator
 
 # ------------------------------------------------------------------------------------------------------------------
 # Conditions: a rule exists only where all of its conditions hold. Layer conditions read the layer's types; feature
@@ -370,3 +371,52 @@ def expected_model_rules(text_config) -> list[TensorRule]:
 
 def vision_rules() -> list[TensorRule]:
     return [r for r in TENSOR_RULES if r.scope == "vision"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Walking the tables: one walk for every direction
+
+
+@dataclass(frozen=True)
+class Site:
+    """A rule placed in a checkpoint: its full name in both layouts and the release shard group it belongs to.
+
+    For an ExpertRule `release` is the per-expert pattern with `{E}` (expert) and `{W}` (part) still open.
+    """
+
+    rule: TensorRule | ExpertRule
+    release: str
+    ours: str
+    group: str  # "layer:<our layer>", "model", "projector" or "vision"
+    why: str  # what the tensor belongs to, for error messages
+    layer: int | None = None  # our layer
+    release_layer: int | None = None
+
+    def release_expert(self, expert: int, part: str) -> str:
+        return fill(self.release, E=expert, W=part)
+
+
+def walk(text_config, symbols: dict[str, int], layer_map: list[int], release_prefix: str, our_prefix: str,
+         vision: bool) -> Iterator[Site]:
+    """Every tensor the name map expects, in checkpoint order: for each of our layers (our layer i is release layer
+    layer_map[i]) its tensor rules then its expert rules, then the model-level rules, then, with `vision`, the
+    vision tower and projector. Convert reads the release side of each site and writes ours; export and the fixture
+    writer go the other way."""
+    for layer, release_layer in enumerate(layer_map):
+        why = (f"{text_config.layer_types[release_layer]} / {text_config.mlp_layer_types[release_layer]} layer "
+               f"{release_layer}")
+        rules = expected_layer_rules(text_config, release_layer)
+        rules += expected_layer_expert_rules(text_config, release_layer)
+        for rule in rules:
+            release, ours = release_prefix + fill(rule.release, L=release_layer), our_prefix + fill(rule.ours, L=layer)
+            yield Site(rule, release, ours, f"layer:{layer}", why, layer, release_layer)
+    for rule in expected_model_rules(text_config):
+        yield Site(rule, release_prefix + rule.release, our_prefix + rule.ours, "model", "model level")
+    if vision:
+        for rule in vision_rules():
+            blocks = range(symbols["VB"]) if "{B}" in rule.release else [None]
+            for block in blocks:
+                release, ours = (rule.release, rule.ours) if block is None else \
+                    (fill(rule.release, B=block), fill(rule.ours, B=block))
+                group = "projector" if release.startswith("mm_projector.") else "vision"
+                yield Site(rule, release, ours, group, "vision tower / projector")

@@ -1,6 +1,7 @@
 """Plans: the list of output tensors, each with its layout (name, dtype, shape) and a producer that streams its bytes.
 
-Both directions are evaluations of the rule tables in `name_map.py`. A producer yields the tensor's bytes in order as
+Both directions evaluate the rule tables of `name_map.py` through its one walk (`name_map.walk`): convert reads
+the release side of each site and writes ours, export the other way round. A producer yields the tensor's bytes in order as
 a sequence of chunks; the writer keeps one chunk in flight while the next is produced, so peak memory is about two
 chunks, whatever the model or tensor size:
   * plain tensors (all non-expert tensors) are copied as byte ranges of at most `chunk_bytes` (64 MiB by default);
@@ -323,17 +324,16 @@ def _source_experts_format(src, classified: Classified, layer: int, prefix: str)
     return "dense" if present == {"weight"} else "mxfp4"
 
 
-def _expert_part_sources(src, rule: nm.ExpertRule, src_layer: int, source_format: str, keep: int, symbols,
-                         prefix: str):
+def _expert_part_sources(src, site: nm.Site, source_format: str, keep: int, symbols):
     """Validated release names of every kept expert's parts: [[(names of part 0), (names of part 1)], ...]."""
-    logical = nm.shape_of(rule.part_shape, symbols)
+    logical = nm.shape_of(site.rule.part_shape, symbols)
     packed_shape, scale_shape = packed_shapes(logical)
     out = []
     for expert in range(keep):
         per_part = []
-        for part in rule.parts:
-            base = prefix + nm.fill(rule.release, L=src_layer, E=expert, W=part)
-            why = f"expert {expert} `{part}` of MoE layer {src_layer}"
+        for part in site.rule.parts:
+            base = site.release_expert(expert, part)
+            why = f"expert {expert} `{part}` of MoE layer {site.release_layer}"
             if source_format == "dense":
                 _check_entry(src, base + ".weight", "BF16", logical, why)
                 per_part.append((base + ".weight",))
@@ -412,14 +412,15 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
     used: set = set()
     a_log_lengths: dict = {}
 
-    def add_rule(rule: nm.TensorRule, src_name: str, out_name: str, why: str, group: str):
+    def add_tensor(site: nm.Site):
+        rule, src_name, out_name = site.rule, site.release, site.ours
         shape = nm.shape_of(rule.shape, symbols)
         if rule.transform == "unpad_heads":
             heads = symbols["H"]
-            entry = _check_padded_heads(src, src_name, rule.dtype, heads, shape, why)
-            a_log_lengths[nm.layer_of(out_name.removeprefix(text_out_prefix))] = entry.shape[0]
+            entry = _check_padded_heads(src, src_name, rule.dtype, heads, shape, site.why)
+            a_log_lengths[site.layer] = entry.shape[0]
         else:
-            entry = _check_entry(src, src_name, rule.dtype, shape, why)
+            entry = _check_entry(src, src_name, rule.dtype, shape, site.why)
         used.add(src_name)
         if rule.transform == "unpad_heads":
             spec = OutSpec(out_name, rule.dtype, (heads,))
@@ -430,58 +431,40 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
         else:
             spec = OutSpec(out_name, rule.dtype, shape)
             produce = copy_bytes(src, src_name, entry.nbytes)
-        tensors.append(OutTensor(spec, produce, f"{rule.transform}:{src_name}", group))
+        tensors.append(OutTensor(spec, produce, f"{rule.transform}:{src_name}", site.group))
 
-    for out_layer, src_layer in enumerate(mapping):
-        kind = f"{text.layer_types[src_layer]} / {text.mlp_layer_types[src_layer]} layer {src_layer}"
-        for rule in nm.expected_layer_rules(text, src_layer):
-            add_rule(
-                rule,
-                src_prefix + nm.fill(rule.release, L=src_layer),
-                text_out_prefix + nm.fill(rule.ours, L=out_layer),
-                kind,
-                f"layer:{out_layer}",
+    def add_experts(site: nm.Site):
+        rule, src_layer = site.rule, site.release_layer
+        source_format = _source_experts_format(src, classified, src_layer, src_prefix)
+        if experts_format == "mxfp4" and source_format == "dense":
+            raise ConversionError(
+                f"{src.index_path}: --experts-format mxfp4 keeps packed experts, but layer {src_layer}'s experts "
+                "are plain bf16 (`.weight`); convert with --experts-format dense"
             )
-        for rule in nm.expected_layer_expert_rules(text, src_layer):
-            source_format = _source_experts_format(src, classified, src_layer, src_prefix)
-            if experts_format == "mxfp4" and source_format == "dense":
-                raise ConversionError(
-                    f"{src.index_path}: --experts-format mxfp4 keeps packed experts, but layer {src_layer}'s experts "
-                    "are plain bf16 (`.weight`); convert with --experts-format dense"
-                )
-            parts = _expert_part_sources(src, rule, src_layer, source_format, keep, symbols, src_prefix)
-            used.update(n for per_part in parts for names in per_part for n in names)
-            logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
-            rows = sum(shape[0] for shape in logical)
-            cols = logical[0][1]
-            out_name = text_out_prefix + nm.fill(rule.ours, L=out_layer)
-            origin = f"experts:{src_prefix}{nm.fill(rule.release, L=src_layer, E='*', W='|'.join(rule.parts))}"
-            if experts_format == "dense":
-                spec = OutSpec(out_name, "BF16", (keep, rows, cols))
-                per_expert = rows * cols * 2
-                produce = fused_experts(src, parts, "dense", per_expert, options.chunk_bytes)
-                tensors.append(OutTensor(spec, produce, origin + ":dense", f"layer:{out_layer}"))
-            else:
-                for half, width in (("packed", cols // 2), ("scale", cols // MXFP4_GROUP_SIZE)):
-                    spec = OutSpec(f"{out_name}_{half}", "U8", (keep, rows, width))
-                    produce = fused_experts(src, parts, half, rows * width, options.chunk_bytes)
-                    tensors.append(OutTensor(spec, produce, f"{origin}:{half}", f"layer:{out_layer}"))
+        parts = _expert_part_sources(src, site, source_format, keep, symbols)
+        used.update(n for per_part in parts for names in per_part for n in names)
+        logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
+        rows = sum(shape[0] for shape in logical)
+        cols = logical[0][1]
+        origin = f"experts:{site.release_expert('*', '|'.join(rule.parts))}"
+        if experts_format == "dense":
+            spec = OutSpec(site.ours, "BF16", (keep, rows, cols))
+            produce = fused_experts(src, parts, "dense", rows * cols * 2, options.chunk_bytes)
+            tensors.append(OutTensor(spec, produce, origin + ":dense", site.group))
+            return
+        for half, width in (("packed", cols // 2), ("scale", cols // MXFP4_GROUP_SIZE)):
+            spec = OutSpec(f"{site.ours}_{half}", "U8", (keep, rows, width))
+            produce = fused_experts(src, parts, half, rows * width, options.chunk_bytes)
+            tensors.append(OutTensor(spec, produce, f"{origin}:{half}", site.group))
 
-    for rule in nm.expected_model_rules(text):
-        add_rule(rule, src_prefix + rule.release, text_out_prefix + rule.ours, "model level", "model")
-
-    vision_names = [n for n, m in classified.matches.items() if getattr(m.rule, "scope", "text") == "vision"]
-    if src.composite and not options.text_only and vision_names:
-        if "VH" not in symbols:
-            raise ConversionError(f"{src.root / 'config.json'}: the index has vision tensors but vision_config "
-                                  "lacks the MoonViT sizes")
-        for rule in nm.vision_rules():
-            blocks = range(symbols["VB"]) if "{B}" in rule.release else [None]
-            for block in blocks:
-                name = nm.fill(rule.release, B=block) if block is not None else rule.release
-                group = "projector" if name.startswith("mm_projector.") else "vision"
-                add_rule(rule, name, name, "vision tower / projector", group)
-    elif src.composite and not options.text_only:
+    has_vision = any(getattr(m.rule, "scope", "text") == "vision" for m in classified.matches.values())
+    with_vision = src.composite and not options.text_only and has_vision
+    if with_vision and "VH" not in symbols:
+        raise ConversionError(f"{src.root / 'config.json'}: the index has vision tensors but vision_config "
+                              "lacks the MoonViT sizes")
+    for site in nm.walk(text, symbols, mapping, src_prefix, text_out_prefix, with_vision):
+        (add_experts if isinstance(site.rule, nm.ExpertRule) else add_tensor)(site)
+    if src.composite and not options.text_only and not has_vision:
         notes.append("the source has no vision tensors; none are written")
     return ConvertPlan(tensors, out_text, mapping, keep if total_experts else None, notes, classified.unknown, used,
                        a_log_lengths)
@@ -558,13 +541,13 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = "mxfp4",
     requantised = False
     a_log_recorded = _recorded_a_log_length(ckpt, symbols["H"])
 
-    def add_rule(rule: nm.TensorRule, our_name: str, release_name: str, why: str, group: str):
+    def add_tensor(site: nm.Site):
+        rule, our_name, release_name, why = site.rule, site.ours, site.release, site.why
         release_shape = nm.shape_of(rule.shape, symbols)
         ours_shape = release_shape
         if rule.transform == "unpad_heads":
             ours_shape = (symbols["H"],)
-            layer = nm.layer_of(our_name.removeprefix(our_prefix))
-            release_shape = (_a_log_length(a_log_recorded, layer, symbols["A"], ckpt),)
+            release_shape = (_a_log_length(a_log_recorded, site.layer, symbols["A"], ckpt),)
             if a_log_recorded is None:
                 notes.append(f"A_log padded to {symbols['A']} entries like the release: {files.PROVENANCE_NAME} "
                              "records no source length")
@@ -583,56 +566,47 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = "mxfp4",
             produce = cast_tensor(ckpt, our_name, dtype)
         else:
             produce = copy_bytes(ckpt, our_name)
-        tensors.append(OutTensor(OutSpec(release_name, rule.dtype, release_shape), produce, our_name, group))
+        tensors.append(OutTensor(OutSpec(release_name, rule.dtype, release_shape), produce, our_name, site.group))
 
-    for layer in range(text.num_hidden_layers):
-        why = f"{text.layer_types[layer]} / {text.mlp_layer_types[layer]} layer {layer}"
-        for rule in nm.expected_layer_rules(text, layer):
-            add_rule(rule, our_prefix + nm.fill(rule.ours, L=layer),
-                     TEXT_PREFIX + nm.fill(rule.release, L=layer), why, f"layer:{layer}")
-        for rule in nm.expected_layer_expert_rules(text, layer):
-            ours = our_prefix + nm.fill(rule.ours, L=layer)
-            packed = ours + "_packed" in ckpt.weight_map
-            stored_format = "mxfp4" if packed else "dense"
-            requantised = requantised or (experts_format == "mxfp4" and not packed)
-            if not packed and ours not in ckpt.weight_map:
-                raise ConversionError(f"{ckpt.index_path}: tensor `{ours}` (or `{ours}_packed`) is missing ({why})")
-            logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
-            rows, cols = sum(s[0] for s in logical), logical[0][1]
-            expected = {ours + "_packed": (symbols["E"], rows, cols // 2),
-                        ours + "_scale": (symbols["E"], rows, cols // MXFP4_GROUP_SIZE)} if packed else \
-                {ours: (symbols["E"], rows, cols)}
-            for name, shape in expected.items():
-                entry = ckpt.entry(name)
-                if tuple(entry.shape) != shape or (packed and entry.dtype != "U8"):
-                    raise shard_error(ckpt.shard_path(ckpt.weight_map[name]),
-                                      f"expected {'U8 ' if packed else ''}{list(shape)} ({why}), found "
-                                      f"{entry.dtype} {list(entry.shape)}", name)
-            for expert in range(symbols["E"]):
-                row = 0
-                for part, (out_dim, in_dim) in zip(rule.parts, logical):
-                    rows_range = (row, row + out_dim)
-                    row += out_dim
-                    base = TEXT_PREFIX + nm.fill(rule.release, L=layer, E=expert, W=part)
-                    if experts_format == "dense":
-                        outputs = (("weight", "BF16", (out_dim, in_dim)),)
-                    else:
-                        packed_shape, scale_shape = packed_shapes((out_dim, in_dim))
-                        outputs = (("weight_packed", "U8", packed_shape), ("weight_scale", "U8", scale_shape))
-                    for suffix, dtype, shape in outputs:
-                        produce = export_expert_part(ckpt, ours, stored_format, expert, rows_range, suffix, cache, context)
-                        tensors.append(OutTensor(OutSpec(f"{base}.{suffix}", dtype, shape), produce,
-                                                 f"{ours}[{expert}, {rows_range[0]}:{rows_range[1]}]", f"layer:{layer}"))
+    def add_experts(site: nm.Site):
+        nonlocal requantised
+        rule, ours, why = site.rule, site.ours, site.why
+        packed = ours + "_packed" in ckpt.weight_map
+        stored_format = "mxfp4" if packed else "dense"
+        requantised = requantised or (experts_format == "mxfp4" and not packed)
+        if not packed and ours not in ckpt.weight_map:
+            raise ConversionError(f"{ckpt.index_path}: tensor `{ours}` (or `{ours}_packed`) is missing ({why})")
+        logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
+        rows, cols = sum(s[0] for s in logical), logical[0][1]
+        expected = {ours + "_packed": (symbols["E"], rows, cols // 2),
+                    ours + "_scale": (symbols["E"], rows, cols // MXFP4_GROUP_SIZE)} if packed else \
+            {ours: (symbols["E"], rows, cols)}
+        for name, shape in expected.items():
+            entry = ckpt.entry(name)
+            if tuple(entry.shape) != shape or (packed and entry.dtype != "U8"):
+                raise shard_error(ckpt.shard_path(ckpt.weight_map[name]),
+                                  f"expected {'U8 ' if packed else ''}{list(shape)} ({why}), found "
+                                  f"{entry.dtype} {list(entry.shape)}", name)
+        for expert in range(symbols["E"]):
+            row = 0
+            for part, (out_dim, in_dim) in zip(rule.parts, logical):
+                rows_range = (row, row + out_dim)
+                row += out_dim
+                if experts_format == "dense":
+                    outputs = (("weight", "BF16", (out_dim, in_dim)),)
+                else:
+                    packed_shape, scale_shape = packed_shapes((out_dim, in_dim))
+                    outputs = (("weight_packed", "U8", packed_shape), ("weight_scale", "U8", scale_shape))
+                for suffix, dtype, shape in outputs:
+                    produce = export_expert_part(ckpt, ours, stored_format, expert, rows_range, suffix, cache, context)
+                    tensors.append(OutTensor(OutSpec(f"{site.release_expert(expert, part)}.{suffix}", dtype, shape),
+                                             produce, f"{ours}[{expert}, {rows_range[0]}:{rows_range[1]}]",
+                                             site.group))
 
-    for rule in nm.expected_model_rules(text):
-        add_rule(rule, our_prefix + rule.ours, TEXT_PREFIX + rule.release, "model level", "model")
-    vision_names = [n for n, m in matches.items() if getattr(m.rule, "scope", "text") == "vision"]
-    if vision_names:
-        for rule in nm.vision_rules():
-            blocks = range(symbols["VB"]) if "{B}" in rule.release else [None]
-            for block in blocks:
-                name = nm.fill(rule.release, B=block) if block is not None else rule.release
-                add_rule(rule, name, name, "vision", "projector" if name.startswith("mm_projector.") else "vision")
+    has_vision = any(getattr(m.rule, "scope", "text") == "vision" for m in matches.values())
+    layers = list(range(text.num_hidden_layers))
+    for site in nm.walk(text, symbols, layers, TEXT_PREFIX, our_prefix, has_vision):
+        (add_experts if isinstance(site.rule, nm.ExpertRule) else add_tensor)(site)
     return ExportPlan(tensors, notes, requantised)
 
 

@@ -133,23 +133,16 @@ def _value(gen, name: str, shape: tuple[int, ...], dtype: str, heads: int) -> to
 
 
 def _tensor_names(text_cfg, vision_cfg, vision: bool):
-    """(group, release name, rule) for every tensor of the checkpoint, from the release-side columns of the map."""
+    """(group, release name, rule) for every tensor of the checkpoint, from the release side of the name map's walk."""
     symbols = nm.dims(text_cfg, vision_cfg)
-    for layer in range(text_cfg.num_hidden_layers):
-        for rule in nm.expected_layer_rules(text_cfg, layer):
-            yield layer, TEXT_PREFIX + nm.fill(rule.release, L=layer), rule
-        for rule in nm.expected_layer_expert_rules(text_cfg, layer):
+    layers = list(range(text_cfg.num_hidden_layers))
+    for site in nm.walk(text_cfg, symbols, layers, TEXT_PREFIX, "", vision):
+        if isinstance(site.rule, nm.ExpertRule):
             for expert in range(symbols["E"]):
-                for part in rule.parts:
-                    yield layer, TEXT_PREFIX + nm.fill(rule.release, L=layer, E=expert, W=part), (rule, part)
-    for rule in nm.expected_model_rules(text_cfg):
-        yield "model", TEXT_PREFIX + rule.release, rule
-    if vision:
-        for rule in nm.vision_rules():
-            blocks = range(symbols["VB"]) if "{B}" in rule.release else [None]
-            for block in blocks:
-                name = nm.fill(rule.release, B=block) if block is not None else rule.release
-                yield ("projector" if name.startswith("mm_projector.") else "vision"), name, rule
+                for part in site.rule.parts:
+                    yield site.group, site.release_expert(expert, part), (site.rule, part)
+        else:
+            yield site.group, site.release, site.rule
 
 
 def _aux_files(dst: Path, config: dict) -> None:
@@ -197,7 +190,7 @@ def write_release_checkpoint(
     groups: dict = {}
     for group, name, rule in _tensor_names(text_cfg, vision_cfg, vision):
         groups.setdefault(group, []).append((name, rule))
-    order = list(range(num_layers)) + ["model"] + (["projector", "vision"] if vision else [])
+    order = [f"layer:{i}" for i in range(num_layers)] + ["model"] + (["projector", "vision"] if vision else [])
     total = len(order)
     fixture = ReleaseFixture(dst, config)
     weight_map, total_size = {}, 0
