@@ -1,9 +1,9 @@
 """Plans: the list of output tensors, each with its layout (name, dtype, shape) and a producer that streams its bytes.
 
 Both directions evaluate the rule tables of `name_map.py` through its one walk (`name_map.walk`): convert reads
-the release side of each site and writes ours, export the other way round. A producer yields the tensor's bytes in order as
-a sequence of chunks; the writer keeps one chunk in flight while the next is produced, so peak memory is about two
-chunks, whatever the model or tensor size:
+the release side of each site and writes ours, export the other way round. A producer yields the tensor's bytes in
+order as a sequence of chunks; the writer keeps one chunk in flight while the next is produced, so peak memory is
+about two chunks, whatever the model or tensor size:
   * plain tensors (all non-expert tensors) are copied as byte ranges of at most `chunk_bytes` (64 MiB by default);
   * fused experts are produced a few experts at a time (as many as fit in `chunk_bytes` of output, at least one)
     into one preallocated batch buffer, dequantised in row blocks of 1M weights, and go straight into the output

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import kimik3.convert as kc
 from kimik3.convert import testing
 
 CHUNK = 4 * 2**20

@@ -10,7 +10,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import kimik3.convert as kc
 from kimik3.configuration import RELEASED_CONFIG_PATH, TENSOR_PATTERNS_PATH
 from kimik3.convert import mxfp4, name_map as nm, safetensors_io as sio, schedule, testing
 from kimik3.convert.errors import ConversionError
