@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 kc = ensure_kimik3_convert()
 from kimik3.convert import _modeling, fixture, name_map as nm, safetensors_io as sio, schedule  # noqa: E402
 from kimik3.convert.errors import ConversionError  # noqa: E402
+from kimik3.remote_code import COMPOSITE_AUTO_MAP  # noqa: E402
 
 PATTERNS = json.loads((REPO / "configuration" / "kimi_k3_tensor_patterns.json").read_text())["patterns"]
 RELEASE_CONFIG = json.loads((REPO / "configuration" / "kimi_k3_config.json").read_text())
@@ -225,8 +226,8 @@ def test_layer_map_reschedules_the_last_kept_layer_to_mla():
 def test_release_config_round_trips_through_our_config_and_export():
     config = _release_config()
     converted = schedule.output_config_dict(config, schedule.output_text_config(
-        config.text_config, list(range(93)), None, "dense"), False, set())
-    assert converted["auto_map"] == schedule.OUR_COMPOSITE_AUTO_MAP and "quantization_config" not in converted[
+        config.text_config, list(range(93)), None, "dense"), False)
+    assert converted["auto_map"] == COMPOSITE_AUTO_MAP and "quantization_config" not in converted[
         "text_config"]
     reloaded = _modeling.config_module().KimiK3Config(**json.loads(json.dumps(converted)))
     exported = json.dumps(schedule.release_config_dict(reloaded), indent=2, sort_keys=True)
