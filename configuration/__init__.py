@@ -18,6 +18,14 @@ def released_text_config_dict() -> dict:
     return released_config_dict()["text_config"]
 
 
+def release_layer_schedule(num_hidden_layers: int) -> tuple[list[int], list[int]]:
+    """The release's layer pattern for a depth (1-based, as config.json lists them): MLA at every 4th layer and at
+    the last one, KDA elsewhere. Returns (kda_layers, full_attn_layers)."""
+    full = [i for i in range(1, num_hidden_layers + 1) if i % 4 == 0 or i == num_hidden_layers]
+    kda = [i for i in range(1, num_hidden_layers + 1) if i not in full]
+    return kda, full
+
+
 def tiny_text_config_dict(
     num_hidden_layers: int = 4,
     hidden_size: int = 64,
@@ -34,8 +42,7 @@ def tiny_text_config_dict(
     output gate, gated NoPE-MLA, Block AttnRes, latent MoE with norm, SiTU), in the release's schema
     (1-based layer lists, release key names). The schedule is the release's: KDA, KDA, KDA, MLA repeated, and the
     last layer is MLA."""
-    full = [i + 1 for i in range(num_hidden_layers) if i % 4 == 3 or i == num_hidden_layers - 1]
-    kda = [i + 1 for i in range(num_hidden_layers) if (i + 1) not in full]
+    kda, full = release_layer_schedule(num_hidden_layers)
     return {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,

@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 from transformers.utils.hub import convert_file_size_to_int
+from kimik3.hub_card import converted_model_card
 
 from . import files
 from .checkpoint import Checkpoint
@@ -91,8 +92,7 @@ def convert(
         if dst.resolve() == ckpt.root.resolve():
             raise ConversionError(f"{dst}: the destination is the source folder")
         plan = build_convert_plan(ckpt, options)
-        classes = files.modeling_class_names()
-        config = output_config_dict(ckpt.config, plan.text_config, text_only, classes)
+        config = output_config_dict(ckpt.config, plan.text_config, text_only)
         shards = plan_shards_by_size(plan.tensors, options.max_shard_bytes)
         source_text = ckpt.text_config
         provenance = {
@@ -137,7 +137,7 @@ def convert(
             out += [(p.name, p.read_bytes()) for p in files.remote_code_files()]
             out.append(("generation_config.json", files.generation_config_bytes(ckpt.root, ckpt.config)))
             out.append((files.PROVENANCE_NAME, files.json_bytes(provenance)))
-            out.append(("README.md", files.model_card(provenance)))
+            out.append(("README.md", converted_model_card(provenance).encode()))
             return out
 
         def final_files():

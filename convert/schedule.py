@@ -13,19 +13,11 @@ after N-1 the prefix is kept as is.
 import copy
 
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from kimik3.remote_code import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP
 
 from .errors import ConversionError
 from .mxfp4 import MXFP4_GROUP_SIZE
 
-OUR_COMPOSITE_AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
-    "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-}
-OUR_TEXT_AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
-    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
-}
 # The release's quantization_config (text_config.quantization_config, exact). Conversion drops it (our experts are
 # dense or in our own packed layout, neither is a compressed-tensors checkpoint); export writes it back.
 RELEASE_QUANTIZATION_CONFIG = {
@@ -114,7 +106,7 @@ def output_text_config(source_text, mapping: list[int], num_experts: int | None,
         raw["num_experts"] = num_experts
         raw["num_experts_per_token"] = min(source_text.num_experts_per_token, num_experts)
     raw["architectures"] = ["KimiK3ForCausalLM"]
-    raw["auto_map"] = dict(OUR_TEXT_AUTO_MAP)
+    raw["auto_map"] = dict(TEXT_AUTO_MAP)
     raw["dtype"] = "bfloat16"
     raw["experts_format"] = experts_format
     try:
@@ -130,14 +122,13 @@ def output_text_config(source_text, mapping: list[int], num_experts: int | None,
     return config
 
 
-def output_config_dict(source_config, text_config, text_only: bool, modeling_classes: set[str]) -> dict:
-    """The config.json we write: save_pretrained-style `to_dict()` with our auto_map."""
+def output_config_dict(source_config, text_config, text_only: bool) -> dict:
+    """The config.json we write: save_pretrained-style `to_dict()` with our auto_map (the text config carries
+    `TEXT_AUTO_MAP` from `output_text_config`)."""
     text_raw = text_config.to_dict()
     text_raw["_name_or_path"] = ""
     if text_only or not hasattr(source_config, "text_config"):
         raw = text_raw
-        if "KimiK3Model" in modeling_classes:
-            raw["auto_map"] = dict(OUR_TEXT_AUTO_MAP, AutoModel="modeling_kimi_k3.KimiK3Model")
         KimiK3TextConfig(**copy.deepcopy(raw))
         return raw
     raw = copy.deepcopy(source_config.to_dict())
@@ -145,7 +136,7 @@ def output_config_dict(source_config, text_config, text_only: bool, modeling_cla
     raw["text_config"] = text_raw
     raw["_name_or_path"] = ""
     raw["architectures"] = ["KimiK3ForConditionalGeneration"]
-    raw["auto_map"] = dict(OUR_COMPOSITE_AUTO_MAP)
+    raw["auto_map"] = dict(COMPOSITE_AUTO_MAP)
     raw["dtype"] = "bfloat16"
     KimiK3Config(**copy.deepcopy(raw))
     return raw

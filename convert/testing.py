@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kimik3.configuration import released_config_dict
+from kimik3.configuration import release_layer_schedule, released_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 
 from . import name_map as nm
@@ -73,13 +73,6 @@ class ReleaseFixture:
     shards: list = field(default_factory=list)
 
 
-def release_schedule(num_layers: int) -> tuple[list[int], list[int]]:
-    """The release's pattern (1-based): MLA at every 4th layer plus the last one, KDA elsewhere."""
-    full = [i for i in range(1, num_layers + 1) if i % 4 == 0]
-    if num_layers not in full:
-        full.append(num_layers)
-    kda = [i for i in range(1, num_layers + 1) if i not in full]
-    return kda, full
 
 
 def tiny_release_config(num_layers: int = 6, num_experts: int = 8, config_overrides: dict | None = None,
@@ -87,7 +80,7 @@ def tiny_release_config(num_layers: int = 6, num_experts: int = 8, config_overri
     config = released_config_dict()
     text = config["text_config"]
     text.update(TINY_TEXT)
-    kda, full = release_schedule(num_layers)
+    kda, full = release_layer_schedule(num_layers)
     text["linear_attn_config"].update(TINY_LINEAR, kda_layers=kda, full_attn_layers=full)
     text["linear_attn_config"].update(linear_overrides or {})
     text["num_hidden_layers"] = num_layers

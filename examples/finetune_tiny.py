@@ -28,7 +28,8 @@ DATA = Path(__file__).resolve().parent / "data" / "rivers.txt"
 
 
 def tiny_model_dir() -> str:
-    from kimik3.cli import build_tiny_model, save_with_code
+    from kimik3.remote_code import save_with_code
+    from kimik3.tiny import build_tiny_model
 
     directory = Path(tempfile.mkdtemp(prefix="kimik3-tiny-")) / "model"
     save_with_code(build_tiny_model(seed=0), directory)

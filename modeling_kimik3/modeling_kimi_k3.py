@@ -49,6 +49,11 @@ logger = logging.get_logger(__name__)
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+def _given_cache(cache, past_key_values):
+    """The cache a caller passed, under either name."""
+    return cache if cache is not None else past_key_values
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Norms and activations
 
@@ -681,7 +686,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     def create_masks_for_generate(self, config=None, attention_mask=None, **kwargs):
         """generate() asks for fixed-shape masks when the cache is static: the prefill keeps its 2-D padding mask
         (the cache records it), decode steps need none (the cache's key_valid mask is the mask)."""
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = _given_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
         if cache is not None and cache.has_previous_state():
             return None
         return attention_mask
@@ -735,7 +740,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         cache: KimiK3Cache | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
-        cache = cache if cache is not None else past_key_values
+        cache = _given_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -974,7 +979,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values,
+            cache=_given_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -1028,7 +1033,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values,
+            cache=_given_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             labels=labels,
             use_cache=use_cache,

@@ -225,6 +225,49 @@ def test_tiny_refuses_folders_it_would_mix_into(tmp_path, capsys, setup, overwri
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
+def write_config_file(folder, name, text):
+    (folder / name).write_text(text)
+    return str(folder / name)
+
+
+MEMORY = "kimik3 memory: error: argument"
+DEMO = "kimik3 demo: error: argument"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    pytest.param(["memory", "--tokens", "abc"], f"{MEMORY} --tokens: 'abc' is not a whole number",
+                 id="memory-tokens-not-a-number"),
+    pytest.param(["memory", "--tokens", "131072,0"], f"{MEMORY} --tokens: 0 must be at least 1",
+                 id="memory-tokens-zero"),
+    pytest.param(["memory", "--batch", "0"], f"{MEMORY} --batch: 0 must be at least 1", id="memory-batch-zero"),
+    pytest.param(["memory", "--config", "{tmp}/absent.json"], MEMORY + " --config: {tmp}/absent.json: no such file",
+                 id="memory-config-missing"),
+    pytest.param(["memory", "--config", "{tmp}"], MEMORY + " --config: {tmp}: is a folder", id="memory-config-folder"),
+    pytest.param(["memory", "--config", "{not_json}"], MEMORY + " --config: {not_json}: cannot be read as JSON",
+                 id="memory-config-not-json"),
+    pytest.param(["memory", "--config", "{list}"], MEMORY + " --config: {list}: must hold a JSON object, not a list",
+                 id="memory-config-not-object"),
+    pytest.param(["memory", "--config", "{bad_value}"],
+                 MEMORY + " --config: {bad_value}: Kimi K3 config, key `num_key_value_heads`: must be",
+                 id="memory-config-bad-value"),
+    pytest.param(["demo", "--new-tokens", "0"], f"{DEMO} --new-tokens: 0 must be at least 1",
+                 id="demo-new-tokens-zero"),
+    pytest.param(["demo", "--new-tokens", "abc"], f"{DEMO} --new-tokens: 'abc' is not a whole number",
+                 id="demo-new-tokens-not-a-number"),
+])
+def test_memory_and_demo_bad_arguments_exit_two(tmp_path, capsys, args, fragment):
+    names = {
+        "tmp": str(tmp_path),
+        "not_json": write_config_file(tmp_path, "not_json.json", '{"hidden_size": '),
+        "list": write_config_file(tmp_path, "list.json", "[1, 2]"),
+        "bad_value": write_config_file(tmp_path, "bad_value.json", json.dumps(text_config(num_key_value_heads=0))),
+    }
+    assert kimik3_main([arg.format(**names) for arg in args]) == 2
+    captured = capsys.readouterr()
+    assert fragment.format(**names) in captured.err and "Traceback" not in captured.err, captured.err
+    assert captured.out == ""  # refused before any work
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Runs and destination folders
 

@@ -14,6 +14,7 @@ from kimik3.configuration import RELEASED_CONFIG_PATH, TENSOR_PATTERNS_PATH
 from kimik3.convert import mxfp4, name_map as nm, safetensors_io as sio, schedule, testing
 from kimik3.convert.errors import ConversionError
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
+from kimik3.remote_code import COMPOSITE_AUTO_MAP
 
 PATTERNS = json.loads(TENSOR_PATTERNS_PATH.read_text())["patterns"]
 RELEASE_CONFIG = json.loads(RELEASED_CONFIG_PATH.read_text())
@@ -224,8 +225,8 @@ def test_layer_map_reschedules_the_last_kept_layer_to_mla():
 def test_release_config_round_trips_through_our_config_and_export():
     config = _release_config()
     converted = schedule.output_config_dict(config, schedule.output_text_config(
-        config.text_config, list(range(93)), None, "dense"), False, set())
-    assert converted["auto_map"] == schedule.OUR_COMPOSITE_AUTO_MAP and "quantization_config" not in converted[
+        config.text_config, list(range(93)), None, "dense"), False)
+    assert converted["auto_map"] == COMPOSITE_AUTO_MAP and "quantization_config" not in converted[
         "text_config"]
     reloaded = KimiK3Config(**json.loads(json.dumps(converted)))
     exported = json.dumps(schedule.release_config_dict(reloaded), indent=2, sort_keys=True)

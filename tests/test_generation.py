@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from k3_test_utils import cache_of
-from kimik3.cli import build_tiny_model
+from kimik3.tiny import build_tiny_model
 from kimik3.configuration import tiny_text_config_dict
 from kimik3.modeling.cache_kimi_k3 import (
     KimiK3Cache,
@@ -99,9 +99,9 @@ def test_cache_bytes_equal_analytic_and_mla_holds_only_the_latent(model):
         assert recurrent_state.dtype == torch.float32
         assert conv_states[0].shape[-1] == config.linear_conv_kernel_size - 1
     # K3 at release size: 576 values/token/MLA layer; KDA state constant in the context length
-    from kimik3.cli import _load_text_config
+    from kimik3.memory import load_text_config
 
-    k3 = _load_text_config(None)
+    k3 = load_text_config(None)
     small, large = analytic_cache_bytes(k3, 131072), analytic_cache_bytes(k3, 1048576)
     assert large["kda_state"] == small["kda_state"] == 69 * 96 * 128 * 128 * 4
     assert large["mla_kv"] == 24 * 1048576 * 576 * 2 == 8 * small["mla_kv"]

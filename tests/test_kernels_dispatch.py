@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from kimik3.cli import build_tiny_model
+from kimik3.tiny import build_tiny_model
 from kimik3.configuration import tiny_text_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM

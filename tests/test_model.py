@@ -5,7 +5,7 @@ import torch
 
 import spec_reference
 from k3_test_utils import cache_of
-from kimik3.cli import build_tiny_model
+from kimik3.tiny import build_tiny_model
 from kimik3.configuration import kimi_linear_style_text_config_dict, tiny_text_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
@@ -137,7 +137,7 @@ def test_logits_to_keep_and_hidden_states():
 
 
 def test_release_f32_tensors_stay_f32_when_loading_in_bf16(tmp_path):
-    from kimik3.cli import save_with_code
+    from kimik3.remote_code import save_with_code
 
     save_with_code(build_tiny_model(num_hidden_layers=4), tmp_path)
     model = KimiK3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
@@ -151,7 +151,7 @@ def test_init_weights_sets_every_custom_parameter_on_load(tmp_path):
     """Missing tensors come back from meta through `_init_weights`, not as uninitialised memory."""
     from safetensors.torch import load_file, save_file
 
-    from kimik3.cli import save_with_code
+    from kimik3.remote_code import save_with_code
 
     save_with_code(build_tiny_model(num_hidden_layers=4), tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")

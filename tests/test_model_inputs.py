@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from k3_test_utils import cache_of
-from kimik3.cli import build_tiny_model
+from kimik3.tiny import build_tiny_model
 from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
 
 VOCAB, HIDDEN, PAD = 128, 64, 0

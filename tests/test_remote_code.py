@@ -6,9 +6,12 @@ import sys
 
 import torch
 
-from kimik3.cli import build_tiny_model, main, memory_table, save_with_code
+from kimik3.cli import main
 from kimik3.configuration import released_config_dict, tiny_text_config_dict
+from kimik3.memory import load_text_config, memory_table
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
+from kimik3.remote_code import save_with_code
+from kimik3.tiny import build_tiny_model
 
 FRESH = """
 import json, sys, torch
@@ -78,9 +81,7 @@ def test_composite_release_style_config_resolves_to_our_classes(tmp_path):
 
 
 def test_memory_table_at_release_size(capsys):
-    from kimik3.cli import _load_text_config
-
-    rows = memory_table(_load_text_config(None), (131072, 1048576))
+    rows = memory_table(load_text_config(None), (131072, 1048576))
     for row in rows:
         assert row["official_expanded_kv"] / row["k3_mla_kv"] == 96 * (192 + 128) / 576  # 53.3x
         assert row["all_mla_latent"] == row["k3_mla_kv"] * 93 // 24

@@ -4,7 +4,7 @@ import torch
 from transformers import CompileConfig
 
 from k3_test_utils import cache_of
-from kimik3.cli import build_tiny_model
+from kimik3.tiny import build_tiny_model
 
 
 def _left_padded(prompts):

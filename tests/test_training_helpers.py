@@ -19,7 +19,8 @@ SEQ_LEN = 64
 def tiny_model_dir(seed: int = 0) -> str:
     """A tiny random K3 (4 layers: KDA, KDA, KDA, MLA; hidden 64; 8 experts, top-2; latent MoE; AttnRes) saved with
     its remote code, once per test process."""
-    from kimik3.cli import build_tiny_model, save_with_code
+    from kimik3.remote_code import save_with_code
+    from kimik3.tiny import build_tiny_model
 
     directory = Path(tempfile.mkdtemp(prefix="kimik3-tiny-")) / "model"
     save_with_code(build_tiny_model(seed=seed), directory)

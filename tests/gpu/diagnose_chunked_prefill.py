@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kimik3.cli import build_tiny_model
+from kimik3.tiny import build_tiny_model
 
 
 OP_GROUPS = ["", "chunk_kda", "causal_conv1d", "block_attn_res_mix", "situ_glu",

@@ -18,7 +18,7 @@ def test_auto_compiled_static_decode_matches_eager_forward(batch, dtype):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from kimik3.cli import build_tiny_model
+    from kimik3.tiny import build_tiny_model
 
     gold_model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
     model = copy.deepcopy(gold_model).to(dtype)

@@ -32,7 +32,7 @@ def test_model_chunked_prefill_matches_one_shot_on_cuda(dtype):
     on the reference ops, and the chunked error may not exceed the one-shot error by more than bf16/TF32 noise."""
     import copy
 
-    from kimik3.cli import build_tiny_model
+    from kimik3.tiny import build_tiny_model
 
     gold_model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
     gold_model.config.mla_prefill_block_size = 64
