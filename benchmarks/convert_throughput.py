@@ -27,15 +27,8 @@ from pathlib import Path
 
 import torch
 
-try:
-    import kimik3.convert as kc
-    from kimik3.convert import fixture, safetensors_io
-except ImportError:  # a plain checkout: the same path mapping as the tests
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest_convert_helpers import ensure_kimik3_convert
-
-    kc = ensure_kimik3_convert()
-    from kimik3.convert import fixture, safetensors_io
+import kimik3.convert as kc
+from kimik3.convert import fixture, safetensors_io
 
 # experts dominate the bytes, as in the release (93% of it); sizes multiples of the MXFP4 group of 32
 WIDE = {"hidden_size": 2048, "moe_intermediate_size": 1024, "routed_expert_hidden_size": 1024,

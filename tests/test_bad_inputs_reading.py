@@ -10,11 +10,10 @@ import threading
 
 import pytest
 import torch
-from conftest_convert_helpers import ensure_kimik3_convert
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-kc = ensure_kimik3_convert()
+import kimik3.convert as kc
 from kimik3.convert import fixture, safetensors_io as sio  # noqa: E402
 from kimik3.convert.errors import ConversionError  # noqa: E402
 

@@ -10,10 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest_convert_helpers import ensure_kimik3_convert, subprocess_env
 from safetensors.torch import load_file, save_file
 
-kc = ensure_kimik3_convert()
+import kimik3.convert as kc
 from kimik3.cli import main as kimik3_main  # noqa: E402
 from kimik3.configuration import (  # noqa: E402
     kimi_linear_style_text_config_dict,
@@ -203,7 +202,7 @@ def test_bad_cli_arguments_exit_two(release, tmp_path, capsys, args, fragment):
 def test_tiny_bad_arguments_exit_two_in_a_real_process(tmp_path, args, fragment):
     """The one subprocess: the console entry's exit code and stderr, as a shell sees them."""
     result = subprocess.run([sys.executable, "-m", "kimik3.cli", "tiny", str(tmp_path / "t"), *args],
-                            capture_output=True, text=True, env=subprocess_env(), timeout=120)
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert f"kimik3 tiny: error: {fragment}" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "t").exists()

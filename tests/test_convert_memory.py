@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest_convert_helpers import ensure_kimik3_convert, subprocess_env
 
-kc = ensure_kimik3_convert()
+import kimik3.convert as kc
 from kimik3.convert import fixture  # noqa: E402
 
 CHUNK = 4 * 2**20
@@ -67,7 +66,7 @@ def test_peak_rss_does_not_grow_with_the_model(checkpoints, tmp_path, experts):
     result = subprocess.run(
         [sys.executable, "-c", MEASURE, str(checkpoints / "small"), str(checkpoints / "large"), str(tmp_path),
          str(CHUNK), experts],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     measured = json.loads(result.stdout.strip().splitlines()[-1])

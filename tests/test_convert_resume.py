@@ -3,13 +3,13 @@ it, without rewriting finished shards, and the result is byte-identical to an un
 folder never looks finished."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest_convert_helpers import ensure_kimik3_convert, subprocess_env
 
-kc = ensure_kimik3_convert()
+import kimik3.convert as kc
 from kimik3.convert import engine, fixture  # noqa: E402
 from kimik3.convert.errors import ConversionError  # noqa: E402
 
@@ -65,7 +65,7 @@ def test_a_hard_kill_mid_shard_resumes_to_identical_bytes(release, uninterrupted
         "import kimik3.convert as kc, sys; "
         f"kc.convert(sys.argv[1], sys.argv[2], max_shard_size='{SHARD}', progress=False)"
     )
-    env = subprocess_env()
+    env = dict(os.environ)
     env[engine.INTERRUPT_ENV] = "45:kill"
     result = subprocess.run([sys.executable, "-c", code, str(release.path), str(dst)], env=env,
                             capture_output=True, text=True, timeout=120)

@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from conftest_convert_helpers import ensure_kimik3_convert
 from safetensors.torch import load_file, save_file
 
-kc = ensure_kimik3_convert()
+import kimik3.convert as kc
 from kimik3.convert import fixture  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

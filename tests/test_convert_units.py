@@ -4,16 +4,18 @@ safetensors reader/writer against the `safetensors` library, the fixture writer,
 import json
 import re
 import struct
+from pathlib import Path
 
 import pytest
 import torch
-from conftest_convert_helpers import REPO, ensure_kimik3_convert
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-kc = ensure_kimik3_convert()
+import kimik3.convert as kc
 from kimik3.convert import _modeling, fixture, name_map as nm, safetensors_io as sio, schedule  # noqa: E402
 from kimik3.convert.errors import ConversionError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 PATTERNS = json.loads((REPO / "configuration" / "kimi_k3_tensor_patterns.json").read_text())["patterns"]
 RELEASE_CONFIG = json.loads((REPO / "configuration" / "kimi_k3_config.json").read_text())

@@ -7,7 +7,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from kimik3.training.memory import ActivationMeter
-from test_training_helpers import batch_of, load_tiny, losses, make_trainer, unigram_entropy
+from training_helpers import batch_of, load_tiny, losses, make_trainer, unigram_entropy
 
 
 class DtypeProbe:
