@@ -80,9 +80,28 @@ def test_beam_search_runs_and_matches_greedy_for_one_step(model):
 
 
 def test_sampling_with_several_return_sequences(model):
+    """Each prompt is repeated num_return_sequences times, every sampled token is one of the top_k tokens of the
+    model's own logits at that step (checked by a teacher-forced forward over the whole sequence), the samples differ
+    and are not greedy, and a seed reproduces them."""
     ids = torch.randint(3, 128, (2, 5))
-    out = model.generate(ids, max_new_tokens=3, do_sample=True, num_return_sequences=3, top_k=5)
-    assert out.shape == (6, 8)
+    k, returns, new = 5, 3, 4
+
+    def sample(seed):
+        torch.manual_seed(seed)
+        return model.generate(ids, max_new_tokens=new, do_sample=True, num_return_sequences=returns, top_k=k)
+
+    out = sample(1)
+    assert out.shape == (2 * returns, 5 + new)
+    assert torch.equal(out[:, :5], ids.repeat_interleave(returns, dim=0))  # rows grouped per prompt
+    with torch.no_grad():
+        logits = model(out).logits[:, 4:-1]  # the logits each new token was drawn from
+    top = logits.topk(k, dim=-1).indices
+    assert (top == out[:, 5:, None]).any(-1).all()
+    assert (out[:, 5:] != logits.argmax(-1)).any()  # sampled, not greedy
+    for group in out[:, 5:].view(2, returns, new):
+        assert len({tuple(row.tolist()) for row in group}) > 1  # the returned sequences of a prompt differ
+    assert torch.equal(sample(1), out)
+    assert not torch.equal(sample(2), out)
 
 
 def test_cache_bytes_equal_analytic_and_mla_holds_only_the_latent(model):

@@ -48,13 +48,10 @@ def is_reference(name, fn):
 
 
 def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
-    """One table on each side, the same names; every op but mxfp4_dequant (kept for the benchmark, which measures
-    it) is asked for by a tiny model's prefill, chunked prefill continuing a cache and decode, with bf16 and with
-    packed experts."""
+    """One table on each side, the same names; each phase of a tiny model (prefill, chunked prefill continuing a
+    cache, one-token decode; bf16-stored and MXFP4-packed experts) asks for exactly the ops of its mechanism, and
+    every op but mxfp4_dequant (kept for the benchmark, which measures it) is asked for by one of them."""
     assert set(ops.FAST_OPS) == set(kernels.OP_NAMES)
-    for name in ("chunk_kda", "fused_recurrent_kda", "causal_conv1d", "block_attn_res_mix", "situ_glu",
-                 "moe_experts", "moe_experts_mxfp4", "mla_decode", "attention_with_lse", "mxfp4_dequant"):
-        assert name in ops.FAST_OPS
     for name, op in ops.FAST_OPS.items():
         assert callable(op.reference) and op.reference.__module__ == ops.__name__, name
 
@@ -65,18 +62,32 @@ def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
             asked.append(name)
             return super().__getitem__(name)
 
-    recording = Recording(ops.FAST_OPS)
+    def asked_by(step):
+        asked.clear()
+        out = step()
+        return set(asked), out
+
+    every_layer = {"block_attn_res_mix", "causal_conv1d", "situ_glu", "moe_experts"}
+    # a fresh prefill attends through the attention interface; continuing a cache merges key blocks by their LSE;
+    # one token steps the KDA recurrence and attends in the absorbed latent form
+    expected = {"prefill": every_layer | {"chunk_kda"},
+                "chunked prefill": every_layer | {"chunk_kda", "attention_with_lse"},
+                "decode": every_layer | {"fused_recurrent_kda", "mla_decode"}}
     ids = torch.randint(3, 128, (1, 9))
+    seen = set()
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ops, "FAST_OPS", recording)
+        mp.setattr(ops, "FAST_OPS", Recording(ops.FAST_OPS))
         packed = KimiK3ForCausalLM(KimiK3TextConfig(**tiny_text_config_dict(num_hidden_layers=4),
                                                      experts_format="mxfp4"))
-        for model in (build_tiny_model(num_hidden_layers=4), packed):
-            out = model(ids[:, :4], use_cache=True)
+        for model, experts in ((build_tiny_model(num_hidden_layers=4), set()), (packed, {"moe_experts_mxfp4"})):
+            prefill, out = asked_by(lambda: model(ids[:, :4], use_cache=True))
             cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-            model(ids[:, 4:8], cache=cache)
-            model(ids[:, 8:], cache=cache)
-    assert set(asked) == set(ops.FAST_OPS) - {"mxfp4_dequant"}
+            chunked, _ = asked_by(lambda: model(ids[:, 4:8], cache=cache))
+            decode, _ = asked_by(lambda: model(ids[:, 8:], cache=cache))
+            phases = {"prefill": prefill, "chunked prefill": chunked, "decode": decode}
+            assert phases == {phase: ops_ | experts for phase, ops_ in expected.items()}, experts
+            seen |= prefill | chunked | decode
+    assert seen == set(ops.FAST_OPS) - {"mxfp4_dequant"}
 
 
 def test_cpu_tensors_never_get_a_fast_twin(fake_fast_ops):

@@ -339,7 +339,9 @@ def _dist_worker(rank, world, init_file, out_dir):
 
 def test_two_ranks_all_reduce_equals_one_process(tmp_path):
     world = 2
-    mp.spawn(_dist_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    # forked, not spawned: a spawned rank re-imports torch, transformers and peft, most of this test's time
+    mp.start_processes(_dist_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True,
+                       start_method="fork")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
     model = ToyRouted().train()

@@ -10,7 +10,7 @@ from kimik3.training.quantile_balancing import (
     QuantileBalancingCallback,
     find_router_gates,
 )
-from test_training_helpers import batch_of, load_tiny, losses, make_trainer
+from training_helpers import batch_of, load_tiny, losses, make_trainer
 
 
 def test_real_gate_follows_the_observer_contract():

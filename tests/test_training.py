@@ -7,7 +7,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from kimik3.training.memory import ActivationMeter
-from test_training_helpers import batch_of, load_tiny, losses, make_trainer, unigram_entropy
+from training_helpers import batch_of, load_tiny, losses, make_trainer, unigram_entropy
 
 
 class DtypeProbe:
@@ -26,10 +26,12 @@ class DtypeProbe:
 def test_trainer_loss_falls(tmp_path, precision):
     model = load_tiny()
     probe = DtypeProbe(model)
-    trainer = make_trainer(model, tmp_path, max_steps=30, bf16=(precision == "bf16"))
+    # 20 steps at 6e-3 end as far below the bounds as 30 at 3e-3 (>= 0.1 nats under the entropy bound, model seeds
+    # 0-2, f32 and bf16)
+    trainer = make_trainer(model, tmp_path, max_steps=20, learning_rate=6e-3, bf16=(precision == "bf16"))
     trainer.train()
     loss = losses(trainer)
-    assert len(loss) == 30
+    assert len(loss) == 20
     start, end = sum(loss[:3]) / 3, sum(loss[-5:]) / 5
     assert start > 4.5  # ~ln(128): a random model
     # below the text's unigram entropy (2.93 nats): the model uses context, not just character frequencies

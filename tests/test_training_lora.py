@@ -10,7 +10,7 @@ from peft import PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from kimik3.training.lora import default_lora_config, lora_target_modules  # noqa: E402
-from test_training_helpers import batch_of, load_tiny, losses, make_trainer  # noqa: E402
+from training_helpers import batch_of, load_tiny, losses, make_trainer  # noqa: E402
 
 
 RANK = 4

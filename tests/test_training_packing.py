@@ -10,7 +10,7 @@ from kimik3.configuration import tiny_text_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 from kimik3.training.data import documents, load_text
-from test_training_helpers import load_tiny
+from training_helpers import load_tiny
 
 
 def tiny_model(attention: str, seed: int = 0) -> KimiK3ForCausalLM:
