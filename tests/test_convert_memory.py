@@ -72,12 +72,14 @@ def test_peak_rss_does_not_grow_with_the_model(checkpoints, tmp_path, experts):
     small, large = measured["small"], measured["large"]
     largest_tensor = 64 * 2 * 256 * 256 * (2 if experts == "dense" else 1)  # the fused gate_up of one layer
     assert large["bytes"] > 6 * small["bytes"]
-    # bounded by a few chunks (two in flight + reads, plus allocator slack), far below the output, and no larger
-    # for the 6x larger checkpoint
+    # Both conversions stay under one fixed bound of a few chunks (two in flight + reads, plus allocator slack) that
+    # does not depend on the model, far below the larger output. (A bound relative to the small run's own growth
+    # failed under CPU load: the small run's peak is the noisier, smaller figure, not a bound.)
     slack = 8 * 2**20
-    assert large["growth"] < 4 * CHUNK + slack, measured
+    for label in ("small", "large"):
+        assert measured[label]["growth"] < 4 * CHUNK + slack, measured
+    assert large["bytes"] > 2 * (4 * CHUNK + slack), measured
     assert large["growth"] < large["bytes"] / 4, measured
-    assert large["growth"] < small["growth"] + 2 * CHUNK + slack / 2, measured
     if experts == "dense":
         assert large["growth"] < 3 * largest_tensor, measured
     Path(tmp_path / "measured.json").write_text(json.dumps(measured))
