@@ -18,7 +18,6 @@ gate/beta/L2 norm/state/output norm, the router, SiTU, the MoE combine, AttnRes 
 Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importable and the tensors are on CUDA.
 """
 
-import contextlib
 import math
 
 import torch
@@ -29,6 +28,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple, logging
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_k3 import KimiK3Cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
@@ -630,6 +630,13 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
                                     "e_score_correction_bias"]
     _keys_to_ignore_on_load_unexpected = [r"vision_tower\.", r"mm_projector\."]
+    # output_hidden_states / output_attentions / output_router_logits, recorded by transformers' hooks. MLA layers
+    # return their weights second (None under SDPA, then nothing is recorded); KDA layers have none.
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(KimiK3DecoderLayer, index=0),
+        "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
+        "router_logits": OutputRecorder(KimiK3MoEGate, index=0),
+    }
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -692,29 +699,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         return attention_mask
 
 
-@contextlib.contextmanager
-def _recorded_outputs(model: nn.Module, attentions: bool, router_logits: bool):
-    """Collect MLA attention weights (eager/absorbed paths return them; SDPA returns None) and router logits with
-    forward hooks for one forward, so the layers keep returning plain tensors."""
-    recorded, hooks = {}, []
-    for wanted, key, cls, index in ((attentions, "attentions", KimiK3MLAAttention, 1),
-                                    (router_logits, "router_logits", KimiK3MoEGate, 0)):
-        if not wanted:
-            continue
-        recorded[key] = []
-        for module in model.modules():
-            if isinstance(module, cls):
-                hooks.append(module.register_forward_hook(
-                    lambda mod, args, out, key=key, index=index: recorded[key].append(out[index])))
-    try:
-        yield recorded
-    finally:
-        for hook in hooks:
-            hook.remove()
-        for key in recorded:
-            recorded[key] = tuple(recorded[key])
-
-
 class KimiK3Model(KimiK3PreTrainedModel):
     def __init__(self, config: KimiK3TextConfig):
         super().__init__(config)
@@ -728,6 +712,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    # hidden_states[-1] stays the last layer's output: the final norm reads an AttnRes mix of all blocks, not it
+    @capture_outputs(tie_last_hidden_states=False)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -736,7 +722,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
         past_key_values: KimiK3Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
         cache: KimiK3Cache | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
@@ -751,15 +736,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if cache is not None and not isinstance(cache, KimiK3Cache):
             raise TypeError(f"Kimi K3 needs a KimiK3Cache, got {type(cache).__name__}")
         self._check_model_inputs(input_ids, inputs_embeds, attention_mask, cache)
-        output_hidden_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        )
-        kwargs.pop("return_dict", None)
-        output_attentions = kwargs.pop("output_attentions", None)
-        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        output_router_logits = kwargs.pop("output_router_logits", None)
-        if output_router_logits is None:
-            output_router_logits = getattr(self.config, "output_router_logits", False)
+        for key in ("output_hidden_states", "output_attentions", "output_router_logits"):
+            kwargs.pop(key, None)  # recorded by capture_outputs
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -790,36 +768,26 @@ class KimiK3Model(KimiK3PreTrainedModel):
             # padded key's exactly-zero attention weight times its value stays exactly zero.
             inputs_embeds = inputs_embeds.masked_fill(~token_mask.unsqueeze(-1), 0.0)
         hidden_states, banked = inputs_embeds, ()
-        all_hidden_states = (inputs_embeds,) if output_hidden_states else None
-        with _recorded_outputs(self, output_attentions, output_router_logits) as recorded:
-            for layer in self.layers[: self.config.num_hidden_layers]:
-                layer_output = layer(
-                    hidden_states,
-                    *banked,
-                    attention_mask=mla_mask,
-                    token_mask=token_mask,
-                    cache=cache,
-                    document_index=document_index,
-                    **kwargs,
-                )
-                if layer.starts_block:
-                    banked = banked + (hidden_states,)
-                hidden_states = layer_output
-                if output_hidden_states:
-                    all_hidden_states += (hidden_states,)
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            layer_output = layer(
+                hidden_states,
+                *banked,
+                attention_mask=mla_mask,
+                token_mask=token_mask,
+                cache=cache,
+                document_index=document_index,
+                **kwargs,
+            )
+            if layer.starts_block:
+                banked = banked + (hidden_states,)
+            hidden_states = layer_output
         if self.config.attn_res_block_size is not None:
             hidden_states = attn_res_mix([*banked, hidden_states], self.output_attn_res_norm,
                                          self.output_attn_res_proj)
         hidden_states = self.norm(hidden_states)
         if cache is not None:
             cache.advance(seq_len)
-        return MoeModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            hidden_states=all_hidden_states,
-            attentions=recorded.get("attentions"),
-            router_logits=recorded.get("router_logits"),
-            **{CACHE_FIELD: cache},
-        )
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_FIELD: cache})
 
     def _check_model_inputs(self, input_ids, inputs_embeds, attention_mask, cache) -> None:
         """Reject inputs that would otherwise fail deep inside a layer with an unrelated message, or silently give

@@ -134,6 +134,12 @@ def test_logits_to_keep_and_hidden_states():
         last = model(ids, logits_to_keep=1)
     torch.testing.assert_close(last.logits, full.logits[:, -1:])
     assert len(full.hidden_states) == 5
+    # the embeddings first, then each layer's own output: the last is not the normed AttnRes mix the head reads
+    torch.testing.assert_close(full.hidden_states[0], model.model.embed_tokens(ids))
+    with torch.no_grad():
+        base = model.model(ids)
+    assert not torch.allclose(full.hidden_states[-1], base.last_hidden_state)
+    assert all(not torch.equal(a, b) for a, b in zip(full.hidden_states, full.hidden_states[1:]))
 
 
 def test_release_f32_tensors_stay_f32_when_loading_in_bf16(tmp_path):
