@@ -420,9 +420,10 @@ class KimiK3MoEGate(nn.Module):
         top_values, top_indices = torch.topk(biased, self.top_k + 1 if balancing else self.top_k, dim=-1,
                                              sorted=balancing)
         if balancing:
-            if self.quantile_balancing_observer is not None:
-                self.quantile_balancing_observer(self, scores.detach(), top_values[:, -1].detach(), token_mask)
             top_indices = top_indices[:, : self.top_k]
+            if self.quantile_balancing_observer is not None:
+                self.quantile_balancing_observer(self, scores.detach(), top_values[:, -1].detach(), top_indices,
+                                                 token_mask)
         top_weights = scores.gather(-1, top_indices)
         if self.config.moe_renormalize:
             top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -136,7 +136,7 @@ class KimiK3MoEGate(nn.Module):
             values, idx = biased.topk(self.top_k + 1, dim=-1)
             idx = idx[:, : self.top_k]
             if self.quantile_balancing_observer is not None:
-                self.quantile_balancing_observer(self, scores.detach(), values[:, -1].detach(), token_mask)
+                self.quantile_balancing_observer(self, scores.detach(), values[:, -1].detach(), idx, token_mask)
         else:
             idx = biased.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, idx)
@@ -192,6 +192,22 @@ def test_balancer_sets_config_attaches_observers_and_restores():
     balancer.remove()
     assert model.config.quantile_balancing is False
     assert all(g.quantile_balancing_observer is None for g in model.gates)
+
+
+def test_balancer_counts_routed_experts_when_scores_tie():
+    model = ToyRouted(num_experts=4, top_k=2).train()
+    balancer = QuantileBalancer(model)
+    gate = model.gates[0]
+    # every expert scores the same: the gate routes two of four, and the cutoff ties with the routed scores, so
+    # "biased score above the cutoff" would count no load at all
+    scores = torch.full((6, 4), 0.5)
+    values, indices = scores.topk(3, dim=-1)
+    routed = indices[:, :2]
+    gate.quantile_balancing_observer(gate, scores, values[:, -1], routed, None)
+    stats = balancer.step()
+    assert torch.equal(stats.loads[0], torch.bincount(routed.reshape(-1), minlength=4))
+    assert int(stats.loads[0].sum()) == 6 * 2
+    balancer.remove()
 
 
 def test_balancer_matches_exact_and_applies_from_next_step():

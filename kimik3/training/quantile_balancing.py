@@ -216,8 +216,8 @@ class _GateObserver:
         self.balancer = balancer
         self.index = index
 
-    def __call__(self, module, scores, cutoff, token_mask=None):
-        self.balancer._observe(self.index, module, scores, cutoff, token_mask)
+    def __call__(self, module, scores, cutoff, routed, token_mask=None):
+        self.balancer._observe(self.index, module, scores, cutoff, routed, token_mask)
 
 
 @dataclass
@@ -328,22 +328,21 @@ class QuantileBalancer:
         return self._counts
 
     @torch.no_grad()
-    def _observe(self, index, module, scores, cutoff, token_mask):
+    def _observe(self, index, module, scores, cutoff, routed, token_mask):
         if not self.enabled or _in_checkpoint_recompute():
             return
         if token_mask is not None:
             token_mask = token_mask.reshape(-1).bool()
-            scores = scores[token_mask]
-            cutoff = cutoff[token_mask]
+            scores, cutoff, routed = scores[token_mask], cutoff[token_mask], routed[token_mask]
         scores = scores.detach().float()
         cutoff = cutoff.detach().float()
         bias = getattr(module, BIAS_NAME).detach().float()
         lo, width = bin_range(bias, self.num_bins)
         counts = self._buffer(scores.device)
         counts[index, :, : self.num_bins] += histogram_counts(scores, cutoff, lo, width, self.num_bins)
-        # Routed experts are exactly those strictly above the (k+1)-th biased score (same f32 sum as the gate;
-        # K3 has one expert group, so no group limit to repeat here).
-        counts[index, :, self.num_bins] += (scores + bias > cutoff[:, None]).sum(0)
+        # The gate's own top-k, not "biased score above the cutoff": a tie at the k-th place routes one of the tied
+        # experts, which the comparison would drop.
+        counts[index, :, self.num_bins] += expert_loads(routed, self.num_experts).to(counts.device)
 
     # ---- update ------------------------------------------------------------------------------------------------
     def _all_reduce(self, counts: torch.Tensor) -> torch.Tensor:
