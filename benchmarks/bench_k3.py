@@ -67,10 +67,10 @@ DEV = "cuda"
 
 
 def k3_config(num_layers=8, num_experts=64):
+    from kimik3.configuration import release_layer_schedule
     from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
 
-    full = [i + 1 for i in range(num_layers) if i % 4 == 3]
-    kda = [i + 1 for i in range(num_layers) if (i + 1) not in full]
+    kda, full = release_layer_schedule(num_layers)
     return KimiK3TextConfig(
         vocab_size=163840, hidden_size=7168, intermediate_size=33792, num_hidden_layers=num_layers,
         num_attention_heads=96, num_key_value_heads=96, hidden_act="situ", activation_situ_beta=4.0,
@@ -88,8 +88,9 @@ def k3_config(num_layers=8, num_experts=64):
 def kimi_linear_config(num_layers=8):
     from transformers import KimiLinearConfig
 
-    full = [i + 1 for i in range(num_layers) if i % 4 == 3]
-    kda = [i + 1 for i in range(num_layers) if (i + 1) not in full]
+    from kimik3.configuration import release_layer_schedule
+
+    kda, full = release_layer_schedule(num_layers)  # the same schedule as K3's, for a like-for-like comparison
     return KimiLinearConfig(
         vocab_size=163840, hidden_size=7168, intermediate_size=33792, moe_intermediate_size=1536,
         num_hidden_layers=num_layers, num_attention_heads=96, num_key_value_heads=96, n_shared_experts=2,
