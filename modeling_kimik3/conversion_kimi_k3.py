@@ -221,6 +221,13 @@ def _expert_sources(parts, suffix: str) -> list[str]:
     return [f"experts.*.{part}.{suffix}" + ("(?!_)" if suffix == "weight" else "") for part in parts]
 
 
+def _fused_target(name: str) -> str:
+    # Reversed (save_pretrained), the target is a source pattern: it must not match the shared experts'
+    # `shared_experts.down_proj` nor, on 5.17 (substring matching), `down_proj_packed`. Lookarounds are dropped
+    # when transformers turns the pattern into a name.
+    return f"(?<!shared_)experts.{name}(?![_a-z])"
+
+
 def release_conversions(experts_format: str = "dense") -> list:
     """The transforms from the release layout to ours, relative to the text model (`KimiK3ForCausalLM`).
     `experts_format` picks what MXFP4 experts become: "dense" (dequantised) or "mxfp4" (kept packed)."""
@@ -232,16 +239,16 @@ def release_conversions(experts_format: str = "dense") -> list:
     for fused, parts in EXPERT_PARTS.items():
         merge = [MergeModulelist(dim=0)] + ([Concatenate(dim=1)] if len(parts) > 1 else [])
         # plain bf16 experts (a dense export, or a Kimi-Linear style checkpoint)
-        conversions.append(WeightConverter(_expert_sources(parts, "weight"), f"experts.{fused}", merge))
+        conversions.append(WeightConverter(_expert_sources(parts, "weight"), _fused_target(fused), merge))
         if experts_format == "mxfp4":
-            conversions.append(WeightConverter(_expert_sources(parts, "weight_packed"), f"experts.{fused}_packed",
+            conversions.append(WeightConverter(_expert_sources(parts, "weight_packed"), _fused_target(f"{fused}_packed"),
                                                copy.deepcopy(merge)))
-            conversions.append(WeightConverter(_expert_sources(parts, "weight_scale"), f"experts.{fused}_scale",
+            conversions.append(WeightConverter(_expert_sources(parts, "weight_scale"), _fused_target(f"{fused}_scale"),
                                                copy.deepcopy(merge) + [RejectInfiniteScales()]))
         else:
             sources = [s for part in parts for s in _expert_sources((part,), "weight_packed")
                        + _expert_sources((part,), "weight_scale")]
-            conversions.append(WeightConverter(sources, f"experts.{fused}", [DequantizeMxfp4Experts()]))
+            conversions.append(WeightConverter(sources, _fused_target(fused), [DequantizeMxfp4Experts()]))
     return conversions
 
 
