@@ -49,7 +49,8 @@ except ImportError:  # pragma: no cover - a transformers without checkpoint conv
 # Fused expert tensors and the release parts stacked into them (rows: parts in this order).
 EXPERT_PARTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 # Children of the release's `block_sparse_moe` (ours `mlp`); the dense layer's `mlp.gate_proj` etc. must not match.
-MOE_CHILDREN = r"(gate\.|experts\.|routed_expert_|shared_experts\.)"
+# `[.]`, not `\.`: transformers 5.17 unescapes `\.` inside the group when it reverses the pattern for save_pretrained.
+MOE_CHILDREN = r"(gate[.]|experts[.]|routed_expert_|shared_experts[.])"
 # The release stores A_log zero-padded to this many heads (96 real); save pads back to max(this, heads).
 RELEASE_A_LOG_LENGTH = 128
 # E8M0 byte 255 decodes to 2^128 (inf): never a real scale.
@@ -161,8 +162,12 @@ class RejectInfiniteScales(ConversionOps):
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, **kwargs):
-        for name, values in input_dict.items():
+        for name, values in list(input_dict.items()):
             scale = _tensors(values)[0]
+            if full_layer_name is not None and scale.dim() == 2:
+                # transformers 5.17's SplitModulelist (save) squeezes every size-1 dim: per-expert [rows, 1]
+                # scales (input dim 32) were written as [rows]
+                scale = input_dict[name] = scale.unsqueeze(-1)
             if full_layer_name is not None and scale.dim() == 3 and bool((scale == E8M0_INF).any()):
                 expert, row = (int(i) for i in (scale == E8M0_INF).nonzero()[0, :2])
                 fused = full_layer_name.removesuffix("_scale")
@@ -346,7 +351,9 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     if info.get("mismatched_keys") and not user_ignores_sizes:
         problems += [f"`{release_name(k)}` has shape {list(found)}, the config needs {list(wanted)}"
                      for k, found, wanted in sorted(info["mismatched_keys"])]
-    if info.get("missing_keys"):
+    # a missing tensor of a release-layout load is an error; a checkpoint in our layout keeps transformers' rule
+    # (warned, re-initialised by _init_weights)
+    if info.get("missing_keys") and getattr(model, "_weight_conversions", None):
         problems.append("missing tensor(s): " + ", ".join(f"`{release_name(k)}`" for k in sorted(info["missing_keys"])))
     if info.get("unexpected_keys"):
         problems.append("unknown tensor(s) (no rule maps them): "

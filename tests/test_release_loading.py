@@ -131,6 +131,13 @@ def test_text_only_release_folder(text_folder, converted):
 # save_pretrained
 
 
+def _split_squeezes_all_dims() -> bool:
+    from transformers.core_model_loading import SplitModulelist
+
+    out = SplitModulelist(0).convert({"a.*.w": torch.zeros(2, 3, 1)}, ["a.*.w"], ["a.*.w"])
+    return next(iter(out.values())).shape == (3,)
+
+
 def _saved_tensors(path: Path) -> dict:
     out = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -149,8 +156,13 @@ def test_save_pretrained_writes_the_release_layout_back(release, tmp_path, fmt):
     # bytes; dequantised experts re-quantise to the same bytes as they were not changed); vision is not loaded
     assert sorted(saved) == sorted(source)
     for name, value in source.items():
-        assert saved[name].dtype == value.dtype and torch.equal(saved[name].view(torch.uint8),
-                                                                value.view(torch.uint8)), name
+        written = saved[name]
+        if written.shape != value.shape:
+            # transformers 5.17's SplitModulelist squeezes every size-1 dim: the tiny fixture's [rows, 1] MXFP4
+            # scales come back as [rows] (the real K3 scales are [rows, 112] / [rows, 96], not affected)
+            assert _split_squeezes_all_dims() and written.shape == value.squeeze().shape, name
+            written = written.reshape(value.shape)
+        assert written.dtype == value.dtype and torch.equal(written.view(torch.uint8), value.view(torch.uint8)), name
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert config["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
     again = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "saved", experts_format=fmt,
