@@ -32,6 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_k3 import KimiK3Cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from .conversion_kimi_k3 import check_release_load, register_release_conversions
 from .ops_kimi_k3 import (
     dequantize_mxfp4,
     fast_or_reference,
@@ -639,6 +640,20 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "router_logits": OutputRecorder(KimiK3MoEGate, index=0),
     }
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, experts_format: str | None = None, **kwargs):
+        """Also loads the release layout as it is on disk (conversion_kimi_k3.py); `experts_format="mxfp4"` keeps
+        MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are errors naming the release tensor."""
+        load = super().from_pretrained
+        return check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
+                                  **kwargs)
+
+    def post_init(self):
+        super().post_init()
+        # save_pretrained reverses the conversions a load applied (a release-loaded model saves the release layout);
+        # a model built from a config applied none and saves our layout. from_pretrained replaces this.
+        self._weight_conversions = []
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -1010,6 +1025,8 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
+
+register_release_conversions()
 
 __all__ = [
     "KimiK3PreTrainedModel",

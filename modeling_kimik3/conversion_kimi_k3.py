@@ -1,0 +1,381 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Loading the release checkpoint as it is on disk, through transformers' own loading machinery.
+
+The release differs from our layout in four ways (k3_checkpoint.md 2.2-2.4), each a transform below:
+  * the MoE block is `block_sparse_moe` (ours `mlp`; the dense layer is `mlp` in both);
+  * routed experts are per-expert `experts.{E}.w1/w3/w2` (ours fused: gate_up_proj [E, 2I, Dl] = w1 rows then w3
+    rows, down_proj [E, Dl, I] = w2), stored MXFP4 (`weight_packed` + `weight_scale`) or plain bf16 (`weight`);
+    MXFP4 experts are kept packed (`experts_format="mxfp4"`) or dequantised exactly (the default, "dense");
+  * `A_log` is zero-padded from H heads to 128;
+  * the composite model nests the text model under `language_model.` (a text-only model strips it).
+The transforms are registered for `KimiK3ForCausalLM` (5.17+ applies no library mapping to custom code, so this is
+the only one applied); the composite class reaches it as its `language_model` sub-model, scoped to that prefix.
+Conversions are reversed by `save_pretrained`, which thus writes a release-loaded model back in the release layout.
+`tests/test_release_loading.py` proves that these rules name every release tensor as `convert/name_map.py` does.
+"""
+
+import copy
+import re
+
+import torch
+from transformers.core_model_loading import (
+    Concatenate,
+    ConversionOps,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+)
+
+from .ops_kimi_k3 import dequantize_mxfp4, quantize_mxfp4
+
+
+try:  # transformers 5.0-5.24
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+except ImportError:  # pragma: no cover - a transformers without checkpoint conversion mappings
+    register_checkpoint_conversion_mapping = None
+
+# Fused expert tensors and the release parts stacked into them (rows: parts in this order).
+EXPERT_PARTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+# Children of the release's `block_sparse_moe` (ours `mlp`); the dense layer's `mlp.gate_proj` etc. must not match.
+# `[.]`, not `\.`: transformers 5.17 unescapes `\.` inside the group when it reverses the pattern for save_pretrained.
+MOE_CHILDREN = r"(gate[.]|experts[.]|routed_expert_|shared_experts[.])"
+# The release stores A_log zero-padded to this many heads (96 real); save pads back to max(this, heads).
+RELEASE_A_LOG_LENGTH = 128
+# E8M0 byte 255 decodes to 2^128 (inf): never a real scale.
+E8M0_INF = 255
+
+# Errors raised by the ops during one from_pretrained: transformers records an op's exception in its load report and
+# raises a generic RuntimeError; `check_release_load` turns these into the error the user sees.
+_OP_ERRORS: list[str] = []
+
+
+class KimiK3LoadError(ValueError):
+    """A release tensor that cannot be loaded, named in the message."""
+
+
+def _fail(message: str):
+    _OP_ERRORS.append(message)
+    raise KimiK3LoadError(message)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    return list(values) if isinstance(values, (list, tuple)) else [values]
+
+
+def _release_expert_name(fused_name: str, expert, part: str, suffix: str) -> str:
+    """Our fused name (`...mlp.experts.gate_up_proj`) -> one release tensor (`...block_sparse_moe.experts.3.w1.weight`)."""
+    prefix = fused_name.rsplit("mlp.experts.", 1)[0]
+    return f"{prefix}block_sparse_moe.experts.{expert}.{part}.{suffix}"
+
+
+def _as_codes(tensor: torch.Tensor) -> torch.Tensor:
+    # The loader casts every source to its target's dtype before the ops run: u8 codes arrive as bf16/f32 integers
+    # 0..255, which both represent exactly.
+    return tensor if tensor.dtype == torch.uint8 else tensor.to(torch.uint8)
+
+
+def _check_expert_count(found: int, config, fused_name: str, part: str, suffix: str) -> None:
+    expected = config.get_text_config().num_experts
+    if found != expected:
+        _fail(f"`{_release_expert_name(fused_name, '{E}', part, suffix)}`: found {found} experts, config.json has "
+              f"num_experts={expected} (a missing or extra per-expert tensor)")
+
+
+class DequantizeMxfp4Experts(ConversionOps):
+    """Per-expert MXFP4 parts (sources: packed, scale of each part in turn) -> one fused dense tensor [E, rows, K] in
+    the parameter's dtype, exact (E2M1 x 2^k is representable in bf16/f32). Fills the output an expert at a time, so
+    the only extra memory is one expert's values. An infinite value (scale byte 255) is an error naming the expert."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, model=None, config=None, full_layer_name=None,
+                **kwargs):
+        fused = full_layer_name or target_patterns[0]
+        parts = EXPERT_PARTS[fused.rsplit(".", 1)[-1]]
+        packed = [_tensors(input_dict.pop(p)) for p in source_patterns[0::2]]
+        scales = [_tensors(input_dict.pop(s)) for s in source_patterns[1::2]]
+        for part, part_packed, part_scales in zip(parts, packed, scales):
+            _check_expert_count(len(part_packed), config, fused, part, "weight_packed")
+            _check_expert_count(len(part_scales), config, fused, part, "weight_scale")
+        try:
+            dtype = model.get_parameter(fused).dtype
+        except (AttributeError, TypeError):
+            dtype = torch.bfloat16
+        first = packed[0][0]
+        rows = sum(p[0].shape[0] for p in packed)
+        out = torch.empty(len(packed[0]), rows, first.shape[-1] * 2, dtype=dtype, device=first.device)
+        for expert in range(out.shape[0]):
+            row = 0
+            for part, part_packed, part_scales in zip(parts, packed, scales):
+                codes, scale = _as_codes(part_packed[expert]), _as_codes(part_scales[expert])
+                if bool((scale == E8M0_INF).any()):
+                    _fail(f"`{_release_expert_name(fused, expert, part, 'weight_scale')}` has the E8M0 byte 255 "
+                          "(2^128 = inf): non-finite weights")
+                values = dequantize_mxfp4(codes, scale, dtype)
+                out[expert, row:row + values.shape[0]] = values
+                row += values.shape[0]
+                part_packed[expert] = part_scales[expert] = None  # free the sources as we go
+        return {target_patterns[0]: out}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return QuantizeMxfp4Experts()
+
+
+class QuantizeMxfp4Experts(ConversionOps):
+    """The reverse for save_pretrained: fused dense experts -> per-expert MXFP4 parts (targets: packed, scale of each
+    part). Round-to-nearest with the OCP scale rule: bit-exact for weights that were dequantised from MXFP4 and not
+    changed; weights changed since (fine-tuning) are rounded to MXFP4, as the release format requires."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        fused = _tensors(next(iter(input_dict.values())))[0]
+        parts = len(target_patterns) // 2
+        rows = fused.shape[1] // parts
+        out = {}
+        for expert in range(fused.shape[0]):
+            for index in range(parts):
+                packed, scale = quantize_mxfp4(fused[expert, index * rows:(index + 1) * rows])
+                out[target_patterns[2 * index].replace("*", str(expert))] = packed
+                out[target_patterns[2 * index + 1].replace("*", str(expert))] = scale
+        return out
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return DequantizeMxfp4Experts()
+
+
+class RejectInfiniteScales(ConversionOps):
+    """Kept-packed scales: the fused E8M0 bytes pass through unchanged unless one is 255 (inf), an error naming the
+    release tensor. Its own reverse (a pass-through on save)."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, **kwargs):
+        for name, values in list(input_dict.items()):
+            scale = _tensors(values)[0]
+            if full_layer_name is not None and scale.dim() == 2:
+                # transformers 5.17's SplitModulelist (save) squeezes every size-1 dim: per-expert [rows, 1]
+                # scales (input dim 32) were written as [rows]
+                scale = input_dict[name] = scale.unsqueeze(-1)
+            if full_layer_name is not None and scale.dim() == 3 and bool((scale == E8M0_INF).any()):
+                expert, row = (int(i) for i in (scale == E8M0_INF).nonzero()[0, :2])
+                fused = full_layer_name.removesuffix("_scale")
+                parts = EXPERT_PARTS[fused.rsplit(".", 1)[-1]]
+                part = parts[row * len(parts) // scale.shape[1]]
+                _fail(f"`{_release_expert_name(fused, expert, part, 'weight_scale')}` has the E8M0 byte 255 "
+                      "(2^128 = inf): non-finite weights")
+        return input_dict
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return self
+
+
+class UnpadHeads(ConversionOps):
+    """A_log: the release stores [128] for 96 heads, the tail exactly +0.0 (k3_checkpoint.md 2.4). Any length >= H is
+    accepted; a non-zero tail would mean a per-channel reading of the tensor, an error."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, config=None, full_layer_name=None, **kwargs):
+        tensor = _tensors(next(iter(input_dict.values())))[0]
+        heads = config.get_text_config().linear_num_heads
+        name = full_layer_name or target_patterns[0]
+        if tensor.dim() != 1 or tensor.shape[0] < heads:
+            _fail(f"`{name}`: expected a 1-D tensor of length >= {heads} (one entry per head, zero-padded), found "
+                  f"shape {list(tensor.shape)}")
+        tail = tensor[heads:]
+        if bool((tail != 0).any()) or bool(torch.signbit(tail).any()):
+            _fail(f"`{name}`: entries {heads}..{tensor.shape[0] - 1} must be the +0.0 padding of a {heads}-head "
+                  "A_log, found other values")
+        return {target_patterns[0]: tensor[:heads].clone()}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return PadHeads()
+
+
+class PadHeads(ConversionOps):
+    """The reverse for save_pretrained: A_log [H] -> [max(128, H)] with a +0.0 tail, as the release stores it."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        tensor = _tensors(next(iter(input_dict.values())))[0]
+        padded = tensor.new_zeros(max(RELEASE_A_LOG_LENGTH, tensor.shape[0]))
+        padded[: tensor.shape[0]] = tensor
+        return {target_patterns[0]: padded}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return UnpadHeads()
+
+
+def _expert_sources(parts, suffix: str) -> list[str]:
+    # `(?!_)`: `w1.weight` must not match `w1.weight_packed` (transformers 5.17 matches patterns as plain substrings;
+    # the lookahead is dropped when transformers reverses the pattern into a name for save_pretrained)
+    return [f"experts.*.{part}.{suffix}" + ("(?!_)" if suffix == "weight" else "") for part in parts]
+
+
+def _fused_target(name: str) -> str:
+    # Reversed (save_pretrained), the target is a source pattern: it must not match the shared experts'
+    # `shared_experts.down_proj` nor, on 5.17 (substring matching), `down_proj_packed`. Lookarounds are dropped
+    # when transformers turns the pattern into a name.
+    return f"(?<!shared_)experts.{name}(?![_a-z])"
+
+
+def release_conversions(experts_format: str = "dense") -> list:
+    """The transforms from the release layout to ours, relative to the text model (`KimiK3ForCausalLM`).
+    `experts_format` picks what MXFP4 experts become: "dense" (dequantised) or "mxfp4" (kept packed)."""
+    conversions = [
+        WeightRenaming(r"^language_model\.", ""),
+        WeightRenaming(r"block_sparse_moe\." + MOE_CHILDREN, r"mlp.\1"),
+        WeightConverter("self_attn.A_log", "self_attn.A_log", [UnpadHeads()]),
+    ]
+    for fused, parts in EXPERT_PARTS.items():
+        merge = [MergeModulelist(dim=0)] + ([Concatenate(dim=1)] if len(parts) > 1 else [])
+        # plain bf16 experts (a dense export, or a Kimi-Linear style checkpoint)
+        conversions.append(WeightConverter(_expert_sources(parts, "weight"), _fused_target(fused), merge))
+        if experts_format == "mxfp4":
+            conversions.append(WeightConverter(_expert_sources(parts, "weight_packed"), _fused_target(f"{fused}_packed"),
+                                               copy.deepcopy(merge)))
+            conversions.append(WeightConverter(_expert_sources(parts, "weight_scale"), _fused_target(f"{fused}_scale"),
+                                               copy.deepcopy(merge) + [RejectInfiniteScales()]))
+        else:
+            sources = [s for part in parts for s in _expert_sources((part,), "weight_packed")
+                       + _expert_sources((part,), "weight_scale")]
+            conversions.append(WeightConverter(sources, _fused_target(fused), [DequantizeMxfp4Experts()]))
+    return conversions
+
+
+def register_release_conversions(experts_format: str = "dense") -> None:
+    """Registers the transforms for `KimiK3ForCausalLM` (and so for the composite model's `language_model`)."""
+    if register_checkpoint_conversion_mapping is not None:
+        register_checkpoint_conversion_mapping("KimiK3ForCausalLM", release_conversions(experts_format),
+                                               overwrite=True)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# from_pretrained: the load option and the checks
+
+
+def release_name(our_name: str) -> str:
+    """The release name of one of our tensor names, for messages (fused experts keep their fused name)."""
+    return re.sub(r"\.mlp\." + MOE_CHILDREN, r".block_sparse_moe.\1", our_name)
+
+
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies",
+               "trust_remote_code")
+
+
+def _resolve_config(model_class, pretrained, kwargs, experts_format):
+    """(expert format, the release's quantization_config or None). The config is passed on (kwargs["config"]) only
+    when the load changes it: with an `experts_format` option (for the composite config it belongs to the text
+    config), or to hide the release's compressed-tensors `quantization_config`, from which transformers would build
+    a quantizer, while the transforms here read the MXFP4 experts themselves."""
+    config = kwargs.get("config")
+    if config is None or isinstance(config, str):
+        hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs and k != "trust_remote_code"}
+        config = model_class.config_class.from_pretrained(config or pretrained, **hub)
+    release_quantization = getattr(config.get_text_config(), "quantization_config", None)
+    if experts_format is None and release_quantization is None:
+        return config.get_text_config().experts_format, None
+    if experts_format not in (None, "dense", "mxfp4"):
+        raise ValueError(f"experts_format={experts_format!r}: choose 'dense' (dequantised bf16) or 'mxfp4' (kept "
+                         "packed)")
+    config = copy.deepcopy(config)
+    text = config.get_text_config()
+    if experts_format is not None:
+        text.experts_format = experts_format
+    if release_quantization is not None:
+        del text.quantization_config
+    kwargs["config"] = config
+    return text.experts_format, release_quantization
+
+
+def _check_finite(model) -> None:
+    """No NaN/Inf may pass into a model silently: every loaded floating tensor is scanned, a block at a time."""
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if not tensor.is_floating_point() or tensor.device.type == "meta" or hasattr(tensor, "to_local"):
+            continue
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), 1 << 24):
+            block = flat[start:start + (1 << 24)]
+            bad = (~torch.isfinite(block)).nonzero()
+            if bad.numel():
+                raise KimiK3LoadError(_non_finite_message(name, tensor, start + int(bad[0, 0])))
+
+
+def _non_finite_message(name: str, tensor: torch.Tensor, flat_index: int) -> str:
+    index = list(torch.unravel_index(torch.tensor(flat_index), tensor.shape))
+    fused = name.rsplit(".", 1)[-1]
+    if fused in EXPERT_PARTS and tensor.dim() == 3:
+        expert, row = int(index[0]), int(index[1])
+        parts = EXPERT_PARTS[fused]
+        part = parts[row * len(parts) // tensor.shape[1]]
+        where = f"`{_release_expert_name(name, expert, part, 'weight')}` (in our `{name}`)"
+    else:
+        where = f"`{release_name(name)}`"
+    return f"non-finite value in release tensor {where} at index {[int(i) for i in index]}: refusing to load"
+
+
+def check_release_load(load, model_class, pretrained, *args, experts_format=None, **kwargs):
+    """`from_pretrained` with the `experts_format` load option and errors that name the release tensor: a missing,
+    unexpected or wrongly shaped tensor, a bad A_log padding or expert count, and any NaN/Inf."""
+    fmt, release_quantization = _resolve_config(model_class, pretrained, kwargs, experts_format)
+    register_release_conversions(fmt)
+    want_info = kwargs.pop("output_loading_info", False)
+    user_ignores_sizes = kwargs.get("ignore_mismatched_sizes", False)
+    kwargs["ignore_mismatched_sizes"] = True  # report mismatches ourselves, by release name
+    _OP_ERRORS.clear()
+    try:
+        model, info = load(pretrained, *args, output_loading_info=True, **kwargs)
+    except RuntimeError as exc:
+        if _OP_ERRORS:
+            raise KimiK3LoadError(f"{pretrained}: " + "; ".join(_OP_ERRORS)) from exc
+        raise
+    finally:
+        errors, _OP_ERRORS[:] = list(_OP_ERRORS), []
+    if errors:
+        raise KimiK3LoadError(f"{pretrained}: " + "; ".join(errors))
+    problems = []
+    if info.get("mismatched_keys") and not user_ignores_sizes:
+        problems += [f"`{release_name(k)}` has shape {list(found)}, the config needs {list(wanted)}"
+                     for k, found, wanted in sorted(info["mismatched_keys"])]
+    # a missing tensor of a release-layout load is an error; a checkpoint in our layout keeps transformers' rule
+    # (warned, re-initialised by _init_weights)
+    if info.get("missing_keys") and getattr(model, "_weight_conversions", None):
+        problems.append("missing tensor(s): " + ", ".join(f"`{release_name(k)}`" for k in sorted(info["missing_keys"])))
+    if info.get("unexpected_keys"):
+        problems.append("unknown tensor(s) (no rule maps them): "
+                        + ", ".join(f"`{release_name(k)}`" for k in sorted(info["unexpected_keys"])))
+    if problems:
+        raise KimiK3LoadError(f"{pretrained}: " + "; ".join(problems))
+    _check_finite(model)
+    if release_quantization is not None:
+        # save_pretrained writes the release layout back (MXFP4 experts), so the config describes it again
+        model.config.get_text_config().quantization_config = release_quantization
+    return (model, info) if want_info else model
+
+
+__all__ = [
+    "DequantizeMxfp4Experts",
+    "KimiK3LoadError",
+    "PadHeads",
+    "QuantizeMxfp4Experts",
+    "RejectInfiniteScales",
+    "UnpadHeads",
+    "check_release_load",
+    "register_release_conversions",
+    "release_conversions",
+    "release_name",
+]
