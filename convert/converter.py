@@ -137,7 +137,7 @@ def convert(
             out += [(p.name, p.read_bytes()) for p in files.remote_code_files()]
             out.append(("generation_config.json", files.generation_config_bytes(ckpt.root, ckpt.config)))
             out.append((files.PROVENANCE_NAME, files.json_bytes(provenance)))
-            out.append(("README.md", converted_model_card(provenance).encode()))
+            out.append(("README.md", converted_model_card(provenance, config).encode()))
             return out
 
         def final_files():

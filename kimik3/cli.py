@@ -32,6 +32,29 @@ def text_config_file(path: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def gpu_memory_size(text: str) -> tuple[int, str]:
+    """argparse type: (bytes per device, the unit to print in) from '141GB' (10^9) or '141GiB' (2^30)."""
+    from kimik3.memory import parse_gpu_memory
+
+    try:
+        return parse_gpu_memory(text), "GiB" if "ib" in text.lower() else "GB"
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def context_tokens(text: str) -> int:
+    """argparse type: a token count, '131072', '128K' or '1M' (K = 1024)."""
+    from kimik3.memory import parse_tokens
+
+    try:
+        return parse_tokens(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_dtype", "context")
+
+
 def cmd_tiny(args) -> int:
     from kimik3.tiny import TinyFolderError, write_tiny_folder
 
@@ -50,12 +73,39 @@ def cmd_tiny(args) -> int:
 def cmd_memory(args) -> int:
     from kimik3.memory import describe_layers, format_memory_table, load_text_config, memory_table
 
+    def usage_error(message: str) -> int:
+        print(f"kimik3 memory: error: {message}", file=sys.stderr)
+        return 2
+
     config = args.config if args.config is not None else load_text_config()
+    if args.plan:
+        return _memory_plan(args, config, usage_error)
+    given = [name for name in PLAN_ONLY_OPTIONS if getattr(args, name) is not None]
+    if given:
+        return usage_error(f"argument --{given[0].replace('_', '-')}: only with --plan")
     rows = memory_table(config, args.tokens, args.batch)
     print(f"Cache memory, {describe_layers(config)}, bf16 activations, f32 KDA state")
     print(format_memory_table(rows))
     if args.json:
         print(json.dumps(rows))
+    return 0
+
+
+def _memory_plan(args, config, usage_error) -> int:
+    from kimik3.memory import device_plan, format_device_plan
+
+    for name, example in (("gpus", "--gpus 8"), ("gpu_mem", "--gpu-mem 141GB")):
+        if getattr(args, name) is None:
+            return usage_error(f"argument --plan: needs --{name.replace('_', '-')} (e.g. {example})")
+    context = args.context if args.context is not None else config.max_position_embeddings
+    if context > config.max_position_embeddings:
+        return usage_error(f"argument --context: {context:,} tokens is more than the model's "
+                           f"max_position_embeddings ({config.max_position_embeddings:,})")
+    gpu_memory, unit = args.gpu_mem
+    plan = device_plan(config, args.gpus, gpu_memory, context, args.batch, args.experts_dtype or "mxfp4")
+    print(format_device_plan(plan, config, unit=unit))
+    if args.json:
+        print(json.dumps(plan))
     return 0
 
 
@@ -76,13 +126,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny)
 
-    p = sub.add_parser("memory", help="cache memory table: K3 vs all-MLA vs expanded K/V")
+    p = sub.add_parser("memory", help="cache memory table: K3 vs all-MLA vs expanded K/V; with --plan, whether the "
+                                      "model fits on N devices")
     p.add_argument("--config", type=text_config_file,
                    help="config.json (released top-level or text config); default: the release")
     p.add_argument("--tokens", type=token_counts, default=[131072, 1048576],
                    help="comma-separated context lengths (default: 131072,1048576)")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plan", action="store_true",
+                   help="weights + cache per device for a layer-wise split over --gpus devices of --gpu-mem each")
+    p.add_argument("--gpus", type=positive_int, help="with --plan: number of devices")
+    p.add_argument("--gpu-mem", type=gpu_memory_size,
+                   help="with --plan: memory per device, e.g. 141GB (10^9 bytes) or 141GiB (2^30 bytes)")
+    p.add_argument("--experts-dtype", choices=("mxfp4", "bf16"),
+                   help="with --plan: routed experts packed MXFP4 (the release's format; default) or bf16")
+    p.add_argument("--context", type=context_tokens,
+                   help="with --plan: tokens per sequence, e.g. 131072, 128K or 1M (K = 1024; default: the model's "
+                        "max_position_embeddings)")
     p.set_defaults(fn=cmd_memory)
 
     p = sub.add_parser("demo", help="tiny release-layout checkpoint -> convert -> reload (trust_remote_code) -> "

@@ -2,6 +2,7 @@
 (Activation memory during training is `kimik3.training.memory`.)"""
 
 import json
+import re
 from pathlib import Path
 
 
@@ -81,4 +82,300 @@ def format_memory_table(rows: list[dict]) -> str:
             f"{_gib(r['k3_kda_conv'])} {_gib(r['k3_total'])} | {_gib(r['all_mla_latent'])} | "
             f"{_gib(r['official_expanded_kv'])}"
         )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `kimik3 memory --plan`: exact weight bytes from the config's parameter shapes, and a layer-wise device split
+
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "u8": 1}
+MXFP4_GROUP = 32  # values per E8M0 scale byte: 4 bits + 8/32 bits = 4.25 bits per value
+KIB_TOKENS = {"K": 2**10, "M": 2**20}
+# The release's index `metadata.total_size` (k3_checkpoint.md §2.1), and what of it is not the text model we build:
+# the vision tower and projector (shards 96 and 95), and A_log's zero padding (96 real heads stored as 128, F32).
+RELEASE_TOTAL_SIZE = 1_560_860_324_864
+RELEASE_VISION_BYTES = 802_428_928 + 92_289_024
+RELEASE_A_LOG_PADDING_BYTES = 69 * (128 - 96) * 4
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * DTYPE_BYTES[dtype]
+
+
+def _kda_tensors(text, hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    heads, head_dim = text.linear_num_heads, text.linear_head_dim
+    width = heads * head_dim
+    conv = (width, 1, text.linear_conv_kernel_size)
+    tensors = {f"self_attn.{p}_proj.weight": ((width, hidden), "bf16") for p in "qkv"}
+    tensors.update({f"self_attn.{p}_conv1d.weight": (conv, "f32") for p in "qkv"})
+    tensors.update({
+        "self_attn.f_a_proj.weight": ((head_dim, hidden), "bf16"),
+        "self_attn.f_b_proj.weight": ((width, head_dim), "bf16"),
+        "self_attn.A_log": ((heads,), "f32"),
+        "self_attn.dt_bias": ((width,), "f32"),
+        "self_attn.b_proj.weight": ((heads, hidden), "bf16"),
+        "self_attn.o_norm.weight": ((head_dim,), "f32"),
+        "self_attn.o_proj.weight": ((hidden, width), "bf16"),
+    })
+    if text.use_full_rank_gate:
+        tensors["self_attn.g_proj.weight"] = ((width, hidden), "bf16")
+    else:
+        tensors["self_attn.g_a_proj.weight"] = ((head_dim, hidden), "bf16")
+        tensors["self_attn.g_b_proj.weight"] = ((width, head_dim), "bf16")
+    return tensors
+
+
+def _mla_tensors(text, hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    heads = text.num_attention_heads
+    tensors = {}
+    if text.q_lora_rank is None:
+        tensors["self_attn.q_proj.weight"] = ((heads * text.qk_head_dim, hidden), "bf16")
+    else:
+        tensors["self_attn.q_a_proj.weight"] = ((text.q_lora_rank, hidden), "bf16")
+        tensors["self_attn.q_a_layernorm.weight"] = ((text.q_lora_rank,), "bf16")
+        tensors["self_attn.q_b_proj.weight"] = ((heads * text.qk_head_dim, text.q_lora_rank), "bf16")
+    tensors["self_attn.kv_a_proj_with_mqa.weight"] = ((text.kv_lora_rank + text.qk_rope_head_dim, hidden), "bf16")
+    tensors["self_attn.kv_a_layernorm.weight"] = ((text.kv_lora_rank,), "bf16")
+    tensors["self_attn.kv_b_proj.weight"] = ((heads * (text.qk_nope_head_dim + text.v_head_dim), text.kv_lora_rank),
+                                             "bf16")
+    if text.mla_use_output_gate:
+        tensors["self_attn.g_proj.weight"] = ((heads * text.v_head_dim, hidden), "bf16")
+    tensors["self_attn.o_proj.weight"] = ((hidden, heads * text.v_head_dim), "bf16")
+    return tensors
+
+
+def _dense_mlp_tensors(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {
+        f"{prefix}.gate_proj.weight": ((intermediate, hidden), "bf16"),
+        f"{prefix}.up_proj.weight": ((intermediate, hidden), "bf16"),
+        f"{prefix}.down_proj.weight": ((hidden, intermediate), "bf16"),
+    }
+
+
+def _moe_tensors(text, hidden: int, experts_format: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    experts, inter = text.num_experts, text.moe_intermediate_size
+    latent = text.latent_size
+    tensors = {"mlp.gate.weight": ((experts, hidden), "bf16"),
+               "mlp.gate.e_score_correction_bias": ((experts,), "f32")}
+    for name, (rows, cols) in (("gate_up_proj", (2 * inter, latent)), ("down_proj", (latent, inter))):
+        if experts_format == "mxfp4":
+            tensors[f"mlp.experts.{name}_packed"] = ((experts, rows, cols // 2), "u8")
+            tensors[f"mlp.experts.{name}_scale"] = ((experts, rows, cols // MXFP4_GROUP), "u8")
+        else:
+            tensors[f"mlp.experts.{name}"] = ((experts, rows, cols), "bf16")
+    if text.routed_expert_hidden_size is not None:
+        tensors["mlp.routed_expert_down_proj.weight"] = ((latent, hidden), "bf16")
+        if text.latent_moe_use_norm:
+            tensors["mlp.routed_expert_norm.weight"] = ((latent,), "bf16")
+        tensors["mlp.routed_expert_up_proj.weight"] = ((hidden, latent), "bf16")
+    if text.num_shared_experts:
+        tensors.update(_dense_mlp_tensors("mlp.shared_experts", hidden, inter * text.num_shared_experts))
+    return tensors
+
+
+def _layer_tensors(text, index: int, experts_format: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    hidden = text.hidden_size
+    is_kda = text.layer_types[index] == "linear_attention"
+    tensors = _kda_tensors(text, hidden) if is_kda else _mla_tensors(text, hidden)
+    if text.mlp_layer_types[index] == "sparse":
+        tensors.update(_moe_tensors(text, hidden, experts_format))
+    else:
+        tensors.update(_dense_mlp_tensors("mlp", hidden, text.intermediate_size))
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if text.attn_res_block_size is not None:
+        norms += ["self_attention_res_norm", "mlp_res_norm"]
+        tensors["self_attention_res_proj.weight"] = ((1, hidden), "bf16")
+        tensors["mlp_res_proj.weight"] = ((1, hidden), "bf16")
+    tensors.update({f"{norm}.weight": ((hidden,), "bf16") for norm in norms})
+    return tensors
+
+
+def weight_units(config, experts_format: str = "mxfp4") -> list[tuple[str, dict[str, tuple[tuple[int, ...], str]]]]:
+    """The text model's stored tensors, from the config alone, grouped in placement order: `embed`, `layers.0` ...,
+    `head` (output AttnRes mix, final norm, lm_head). Each tensor is (shape, dtype) as it loads in bf16: the release's
+    F32 tensors stay F32, packed MXFP4 experts are uint8 codes (two per byte) plus one E8M0 byte per 32 values."""
+    if experts_format not in ("mxfp4", "bf16", "dense"):
+        raise ValueError(f"experts format {experts_format!r}: choose mxfp4 or bf16")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, vocab = text.hidden_size, text.vocab_size
+    units = [("embed", {"model.embed_tokens.weight": ((vocab, hidden), "bf16")})]
+    for index in range(len(text.layer_types)):
+        layer = _layer_tensors(text, index, experts_format)
+        units.append((f"layers.{index}", {f"model.layers.{index}.{name}": spec for name, spec in layer.items()}))
+    head = {"model.norm.weight": ((hidden,), "bf16")}
+    if text.attn_res_block_size is not None:
+        head["model.output_attn_res_norm.weight"] = ((hidden,), "bf16")
+        head["model.output_attn_res_proj.weight"] = ((1, hidden), "bf16")
+    if not text.tie_word_embeddings:
+        head["lm_head.weight"] = ((vocab, hidden), "bf16")
+    units.append(("head", head))
+    return units
+
+
+def unit_bytes(tensors: dict[str, tuple[tuple[int, ...], str]]) -> int:
+    return sum(tensor_bytes(shape, dtype) for shape, dtype in tensors.values())
+
+
+def weight_bytes(config, experts_format: str = "mxfp4") -> int:
+    return sum(unit_bytes(tensors) for _, tensors in weight_units(config, experts_format))
+
+
+def parse_gpu_memory(text: str) -> int:
+    """'141GB' (10^9 bytes), '141GiB' (2^30 bytes), also KB/MB/KiB/MiB or a plain byte count, through transformers'
+    size helper. The unit is read case-insensitively; bits ('Gb') are not accepted. Raises ValueError."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    value = text.strip()
+    match = re.fullmatch(r"(\d+)\s*([KMG]i?B)?", value, flags=re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size: give a whole number with a unit, e.g. 141GB (141*10^9 bytes) "
+                         "or 141GiB (141*2^30 bytes)")
+    number, unit = match.groups()
+    # uppercase: transformers reads a trailing lowercase 'b' as bits
+    size = int(number) if unit is None else convert_file_size_to_int(number + unit.upper())
+    if size < 1:
+        raise ValueError(f"{text!r} must be more than 0 bytes")
+    return size
+
+
+def parse_tokens(text: str) -> int:
+    """A token count: '131072', '128K' (K = 1024) or '1M' (M = 1024^2). Raises ValueError."""
+    value = text.strip()
+    scale = KIB_TOKENS.get(value[-1:].upper(), 1)
+    number = value[:-1] if scale != 1 else value
+    if not number.isdigit() or int(number) < 1:
+        raise ValueError(f"{text!r} is not a token count: give a whole number >= 1, optionally with K (x1024) or M "
+                         "(x1024^2), e.g. 128K or 1M")
+    return int(number) * scale
+
+
+def unit_cache_bytes(config, units: list[str], tokens: int, batch_size: int, dtype_bytes: int = 2) -> list[int]:
+    """Cache bytes of each placement unit: a layer's MLA latents or KDA state + conv windows live on its device."""
+    from kimik3.modeling.cache_kimi_k3 import analytic_cache_bytes
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    totals = analytic_cache_bytes(text, tokens, batch_size, dtype_bytes)
+    num_mla = sum(t == "full_attention" for t in text.layer_types)
+    num_kda = len(text.layer_types) - num_mla
+    # every layer of a kind holds the same cache, so the totals split evenly
+    per_mla = totals["mla_kv"] // num_mla if num_mla else 0
+    per_kda = (totals["kda_state"] + totals["kda_conv"]) // num_kda if num_kda else 0
+    out = []
+    for name in units:
+        if not name.startswith("layers."):
+            out.append(0)
+        else:
+            out.append(per_mla if text.layer_types[int(name.split(".")[1])] == "full_attention" else per_kda)
+    return out
+
+
+def _split_contiguous(loads: list[int], capacity: int) -> list[list[int]]:
+    """Greedy contiguous split: each device takes units in order while they fit in `capacity` (the fewest devices
+    for a given capacity; every unit must fit alone)."""
+    parts, current, used = [], [], 0
+    for index, load in enumerate(loads):
+        if current and used + load > capacity:
+            parts.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += load
+    return parts + [current] if current else parts
+
+
+def _balanced_split(loads: list[int], devices: int) -> list[list[int]]:
+    """The contiguous split over at most `devices` parts with the smallest largest part (binary search on it)."""
+    low, high = max(loads), sum(loads)
+    while low < high:
+        middle = (low + high) // 2
+        if len(_split_contiguous(loads, middle)) <= devices:
+            high = middle
+        else:
+            low = middle + 1
+    return _split_contiguous(loads, low)
+
+
+def device_plan(config, gpus: int, gpu_memory: int, context: int, batch_size: int = 1,
+                experts_format: str = "mxfp4") -> dict:
+    """Whole decoder layers per device in order (device_map with `no_split_module_classes=["KimiK3DecoderLayer"]`):
+    embeddings with the first layers, the head with the last; each layer's cache on its layer's device. Balanced so
+    the fullest device is as empty as possible. Activations and the CUDA context are not counted."""
+    units = weight_units(config, experts_format)
+    names = [name for name, _ in units]
+    weights = [unit_bytes(tensors) for _, tensors in units]
+    caches = unit_cache_bytes(config, names, context, batch_size)
+    loads = [w + c for w, c in zip(weights, caches)]
+    devices = []
+    for part in _balanced_split(loads, gpus):
+        layers = [names[i] for i in part]
+        weight, cache = sum(weights[i] for i in part), sum(caches[i] for i in part)
+        devices.append({"units": layers, "weights": weight, "cache": cache, "left": gpu_memory - weight - cache})
+    largest = max(loads)
+    smallest = len(_split_contiguous(loads, gpu_memory)) if largest <= gpu_memory else None
+    return {
+        "gpus": gpus,
+        "gpu_memory": gpu_memory,
+        "context": context,
+        "batch": batch_size,
+        "experts_format": "mxfp4" if experts_format == "mxfp4" else "bf16",
+        "weights": sum(weights),
+        "cache": sum(caches),
+        "devices": devices,
+        "fits": all(d["left"] >= 0 for d in devices),
+        "largest_unit": {"name": names[loads.index(largest)], "bytes": largest},
+        "smallest_gpus": smallest,
+    }
+
+
+def _describe_units(units: list[str]) -> str:
+    layers = [int(u.split(".")[1]) for u in units if u.startswith("layers.")]
+    parts = ["embed"] if "embed" in units else []
+    if layers:
+        parts.append(f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}")
+    if "head" in units:
+        parts.append("head")
+    return ", ".join(parts)
+
+
+def format_device_plan(plan: dict, config, unit: str = "GB") -> str:
+    scale = 10**9 if unit == "GB" else 2**30
+    fmt = lambda n: f"{n / scale:,.2f} {unit}"  # noqa: E731
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = ("MXFP4 (4.25 bits per value: 4-bit codes + one E8M0 scale byte per 32)"
+               if plan["experts_format"] == "mxfp4" else "bf16")
+    lines = [
+        f"Kimi K3 text model, {describe_layers(text)}, {text.num_experts} routed experts per MoE layer as {experts}; "
+        "other weights bf16, the release's F32 tensors F32",
+        f"context {plan['context']:,} tokens x batch {plan['batch']} (K = 1024, M = 1024^2 tokens); cache: MLA "
+        "latents bf16, KDA states f32",
+        f"units: GB = 10^9 bytes, GiB = 2^30 bytes; {plan['gpus']} device(s) x {fmt(plan['gpu_memory'])} "
+        f"({plan['gpu_memory']:,} bytes)",
+        f"weights {fmt(plan['weights'])} ({plan['weights']:,} bytes), cache {fmt(plan['cache'])} "
+        f"({plan['cache']:,} bytes)",
+        "",
+        "layer-wise split (device_map: whole decoder layers per device, each layer's cache on its device):",
+        f"{'device':>6}  {'holds':<22} {'weights':>14} {'cache':>14} {'left':>14}",
+    ]
+    for index, device in enumerate(plan["devices"]):
+        lines.append(f"{index:>6}  {_describe_units(device['units']):<22} {fmt(device['weights']):>14} "
+                     f"{fmt(device['cache']):>14} {fmt(device['left']):>14}")
+    for index in range(len(plan["devices"]), plan["gpus"]):
+        lines.append(f"{index:>6}  {'(unused)':<22} {fmt(0):>14} {fmt(0):>14} {fmt(plan['gpu_memory']):>14}")
+    lines.append("")
+    smallest = plan["smallest_gpus"]
+    if smallest is None:
+        need = (f"no number of devices fits: {plan['largest_unit']['name']} alone needs "
+                f"{fmt(plan['largest_unit']['bytes'])} (split it with tensor or expert parallelism)")
+    else:
+        need = f"the smallest number of devices that fits is {smallest}"
+    if plan["fits"]:
+        least = min(d["left"] for d in plan["devices"])
+        lines.append(f"verdict: FITS on {plan['gpus']} x {fmt(plan['gpu_memory'])}, at least {fmt(least)} left per "
+                     f"device for activations and workspace (not counted here); {need}")
+    else:
+        worst = min(d["left"] for d in plan["devices"])
+        lines.append(f"verdict: DOES NOT FIT on {plan['gpus']} x {fmt(plan['gpu_memory'])} (the fullest device is "
+                     f"{fmt(-worst)} over); {need}")
     return "\n".join(lines)

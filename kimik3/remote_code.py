@@ -1,23 +1,11 @@
 """What a model folder needs to run as remote code: the flat `.py` files of `kimik3.modeling` and the `auto_map`
 naming our classes in them. The one home of both facts: `kimik3 tiny`, the demo and the converter import them."""
 
-import json
 import shutil
 from pathlib import Path
 
-# `auto_map` of a folder whose config.json is our text config (`KimiK3TextConfig`, `KimiK3ForCausalLM`).
-TEXT_AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
-    "AutoModel": "modeling_kimi_k3.KimiK3Model",
-    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
-}
-# `auto_map` of a folder whose config.json is the release's composite schema (`KimiK3Config`); the release maps
-# AutoModel to the top-level class too.
-COMPOSITE_AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
-    "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-}
+# The `auto_map`s live next to the code that writes them on save_pretrained (remote code cannot import this package).
+from kimik3.modeling.modeling_kimi_k3 import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP  # noqa: E402
 
 
 def auto_map_for(config) -> dict:
@@ -37,15 +25,10 @@ def remote_code_files() -> list[Path]:
 
 
 def save_with_code(model, directory: str | Path) -> Path:
-    """save_pretrained + the remote-code files + auto_map, loadable with trust_remote_code in a fresh process."""
+    """save_pretrained (which writes the code files the model imports, the full auto_map and the card) plus every
+    remote-code file of the package, loadable with trust_remote_code in a fresh process."""
     directory = Path(directory)
     model.save_pretrained(directory)
-    # save_pretrained copies remote code only for classes registered for an auto class, and only the files they
-    # import; every file goes in, whatever this model's class.
     for path in remote_code_files():
         shutil.copy2(path, directory / path.name)
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text())
-    config["auto_map"] = auto_map_for(model.config)
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory

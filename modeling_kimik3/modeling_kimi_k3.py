@@ -18,7 +18,10 @@ gate/beta/L2 norm/state/output norm, the router, SiTU, the MoE combine, AttnRes 
 Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importable and the tensors are on CUDA.
 """
 
+import json
 import math
+import shutil
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -713,6 +716,54 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         if cache is not None and cache.has_previous_state():
             return None
         return attention_mask
+
+    # Saving: the folder must load with trust_remote_code in a fresh process, whether this class came from the
+    # installed package or from a model folder's flat files.
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            _write_remote_code(self, Path(save_directory))
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        try:
+            from kimik3.hub_card import push_with_card
+        except ImportError:  # remote code without the package: no card of ours to keep, the library's push as is
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_with_card(self, repo_id, **kwargs)
+
+
+# `auto_map` of a folder whose config.json is our text config, and of one holding the release's composite schema (the
+# release maps AutoModel to the top-level class too). `kimik3.remote_code` re-exports both.
+TEXT_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
+    "AutoModel": "modeling_kimi_k3.KimiK3Model",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+}
+COMPOSITE_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+}
+
+
+def _write_remote_code(model: PreTrainedModel, directory: Path) -> None:
+    """Copies this file and the files it imports (found next to it: the installed package or a model folder's
+    copy), sets the full `auto_map`, and writes the model card when `kimik3.hub_card` is installed."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    here = Path(__file__).resolve()
+    for path in [here, *map(Path, get_relative_import_files(str(here)))]:
+        if path.resolve() != (directory / path.name).resolve():
+            shutil.copyfile(path, directory / path.name)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["auto_map"] = dict(COMPOSITE_AUTO_MAP if "text_config" in config else TEXT_AUTO_MAP)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    try:
+        from kimik3.hub_card import saved_model_card, write_model_card
+    except ImportError:  # the card needs the package; remote code must not
+        return
+    write_model_card(directory, saved_model_card(model.config, model.config.name_or_path))
 
 
 class KimiK3Model(KimiK3PreTrainedModel):

@@ -1,0 +1,208 @@
+"""The model card of converted, sliced and saved folders, and save_pretrained / push_to_hub (with huggingface_hub's
+commit operations intercepted, no network) giving folders that a fresh process loads with trust_remote_code."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from kimik3.convert.converter import convert
+from kimik3.convert.testing import write_release_checkpoint
+from kimik3.hub_card import CARD_MARKER, converted_model_card, is_kimik3_card
+from kimik3.memory import load_text_config
+from kimik3.remote_code import remote_code_files
+
+CODE_FILES = {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "cache_kimi_k3.py", "ops_kimi_k3.py"}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A tiny release-layout checkpoint (with vision tensors) converted whole, and converted sliced + text only."""
+    root = tmp_path_factory.mktemp("card")
+    release = write_release_checkpoint(root / "release", seed=0, num_layers=4)
+    whole, sliced = root / "whole", root / "sliced"
+    convert(release.path, whole, experts_format="mxfp4", progress=False)
+    convert(release.path, sliced, num_layers=2, text_only=True, progress=False)
+    return release, whole, sliced
+
+
+def _card(directory: Path):
+    text = (directory / "README.md").read_text()
+    return text, ModelCard(text).data.to_dict()
+
+
+def test_converted_card_metadata_and_tables_come_from_the_folder(converted):
+    release, whole, sliced = converted
+    text, meta = _card(whole)
+    assert is_kimik3_card(text)
+    config = json.loads((whole / "config.json").read_text())
+    text_config = load_text_config(whole / "config.json")
+    assert meta["library_name"] == "transformers" and "custom_code" in meta["tags"] and "mxfp4" in meta["tags"]
+    assert meta["pipeline_tag"] == "image-text-to-text" and "vision_config" in config  # vision tensors carried
+    assert meta["base_model"] == str(release.path) and meta["base_model_relation"] == "quantized"
+    num_mla = text_config.layer_types.count("full_attention")
+    assert f"| layers | {len(text_config.layer_types)} ({len(text_config.layer_types) - num_mla} KDA, " in text
+    assert f"{text_config.num_experts} routed experts, top-{text_config.num_experts_per_token}" in text
+    assert f"| {text_config.max_position_embeddings:,} |" in text  # cache table ends at the folder's own context
+    assert "## Conversion provenance (`kimik3_conversion.json`)" in text and str(release.path) in text
+    assert "`<|end_of_msg|>` (id 163586" in text and "apply_chat_template" in text
+    assert "Not measured" in text and "vision tower (MoonViT) is not implemented" in text
+    # the card is a pure function of provenance + config (a resumed conversion writes the same bytes)
+    provenance = json.loads((whole / "kimik3_conversion.json").read_text())
+    assert converted_model_card(provenance, config) == text
+
+    text, meta = _card(sliced)
+    assert meta["pipeline_tag"] == "text-generation" and "base_model_relation" not in meta
+    assert "sliced to 2 layers" in text and "| layers | 2 (" in text and "This is a sliced model" in text
+    assert "mxfp4" not in meta["tags"]
+
+
+def test_save_pretrained_keeps_a_users_readme_and_replaces_ours(converted, tmp_path):
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+
+    model = KimiK3ForConditionalGeneration.from_pretrained(converted[1])
+    (tmp_path / "README.md").write_text("# my notes\n")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text() == "# my notes\n"
+    assert CODE_FILES <= {p.name for p in tmp_path.iterdir()}
+    (tmp_path / "README.md").write_text(f"---\nlicense: mit\n---\n{CARD_MARKER}\nold card\n")
+    model.save_pretrained(tmp_path)
+    text, meta = _card(tmp_path)
+    assert "old card" not in text and meta["base_model_relation"] == "finetune"
+    assert meta["base_model"] == str(converted[0].path)  # the converted folder's own base
+    assert meta["pipeline_tag"] == "text-generation"  # our model holds no vision weights
+
+
+def _generic_tokenizer():
+    """HOOK: a generic fast tokenizer with a chat template until the K3 tokenizer (the `tok` task) lands; then build
+    that one here, and the pushed set below gains its files (tiktoken.model, its tokenizer_config.json, ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<|end_of_msg|>": 1, **{chr(97 + i): 2 + i for i in range(26)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<|end_of_msg|>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|end_of_msg|>{% endfor %}"
+    return tokenizer
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """huggingface_hub's Hub calls answered from a dict (repo -> {path: bytes}); any real HTTP request fails."""
+    from huggingface_hub import HfApi, repocard
+    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.utils import _http
+
+    repos, commits = {}, []
+
+    def create_repo(self, repo_id, **kwargs):
+        repos.setdefault(repo_id, {})
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        files = {}
+        for op in operations:
+            source = op.path_or_fileobj
+            files[op.path_in_repo] = Path(source).read_bytes() if isinstance(source, str) else bytes(source)
+        repos[repo_id].update(files)
+        commits.append((repo_id, sorted(files)))
+        return f"https://hub.invalid/{repo_id}/commit/{len(commits)}"
+
+    def download(repo_id, filename, *args, local_dir=None, **kwargs):
+        if filename not in repos.get(repo_id, {}):
+            raise EntryNotFoundError(f"{repo_id}/{filename}")
+        path = Path(monkeypatch_dir) / repo_id.replace("/", "--") / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(repos[repo_id][filename])
+        return str(path)
+
+    import tempfile
+
+    monkeypatch_dir = tempfile.mkdtemp()
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    monkeypatch.setattr(HfApi, "hf_hub_download", lambda self, repo_id, filename, **kw: download(repo_id, filename))
+    monkeypatch.setattr(repocard, "hf_hub_download", download)
+    _http.set_client_factory(lambda: pytest.fail("a real HTTP request was attempted"))
+    yield repos, commits
+    _http.set_client_factory(_http.default_client_factory)
+
+
+FRESH = """
+import json, sys, torch
+sys.modules["kimik3"] = None  # the installed package is not there: the folders' flat files must be enough
+from transformers import AutoModelForCausalLM, AutoTokenizer
+out = {}
+for directory in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(json.loads(sys.argv[1]))).logits[0, -1, :8].tolist()
+    out[directory] = {"cls": type(model).__name__, "module": type(model).__module__, "logits": logits}
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[2], trust_remote_code=True)
+out["chat"] = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+print(json.dumps(out))
+"""
+
+
+def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+
+    repos, commits = fake_hub
+    ids = torch.randint(3, 128, (1, 6))
+    # 1. the class from the installed package, pushed with a tokenizer next to it
+    model = KimiK3ForConditionalGeneration.from_pretrained(converted[1]).eval()
+    model.push_to_hub("someone/k3-finetune")
+    _generic_tokenizer().push_to_hub("someone/k3-finetune")
+    model_files = {"config.json", "generation_config.json", "model.safetensors", "README.md"} | CODE_FILES
+    assert commits[0] == ("someone/k3-finetune", sorted(model_files))
+    tokenizer_files = set(commits[1][1])
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= tokenizer_files
+    pushed = repos["someone/k3-finetune"]
+    assert set(pushed) == model_files | tokenizer_files
+    card = pushed["README.md"].decode()  # the tokenizer's push kept the model's card
+    assert is_kimik3_card(card) and ModelCard(card).data.base_model_relation == "finetune"
+    config = json.loads(pushed["config.json"])
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForConditionalGeneration"
+    package_code = {p.name: p.read_bytes() for p in remote_code_files()}
+    assert all(pushed[name] == package_code[name] for name in CODE_FILES)
+    hub_copy = tmp_path / "from-hub"
+    hub_copy.mkdir()
+    for name, data in pushed.items():
+        (hub_copy / name).write_bytes(data)
+
+    # 2. the class from a folder's flat files (trust_remote_code), saved again
+    remote = AutoModelForCausalLM.from_pretrained(converted[1], trust_remote_code=True).eval()
+    assert type(remote).__module__.startswith("transformers_modules.")
+    resaved = tmp_path / "resaved"
+    remote.save_pretrained(resaved)
+    assert CODE_FILES | {"README.md", "config.json"} <= {p.name for p in resaved.iterdir()}
+    assert json.loads((resaved / "config.json").read_text())["auto_map"] == config["auto_map"]
+
+    result = subprocess.run([sys.executable, "-c", FRESH, json.dumps(ids.tolist()), str(hub_copy), str(resaved)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    with torch.no_grad():
+        expected = model(ids).logits[0, -1, :8].float()
+    for directory in (hub_copy, resaved):
+        entry = loaded[str(directory)]
+        assert entry["cls"] == "KimiK3ForConditionalGeneration" and entry["module"].startswith("transformers_modules.")
+        torch.testing.assert_close(torch.tensor(entry["logits"]), expected, atol=1e-5, rtol=1e-5)
+    assert loaded["chat"] == "hi<|end_of_msg|>"
+
+
+def test_push_keeps_a_users_card_on_the_hub(converted, fake_hub):
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+
+    repos, _ = fake_hub
+    repos["someone/k3"] = {"README.md": b"---\nlicense: mit\n---\n# written by hand\n"}
+    KimiK3ForCausalLM.from_pretrained(converted[2]).push_to_hub("someone/k3", tags=["extra"])
+    card = repos["someone/k3"]["README.md"].decode()
+    assert "written by hand" in card and not is_kimik3_card(card) and "extra" in ModelCard(card).data.tags

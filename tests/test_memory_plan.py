@@ -1,0 +1,136 @@
+"""`kimik3 memory --plan`: weight bytes from the config's shapes against an instantiated model and the release's
+index, the device split, the units, and bad input."""
+
+import json
+
+import pytest
+import torch
+
+from kimik3.cli import main
+from kimik3.memory import (
+    RELEASE_A_LOG_PADDING_BYTES,
+    RELEASE_TOTAL_SIZE,
+    RELEASE_VISION_BYTES,
+    device_plan,
+    load_text_config,
+    memory_table,
+    parse_gpu_memory,
+    parse_tokens,
+    unit_bytes,
+    weight_units,
+)
+from kimik3.tiny import build_tiny_model
+
+
+def _loaded_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+@pytest.fixture(scope="module", params=["dense", "mxfp4"])
+def loaded_tiny(request, tmp_path_factory):
+    """A tiny model saved and loaded in bf16 the way users load it (F32 tensors kept F32, packed experts uint8)."""
+    from kimik3.configuration import tiny_text_config_dict
+    from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    config = KimiK3TextConfig(**{**tiny_text_config_dict(num_hidden_layers=4), "experts_format": request.param})
+    KimiK3ForCausalLM(config).save_pretrained(directory)
+    return request.param, KimiK3ForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+
+
+def test_weight_bytes_equal_the_loaded_models_tensors(loaded_tiny):
+    experts_format, model = loaded_tiny
+    units = dict(weight_units(model.config, "mxfp4" if experts_format == "mxfp4" else "bf16"))
+    # same tensors, same shapes, same dtypes, unit by unit
+    state = model.state_dict()
+    predicted = {name: spec for tensors in units.values() for name, spec in tensors.items()}
+    assert set(predicted) == set(state)
+    dtype_names = {torch.bfloat16: "bf16", torch.float32: "f32", torch.uint8: "u8"}
+    for name, (shape, dtype) in predicted.items():
+        assert (tuple(state[name].shape), dtype_names[state[name].dtype]) == (shape, dtype), name
+    for index, layer in enumerate(model.model.layers):
+        assert unit_bytes(units[f"layers.{index}"]) == _loaded_bytes(layer)
+    assert sum(unit_bytes(t) for t in units.values()) == _loaded_bytes(model)
+    assert any(dtype == "f32" for _, dtype in predicted.values())
+    if experts_format == "mxfp4":
+        assert any(dtype == "u8" for _, dtype in predicted.values())
+
+
+def test_release_weights_match_the_index_total_size():
+    """k3_checkpoint.md §2.1: the index's total_size is 1,560,860,324,864 bytes, of which the vision tower and the
+    projector are not our text model, and A_log is stored padded to 128 heads. What is left must be our count;
+    tolerance 0 bytes (stated: exact), and the MXFP4 experts alone are 82,432 x 17,547,264 bytes."""
+    config = load_text_config(None)
+    units = weight_units(config, "mxfp4")
+    total = sum(unit_bytes(t) for _, t in units)
+    assert total == RELEASE_TOTAL_SIZE - RELEASE_VISION_BYTES - RELEASE_A_LOG_PADDING_BYTES
+    experts = sum(unit_bytes({k: v for k, v in t.items() if ".experts." in k}) for _, t in units)
+    assert experts == 82_432 * 17_547_264 == 1_446_456_066_048
+    # bf16 experts: 2 bytes per value instead of 0.53125
+    assert sum(unit_bytes(t) for _, t in weight_units(config, "bf16")) - total == experts * (2 / 0.53125 - 1)
+
+
+@pytest.mark.parametrize("text,expected", [("141GB", 141 * 10**9), ("141GiB", 141 * 2**30), ("141gib", 141 * 2**30),
+                                           ("141gb", 141 * 10**9), ("512MiB", 512 * 2**20), ("1000", 1000)])
+def test_gpu_memory_units(text, expected):
+    assert parse_gpu_memory(text) == expected
+
+
+@pytest.mark.parametrize("text,expected", [("1M", 2**20), ("128K", 131072), ("128k", 131072), ("4096", 4096)])
+def test_context_units(text, expected):
+    assert parse_tokens(text) == expected
+
+
+def test_release_plan_verdict_and_smallest_gpu_count():
+    config = load_text_config(None)
+    gpu = 141 * 10**9
+    plan = device_plan(config, 8, gpu, 2**20)
+    assert not plan["fits"]
+    smallest = plan["smallest_gpus"]
+    assert device_plan(config, smallest, gpu, 2**20)["fits"]
+    assert not device_plan(config, smallest - 1, gpu, 2**20)["fits"]
+    # every byte is placed once; the cache per device adds up to the cache table's total
+    assert sum(d["weights"] for d in plan["devices"]) == plan["weights"]
+    cache_total = memory_table(config, (2**20,))[0]["k3_total"]
+    assert sum(d["cache"] for d in plan["devices"]) == plan["cache"] == cache_total
+    for device in device_plan(config, smallest, gpu, 2**20)["devices"]:
+        assert device["left"] == gpu - device["weights"] - device["cache"] >= 0
+    # the cache grows with context and batch, the weights do not
+    bigger = device_plan(config, smallest, gpu, 2**20, batch_size=4)
+    assert bigger["cache"] > 3 * plan["cache"] and bigger["weights"] == plan["weights"]
+
+
+def test_plan_cli_prints_units_and_verdicts(capsys, tmp_path):
+    assert main(["memory", "--plan", "--gpus", "8", "--gpu-mem", "141GB", "--context", "1M", "--json"]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out.strip().splitlines()[-1])
+    assert "DOES NOT FIT on 8 x 141.00 GB" in out and "GB = 10^9 bytes, GiB = 2^30 bytes" in out
+    assert f"smallest number of devices that fits is {plan['smallest_gpus']}" in out
+    assert main(["memory", "--plan", "--gpus", str(plan["smallest_gpus"]), "--gpu-mem", "141GB"]) == 0
+    assert "FITS on" in capsys.readouterr().out
+    # a slice from --config, in GiB
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(build_tiny_model(num_hidden_layers=4).config.to_dict()))
+    assert main(["memory", "--plan", "--gpus", "2", "--gpu-mem", "1GiB", "--config", str(config_path),
+                 "--experts-dtype", "bf16", "--context", "4K"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS on 2 x 1.00 GiB" in out and "4 layers (3 KDA, 1 MLA)" in out and "4,096 tokens" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--plan", "--gpus", "8", "--gpu-mem", "141XB"], "argument --gpu-mem: '141XB' is not a size"),
+    (["--plan", "--gpus", "8", "--gpu-mem", "1.5GB"], "argument --gpu-mem: '1.5GB' is not a size"),
+    (["--plan", "--gpus", "0", "--gpu-mem", "141GB"], "argument --gpus: 0 must be at least 1"),
+    (["--plan", "--gpus", "8", "--gpu-mem", "141GB", "--context", "1.5M"], "argument --context: '1.5M' is not"),
+    (["--plan", "--gpus", "8", "--gpu-mem", "141GB", "--context", "2M"], "argument --context: 2,097,152 tokens is "
+                                                                          "more than the model's"),
+    (["--plan", "--gpus", "8", "--gpu-mem", "141GB", "--experts-dtype", "fp8"], "argument --experts-dtype"),
+    (["--plan", "--gpus", "8"], "argument --plan: needs --gpu-mem"),
+    (["--plan", "--gpu-mem", "141GB"], "argument --plan: needs --gpus"),
+    (["--gpus", "8"], "argument --gpus: only with --plan"),
+])
+def test_plan_bad_input_exits_2_naming_the_option(capsys, argv, message):
+    assert main(["memory", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "kimik3 memory: error: " + message in err
