@@ -55,6 +55,21 @@ def _given_cache(cache, past_key_values):
     return cache if cache is not None else past_key_values
 
 
+@contextlib.contextmanager
+def _onloaded(*modules: nn.Module):
+    """Weights of submodules read directly by their parent (the conv op, the absorbed decode, the AttnRes mix), loaded
+    for the duration. Under a device_map with CPU/disk offload accelerate keeps an offloaded module's weights on the
+    meta device except during that module's own forward; its hook loads and releases them around this block too."""
+    hooked = [module for module in modules if getattr(module, "_hf_hook", None) is not None]
+    for module in hooked:
+        module._hf_hook.pre_forward(module)
+    try:
+        yield
+    finally:
+        for module in hooked:
+            module._hf_hook.post_forward(module, None)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Norms and activations
 
@@ -186,12 +201,12 @@ class KimiK3DeltaAttention(nn.Module):
 
         conv_states, recurrent_state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
         conv_fn = fast_or_reference("causal_conv1d", q)
-        (q, q_state), (k, k_state), (v, v_state) = (
-            conv_fn(x, local_shard(conv.weight), None if conv_states is None else state)
-            for x, conv, state in zip(
-                (q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_states or (None, None, None)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        with _onloaded(*convs):
+            (q, q_state), (k, k_state), (v, v_state) = (
+                conv_fn(x, local_shard(conv.weight), None if conv_states is None else state)
+                for x, conv, state in zip((q, k, v), convs, conv_states or (None, None, None))
             )
-        )
         q, k, v = q.view(heads_shape), k.view(heads_shape), v.view(heads_shape)
 
         decay_logits = self.f_b_proj(self.f_a_proj(hidden_states)).view(heads_shape)
@@ -383,7 +398,8 @@ class KimiK3MLAAttention(nn.Module):
     def _absorbed_attention(self, query, latents, attention_mask):
         # score = (W_UK^T q_nope) . c + q_pe . k_pe ; out = W_UV (sum p c): the same numbers as the expanded form,
         # without expanding a single cached token (4.3). Softmax in f32.
-        w_uk, w_uv = self._kv_b_weight()
+        with _onloaded(self.kv_b_proj):
+            w_uk, w_uv = self._kv_b_weight()
         q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
         q_all = torch.cat([q_latent, q_pe], dim=-1)
@@ -563,8 +579,11 @@ class KimiK3AttnResProjection(nn.Linear):
 
 def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.Linear) -> torch.Tensor:
     """Mix [b_0, ..., b_{n-1}, P] with the pseudo-query w = norm.weight * proj.weight (5.1)."""
+    # Under a device_map the banked blocks come from the layers that made them: bring them to P's device.
+    candidates = [block.to(candidates[-1].device) for block in candidates]
     mix = fast_or_reference("block_attn_res_mix", *candidates)
-    return mix(candidates, norm.weight, proj.weight, norm.variance_epsilon)
+    with _onloaded(norm, proj):
+        return mix(candidates, norm.weight, proj.weight, norm.variance_epsilon)
 
 
 class KimiK3DecoderLayer(GradientCheckpointingLayer):
