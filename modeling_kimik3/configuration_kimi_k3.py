@@ -71,7 +71,7 @@ KIMI_K3_TP_PLAN = {
 # shared batch it masks the other ranks' routes and all-reduces, in training it exchanges tokens all-to-all); 5.17
 # to 5.20 mask at the router (`ep_router`) and all-reduce the experts' outputs (`moe_tp_experts`), selected with
 # `DistributedConfig(enable_expert_parallel=True)`. KimiK3Experts skips the masked routes either way.
-_EXPERT_PARAMETERS = {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm"}
+_EXPERT_PARAMETERS = {f"layers.*.mlp.experts.{name}": "grouped_gemm" for name in ("gate_up_proj", "down_proj")}
 if importlib.util.find_spec("transformers.distributed.expert_parallel") is not None:
     KIMI_K3_EP_PLAN = {**_EXPERT_PARAMETERS, "layers.*.mlp.experts": "ep_dispatch_experts"}
 else:

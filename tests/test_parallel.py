@@ -130,3 +130,18 @@ def test_device_map_with_cpu_and_disk_offload_matches_one_device(tiny_dir, refer
         static = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static")
         assert torch.equal(static, generated)
 
+
+
+def test_bench_parallel_arguments_and_cpu_dry_run(tmp_path):
+    import bench_parallel
+
+    with pytest.raises(SystemExit):
+        bench_parallel.parse_args(["--modes", "single,ring"])
+    args = bench_parallel.parse_args(["--dry-run", "--batches", "1,8"])
+    assert (args.modes, args.batches, args.prefill_tokens) == (list(bench_parallel.MODES), [1, 8], 16)
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    out = tmp_path / "bench.json"
+    results = bench_parallel.main(["--dry-run", "--modes", "single", "--batches", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["single"]["decode_b2"]["ms_per_step"] == results["single"]["decode_b2"][
+        "ms_per_step"] > 0
+    assert results["single"]["prefill"]["tokens_per_s"] > 0 and "error" not in results["single"]
