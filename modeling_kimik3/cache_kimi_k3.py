@@ -112,7 +112,7 @@ class KimiK3StaticLatentLayer(KimiK3LatentLayer):
     def write_step(self, latents: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """One decode token at a device-side position (no host read); returns the whole buffer."""
         buffer = self._buffer(latents)
-        buffer.index_copy_(1, position, latents)
+        buffer.index_copy_(1, position.to(buffer.device), latents)  # the layer may sit on another device
         return buffer
 
 

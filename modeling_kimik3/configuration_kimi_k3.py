@@ -19,6 +19,7 @@ unchanged. Our own model types (`kimik3`, `kimik3_text`) cannot collide with tra
 """
 
 import copy
+import importlib.util
 import math
 
 from transformers.configuration_utils import PretrainedConfig
@@ -41,6 +42,43 @@ _RELEASE_TEXT_BOILERPLATE = {
     "tie_encoder_decoder": False, "tokenizer_class": None, "top_k": 50, "top_p": 1.0, "torchscript": False,
     "typical_p": 1.0, "use_bfloat16": False, "use_cache": True,
 }
+# Tensor parallel (`tp_plan="auto"`), by head for attention: KDA q/k/v/f_b/b/g colwise with its per-head A_log,
+# dt_bias and short-conv channels sharded alike (`kimi_k3_heads`, parallel_kimi_k3.py), so the recurrent state is
+# sharded by head too; MLA q_b/kv_b/g colwise by head with the shared latent kv_a_proj_with_mqa replicated (its k_pe
+# part bypasses kv_b, hence `mla_kv_a_proj` for its gradient). o_proj rowwise (one all-reduce per attention). The
+# dense and shared-expert MLPs colwise/rowwise; routed experts sharded along their intermediate width. The router,
+# the LatentMoE down/norm/up projections, every RMSNorm and the Block AttnRes pseudo-queries are replicated.
+_KDA_HEAD_PARAMETERS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+KIMI_K3_TP_PLAN = {
+    **{f"layers.*.self_attn.{name}": "colwise"
+       for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_proj", "g_b_proj", "q_b_proj", "kv_b_proj")},
+    **{f"layers.*.self_attn.{name}": "kimi_k3_heads" for name in _KDA_HEAD_PARAMETERS},
+    "layers.*.self_attn.o_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    "layers.*.mlp.shared_experts.gate_proj": "colwise",
+    "layers.*.mlp.shared_experts.up_proj": "colwise",
+    "layers.*.mlp.shared_experts.down_proj": "rowwise",
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+# Expert parallel: whole experts per rank (Shard(0)), every rank running the replicated router on the same tokens.
+# transformers >= 5.21 dispatches with `ep_dispatch_experts` (`DistributedConfig(ep_size=...)`; at inference on a
+# shared batch it masks the other ranks' routes and all-reduces, in training it exchanges tokens all-to-all); 5.17
+# to 5.20 mask at the router (`ep_router`) and all-reduce the experts' outputs (`moe_tp_experts`), selected with
+# `DistributedConfig(enable_expert_parallel=True)`. KimiK3Experts skips the masked routes either way.
+_EXPERT_PARAMETERS = {f"layers.*.mlp.experts.{name}": "grouped_gemm" for name in ("gate_up_proj", "down_proj")}
+if importlib.util.find_spec("transformers.distributed.expert_parallel") is not None:
+    KIMI_K3_EP_PLAN = {**_EXPERT_PARAMETERS, "layers.*.mlp.experts": "ep_dispatch_experts"}
+else:
+    KIMI_K3_EP_PLAN = {"layers.*.mlp.gate": "ep_router", **_EXPERT_PARAMETERS, "layers.*.mlp.experts": "moe_tp_experts"}
+# Pipeline stages pass the running block sum; Block AttnRes also needs the banked blocks, so K3 has no
+# `base_model_pp_plan` (device_map splits the model at whole decoder layers instead).
+
 # Architecture keys of the release's text_config, in our attribute names (identical to the release's).
 _RELEASE_TEXT_KEYS = (
     "activation_situ_beta", "activation_situ_linear_beta", "attn_res_block_size", "bos_token_id",
@@ -160,6 +198,8 @@ class KimiK3TextConfig(PretrainedConfig):
 
     model_type = "kimik3_text"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    base_model_tp_plan = KIMI_K3_TP_PLAN
+    base_model_ep_plan = KIMI_K3_EP_PLAN
     attribute_map = {
         "num_local_experts": "num_experts",
         "n_routed_experts": "num_experts",

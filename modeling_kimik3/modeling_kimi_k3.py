@@ -44,6 +44,7 @@ from .ops_kimi_k3 import (
     mla_decode,
     routed_experts,
 )
+from .parallel_kimi_k3 import local_shard
 
 
 logger = logging.get_logger(__name__)
@@ -56,6 +57,21 @@ CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ 
 def _given_cache(cache, past_key_values):
     """The cache a caller passed, under either name."""
     return cache if cache is not None else past_key_values
+
+
+@contextlib.contextmanager
+def _onloaded(*modules: nn.Module):
+    """Weights of submodules read directly by their parent (the conv op, the absorbed decode, the AttnRes mix), loaded
+    for the duration. Under a device_map with CPU/disk offload accelerate keeps an offloaded module's weights on the
+    meta device except during that module's own forward; its hook loads and releases them around this block too."""
+    hooked = [module for module in modules if getattr(module, "_hf_hook", None) is not None]
+    for module in hooked:
+        module._hf_hook.pre_forward(module)
+    try:
+        yield
+    finally:
+        for module in hooked:
+            module._hf_hook.post_forward(module, None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,7 +193,9 @@ class KimiK3DeltaAttention(nn.Module):
 
     def _attend(self, hidden_states, token_mask, cache):
         batch, seq_len, _ = hidden_states.shape
-        heads_shape = (batch, seq_len, self.num_heads, self.head_dim)
+        # -1 heads: under tensor parallelism the projections give this rank's heads only (and the per-head
+        # parameters and the recurrent state follow), so the local head count comes from the tensors.
+        heads_shape = (batch, seq_len, -1, self.head_dim)
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
         if token_mask is not None:
             # Padding must not reach a conv window: zero pre-conv inputs read exactly like "before the sequence".
@@ -187,16 +205,16 @@ class KimiK3DeltaAttention(nn.Module):
 
         conv_states, recurrent_state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
         conv_fn = fast_or_reference("causal_conv1d", q)
-        (q, q_state), (k, k_state), (v, v_state) = (
-            conv_fn(x, conv.weight, None if conv_states is None else state)
-            for x, conv, state in zip(
-                (q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_states or (None, None, None)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        with _onloaded(*convs):
+            (q, q_state), (k, k_state), (v, v_state) = (
+                conv_fn(x, local_shard(conv.weight), None if conv_states is None else state)
+                for x, conv, state in zip((q, k, v), convs, conv_states or (None, None, None))
             )
-        )
         q, k, v = q.view(heads_shape), k.view(heads_shape), v.view(heads_shape)
 
         decay_logits = self.f_b_proj(self.f_a_proj(hidden_states)).view(heads_shape)
-        g = kda_gate(decay_logits, self.A_log, self.dt_bias, self.lower_bound)
+        g = kda_gate(decay_logits, local_shard(self.A_log), local_shard(self.dt_bias), self.lower_bound)
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
         if token_mask is not None:
             # A padded step must be the identity on the state: the decay is not 1 on zero input, so set g = 0 and
@@ -223,7 +241,7 @@ class KimiK3DeltaAttention(nn.Module):
         else:
             gate = self.g_b_proj(self.g_a_proj(hidden_states))
         core = self.o_norm(core, gate.view(heads_shape))
-        return self.o_proj(core.reshape(batch, seq_len, self.projection_size))
+        return self.o_proj(core.reshape(batch, seq_len, -1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -310,7 +328,8 @@ class KimiK3MLAAttention(nn.Module):
             query = self.q_proj(hidden_states)
         else:
             query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        query = query.view(batch, seq_len, self.num_heads, self.qk_head_dim).transpose(1, 2)
+        # -1 heads: this rank's heads under tensor parallelism (q_b/kv_b/g colwise by head, o_proj rowwise)
+        query = query.view(batch, seq_len, -1, self.qk_head_dim).transpose(1, 2)
 
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latents = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)
@@ -325,13 +344,13 @@ class KimiK3MLAAttention(nn.Module):
         else:
             attn_output, attn_weights = self._expanded_attention(query, latents, attention_mask, **kwargs)
 
-        attn_output = attn_output.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
+        attn_output = attn_output.reshape(batch, seq_len, -1)
         if self.config.mla_use_output_gate:
             attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states))
         return self.o_proj(attn_output), attn_weights
 
     def _kv_b_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        weight = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        weight = local_shard(self.kv_b_proj.weight).view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return weight[:, : self.qk_nope_head_dim], weight[:, self.qk_nope_head_dim :]
 
     def _expanded_attention(self, query, latents, attention_mask, **kwargs):
@@ -354,9 +373,9 @@ class KimiK3MLAAttention(nn.Module):
     def _expand_latents(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, kv_len, _ = latents.shape
         latent, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(batch, kv_len, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        kv = self.kv_b_proj(latent).view(batch, kv_len, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k_pe = k_pe.unsqueeze(1).expand(batch, self.num_heads, kv_len, self.qk_rope_head_dim)
+        k_pe = k_pe.unsqueeze(1).expand(batch, kv.shape[2], kv_len, self.qk_rope_head_dim)
         return torch.cat([k_nope, k_pe], dim=-1), value
 
     def _blockwise_prefill_attention(self, query: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
@@ -383,7 +402,8 @@ class KimiK3MLAAttention(nn.Module):
     def _absorbed_attention(self, query, latents, attention_mask):
         # score = (W_UK^T q_nope) . c + q_pe . k_pe ; out = W_UV (sum p c): the same numbers as the expanded form,
         # without expanding a single cached token (4.3). Softmax in f32.
-        w_uk, w_uv = self._kv_b_weight()
+        with _onloaded(self.kv_b_proj):
+            w_uk, w_uv = self._kv_b_weight()
         q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
         q_all = torch.cat([q_latent, q_pe], dim=-1)
@@ -474,7 +494,34 @@ class KimiK3Experts(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor):
-        """hidden_states [N, Dl]; returns dtype( sum_e w_e * f32(dtype(expert_e(x))) ) (6.4)."""
+        """hidden_states [N, Dl]; returns dtype( sum_e w_e * f32(dtype(expert_e(x))) ) (6.4).
+
+        Under expert parallelism (this rank holds `num_experts` of `config.num_experts`) only the routes to local
+        experts are computed, and the f32 partial sum is returned: the ranks' parts are added by the plan's
+        all-reduce (or all-to-all combine) in f32, then rounded once, as on one device."""
+        if self.packed and getattr(self, "_is_hooked", False):
+            raise NotImplementedError(
+                "Tensor and expert parallelism need the experts as parameters: load with experts_format='bf16' "
+                "(the packed MXFP4 buffers are not sharded)"
+            )
+        if self.num_experts < self.config.num_experts:
+            return self._local_routes(hidden_states, top_indices, top_weights)
+        return self._routed(hidden_states, top_indices, top_weights)
+
+    def _local_routes(self, hidden_states, top_indices, top_weights):
+        # Routes to other ranks' experts carry the sentinel id `num_experts` (weight 0). Each local route runs once
+        # as a top-1 route of unit weight, so the expert output is the same bf16 value as on one device; the routing
+        # weights are applied here, in f32 (6.4). One host sync (the number of local routes), like the eager loop.
+        token_of, slot = (top_indices < self.num_experts).nonzero(as_tuple=True)
+        partial = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
+        if token_of.numel() == 0:
+            return partial
+        routes = top_indices[token_of, slot].unsqueeze(-1)
+        expert_out = self._routed(hidden_states[token_of], routes, torch.ones_like(routes, dtype=top_weights.dtype))
+        weighted = expert_out.float() * top_weights[token_of, slot].float().unsqueeze(-1)
+        return partial.index_add(0, token_of, weighted)
+
+    def _routed(self, hidden_states, top_indices, top_weights):
         if self.config.hidden_act == "silu":
             # SwiGLU experts (Kimi-Linear-style configs): the fast experts are SiTU-only
             gate_up, down = self.expert_weights(hidden_states.dtype)
@@ -512,7 +559,8 @@ class KimiK3SparseMoeBlock(nn.Module):
         flat = hidden_states.reshape(-1, shape[-1])
         _, top_weights, top_indices = self.gate(flat, None if token_mask is None else token_mask.reshape(-1))
         routed = self.routed_expert_down_proj(flat) if self.is_latent else flat
-        routed = self.experts(routed, top_indices, top_weights)
+        # f32 under expert parallelism (the ranks' partial sums), rounded once here
+        routed = self.experts(routed, top_indices, top_weights).to(flat.dtype)
         if self.is_latent:
             if self.config.latent_moe_use_norm:
                 routed = self.routed_expert_norm(routed)
@@ -536,8 +584,11 @@ class KimiK3AttnResProjection(nn.Linear):
 
 def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.Linear) -> torch.Tensor:
     """Mix [b_0, ..., b_{n-1}, P] with the pseudo-query w = norm.weight * proj.weight (5.1)."""
+    # Under a device_map the banked blocks come from the layers that made them: bring them to P's device.
+    candidates = [block.to(candidates[-1].device) for block in candidates]
     mix = fast_or_reference("block_attn_res_mix", *candidates)
-    return mix(candidates, norm.weight, proj.weight, norm.variance_epsilon)
+    with _onloaded(norm, proj):
+        return mix(candidates, norm.weight, proj.weight, norm.variance_epsilon)
 
 
 class KimiK3DecoderLayer(GradientCheckpointingLayer):

@@ -1,0 +1,96 @@
+"""Helper for tests/test_parallel.py, run by torchrun on 2 CPU processes (gloo): loads a model folder under each
+parallel plan asked for, and writes per rank what the test checks (the local shard shapes, the KDA recurrent state's
+shape, the logits of one forward and greedy tokens) to OUT/<mode>-rank<r>.json / .safetensors.
+
+    torchrun --standalone --nproc-per-node 2 tests/parallel_worker.py MODEL_DIR OUT_DIR tp ep tp_ep
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+
+# (layer, dotted name inside the layer) of the parameters whose local shapes show the plan
+SHARD_PROBES = {
+    "kda": ("self_attn.q_proj.weight", "self_attn.A_log", "self_attn.dt_bias", "self_attn.q_conv1d.weight",
+            "self_attn.b_proj.weight", "self_attn.g_proj.weight", "self_attn.f_b_proj.weight",
+            "self_attn.o_norm.weight", "self_attn.o_proj.weight"),
+    "mla": ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+            "self_attn.g_proj.weight", "self_attn.o_proj.weight"),
+    "moe": ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+            "mlp.routed_expert_down_proj.weight", "mlp.shared_experts.gate_proj.weight",
+            "mlp.shared_experts.down_proj.weight", "mlp_res_proj.weight"),
+}
+INPUT_IDS = [[5, 17, 99, 3, 42, 7, 64, 11], [9, 1, 120, 33, 8, 77, 2, 50]]
+NEW_TOKENS = 4
+ON_CUDA = os.environ.get("KIMIK3_PARALLEL_DEVICE") == "cuda"
+
+
+def distributed_kwargs(mode: str) -> dict:
+    from transformers.distributed import DistributedConfig
+
+    fields = getattr(DistributedConfig, "__dataclass_fields__", {})
+    if mode == "tp":
+        return {"tp_plan": "auto"}
+    if mode == "ep" and "ep_size" in fields:  # transformers >= 5.21: experts only, attention replicated
+        return {"distributed_config": DistributedConfig(tp_size=2, ep_size=2, tp_plan={})}
+    if mode == "ep":
+        return {"distributed_config": DistributedConfig(tp_size=2, enable_expert_parallel=True)}
+    if mode == "tp_ep":
+        return {"distributed_config": DistributedConfig(tp_size=2, ep_size=2)}
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def local_shape(tensor) -> list[int]:
+    to_local = getattr(tensor, "to_local", None)
+    return list((tensor if to_local is None else to_local()).shape)
+
+
+def run(model_dir: str, out_dir: Path, mode: str, rank: int) -> None:
+    # CPU (gloo): f32, tight tolerance; GPU (NCCL, tests/gpu): bf16 as deployed
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=dtype,
+                                                 **distributed_kwargs(mode))
+    model.eval()
+    text_config = model.config.get_text_config()
+    kda_layer = text_config.layer_types.index("linear_attention")
+    mla_layer = text_config.layer_types.index("full_attention")
+    moe_layer = text_config.mlp_layer_types.index("sparse")
+    params = dict(model.named_parameters())
+    shapes = {}
+    for kind, layer in (("kda", kda_layer), ("mla", mla_layer), ("moe", moe_layer)):
+        for name in SHARD_PROBES[kind]:
+            shapes[f"{kind}.{name}"] = local_shape(params[f"model.layers.{layer}.{name}"])
+    input_ids = torch.tensor(INPUT_IDS, device=f"cuda:{rank}" if ON_CUDA else "cpu")
+    with torch.no_grad():
+        output = model(input_ids=input_ids, use_cache=True)
+        cache = output.cache if hasattr(output, "cache") else output.past_key_values
+        shapes["kda.recurrent_state"] = list(cache.kda_state(kda_layer)[1].shape)
+        generated = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    (out_dir / f"{mode}-rank{rank}.json").write_text(json.dumps({"shapes": shapes}))
+    save_file({"logits": output.logits.cpu().contiguous(), "generated": generated.cpu().contiguous()},
+              str(out_dir / f"{mode}-rank{rank}.safetensors"))
+
+
+def main(argv: list[str]) -> None:
+    model_dir, out_dir, *modes = argv
+    dist.init_process_group("nccl" if ON_CUDA else "gloo")
+    rank = dist.get_rank()
+    if ON_CUDA:
+        torch.cuda.set_device(rank)
+    try:
+        for mode in modes:
+            run(model_dir, Path(out_dir), mode, rank)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
