@@ -8,6 +8,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from kimik3.configuration import CHAT_TEMPLATE_PATH
 from kimik3.modeling.tokenization_kimi_k3 import (
     PAT_STR,
     build_fast_backend,
@@ -15,9 +16,8 @@ from kimik3.modeling.tokenization_kimi_k3 import (
     load_ranks,
 )
 
-CHAT_TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "configuration" / "chat_template.jinja"
 TOKENIZER_FILE_NAMES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "chat_template.jinja")
-AUTO_TOKENIZER = ["tokenization_kimi_k3.KimiK3Tokenizer", "tokenization_kimi_k3.KimiK3TokenizerFast"]
+from kimik3.convert.files import OUR_AUTO_TOKENIZER as AUTO_TOKENIZER  # noqa: E402  (one home of the auto_map)
 
 # Text the synthetic merges are learnt from: the chat markup words, English, code, digits, CJK; enough that the
 # merges are real multi-level BPE (merges of merges), not only pairs of bytes.
