@@ -37,7 +37,7 @@ def load_chat(directory):
 
 
 def chat(tokenizer, model, prompt: str, max_new_tokens: int = 64, reasoning_effort: str = "max",
-         do_sample: bool = False, streamer=None) -> ChatResult:
+         do_sample: bool = False, streamer=None, **generate_kwargs) -> ChatResult:
     """One user turn. Generation stops at `<|end_of_msg|>` (the end of an assistant message; `[EOS]` ends a
     document and is not what a chat turn emits)."""
     import torch
@@ -52,7 +52,7 @@ def chat(tokenizer, model, prompt: str, max_new_tokens: int = 64, reasoning_effo
     with torch.no_grad():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                              do_sample=do_sample, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id,
-                             streamer=streamer)
+                             streamer=streamer, **generate_kwargs)
     new_ids = out[0, input_ids.shape[1]:].tolist()
     text = tokenizer.decode(new_ids, skip_special_tokens=False)
     try:

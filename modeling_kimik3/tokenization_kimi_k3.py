@@ -313,8 +313,8 @@ class KimiK3Tokenizer(ChatNormalizingMixin, PreTrainedTokenizer):
         import regex
 
         source = _config_source(kwargs)
-        self.vocab_file = vocab_file
-        self.ranks = load_ranks(vocab_file)
+        self.vocab_file = vocab_file or os.path.join(os.path.dirname(source), VOCAB_FILES_NAMES["vocab_file"])
+        self.ranks = load_ranks(self.vocab_file)
         self.num_ranks = len(self.ranks)
         self.specials = resolve_specials(self.num_ranks, added_tokens_decoder, source)
         specials_by_token = {t: i for i, t in self.specials.items()}
@@ -409,17 +409,17 @@ class KimiK3TokenizerFast(ChatNormalizingMixin, PreTrainedTokenizerFast):
     model_input_names = ["input_ids", "attention_mask"]
     slow_tokenizer_class = KimiK3Tokenizer
 
+    @classmethod
+    def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
+        # our __init__ reads tokenizer.json, or builds the backend from tiktoken.model (transformers' own tiktoken
+        # path would need the `tiktoken` package and would not know the Kimi pre-tokenizer)
+        return kwargs
+
     def __init__(self, vocab_file=None, tokenizer_file=None, added_tokens_decoder=None, **kwargs):
         source = _config_source(kwargs)
         self.vocab_file = vocab_file
-        if vocab_file is not None and os.path.isfile(vocab_file):
-            num_ranks = None
-            ranks = None
-        elif tokenizer_file is None or not os.path.isfile(tokenizer_file):
-            raise TokenizerFileError(f"{os.path.dirname(source) or '.'}: neither tiktoken.model nor tokenizer.json "
-                                     "is there")
         if tokenizer_file is None or not os.path.isfile(tokenizer_file):
-            ranks = load_ranks(vocab_file)
+            ranks = load_ranks(vocab_file or os.path.join(os.path.dirname(source), VOCAB_FILES_NAMES["vocab_file"]))
             num_ranks = len(ranks)
             specials = resolve_specials(num_ranks, added_tokens_decoder, source)
             kwargs["tokenizer_object"] = build_fast_backend(ranks, specials)
