@@ -24,7 +24,7 @@ setup(
     python_requires=">=3.10",
     packages=list(PACKAGE_DIRS),
     package_dir=PACKAGE_DIRS,
-    package_data={"kimik3.configuration": ["*.json"], "kimik3.hub_card": ["*.md"]},
+    package_data={"kimik3.configuration": ["*.json", "*.jinja"], "kimik3.hub_card": ["*.md"]},
     install_requires=[
         "torch>=2.4",
         "transformers>=5.17,<6",

@@ -7,6 +7,7 @@ HERE = Path(__file__).resolve().parent
 RELEASED_CONFIG_PATH = HERE / "kimi_k3_config.json"
 RELEASED_GENERATION_CONFIG_PATH = HERE / "kimi_k3_generation_config.json"
 TENSOR_PATTERNS_PATH = HERE / "kimi_k3_tensor_patterns.json"
+CHAT_TEMPLATE_PATH = HERE / "chat_template.jinja"
 
 
 def released_config_dict() -> dict:

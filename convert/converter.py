@@ -133,7 +133,7 @@ def convert(
             "max_shard_bytes": options.max_shard_bytes,
         }
         def side_files():
-            out = [(p.name, p.read_bytes()) for p in files.tokenizer_files(ckpt.root)]
+            out = files.converted_tokenizer_files(ckpt.root)
             out += [(p.name, p.read_bytes()) for p in files.remote_code_files()]
             out.append(("generation_config.json", files.generation_config_bytes(ckpt.root, ckpt.config)))
             out.append((files.PROVENANCE_NAME, files.json_bytes(provenance)))

@@ -28,6 +28,12 @@ TOKENIZER_PATTERNS = (
 # The release's own model code: replaced by ours, never copied (the names would shadow our files).
 RELEASE_MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeling_kimi_linear.py")
 PROVENANCE_NAME = "kimik3_conversion.json"
+# A converted folder tokenizes with our remote code (kimik3.modeling.tokenization_kimi_k3, copied with the model code)
+# reading the release's tiktoken.model and tokenizer_config.json; only the config's auto_map changes, and our chat
+# template is added where the release ships none.
+RELEASE_TOKENIZER_CODE = "tokenization_kimi.py"
+OUR_AUTO_TOKENIZER = ["tokenization_kimi_k3.KimiK3Tokenizer", "tokenization_kimi_k3.KimiK3TokenizerFast"]
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
 
 
 def read_provenance(root: Path) -> dict:
@@ -51,6 +57,33 @@ def tokenizer_files(src: Path) -> list[Path]:
             if any(fnmatch.fnmatch(path.name, pattern) for pattern in TOKENIZER_PATTERNS):
                 found.append(path)
     return found
+
+
+def converted_tokenizer_files(src: Path) -> list[tuple[str, bytes]]:
+    """The release's tokenizer files as a converted folder holds them: verbatim, except the release's tokenizer code
+    (replaced by ours), tokenizer_config.json's `auto_map.AutoTokenizer` (naming our classes) and the chat template
+    (ours, where the release has none)."""
+    out = []
+    for path in tokenizer_files(src):
+        if path.name == RELEASE_TOKENIZER_CODE:
+            continue
+        data = path.read_bytes()
+        if path.name == "tokenizer_config.json":
+            try:
+                config = json.loads(data.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+            if not isinstance(config, dict):
+                raise ConversionError(f"{path}: not a JSON object")
+            config["auto_map"] = {**config.get("auto_map", {}), "AutoTokenizer": list(OUR_AUTO_TOKENIZER)}
+            data = json_bytes(config)
+        out.append((path.name, data))
+    names = {name for name, _ in out}
+    if "tiktoken.model" in names and not any(fnmatch.fnmatch(n, "chat_template*") for n in names):
+        from kimik3.configuration import CHAT_TEMPLATE_PATH
+
+        out.append((CHAT_TEMPLATE_NAME, CHAT_TEMPLATE_PATH.read_bytes()))
+    return out
 
 
 def generation_config_bytes(src: Path, config) -> bytes:

@@ -1,5 +1,5 @@
 """The `kimik3` command: parses arguments, calls the library (kimik3.tiny, kimik3.memory, kimik3.demo,
-kimik3.convert) and prints."""
+kimik3.chat, kimik3.convert) and prints."""
 
 import argparse
 import json
@@ -115,6 +115,17 @@ def cmd_demo(args) -> int:
     return 0 if run_demo(args.new_tokens) else 1
 
 
+def cmd_chat(args) -> int:
+    from kimik3.chat import ChatFolderError, run_chat
+
+    try:
+        run_chat(args.directory, args.prompt, args.max_new_tokens, args.reasoning_effort)
+    except ChatFolderError as exc:
+        print(f"kimik3 chat: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 for Hugging Face transformers")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
                                     "generate -> cache bytes, live vs analytic")
     p.add_argument("--new-tokens", type=positive_int, default=12)
     p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("chat", help="prompt -> chat template -> generate (stops at <|end_of_msg|>) -> streamed text")
+    p.add_argument("directory")
+    p.add_argument("--prompt", default="Hello! Who are you?")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--reasoning-effort", choices=("low", "high", "max"), default="max")
+    p.set_defaults(fn=cmd_chat)
 
     for name in ("convert", "export", "verify"):
         p = sub.add_parser(name, help=f"{name} checkpoints (see `kimik3 {name} --help`)", add_help=False)

@@ -6,8 +6,18 @@ from pathlib import Path
 
 from kimik3.remote_code import remote_code_files, save_with_code
 
-# What `kimik3 tiny` writes (save_pretrained, then the remote code); with --overwrite these are replaced.
-TINY_FILES = ("config.json", "generation_config.json", "model.safetensors")
+from kimik3.tokenizer_files import TOKENIZER_FILE_NAMES, special_token_ids, write_tokenizer_folder
+
+# What `kimik3 tiny` writes (save_pretrained, the remote code, the tokenizer); with --overwrite these are replaced.
+TINY_FILES = ("config.json", "generation_config.json", "model.safetensors") + TOKENIZER_FILE_NAMES
+# The tiny folder's synthetic tokenizer: 512 BPE ranks + the 256 reserved specials = its vocab_size. The preset
+# (`tiny_text_config_dict`, vocab 128, used by the model tests) stays; the folder overrides vocab and token ids.
+TINY_NUM_RANKS = 512
+
+
+def tiny_tokenizer_overrides() -> dict:
+    """Config overrides that make the tiny model's vocabulary and BOS/EOS/PAD ids those of the tiny tokenizer."""
+    return {"vocab_size": TINY_NUM_RANKS + 256, **special_token_ids(TINY_NUM_RANKS)}
 
 
 class TinyFolderError(ValueError):
@@ -23,8 +33,11 @@ def build_tiny_model(seed: int = 0, num_hidden_layers: int = 4, **overrides):
     from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
     from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 
+    token_ids = {k: overrides.pop(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in overrides}
     torch.manual_seed(seed)
-    config = KimiK3TextConfig(**tiny_text_config_dict(num_hidden_layers=num_hidden_layers, **overrides))
+    config_dict = tiny_text_config_dict(num_hidden_layers=num_hidden_layers, **overrides)
+    config_dict.update(token_ids)
+    config = KimiK3TextConfig(**config_dict)
     model = KimiK3ForCausalLM(config)
     with torch.no_grad():
         # every pseudo-query, layer 0's unused one (a buffer) included, in module order
@@ -60,6 +73,9 @@ def write_tiny_folder(directory: str | Path, num_hidden_layers: int = 4, seed: i
     Returns (model, names of the other files kept in the folder)."""
     directory = Path(directory)
     kept = check_tiny_directory(directory, overwrite)
-    model = build_tiny_model(seed=seed, num_hidden_layers=num_hidden_layers)
+    model = build_tiny_model(seed=seed, num_hidden_layers=num_hidden_layers, **tiny_tokenizer_overrides())
+    ids = special_token_ids(TINY_NUM_RANKS)
+    model.generation_config.update(**ids)  # generation stops at <|end_of_msg|>, as the release's does
     save_with_code(model, directory)
+    write_tokenizer_folder(directory, TINY_NUM_RANKS)
     return model, kept

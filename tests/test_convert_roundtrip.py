@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import kimik3.convert as kc
 import kimik3.modeling
+from kimik3.configuration import CHAT_TEMPLATE_PATH
 from kimik3.convert import testing
 
 transformers = pytest.importorskip("transformers")
@@ -100,9 +101,16 @@ def test_converted_composite_model_gives_the_logits_of_the_dense_values(release,
 
 
 def test_side_files_are_copied_and_the_release_model_code_is_replaced_by_ours(release, converted):
-    for name in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "encoding_k3.py",
-                 "preprocessor_config.json", "generation_config.json", "LICENSE"):
+    for name in ("tiktoken.model", "encoding_k3.py", "preprocessor_config.json", "generation_config.json", "LICENSE"):
         assert filecmp.cmp(release.path / name, converted / name, shallow=False), name
+    # the release's tokenizer code is replaced by ours: only auto_map changes in its config; our template is added
+    assert not (converted / "tokenization_kimi.py").exists()
+    release_tok = json.loads((release.path / "tokenizer_config.json").read_text())
+    converted_tok = json.loads((converted / "tokenizer_config.json").read_text())
+    assert converted_tok.pop("auto_map")["AutoTokenizer"][0] == "tokenization_kimi_k3.KimiK3Tokenizer"
+    release_tok.pop("auto_map")
+    assert converted_tok == release_tok
+    assert (converted / "chat_template.jinja").read_bytes() == CHAT_TEMPLATE_PATH.read_bytes()
     ours = Path(kimik3.modeling.__file__).parent
     copied = [p for p in ours.glob("*.py") if p.name != "__init__.py"]
     assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "ops_kimi_k3.py"} <= {p.name for p in copied}

@@ -11,7 +11,7 @@ from kimik3.configuration import released_config_dict, tiny_text_config_dict
 from kimik3.memory import load_text_config, memory_table
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.remote_code import save_with_code
-from kimik3.tiny import build_tiny_model
+from kimik3.tiny import build_tiny_model, tiny_tokenizer_overrides
 
 FRESH = """
 import json, sys, torch
@@ -44,7 +44,7 @@ def test_tiny_folder_round_trips_in_a_fresh_process(tmp_path):
     ids = torch.randint(3, 128, (1, 7))
     result = _fresh_process(tmp_path, ids)
     assert result["module"].startswith("transformers_modules.") and result["cls"] == "KimiK3ForCausalLM"
-    model = build_tiny_model(num_hidden_layers=4, seed=5)
+    model = build_tiny_model(num_hidden_layers=4, seed=5, **tiny_tokenizer_overrides())
     with torch.no_grad():
         expected = model(ids).logits[0, -1, :8]
         expected_gen = model.generate(ids, max_new_tokens=4, do_sample=False)

@@ -1,0 +1,345 @@
+"""The K3 chat format (XTML) in Python: a renderer that produces the same text as `configuration/chat_template.jinja`
+as a list of segments, encoded segment by segment (markup with special tokens, content without: marker text typed
+by a user stays ordinary text, which a flat Jinja string cannot express), and a parser of model output (reasoning,
+response, tool calls with typed arguments)."""
+
+import json
+from dataclasses import dataclass, field
+
+from kimik3.modeling.tokenization_kimi_k3 import normalize_conversation
+
+OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
+REASONING_EFFORTS = ("low", "high", "max")
+TOOL_DECLARE_HEAD = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
+EFFORT_BODY = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+               "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked "
+               "with `thinking_effort={}`.")
+TOOL_CHOICE_BODY = {
+    "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
+    "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
+}
+RAW_JSON = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
+
+
+class ChatFormatError(ValueError):
+    pass
+
+
+@dataclass
+class Segment:
+    text: str
+    markup: bool  # markup: encoded with special tokens; content: special-token text stays ordinary text
+
+
+def compact_json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def escape_attribute(value) -> str:
+    return str(value).replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _jinja_str(value) -> str:
+    # what Jinja's `|string` writes for the values attributes take (bools and None as Python spells them)
+    return str(value)
+
+
+class Renderer:
+    def __init__(self):
+        self.segments: list[Segment] = []
+
+    def markup(self, text: str):
+        if self.segments and self.segments[-1].markup:
+            self.segments[-1].text += text
+        else:
+            self.segments.append(Segment(text, True))
+
+    def content(self, text: str):
+        if text:
+            self.segments.append(Segment(text, False))
+
+    def open(self, tag: str, *attrs):
+        self.markup(OPEN + tag + "".join(f' {k}="{escape_attribute(_jinja_str(v))}"' for k, v in attrs) + SEP)
+
+    def close(self, tag: str):
+        self.markup(CLOSE + tag + SEP)
+
+    def end_message(self):
+        self.close("message")
+        self.markup(END_OF_MSG)
+
+    def system_note(self, kind: str, body: str):
+        self.open("message", ("role", "system"), ("type", kind))
+        self.content(body.strip())
+        self.end_message()
+
+
+def content_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") in ("image", "image_url"):
+            parts.append(IMAGE_PLACEHOLDER)
+        elif part.get("text") is not None:
+            parts.append(part["text"])
+    return "".join(parts)
+
+
+def value_type(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, dict):
+        return "object"
+    return "array"
+
+
+def _function(call: dict) -> dict:
+    return call["function"] if isinstance(call.get("function"), dict) else call
+
+
+def _render_assistant(r: Renderer, message: dict):
+    attrs = [("role", "assistant")] + ([("name", message["name"])] if message.get("name") else [])
+    r.open("message", *attrs)
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    r.open("think")
+    if reasoning and reasoning.strip():
+        r.content(reasoning)
+    r.close("think")
+    r.open("response")
+    r.content(content_text(message.get("content")))
+    r.close("response")
+    calls = message.get("tool_calls") or []
+    if calls:
+        r.open("tools")
+        for index, call in enumerate(calls, start=1):
+            fn = _function(call)
+            r.open("call", ("tool", fn.get("name")), ("index", index))
+            arguments = fn.get("arguments", {})
+            if isinstance(arguments, dict):
+                for key, value in arguments.items():
+                    r.open("argument", ("key", key), ("type", value_type(value)))
+                    r.content(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+                    r.close("argument")
+            elif isinstance(arguments, str) and arguments.strip():
+                r.open("json", ("type", "object"))
+                r.content(arguments)
+                r.close("json")
+            r.close("call")
+        r.close("tools")
+    r.end_message()
+
+
+def _render_tool_run(r: Renderer, run: list[dict], calls: list[dict]):
+    """One run of tool results: in call order (matched by tool_call_id), the unmatched ones after in their order."""
+    done, index = set(), 0
+
+    def emit(result, name):
+        nonlocal index
+        index += 1
+        r.open("message", ("role", "tool"), ("tool", name), ("index", index))
+        r.content(content_text(result.get("content")))
+        r.end_message()
+
+    for call in calls:
+        fn = _function(call)
+        for position, result in enumerate(run):
+            if call.get("id") is not None and result.get("tool_call_id") == call.get("id") and position not in done:
+                done.add(position)
+                emit(result, result.get("name") or fn.get("name"))
+    for position, result in enumerate(run):
+        if position in done:
+            continue
+        name = result.get("name") or result.get("tool")
+        if not name and index + 1 <= len(calls):
+            name = _function(calls[index]).get("name")
+        if not name:
+            raise ChatFormatError("a tool message needs a tool name: `name`, or a `tool_call_id` of a call")
+        emit(result, name)
+
+
+def render_segments(messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False,
+                    reasoning_effort: str | None = "max", tool_choice=None, response_format=None) -> list[Segment]:
+    """The conversation as XTML segments, block order: tool declarations, effort, messages, tool_choice,
+    response_format, generation prompt. Thinking is always on."""
+    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
+        raise ChatFormatError(f"reasoning_effort must be low, high or max (got {reasoning_effort})")
+    messages = normalize_conversation(list(messages))
+    r = Renderer()
+    if tools:
+        r.open("message", ("role", "system"), ("type", "tool-declare"))
+        r.content(TOOL_DECLARE_HEAD + compact_json(tools) + "\n```")
+        r.end_message()
+    if reasoning_effort is not None:
+        r.system_note("thinking-effort", EFFORT_BODY.format(reasoning_effort))
+    calls: list[dict] = []
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        role = "system" if message.get("role") == "developer" else message.get("role")
+        if role in ("user", "system"):
+            r.open("message", ("role", role), *([("name", message["name"])] if message.get("name") else []))
+            r.content(content_text(message.get("content")))
+            r.end_message()
+        elif role == "assistant":
+            calls = message.get("tool_calls") or []
+            _render_assistant(r, message)
+        elif role == "tool":
+            run = []
+            while i < len(messages) and messages[i].get("role") == "tool":
+                run.append(messages[i])
+                i += 1
+            _render_tool_run(r, run, calls)
+            continue
+        else:
+            raise ChatFormatError(f"unknown message role {role}")
+        i += 1
+    if tool_choice in TOOL_CHOICE_BODY:
+        r.system_note("tool-choice", TOOL_CHOICE_BODY[tool_choice])
+    format_type = response_format.get("type") if isinstance(response_format, dict) else response_format
+    if format_type == "json_object":
+        r.system_note("response-format", f"The system is invoked with `response_format=json_object`.\n{RAW_JSON}")
+    elif format_type == "json_schema":
+        wrapper = response_format.get("json_schema")
+        schema = wrapper["schema"] if isinstance(wrapper, dict) and "schema" in wrapper else wrapper
+        r.system_note("response-format", "The system is invoked with `response_format=json_schema`.\n" + RAW_JSON +
+                      "\nThe JSON data must match the following schema:\n```json\n" + compact_json(schema) + "\n```")
+    if add_generation_prompt:
+        r.open("message", ("role", "assistant"))
+        r.open("think")
+    return r.segments
+
+
+def render_text(messages, **kwargs) -> str:
+    """The flat prompt text (what the Jinja template renders)."""
+    return "".join(s.text for s in render_segments(messages, **kwargs))
+
+
+def encode_segments(tokenizer, segments: list[Segment]) -> list[int]:
+    """Token ids segment by segment: markup with special tokens, content with them split as ordinary text. Segments
+    are not merged (BPE is not associative)."""
+    ids: list[int] = []
+    for segment in segments:
+        ids += tokenizer.encode(segment.text, add_special_tokens=False, split_special_tokens=not segment.markup)
+    return ids
+
+
+def encode_chat(tokenizer, messages, **kwargs) -> list[int]:
+    return encode_segments(tokenizer, render_segments(messages, **kwargs))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model output
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict | str  # typed values; the raw text of a `json` block that does not parse
+    index: int
+
+
+@dataclass
+class ParsedReply:
+    reasoning: str = ""
+    response: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    complete: bool = False  # the message was closed (generation did not stop mid-way)
+
+
+def _parse_attributes(text: str) -> tuple[str, dict]:
+    import re
+
+    tag, _, rest = text.partition(" ")
+    attrs = {k: v.replace("&quot;", '"').replace("&amp;", "&") for k, v in re.findall(r'(\w+)="([^"]*)"', rest)}
+    return tag, attrs
+
+
+def _typed(value: str, kind: str):
+    if kind == "string":
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        raise ChatFormatError(f"argument of type {kind} is not valid JSON: {value[:80]!r}") from None
+
+
+def parse_reply(text: str) -> ParsedReply:
+    """Parses the decoded text of an assistant turn (what follows the generation prompt, special tokens kept), e.g.
+    `...reasoning<|close|>think<|sep|><|open|>response<|sep|>Hi<|close|>response<|sep|><|close|>message<|sep|>`.
+    The leading `<|open|>message ...<|sep|><|open|>think<|sep|>` may be present or not. A malformed tool block raises
+    ChatFormatError (the caller can retry the generation)."""
+    reply = ParsedReply()
+    stack: list[str] = []
+    position = 0
+    pending_call = None
+    pending_arg = None
+    buffer = []
+    if not text.startswith(OPEN + "message"):
+        stack = ["message", "think"]  # the text continues the generation prompt, inside <|open|>think<|sep|>
+    while position < len(text):
+        o = text.find(OPEN, position)
+        c = text.find(CLOSE, position)
+        nxt = min(x for x in (o, c, len(text)) if x >= 0)
+        buffer.append(text[position:nxt])
+        if nxt == len(text):
+            break
+        sep = text.find(SEP, nxt)
+        if sep < 0:
+            break  # cut mid-tag: what came before stays
+        inner = text[nxt + len(OPEN if nxt == o else CLOSE):sep]
+        chunk = "".join(buffer)
+        buffer = []
+        current = stack[-1] if stack else None
+        if nxt == o:
+            tag, attrs = _parse_attributes(inner)
+            if current in ("think", "response") and chunk:
+                _append(reply, current, chunk)
+            stack.append(tag)
+            if tag == "call":
+                pending_call = ToolCall(attrs.get("tool", ""), {}, int(attrs.get("index", len(reply.tool_calls) + 1)))
+            elif tag == "argument":
+                pending_arg = (attrs.get("key", ""), attrs.get("type", "string"))
+        else:
+            tag = inner.strip()
+            if tag != current:
+                raise ChatFormatError(f"</{tag}> closes <{current}>: the reply's markup is not well nested")
+            if tag in ("think", "response"):
+                _append(reply, tag, chunk)
+            elif tag == "argument" and pending_call is not None and pending_arg is not None:
+                key, kind = pending_arg
+                pending_call.arguments[key] = _typed(chunk, kind)
+                pending_arg = None
+            elif tag == "json" and pending_call is not None:
+                try:
+                    pending_call.arguments = json.loads(chunk)
+                except json.JSONDecodeError:
+                    pending_call.arguments = chunk
+            elif tag == "call" and pending_call is not None:
+                reply.tool_calls.append(pending_call)
+                pending_call = None
+            elif tag == "message":
+                reply.complete = True
+            stack.pop()
+        position = sep + len(SEP)
+    rest = "".join(buffer).replace(END_OF_MSG, "")
+    if stack and stack[-1] in ("think", "response") and rest:
+        _append(reply, stack[-1], rest)
+    return reply
+
+
+def _append(reply: ParsedReply, section: str, text: str):
+    if section == "think":
+        reply.reasoning += text
+    else:
+        reply.response += text

@@ -1,0 +1,229 @@
+"""The XTML chat format: the Jinja template and the Python renderer give the same text and token ids on a broad set of
+conversations; the reply parser recovers reasoning, response and typed tool calls; `kimik3 chat` goes from a prompt
+to streamed text on a tiny folder."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import TextStreamer
+
+from kimik3.chat import chat, load_chat
+from kimik3.chat_format import ChatFormatError, encode_chat, parse_reply, render_segments, render_text
+from kimik3.cli import main
+from kimik3.modeling.tokenization_kimi_k3 import KimiK3Tokenizer
+from kimik3.tiny import TINY_NUM_RANKS, write_tiny_folder
+
+N = TINY_NUM_RANKS
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
+CALLS = [{"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                       "arguments": '{"city": "Paris", "days": 2, "flag": true, '
+                                                                    '"none": null, "opts": {"b": 1, "a": [1.5, "x"]}}'}},
+         {"id": "c2", "type": "function", "function": {"name": "search", "arguments": {"q": "Rome & \"more\""}}}]
+CONVERSATIONS = {
+    "single-user": ([{"role": "user", "content": "Hello!"}], {}),
+    "system-named": ([{"role": "system", "content": "Be brief.", "name": "ops"},
+                      {"role": "user", "content": "Hi", "name": "ann"}], {}),
+    "developer-as-system": ([{"role": "developer", "content": "Rules."}, {"role": "user", "content": "x"}], {}),
+    "multi-turn-reasoning-echoed": ([{"role": "user", "content": "2+2?"},
+                                     {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
+                                     {"role": "user", "content": "And 3+3?"},
+                                     {"role": "assistant", "content": "6"},  # no reasoning: empty think section
+                                     {"role": "user", "content": "Thanks"}], {}),
+    "tools-and-results-reordered": ([{"role": "user", "content": "Weather in Paris, news of Rome?"},
+                                     {"role": "assistant", "content": "", "reasoning_content": "Two calls.",
+                                      "tool_calls": CALLS},
+                                     {"role": "tool", "tool_call_id": "c2", "content": "news"},
+                                     {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+                                     {"role": "assistant", "content": "Rain; news."}],
+                                    {"tools": TOOLS, "tool_choice": "required"}),
+    "tool-result-by-position": ([{"role": "user", "content": "q"},
+                                 {"role": "assistant", "content": "", "tool_calls": CALLS[:1]},
+                                 {"role": "tool", "content": "{\"t\": 20}"}], {}),
+    "unparseable-arguments-json-block": ([{"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": "",
+                                           "tool_calls": [{"id": "z", "function": {"name": "search",
+                                                                                  "arguments": "not json {"}}]}],
+                                         {}),
+    "images": ([{"role": "user", "content": [{"type": "text", "text": "What is in "}, {"type": "image"},
+                                            {"type": "text", "text": " and "}, {"type": "image_url"}]}], {}),
+    "effort-low-json-schema": ([{"role": "user", "content": "JSON please"}],
+                               {"reasoning_effort": "low", "response_format": {
+                                   "type": "json_schema", "json_schema": {"schema": {"type": "object", "b": 1,
+                                                                                     "a": 2}}}}),
+    "effort-none-json-object": ([{"role": "user", "content": "中文 émoji 👍"}],
+                                {"reasoning_effort": None, "response_format": {"type": "json_object"},
+                                 "tool_choice": "none"}),
+}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_chat")
+    write_tiny_folder(directory, num_hidden_layers=4, seed=0)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
+    return load_chat(folder)
+
+
+@pytest.fixture(scope="module")
+def slow(folder):
+    return KimiK3Tokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_jinja_template_and_python_renderer_agree(loaded, slow, name, add_generation_prompt):
+    tokenizer, _ = loaded
+    messages, options = CONVERSATIONS[name]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **options)
+    assert text == render_text(messages, add_generation_prompt=add_generation_prompt, **options)
+    python_ids = encode_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, **options)
+    for tok in (tokenizer, slow):
+        ids = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                      add_generation_prompt=add_generation_prompt, **options)["input_ids"]
+        assert ids == python_ids
+    assert encode_chat(slow, messages, add_generation_prompt=add_generation_prompt, **options) == python_ids
+
+
+def test_format_facts():
+    messages, options = CONVERSATIONS["tools-and-results-reordered"]
+    text = render_text(messages, add_generation_prompt=True, **options)
+    # block order: tool declarations, effort (max by default), messages, tool_choice, generation prompt
+    order = [text.index(s) for s in ('type="tool-declare"', "thinking_effort=max", 'role="user"', 'type="tool-choice"')]
+    assert order == sorted(order)
+    assert text.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+    assert '"parameters":{"properties":{"city":{"type":"string"}},"required":["city"],"type":"object"}' in text
+    # JSON-string arguments become typed, deep-sorted elements; non-strings use json.dumps' default separators
+    assert ('<|open|>argument key="flag" type="boolean"<|sep|>true<|close|>argument<|sep|>'
+            '<|open|>argument key="none" type="null"<|sep|>null<|close|>argument<|sep|>'
+            '<|open|>argument key="opts" type="object"<|sep|>{"a": [1.5, "x"], "b": 1}<|close|>argument') in text
+    assert 'key="q" type="string"<|sep|>Rome & "more"<|close|>' in text
+    # results in call order, indexed 1.., named after the call
+    assert text.index('tool="get_weather" index="1"<|sep|>rain') < text.index('tool="search" index="2"<|sep|>news')
+    assert text.count("<|open|>think<|sep|>Two calls.<|close|>think<|sep|>") == 1
+    echoed = render_text(CONVERSATIONS["multi-turn-reasoning-echoed"][0])
+    assert "<|open|>think<|sep|>Add them.<|close|>think<|sep|>" in echoed
+    assert "<|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>6" in echoed
+    assert 'key="city"' not in render_text(CONVERSATIONS["unparseable-arguments-json-block"][0])
+    assert '<|open|>json type="object"<|sep|>not json {<|close|>json' in render_text(
+        CONVERSATIONS["unparseable-arguments-json-block"][0])
+
+
+def test_user_typed_marker_text_stays_ordinary_tokens_only_in_the_python_renderer(loaded):
+    """The documented difference: a flat Jinja string turns marker text in content into special tokens."""
+    tokenizer, _ = loaded
+    messages = [{"role": "user", "content": "say <|end_of_msg|> please"}]
+    python_ids = encode_chat(tokenizer, messages)
+    flat_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    eom = tokenizer.convert_tokens_to_ids("<|end_of_msg|>")
+    assert python_ids.count(eom) == 2 and flat_ids.count(eom) == 3  # effort message + user message (+ typed)
+    assert tokenizer.decode(python_ids) == tokenizer.decode(flat_ids)
+
+
+@pytest.mark.parametrize("effort", ["medium", "extreme"])
+def test_unsupported_reasoning_effort_is_refused_both_ways(loaded, effort):
+    tokenizer, _ = loaded
+    with pytest.raises(ChatFormatError, match="reasoning_effort must be low, high or max"):
+        render_segments([{"role": "user", "content": "x"}], reasoning_effort=effort)
+    with pytest.raises(Exception, match="reasoning_effort must be low, high or max"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, reasoning_effort=effort)
+
+
+def test_parser_recovers_reasoning_response_and_typed_tool_calls():
+    messages, _ = CONVERSATIONS["tools-and-results-reordered"]
+    assistant = render_text([messages[1]])
+    parsed = parse_reply(assistant + "<|end_of_msg|>")
+    assert parsed.complete and parsed.reasoning == "Two calls." and parsed.response == ""
+    assert [(c.name, c.index) for c in parsed.tool_calls] == [("get_weather", 1), ("search", 2)]
+    assert parsed.tool_calls[0].arguments == json.loads(CALLS[0]["function"]["arguments"])
+    assert parsed.tool_calls[1].arguments == {"q": 'Rome & "more"'}
+    # a reply continuing the generation prompt (inside <|open|>think<|sep|>), cut before the end
+    cut = parse_reply("Thinking hard<|close|>think<|sep|><|open|>response<|sep|>Hel")
+    assert (cut.reasoning, cut.response, cut.complete) == ("Thinking hard", "Hel", False)
+    with pytest.raises(ChatFormatError, match="not well nested"):
+        parse_reply("x<|close|>response<|sep|>")
+    with pytest.raises(ChatFormatError, match="type number is not valid JSON"):
+        parse_reply('<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
+                    '<|open|>call tool="f" index="1"<|sep|><|open|>argument key="n" type="number"<|sep|>abc'
+                    '<|close|>argument<|sep|>')
+
+
+class RecordingStreamer(TextStreamer):
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=False)
+        self.pieces = []
+
+    def on_finalized_text(self, text, stream_end=False):
+        self.pieces.append(text)
+
+
+def test_chat_generates_from_the_template_prompt_streams_and_stops_at_end_of_msg(loaded, monkeypatch):
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    tokenizer, model = loaded
+    eom = tokenizer.convert_tokens_to_ids("<|end_of_msg|>")
+    assert eom == N + 2 and model.generation_config.eos_token_id == eom
+
+    class EndAtStep(LogitsProcessor):  # the random model would not end by itself: force <|end_of_msg|> at step 5
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] - prompt_length == 5:
+                scores[:, :] = -float("inf")
+                scores[:, eom] = 0.0
+            return scores
+
+    expected_prompt = encode_chat(tokenizer, [{"role": "user", "content": "Hi there"}], add_generation_prompt=True)
+    prompt_length = len(expected_prompt)
+    seen = {}
+    original = model.generate
+
+    def spy(input_ids, **kwargs):
+        seen["ids"] = input_ids[0].tolist()
+        return original(input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    streamer = RecordingStreamer(tokenizer)
+    result = chat(tokenizer, model, "Hi there", max_new_tokens=20, streamer=streamer,
+                  logits_processor=LogitsProcessorList([EndAtStep()]))
+    assert seen["ids"] == expected_prompt == result.prompt_ids
+    assert len(result.new_ids) == 6 and result.new_ids[-1] == eom and eom not in result.new_ids[:-1]
+    assert "".join(streamer.pieces) == tokenizer.decode(result.new_ids) == result.text
+    assert isinstance(torch.tensor(result.new_ids), torch.Tensor)
+
+
+def test_chat_cli(folder, capsys, tmp_path):
+    assert main(["chat", str(folder), "--prompt", "Hello", "--max-new-tokens", "3"]) == 0
+    assert main(["chat", str(tmp_path), "--prompt", "Hello"]) == 2
+    assert f"kimik3 chat: error: {tmp_path}: no config.json" in capsys.readouterr().err
+
+
+FRESH = """
+import json, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_dict=True,
+                              return_tensors="pt")["input_ids"]
+out = model.generate(ids, max_new_tokens=2, do_sample=False)
+print(json.dumps({"tok": type(tok).__module__, "ids": ids[0].tolist(), "n": out.shape[1] - ids.shape[1],
+                  "vocab": model.config.vocab_size, "len": len(tok)}))
+"""
+
+
+def test_tiny_folder_loads_tokenizer_and_model_in_a_fresh_process(folder, loaded):
+    tokenizer, _ = loaded
+    result = subprocess.run([sys.executable, "-c", FRESH, str(folder)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["tok"].startswith("transformers_modules.") and out["vocab"] == out["len"] == N + 256
+    assert out["ids"] == encode_chat(tokenizer, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert out["n"] >= 1
