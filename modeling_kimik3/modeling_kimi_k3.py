@@ -18,6 +18,7 @@ gate/beta/L2 norm/state/output norm, the router, SiTU, the MoE combine, AttnRes 
 Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importable and the tensors are on CUDA.
 """
 
+import contextlib
 import json
 import math
 import shutil
