@@ -124,6 +124,7 @@ def convert(
             "shards": len(shards),
             "bytes": sum(s.nbytes for s in shards),
         }
+        tokenizer_out, provenance["tokenizer_changes"] = files.converted_tokenizer_files(ckpt.root)
         used_shards = ckpt.shards_used(plan.source_names)
         # the source as a resolved path, so `k3`, `k3/` and `/abs/k3` are one run; its shards' contents are
         # fingerprinted by the engine (`sources`)
@@ -133,7 +134,7 @@ def convert(
             "max_shard_bytes": options.max_shard_bytes,
         }
         def side_files():
-            out = files.converted_tokenizer_files(ckpt.root)
+            out = list(tokenizer_out)
             out += [(p.name, p.read_bytes()) for p in files.remote_code_files()]
             out.append(("generation_config.json", files.generation_config_bytes(ckpt.root, ckpt.config)))
             out.append((files.PROVENANCE_NAME, files.json_bytes(provenance)))

@@ -91,7 +91,7 @@ def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_un
 
         def side_files():
             # the release's tokenizer / processor files only: no model code (see the module docstring)
-            out = [(p.name, p.read_bytes()) for p in files.tokenizer_files(ckpt.root)]
+            out = files.release_tokenizer_files(ckpt.root)
             generation = ckpt.root / "generation_config.json"
             if generation.exists():
                 out.append(("generation_config.json", generation.read_bytes()))

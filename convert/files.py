@@ -30,8 +30,8 @@ RELEASE_MODEL_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeli
 PROVENANCE_NAME = "kimik3_conversion.json"
 # A converted folder tokenizes with our remote code (kimik3.modeling.tokenization_kimi_k3, copied with the model code)
 # reading the release's tiktoken.model and tokenizer_config.json; only the config's auto_map changes, and our chat
-# template is added where the release ships none.
-RELEASE_TOKENIZER_CODE = "tokenization_kimi.py"
+# template is added where the release ships none. The release's tokenizer code stays (inert: auto_map no longer names
+# it), and the conversion record keeps what changed, so `kimik3 export` writes the release's files back byte for byte.
 OUR_AUTO_TOKENIZER = ["tokenization_kimi_k3.KimiK3Tokenizer", "tokenization_kimi_k3.KimiK3TokenizerFast"]
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 
@@ -59,23 +59,23 @@ def tokenizer_files(src: Path) -> list[Path]:
     return found
 
 
-def converted_tokenizer_files(src: Path) -> list[tuple[str, bytes]]:
-    """The release's tokenizer files as a converted folder holds them: verbatim, except the release's tokenizer code
-    (replaced by ours), tokenizer_config.json's `auto_map.AutoTokenizer` (naming our classes) and the chat template
-    (ours, where the release has none)."""
-    out = []
+def converted_tokenizer_files(src: Path) -> tuple[list[tuple[str, bytes]], dict]:
+    """The release's tokenizer files as a converted folder holds them (verbatim, except tokenizer_config.json's
+    `auto_map.AutoTokenizer`, naming our classes, and our chat template where the release has none), and the record
+    of those changes for the conversion record: {"replaced": {name: original text}, "added": [names]}."""
+    out, changes = [], {"replaced": {}, "added": []}
     for path in tokenizer_files(src):
-        if path.name == RELEASE_TOKENIZER_CODE:
-            continue
         data = path.read_bytes()
         if path.name == "tokenizer_config.json":
             try:
-                config = json.loads(data.decode("utf-8"))
+                text = data.decode("utf-8")
+                config = json.loads(text)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise ConversionError(f"{path}: not valid JSON ({exc})") from None
             if not isinstance(config, dict):
                 raise ConversionError(f"{path}: not a JSON object")
             config["auto_map"] = {**config.get("auto_map", {}), "AutoTokenizer": list(OUR_AUTO_TOKENIZER)}
+            changes["replaced"][path.name] = text
             data = json_bytes(config)
         out.append((path.name, data))
     names = {name for name, _ in out}
@@ -83,6 +83,20 @@ def converted_tokenizer_files(src: Path) -> list[tuple[str, bytes]]:
         from kimik3.configuration import CHAT_TEMPLATE_PATH
 
         out.append((CHAT_TEMPLATE_NAME, CHAT_TEMPLATE_PATH.read_bytes()))
+        changes["added"].append(CHAT_TEMPLATE_NAME)
+    return out, changes
+
+
+def release_tokenizer_files(converted: Path) -> list[tuple[str, bytes]]:
+    """The tokenizer files of a converted folder as the release had them: what the conversion record says was
+    replaced goes back to its original bytes, what was added stays out."""
+    changes = read_provenance(converted).get("tokenizer_changes", {"replaced": {}, "added": []})
+    out = []
+    for path in tokenizer_files(converted):
+        if path.name in changes["added"]:
+            continue
+        original = changes["replaced"].get(path.name)
+        out.append((path.name, original.encode("utf-8") if original is not None else path.read_bytes()))
     return out
 
 

@@ -218,13 +218,13 @@ def test_router_observer_sees_the_padding_mask():
     seen = []
     for module in model.modules():
         if type(module).__name__ == "KimiK3MoEGate":
-            module.quantile_balancing_observer = lambda gate, scores, cutoff, mask: seen.append(
-                (scores.shape[0], None if mask is None else int(mask.sum()), cutoff.shape[0]))
+            module.quantile_balancing_observer = lambda gate, scores, cutoff, routed, mask: seen.append(
+                (scores.shape[0], None if mask is None else int(mask.sum()), cutoff.shape[0], routed.shape))
     ids = torch.randint(3, 128, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :4] = 0
     model(ids, attention_mask=mask)
-    assert seen == [(18, 14, 18)] * 3
+    assert seen == [(18, 14, 18, (18, model.config.num_experts_per_token))] * 3
 
 
 def test_output_attentions_and_router_logits():
