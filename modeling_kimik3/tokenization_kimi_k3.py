@@ -18,7 +18,9 @@ This file runs as remote code copied flat into a model folder: no imports of `ki
 import base64
 import json
 import os
+import shutil
 from functools import lru_cache
+from pathlib import Path
 
 from transformers import AddedToken, PreTrainedTokenizer, PreTrainedTokenizerFast
 
@@ -293,7 +295,23 @@ def _named_defaults(kwargs, specials_by_token, source):
 
 class ChatNormalizingMixin:
     """`apply_chat_template` normalises the conversation first (tool arguments parsed from JSON strings), so the Jinja
-    template renders what the encoder renders."""
+    template renders what the encoder renders. `save_pretrained` (and so `push_to_hub`) writes this file and the
+    `auto_map` naming it, so the folder loads with trust_remote_code whether the tokenizer came from the installed
+    package or from a folder."""
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        saved = super().save_pretrained(save_directory, *args, **kwargs)
+        directory, here = Path(save_directory), Path(__file__).resolve()
+        # transformers 5 saves a fast tokenizer as tokenizer.json only; the ranks file keeps the slow class loadable
+        saved = tuple(saved) + tuple(p for p in self.save_vocabulary(str(directory)) if p not in saved)
+        if here != (directory / here.name).resolve():
+            shutil.copyfile(here, directory / here.name)
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["auto_map"] = {**config.get("auto_map", {}),
+                              "AutoTokenizer": [f"{here.stem}.KimiK3Tokenizer", f"{here.stem}.KimiK3TokenizerFast"]}
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return tuple(saved) + (str(directory / here.name),)
 
     def apply_chat_template(self, conversation, *args, **kwargs):
         if conversation and isinstance(conversation[0], dict):

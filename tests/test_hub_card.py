@@ -16,7 +16,9 @@ from kimik3.hub_card import CARD_MARKER, converted_model_card, is_kimik3_card
 from kimik3.memory import load_text_config
 from kimik3.remote_code import remote_code_files
 
-CODE_FILES = {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "cache_kimi_k3.py", "ops_kimi_k3.py"}
+TOKENIZER_CODE = "tokenization_kimi_k3.py"
+# the model's save writes its import closure; the tokenizer's save adds its own file
+CODE_FILES = {p.name for p in remote_code_files()} - {TOKENIZER_CODE}
 
 
 @pytest.fixture(scope="module")
@@ -77,18 +79,13 @@ def test_save_pretrained_keeps_a_users_readme_and_replaces_ours(converted, tmp_p
     assert meta["pipeline_tag"] == "text-generation"  # our model holds no vision weights
 
 
-def _generic_tokenizer():
-    """HOOK: a generic fast tokenizer with a chat template until the K3 tokenizer (the `tok` task) lands; then build
-    that one here, and the pushed set below gains its files (tiktoken.model, its tokenizer_config.json, ...)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def _k3_tokenizer(tmp_path):
+    """The K3 fast tokenizer from the installed package over a synthetic ranks file (what `kimik3 tiny` writes)."""
+    from kimik3.modeling.tokenization_kimi_k3 import KimiK3TokenizerFast
+    from kimik3.tokenizer_files import write_tokenizer_folder
 
-    vocab = {"[UNK]": 0, "<|end_of_msg|>": 1, **{chr(97 + i): 2 + i for i in range(26)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<|end_of_msg|>")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|end_of_msg|>{% endfor %}"
-    return tokenizer
+    write_tokenizer_folder(tmp_path / "tokenizer", num_ranks=512)
+    return KimiK3TokenizerFast.from_pretrained(tmp_path / "tokenizer")
 
 
 @pytest.fixture
@@ -145,6 +142,7 @@ for directory in sys.argv[2:]:
     out[directory] = {"cls": type(model).__name__, "module": type(model).__module__, "logits": logits}
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[2], trust_remote_code=True)
 out["chat"] = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+out["ids"] = tokenizer("Hello, 世界 ok")["input_ids"]
 print(json.dumps(out))
 """
 
@@ -159,11 +157,13 @@ def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub
     # 1. the class from the installed package, pushed with a tokenizer next to it
     model = KimiK3ForConditionalGeneration.from_pretrained(converted[1]).eval()
     model.push_to_hub("someone/k3-finetune")
-    _generic_tokenizer().push_to_hub("someone/k3-finetune")
+    tokenizer = _k3_tokenizer(tmp_path)
+    tokenizer.push_to_hub("someone/k3-finetune")
     model_files = {"config.json", "generation_config.json", "model.safetensors", "README.md"} | CODE_FILES
     assert commits[0] == ("someone/k3-finetune", sorted(model_files))
     tokenizer_files = set(commits[1][1])
-    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= tokenizer_files
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "tiktoken.model", TOKENIZER_CODE} <= \
+        tokenizer_files
     pushed = repos["someone/k3-finetune"]
     assert set(pushed) == model_files | tokenizer_files
     card = pushed["README.md"].decode()  # the tokenizer's push kept the model's card
@@ -195,7 +195,9 @@ def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub
         entry = loaded[str(directory)]
         assert entry["cls"] == "KimiK3ForConditionalGeneration" and entry["module"].startswith("transformers_modules.")
         torch.testing.assert_close(torch.tensor(entry["logits"]), expected, atol=1e-5, rtol=1e-5)
-    assert loaded["chat"] == "hi<|end_of_msg|>"
+    # the pushed tokenizer, loaded through its copied code, renders and encodes as the installed one
+    assert loaded["chat"] == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert loaded["ids"] == tokenizer("Hello, 世界 ok")["input_ids"]
 
 
 def test_push_keeps_a_users_card_on_the_hub(converted, fake_hub):
