@@ -191,6 +191,15 @@ class UnpadHeads(ConversionOps):
         tensor = _tensors(next(iter(input_dict.values())))[0]
         heads = config.get_text_config().linear_num_heads
         name = full_layer_name or target_patterns[0]
+        local = _tensor_parallel_length(kwargs.get("model"), full_layer_name)
+        if local is not None:
+            # tensor parallel: the loader read this rank's slice along the heads, which is only this rank's heads when
+            # the file is unpadded
+            if tensor.dim() == 1 and tensor.shape[0] == local:
+                return {target_patterns[0]: tensor.clone()}
+            _fail(f"`{name}`: tensor-parallel loading reads this rank's slice of the {heads}-head A_log; found a slice "
+                  f"of shape {list(tensor.shape)} instead of [{local}] (a zero-padded A_log cannot be sliced by head: "
+                  "convert the release with `kimik3 convert` first)")
         if tensor.dim() != 1 or tensor.shape[0] < heads:
             _fail(f"`{name}`: expected a 1-D tensor of length >= {heads} (one entry per head, zero-padded), found "
                   f"shape {list(tensor.shape)}")
@@ -203,6 +212,18 @@ class UnpadHeads(ConversionOps):
     @property
     def reverse_op(self) -> ConversionOps:
         return PadHeads()
+
+
+def _tensor_parallel_length(model, name) -> int | None:
+    """The local length of a tensor-parallel (DTensor) parameter `name` of `model`; None for a plain parameter."""
+    if model is None or not name:
+        return None
+    try:
+        parameter = model.get_parameter(name)
+    except AttributeError:
+        return None
+    to_local = getattr(parameter, "to_local", None)
+    return None if to_local is None else to_local().shape[0]
 
 
 class PadHeads(ConversionOps):
