@@ -110,10 +110,11 @@ def _situ_fwd(a2, u2, b1, b2, out_dtype):
     out = torch.empty(rows, n, dtype=out_dtype, device=a2.device)
     if rows and n:
         grid = (rows, triton.cdiv(n, _SITU_BLOCK))
-        _situ_fwd_kernel[grid](
-            a2, u2, out, n, a2.stride(0), u2.stride(0), out.stride(0), b1, 1.0 if b2 is None else b2,
-            HAS_B2=b2 is not None, BLOCK=_SITU_BLOCK, num_warps=4,
-        )
+        with torch.cuda.device(a2.device):  # Triton launches on the current device
+            _situ_fwd_kernel[grid](
+                a2, u2, out, n, a2.stride(0), u2.stride(0), out.stride(0), b1, 1.0 if b2 is None else b2,
+                HAS_B2=b2 is not None, BLOCK=_SITU_BLOCK, num_warps=4,
+            )
     return out
 
 
@@ -138,11 +139,12 @@ class _SituGLU(torch.autograd.Function):
         du = torch.empty(rows, n, dtype=udtype, device=a2.device)
         if rows and n:
             grid = (rows, triton.cdiv(n, _SITU_BLOCK))
-            _situ_bwd_kernel[grid](
-                a2, u2, g2, da, du, n, a2.stride(0), u2.stride(0), g2.stride(0), da.stride(0), du.stride(0),
-                ctx.b1, 1.0 if ctx.b2 is None else ctx.b2,
-                HAS_B2=ctx.b2 is not None, BLOCK=_SITU_BLOCK, num_warps=4,
-            )
+            with torch.cuda.device(a2.device):  # Triton launches on the current device
+                _situ_bwd_kernel[grid](
+                    a2, u2, g2, da, du, n, a2.stride(0), u2.stride(0), g2.stride(0), da.stride(0), du.stride(0),
+                    ctx.b1, 1.0 if ctx.b2 is None else ctx.b2,
+                    HAS_B2=ctx.b2 is not None, BLOCK=_SITU_BLOCK, num_warps=4,
+                )
         return da.view(gshape), du.view(ushape), None, None
 
 
@@ -245,10 +247,11 @@ def _attn_res_fwd(cands, query, eps, out_dtype):
     n = len(cands)
     ptrs = list(cands) + [cands[0]] * (_ATTN_RES_MAX_CANDIDATES - n)
     if rows:
-        _attn_res_fwd_kernel[(rows,)](
-            *ptrs, query, out, d, eps,
-            N_CAND=n, N_POW2=max(2, triton.next_power_of_2(n)), BLOCK_D=1024, num_warps=4,
-        )
+        with torch.cuda.device(query.device):  # Triton launches on the current device
+            _attn_res_fwd_kernel[(rows,)](
+                *ptrs, query, out, d, eps,
+                N_CAND=n, N_POW2=max(2, triton.next_power_of_2(n)), BLOCK_D=1024, num_warps=4,
+            )
     return out
 
 
@@ -340,9 +343,10 @@ class _MoECombine(torch.autograd.Function):
         w = weights.float().contiguous()
         y = torch.empty(num_tokens, d, dtype=out_dtype, device=expert_out.device)
         if num_tokens and d:
-            _moe_combine_kernel[(num_tokens, triton.cdiv(d, 1024))](
-                expert_out, pos, w, y, d, K=k, BLOCK=1024, num_warps=4
-            )
+            with torch.cuda.device(expert_out.device):  # Triton launches on the current device
+                _moe_combine_kernel[(num_tokens, triton.cdiv(d, 1024))](
+                    expert_out, pos, w, y, d, K=k, BLOCK=1024, num_warps=4
+                )
         ctx.save_for_backward(expert_out, w, pos)
         ctx.wdtype = weights.dtype
         return y
@@ -414,7 +418,8 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
     s2 = scale.contiguous().view(-1, kh // 16)
     out = torch.empty(*packed.shape[:-1], 2 * kh, dtype=dtype, device=packed.device)
     if p2.shape[0] and kh:
-        _mxfp4_dequant_kernel[(p2.shape[0], triton.cdiv(kh, 512))](p2, s2, out, kh, BLOCK=512, num_warps=4)
+        with torch.cuda.device(packed.device):  # Triton launches on the current device
+            _mxfp4_dequant_kernel[(p2.shape[0], triton.cdiv(kh, 512))](p2, s2, out, kh, BLOCK=512, num_warps=4)
     return out
 
 
@@ -496,9 +501,10 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
         # ones past the last real block return at once
         return (min(num_rows, triton.cdiv(num_rows, block_m) + num_experts), triton.cdiv(n, meta["BLOCK_N"]))
 
-    _mxfp4_grouped_matmul_kernel[grid](xs, packed, scale, out, group_ends.to(torch.int32).contiguous(), n, kh,
-                                       num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-                                       PRECISION=precision)
+    with torch.cuda.device(xs.device):  # Triton launches on the current device
+        _mxfp4_grouped_matmul_kernel[grid](xs, packed, scale, out, group_ends.to(torch.int32).contiguous(), n, kh,
+                                           num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+                                           PRECISION=precision)
     return out
 
 
