@@ -5,6 +5,7 @@ shape, the logits of one forward and greedy tokens) to OUT/<mode>-rank<r>.json /
     torchrun --standalone --nproc-per-node 2 tests/parallel_worker.py MODEL_DIR OUT_DIR tp ep tp_ep
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -30,6 +31,9 @@ SHARD_PROBES = {
 INPUT_IDS = [[5, 17, 99, 3, 42, 7, 64, 11], [9, 1, 120, 33, 8, 77, 2, 50]]
 NEW_TOKENS = 4
 ON_CUDA = os.environ.get("KIMIK3_PARALLEL_DEVICE") == "cuda"
+# transformers >= 5.21 combines TP with EP (ep_size == tp_size); 5.17-5.20 run EP alone (enable_expert_parallel)
+HAS_EP_DISPATCH = importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
+MODES = ("tp", "tp_ep") if HAS_EP_DISPATCH else ("tp", "ep")
 
 
 def distributed_kwargs(mode: str) -> dict:

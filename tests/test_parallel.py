@@ -1,7 +1,6 @@
 """Spreading the tiny model over devices on CPU: a device_map with CPU and disk offload, and tensor / expert parallel
 plans on 2 gloo processes (tests/parallel_worker.py under torchrun), each against the single-process model."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,12 +18,7 @@ from kimik3.tiny import write_tiny_folder
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS.parent / "benchmarks"))
 
-from parallel_worker import INPUT_IDS, NEW_TOKENS  # noqa: E402
-
-
-# transformers >= 5.21 combines TP with EP (ep_size == tp_size); 5.17-5.20 run EP alone (enable_expert_parallel)
-HAS_EP_DISPATCH = importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
-MODES = ("tp", "tp_ep") if HAS_EP_DISPATCH else ("tp", "ep")
+from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
