@@ -72,7 +72,7 @@ def test_real_model_checkpoint_recompute_counted_once():
         assert torch.equal(a, b)
 
 
-def fine_tune(tmp_path, balancing: bool, steps: int = 30):
+def fine_tune(tmp_path, balancing: bool, steps: int):
     model = load_tiny()
     bias_before = [g.e_score_correction_bias.clone() for _, g in find_router_gates(model)]
     log = ExpertLoadCallback()
@@ -89,11 +89,11 @@ def fine_tune(tmp_path, balancing: bool, steps: int = 30):
 
 
 def test_trainer_quantile_balancing_keeps_experts_balanced(tmp_path):
-    steps = 30
+    steps = 20  # the routers of the unbalanced run have collapsed by step 10; the balanced ones settle by step 15
     off, imb_off, before_off, after_off, _ = fine_tune(tmp_path / "off", balancing=False, steps=steps)
     on, imb_on, before_on, after_on, model = fine_tune(tmp_path / "on", balancing=True, steps=steps)
     assert len(imb_off) == len(imb_on) == steps
-    late_off, late_on = sum(imb_off[-10:]) / 10, sum(imb_on[-10:]) / 10
+    late_off, late_on = sum(imb_off[-5:]) / 5, sum(imb_on[-5:]) / 5
     # 8 experts, top-2: max/mean is 4.0 when every token picks the same two experts, 1.0 when balanced
     assert late_off > 3.0  # without balancing the routers collapse onto few experts
     assert late_on < 2.2  # with Quantile Balancing they stay spread
