@@ -806,13 +806,24 @@ COMPOSITE_AUTO_MAP = {
 }
 
 
+PROCESSOR_CODE_FILES = ("processing_kimi_k3.py", "image_processing_kimi_k3.py")
+
+
 def _write_remote_code(model: PreTrainedModel, directory: Path) -> None:
     """Copies this file and the files it imports (found next to it: the installed package or a model folder's
     copy), sets the full `auto_map`, and writes the model card when `kimik3.hub_card` is installed."""
     from transformers.dynamic_module_utils import get_relative_import_files
 
     here = Path(__file__).resolve()
-    for path in [here, *map(Path, get_relative_import_files(str(here)))]:
+    # The processors are not imported by the model, but a model folder carries them (AutoProcessor from the folder):
+    # from next to this file, else (remote code, whose module cache holds only the model's imports) from the folder
+    # the model was loaded from.
+    sources = [here.parent, Path(str(getattr(model.config, "name_or_path", "") or "."))]
+    processors = []
+    for name in PROCESSOR_CODE_FILES:
+        found = [folder / name for folder in sources if (folder / name).is_file()]
+        processors += found[:1]
+    for path in [here, *map(Path, get_relative_import_files(str(here))), *processors]:
         if path.resolve() != (directory / path.name).resolve():
             shutil.copyfile(path, directory / path.name)
     config_path = directory / "config.json"
