@@ -490,7 +490,9 @@ class KimiK3TextConfig(PretrainedConfig):
 
 
 class KimiK3VisionConfig(PretrainedConfig):
-    """MoonViT-V2 settings, carried unchanged (the vision tower itself is not implemented yet)."""
+    """MoonViT-3d tower + PatchMergerMLPV2 projector settings, carried unchanged in the release's keys (`vt_*`,
+    `patch_size`, `merge_kernel_size`, `mm_hidden_size`, `text_hidden_size`, `projector_ln_eps`, ...; see
+    vision_kimi_k3.py). A vision config without them (`vision_config=None`) describes a model with no tower."""
 
     model_type = "kimik3_vision"
 
@@ -503,6 +505,11 @@ class KimiK3VisionConfig(PretrainedConfig):
         super().__init__()
         if attn is not None:
             self.release_attn_implementation = attn
+
+    @property
+    def describes_tower(self) -> bool:
+        """Whether these settings define a vision tower (the release's do; an empty vision config does not)."""
+        return getattr(self, "vt_hidden_size", None) is not None
 
 
 def _sub_config(key: str, value, config_class):

@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,6 +47,13 @@ from .ops_kimi_k3 import (
     routed_experts,
 )
 from .parallel_kimi_k3 import local_shard
+from .vision_kimi_k3 import (
+    KimiK3PatchMergerProjector,
+    KimiK3VisionPositionEmbedding,
+    KimiK3VisionRMSNorm,
+    KimiK3VisionTower,
+    check_image_inputs,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -798,13 +806,24 @@ COMPOSITE_AUTO_MAP = {
 }
 
 
+PROCESSOR_CODE_FILES = ("processing_kimi_k3.py", "image_processing_kimi_k3.py")
+
+
 def _write_remote_code(model: PreTrainedModel, directory: Path) -> None:
     """Copies this file and the files it imports (found next to it: the installed package or a model folder's
     copy), sets the full `auto_map`, and writes the model card when `kimik3.hub_card` is installed."""
     from transformers.dynamic_module_utils import get_relative_import_files
 
     here = Path(__file__).resolve()
-    for path in [here, *map(Path, get_relative_import_files(str(here)))]:
+    # The processors are not imported by the model, but a model folder carries them (AutoProcessor from the folder):
+    # from next to this file, else (remote code, whose module cache holds only the model's imports) from the folder
+    # the model was loaded from.
+    sources = [here.parent, Path(str(getattr(model.config, "name_or_path", "") or "."))]
+    processors = []
+    for name in PROCESSOR_CODE_FILES:
+        found = [folder / name for folder in sources if (folder / name).is_file()]
+        processors += found[:1]
+    for path in [here, *map(Path, get_relative_import_files(str(here))), *processors]:
         if path.resolve() != (directory / path.name).resolve():
             shutil.copyfile(path, directory / path.name)
     config_path = directory / "config.json"
@@ -1087,19 +1106,146 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         )
 
 
+@dataclass
+class KimiK3MultimodalOutputWithPast(MoeCausalLMOutputWithPast):
+    """`attention_mask`: after a forward with images, the padding mask of the merged sequence (each media placeholder
+    expanded to its image's rows), which the cache now holds; generate() continues from it."""
+
+    attention_mask: torch.Tensor | None = None
+
+
+def _placeholder_runs(input_ids: torch.Tensor, placeholder_id: int) -> list[tuple[int, int, int]]:
+    """(row, start, length) of every maximal run of placeholder tokens, in reading order (rows, then positions)."""
+    is_placeholder = input_ids == placeholder_id
+    starts = is_placeholder & ~F.pad(is_placeholder[:, :-1], (1, 0), value=False)
+    ends = is_placeholder & ~F.pad(is_placeholder[:, 1:], (0, 1), value=False)
+    begin, finish = starts.nonzero().tolist(), ends.nonzero().tolist()
+    return [(row, start, end - start + 1) for (row, start), (_, end) in zip(begin, finish)]
+
+
+def merge_image_features(input_ids, inputs_embeds, image_features, placeholder_id, pad_token_id, attention_mask=None,
+                         labels=None, ignore_index=-100):
+    """Splices image rows into the token embeddings at the media placeholders (k3_math 7, the release's merge).
+
+    Image k (in reading order) takes the k-th run of placeholder tokens: a single `<|media_pad|>` (the release's
+    prompt form) is replaced by the image's n_k rows, which lengthens the row; a run of exactly n_k placeholders
+    (pre-expanded prompts) is overwritten in place. Rows are re-padded to the longest merged row, on the left when the
+    batch is left-padded (its last column is all real tokens) and on the right otherwise. Embeddings of pad tokens
+    are zeroed. Returns (embeddings, attention mask, labels) of the merged sequence; image positions are attended and
+    carry `ignore_index` labels.
+    """
+    runs = _placeholder_runs(input_ids, placeholder_id)
+    if len(runs) != len(image_features):
+        raise ValueError(
+            f"input_ids hold {len(runs)} media placeholder run(s) (token {placeholder_id}, `<|media_pad|>`) but "
+            f"{len(image_features)} image(s) were given: one placeholder (or one run of one per image token) per image"
+        )
+    batch, seq_len = input_ids.shape
+    widths = torch.ones(batch, seq_len, dtype=torch.long)
+    for index, ((row, start, length), feature) in enumerate(zip(runs, image_features)):
+        if length == 1:
+            widths[row, start] = feature.shape[0]
+        elif length != feature.shape[0]:
+            raise ValueError(
+                f"image {index}: its placeholder run (row {row}, position {start}) has {length} tokens but the image "
+                f"gives {feature.shape[0]} rows; use one `<|media_pad|>` or exactly {feature.shape[0]}"
+            )
+    new_lengths = widths.sum(dim=1)
+    merged_len = int(new_lengths.max())
+    if attention_mask is not None:
+        left_padded = bool(attention_mask[:, -1].bool().all())
+    else:
+        left_padded = not bool((input_ids[:, -1] == pad_token_id).any())
+    offsets = (merged_len - new_lengths) if left_padded else torch.zeros_like(new_lengths)
+    destination = (widths.cumsum(dim=1) - widths + offsets[:, None]).to(input_ids.device)
+
+    device = inputs_embeds.device
+    embeds = inputs_embeds.new_zeros(batch, merged_len, inputs_embeds.shape[-1])
+    mask = torch.zeros(batch, merged_len, dtype=torch.long, device=device)
+    merged_labels = None if labels is None else labels.new_full((batch, merged_len), ignore_index)
+    text_rows, text_cols = (input_ids != placeholder_id).nonzero(as_tuple=True)
+    text_dest = destination[text_rows, text_cols]
+    embeds[text_rows, text_dest] = inputs_embeds[text_rows, text_cols]
+    mask[text_rows, text_dest] = 1 if attention_mask is None else attention_mask[text_rows, text_cols].long()
+    if merged_labels is not None:
+        merged_labels[text_rows, text_dest] = labels[text_rows, text_cols]
+    for (row, start, _), feature in zip(runs, image_features):
+        first = int(destination[row, start])
+        embeds[row, first:first + feature.shape[0]] = feature.to(embeds.dtype)
+        mask[row, first:first + feature.shape[0]] = 1
+    pad_rows, pad_cols = (input_ids == pad_token_id).nonzero(as_tuple=True)
+    embeds[pad_rows, destination[pad_rows, pad_cols]] = 0.0
+    return embeds, mask, merged_labels
+
+
+def _checkpoint_tensor_names(pretrained, kwargs) -> list[str] | None:
+    """Tensor names of a checkpoint (index or single file), or None when they cannot be read without loading it."""
+    from transformers.utils import cached_file
+
+    hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+           if k in kwargs}
+    for file_name in ("model.safetensors.index.json", "model.safetensors"):
+        try:
+            path = cached_file(pretrained, file_name, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False, **hub)
+        except (OSError, ValueError):
+            path = None
+        if path is None:
+            continue
+        if file_name.endswith(".json"):
+            return list(json.loads(Path(path).read_text(encoding="utf-8")).get("weight_map", {}))
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as handle:
+            return list(handle.keys())
+    return None
+
+
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
 class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
-    """The release's top-level class (`KimiK3Config`), text path: `language_model` is a `KimiK3ForCausalLM`, so
-    parameter names are the release's `language_model.model.*` / `language_model.lm_head.weight`. The vision tower
-    is not implemented yet; its tensors are ignored on load."""
+    """The release's top-level class (`KimiK3Config`): `language_model` is a `KimiK3ForCausalLM` (parameter names
+    `language_model.model.*` / `language_model.lm_head.weight`, as the release), `vision_tower` the MoonViT-3d tower
+    and `mm_projector` the patch-merger projector (vision_kimi_k3.py).
+
+    Images: `pixel_values` [patches, 3, 14, 14] and `grid_thws` [images, 3] from the image processor, and one
+    `<|media_pad|>` per image in `input_ids` (the processor writes it); the merged sequence is what the text model
+    and its cache see. The tower is built when the config describes one and the checkpoint holds its tensors
+    (`from_pretrained(..., vision=False)` skips it, e.g. to save its memory); without it images are an error."""
 
     config_class = KimiK3Config
     base_model_prefix = ""
     _tied_weights_keys = {}
+    _no_split_modules = ["KimiK3DecoderLayer", "KimiK3VisionEncoderLayer"]
 
-    def __init__(self, config: KimiK3Config):
+    def __init__(self, config: KimiK3Config, vision: bool | None = None):
         super().__init__(config)
         self.language_model = KimiK3ForCausalLM(config.text_config)
+        vision_config = config.vision_config
+        with_tower = getattr(vision_config, "describes_tower", False) if vision is None else vision
+        if with_tower and not getattr(vision_config, "describes_tower", False):
+            raise ValueError("Kimi K3 config, key `vision_config`: vision=True but it describes no vision tower")
+        self.vision_tower = KimiK3VisionTower(vision_config) if with_tower else None
+        self.mm_projector = KimiK3PatchMergerProjector(vision_config) if with_tower else None
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
+        """As the text classes; the vision tower is loaded when the checkpoint holds it (`vision=None`), skipped with
+        `vision=False`, and required with `vision=True`."""
+        if vision is None:
+            names = _checkpoint_tensor_names(pretrained_model_name_or_path, kwargs)
+            vision = names is None or any(name.startswith(VISION_PREFIXES) for name in names)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, KimiK3VisionRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, KimiK3VisionPositionEmbedding):
+            module.weight.normal_()  # the release's initialisation of the position grid
 
     def get_input_embeddings(self) -> nn.Module:
         return self.language_model.get_input_embeddings()
@@ -1110,23 +1256,82 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.language_model.get_output_embeddings()
 
+    def get_image_features(self, pixel_values: torch.Tensor, grid_thws) -> list[torch.Tensor]:
+        """Per image [merged tokens, text hidden size]: tower, 2x2 merge, projector."""
+        if self.vision_tower is None:
+            raise ValueError(
+                "pixel_values were given but this model has no vision tower (its config describes none, its "
+                "checkpoint holds no `vision_tower.*` tensors, or it was loaded with vision=False)"
+            )
+        grid = check_image_inputs(pixel_values, grid_thws, self.vision_tower.patch_size,
+                                  self.vision_tower.merge_kernel_size)
+        weight = self.vision_tower.patch_embed.proj.weight
+        merged = self.vision_tower(pixel_values.to(device=weight.device, dtype=weight.dtype), grid)
+        return self.mm_projector(merged)
+
+    def _merge_images(self, input_ids, pixel_values, grid_thws, attention_mask, labels, cache):
+        if input_ids is None:
+            raise ValueError("pixel_values need input_ids: the media placeholder tokens mark where the images go")
+        if cache is not None and cache.has_previous_state():
+            raise ValueError("images are read in the prefill only; this cache already holds tokens (start a new one)")
+        vocab_size = self.get_input_embeddings().num_embeddings
+        if input_ids.dim() != 2 or input_ids.numel() == 0 or int(input_ids.min()) < 0 \
+                or int(input_ids.max()) >= vocab_size:
+            raise ValueError(f"input_ids (shape {tuple(input_ids.shape)}) must be a non-empty 2-D batch of ids in "
+                             f"[0, vocab_size={vocab_size})")
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                             f"{tuple(input_ids.shape)}: with images the mask covers the prompt")
+        features = self.get_image_features(pixel_values, grid_thws)
+        embeds = self.get_input_embeddings()(input_ids)
+        return merge_image_features(input_ids, embeds, features, self.config.media_placeholder_token_id,
+                                    self.config.text_config.pad_token_id, attention_mask, labels,
+                                    self.config.ignore_index)
+
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, pixel_values=None,
-                **kwargs) -> MoeCausalLMOutputWithPast:
+                grid_thws=None, **kwargs) -> KimiK3MultimodalOutputWithPast:
+        cache = _given_cache(cache, past_key_values)
+        merged_mask = None
         if pixel_values is not None:
-            raise NotImplementedError("The Kimi K3 vision tower is not implemented yet: pass text inputs only")
-        return self.language_model(
+            if inputs_embeds is not None:
+                raise ValueError("pass images with input_ids, not inputs_embeds: the media placeholders in input_ids "
+                                 "mark where the images go")
+            inputs_embeds, merged_mask, labels = self._merge_images(input_ids, pixel_values, grid_thws,
+                                                                    attention_mask, labels, cache)
+            # The text model is NoPE: position_ids only mark packed documents, which do not apply to a merged
+            # prompt (generate() derives them from the unmerged mask, whose length no longer fits).
+            input_ids, attention_mask, position_ids = None, merged_mask, None
+        elif grid_thws is not None:
+            raise ValueError("grid_thws was given without pixel_values")
+        outputs = self.language_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=_given_cache(cache, past_key_values),
+            cache=cache,
             inputs_embeds=inputs_embeds,
             labels=labels,
             use_cache=use_cache,
             logits_to_keep=logits_to_keep,
             **kwargs,
         )
+        return KimiK3MultimodalOutputWithPast(**outputs, attention_mask=merged_mask)
+
+    def prepare_inputs_for_generation(self, *args, pixel_values=None, grid_thws=None, **kwargs):
+        """Images go into the prefill only; later steps read the cache (and the merged mask, see below)."""
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        cache = inputs.get("cache", inputs.get("past_key_values"))
+        if pixel_values is not None and (cache is None or not cache.has_previous_state()):
+            inputs["pixel_values"], inputs["grid_thws"] = pixel_values, grid_thws
+        return inputs
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        # After an image prefill the cache holds the merged sequence: the mask generate() extends must be its mask.
+        merged_mask = getattr(outputs, "attention_mask", None)
+        if merged_mask is not None and getattr(outputs, CACHE_FIELD, None) is not None:
+            model_kwargs["attention_mask"] = merged_mask
+        return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
 
 
 register_release_conversions()

@@ -69,7 +69,9 @@ def load(path, **kwargs):
 def reference_like(model, state):
     config = copy.deepcopy(model.config)
     config.get_text_config().experts_format = "dense"
-    reference = type(model)(config).to(torch.float32).eval()
+    # the text-only reference: a composite model's tower (loaded from the vision tensors) is not part of `state`
+    kwargs = {"vision": False} if getattr(model, "vision_tower", None) is not None else {}
+    reference = type(model)(config, **kwargs).to(torch.float32).eval()
     reference.load_state_dict(state, strict=True)
     return reference
 
@@ -98,6 +100,9 @@ def test_converted_composite_model_gives_the_logits_of_the_dense_values(release,
     assert tensors["language_model.model.layers.0.self_attn.A_log"].shape == (HEADS,)
     assert tensors["language_model.model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
     assert "vision_tower.encoder.blocks.1.wqkv.weight" in tensors
+    # the converted composite model loads its vision tower from those tensors
+    assert torch.equal(model.vision_tower.encoder.blocks[1].wqkv.weight,
+                       tensors["vision_tower.encoder.blocks.1.wqkv.weight"].float())
 
 
 def test_side_files_are_copied_and_the_release_model_code_is_replaced_by_ours(release, converted):

@@ -1,0 +1,128 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Kimi K3 processor: the K3 tokenizer + `KimiK3ImageProcessor`.
+
+Each `<|kimi_image_placeholder|>` in the text (what the chat template writes for an image part) becomes the
+release's image prompt `<|media_begin|>image {W}x{H}<|media_content|><|media_pad|><|media_end|>` (W x H the size
+before resizing); the model expands the one `<|media_pad|>` to the image's rows. With `expand_media_pad=True` the
+prompt holds one `<|media_pad|>` per image row instead (lengths known before the model runs, e.g. for truncation or
+labels); the model accepts both forms. Texts written with the release's image prompts already in them pass as they
+are. Images are matched to placeholders in reading order (texts in order, then positions).
+"""
+
+from transformers.feature_extraction_utils import BatchFeature
+from transformers.processing_utils import ProcessorMixin
+
+from .image_processing_kimi_k3 import KimiK3ImageProcessor, _as_pil
+
+
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
+MEDIA_PAD = "<|media_pad|>"
+
+
+def _flatten(items) -> list:
+    flat = []
+    for item in items:
+        flat.extend(_flatten(item) if isinstance(item, (list, tuple)) else [item])
+    return flat
+
+
+class KimiK3Processor(ProcessorMixin):
+    attributes = ["image_processor", "tokenizer"]
+    image_processor_class = "AutoImageProcessor"
+    tokenizer_class = "AutoTokenizer"
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        if image_processor is None:
+            image_processor = KimiK3ImageProcessor()
+        if chat_template is None and tokenizer is not None:
+            chat_template = getattr(tokenizer, "chat_template", None)
+        super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+    def image_prompt(self, width: int, height: int, expand_media_pad: bool = False) -> str:
+        prompt = self.image_processor.image_prompt(width, height)
+        if expand_media_pad:
+            prompt = prompt.replace(MEDIA_PAD, MEDIA_PAD * self.image_processor.num_image_tokens(width, height))
+        return prompt
+
+    def __call__(self, images=None, text=None, expand_media_pad: bool = False, return_tensors="pt", **kwargs):
+        if text is None:
+            raise ValueError("KimiK3Processor needs text (with one `<|kimi_image_placeholder|>` per image)")
+        texts = [text] if isinstance(text, str) else list(text)
+        if images is not None and not isinstance(images, (list, tuple)):
+            images = [images]
+        # apply_chat_template passes one list of images per conversation
+        images = [_as_pil(image) for image in _flatten(images or [])]
+        # drop the ProcessorMixin kwargs that belong to the chat template / image loading
+        for key in ("num_frames", "video_load_backend", "sampling_rate", "load_audio_from_video"):
+            kwargs.pop(key, None)
+        texts = self._insert_image_prompts(texts, images, expand_media_pad)
+        text_inputs = self.tokenizer(texts if len(texts) > 1 or not isinstance(text, str) else texts[0],
+                                     return_tensors=return_tensors, **kwargs)
+        data = dict(text_inputs)
+        if images:
+            data.update(self.image_processor.preprocess(images, return_tensors=return_tensors).data)
+        return BatchFeature(data=data, tensor_type=return_tensors)
+
+    def _insert_image_prompts(self, texts: list[str], images: list, expand_media_pad: bool) -> list[str]:
+        placeholders = sum(t.count(IMAGE_PLACEHOLDER) for t in texts)
+        pre_written = sum(t.count(MEDIA_PAD) for t in texts)
+        if placeholders and pre_written:
+            raise ValueError(f"the text mixes {IMAGE_PLACEHOLDER} and {MEDIA_PAD}: use one form")
+        if placeholders == 0:
+            if pre_written and pre_written != len(images):
+                raise ValueError(f"the text holds {pre_written} {MEDIA_PAD} token(s) but {len(images)} image(s) "
+                                 "were given")
+            if not pre_written and images:
+                raise ValueError(f"{len(images)} image(s) were given but the text has no {IMAGE_PLACEHOLDER}")
+            return texts
+        if placeholders != len(images):
+            raise ValueError(f"the text holds {placeholders} {IMAGE_PLACEHOLDER} but {len(images)} image(s) were "
+                             "given: one placeholder per image")
+        prompts = iter(self.image_prompt(image.width, image.height, expand_media_pad) for image in images)
+        return ["".join(part if i == 0 else next(prompts) + part for i, part in enumerate(t.split(IMAGE_PLACEHOLDER)))
+                for t in texts]
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Also writes this file and the image processor's next to the configs, with their `auto_map`, so the folder
+        loads with `AutoProcessor.from_pretrained(..., trust_remote_code=True)` without the package."""
+        import json
+        import shutil
+        from pathlib import Path
+
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        directory, here = Path(save_directory), Path(__file__).resolve().parent
+        for name in ("processing_kimi_k3.py", "image_processing_kimi_k3.py"):
+            if (here / name).resolve() != (directory / name).resolve():
+                shutil.copyfile(here / name, directory / name)
+        config_path = directory / "processor_config.json"
+        if config_path.exists():
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config["auto_map"] = {"AutoProcessor": "processing_kimi_k3.KimiK3Processor",
+                                  "AutoImageProcessor": "image_processing_kimi_k3.KimiK3ImageProcessor"}
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return result
+
+    def batch_decode(self, *args, **kwargs):
+        return self.tokenizer.batch_decode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self.tokenizer.decode(*args, **kwargs)
+
+    @property
+    def model_input_names(self):
+        return ["input_ids", "attention_mask", "pixel_values", "grid_thws"]
+
+
+__all__ = ["KimiK3Processor"]
