@@ -22,6 +22,8 @@ from kimik3.training.fsdp import shard_model
 
 
 ON_CUDA = os.environ.get("KIMIK3_PARALLEL_DEVICE") == "cuda"
+# context parallelism: f32 on CPU (tight tolerance), bf16 with the f32 islands on GPU (as deployed)
+CP_DTYPE = torch.bfloat16 if ON_CUDA else torch.float32
 # Prefill lengths: two to show the exchanged bytes do not grow with the length (the second not a multiple of the
 # KDA chunk), and one whose second segment (2 tokens) is shorter than the conv window (3).
 PREFILL_LENGTHS = (24, 37, 5)
@@ -121,10 +123,9 @@ def fsdp_training(device, rank: int, world_size: int, tensors: dict, report: dic
             tensors[f"fsdp.{name}"] = buffer.detach().clone()
 
 
-def fsdp_bf16_groups(device, report: dict) -> None:
-    """A bf16 model with its f32 islands: the islands get their own FSDP2 groups and keep their dtype."""
-    model = build_tiny_model(seed=SEED).to(device=device, dtype=torch.bfloat16)
-    # the release keeps these in f32 (_keep_in_fp32_modules_strict)
+def as_released_dtypes(model, dtype: torch.dtype):
+    """The model in `dtype` with the release's f32 islands kept f32 (`_keep_in_fp32_modules_strict`)."""
+    model = model.to(dtype)
     islands = ("A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm")
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in islands:
@@ -132,6 +133,12 @@ def fsdp_bf16_groups(device, report: dict) -> None:
     for name, param in model.named_parameters():
         if name.rsplit(".", 1)[-1] in islands:
             param.data = param.data.float()
+    return model
+
+
+def fsdp_bf16_groups(device, report: dict) -> None:
+    """A bf16 model with its f32 islands: the islands get their own FSDP2 groups and keep their dtype."""
+    model = as_released_dtypes(build_tiny_model(seed=SEED).to(device), torch.bfloat16)
     shard_model(model.train())
     input_ids = token_ids(2, 8, 7, model.config.vocab_size).to(device)
     loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
@@ -153,7 +160,9 @@ def main(argv: list[str]) -> None:
         torch.cuda.set_device(device)
     tensors, report = {}, {}
     try:
-        model = build_tiny_model(seed=SEED).to(device)
+        if ON_CUDA:  # the FSDP loss curve is compared in f32: no TF32 convolutions
+            torch.backends.cudnn.allow_tf32 = False
+        model = as_released_dtypes(build_tiny_model(seed=SEED).to(device), CP_DTYPE)
         context_parallel_prefill(model, device, tensors, report)
         context_parallel_training(model, device, tensors)
         fsdp_training(device, rank, world_size, tensors, report)

@@ -161,7 +161,7 @@ def test_fsdp2_training_loss_curve_matches_one_process(runs):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         balancer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     biases = {f"fsdp.{n}": b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
     assert any(b.abs().max() > 0 for b in biases.values())  # balancing moved the biases
     for report, tensors in runs:
