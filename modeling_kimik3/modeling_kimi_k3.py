@@ -36,6 +36,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_k3 import KimiK3Cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load, register_release_conversions
 from .ops_kimi_k3 import (
     dequantize_mxfp4,
@@ -180,7 +181,7 @@ class KimiK3DeltaAttention(nn.Module):
         token_mask: torch.Tensor | None = None,
         cache: KimiK3Cache | None = None,
         document_index: tuple[torch.Tensor, torch.Tensor] | None = None,
-        context_parallel=None,
+        context_parallel: ContextParallel | None = None,
         **kwargs,
     ) -> torch.Tensor:
         if context_parallel is not None:
@@ -195,7 +196,7 @@ class KimiK3DeltaAttention(nn.Module):
             return out[doc_mask].reshape(batch, seq_len, -1)
         return self._attend(hidden_states, token_mask, cache)
 
-    def _attend(self, hidden_states, token_mask, cache, context_parallel=None):
+    def _attend(self, hidden_states, token_mask, cache, context_parallel: ContextParallel | None = None):
         batch, seq_len, _ = hidden_states.shape
         # -1 heads: under tensor parallelism the projections give this rank's heads only (and the per-head
         # parameters and the recurrent state follow), so the local head count comes from the tensors.
@@ -336,7 +337,7 @@ class KimiK3MLAAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: KimiK3Cache | None = None,
-        context_parallel=None,
+        context_parallel: ContextParallel | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq_len, _ = hidden_states.shape

@@ -116,7 +116,8 @@ def test_exchanged_bytes_per_kda_layer_do_not_depend_on_the_length(runs, model):
     per_kda_layer = kda_exchange_bytes(config, batch_size=2, activation_bytes=4)
     # f32 transition + zero-start state [B, H, K, K + V], and 3 x (K - 1) pre-conv rows of the halo
     heads, dim = config.linear_num_heads, config.linear_head_dim
-    assert per_kda_layer == 2 * heads * dim * 2 * dim * 4 + 3 * 2 * (config.linear_conv_kernel_size - 1) * heads * dim * 4
+    halo_rows = config.linear_conv_kernel_size - 1
+    assert per_kda_layer == 2 * heads * dim * 2 * dim * 4 + 3 * 2 * halo_rows * heads * dim * 4
     for report, _ in runs:
         for length in worker.PREFILL_LENGTHS:
             info = report[f"prefill{length}"]
