@@ -180,6 +180,17 @@ def test_fsdp2_groups_keep_the_f32_islands_of_a_bf16_model(runs):
                             "o_norm.weight"}
 
 
+def test_trainer_fsdp_args_give_accelerate_an_fsdp2_plugin_per_decoder_layer(tmp_path):
+    from transformers import TrainingArguments
+
+    from kimik3.training.fsdp import trainer_fsdp_args
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **trainer_fsdp_args())
+    plugin = args.fsdp_plugin_args
+    assert (plugin["fsdp_version"], plugin["transformer_cls_names_to_wrap"]) == (2, "KimiK3DecoderLayer")
+    assert plugin["activation_checkpointing"] and plugin["reshard_after_forward"]
+
+
 def test_context_parallel_refuses_what_it_does_not_run(model):
     from kimik3.modeling.context_parallel_kimi_k3 import ContextParallel
 

@@ -122,8 +122,9 @@ def trainer_fsdp_args(gradient_checkpointing: bool = True, reshard_after_forward
     accelerate puts each decoder layer in one parameter group, so its parameters must share one dtype: load the
     model in f32 for this path (or train bf16 weights with `shard_model`, which groups the f32 islands apart).
     """
+    # fsdp=True (full sharding) with everything in fsdp_config: the string form is deprecated in transformers 5.x
     return {
-        "fsdp": "full_shard",
+        "fsdp": True,
         "fsdp_config": {
             "version": 2,
             "transformer_layer_cls_to_wrap": [DECODER_LAYER_CLASS],
