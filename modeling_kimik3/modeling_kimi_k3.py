@@ -37,6 +37,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_k3 import KimiK3Cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load, register_release_conversions
 from .ops_kimi_k3 import (
     dequantize_mxfp4,
@@ -188,8 +189,11 @@ class KimiK3DeltaAttention(nn.Module):
         token_mask: torch.Tensor | None = None,
         cache: KimiK3Cache | None = None,
         document_index: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context_parallel: ContextParallel | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        if context_parallel is not None:
+            return self._attend(hidden_states, None, cache, context_parallel)
         if document_index is not None:
             # Packed documents: regroup into one row per document (right-padded), so every state and conv window
             # starts from zero at a document boundary, then put the rows back in packed order.
@@ -200,7 +204,7 @@ class KimiK3DeltaAttention(nn.Module):
             return out[doc_mask].reshape(batch, seq_len, -1)
         return self._attend(hidden_states, token_mask, cache)
 
-    def _attend(self, hidden_states, token_mask, cache):
+    def _attend(self, hidden_states, token_mask, cache, context_parallel: ContextParallel | None = None):
         batch, seq_len, _ = hidden_states.shape
         # -1 heads: under tensor parallelism the projections give this rank's heads only (and the per-head
         # parameters and the recurrent state follow), so the local head count comes from the tensors.
@@ -213,6 +217,11 @@ class KimiK3DeltaAttention(nn.Module):
             q, k, v = q.masked_fill(padded, 0.0), k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
 
         conv_states, recurrent_state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
+        if context_parallel is not None:
+            # the K - 1 pre-conv rows before this rank's segment (context_parallel_kimi_k3.py)
+            (q, k, v), conv_states, sequence_conv_states = context_parallel.conv_windows(
+                (q, k, v), self.conv_size - 1, self.layer_idx
+            )
         conv_fn = fast_or_reference("causal_conv1d", q)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         with _onloaded(*convs):
@@ -231,17 +240,23 @@ class KimiK3DeltaAttention(nn.Module):
             g = g.masked_fill(~token_mask[..., None, None], 0.0)
             beta = beta.masked_fill(~token_mask[..., None], 0.0)
 
-        if recurrent_state is not None and seq_len == 1:
-            kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
+        if context_parallel is not None:
+            # state composition over the ranks' segments; the cache gets the whole sequence's state and windows
+            core, final_state = context_parallel.kda(fast_or_reference("chunk_kda", q), q, k, v, g, beta,
+                                                     self.config.kda_chunk_size, self.layer_idx)
+            q_state, k_state, v_state = sequence_conv_states
         else:
-            kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": self.config.kda_chunk_size}
-        core, final_state = kda_fn(
-            q, k, v, g, beta,
-            initial_state=recurrent_state,
-            output_final_state=cache is not None,
-            use_qk_l2norm_in_kernel=True,
-            **extra,
-        )
+            if recurrent_state is not None and seq_len == 1:
+                kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
+            else:
+                kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": self.config.kda_chunk_size}
+            core, final_state = kda_fn(
+                q, k, v, g, beta,
+                initial_state=recurrent_state,
+                output_final_state=cache is not None,
+                use_qk_l2norm_in_kernel=True,
+                **extra,
+            )
         if cache is not None:
             cache.update_kda_state((q_state, k_state, v_state), final_state, self.layer_idx)
 
@@ -330,6 +345,7 @@ class KimiK3MLAAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: KimiK3Cache | None = None,
+        context_parallel: ContextParallel | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq_len, _ = hidden_states.shape
@@ -343,10 +359,17 @@ class KimiK3MLAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latents = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)
         has_past = cache is not None and cache.has_previous_state(self.layer_idx)
+        if context_parallel is not None:
+            # every rank's latents (576 values a token), never expanded K/V (context_parallel_kimi_k3.py)
+            latents = context_parallel.gather_latents(latents, self.layer_idx)
         if cache is not None:
             latents = cache.update_latents(latents, self.layer_idx)
 
-        if seq_len == 1 and has_past:
+        if context_parallel is not None:
+            # earlier ranks' segments are whole past blocks, this rank's segment the causal diagonal block
+            attn_output = self._blockwise_prefill_attention(query, latents[:, : context_parallel.end])
+            attn_weights = None
+        elif seq_len == 1 and has_past:
             attn_output, attn_weights = self._absorbed_attention(query, latents, attention_mask)
         elif has_past and attention_mask is None:
             attn_output, attn_weights = self._blockwise_prefill_attention(query, latents), None
@@ -671,7 +694,8 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
 
     def _attention(self, hidden_states, attention_mask, token_mask, cache, document_index, **kwargs):
         if self.is_linear:
-            return self.self_attn(hidden_states, token_mask=token_mask, cache=cache, document_index=document_index)
+            return self.self_attn(hidden_states, token_mask=token_mask, cache=cache, document_index=document_index,
+                                  context_parallel=kwargs.get("context_parallel"))
         return self.self_attn(hidden_states, attention_mask=attention_mask, cache=cache, **kwargs)[0]
 
 
@@ -876,6 +900,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self._check_model_inputs(input_ids, inputs_embeds, attention_mask, cache)
         for key in ("output_hidden_states", "output_attentions", "output_router_logits"):
             kwargs.pop(key, None)  # recorded by capture_outputs
+        context_parallel = kwargs.get("context_parallel")
+        if context_parallel is not None:
+            # this rank's segment of one sequence; the layers exchange states and latents with the other ranks
+            context_parallel.check_inputs((input_ids if input_ids is not None else inputs_embeds).shape[1],
+                                          attention_mask, cache)
+            attention_mask = None
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -924,7 +954,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
                                          self.output_attn_res_proj)
         hidden_states = self.norm(hidden_states)
         if cache is not None:
-            cache.advance(seq_len)
+            cache.advance(seq_len if context_parallel is None else context_parallel.total_length)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_FIELD: cache})
 
     def _check_model_inputs(self, input_ids, inputs_embeds, attention_mask, cache) -> None:

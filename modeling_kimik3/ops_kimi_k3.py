@@ -218,6 +218,51 @@ def chunk_kda(
     return out.to(dtype), (state if output_final_state else None)
 
 
+def _chunk_transition(k, g, beta, causal_strict, eye):
+    """The K x K map one chunk applies to any incoming state (3): the chunk step with V = 0, where the pseudo-values
+    are U - W S = -W S, so S_next = (Diag(Gamma_C) - (K * exp(G_C - G))^T W) S. Same W as `_chunk_kda_step`."""
+    G = g.cumsum(dim=-2)
+    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal_strict[..., None], float("-inf"))
+    A_kk = torch.einsum("bhic,bhjc,bhijc->bhij", k, k, diff.exp())
+    lhs = eye + beta.unsqueeze(-1) * A_kk
+    w = torch.linalg.solve_triangular(lhs, beta.unsqueeze(-1) * (k * G.exp()), upper=False, unitriangular=True)
+    g_last = G[..., -1:, :]
+    return torch.diag_embed(g_last.squeeze(-2).exp()) - (k * (g_last - G).exp()).transpose(-1, -2) @ w
+
+
+@f32_island
+def kda_segment_transition(
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The segment transition of KDA: the linear map [B, H, K, K] (f32) that a segment's tokens apply to any
+    incoming state, so that for every initial state S (state layout [B, H, K, V], as `chunk_kda`)
+
+        final_state(S) = transition @ S + final_state(0),
+
+    exactly (the recurrence is affine in S: S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T).
+    It is the ordered product of the per-chunk maps of the WY/UT chunk form (`_chunk_transition`); k, g: [B, T, H, K];
+    beta: [B, T, H]. Context parallelism composes segments with it (context_parallel_kimi_k3.py)."""
+    k = k.float()
+    if use_qk_l2norm_in_kernel:
+        k = l2norm(k)
+    batch, seq_len, num_heads, k_dim = k.shape
+    k, g, beta = k.transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
+    idx = torch.arange(chunk_size, device=k.device)
+    causal_strict = idx[:, None] > idx[None, :]
+    eye = torch.eye(chunk_size, device=k.device, dtype=k.dtype)
+    transition = torch.eye(k_dim, device=k.device, dtype=k.dtype).expand(batch, num_heads, k_dim, k_dim)
+    for s in range(0, seq_len, chunk_size):
+        e = min(s + chunk_size, seq_len)
+        n = e - s
+        chunk = _chunk_transition(k[:, :, s:e], g[:, :, s:e], beta[:, :, s:e], causal_strict[:n, :n], eye[:n, :n])
+        transition = chunk @ transition
+    return transition.contiguous()
+
+
 @f32_island
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fla FusedRMSNormGated(activation='sigmoid'): RMS over the last dim, weight, sigmoid gate; all f32 (2.2.8)."""
