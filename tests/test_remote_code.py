@@ -4,47 +4,82 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from kimik3.chat_format import encode_chat
 from kimik3.cli import main
 from kimik3.configuration import released_config_dict, tiny_text_config_dict
 from kimik3.memory import load_text_config, memory_table
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.remote_code import save_with_code
-from kimik3.tiny import build_tiny_model, tiny_tokenizer_overrides
+from kimik3.modeling.tokenization_kimi_k3 import KimiK3Tokenizer
+from kimik3.tiny import TINY_NUM_RANKS, build_tiny_model, tiny_tokenizer_overrides
 
 FRESH = """
-import json, sys, torch
+import json, os, sys, torch
 sys.modules["kimik3"] = None  # the installed package is not there: the folder's flat files must be enough
-from transformers import AutoConfig, AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-ids = torch.tensor(json.loads(sys.argv[2]))
-with torch.no_grad():
-    logits = model(ids).logits
-    gen = model.generate(ids, max_new_tokens=4, do_sample=False)
-print(json.dumps({"module": type(model).__module__, "cls": type(model).__name__,
-                  "logits": logits[0, -1, :8].tolist(), "gen": gen.tolist()}))
+from transformers import AutoModelForCausalLM, AutoTokenizer
+results = []
+for directory, ids in json.loads(sys.argv[1]):
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+    ids = torch.tensor(ids)
+    with torch.no_grad():
+        logits = model(ids).logits
+        gen = model.generate(ids, max_new_tokens=4, do_sample=False)
+    result = {"module": type(model).__module__, "cls": type(model).__name__,
+              "logits": logits[0, -1, :8].tolist(), "gen": gen.tolist()}
+    if os.path.exists(os.path.join(directory, "tokenizer_config.json")):
+        tok = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+        chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                       return_dict=True, return_tensors="pt")["input_ids"]
+        reply = model.generate(chat, max_new_tokens=2, do_sample=False)
+        result["tokenizer"] = {"module": type(tok).__module__, "len": len(tok), "chat_ids": chat[0].tolist(),
+                               "new_tokens": reply.shape[1] - chat.shape[1], "vocab": model.config.vocab_size}
+    results.append(result)
+print(json.dumps(results))
 """
 
 
-def _fresh_process(directory, ids):
-    result = subprocess.run([sys.executable, "-c", FRESH, str(directory), json.dumps(ids.tolist())],
-                            capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The `kimik3 tiny` folder (model + tokenizer) and a folder whose config.json has the release's top-level schema
+    (auto_map names included), with the in-process models to compare against."""
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+
+    tiny = tmp_path_factory.mktemp("tiny_remote")
+    assert main(["tiny", str(tiny), "--layers", "4", "--seed", "5"]) == 0
+    release = released_config_dict()
+    release["text_config"] = {**release["text_config"], **tiny_text_config_dict(num_hidden_layers=4)}
+    release["text_config"].pop("quantization_config")
+    torch.manual_seed(0)
+    composite_model = KimiK3ForConditionalGeneration(KimiK3Config(**release)).eval()
+    composite = tmp_path_factory.mktemp("composite_remote")
+    save_with_code(composite_model, composite)
+    tiny_model = build_tiny_model(num_hidden_layers=4, seed=5, **tiny_tokenizer_overrides())
+    return {"tiny": (tiny, tiny_model, torch.randint(3, 128, (1, 7))),
+            "composite": (composite, composite_model, torch.randint(3, 128, (1, 6)))}
+
+
+@pytest.fixture(scope="module")
+def fresh(folders):
+    """One fresh process (one import of torch and transformers) loads every folder with trust_remote_code."""
+    jobs = [[str(directory), ids.tolist()] for directory, _, ids in folders.values()]
+    result = subprocess.run([sys.executable, "-c", FRESH, json.dumps(jobs)], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return dict(zip(folders, json.loads(result.stdout.strip().splitlines()[-1])))
 
 
-def test_tiny_folder_round_trips_in_a_fresh_process(tmp_path):
-    assert main(["tiny", str(tmp_path), "--layers", "4", "--seed", "5"]) == 0
-    files = {p.name for p in tmp_path.iterdir()}
+def test_tiny_folder_round_trips_in_a_fresh_process(folders, fresh):
+    directory, model, ids = folders["tiny"]
+    files = {p.name for p in directory.iterdir()}
     assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "cache_kimi_k3.py", "ops_kimi_k3.py",
             "config.json", "model.safetensors"} <= files
-    config = json.loads((tmp_path / "config.json").read_text())
+    config = json.loads((directory / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForCausalLM"
-    ids = torch.randint(3, 128, (1, 7))
-    result = _fresh_process(tmp_path, ids)
+    result = fresh["tiny"]
     assert result["module"].startswith("transformers_modules.") and result["cls"] == "KimiK3ForCausalLM"
-    model = build_tiny_model(num_hidden_layers=4, seed=5, **tiny_tokenizer_overrides())
     with torch.no_grad():
         expected = model(ids).logits[0, -1, :8]
         expected_gen = model.generate(ids, max_new_tokens=4, do_sample=False)
@@ -52,28 +87,29 @@ def test_tiny_folder_round_trips_in_a_fresh_process(tmp_path):
     assert result["gen"] == expected_gen.tolist()
 
 
-def test_composite_release_style_config_resolves_to_our_classes(tmp_path):
-    """A folder whose config.json is the release's top-level schema (auto_map names included) runs our code."""
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+def test_tiny_folder_tokenizer_and_chat_template_in_a_fresh_process(folders, fresh):
+    directory = folders["tiny"][0]
+    tokenizer = KimiK3Tokenizer.from_pretrained(directory)
+    result = fresh["tiny"]["tokenizer"]
+    assert result["module"].startswith("transformers_modules.")
+    assert result["vocab"] == result["len"] == TINY_NUM_RANKS + 256
+    assert result["chat_ids"] == encode_chat(tokenizer, [{"role": "user", "content": "Hi"}],
+                                             add_generation_prompt=True)
+    assert result["new_tokens"] >= 1
 
-    release = released_config_dict()
-    release["text_config"] = {**release["text_config"], **tiny_text_config_dict(num_hidden_layers=4)}
-    release["text_config"].pop("quantization_config")
-    config = KimiK3Config(**release)
-    torch.manual_seed(0)
-    model = KimiK3ForConditionalGeneration(config).eval()
-    save_with_code(model, tmp_path)
-    saved = json.loads((tmp_path / "config.json").read_text())
+
+def test_composite_release_style_config_resolves_to_our_classes(folders, fresh):
+    directory, model, ids = folders["composite"]
+    saved = json.loads((directory / "config.json").read_text())
     assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForConditionalGeneration"
     assert saved["auto_map"]["AutoConfig"] == "configuration_kimi_k3.KimiK3Config"
     from safetensors import safe_open
 
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert "language_model.model.layers.1.mlp.experts.gate_up_proj" in names
     assert "language_model.lm_head.weight" in names
-    ids = torch.randint(3, 128, (1, 6))
-    result = _fresh_process(tmp_path, ids)
+    result = fresh["composite"]
     assert result["cls"] == "KimiK3ForConditionalGeneration"
     with torch.no_grad():
         torch.testing.assert_close(torch.tensor(result["logits"]), model(ids).logits[0, -1, :8], atol=1e-5,
