@@ -29,14 +29,17 @@ def status(key):
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
 
-small, large, out, chunk, experts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-kc.convert(small, out + "/warm", progress=False, chunk_bytes=chunk, experts_format=experts, threads=1)  # imports, pools
+small, large, out, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 result = {}
-for label, src in (("small", small), ("large", large)):
-    reset_peak()
-    base = status("VmRSS:")
-    summary = kc.convert(src, out + "/" + label, progress=False, chunk_bytes=chunk, experts_format=experts, threads=1)
-    result[label] = {"growth": status("VmHWM:") - base, "bytes": summary["bytes"]}
+for experts in ("dense", "mxfp4"):
+    kc.convert(small, f"{out}/warm-{experts}", progress=False, chunk_bytes=chunk, experts_format=experts,
+               threads=1)  # imports, pools
+    for label, src in (("small", small), ("large", large)):
+        reset_peak()
+        base = status("VmRSS:")
+        summary = kc.convert(src, f"{out}/{experts}-{label}", progress=False, chunk_bytes=chunk,
+                             experts_format=experts, threads=1)
+        result.setdefault(experts, {})[label] = {"growth": status("VmHWM:") - base, "bytes": summary["bytes"]}
 print(json.dumps(result))
 """
 
@@ -59,16 +62,22 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-@pytest.mark.skipif(not _clear_refs_works(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
-@pytest.mark.parametrize("experts", ["dense", "mxfp4"])
-def test_peak_rss_does_not_grow_with_the_model(checkpoints, tmp_path, experts):
+@pytest.fixture(scope="module")
+def measured_by_format(checkpoints, tmp_path_factory):
+    """Both expert formats converted in one fresh process (one import of torch)."""
     result = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(checkpoints / "small"), str(checkpoints / "large"), str(tmp_path),
-         str(CHUNK), experts],
+        [sys.executable, "-c", MEASURE, str(checkpoints / "small"), str(checkpoints / "large"),
+         str(tmp_path_factory.mktemp("converted")), str(CHUNK)],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _clear_refs_works(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
+@pytest.mark.parametrize("experts", ["dense", "mxfp4"])
+def test_peak_rss_does_not_grow_with_the_model(measured_by_format, tmp_path, experts):
+    measured = measured_by_format[experts]
     small, large = measured["small"], measured["large"]
     largest_tensor = 64 * 2 * 256 * 256 * (2 if experts == "dense" else 1)  # the fused gate_up of one layer
     assert large["bytes"] > 6 * small["bytes"]
