@@ -567,6 +567,15 @@ class KimiK3Config(PretrainedConfig):
         self.eos_token_id = eos_token_id
         self.tie_word_embeddings = tie_word_embeddings
 
+    @classmethod
+    def get_config_dict(cls, *args, **kwargs):
+        # the release names this config `kimi_k3`; read as ours, so loading a release folder does not warn that the
+        # checkpoint is of another model type
+        config_dict, kwargs = super().get_config_dict(*args, **kwargs)
+        if config_dict.get("model_type") == "kimi_k3":
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, kwargs
+
     def get_text_config(self, *args, **kwargs) -> KimiK3TextConfig:
         return self.text_config
 
