@@ -20,6 +20,11 @@ the reference's signature and contract, or None when its optional dependencies (
 do not import. `KERNELS_API_VERSION` is the interface version; the remote code uses these twins only when it
 matches the version it was written against.
 
+The twins that launch their own kernels and run in the decode step (situ_glu, block_attn_res_mix,
+fused_recurrent_kda, causal_conv1d, the packed-MXFP4 matmul and dequantisation) run them, when no gradient is
+recorded, as `torch.library` custom ops `torch.ops.kimik3.*` with fake implementations (custom_ops.py, registered on
+any machine), so a compiled decode step keeps them inside its one graph.
+
 | name | fast twin | autograd |
 |---|---|---|
 | chunk_kda | fla-core `fla.ops.kda.chunk_kda` | yes (fla's) |
@@ -36,7 +41,7 @@ matches the version it was written against.
 
 # The interface the remote code checks (its own copy is `ops_kimi_k3.KERNELS_API_VERSION`): `load(name)` below and
 # the contracts of the references it stands in for. Bump both together when either changes.
-KERNELS_API_VERSION = 1
+KERNELS_API_VERSION = 2  # 2: the twins of the ops FAST_OPS declares `traceable_forward` run as custom ops
 
 __all__ = ["KERNELS_API_VERSION", "OP_NAMES", "available_ops", "load"]
 

@@ -25,12 +25,18 @@ Importing this module imports fla (and so Triton); it fails with ImportError whe
   pre-conv inputs or None -> (SiLU(conv) in x.dtype, new conv_state [B, C, K-1])). fla keeps a [B, C, K] state
   whose last K-1 columns are the previous inputs; the adapter pads / slices. Autograd through fla's Triton
   backward.
+
+`fused_recurrent_kda` and `causal_conv1d` run as `torch.ops.kimik3.*` custom ops (custom_ops.py) when no gradient
+is recorded, so torch.compile (the static-cache decode step) keeps each as one graph node.
 """
 
+import torch
 import torch.nn.functional as F
 from fla.modules.causal_conv1d import causal_conv1d as _fla_causal_conv1d
 from fla.ops.kda import chunk_kda as _fla_chunk_kda
 from fla.ops.kda import fused_recurrent_kda as _fla_fused_recurrent_kda
+
+from . import custom_ops
 
 
 def _state(initial_state):
@@ -53,6 +59,10 @@ def chunk_kda(
 def fused_recurrent_kda(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
 ):
+    if not custom_ops.needs_grad(q, k, v, g, beta, initial_state):
+        o, final = torch.ops.kimik3.fused_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                       use_qk_l2norm_in_kernel)
+        return o, (final if output_final_state else None)
     o, final = _fla_fused_recurrent_kda(
         q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -61,6 +71,12 @@ def fused_recurrent_kda(
 
 
 def causal_conv1d(x, weight, conv_state=None):
+    if custom_ops.needs_grad(x, weight, conv_state):
+        return _causal_conv1d_eager(x, weight, conv_state)
+    return torch.ops.kimik3.causal_conv1d(x, weight, conv_state)
+
+
+def _causal_conv1d_eager(x, weight, conv_state):
     channels, kernel_size = weight.shape[0], weight.shape[-1]
     w = weight.reshape(channels, kernel_size)
     init = None

@@ -33,10 +33,12 @@ def _grouped_mm_fn():
     return fn
 
 
-try:  # Triton parts are optional: without them the same math runs in PyTorch
+try:  # Triton parts are optional: without them the same math runs in PyTorch (the packed experts need them)
+    from . import triton_ops as _triton_ops
     from .triton_ops import moe_combine as _moe_combine_triton
     from .triton_ops import situ_glu as _situ_triton
 except ImportError:  # pragma: no cover - depends on the environment
+    _triton_ops = None
     _moe_combine_triton = None
     _situ_triton = None
 
@@ -107,16 +109,14 @@ def moe_experts_mxfp4(
     weights and dequantise them tile by tile inside the Triton grouped matmul: HBM traffic is the routed experts'
     packed bytes. With more rows (prefill), every row block would dequantise its tiles again, so the stack is
     dequantised once into a transient x.dtype copy and goes through the grouped GEMMs (docs/benchmarks.md)."""
-    from .triton_ops import mxfp4_grouped_matmul
-
     num_experts = gate_up_packed.shape[0]
     if x.shape[0] * topk_indices.shape[-1] > 16 * num_experts:
         return moe_experts_mxfp4_dequantised(x, topk_indices, topk_weights, gate_up_packed, gate_up_scale,
                                              down_packed, down_scale, beta, linear_beta)
     return _routed_experts(
         x, topk_indices, topk_weights, num_experts, gate_up_packed.shape[1] // 2,
-        lambda xs, offs: mxfp4_grouped_matmul(xs, gate_up_packed, gate_up_scale, offs),
-        lambda act, offs: mxfp4_grouped_matmul(act, down_packed, down_scale, offs),
+        lambda xs, offs: _triton_ops.mxfp4_grouped_matmul(xs, gate_up_packed, gate_up_scale, offs),
+        lambda act, offs: _triton_ops.mxfp4_grouped_matmul(act, down_packed, down_scale, offs),
         beta, linear_beta,
     )
 
@@ -127,8 +127,6 @@ def moe_experts_mxfp4_dequantised(
 ):
     """`moe_experts_mxfp4` for many rows per expert: the packed stack dequantised once (Triton) into a transient
     x.dtype copy, then the grouped-GEMM `moe_experts`."""
-    from .triton_ops import mxfp4_dequant
-
-    gate_up = mxfp4_dequant(gate_up_packed, gate_up_scale, x.dtype)
-    down = mxfp4_dequant(down_packed, down_scale, x.dtype)
+    gate_up = _triton_ops.mxfp4_dequant(gate_up_packed, gate_up_scale, x.dtype)
+    down = _triton_ops.mxfp4_dequant(down_packed, down_scale, x.dtype)
     return moe_experts(x, topk_indices, topk_weights, gate_up, down, beta, linear_beta)

@@ -22,12 +22,16 @@
 * `mxfp4_grouped_matmul` expert-grouped matmul over packed MXFP4 weights, dequantised tile by tile in registers;
                         gradient for the activations only.
 
-Kernels avoid libdevice so they also run under `TRITON_INTERPRET=1` (fp32 inputs) for CPU debugging.
+Kernels avoid libdevice so they also run under `TRITON_INTERPRET=1` (fp32 inputs) for CPU debugging. Without
+autograd recording, the public functions run their forwards as `torch.ops.kimik3.*` custom ops (custom_ops.py), which
+torch.compile keeps as single graph nodes.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from . import custom_ops
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -156,7 +160,9 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_be
         raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     b1 = 1.0 if beta is None else float(beta)
     b2 = None if linear_beta is None else float(linear_beta)
-    return _SituGLU.apply(gate, up, b1, b2)
+    if custom_ops.needs_grad(gate, up):
+        return _SituGLU.apply(gate, up, b1, b2)
+    return torch.ops.kimik3.situ_glu(gate, up, b1, b2)  # one node under torch.compile
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -313,6 +319,8 @@ def block_attn_res_mix(
     shape, dtype = candidates[0].shape, candidates[0].dtype
     if any(c.shape != shape or c.dtype != dtype for c in candidates):
         raise ValueError("block_attn_res_mix candidates must share shape and dtype")
+    if not custom_ops.needs_grad(norm_weight, proj_weight, *candidates):
+        return torch.ops.kimik3.block_attn_res_mix(candidates, norm_weight, proj_weight, float(eps))
     cands = [c if c.is_contiguous() else c.contiguous() for c in candidates]
     return _AttnResMix.apply(norm_weight, proj_weight, float(eps), *cands)
 
@@ -414,6 +422,11 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
     kh = packed.shape[-1]
     if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * 16 != kh:
         raise ValueError(f"MXFP4 shapes do not match: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}")
+    return torch.ops.kimik3.mxfp4_dequant(packed, scale, dtype)  # one node under torch.compile
+
+
+def _mxfp4_dequant_launch(packed, scale, dtype):
+    kh = packed.shape[-1]
     p2 = packed.contiguous().view(-1, kh)
     s2 = scale.contiguous().view(-1, kh // 16)
     out = torch.empty(*packed.shape[:-1], 2 * kh, dtype=dtype, device=packed.device)
@@ -535,4 +548,6 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     accumulation, as `grouped_mm(xs, dequant(packed).transpose(-2, -1), offs=group_ends)`.
 
     Built for few rows per expert: every block of 16 rows dequantises its expert's tiles again."""
-    return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends)
+    if custom_ops.needs_grad(xs):
+        return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends)
+    return torch.ops.kimik3.mxfp4_grouped_matmul(xs, packed, scale, group_ends)  # one node under compile

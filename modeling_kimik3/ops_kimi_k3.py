@@ -504,7 +504,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # The `kimik3.kernels` interface this file is written against: `load(name)` returns the fast twin of FAST_OPS[name]
 # (or None), with the reference's signature and contract. Bump it on both sides when that changes.
-KERNELS_API_VERSION = 1
+KERNELS_API_VERSION = 2  # 2: the twins of `traceable_forward` ops run as torch.library custom ops
 # "1" (or "all"): every op runs its reference; a comma list of op names: those ops do; unset or "0": none.
 REFERENCE_ONLY_ENV = "KIMIK3_REFERENCE_ONLY"
 
@@ -518,22 +518,28 @@ class FastOp:
     half_only: bool = False  # built on 16-bit-only kernels (flash attention, grouped GEMM): fp16/bf16 tensors only
     one_dtype: bool = False  # reads every tensor through one element type: all of one dtype
     forward_only: bool = False  # no backward: the reference while autograd records for any tensor asked about
-    # made only of torch ops, so torch.compile traces it into the graph; the others launch their own kernels, and
-    # under compile their references are traced and fused by the compiler instead
+    # made only of torch ops, so torch.compile traces it into the graph (autograd included)
     traceable: bool = False
+    # launches its own kernels as torch.library custom ops (`torch.ops.kimik3.*`, with fake implementations, no
+    # autograd formula): torch.compile keeps each as one node of the graph (a CUDA graph captures it) while no
+    # gradient is recorded. Under compile the other ops, and these with autograd on, trace their references.
+    traceable_forward: bool = False
 
 
+# Under compile: the ops of the compiled (static-cache) decode step stay fast. mla_decode is not among them (a static
+# cache hands it a mask, which only the reference takes); chunk_kda and attention_with_lse run in prefill.
 FAST_OPS = {
     "chunk_kda": FastOp(chunk_kda),
-    "fused_recurrent_kda": FastOp(fused_recurrent_kda, forward_only=True),
-    "causal_conv1d": FastOp(causal_conv1d),
+    "fused_recurrent_kda": FastOp(fused_recurrent_kda, forward_only=True, traceable_forward=True),
+    "causal_conv1d": FastOp(causal_conv1d, traceable_forward=True),
     "attention_with_lse": FastOp(attention_with_lse, half_only=True, forward_only=True),
     "mla_decode": FastOp(mla_decode),
-    "block_attn_res_mix": FastOp(block_attn_res_mix, one_dtype=True),
-    "situ_glu": FastOp(situ_glu),
+    "block_attn_res_mix": FastOp(block_attn_res_mix, one_dtype=True, traceable_forward=True),
+    "situ_glu": FastOp(situ_glu, traceable_forward=True),
     "moe_experts": FastOp(moe_experts, half_only=True, traceable=True),
-    "moe_experts_mxfp4": FastOp(moe_experts_mxfp4, half_only=True),
-    "mxfp4_dequant": FastOp(dequantize_mxfp4, forward_only=True),
+    # torch ops around the packed grouped matmul (a custom op)
+    "moe_experts_mxfp4": FastOp(moe_experts_mxfp4, half_only=True, traceable_forward=True),
+    "mxfp4_dequant": FastOp(dequantize_mxfp4, forward_only=True, traceable_forward=True),
 }
 
 
@@ -584,7 +590,7 @@ def fast_path_allowed(name: str, *tensors: torch.Tensor | None) -> bool:
     op = FAST_OPS[name]
     if name in _forced_references():
         return False
-    if torch.compiler.is_compiling() and not op.traceable:
+    if torch.compiler.is_compiling() and not (op.traceable or op.traceable_forward and not torch.is_grad_enabled()):
         return False
     present = [t for t in tensors if t is not None]
     if not present or not all(isinstance(t, torch.Tensor) for t in present):

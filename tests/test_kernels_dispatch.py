@@ -131,12 +131,19 @@ def test_each_declared_constraint(fake_fast_ops, monkeypatch):
     b = fake_cuda(2, 3, dtype=torch.bfloat16)
     assert ops.fast_or_reference("block_attn_res_mix", b, b)() == "block_attn_res_mix"
     assert is_reference("block_attn_res_mix", ops.fast_or_reference("block_attn_res_mix", b, x))
-    # traceable: under torch.compile only the grouped-GEMM experts stay fast
+    # under torch.compile: the grouped-GEMM experts (torch ops) stay fast with or without autograd; the twins made of
+    # custom ops (the compiled decode step's kernels) only while no gradient is recorded; the others never
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     for name, op in ops.FAST_OPS.items():
-        fn = ops.fast_or_reference(name, b)
-        assert (fn() == name) if op.traceable else is_reference(name, fn), name
+        with torch.no_grad():
+            fn = ops.fast_or_reference(name, b)
+            assert (fn() == name) if op.traceable or op.traceable_forward else is_reference(name, fn), name
+        with torch.enable_grad():
+            fn = ops.fast_or_reference(name, b)
+            assert (fn() == name) if op.traceable else is_reference(name, fn), name
     assert [name for name, op in ops.FAST_OPS.items() if op.traceable] == ["moe_experts"]
+    assert {name for name, op in ops.FAST_OPS.items() if op.traceable_forward} == {
+        "fused_recurrent_kda", "causal_conv1d", "block_attn_res_mix", "situ_glu", "moe_experts_mxfp4", "mxfp4_dequant"}
 
 
 def test_one_switch_forces_references(fake_fast_ops, monkeypatch):
@@ -348,3 +355,108 @@ def test_flash_attention_with_lse_adapter_matches_reference_on_cpu_op():
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     assert is_reference("attention_with_lse", ops.fast_or_reference("attention_with_lse", q))
+
+
+# ------------------------------------------------------------------------ custom ops (torch.compile keeps the kernels)
+
+
+def _custom_op_cases():
+    """Inputs for every `torch.ops.kimik3.*` op: decode-step shapes, strided views where the model passes them."""
+    custom_ops = importlib.import_module(kernels.__name__ + ".custom_ops")
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    fused = randn(3, 2, 16, dtype=torch.bfloat16)  # a fused gate_up projection: SiTU reads its two halves
+    packed, scale = ops.quantize_mxfp4(randn(4, 6, 64))
+    step = [randn(2, 1, 3, 4), randn(2, 1, 3, 4), randn(2, 1, 3, 5), -torch.rand(2, 1, 3, 4, generator=gen),
+            torch.rand(2, 1, 3, generator=gen)]
+    cases = {
+        "situ_glu": [(fused[..., :8], fused[..., 8:], 4.0, 25.0), (randn(5, 8), randn(5, 8), 1.0, None)],
+        "block_attn_res_mix": [([randn(2, 1, 8) for _ in range(3)], randn(8), randn(1, 8), 1e-6)],
+        "fused_recurrent_kda": [(*step, None, randn(2, 3, 4, 5), True, True), (*step, 0.3, None, False, False)],
+        "causal_conv1d": [(randn(2, 1, 6), randn(6, 1, 4), randn(2, 6, 3)), (randn(2, 5, 6), randn(6, 1, 4), None)],
+        "mxfp4_dequant": [(packed, scale, torch.bfloat16), (packed, scale, torch.float32)],
+        "mxfp4_grouped_matmul": [(randn(7, 64, dtype=torch.bfloat16), packed, scale,
+                                  torch.tensor([2, 2, 5, 7], dtype=torch.int32))],
+    }
+    assert set(cases) == set(custom_ops.OPS)
+    return cases
+
+
+def test_every_custom_op_fake_impl_matches_its_real_output():
+    """opcheck on CPU (the ops' CPU implementation is the reference): the schema, the fake implementation's shapes,
+    dtypes and strides against the real outputs, and the op under AOT autograd with dynamic shapes."""
+    for name, cases in _custom_op_cases().items():
+        op = getattr(torch.ops.kimik3, name).default
+        for i, args in enumerate(cases):
+            utils = ("test_schema", "test_faketensor") + (("test_aot_dispatch_dynamic",) if i == 0 else ())
+            result = torch.library.opcheck(op, args, test_utils=utils)
+            assert result == {u: "SUCCESS" for u in utils}, (name, i, result)
+
+
+def test_custom_ops_run_the_references_off_cuda():
+    cases = _custom_op_cases()
+    gate, up, beta, linear_beta = cases["situ_glu"][0]
+    assert torch.equal(torch.ops.kimik3.situ_glu(gate, up, beta, linear_beta), ops.situ_glu(gate, up, beta, linear_beta))
+    o, state = torch.ops.kimik3.fused_recurrent_kda(*cases["fused_recurrent_kda"][0])
+    ref_o, ref_state = ops.fused_recurrent_kda(*cases["fused_recurrent_kda"][0])
+    assert torch.equal(o, ref_o) and torch.equal(state, ref_state)
+    assert torch.ops.kimik3.fused_recurrent_kda(*cases["fused_recurrent_kda"][1])[1].numel() == 0  # no state asked
+    xs, packed, scale, ends = cases["mxfp4_grouped_matmul"][0]
+    dense = ops.dequantize_mxfp4(packed, scale, torch.float32)
+    rows = [xs[a:b].float() @ dense[e].t() for e, (a, b) in enumerate(zip([0, *ends.tolist()], ends.tolist()))]
+    torch.testing.assert_close(torch.ops.kimik3.mxfp4_grouped_matmul(xs, packed, scale, ends),
+                               torch.cat(rows).to(xs.dtype), rtol=0, atol=0)
+
+
+def test_custom_ops_compile_into_one_graph_without_breaks():
+    """A decode-like step calling every custom op (and the packed experts' routing around the grouped matmul, as
+    kernels/moe.py runs it) compiles with fullgraph=True into one graph that keeps each op as a node, and computes
+    what it computes eagerly."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    moe = importlib.import_module(kernels.__name__ + ".moe")
+    cases = _custom_op_cases()
+    x, idx, w, gate_up, down = _moe_case(n=2, k=3, e=4, width=64, inter=32)
+    (gu_packed, gu_scale), (d_packed, d_scale) = ops.quantize_mxfp4(gate_up), ops.quantize_mxfp4(down)
+    kda_args = cases["fused_recurrent_kda"][0]
+    conv_x, conv_w, conv_state = cases["causal_conv1d"][0]
+    mix_args = cases["block_attn_res_mix"][0]
+
+    def step(x, idx, w):
+        routed = moe._routed_experts(
+            x, idx, w, 4, 32,
+            lambda xs, offs: torch.ops.kimik3.mxfp4_grouped_matmul(xs, gu_packed, gu_scale, offs),
+            lambda act, offs: torch.ops.kimik3.mxfp4_grouped_matmul(act, d_packed, d_scale, offs),
+            4.0, 25.0)
+        h = torch.ops.kimik3.situ_glu(routed, routed * 0.5, 4.0, None)
+        o, state = torch.ops.kimik3.fused_recurrent_kda(*kda_args)
+        y, new_conv = torch.ops.kimik3.causal_conv1d(conv_x, conv_w, conv_state)
+        mixed = torch.ops.kimik3.block_attn_res_mix(*mix_args)
+        dense = torch.ops.kimik3.mxfp4_dequant(gu_packed, gu_scale, torch.bfloat16)
+        return routed, h, o, state, y, new_conv, mixed, dense
+
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True, backend=recording_backend)(x, idx, w)
+        eager = step(x, idx, w)
+    assert len(graphs) == 1 and sum(counters["graph_break"].values()) == 0
+    code = graphs[0].code
+    for name in _custom_op_cases():
+        assert f"torch.ops.kimik3.{name}" in code, name
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    # the packed experts' routing around the custom grouped matmul computes the reference packed experts
+    reference = ops.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)
+    torch.testing.assert_close(compiled[0], reference, rtol=1e-2, atol=1e-2)
+    torch._dynamo.reset()
