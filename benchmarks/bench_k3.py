@@ -124,7 +124,9 @@ def byte_stats(model):
     """Parameter bytes by role. 3-D `*experts*` parameters are routed experts [E, out, in]."""
     stats = {"dense_params": 0, "dense_bytes": 0, "embed_bytes": 0, "lm_head_params": 0, "lm_head_bytes": 0,
              "expert_params_per_expert": 0, "expert_bytes_per_expert": 0, "num_experts": 0, "moe_layers": set()}
-    for name, p in model.named_parameters():
+    # packed MXFP4 experts are buffers (uint8 codes + E8M0 scales): their bytes are what a decode step reads
+    packed = [(n, b) for n, b in model.named_buffers() if n.endswith(("_packed", "_scale"))]
+    for name, p in [*model.named_parameters(), *packed]:
         nbytes = p.numel() * p.element_size()
         if "embed_tokens" in name:
             stats["embed_bytes"] += nbytes
@@ -144,7 +146,7 @@ def byte_stats(model):
     if n_moe:  # per layer
         stats["expert_params_per_expert"] //= n_moe
         stats["expert_bytes_per_expert"] //= n_moe
-    stats["total_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    stats["total_bytes"] = sum(p.numel() * p.element_size() for p in [*model.parameters(), *(b for _, b in packed)])
     return stats
 
 
@@ -572,6 +574,8 @@ def main():
             return True
         if name == "k3.build":
             return any(o.startswith(("fast", "ref", "prefill_1m", "generate")) for o in only)
+        if name == "mxfp4.build":
+            return any(o.startswith("mxfp4") for o in only)
         if name == "kimi_linear.build":
             return any(o.startswith("kimi_linear") for o in only)
         return False
@@ -703,6 +707,35 @@ def main():
         sec("prefill_1m_chunked", prefill_1m, 90)
         holder.clear()
         del drv
+        free_cuda()
+
+    # ---------------------------------------------------------------- packed MXFP4 experts (the release format)
+    def build_mxfp4():
+        t = time.perf_counter()
+        config = k3_config(args.layers, args.experts)
+        config.experts_format = "mxfp4"
+        model = build(KimiK3ForCausalLM, config)
+        with torch.no_grad():  # random valid codes; E8M0 scales 2^-9..2^-6 keep the weights at a trained size
+            for name, buffer in model.named_buffers():
+                if name.endswith("_packed"):
+                    buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, device=buffer.device))
+                elif name.endswith("_scale"):
+                    buffer.copy_(torch.randint(118, 122, buffer.shape, dtype=torch.uint8, device=buffer.device))
+        holder["model"], holder["stats"] = model, byte_stats(model)
+        return {"build_s": round(time.perf_counter() - t, 1),
+                "params_gib": round(holder["stats"]["total_bytes"] / 2**30, 2), **holder["stats"]}
+
+    sec("mxfp4.build", build_mxfp4, 30)
+    if "model" in holder:
+        model, stats = holder["model"], holder["stats"]
+        for batch in (1, 8):
+            sec(f"mxfp4.generate.eager.decode_b{batch}_4k",
+                lambda b=batch: measure_generate_decode(model, stats, b, 4 * K, False), 15)
+            sec(f"mxfp4.generate.compiled.decode_b{batch}_4k",
+                lambda b=batch: measure_generate_decode(model, stats, b, 4 * K, True), 60)
+        torch._dynamo.reset()
+        holder.clear()
+        del model
         free_cuda()
 
     # ---------------------------------------------------------------- transformers' Kimi Linear
