@@ -834,7 +834,8 @@ def _write_remote_code(model: PreTrainedModel, directory: Path) -> None:
         from kimik3.hub_card import saved_model_card, write_model_card
     except ImportError:  # the card needs the package; remote code must not
         return
-    write_model_card(directory, saved_model_card(model.config, model.config.name_or_path))
+    write_model_card(directory, saved_model_card(model.config, model.config.name_or_path,
+                                                 vision=getattr(model, "vision_tower", None) is not None))
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
