@@ -98,10 +98,45 @@ def _cache_rows(text) -> str:
     )
 
 
+# The card's image section, for folders whose model holds the vision tower. The processor is built from this folder's
+# code: a converted folder keeps the release's preprocessor_config.json, whose auto_map (if any) is not ours.
+IMAGES_SECTION = """
+## Images
+
+`KimiK3ForConditionalGeneration` (what `AutoModelForCausalLM` loads here) reads images: the MoonViT-3d tower and the
+patch-merger projector turn an image into one row per 2x2 block of 14-pixel patches, spliced in at its
+`<|media_pad|>` tokens. `KimiK3Processor` (`processing_kimi_k3.py`) resizes, normalises and cuts the images with the
+release's rules and writes one `<|media_pad|>` per row; its outputs go straight to `generate`:
+
+```python
+from PIL import Image
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+KimiK3Processor = get_class_from_dynamic_module("processing_kimi_k3.KimiK3Processor", repo)
+processor = KimiK3Processor(tokenizer=tokenizer)  # release image settings: patch 14, 2x2 merge, pixels in [-1, 1]
+messages = [{"role": "user", "content": [{"type": "image", "image": Image.open("photo.jpg")},
+                                          {"type": "text", "text": "What is in this picture?"}]}]
+inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True).to(model.device)
+out = model.generate(**inputs, max_new_tokens=2048)
+print(processor.decode(out[0, inputs["input_ids"].shape[1]:]))
+```
+
+Batches of conversations with images pad on the left (`padding=True, padding_side="left"`), and the static cache
+(`cache_implementation="static"`) works with images. A folder with our `processor_config.json` (written by
+`processor.save_pretrained` or `kimik3 tiny`) also loads it with `AutoProcessor.from_pretrained(repo,
+trust_remote_code=True)`. Images only: video is not supported.
+"""
+
+
 def _limitations(sliced: bool, random_weights: bool, vision: bool) -> str:
     items = [
-        "The vision tower (MoonViT) is not implemented by this code: inputs are text only"
-        + (" (the vision weights in this folder are carried, not used)." if vision else "."),
+        "Images only: video input is not supported (the processor refuses it). The image path (MoonViT-3d tower, "
+        "patch-merger projector, splice at `<|media_pad|>`) matches an independent per-patch reference in float32; "
+        "it has not yet been compared with Moonshot AI's implementation."
+        if vision else
+        "This folder holds no vision weights: inputs are text only (the code reads images when a checkpoint carries "
+        "the MoonViT tower, `vision_tower.*` and `mm_projector.*`).",
         "KDA layers keep a recurrent state that cannot be rolled back, so the cache cannot be cropped: assisted "
         "generation / speculative decoding that rewinds the cache is not supported.",
         "No multi-token-prediction head (the release has none).",
@@ -167,6 +202,7 @@ def build_model_card(config, *, title: str, summary: str, base_model: str | None
         repo_id=repo_id,
         eos_token_id=163586,
         provenance=_provenance_section(provenance),
+        images=IMAGES_SECTION if vision else "",
         limitations=_limitations(sliced, base_model is None, vision),
     )
 
@@ -206,9 +242,10 @@ def _read_front_matter(readme: Path) -> dict:
         return {}
 
 
-def saved_model_card(config, name_or_path: str | None = None) -> str:
+def saved_model_card(config, name_or_path: str | None = None, vision: bool = False) -> str:
     """The card of a folder saved from a loaded model. Its base is what it was loaded from: a Hub id, or, for a local
-    folder, that folder's own base (its card's `base_model`, or the release for a converted folder)."""
+    folder, that folder's own base (its card's `base_model`, or the release for a converted folder). `vision`: the
+    saved model holds the vision tower."""
     source = Path(name_or_path) if name_or_path else None
     base_model, provenance = None, None
     if source is not None and source.is_dir():
@@ -231,7 +268,8 @@ def saved_model_card(config, name_or_path: str | None = None) -> str:
                    "initialisation such as `kimik3 tiny`, or a model trained from scratch).")
     sliced = (len(text.layer_types), text.num_experts) != RELEASE_SHAPE
     return build_model_card(config, title=title, summary=summary, base_model=base_model,
-                            relation="finetune" if base_model else None, provenance=provenance, sliced=sliced)
+                            relation="finetune" if base_model else None, provenance=provenance, vision=vision,
+                            sliced=sliced)
 
 
 def write_model_card(directory, card: str) -> bool:

@@ -8,8 +8,10 @@ from kimik3.remote_code import remote_code_files, save_with_code
 
 from kimik3.tokenizer_files import TOKENIZER_FILE_NAMES, special_token_ids, write_tokenizer_folder
 
-# What `kimik3 tiny` writes (save_pretrained, the remote code, the tokenizer); with --overwrite these are replaced.
-TINY_FILES = ("config.json", "generation_config.json", "model.safetensors") + TOKENIZER_FILE_NAMES
+# What `kimik3 tiny` writes (save_pretrained, the remote code, the tokenizer, the processor config); with --overwrite
+# these are replaced.
+TINY_FILES = ("config.json", "generation_config.json", "model.safetensors", "processor_config.json") + \
+    TOKENIZER_FILE_NAMES
 # The tiny folder's synthetic tokenizer: 512 BPE ranks + the 256 reserved specials = its vocab_size. The preset
 # (`tiny_text_config_dict`, vocab 128, used by the model tests) stays; the folder overrides vocab and token ids.
 TINY_NUM_RANKS = 512
@@ -78,4 +80,15 @@ def write_tiny_folder(directory: str | Path, num_hidden_layers: int = 4, seed: i
     model.generation_config.update(**ids)  # generation stops at <|end_of_msg|>, as the release's does
     save_with_code(model, directory)
     write_tokenizer_folder(directory, TINY_NUM_RANKS)
+    write_processor_config(directory)
     return model, kept
+
+
+def write_processor_config(directory: Path) -> Path:
+    """processor_config.json (release image settings, auto_map) so `AutoProcessor.from_pretrained(folder,
+    trust_remote_code=True)` gives the K3 processor over the folder's tokenizer. The tiny model is text-only: the
+    processor serves its prompts, and images for a composite model built on the same tokenizer."""
+    from kimik3.modeling.processing_kimi_k3 import KimiK3Processor
+    from kimik3.modeling.tokenization_kimi_k3 import KimiK3TokenizerFast
+
+    return KimiK3Processor(tokenizer=KimiK3TokenizerFast.from_pretrained(directory)).write_processor_files(directory)

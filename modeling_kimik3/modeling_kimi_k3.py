@@ -858,7 +858,8 @@ def _write_remote_code(model: PreTrainedModel, directory: Path) -> None:
         from kimik3.hub_card import saved_model_card, write_model_card
     except ImportError:  # the card needs the package; remote code must not
         return
-    write_model_card(directory, saved_model_card(model.config, model.config.name_or_path))
+    write_model_card(directory, saved_model_card(model.config, model.config.name_or_path,
+                                                 vision=getattr(model, "vision_tower", None) is not None))
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
@@ -1208,6 +1209,23 @@ def merge_image_features(input_ids, inputs_embeds, image_features, placeholder_i
     return embeds, mask, merged_labels
 
 
+def image_rows_added(input_ids, grid_thws, placeholder_id, merge_kernel: tuple[int, int]) -> int:
+    """Positions the splice adds to the longest row: a single placeholder for an image of n rows adds n - 1, a
+    pre-expanded run none (what `merge_image_features` will do, computed from the inputs before the model runs)."""
+    if input_ids is None or grid_thws is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return 0
+    grid = torch.as_tensor(grid_thws).reshape(-1, 3)
+    rows_per_image = ((grid[:, 1] // merge_kernel[0]) * (grid[:, 2] // merge_kernel[1])).tolist()
+    runs = _placeholder_runs(input_ids, placeholder_id)
+    if len(runs) != len(rows_per_image):
+        return 0  # the forward refuses the mismatch, naming it
+    added = [0] * input_ids.shape[0]
+    for (row, _, length), rows in zip(runs, rows_per_image):
+        if length == 1:
+            added[row] += rows - 1
+    return max(added)
+
+
 def _checkpoint_tensor_names(pretrained, kwargs) -> list[str] | None:
     """Tensor names of a checkpoint (index or single file), or None when they cannot be read without loading it."""
     from transformers.utils import cached_file
@@ -1347,6 +1365,24 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
             **kwargs,
         )
         return KimiK3MultimodalOutputWithPast(**outputs, attention_mask=merged_mask)
+
+    def generate(self, inputs=None, *args, **kwargs):
+        # A static cache is sized from the prompt before the prefill; images given as one `<|media_pad|>` each
+        # lengthen the merged prompt by their rows - 1, which the cache must hold too (_prepare_cache_for_generation).
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        self._image_rows_added = 0 if self.vision_tower is None else image_rows_added(
+            input_ids, kwargs.get("grid_thws"), self.config.media_placeholder_token_id,
+            self.vision_tower.merge_kernel_size)
+        try:
+            return super().generate(inputs, *args, **kwargs)
+        finally:
+            self._image_rows_added = 0
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length) -> None:
+        max_cache_length += getattr(self, "_image_rows_added", 0)
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                              max_cache_length)
 
     def prepare_inputs_for_generation(self, *args, pixel_values=None, grid_thws=None, **kwargs):
         """Images go into the prefill only; later steps read the cache (and the merged mask, see below)."""

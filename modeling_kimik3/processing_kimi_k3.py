@@ -15,20 +15,36 @@
 
 Each `<|kimi_image_placeholder|>` in the text (what the chat template writes for an image part) becomes the
 release's image prompt `<|media_begin|>image {W}x{H}<|media_content|><|media_pad|><|media_end|>` (W x H the size
-before resizing); the model expands the one `<|media_pad|>` to the image's rows. With `expand_media_pad=True` the
-prompt holds one `<|media_pad|>` per image row instead (lengths known before the model runs, e.g. for truncation or
-labels); the model accepts both forms. Texts written with the release's image prompts already in them pass as they
-are. Images are matched to placeholders in reading order (texts in order, then positions).
+before resizing) with one `<|media_pad|>` per image row the model will splice in (rows/2 * columns/2 patches of its
+`grid_thws`), so lengths, padding and masks are final before the model runs. With `expand_media_pad=False` the
+prompt keeps the release's single `<|media_pad|>` and the model expands it; the model accepts both forms. Texts
+written with the release's image prompts already in them pass as they are. Images are matched to placeholders in
+reading order (texts in order, then positions). Images only: video and audio inputs are refused.
 """
+
+import json
+import shutil
+from pathlib import Path
 
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
 from .image_processing_kimi_k3 import KimiK3ImageProcessor, _as_pil
+from .tokenization_kimi_k3 import normalize_conversation
 
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 MEDIA_PAD = "<|media_pad|>"
+PROCESSOR_CONFIG_NAME = "processor_config.json"
+# The code files a processor folder needs (relative imports only between them), and the auto_map naming its classes:
+# at the top of processor_config.json for AutoProcessor, inside its nested `image_processor` for AutoImageProcessor
+# (which reads only that part of the file).
+PROCESSOR_CODE_FILES = ("processing_kimi_k3.py", "image_processing_kimi_k3.py", "tokenization_kimi_k3.py")
+PROCESSOR_AUTO_MAP = {"AutoProcessor": "processing_kimi_k3.KimiK3Processor",
+                      "AutoImageProcessor": "image_processing_kimi_k3.KimiK3ImageProcessor"}
+# Keyword arguments ProcessorMixin.apply_chat_template passes for media loading that the tokenizer must not see
+_MEDIA_LOADING_KWARGS = ("num_frames", "fps", "do_sample_frames", "video_load_backend", "sampling_rate",
+                         "load_audio_from_video")
 
 
 def _flatten(items) -> list:
@@ -36,6 +52,15 @@ def _flatten(items) -> list:
     for item in items:
         flat.extend(_flatten(item) if isinstance(item, (list, tuple)) else [item])
     return flat
+
+
+def _normalized(conversation):
+    """The tokenizer's conversation normalisation, for one conversation or a batch of them."""
+    if conversation and isinstance(conversation[0], dict):
+        return normalize_conversation(list(conversation))
+    if conversation and isinstance(conversation[0], (list, tuple)):
+        return [normalize_conversation(list(c)) for c in conversation]
+    return conversation
 
 
 class KimiK3Processor(ProcessorMixin):
@@ -50,13 +75,17 @@ class KimiK3Processor(ProcessorMixin):
             chat_template = getattr(tokenizer, "chat_template", None)
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
-    def image_prompt(self, width: int, height: int, expand_media_pad: bool = False) -> str:
+    def image_prompt(self, width: int, height: int, expand_media_pad: bool = True) -> str:
         prompt = self.image_processor.image_prompt(width, height)
         if expand_media_pad:
             prompt = prompt.replace(MEDIA_PAD, MEDIA_PAD * self.image_processor.num_image_tokens(width, height))
         return prompt
 
-    def __call__(self, images=None, text=None, expand_media_pad: bool = False, return_tensors="pt", **kwargs):
+    def __call__(self, images=None, text=None, videos=None, audio=None, expand_media_pad: bool = True,
+                 return_tensors="pt", **kwargs):
+        if videos is not None or audio is not None:
+            raise ValueError("KimiK3Processor reads images only: video and audio inputs are not supported (the "
+                             "release's processor refuses them too); pass video frames as separate images")
         if text is None:
             raise ValueError("KimiK3Processor needs text (with one `<|kimi_image_placeholder|>` per image)")
         texts = [text] if isinstance(text, str) else list(text)
@@ -64,8 +93,7 @@ class KimiK3Processor(ProcessorMixin):
             images = [images]
         # apply_chat_template passes one list of images per conversation
         images = [_as_pil(image) for image in _flatten(images or [])]
-        # drop the ProcessorMixin kwargs that belong to the chat template / image loading
-        for key in ("num_frames", "video_load_backend", "sampling_rate", "load_audio_from_video"):
+        for key in _MEDIA_LOADING_KWARGS:
             kwargs.pop(key, None)
         texts = self._insert_image_prompts(texts, images, expand_media_pad)
         text_inputs = self.tokenizer(texts if len(texts) > 1 or not isinstance(text, str) else texts[0],
@@ -74,6 +102,11 @@ class KimiK3Processor(ProcessorMixin):
         if images:
             data.update(self.image_processor.preprocess(images, return_tensors=return_tensors).data)
         return BatchFeature(data=data, tensor_type=return_tensors)
+
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        """As ProcessorMixin's (image parts: `{"type": "image", "image": <PIL image, path or URL>}`), with the
+        tokenizer's normalisation first so the text matches `tokenizer.apply_chat_template`."""
+        return super().apply_chat_template(_normalized(conversation), *args, **kwargs)
 
     def _insert_image_prompts(self, texts: list[str], images: list, expand_media_pad: bool) -> list[str]:
         placeholders = sum(t.count(IMAGE_PLACEHOLDER) for t in texts)
@@ -95,24 +128,26 @@ class KimiK3Processor(ProcessorMixin):
                 for t in texts]
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Also writes this file and the image processor's next to the configs, with their `auto_map`, so the folder
-        loads with `AutoProcessor.from_pretrained(..., trust_remote_code=True)` without the package."""
-        import json
-        import shutil
-        from pathlib import Path
-
+        """Also writes the processor code files next to the configs, with their `auto_map`, so the folder loads with
+        `AutoProcessor.from_pretrained(..., trust_remote_code=True)` without the package."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
-        directory, here = Path(save_directory), Path(__file__).resolve().parent
-        for name in ("processing_kimi_k3.py", "image_processing_kimi_k3.py"):
+        self.write_processor_files(save_directory)
+        return result
+
+    def write_processor_files(self, directory) -> Path:
+        """processor_config.json (the image processor's settings nested, both auto_maps) and the code files: what a
+        folder that already holds the tokenizer (a model folder) needs for AutoProcessor. Returns the config path."""
+        directory, here = Path(directory), Path(__file__).resolve().parent
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in PROCESSOR_CODE_FILES:
             if (here / name).resolve() != (directory / name).resolve():
                 shutil.copyfile(here / name, directory / name)
-        config_path = directory / "processor_config.json"
-        if config_path.exists():
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-            config["auto_map"] = {"AutoProcessor": "processing_kimi_k3.KimiK3Processor",
-                                  "AutoImageProcessor": "image_processing_kimi_k3.KimiK3ImageProcessor"}
-            config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        return result
+        config = self.to_dict()
+        config["auto_map"] = dict(PROCESSOR_AUTO_MAP)
+        config["image_processor"]["auto_map"] = dict(PROCESSOR_AUTO_MAP)
+        config_path = directory / PROCESSOR_CONFIG_NAME
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return config_path
 
     def batch_decode(self, *args, **kwargs):
         return self.tokenizer.batch_decode(*args, **kwargs)

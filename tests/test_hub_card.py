@@ -52,7 +52,10 @@ def test_converted_card_metadata_and_tables_come_from_the_folder(converted):
     assert f"| {text_config.max_position_embeddings:,} |" in text  # cache table ends at the folder's own context
     assert "## Conversion provenance (`kimik3_conversion.json`)" in text and str(release.path) in text
     assert "`<|end_of_msg|>` (id 163586" in text and "apply_chat_template" in text
-    assert "Not measured" in text and "vision tower (MoonViT) is not implemented" in text
+    assert "Not measured" in text
+    # the tower is implemented: the card shows the image usage and says what is not supported (video)
+    assert "## Images" in text and "processor.apply_chat_template(messages" in text
+    assert "video input is not supported" in text and "no vision weights" not in text
     # the card is a pure function of provenance + config (a resumed conversion writes the same bytes)
     provenance = json.loads((whole / "kimik3_conversion.json").read_text())
     assert converted_model_card(provenance, config) == text
@@ -61,6 +64,7 @@ def test_converted_card_metadata_and_tables_come_from_the_folder(converted):
     assert meta["pipeline_tag"] == "text-generation" and "base_model_relation" not in meta
     assert "sliced to 2 layers" in text and "| layers | 2 (" in text and "This is a sliced model" in text
     assert "mxfp4" not in meta["tags"]
+    assert "This folder holds no vision weights: inputs are text only" in text and "## Images" not in text
 
 
 def test_save_pretrained_keeps_a_users_readme_and_replaces_ours(converted, tmp_path):
@@ -76,7 +80,7 @@ def test_save_pretrained_keeps_a_users_readme_and_replaces_ours(converted, tmp_p
     text, meta = _card(tmp_path)
     assert "old card" not in text and meta["base_model_relation"] == "finetune"
     assert meta["base_model"] == str(converted[0].path)  # the converted folder's own base
-    assert meta["pipeline_tag"] == "text-generation"  # our model holds no vision weights
+    assert meta["pipeline_tag"] == "image-text-to-text" and "## Images" in text  # the model holds the tower
 
 
 def _k3_tokenizer(tmp_path):

@@ -4,6 +4,7 @@ checkpoint."""
 
 import copy
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +14,12 @@ from PIL import Image
 from convert import testing
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.modeling.image_processing_kimi_k3 import KimiK3ImageProcessor
-from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration, merge_image_features
+from kimik3.modeling.modeling_kimi_k3 import (
+    KimiK3ForConditionalGeneration,
+    _placeholder_runs,
+    merge_image_features,
+)
+from k3_test_utils import cache_of
 
 PAD_ID = testing.TINY_TOP["pad_token_id"]
 MEDIA_ID = testing.TINY_TOP["media_placeholder_token_id"]
@@ -274,3 +280,193 @@ def test_release_layout_checkpoint_loads_the_tower_bf16_and_without_vision_tenso
     no_vision = testing.write_release_checkpoint(tmp_path / "text", num_layers=2, num_experts=2, vision=False)
     text_model = KimiK3ForConditionalGeneration.from_pretrained(no_vision.path)
     assert text_model.vision_tower is None and text_model.mm_projector is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Processor: AutoProcessor from a folder, the chat template with images, and its inputs through generate()
+
+IMAGE_PROMPT = "<|media_begin|>image {w}x{h}<|media_content|><|media_pad|><|media_end|>"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from kimik3.tiny import write_tiny_folder
+
+    directory = tmp_path_factory.mktemp("tiny")
+    write_tiny_folder(directory, num_hidden_layers=2)
+    return directory
+
+
+def _load_processor_without_the_package(directory):
+    """AutoProcessor with the installed package hidden: every module must come from the folder's flat files."""
+    from transformers import AutoProcessor
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "kimik3", None)
+        return AutoProcessor.from_pretrained(directory, trust_remote_code=True)
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_folder):
+    return _load_processor_without_the_package(tiny_folder)
+
+
+@pytest.fixture(scope="module")
+def vl_model(processor):
+    """A tiny composite model on the tiny folder's vocabulary (512 ranks + 256 specials) and the processor's
+    14-pixel patches."""
+    from kimik3.tiny import TINY_NUM_RANKS
+    from kimik3.tokenizer_files import special_token_ids
+
+    ids = special_token_ids(TINY_NUM_RANKS)
+    raw = testing.tiny_release_config(num_layers=2, num_experts=4, vision_overrides={"patch_size": 14},
+                                      config_overrides={"vocab_size": TINY_NUM_RANKS + 256, **ids})
+    raw.update(ids, media_placeholder_token_id=processor.tokenizer.convert_tokens_to_ids("<|media_pad|>"))
+    torch.manual_seed(1)
+    return KimiK3ForConditionalGeneration(KimiK3Config(**raw)).eval()
+
+
+def _image(width, height, seed):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _conversation(text, *images):
+    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                         {"type": "text", "text": text}]}]
+
+
+def _by_hand(processor, conversations, images):
+    """The release's prompt form written out: the template's text with each placeholder replaced by the image prompt
+    (one `<|media_pad|>`, the model expands it), left-padded ids, and the image processor's pixels."""
+    tokenizer = processor.tokenizer
+    rows = []
+    pending = iter(images)
+    for conversation in conversations:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        parts = text.split("<|kimi_image_placeholder|>")
+        prompts = [IMAGE_PROMPT.format(w=im.width, h=im.height) for im in (next(pending) for _ in parts[1:])]
+        text = parts[0] + "".join(p + rest for p, rest in zip(prompts, parts[1:]))
+        rows.append(tokenizer(text)["input_ids"])
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    pixels = processor.image_processor.preprocess(images)
+    return ids, mask, pixels["pixel_values"], pixels["grid_thws"]
+
+
+def test_auto_processor_loads_from_the_tiny_folder_and_from_a_saved_processor_folder(processor, tiny_folder,
+                                                                                      tmp_path):
+    for part in (processor, processor.image_processor, processor.tokenizer):
+        assert type(part).__module__.startswith("transformers_modules."), type(part)
+    assert type(processor).__name__ == "KimiK3Processor"
+    assert type(processor.image_processor).__name__ == "KimiK3ImageProcessor"
+    # save_pretrained from the folder-loaded processor (its code lives in the modules cache), with a setting that
+    # differs from the default, must come back from the new folder
+    processor.image_processor.media_proc_cfg["patch_limit_on_one_side"] = 4
+    try:
+        processor.save_pretrained(tmp_path / "proc")
+    finally:
+        processor.image_processor.media_proc_cfg["patch_limit_on_one_side"] = 512
+    reloaded = _load_processor_without_the_package(tmp_path / "proc")
+    assert type(reloaded.image_processor).__module__.startswith("transformers_modules.")
+    assert reloaded.image_processor.media_proc_cfg["patch_limit_on_one_side"] == 4
+    out = reloaded(text="<|kimi_image_placeholder|>hi", images=[_image(200, 60, 0)])
+    assert out["grid_thws"].tolist() == [[1, 2, 4]]  # 200 x 60 scaled to 4 patches a side: 56 x 16 -> 56 x 28
+    assert int((out["input_ids"] == processor.tokenizer.convert_tokens_to_ids("<|media_pad|>")).sum()) == 2
+
+
+def test_chat_template_with_images_expands_the_placeholders_and_generates_as_the_inputs_built_by_hand(processor,
+                                                                                                      vl_model):
+    images = [_image(60, 40, 1), _image(30, 90, 2)]
+    conversation = _conversation("What differs?", *images)
+    inputs = processor.apply_chat_template(conversation, tokenize=True, return_dict=True, add_generation_prompt=True)
+    media = processor.tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    # 60x40 -> 84x56 padded: grid 4x6, 2x3 = 6 rows; 30x90 -> 56x112: grid 8x4, 4x2 = 8 rows
+    assert inputs["grid_thws"].tolist() == [[1, 4, 6], [1, 8, 4]]
+    assert inputs["pixel_values"].shape == (24 + 32, 3, 14, 14)
+    runs = [(start, length) for _, start, length in _placeholder_runs(inputs["input_ids"], media)]
+    assert [length for _, length in runs] == [6, 8]
+    ids, mask, pixels, grids = _by_hand(processor, [conversation], images)
+    # collapsing each run to one `<|media_pad|>` gives the release's prompt exactly
+    collapsed = [t for i, t in enumerate(inputs["input_ids"][0].tolist())
+                 if t != media or i in {start for start, _ in runs}]
+    assert collapsed == ids[0].tolist()
+    assert torch.equal(inputs["pixel_values"], pixels) and torch.equal(inputs["grid_thws"], grids)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    from_processor = vl_model.generate(**inputs, **kw)
+    by_hand = vl_model.generate(ids, attention_mask=mask, pixel_values=pixels, grid_thws=grids, **kw)
+    assert torch.equal(from_processor[:, -4:], by_hand[:, -4:])
+    with torch.no_grad():
+        a = vl_model(**inputs).logits[0, -1]
+        b = vl_model(input_ids=ids, pixel_values=pixels, grid_thws=grids).logits[0, -1]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def batch(processor):
+    images = [_image(60, 40, 3), _image(40, 40, 4), _image(70, 30, 5)]
+    conversations = [_conversation("Describe it in a word.", images[0]),
+                     _conversation("Which is brighter, the first or the second?", images[1], images[2])]
+    inputs = processor.apply_chat_template(conversations, tokenize=True, return_dict=True,
+                                           add_generation_prompt=True, padding=True, padding_side="left")
+    return conversations, images, inputs
+
+
+def test_batched_images_and_text_left_padded_generate_as_each_alone(processor, vl_model, batch):
+    conversations, images, inputs = batch
+    pad = processor.tokenizer.pad_token_id
+    lengths = inputs["attention_mask"].sum(dim=1).tolist()
+    short = lengths.index(min(lengths))
+    width = inputs["input_ids"].shape[1]
+    assert lengths[1 - short] == width and min(lengths) < width  # one row padded, on the left
+    assert inputs["input_ids"][short, :width - min(lengths)].eq(pad).all()
+    assert inputs["attention_mask"][short, :width - min(lengths)].eq(0).all()
+    assert inputs["grid_thws"].shape == (3, 3)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    together = vl_model.generate(**inputs, **kw)
+    start = 0
+    for row, conversation in enumerate(conversations):
+        alone = processor.apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                              add_generation_prompt=True)
+        assert torch.equal(alone["pixel_values"], inputs["pixel_values"][start:start + len(alone["pixel_values"])])
+        start += len(alone["pixel_values"])
+        assert torch.equal(together[row, -4:], vl_model.generate(**alone, **kw)[0, -4:])
+
+
+def test_static_cache_with_images_equals_dynamic_and_holds_the_merged_prompt(processor, vl_model, batch):
+    conversations, images, inputs = batch
+    ids, mask, pixels, grids = _by_hand(processor, conversations, images)  # one `<|media_pad|>` each: model expands
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    for batch_inputs in (dict(inputs), dict(input_ids=ids, attention_mask=mask, pixel_values=pixels,
+                                            grid_thws=grids)):
+        dynamic = vl_model.generate(**batch_inputs, **kw)
+        static = vl_model.generate(**batch_inputs, cache_implementation="static", **kw)
+        assert torch.equal(static.sequences, dynamic.sequences)
+        cache = cache_of(static)
+        assert cache.is_static
+        # sized to the merged prompt: the pre-expanded batch needs no more than its length, the other its expansion
+        assert cache.max_cache_len == inputs["input_ids"].shape[1] + 5 - 1
+
+
+def test_processor_refuses_video_and_mismatched_images(processor):
+    with pytest.raises(ValueError, match="images only"):
+        processor(text="<|kimi_image_placeholder|>", videos=[np.zeros((2, 28, 28, 3), dtype=np.uint8)])
+    with pytest.raises(ValueError, match="2 <|kimi_image_placeholder|> but 1 image"):
+        processor(text="<|kimi_image_placeholder|><|kimi_image_placeholder|>", images=[_image(28, 28, 0)])
+    out = processor(text="<|kimi_image_placeholder|>", images=[_image(28, 28, 0)], expand_media_pad=False)
+    assert processor.decode(out["input_ids"][0]).count("<|media_pad|>") == 1
+
+
+def test_the_cards_image_example_runs(processor, vl_model, tiny_folder, tmp_path, monkeypatch):
+    """The Images section of the model card, run as written (with a short generation) on a folder holding our
+    processor code and the tiny composite model."""
+    from kimik3.hub_card import IMAGES_SECTION
+
+    code = IMAGES_SECTION.split("```python\n")[1].split("```")[0].replace("max_new_tokens=2048", "max_new_tokens=3")
+    _image(50, 30, 6).save(tmp_path / "photo.jpg")
+    monkeypatch.chdir(tmp_path)
+    scope = {"repo": str(tiny_folder), "tokenizer": processor.tokenizer, "model": vl_model}
+    exec(code, scope)  # noqa: S102 - the card's own text
+    inputs, out = scope["inputs"], scope["out"]
+    assert inputs["grid_thws"].tolist() == [[1, 4, 4]] and out.shape[1] == inputs["input_ids"].shape[1] + 3
