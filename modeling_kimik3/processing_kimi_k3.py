@@ -64,9 +64,9 @@ def _normalized(conversation):
 
 
 class KimiK3Processor(ProcessorMixin):
+    # the sub-processors load through the Auto classes and the folder's auto_map (class-name attributes are
+    # deprecated in 5.24 and, on 5.17, resolve to the torchvision-only placeholder of AutoImageProcessor)
     attributes = ["image_processor", "tokenizer"]
-    image_processor_class = "AutoImageProcessor"
-    tokenizer_class = "AutoTokenizer"
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         if image_processor is None:

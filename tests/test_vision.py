@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from convert import testing
+from kimik3.convert import testing
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.modeling.image_processing_kimi_k3 import KimiK3ImageProcessor
 from kimik3.modeling.modeling_kimi_k3 import (
