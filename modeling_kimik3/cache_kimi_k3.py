@@ -515,6 +515,7 @@ class KimiK3Cache(Cache):
         * otherwise the nearest snapshot at or below the target (position 0: the empty state) is restored, the MLA
           latents are cut there and the model is run on the recorded token ids up to the target.
         """
+        max_length = int(max_length)  # transformers 5.17 passes a 0-d tensor
         target = self._seen_tokens + max_length if max_length <= 0 else max_length
         if target >= self._seen_tokens:
             self._rollback = None  # the live state is the new base of any later rollback
