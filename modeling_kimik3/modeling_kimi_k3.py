@@ -46,6 +46,8 @@ from .ops_kimi_k3 import (
     routed_experts,
 )
 from .parallel_kimi_k3 import local_shard
+# Imported so that save_pretrained ships it next to this file: prompt caches, the prefix store, draft slicing
+from .serving_kimi_k3 import KimiK3PrefixStore, build_prompt_cache, slice_draft_model  # noqa: F401
 
 
 logger = logging.get_logger(__name__)
