@@ -137,8 +137,8 @@ def _limitations(sliced: bool, random_weights: bool, vision: bool) -> str:
         if vision else
         "This folder holds no vision weights: inputs are text only (the code reads images when a checkpoint carries "
         "the MoonViT tower, `vision_tower.*` and `mm_projector.*`).",
-        "KDA layers keep a recurrent state that cannot be rolled back, so the cache cannot be cropped: assisted "
-        "generation / speculative decoding that rewinds the cache is not supported.",
+        "Assisted generation / speculative decoding (the KDA state rolls back by replaying recorded inputs) runs "
+        "on the default growing cache only: `cache_implementation=\"static\"` cannot be cropped.",
         "No multi-token-prediction head (the release has none).",
         "The full model needs about 1.56 TB for the weights with MXFP4 experts (5.56 TB with bf16 experts): plan "
         "devices with `kimik3 memory --plan`.",

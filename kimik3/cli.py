@@ -86,6 +86,11 @@ def cmd_memory(args) -> int:
     rows = memory_table(config, args.tokens, args.batch)
     print(f"Cache memory, {describe_layers(config)}, bf16 activations, f32 KDA state")
     print(format_memory_table(rows))
+    from kimik3.memory import format_snapshot_memory, snapshot_memory
+
+    snapshots = snapshot_memory(config, args.tokens, args.snapshot_blocks, args.batch)
+    print(f"KDA state snapshots for prefix reuse, one every {snapshots[0]['interval_tokens']} tokens")
+    print(format_snapshot_memory(snapshots))
     if args.json:
         print(json.dumps(rows))
     return 0
@@ -145,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated context lengths (default: 131072,1048576)")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--snapshot-blocks", type=positive_int,
+                   help="KDA state snapshot spacing in 512-token blocks for the snapshot table (default: 40)")
     p.add_argument("--plan", action="store_true",
                    help="weights + cache per device for a layer-wise split over --gpus devices of --gpu-mem each")
     p.add_argument("--gpus", type=positive_int, help="with --plan: number of devices")

@@ -86,6 +86,34 @@ def format_memory_table(rows: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# KDA state snapshots for prefix reuse (KimiK3Cache(snapshot_interval=...), the report's sparse checkpoints)
+
+
+def snapshot_memory(config, context_lengths=(131072, 1048576), every_blocks: int | None = None,
+                    batch_size: int = 1, dtype_bytes: int = 2) -> list[dict]:
+    """Snapshot bytes: one snapshot (every KDA layer's f32 state + conv windows) and all of them over a context,
+    one every `every_blocks` 512-token blocks (default: the cache's DEFAULT_SNAPSHOT_BLOCKS)."""
+    from kimik3.modeling.cache_kimi_k3 import DEFAULT_SNAPSHOT_BLOCKS, KDA_BLOCK_SIZE, snapshot_bytes
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    blocks = DEFAULT_SNAPSHOT_BLOCKS if every_blocks is None else every_blocks
+    interval = blocks * KDA_BLOCK_SIZE
+    per_snapshot = snapshot_bytes(text, batch_size, dtype_bytes)
+    return [{"tokens": tokens, "batch": batch_size, "interval_tokens": interval, "snapshots": tokens // interval,
+             "bytes_per_snapshot": per_snapshot, "snapshot_bytes": tokens // interval * per_snapshot}
+            for tokens in context_lengths]
+
+
+def format_snapshot_memory(rows: list[dict]) -> str:
+    header = f"{'tokens':>9} {'batch':>5} | {'interval':>9} {'snapshots':>9} | {'per snapshot':>13} {'all':>13}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['tokens']:>9} {r['batch']:>5} | {r['interval_tokens']:>9} {r['snapshots']:>9} | "
+                     f"{_gib(r['bytes_per_snapshot'])} {_gib(r['snapshot_bytes'])}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # `kimik3 memory --plan`: exact weight bytes from the config's parameter shapes, and a layer-wise device split
 
 DTYPE_BYTES = {"bf16": 2, "f32": 4, "u8": 1}

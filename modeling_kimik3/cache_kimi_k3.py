@@ -27,10 +27,35 @@ whose API moved between 5.17 and 5.24 and which hold K/V, not latents. The model
 the cache's accessors (`update_latents`, `kda_state`, `update_kda_state`, `has_previous_state`), and the token
 bookkeeping (a Python count, or a device-side position and key-validity mask) lives in the cache, since every layer
 of one forward writes the same positions.
+
+Going back to an earlier token (`crop`), which a recurrent state cannot do by itself, works two ways (dynamic cache):
+
+* Rollback records (speculative decoding): while past recording is on, every short forward records, per KDA layer,
+  the state it started from and the per-token inputs of the recurrence (the pre-conv q/k/v projections and the
+  post-conv q, k, v, the decay g and beta). Cropping inside the recorded span restores the conv windows from the
+  pre-conv inputs and replays the recurrence from the recorded state up to the kept token: no projection and no
+  earlier token is recomputed.
+* Snapshots (prefix reuse): a prefill stores the KDA states at every multiple of `snapshot_interval` tokens
+  (optionally on another device, under a byte budget). Cropping anywhere else restores the nearest snapshot at or
+  below the target, cuts the MLA latents there and runs the model on the recorded token ids in between: the same
+  computation as a prefill of those tokens.
 """
+
+import weakref
 
 import torch
 from transformers.cache_utils import Cache
+
+from .ops_kimi_k3 import chunk_kda, fast_or_reference, fused_recurrent_kda
+
+# The report's serving granularity: prompts are hashed in 512-token blocks, and a KDA state snapshot is kept every
+# few dozen blocks (about 50 snapshots over a 1M-token context).
+KDA_BLOCK_SIZE = 512
+DEFAULT_SNAPSHOT_BLOCKS = 40
+DEFAULT_SNAPSHOT_INTERVAL = KDA_BLOCK_SIZE * DEFAULT_SNAPSHOT_BLOCKS
+# Forwards longer than this are not recorded for rollback (a verify block is a handful of tokens; a prefill's
+# per-token inputs would cost far more than its snapshots)
+DEFAULT_MAX_ROLLBACK_TOKENS = 128
 
 
 def _static_address(tensor: torch.Tensor) -> torch.Tensor:
@@ -171,6 +196,77 @@ class KimiK3StaticKDAStateLayer(KimiK3KDAStateLayer):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Going back: rollback records and state snapshots
+
+
+class KimiK3KDARollbackRecord:
+    """What one KDA layer needs to roll back inside the recorded span: the state and conv windows it started from
+    (references: a growing cache replaces, never overwrites, its tensors) and the per-token inputs of its conv and
+    recurrence for the recorded tokens."""
+
+    def __init__(self, conv_states: tuple[torch.Tensor, ...] | None, recurrent_state: torch.Tensor | None):
+        self.base_conv_states = conv_states
+        self.base_state = recurrent_state
+        self.pre_conv: list[tuple[torch.Tensor, ...]] = []  # [B, T, C] q/k/v projections before the conv
+        self.recurrence_inputs: list[tuple[torch.Tensor, ...]] = []  # q, k, v [B, T, H, D], g [B, T, H, D], beta
+
+    def append(self, pre_conv: tuple[torch.Tensor, ...], recurrence_inputs: tuple[torch.Tensor, ...]) -> None:
+        self.pre_conv.append(tuple(pre_conv))
+        self.recurrence_inputs.append(tuple(recurrence_inputs))
+
+    def nbytes_per_token(self) -> int:
+        """Recorded bytes per token (all recorded tensors share the token axis, dim 1)."""
+        tokens = sum(step[0].shape[1] for step in self.pre_conv)
+        if tokens == 0:
+            return 0
+        held = sum(_nbytes(t) for step in (*self.pre_conv, *self.recurrence_inputs) for t in step)
+        return held // tokens
+
+    def replay(self, num_tokens: int, conv_kernel_size: int, chunk_size: int):
+        """(conv windows, recurrent state) after the first `num_tokens` recorded tokens."""
+        pre_conv = [torch.cat(parts, dim=1)[:, :num_tokens] for parts in zip(*self.pre_conv)]
+        q, k, v, g, beta = (torch.cat(parts, dim=1)[:, :num_tokens] for parts in zip(*self.recurrence_inputs))
+        conv_states = []
+        for index, x in enumerate(pre_conv):
+            x_t = x.transpose(1, 2)
+            base = (x_t.new_zeros(*x_t.shape[:2], conv_kernel_size - 1) if self.base_conv_states is None
+                    else self.base_conv_states[index].to(x_t.dtype))
+            window = torch.cat([base, x_t], dim=-1)
+            conv_states.append(window[..., window.shape[-1] - (conv_kernel_size - 1):])
+        # The kernel choice of the forward that would have produced this state: one token continuing a state is
+        # a decode step, anything else a chunked prefill.
+        if num_tokens == 1 and self.base_state is not None:
+            kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
+        else:
+            kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": chunk_size}
+        _, state = kda_fn(q, k, v, g, beta, initial_state=self.base_state, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, **extra)
+        return tuple(conv_states), state
+
+
+def rollback_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """Rollback record bytes per verified token, from the config: per KDA layer the pre-conv and post-conv q, k, v
+    (activation dtype), the f32 decay g (H x D) and the f32 beta (H). Compare with one KDA state, H x D x D f32 per
+    layer: the record is about D / (6 * dtype_bytes / 4 + 1) times smaller."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_kda = sum(t == "linear_attention" for t in text.layer_types)
+    heads, head_dim = text.linear_num_heads, text.linear_head_dim
+    per_layer = 6 * heads * head_dim * dtype_bytes + heads * head_dim * 4 + heads * 4
+    return num_kda * per_layer
+
+
+def snapshot_bytes(config, batch_size: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes of one KDA state snapshot: every KDA layer's f32 state and its three conv windows."""
+    per_token_free = analytic_cache_bytes(config, 1, batch_size, dtype_bytes)
+    return per_token_free["kda_state"] + per_token_free["kda_conv"]
+
+
+def _snapshot_copy(tensor: torch.Tensor, device) -> torch.Tensor:
+    # A copy: the live tensors may be written in place later (static buffers, fast kernels)
+    return tensor.detach().to(device, copy=True) if device is not None else tensor.detach().clone()
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The cache
 
 
@@ -189,12 +285,43 @@ class KimiK3Cache(Cache):
             cls = KimiK3StaticCache
         return super().__new__(cls)
 
-    def __init__(self, config, max_cache_len: int | None = None, **kwargs):
+    def __init__(self, config, max_cache_len: int | None = None, snapshot_interval: int | None = None,
+                 snapshot_device: str | torch.device | None = None, max_snapshot_bytes: int | None = None,
+                 max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS, **kwargs):
+        """`snapshot_interval`: keep the KDA states at every multiple of this many tokens during a prefill (None:
+        no snapshots; the report's spacing is `DEFAULT_SNAPSHOT_INTERVAL`). `snapshot_device`: where snapshots live
+        (e.g. "cpu" to offload; default: next to the live state). `max_snapshot_bytes`: upper bound on their memory;
+        past it every other snapshot is dropped and the interval doubles. `max_rollback_tokens`: the longest span
+        that past recording (speculative decoding) keeps for rollback."""
         # `max_cache_len` has chosen the class in __new__
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         super().__init__(layers=[self._new_layer(layer_type) for layer_type in text_config.layer_types])
         self._seen_tokens = 0
         self._has_past = False
+        for name, value in (("snapshot_interval", snapshot_interval), ("max_snapshot_bytes", max_snapshot_bytes),
+                            ("max_rollback_tokens", max_rollback_tokens)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"KimiK3Cache: {name} must be a positive integer or None, got {value!r}")
+        self.conv_kernel_size = text_config.linear_conv_kernel_size
+        self._kda_heads, self._kda_head_dim = text_config.linear_num_heads, text_config.linear_head_dim
+        self.kda_chunk_size = text_config.kda_chunk_size
+        self.snapshot_interval = snapshot_interval
+        self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
+        self.max_snapshot_bytes = max_snapshot_bytes
+        self.snapshots: dict[int, dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = {}
+        self.max_rollback_tokens = max_rollback_tokens
+        self.record_past = False
+        self._rollback: dict[int, KimiK3KDARollbackRecord] | None = None
+        self._rollback_base = 0  # position the rollback records start from
+        self._recording_step = False
+        # Token ids (and padding mask) seen so far, for replays from a snapshot; None once embeddings came in
+        self._token_ids: torch.Tensor | None = None
+        self._token_valid: torch.Tensor | None = None
+        self._replayable = True
+        self._model_ref = None  # weak reference to the KimiK3Model that fills this cache (replays run it)
+        self._step_start = 0
+        self._pending_snapshots: list[int] = []
+        self._replaying = False
 
     def _new_layer(self, layer_type: str) -> KimiK3LatentLayer | KimiK3KDAStateLayer:
         return KimiK3KDAStateLayer() if layer_type == "linear_attention" else KimiK3LatentLayer()
@@ -216,7 +343,82 @@ class KimiK3Cache(Cache):
 
     def begin_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
                    device: torch.device) -> None:
-        """Before the layers run. A growing cache has nothing to prepare."""
+        """Before the layers run: decide whether this forward is recorded for rollback and where it starts."""
+        self._step_start = self._seen_tokens
+        self._pending_snapshots = self._snapshot_offsets(num_tokens)
+        if self.max_snapshot_bytes is not None:
+            # Thin before the forward, so that even its own snapshots never exceed the bound
+            per_snapshot = self._estimated_snapshot_bytes(batch_size)
+            while self._pending_snapshots and (
+                self.snapshot_bytes_held() + len(self._pending_snapshots) * per_snapshot > self.max_snapshot_bytes
+            ):
+                self._thin_snapshots()
+                self._pending_snapshots = self._snapshot_offsets(num_tokens)
+        self._recording_step = False
+        if not self.record_past or self._replaying:
+            return
+        recorded = self._seen_tokens - self._rollback_base if self._rollback is not None else 0
+        if self._rollback is not None and recorded + num_tokens > self.max_rollback_tokens:
+            self._rollback = None  # too long a span: start over from here
+        if num_tokens > self.max_rollback_tokens:
+            return
+        if self._rollback is None:
+            self._rollback, self._rollback_base = {}, self._seen_tokens
+        self._recording_step = True
+
+    def bind_inputs(self, model, input_ids: torch.Tensor | None, token_mask: torch.Tensor | None,
+                    batch_size: int, num_tokens: int) -> None:
+        """Remember the model and this forward's token ids (and padding) so that `crop` can replay tokens from a
+        snapshot. A forward from embeddings makes the tokens so far unreplayable."""
+        self._model_ref = weakref.ref(model)
+        if not self._replayable or input_ids is None:
+            self._replayable, self._token_ids, self._token_valid = False, None, None
+            return
+        ids = input_ids.detach()
+        self._token_ids = ids if self._token_ids is None else torch.cat([self._token_ids, ids], dim=1)
+        if token_mask is not None or self._token_valid is not None:
+            valid = torch.ones(batch_size, num_tokens, dtype=torch.bool, device=ids.device) if token_mask is None \
+                else token_mask.to(ids.device)
+            past = self._token_valid
+            if past is None:
+                past = torch.ones(batch_size, self._seen_tokens, dtype=torch.bool, device=ids.device)
+            self._token_valid = torch.cat([past, valid], dim=1)
+
+    def snapshot_offsets(self, num_tokens: int) -> list[int]:
+        """Offsets inside the current forward (1..num_tokens) after which the KDA layers hand over a snapshot."""
+        return self._pending_snapshots
+
+    def _snapshot_offsets(self, num_tokens: int) -> list[int]:
+        if self.snapshot_interval is None:
+            return []
+        start, interval = self._seen_tokens, self.snapshot_interval
+        first = (start // interval + 1) * interval
+        return [p - start for p in range(first, start + num_tokens + 1, interval) if p not in self.snapshots]
+
+    @property
+    def kda_layer_indices(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if layer.is_linear]
+
+    def save_snapshot(self, layer_idx: int, offset: int, conv_states: tuple[torch.Tensor, ...],
+                      recurrent_state: torch.Tensor) -> None:
+        """A KDA layer's conv windows and f32 state after `offset` tokens of the current forward."""
+        device = self.snapshot_device
+        position = self._step_start + offset
+        self.snapshots.setdefault(position, {})[layer_idx] = (
+            tuple(_snapshot_copy(state, device) for state in conv_states),
+            _snapshot_copy(recurrent_state.float(), device),
+        )
+
+    def records_step(self) -> bool:
+        """Whether the KDA layers record this forward's inputs for rollback."""
+        return self._recording_step
+
+    def record_kda_step(self, layer_idx: int, conv_states, recurrent_state, pre_conv, recurrence_inputs) -> None:
+        """A KDA layer's state before this forward and its per-token inputs (see `KimiK3KDARollbackRecord`)."""
+        record = self._rollback.get(layer_idx)
+        if record is None:
+            record = self._rollback[layer_idx] = KimiK3KDARollbackRecord(conv_states, recurrent_state)
+        record.append(pre_conv, recurrence_inputs)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         """Whether an earlier forward wrote this cache (every forward writes every layer)."""
@@ -239,6 +441,8 @@ class KimiK3Cache(Cache):
         """Called once per forward by the model, after every layer wrote its state."""
         self._seen_tokens += num_tokens
         self._has_past = True
+        self._recording_step = False
+        self._bound_snapshots()
 
     # ------------------------------------------------------------------------------------------------------------
     # transformers Cache API
@@ -276,6 +480,12 @@ class KimiK3Cache(Cache):
     def _map_batch(self, fn) -> None:
         for layer in self.layers:
             layer.map_batch(fn)
+        self.snapshots = {position: {layer: (tuple(fn(c) for c in conv), fn(state))
+                                     for layer, (conv, state) in states.items()}
+                          for position, states in self.snapshots.items()}
+        self._token_ids = None if self._token_ids is None else fn(self._token_ids)
+        self._token_valid = None if self._token_valid is None else fn(self._token_valid)
+        self._rollback = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -286,31 +496,159 @@ class KimiK3Cache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices.to(t.device)])
 
-    def crop(self, max_length: int) -> None:
-        """Drop cached tokens so that `max_length` remain (negative: remove that many), MLA layers only.
+    # ------------------------------------------------------------------------------------------------------------
+    # Going back to an earlier token
+    def activate_past_recording(self) -> None:
+        """Record short forwards (speculative verify steps, draft steps) so that `crop` can roll them back."""
+        self.record_past = True
 
-        A KDA state cannot be rolled back (it folds every token in), so cropping a cache with KDA layers raises.
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` tokens (negative: remove that many; 0 removes nothing, as transformers'
+        `crop(-0)` means; `reset()` empties the cache). Works for every length:
+
+        * inside the span recorded since past recording was activated, the KDA layers replay their recorded
+          recurrence inputs from the recorded start state (no projection recomputed);
+        * otherwise the nearest snapshot at or below the target (position 0: the empty state) is restored, the MLA
+          latents are cut there and the model is run on the recorded token ids up to the target.
         """
-        kda = [i for i, layer in enumerate(self.layers) if layer.is_linear]
-        if kda and self._seen_tokens > 0:
-            raise NotImplementedError(
-                f"KimiK3Cache.crop: KDA layers {kda[:4]}{'...' if len(kda) > 4 else ''} hold a recurrent state that "
-                "cannot be rolled back to an earlier token; re-run the prefix instead (no state snapshots yet)."
-            )
-        if max_length < 0:
-            max_length = self._seen_tokens + max_length
-        if max_length >= self._seen_tokens:
+        max_length = int(max_length)  # transformers 5.17 passes a 0-d tensor
+        target = self._seen_tokens + max_length if max_length <= 0 else max_length
+        if target >= self._seen_tokens:
+            self._rollback = None  # the live state is the new base of any later rollback
             return
+        target = max(target, 0)  # removing more than is cached empties it (nothing cached: a no-op)
+        if self._rollback is not None and self._rollback_base <= target:
+            self._roll_back_recorded(target)
+        else:
+            self._restore_and_replay(target)
+        self._rollback = None
+
+    def _cut(self, position: int) -> None:
         for layer in self.layers:
             if not layer.is_linear:
-                layer.crop(max_length)
-        self._seen_tokens = max(max_length, 0)
+                layer.crop(position)
+        self._seen_tokens = position
+        self._has_past = position > 0
+        if self._token_ids is not None:
+            self._token_ids = self._token_ids[:, :position]
+        if self._token_valid is not None:
+            self._token_valid = self._token_valid[:, :position]
+        self.snapshots = {p: states for p, states in self.snapshots.items() if p <= position}
+
+    def _roll_back_recorded(self, target: int) -> None:
+        kept = target - self._rollback_base
+        for layer_idx, record in self._rollback.items():
+            if kept == 0:
+                conv_states, state = record.base_conv_states, record.base_state
+            else:
+                conv_states, state = record.replay(kept, self.conv_kernel_size, self.kda_chunk_size)
+            self._set_kda_state(layer_idx, conv_states, state)
+        self._cut(target)
+
+    def _set_kda_state(self, layer_idx: int, conv_states, state) -> None:
+        layer = self.layers[layer_idx]
+        if state is None:
+            layer.reset()
+        else:
+            layer.update(conv_states, state)
+
+    def _restore_and_replay(self, target: int) -> None:
+        start = max((p for p in self.snapshots if p <= target and len(self.snapshots[p]) == len(self.kda_layer_indices)),
+                    default=0)
+        model = self._model_ref() if self._model_ref is not None else None
+        if start < target and (not self._replayable or self._token_ids is None or model is None):
+            kda = self.kda_layer_indices
+            reason = ("it was filled from inputs_embeds (no token ids to replay)" if not self._replayable
+                      else "the model that filled it is gone")
+            raise NotImplementedError(
+                f"KimiK3Cache.crop({target}): KDA layers {kda[:4]}{'...' if len(kda) > 4 else ''} need a state at "
+                f"token {target}; the nearest snapshot is at {start} and {reason}. Take snapshots at that position "
+                "(snapshot_interval) or keep the cache's token ids."
+            )
+        replay_ids = None if start == target else self._token_ids[:, start:target]
+        replay_valid = None if self._token_valid is None else self._token_valid[:, :target]
+        for layer_idx in self.kda_layer_indices:
+            conv_states, state = self.snapshots[start][layer_idx] if start > 0 else (None, None)
+            if state is not None:
+                device = self.layers[layer_idx].recurrent_state.device
+                conv_states, state = tuple(c.to(device, copy=True) for c in conv_states), state.to(device, copy=True)
+            self._set_kda_state(layer_idx, conv_states, state)
+        self._cut(start)
+        if replay_ids is None:
+            return
+        # The same computation as a prefill of these tokens (the forward records them again and snapshots nothing
+        # new: every snapshot position in between is absent by construction)
+        self._replaying = True
+        try:
+            with torch.no_grad():
+                model(input_ids=replay_ids, attention_mask=None if replay_valid is None else replay_valid.long(),
+                      cache=self, use_cache=True)
+        finally:
+            self._replaying = False
+
+    def copy_prefix(self, num_tokens: int) -> "KimiK3Cache":
+        """A new growing cache holding the first `num_tokens` tokens of this one (this cache is not changed):
+        the MLA latents up to there and the KDA states from the snapshot there (or replayed from the nearest one
+        below). Tensors that neither cache writes in place are shared."""
+        if self.is_static:
+            raise NotImplementedError("KimiK3Cache.copy_prefix: not supported for a static cache")
+        if not 0 < num_tokens <= self._seen_tokens:
+            raise ValueError(f"KimiK3Cache.copy_prefix({num_tokens}): the cache holds {self._seen_tokens} tokens")
+        copy = KimiK3Cache.__new__(KimiK3Cache)
+        copy.__dict__.update(self.__dict__)
+        copy.layers = []
+        for layer in self.layers:
+            clone = type(layer).__new__(type(layer))
+            clone.__dict__.update(layer.__dict__)
+            copy.layers.append(clone)
+        copy.snapshots = dict(self.snapshots)
+        copy._rollback, copy.record_past = None, False
+        copy.crop(num_tokens)
+        return copy
+
+    def _thin_snapshots(self) -> None:
+        """Double the interval and drop the snapshots that are off it: coverage stays even."""
+        self.snapshot_interval *= 2
+        self.snapshots = {p: states for p, states in self.snapshots.items() if p % self.snapshot_interval == 0}
+
+    def _estimated_snapshot_bytes(self, batch_size: int) -> int:
+        """An upper bound on one snapshot: f32 states, conv windows counted at 4 bytes per value."""
+        return batch_size * len(self.kda_layer_indices) * self._kda_heads * self._kda_head_dim * (
+            self._kda_head_dim * 4 + 3 * (self.conv_kernel_size - 1) * 4)
+
+    def _bound_snapshots(self) -> None:
+        """Keep the snapshots under `max_snapshot_bytes`: drop every other one and double the interval."""
+        if self.max_snapshot_bytes is None:
+            return
+        while self.snapshots and self.snapshot_bytes_held() > self.max_snapshot_bytes:
+            self._thin_snapshots()
+
+    def snapshot_bytes_held(self) -> int:
+        return sum(_nbytes(t) for states in self.snapshots.values() for conv, state in states.values()
+                   for t in (*conv, state))
+
+    def rollback_bytes(self) -> dict[str, int]:
+        """Bytes the rollback records hold: `per_token` (recorded inputs per recorded token, all KDA layers),
+        `tokens` recorded, and `base_states` (the start states, shared with what the live cache held then)."""
+        if not self._rollback:
+            return {"per_token": 0, "tokens": 0, "base_states": 0}
+        base = sum(_nbytes(t) for r in self._rollback.values() if r.base_state is not None
+                   for t in (*r.base_conv_states, r.base_state))
+        return {"per_token": sum(r.nbytes_per_token() for r in self._rollback.values()),
+                "tokens": self._seen_tokens - self._rollback_base, "base_states": base}
 
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
         self._seen_tokens = 0
         self._has_past = False
+        self.snapshots = {}
+        self._rollback = None
+        self._token_ids, self._token_valid, self._replayable = None, None, True
 
     # ------------------------------------------------------------------------------------------------------------
     # Memory report
@@ -334,6 +672,8 @@ class KimiK3StaticCache(KimiK3Cache):
     is_static = True
 
     def __init__(self, config, max_cache_len: int, **kwargs):
+        if kwargs.get("snapshot_interval") is not None:
+            raise ValueError("KimiK3Cache: KDA state snapshots need the growing cache (no max_cache_len)")
         self._max_cache_len = max_cache_len
         super().__init__(config, **kwargs)
         self.position: torch.Tensor | None = None  # number of cached tokens, on the device
@@ -396,8 +736,19 @@ class KimiK3StaticCache(KimiK3Cache):
             self.key_valid = fn(self.key_valid)
         super()._map_batch(fn)
 
+    @property
+    def is_croppable(self) -> bool:
+        # Its one-token decode step is the compiled graph; rollback records and replays are the growing cache's
+        return False
+
+    def activate_past_recording(self) -> None:
+        """Nothing to record: a static cache cannot be cropped (see docs/design.md, speculative decoding)."""
+
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError("KimiK3Cache.crop: not supported for a static cache")
+        raise NotImplementedError(
+            "KimiK3Cache.crop: not supported for a static cache (speculative decoding and prefix reuse use the "
+            "growing cache: leave cache_implementation unset)"
+        )
 
     def reset(self) -> None:
         super().reset()
@@ -426,4 +777,12 @@ def analytic_cache_bytes(config, num_tokens: int, batch_size: int = 1, dtype_byt
     return report
 
 
-__all__ = ["KimiK3Cache", "KimiK3StaticCache", "analytic_cache_bytes"]
+__all__ = [
+    "DEFAULT_SNAPSHOT_INTERVAL",
+    "KDA_BLOCK_SIZE",
+    "KimiK3Cache",
+    "KimiK3StaticCache",
+    "analytic_cache_bytes",
+    "rollback_bytes_per_token",
+    "snapshot_bytes",
+]

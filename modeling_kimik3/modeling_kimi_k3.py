@@ -55,6 +55,8 @@ from .vision_kimi_k3 import (
     KimiK3VisionTower,
     check_image_inputs,
 )
+# Imported so that save_pretrained ships it next to this file: prompt caches, the prefix store, draft slicing
+from .serving_kimi_k3 import KimiK3PrefixStore, build_prompt_cache, slice_draft_model  # noqa: F401
 
 
 logger = logging.get_logger(__name__)
@@ -215,6 +217,7 @@ class KimiK3DeltaAttention(nn.Module):
             # Selected, not multiplied, so a NaN/Inf in a padded position cannot survive as NaN * 0.
             padded = ~token_mask.unsqueeze(-1)
             q, k, v = q.masked_fill(padded, 0.0), k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
+        pre_conv = (q, k, v)
 
         conv_states, recurrent_state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
         if context_parallel is not None:
@@ -246,17 +249,14 @@ class KimiK3DeltaAttention(nn.Module):
                                                      self.config.kda_chunk_size, self.layer_idx)
             q_state, k_state, v_state = sequence_conv_states
         else:
-            if recurrent_state is not None and seq_len == 1:
-                kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
-            else:
-                kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": self.config.kda_chunk_size}
-            core, final_state = kda_fn(
-                q, k, v, g, beta,
-                initial_state=recurrent_state,
-                output_final_state=cache is not None,
-                use_qk_l2norm_in_kernel=True,
-                **extra,
-            )
+            if cache is not None and cache.records_step():
+                # Speculative verify/draft step: keep what a rollback replays (the recurrence inputs and the
+                # pre-conv inputs of the conv windows), so rejected tokens never cost a re-projection or a re-run
+                # of the prefix
+                cache.record_kda_step(self.layer_idx, conv_states, recurrent_state, pre_conv, (q, k, v, g, beta))
+            snapshot_offsets = cache.snapshot_offsets(seq_len) if cache is not None else []
+            core, final_state = self._recurrence(q, k, v, g, beta, recurrent_state, cache is not None,
+                                                 snapshot_offsets, pre_conv, conv_states, cache)
         if cache is not None:
             cache.update_kda_state((q_state, k_state, v_state), final_state, self.layer_idx)
 
@@ -266,6 +266,42 @@ class KimiK3DeltaAttention(nn.Module):
             gate = self.g_b_proj(self.g_a_proj(hidden_states))
         core = self.o_norm(core, gate.view(heads_shape))
         return self.o_proj(core.reshape(batch, seq_len, -1))
+
+
+    def _recurrence(self, q, k, v, g, beta, state, keep_state, snapshot_offsets, pre_conv, conv_states, cache):
+        """The delta rule over this forward's tokens. With snapshot offsets the chunked form runs segment by
+        segment, carrying the state exactly as it carries it between its own chunks, and hands the state and conv
+        windows at each offset to the cache."""
+        seq_len = q.shape[1]
+        bounds = [0, *(o for o in snapshot_offsets if 0 < o < seq_len), seq_len]
+        outputs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if state is not None and end - start == 1 and len(bounds) == 2:
+                kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
+            else:
+                kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": self.config.kda_chunk_size}
+            out, state = kda_fn(
+                q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
+                initial_state=state,
+                output_final_state=keep_state or end < seq_len,
+                use_qk_l2norm_in_kernel=True,
+                **extra,
+            )
+            outputs.append(out)
+            if end in snapshot_offsets:
+                cache.save_snapshot(self.layer_idx, end, self._conv_windows_at(end, pre_conv, conv_states), state)
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), state
+
+    def _conv_windows_at(self, offset, pre_conv, conv_states):
+        """The q/k/v conv windows (last K - 1 pre-conv inputs, as the cache stores them) after `offset` tokens."""
+        windows = []
+        for index, x in enumerate(pre_conv):
+            x_t = x[:, :offset].transpose(1, 2)
+            past = (x_t.new_zeros(*x_t.shape[:2], self.conv_size - 1) if conv_states is None
+                    else conv_states[index].to(x_t.dtype))
+            window = torch.cat([past, x_t], dim=-1)
+            windows.append(window[..., window.shape[-1] - (self.conv_size - 1):])
+        return tuple(windows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -713,7 +749,9 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = False
-    _is_stateful = True
+    # The KDA state can go back to any earlier token (rollback records, snapshots: KimiK3Cache.crop), so
+    # transformers' assisted and prompt-lookup decoding may verify and reject draft tokens.
+    _is_stateful = False
     _can_compile_fullgraph = False
     # The release stores these in F32; loading in bf16 must not round them (8.12).
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
@@ -792,6 +830,9 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                 f"cache_implementation={implementation!r}: Kimi K3 uses its own hybrid cache (KimiK3Cache); use "
                 "the default or 'static'."
             )
+        if getattr(generation_config, "is_assistant", False):
+            # A draft model's cache is cropped back to the accepted tokens after every verification
+            model_kwargs[CACHE_FIELD].activate_past_recording()
 
     def create_masks_for_generate(self, config=None, attention_mask=None, **kwargs):
         """generate() asks for fixed-shape masks when the cache is static: the prefill keeps its 2-D padding mask
@@ -926,6 +967,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
             token_mask = self._token_mask(attention_mask, seq_len)
             if cache is not None:
                 cache.begin_step(batch, seq_len, token_mask, inputs_embeds.device)
+                if not cache.is_static:
+                    cache.bind_inputs(self, input_ids, token_mask, batch, seq_len)
             mla_mask = self._mla_mask(attention_mask, document_ids, batch, seq_len, past_len, inputs_embeds.device)
             document_index = self._document_index(document_ids) if document_ids is not None else None
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Serving benchmark: prefix reuse and speculative decoding with Kimi K3 as the target (issue 13, section 3).
+
+Side by side in one run, on the bench_k3.py model (random bf16 weights, K3's exact widths, 8 layers) on one GPU:
+  ttft          time to first token for a 64K prompt whose first 60K tokens are in the prefix store (lookup, copy,
+                prefill of the 4K rest) vs a cold chunked prefill of all 64K
+  spec          decode tokens/s at batch 1: plain compiled decode (cache_implementation="static") vs assisted
+                decoding with a 2-layer slice of the target as draft and with prompt lookup on a repetitive text,
+                with acceptance rates (drafted tokens the target accepted)
+  snapshots     bytes held by KDA state snapshots at 64K and 1M tokens for the default interval (the benchmark
+                model measured at 64K; the release's 69 KDA layers from the config), and the rollback record
+                bytes per verified token against one set of KDA states
+Random weights: acceptance rates say nothing about a trained draft; tokens/s per accepted token do.
+
+    python benchmarks/bench_serving.py                 # H200
+    python benchmarks/bench_serving.py --quick         # CPU smoke test on a tiny model, seconds
+
+Prints one JSON line of results (and writes it to --out when given).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _k3bench_utils import ensure_kimik3, round_sig  # noqa: E402
+
+K = 1024
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _seconds(fn):
+    _sync()
+    start = time.perf_counter()
+    result = fn()
+    _sync()
+    return time.perf_counter() - start, result
+
+
+def build_models(quick: bool, layers: int, experts: int):
+    if quick:
+        from kimik3.tiny import build_tiny_model
+
+        return build_tiny_model(num_hidden_layers=6, seed=3), "cpu"
+    from bench_k3 import build, k3_config
+
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+
+    return build(KimiK3ForCausalLM, k3_config(layers, experts)), "cuda"
+
+
+@torch.no_grad()
+def chunked_prefill(model, ids, cache, chunk):
+    logits = None
+    for start in range(0, ids.shape[1], chunk):
+        logits = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits
+    return logits
+
+
+def section_ttft(model, device, prompt_len, prefix_len, chunk, interval):
+    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
+    from kimik3.modeling.serving_kimi_k3 import KimiK3PrefixStore
+
+    vocab = model.config.vocab_size
+    prompt = torch.randint(3, vocab - 1, (1, prompt_len), device=device)
+    config = model.config
+
+    def cold():
+        return chunked_prefill(model, prompt, KimiK3Cache(config), chunk)
+
+    cold()  # warm-up (kernels, autotune)
+    cold_s, cold_logits = _seconds(cold)
+
+    store = KimiK3PrefixStore()
+    insert_s, _ = _seconds(lambda: store.insert(
+        prompt[0, :prefix_len], _filled(model, prompt[:, :prefix_len], chunk, interval)))
+
+    def reuse():
+        reused, cache = store.lookup(prompt[0])
+        return chunked_prefill(model, prompt[:, reused:], cache, chunk), reused
+
+    reuse()
+    reuse_s, (reuse_logits, reused) = _seconds(reuse)
+    return {
+        "prompt_tokens": prompt_len, "stored_prefix_tokens": prefix_len, "reused_tokens": reused,
+        "cold_ttft_s": round_sig(cold_s), "reuse_ttft_s": round_sig(reuse_s),
+        "speedup": round_sig(cold_s / reuse_s), "store_insert_s": round_sig(insert_s),
+        "first_token_equal": bool(torch.equal(cold_logits.argmax(-1), reuse_logits.argmax(-1))),
+        "first_logits_max_abs_diff": float((cold_logits.float() - reuse_logits.float()).abs().max()),
+        "store": store.stats(),
+    }
+
+
+@torch.no_grad()
+def _filled(model, ids, chunk, interval):
+    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
+
+    cache = KimiK3Cache(model.config, snapshot_interval=interval)
+    chunked_prefill(model, ids, cache, chunk)
+    return cache
+
+
+class VerifyCounter:
+    """Counts the target's verify forwards (every forward after the prefill) and the tokens they check."""
+
+    def __init__(self, model):
+        self.lengths = []
+        self.handle = model.model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None:
+            self.lengths.append(ids.shape[1])
+
+    def acceptance(self, prompt_len: int, new_tokens: int) -> dict:
+        """Assisted decoding verifies the first drafts in the prefill forward itself; every forward adds its
+        accepted drafts plus one token of the target's own."""
+        self.handle.remove()
+        drafted = (self.lengths[0] - prompt_len) + sum(n - 1 for n in self.lengths[1:])
+        accepted = new_tokens - len(self.lengths)
+        return {"rounds": len(self.lengths), "drafted": drafted,
+                "acceptance_rate": round_sig(max(accepted, 0) / drafted) if drafted else None}
+
+
+def section_spec(model, device, context, new_tokens, draft_layers, lookup_tokens, assistant_tokens, compiled):
+    from kimik3.modeling.serving_kimi_k3 import slice_draft_model
+
+    vocab = model.config.vocab_size
+    phrase = torch.randint(3, vocab - 1, (1, 64), device=device)
+    repetitive = phrase.repeat(1, max(1, context // 64))
+    greedy = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    results = {"context": repetitive.shape[1], "new_tokens": new_tokens}
+
+    def tok_s(label, **kwargs):
+        model.generate(repetitive, **{**greedy, "max_new_tokens": 4, "min_new_tokens": 4}, **kwargs)  # warm-up
+        counter = VerifyCounter(model)
+        seconds, out = _seconds(lambda: model.generate(repetitive, **greedy, **kwargs))
+        entry = {"s": round_sig(seconds), "tok_s": round_sig(new_tokens / seconds)}
+        if "assistant_model" in kwargs or "prompt_lookup_num_tokens" in kwargs:
+            entry.update(counter.acceptance(repetitive.shape[1], new_tokens))
+        else:
+            counter.handle.remove()
+        results[label] = entry
+        return out
+
+    plain = tok_s("plain_dynamic")
+    if compiled:
+        static = tok_s("plain_compiled_static", cache_implementation="static")
+        results["plain_compiled_static"]["tokens_equal_dynamic"] = bool(torch.equal(static, plain))
+    draft = slice_draft_model(model, draft_layers)
+    # transformers reads these from the draft's own generation config: a constant draft length, and no early stop
+    # on the draft's confidence (random weights are never confident)
+    draft.generation_config.num_assistant_tokens = assistant_tokens
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    drafted = tok_s("draft_slice", assistant_model=draft)
+    results["draft_slice"]["draft_layers"] = draft_layers
+    results["draft_slice"]["tokens_equal_plain"] = bool(torch.equal(drafted, plain))
+    looked_up = tok_s("prompt_lookup", prompt_lookup_num_tokens=lookup_tokens)
+    results["prompt_lookup"]["tokens_equal_plain"] = bool(torch.equal(looked_up, plain))
+    return results
+
+
+@torch.no_grad()
+def section_snapshots(model, device, interval, measured_tokens):
+    from kimik3.memory import load_text_config, snapshot_memory
+    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, rollback_bytes_per_token, snapshot_bytes
+
+    config = model.config
+    dtype_bytes = torch.finfo(model.dtype).bits // 8
+    cache = KimiK3Cache(config, snapshot_interval=interval)
+    ids = torch.randint(3, config.vocab_size - 1, (1, measured_tokens), device=device)
+    chunked_prefill(model, ids, cache, min(measured_tokens, 8 * K))
+    cache.activate_past_recording()
+    model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True, logits_to_keep=1)  # a 5-token verify step
+    recorded = cache.rollback_bytes()
+    release = load_text_config()
+    return {
+        "interval_tokens": interval,
+        "bench_model": {"measured_tokens": measured_tokens, "snapshots": len(cache.snapshots),
+                        "snapshot_bytes_held": cache.snapshot_bytes_held(),
+                        "bytes_per_snapshot": snapshot_bytes(config, dtype_bytes=dtype_bytes),
+                        "rollback_bytes_per_verified_token": recorded["per_token"],
+                        "kda_state_bytes": snapshot_bytes(config, dtype_bytes=dtype_bytes)},
+        "release": {"rows": snapshot_memory(release, [64 * K, 1024 * K]),  # the default interval
+                    "rollback_bytes_per_verified_token": rollback_bytes_per_token(release),
+                    "kda_states_bytes": snapshot_bytes(release)},
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model on CPU, short prompts (smoke test)")
+    parser.add_argument("--out", help="also write the JSON line here")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--only", default="", help="comma list of sections (ttft, spec, snapshots)")
+    args = parser.parse_args()
+    ensure_kimik3()
+    from kimik3.modeling.cache_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL
+
+    torch.manual_seed(0)
+    model, device = build_models(args.quick, args.layers, args.experts)
+    if args.quick:
+        sizes = dict(prompt_len=160, prefix_len=128, chunk=64, interval=32, context=48, new_tokens=12,
+                     measured=96)
+    else:
+        sizes = dict(prompt_len=64 * K, prefix_len=60 * K, chunk=8 * K, interval=DEFAULT_SNAPSHOT_INTERVAL,
+                     context=1024, new_tokens=128, measured=64 * K)
+    wanted = set(filter(None, args.only.split(","))) or {"ttft", "spec", "snapshots"}
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "quick": args.quick,
+               "model_layers": model.config.num_hidden_layers, "dtype": str(model.dtype)}
+    sections = {
+        "ttft": lambda: section_ttft(model, device, sizes["prompt_len"], sizes["prefix_len"], sizes["chunk"],
+                                     sizes["interval"]),
+        "spec": lambda: section_spec(model, device, sizes["context"], sizes["new_tokens"], draft_layers=2,
+                                     lookup_tokens=4, assistant_tokens=4, compiled=device == "cuda"),
+        "snapshots": lambda: section_snapshots(model, device, sizes["interval"], sizes["measured"]),
+    }
+    for name, run in sections.items():
+        if name not in wanted:
+            continue
+        try:
+            results[name] = run()
+        except Exception as exc:  # noqa: BLE001 - one failed section must not lose the others
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    line = json.dumps(results, default=str)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Prefix reuse: a prompt cache computed once serves many continuations exactly; KDA state snapshots let a cache go
+back to any earlier token; the block-hash prefix store finds the longest reusable prefix."""
+
+import copy
+import json
+import pytest
+import torch
+
+from k3_test_utils import cache_of
+from kimik3.memory import load_text_config, snapshot_memory
+from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, snapshot_bytes
+from kimik3.modeling.serving_kimi_k3 import KimiK3PrefixStore, block_hashes, build_prompt_cache
+from kimik3.tiny import build_tiny_model
+
+INTERVAL = 8  # tokens between snapshots in these tests (the release default is 40 blocks of 512)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model(num_hidden_layers=6, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prefix():
+    return torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def prompt_cache(model, prefix):
+    return build_prompt_cache(model, prefix, snapshot_interval=INTERVAL)
+
+
+def _greedy(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                          **kwargs)
+
+
+def _assert_same_run(reused, cold):
+    assert torch.equal(reused.sequences, cold.sequences)
+    for got, expected in zip(reused.scores, cold.scores, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def _model_calls(model):
+    calls = []
+    handle = model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[1]),
+                                                   with_kwargs=True)
+    return calls, handle
+
+
+def test_one_prompt_cache_serves_many_continuations_exactly(model, prefix, prompt_cache):
+    assert sorted(prompt_cache.snapshots) == [8, 16, 24]
+    for seed in (1, 2):
+        suffix = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(seed))
+        ids = torch.cat([prefix, suffix], 1)
+        calls, handle = _model_calls(model)
+        reused = _greedy(model, ids, past_key_values=copy.deepcopy(prompt_cache))
+        handle.remove()
+        assert calls[0] == 4  # only the suffix is prefilled
+        _assert_same_run(reused, _greedy(model, ids))
+    assert prompt_cache.get_seq_length() == 30  # the stored cache is untouched
+
+
+def test_left_padded_batch_reuses_its_prompt_cache_exactly(model):
+    rows = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 6, 10)]
+    width = max(len(r) for r in rows)
+    prefix = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(r)), torch.ones(len(r))]) for r in rows]).long()
+    cache = build_prompt_cache(model, prefix, attention_mask=mask, snapshot_interval=4)
+    suffix = torch.randint(3, 128, (3, 3), generator=torch.Generator().manual_seed(0))
+    ids, full_mask = torch.cat([prefix, suffix], 1), torch.cat([mask, torch.ones(3, 3, dtype=torch.long)], 1)
+    reused = _greedy(model, ids, attention_mask=full_mask, past_key_values=copy.deepcopy(cache))
+    _assert_same_run(reused, _greedy(model, ids, attention_mask=full_mask))
+    # Going back inside the padded prefix replays with the recorded padding
+    cache.crop(11)
+    with torch.no_grad():
+        fresh = cache_of(model(prefix[:, :11], attention_mask=mask[:, :11], use_cache=True))
+    layer = model.config.kda_layer_indices[-1]
+    torch.testing.assert_close(cache.kda_state(layer)[1], fresh.kda_state(layer)[1], atol=1e-6, rtol=1e-5)
+
+
+def test_snapshots_do_not_change_the_prefill(model, prefix):
+    with torch.no_grad():
+        plain = model(prefix, use_cache=True)
+        cache = KimiK3Cache(model.config, snapshot_interval=INTERVAL, snapshot_device="cpu")
+        snapped = model(prefix, past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(snapped.logits, plain.logits, atol=1e-6, rtol=1e-6)
+    layer = model.config.kda_layer_indices[0]
+    torch.testing.assert_close(cache.kda_state(layer)[1], cache_of(plain).kda_state(layer)[1], atol=1e-6, rtol=1e-6)
+    assert cache.snapshot_bytes_held() == 3 * snapshot_bytes(model.config, dtype_bytes=4)
+
+
+def test_crop_works_for_every_length(model, prefix, prompt_cache):
+    """Any n: the nearest snapshot at or below n is restored and the tokens between are replayed (at a snapshot
+    nothing is replayed); the states are those of a prefill of n tokens (here: snapshots taken at every token)."""
+    reference = build_prompt_cache(model, prefix, snapshot_interval=1)
+    mla = model.config.mla_layer_indices[0]
+    for n in range(1, 30):
+        calls, handle = _model_calls(model)
+        cache = prompt_cache.copy_prefix(n)
+        handle.remove()
+        assert cache.get_seq_length() == n and calls == ([n % INTERVAL] if n % INTERVAL else [])
+        for layer in model.config.kda_layer_indices:
+            (conv, state), (conv_ref, state_ref) = cache.kda_state(layer), reference.snapshots[n][layer]
+            torch.testing.assert_close(state, state_ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(conv, conv_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.layers[mla].latents, reference.layers[mla].latents[:, :n],
+                                   atol=1e-5, rtol=1e-5)
+    assert prompt_cache.get_seq_length() == 30  # copy_prefix leaves the source alone
+    following = torch.randint(3, 128, (1, 1), generator=torch.Generator().manual_seed(3))
+    cache = copy.deepcopy(prompt_cache)
+    cache.crop(-9)  # negative: remove that many
+    with torch.no_grad():
+        expected = model(torch.cat([prefix[:, :21], following], 1)).logits[:, -1]
+        torch.testing.assert_close(model(following, past_key_values=cache).logits[:, -1], expected,
+                                   atol=1e-5, rtol=0)
+
+
+def test_snapshot_memory_stays_under_its_bound(model, prefix):
+    one = snapshot_bytes(model.config, dtype_bytes=4)
+    cache = KimiK3Cache(model.config, snapshot_interval=4, max_snapshot_bytes=3 * one)
+    with torch.no_grad():
+        model(prefix[:, :20], past_key_values=cache, use_cache=True)  # 5 snapshots at interval 4 would not fit
+        assert sorted(cache.snapshots) == [8, 16] and cache.snapshot_interval == 8  # thinned evenly first
+        model(prefix[:, 20:], past_key_values=cache, use_cache=True)  # 24 fits; 32 is beyond the tokens
+        assert sorted(cache.snapshots) == [8, 16, 24]
+        model(torch.cat([prefix, prefix], 1)[:, 30:], past_key_values=cache, use_cache=True)  # up to 60 tokens
+    assert sorted(cache.snapshots) == [16, 32, 48] and cache.snapshot_interval == 16
+    assert cache.snapshot_bytes_held() <= 3 * one
+    with pytest.raises(ValueError, match="snapshot_interval"):
+        KimiK3Cache(model.config, snapshot_interval=0)
+
+
+def test_prefix_store_returns_the_longest_reusable_prefix(model, prefix, prompt_cache):
+    store = KimiK3PrefixStore(block_size=INTERVAL)
+    store.insert(prefix, copy.deepcopy(prompt_cache))
+    assert len(block_hashes(prefix, INTERVAL)) == 3
+    extended = torch.cat([prefix, torch.tensor([[5, 6, 7]])], 1)
+    reused, cache = store.lookup(extended)
+    assert reused == 30 and cache.get_seq_length() == 30
+    _assert_same_run(_greedy(model, extended, past_key_values=cache), _greedy(model, extended))
+
+    diverging = torch.cat([prefix[:, :20], torch.tensor([[9, 9, 9, 9]])], 1)  # shares 20 tokens: 2 whole blocks
+    reused, cache = store.lookup(diverging)
+    assert reused == 16
+    _assert_same_run(_greedy(model, diverging, past_key_values=cache), _greedy(model, diverging))
+
+    assert store.lookup(prefix)[0] == 24  # at most len - 1 tokens: the last block boundary below 30
+    assert store.lookup(torch.tensor([[4, 4, 4]])) == (0, None)
+    stats = store.stats()
+    assert stats["hits"] == 3 and stats["misses"] == 1 and stats["tokens_reused"] == 30 + 16 + 24
+    assert stats["bytes_held"] >= prompt_cache.live_bytes()["total"] + prompt_cache.snapshot_bytes_held()
+    with pytest.raises(ValueError, match="30 tokens"):
+        store.insert(prefix[:, :10], prompt_cache)
+
+
+def test_prefix_store_evicts_least_recently_used_past_its_bound(model, prefix, prompt_cache):
+    other = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
+    store = KimiK3PrefixStore(block_size=INTERVAL, max_bytes=int(1.5 * KimiK3PrefixStore(INTERVAL).bytes_held()
+                                                                 + 1.5 * _held(prompt_cache)))
+    store.insert(prefix, prompt_cache)
+    store.insert(other, build_prompt_cache(model, other, snapshot_interval=INTERVAL))
+    assert store.stats()["entries"] == 1 and store.lookup(torch.cat([prefix, other], 1)) == (0, None)
+
+
+def _held(cache):
+    return cache.live_bytes()["total"] + cache.snapshot_bytes_held()
+
+
+def test_kimik3_memory_reports_snapshot_memory(capsys):
+    release = load_text_config()
+    rows = snapshot_memory(release, [65536, 1048576])
+    per = 69 * (96 * 128 * 128 * 4 + 3 * 96 * 128 * 3 * 2)
+    assert [r["snapshots"] for r in rows] == [3, 51] and rows[0]["bytes_per_snapshot"] == per
+    assert rows[1]["snapshot_bytes"] == 51 * per
+    from kimik3.cli import main
+
+    assert main(["memory", "--tokens", "65536", "--snapshot-blocks", "20", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "KDA state snapshots for prefix reuse, one every 10240 tokens" in out
+    assert json.loads(out.strip().splitlines()[-1])[0]["tokens"] == 65536  # the JSON line stays last
