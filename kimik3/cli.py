@@ -56,10 +56,12 @@ PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_dtype", "context")
 
 
 def cmd_tiny(args) -> int:
+    from kimik3.demo import progress_bars_off
     from kimik3.tiny import TinyFolderError, write_tiny_folder
 
     try:
-        model, kept = write_tiny_folder(args.directory, args.layers, seed=args.seed, overwrite=args.overwrite)
+        with progress_bars_off():
+            model, kept = write_tiny_folder(args.directory, args.layers, seed=args.seed, overwrite=args.overwrite)
     except TinyFolderError as exc:
         print(f"kimik3 tiny: error: {exc}", file=sys.stderr)
         return 2
