@@ -207,7 +207,7 @@ def main():
     with contextlib.ExitStack() as stack:
         model_dir = args.model
         if model_dir is None:
-            base = Path(args.output) / "base" if args.output and not args.report else Path(
+            base = Path(args.output).resolve() / "base" if args.output and not args.report else Path(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="kimik3-tiny-")))
             model_dir = write_tiny_model(base)
         if args.report:

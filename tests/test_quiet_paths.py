@@ -86,3 +86,12 @@ def test_short_fine_tune_is_quiet(example, tiny_dir, tmp_path, lora):
 
         config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
         assert Path(config["base_model_name_or_path"]).is_dir()
+
+
+def test_lora_without_peft_says_what_to_install(example, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` now fails as on a machine without it
+    with pytest.raises(SystemExit) as exited:
+        example.require_peft()
+    assert 'pip install -e ".[train]"' in str(exited.value.code)
