@@ -173,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("memory", help="cache memory table: K3 vs all-MLA vs expanded K/V; with --plan, whether the "
                                       "model fits on N devices",
                        description="Cache bytes per sequence from the config alone: K3's hybrid cache (MLA latents, "
-                                   "KDA states and conv windows) against the same depth all-MLA and the official code's "
-                                   "expanded K/V. With --plan: weights + cache per device for a layer-wise split.")
+                                   "KDA states and conv windows) against the same depth all-MLA and the official "
+                                   "code's expanded K/V. With --plan: weights + cache per device for a layer-wise "
+                                   "split.")
     p.add_argument("--config", type=text_config_file,
                    help="config.json (released top-level or text config); default: the release")
     p.add_argument("--tokens", type=token_counts,
