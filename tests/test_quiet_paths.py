@@ -95,3 +95,20 @@ def test_lora_without_peft_says_what_to_install(example, monkeypatch):
     with pytest.raises(SystemExit) as exited:
         example.require_peft()
     assert 'pip install -e ".[train]"' in str(exited.value.code)
+
+
+def test_export_of_an_f32_folder_reports_its_casts_in_one_line(tiny_dir, tmp_path):
+    from safetensors import safe_open
+
+    from kimik3.convert.exporter import export
+
+    release_f32 = ("A_log", "dt_bias", "conv1d", "o_norm", "e_score_correction_bias")
+    with safe_open(str(Path(tiny_dir) / "model.safetensors"), "pt") as f:
+        # F32 tensors the release stores as BF16 (the routed experts are re-quantised, not cast)
+        cast = [name for name in f.keys() if f.get_slice(name).get_dtype() == "F32" and ".experts." not in name
+                and not any(part in name for part in release_f32)]
+    summary = export(tiny_dir, tmp_path / "release", progress=False)
+    casts = [note for note in summary["notes"] if "cast from" in note]
+    assert len(cast) > 2 and len(casts) == 1
+    assert casts[0].startswith(f"{len(cast)} tensor(s) cast from F32 to the release's BF16: `")
+    assert casts[0].endswith(f" and {len(cast) - 2} more") and set(casts[0].split("`")[1::2]) <= set(cast)
