@@ -78,9 +78,9 @@ def test_load_and_generate_are_quiet(tiny_dir):
 @pytest.mark.parametrize("lora", [False, True], ids=["full+checkpointing", "lora+checkpointing"])
 def test_short_fine_tune_is_quiet(example, tiny_dir, tmp_path, lora):
     with no_warnings():
-        result, _ = example.train(tiny_dir, steps=2, lora=lora, checkpointing=True, balancing=True, quiet=True,
+        result, _ = example.train(tiny_dir, steps=1, lora=lora, checkpointing=True, balancing=True, quiet=True,
                                   output=str(tmp_path / "out"))
-    assert result["steps"] == 2
+    assert result["steps"] == 1
     if lora:  # the adapter names the base model folder, which still exists
         import json
 
