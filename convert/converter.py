@@ -125,6 +125,9 @@ def convert(
             "bytes": sum(s.nbytes for s in shards),
         }
         tokenizer_out, provenance["tokenizer_changes"] = files.converted_tokenizer_files(ckpt.root)
+        generation_out, release_generation = files.generation_config_bytes(ckpt.root, ckpt.config)
+        if release_generation is not None:
+            provenance["release_generation_config"] = release_generation
         used_shards = ckpt.shards_used(plan.source_names)
         # the source as a resolved path, so `k3`, `k3/` and `/abs/k3` are one run; its shards' contents are
         # fingerprinted by the engine (`sources`)
@@ -136,7 +139,7 @@ def convert(
         def side_files():
             out = list(tokenizer_out)
             out += [(p.name, p.read_bytes()) for p in files.remote_code_files()]
-            out.append(("generation_config.json", files.generation_config_bytes(ckpt.root, ckpt.config)))
+            out.append(("generation_config.json", generation_out))
             out.append((files.PROVENANCE_NAME, files.json_bytes(provenance)))
             out.append(("README.md", converted_model_card(provenance, config).encode()))
             return out

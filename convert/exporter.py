@@ -93,7 +93,10 @@ def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_un
             # the release's tokenizer / processor files only: no model code (see the module docstring)
             out = files.release_tokenizer_files(ckpt.root)
             generation = ckpt.root / "generation_config.json"
-            if generation.exists():
+            release_generation = files.read_provenance(ckpt.root).get("release_generation_config")
+            if release_generation is not None:  # what the conversion changed goes back as the release had it
+                out.append(("generation_config.json", release_generation.encode("utf-8")))
+            elif generation.exists():
                 out.append(("generation_config.json", generation.read_bytes()))
             report = {"source": str(src), "notes": notes, "how_to_load": HOW_TO_LOAD,
                       "experts_roundtrip": summarise_error(context.stats)}

@@ -100,13 +100,26 @@ def release_tokenizer_files(converted: Path) -> list[tuple[str, bytes]]:
     return out
 
 
-def generation_config_bytes(src: Path, config) -> bytes:
+def generation_config_bytes(src: Path, config) -> tuple[bytes, str | None]:
+    """The converted folder's generation_config.json and, when it differs from the release's, the release's text
+    (kept in the conversion record so `kimik3 export` writes it back byte for byte). The release's `max_length` equals
+    the context length, so it limits nothing; kept, it makes every `generate(max_new_tokens=...)` warn that both are
+    set, so it is left out."""
+    text = getattr(config, "text_config", config)
     path = src / "generation_config.json"
     if path.exists():
-        return path.read_bytes()
-    text = getattr(config, "text_config", config)
+        original = path.read_bytes()
+        try:
+            values = json.loads(original)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+        max_length = values.get("max_length") if isinstance(values, dict) else None
+        if isinstance(max_length, int) and max_length >= text.max_position_embeddings:
+            del values["max_length"]
+            return json_bytes(values), original.decode("utf-8")
+        return original, None
     values = {"bos_token_id": text.bos_token_id, "eos_token_id": text.eos_token_id, "pad_token_id": text.pad_token_id}
-    return (json.dumps(values, indent=2, sort_keys=True) + "\n").encode()
+    return (json.dumps(values, indent=2, sort_keys=True) + "\n").encode(), None
 
 
 def json_bytes(value) -> bytes:

@@ -537,6 +537,7 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = "mxfp4",
         notes.append(f"skipped {len(unknown)} unknown tensor(s), e.g. `{unknown[0]}`")
     our_prefix = TEXT_PREFIX if ckpt.composite else ""
     tensors: list[OutTensor] = []
+    casts: dict[tuple[str, str], list[str]] = {}  # (from, to) -> tensor names; reported as one line per pair
     cache = _ExpertCache()
     requantised = False
     a_log_recorded = _recorded_a_log_length(ckpt, symbols["H"])
@@ -559,7 +560,7 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = "mxfp4",
                               f"expected shape {list(ours_shape)} ({why}), found {list(entry.shape)}", our_name)
         dtype = DTYPES[rule.dtype]
         if entry.dtype != rule.dtype:
-            notes.append(f"`{our_name}` cast from {entry.dtype} to the release's {rule.dtype}")
+            casts.setdefault((entry.dtype, rule.dtype), []).append(our_name)
         if rule.transform == "unpad_heads":
             produce = pad_heads(ckpt, our_name, release_shape[0], dtype)
         elif entry.dtype != rule.dtype:
@@ -607,7 +608,15 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = "mxfp4",
     layers = list(range(text.num_hidden_layers))
     for site in nm.walk(text, symbols, layers, TEXT_PREFIX, our_prefix, has_vision):
         (add_experts if isinstance(site.rule, nm.ExpertRule) else add_tensor)(site)
+    notes += [cast_note(names, source, target) for (source, target), names in casts.items()]
     return ExportPlan(tensors, notes, requantised)
+
+
+def cast_note(names: list[str], source: str, target: str) -> str:
+    """One line for every tensor cast between the same pair of dtypes (a fine-tune saved in f32 casts most of them)."""
+    shown = ", ".join(f"`{name}`" for name in names[:2])
+    more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+    return f"{len(names)} tensor(s) cast from {source} to the release's {target}: {shown}{more}"
 
 
 def materialise(tensor: OutTensor) -> torch.Tensor:

@@ -56,10 +56,12 @@ PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_dtype", "context")
 
 
 def cmd_tiny(args) -> int:
+    from kimik3.demo import progress_bars_off
     from kimik3.tiny import TinyFolderError, write_tiny_folder
 
     try:
-        model, kept = write_tiny_folder(args.directory, args.layers, seed=args.seed, overwrite=args.overwrite)
+        with progress_bars_off():
+            model, kept = write_tiny_folder(args.directory, args.layers, seed=args.seed, overwrite=args.overwrite)
     except TinyFolderError as exc:
         print(f"kimik3 tiny: error: {exc}", file=sys.stderr)
         return 2
@@ -71,7 +73,9 @@ def cmd_tiny(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from kimik3.memory import describe_layers, format_memory_table, load_text_config, memory_table
+    from kimik3.memory import (RECONCILE_TOKENS, auto_unit, describe_layers, format_memory_table,
+                               format_reconciliation, format_snapshot_memory, load_text_config, memory_table,
+                               reconcile_quoted, snapshot_memory)
 
     def usage_error(message: str) -> int:
         print(f"kimik3 memory: error: {message}", file=sys.stderr)
@@ -83,17 +87,32 @@ def cmd_memory(args) -> int:
     given = [name for name in PLAN_ONLY_OPTIONS if getattr(args, name) is not None]
     if given:
         return usage_error(f"argument --{given[0].replace('_', '-')}: only with --plan")
-    rows = memory_table(config, args.tokens, args.batch)
-    print(f"Cache memory, {describe_layers(config)}, bf16 activations, f32 KDA state")
-    print(format_memory_table(rows))
-    from kimik3.memory import format_snapshot_memory, snapshot_memory
-
-    snapshots = snapshot_memory(config, args.tokens, args.snapshot_blocks, args.batch)
+    if args.reconcile and args.config is not None:
+        return usage_error("argument --reconcile: the quoted figures are for the released model; drop --config")
+    tokens = args.tokens or (list(RECONCILE_TOKENS) if args.reconcile else [131072, 1048576])
+    state_dtype = args.state_dtype or ("bfloat16" if args.reconcile else "float32")
+    rows = memory_table(config, tokens, args.batch, state_dtype=state_dtype)
+    quoted = reconcile_quoted(config) if args.reconcile else None
+    if args.json:  # nothing but the JSON, so it can be piped
+        print(json.dumps(rows if quoted is None else {"rows": rows, "reconciliation": quoted}))
+        return 0
+    unit = args.units or ("GB" if args.reconcile else auto_unit(rows))
+    print(f"Cache memory, {describe_layers(config)}, bf16 activations, {state_dtype} KDA state "
+          f"({'the model keeps it in float32' if state_dtype != 'float32' else 'as the model keeps it'}); "
+          f"1 {unit} = {_UNIT_WORDS[unit]}")
+    print(format_memory_table(rows, unit))
+    if quoted is not None:
+        print()
+        print(format_reconciliation(quoted))
+    snapshots = snapshot_memory(config, tokens, args.snapshot_blocks, args.batch)
+    print()
     print(f"KDA state snapshots for prefix reuse, one every {snapshots[0]['interval_tokens']} tokens")
-    print(format_snapshot_memory(snapshots))
-    if args.json:
-        print(json.dumps(rows))
+    print(format_snapshot_memory(snapshots, unit))
     return 0
+
+
+_UNIT_WORDS = {"GB": "10^9 bytes", "GiB": "2^30 bytes", "MB": "10^6 bytes", "MiB": "2^20 bytes", "kB": "10^3 bytes",
+               "KiB": "2^10 bytes"}
 
 
 def _memory_plan(args, config, usage_error) -> int:
@@ -108,9 +127,10 @@ def _memory_plan(args, config, usage_error) -> int:
                            f"max_position_embeddings ({config.max_position_embeddings:,})")
     gpu_memory, unit = args.gpu_mem
     plan = device_plan(config, args.gpus, gpu_memory, context, args.batch, args.experts_dtype or "mxfp4")
-    print(format_device_plan(plan, config, unit=unit))
-    if args.json:
+    if args.json:  # nothing but the JSON, so it can be piped
         print(json.dumps(plan))
+    else:
+        print(format_device_plan(plan, config, unit=unit))
     return 0
 
 
@@ -131,25 +151,51 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kimik3", description="Kimi K3 for Hugging Face transformers")
-    sub = parser.add_subparsers(dest="command", required=True)
+PASSTHROUGH_HELP = {
+    "convert": "the released checkpoint (Hub id or folder) -> a folder that loads with trust_remote_code",
+    "export": "one of our folders (e.g. a fine-tune) -> the release layout (MXFP4 experts)",
+    "verify": "compare a converted or exported folder with its source, tensor by tensor and by logits",
+}
 
-    p = sub.add_parser("tiny", help="write a small random K3 model folder loadable with trust_remote_code")
-    p.add_argument("directory")
-    p.add_argument("--layers", type=positive_int, default=4)
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kimik3", description="Kimi K3 for Hugging Face transformers. `kimik3 COMMAND --help` lists the options "
+                                   "of each command.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("tiny", help="write a small random K3 model folder loadable with trust_remote_code",
+                       description="Write a small random Kimi K3 (weights, config with auto_map, the code files, a "
+                                   "tokenizer) that AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) "
+                                   "loads in a fresh process.")
+    p.add_argument("directory", help="the folder to write (created if missing)")
+    p.add_argument("--layers", type=positive_int, default=4,
+                   help="decoder layers, on the release's schedule (every 4th is MLA; default 4)")
     p.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     p.set_defaults(fn=cmd_tiny)
 
     p = sub.add_parser("memory", help="cache memory table: K3 vs all-MLA vs expanded K/V; with --plan, whether the "
-                                      "model fits on N devices")
+                                      "model fits on N devices",
+                       description="Cache bytes per sequence from the config alone: K3's hybrid cache (MLA latents, "
+                                   "KDA states and conv windows) against the same depth all-MLA and the official "
+                                   "code's expanded K/V. With --plan: weights + cache per device for a layer-wise "
+                                   "split.")
     p.add_argument("--config", type=text_config_file,
                    help="config.json (released top-level or text config); default: the release")
-    p.add_argument("--tokens", type=token_counts, default=[131072, 1048576],
-                   help="comma-separated context lengths (default: 131072,1048576)")
-    p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--tokens", type=token_counts,
+                   help="comma-separated context lengths (default: 131072,1048576; with --reconcile: "
+                        "128000,1000000,1048576)")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
+    p.add_argument("--units", choices=tuple(_UNIT_WORDS),
+                   help="GB/MB/kB = 10^9/10^6/10^3 bytes, GiB/MiB/KiB = 2^30/2^20/2^10 bytes (default: GiB, or MiB/KiB "
+                        "when GiB would show a small model's figures as zeros; GB with --reconcile)")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"),
+                   help="KDA state dtype to count (default float32, what the model keeps; bfloat16 with --reconcile)")
+    p.add_argument("--reconcile", action="store_true",
+                   help="recompute the figures quoted for K3 elsewhere (KDA state 0.22 GB, MLA 3.5/29 GB, all-MLA "
+                        "13.7/107 GB) with their token counts, decimal GB and a bf16 state, one line each")
+    p.add_argument("--json", action="store_true", help="print only JSON (the table's rows, or the plan)")
     p.add_argument("--snapshot-blocks", type=positive_int,
                    help="KDA state snapshot spacing in 512-token blocks for the snapshot table (default: 40)")
     p.add_argument("--plan", action="store_true",
@@ -164,20 +210,28 @@ def main(argv: list[str] | None = None) -> int:
                         "max_position_embeddings)")
     p.set_defaults(fn=cmd_memory)
 
-    p = sub.add_parser("demo", help="tiny release-layout checkpoint -> convert -> reload (trust_remote_code) -> "
-                                    "generate -> cache bytes, live vs analytic")
-    p.add_argument("--new-tokens", type=positive_int, default=12)
+    p = sub.add_parser("demo", help="the main job on CPU in seconds: a tiny release-layout checkpoint -> kimik3 "
+                                    "convert -> reload with trust_remote_code -> generate -> cache bytes, live vs "
+                                    "analytic",
+                       description="Writes a tiny random checkpoint in the release's layout (MXFP4 experts) to a "
+                                   "temporary folder, converts it, reloads it with AutoModelForCausalLM("
+                                   "trust_remote_code=True), generates greedily and compares the cache's live bytes "
+                                   "with the analytic count. Nothing is left on disk. Exit code 1 on a mismatch.")
+    p.add_argument("--new-tokens", type=positive_int, default=12, help="tokens to generate (default 12)")
     p.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("chat", help="prompt -> chat template -> generate (stops at <|end_of_msg|>) -> streamed text")
-    p.add_argument("directory")
-    p.add_argument("--prompt", default="Hello! Who are you?")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
-    p.add_argument("--reasoning-effort", choices=("low", "high", "max"), default="max")
+    p = sub.add_parser("chat", help="prompt -> chat template -> generate (stops at <|end_of_msg|>) -> streamed text",
+                       description="Render a one-turn chat with the folder's tokenizer and chat template, generate "
+                                   "until <|end_of_msg|> and stream the text.")
+    p.add_argument("directory", help="a model folder with a tokenizer (converted release, or kimik3 tiny)")
+    p.add_argument("--prompt", default="Hello! Who are you?", help="the user message")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="generation limit (default 64)")
+    p.add_argument("--reasoning-effort", choices=("low", "high", "max"), default="max",
+                   help="the release's reasoning effort (default max)")
     p.set_defaults(fn=cmd_chat)
 
     for name in ("convert", "export", "verify"):
-        p = sub.add_parser(name, help=f"{name} checkpoints (see `kimik3 {name} --help`)", add_help=False)
+        p = sub.add_parser(name, help=f"{PASSTHROUGH_HELP[name]} (options: `kimik3 {name} --help`)", add_help=False)
         p.set_defaults(fn=None, passthrough=name)
 
     try:  # argparse exits (code 2, `kimik3 <cmd>: error: ...`) on a usage error; callers want the code

@@ -35,9 +35,14 @@ def load_text_config(path: str | Path | None = None):
         raise ValueError(f"{path}: {exc}") from None
 
 
-def memory_table(config, context_lengths=(131072, 1048576), batch_size: int = 1, dtype_bytes: int = 2) -> list[dict]:
+STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def memory_table(config, context_lengths=(131072, 1048576), batch_size: int = 1, dtype_bytes: int = 2,
+                 state_dtype: str = "float32") -> list[dict]:
     """Cache bytes: K3 (latent MLA + KDA state + conv) vs the same depth all-MLA (latent) vs the official remote
-    code (expanded K/V per MLA layer)."""
+    code (expanded K/V per MLA layer). The model keeps the KDA state in float32; `state_dtype="bfloat16"` gives what
+    a 2-byte state would take (the unit some published estimates use)."""
     from kimik3.modeling.cache_kimi_k3 import analytic_cache_bytes
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -47,14 +52,16 @@ def memory_table(config, context_lengths=(131072, 1048576), batch_size: int = 1,
     rows = []
     for tokens in context_lengths:
         k3 = analytic_cache_bytes(text, tokens, batch_size, dtype_bytes)
+        state = k3["kda_state"] * STATE_DTYPE_BYTES[state_dtype] // 4  # the analytic count is for the f32 state
         rows.append(
             {
                 "tokens": tokens,
                 "batch": batch_size,
+                "state_dtype": state_dtype,
                 "k3_mla_kv": k3["mla_kv"],
-                "k3_kda_state": k3["kda_state"],
+                "k3_kda_state": state,
                 "k3_kda_conv": k3["kda_conv"],
-                "k3_total": k3["total"],
+                "k3_total": k3["mla_kv"] + state + k3["kda_conv"],
                 "all_mla_latent": num_layers * tokens * text.mla_cache_dim * dtype_bytes * batch_size,
                 "official_expanded_kv": num_mla * tokens * expanded_per_token * dtype_bytes * batch_size,
             }
@@ -68,21 +75,78 @@ def describe_layers(config) -> str:
     return f"{num_layers} layers ({num_layers - num_mla} KDA, {num_mla} MLA)"
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:9.3f} GiB"
+UNITS = {"GB": 10**9, "GiB": 2**30, "MB": 10**6, "MiB": 2**20, "kB": 10**3, "KiB": 2**10}
+TABLE_COLUMNS = ("k3_mla_kv", "k3_kda_state", "k3_kda_conv", "k3_total", "all_mla_latent", "official_expanded_kv")
 
 
-def format_memory_table(rows: list[dict]) -> str:
-    header = (f"{'tokens':>9} {'batch':>5} | {'K3 MLA KV':>13} {'K3 KDA state':>13} {'K3 conv':>13} "
-              f"{'K3 total':>13} | {'all-MLA':>13} | {'expanded K/V':>13}")
+def auto_unit(rows: list[dict]) -> str:
+    """GiB, MiB or KiB: the largest in which every non-zero figure of the table shows at least 0.01 (so a tiny
+    model's table is not all zeros)."""
+    smallest = min((r[c] for r in rows for c in TABLE_COLUMNS if r[c]), default=0)
+    for unit in ("GiB", "MiB"):
+        if smallest >= 0.01 * UNITS[unit]:
+            return unit
+    return "KiB"
+
+
+def format_memory_table(rows: list[dict], unit: str = "GiB") -> str:
+    scale = UNITS[unit]
+    cell = lambda n: f"{n / scale:,.3f} {unit}"  # noqa: E731
+    width = max([13] + [len(cell(r[c])) for r in rows for c in TABLE_COLUMNS])
+    names = ("K3 MLA KV", "K3 KDA state", "K3 conv", "K3 total", "all-MLA", "expanded K/V")
+    h = [f"{name:>{width}}" for name in names]
+    header = f"{'tokens':>9} {'batch':>5} | {h[0]} {h[1]} {h[2]} {h[3]} | {h[4]} | {h[5]}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(
-            f"{r['tokens']:>9} {r['batch']:>5} | {_gib(r['k3_mla_kv'])} {_gib(r['k3_kda_state'])} "
-            f"{_gib(r['k3_kda_conv'])} {_gib(r['k3_total'])} | {_gib(r['all_mla_latent'])} | "
-            f"{_gib(r['official_expanded_kv'])}"
-        )
+        c = [f"{cell(r[name]):>{width}}" for name in TABLE_COLUMNS]
+        lines.append(f"{r['tokens']:>9} {r['batch']:>5} | {c[0]} {c[1]} {c[2]} {c[3]} | {c[4]} | {c[5]}")
     return "\n".join(lines)
+
+
+# Figures quoted for K3 elsewhere, in decimal GB with a 2-byte KDA state and mixed token counts (128K = 128,000; 1M =
+# 2^20 for the MLA figure but 10^6 for the all-MLA one); `kimik3 memory --reconcile` recomputes each from the config.
+# (quoted figure, what, table column, the context it was quoted at, the tokens that reproduce it)
+QUOTED_FIGURES = (
+    ("0.22 GB", "KDA state", "k3_kda_state", "any context", 128_000),
+    ("3.5 GB", "MLA latent KV", "k3_mla_kv", "128K", 128_000),
+    ("29 GB", "MLA latent KV", "k3_mla_kv", "1M", 1_048_576),
+    ("13.7 GB", "all-MLA latent KV", "all_mla_latent", "128K", 128_000),
+    ("107 GB", "all-MLA latent KV", "all_mla_latent", "1M", 1_000_000),
+)
+RECONCILE_TOKENS = (128_000, 1_000_000, 1_048_576)
+
+
+def reconcile_quoted(config) -> list[dict]:
+    """Each quoted figure recomputed under its own assumptions (its token count, a bf16 state), whether it rounds to
+    the quote, and the same entry of the default table (K = 1024 tokens, the f32 state the model keeps)."""
+    out = []
+    for figure, what, column, context, tokens in QUOTED_FIGURES:
+        theirs = memory_table(config, (tokens,), state_dtype="bfloat16")[0][column]
+        ours_tokens = 131_072 if context == "128K" else 1_048_576
+        ours = memory_table(config, (ours_tokens,))[0][column]
+        number = figure.split()[0]
+        matches = round(theirs / 1e9, len(number.partition(".")[2])) == float(number)
+        out.append({"quoted": figure, "what": what, "column": column, "context": context, "tokens": tokens,
+                    "bytes": theirs, "matches": matches, "default_table_tokens": ours_tokens,
+                    "default_table_bytes": ours})
+    return out
+
+
+def format_reconciliation(lines: list[dict]) -> str:
+    out = ["Quoted figures recomputed (GB = 10^9 bytes, GiB = 2^30 bytes; the default table: K = 1024 tokens, f32 "
+           "KDA state):"]
+    for r in lines:
+        if r["column"] == "k3_kda_state":
+            assumption = "with a 2-byte state, conv windows not counted"
+            default = "f32 state"
+        else:
+            assumption = f"{r['context']} read as {r['tokens']:,} tokens"
+            default = f"{r['default_table_tokens']:,} tokens"
+        verdict = "matches" if r["matches"] else "DOES NOT MATCH"
+        out.append(f"  {r['what']} {r['quoted']} ({r['context']}): {assumption} -> {r['bytes']:,} B = "
+                   f"{r['bytes'] / 1e9:.3f} GB, {verdict}; the default table ({default}): "
+                   f"{r['default_table_bytes'] / 1e9:.3f} GB = {r['default_table_bytes'] / 2**30:.3f} GiB")
+    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -104,12 +168,14 @@ def snapshot_memory(config, context_lengths=(131072, 1048576), every_blocks: int
             for tokens in context_lengths]
 
 
-def format_snapshot_memory(rows: list[dict]) -> str:
-    header = f"{'tokens':>9} {'batch':>5} | {'interval':>9} {'snapshots':>9} | {'per snapshot':>13} {'all':>13}"
+def format_snapshot_memory(rows: list[dict], unit: str = "GiB") -> str:
+    scale = UNITS[unit]
+    cell = lambda n: f"{n / scale:,.3f} {unit}"  # noqa: E731
+    header = f"{'tokens':>9} {'batch':>5} | {'interval':>9} {'snapshots':>9} | {'per snapshot':>15} {'all':>15}"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r['tokens']:>9} {r['batch']:>5} | {r['interval_tokens']:>9} {r['snapshots']:>9} | "
-                     f"{_gib(r['bytes_per_snapshot'])} {_gib(r['snapshot_bytes'])}")
+                     f"{cell(r['bytes_per_snapshot']):>15} {cell(r['snapshot_bytes']):>15}")
     return "\n".join(lines)
 
 

@@ -757,6 +757,14 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
                                     "e_score_correction_bias"]
     _keys_to_ignore_on_load_unexpected = [r"vision_tower\.", r"mm_projector\."]
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        # PEFT's get_peft_model reads this pre-5.23 name; 5.23+ answers it with a FutureWarning, so a plain LoRA
+        # set-up warned. Same answer as transformers' (`is_activation_checkpointing` where it exists), no warning.
+        if hasattr(PreTrainedModel, "is_activation_checkpointing"):
+            return self.is_activation_checkpointing
+        return PreTrainedModel.is_gradient_checkpointing.fget(self)
     # output_hidden_states / output_attentions / output_router_logits, recorded by transformers' hooks. MLA layers
     # return their weights second (None under SDPA, then nothing is recorded); KDA layers have none.
     _can_record_outputs = {

@@ -106,9 +106,13 @@ def test_converted_composite_model_gives_the_logits_of_the_dense_values(release,
 
 
 def test_side_files_are_copied_and_the_release_model_code_is_replaced_by_ours(release, converted):
-    for name in ("tiktoken.model", "encoding_k3.py", "preprocessor_config.json", "generation_config.json", "LICENSE",
-                 "tokenization_kimi.py"):
+    for name in ("tiktoken.model", "encoding_k3.py", "preprocessor_config.json", "LICENSE", "tokenization_kimi.py"):
         assert filecmp.cmp(release.path / name, converted / name, shallow=False), name
+    # the release's max_length (= the context length) is left out, so generate(max_new_tokens=...) does not warn
+    release_generation = json.loads((release.path / "generation_config.json").read_text())
+    assert release_generation.pop("max_length") == json.loads((release.path / "config.json").read_text())[
+        "text_config"]["max_position_embeddings"]
+    assert json.loads((converted / "generation_config.json").read_text()) == release_generation
     # our tokenizer code is used: only auto_map changes in the release's config (the release's tokenizer code stays,
     # unnamed); our template is added
     release_tok = json.loads((release.path / "tokenizer_config.json").read_text())
@@ -184,8 +188,9 @@ def test_export_reproduces_the_release_checkpoint_and_round_trips(release, conve
     for shard in release.shards:
         a, b = load_file(str(release.path / shard)), load_file(str(exported / shard))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
-    # the release's tokenizer files come back byte for byte; the chat template the conversion added does not
-    for name in ("tokenizer_config.json", "tiktoken.model", "tokenization_kimi.py"):
+    # the release's tokenizer and generation config files come back byte for byte; the chat template the conversion
+    # added does not
+    for name in ("tokenizer_config.json", "tiktoken.model", "tokenization_kimi.py", "generation_config.json"):
         assert filecmp.cmp(release.path / name, exported / name, shallow=False), name
     assert not (exported / "chat_template.jinja").exists()
     # and converting the export again gives byte-identical tensors, index and config

@@ -103,8 +103,9 @@ def test_release_plan_verdict_and_smallest_gpu_count():
 
 def test_plan_cli_prints_units_and_verdicts(capsys, tmp_path):
     assert main(["memory", "--plan", "--gpus", "8", "--gpu-mem", "141GB", "--context", "1M", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)  # pure JSON
+    assert main(["memory", "--plan", "--gpus", "8", "--gpu-mem", "141GB", "--context", "1M"]) == 0
     out = capsys.readouterr().out
-    plan = json.loads(out.strip().splitlines()[-1])
     assert "DOES NOT FIT on 8 x 141.00 GB" in out and "GB = 10^9 bytes, GiB = 2^30 bytes" in out
     assert f"smallest number of devices that fits is {plan['smallest_gpus']}" in out
     assert main(["memory", "--plan", "--gpus", str(plan["smallest_gpus"]), "--gpu-mem", "141GB"]) == 0
@@ -134,3 +135,30 @@ def test_plan_bad_input_exits_2_naming_the_option(capsys, argv, message):
     assert main(["memory", *argv]) == 2
     err = capsys.readouterr().err
     assert "kimik3 memory: error: " + message in err
+
+
+def test_memory_table_units_state_dtype_json_and_the_quoted_figures(capsys, tmp_path):
+    release = load_text_config(None)
+    f32, bf16 = (memory_table(release, (128_000,), state_dtype=d)[0] for d in ("float32", "bfloat16"))
+    assert f32["k3_kda_state"] == 2 * bf16["k3_kda_state"] == 69 * 96 * 128 * 128 * 4
+    assert f32["k3_total"] - bf16["k3_total"] == bf16["k3_kda_state"]
+    assert main(["memory", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == memory_table(release, (131072, 1048576))
+    assert main(["memory", "--units", "GB", "--state-dtype", "bfloat16", "--tokens", "128000"]) == 0
+    assert "0.217 GB" in capsys.readouterr().out
+    # every quoted figure is reproduced under its own assumptions, and the JSON says so
+    assert main(["memory", "--reconcile", "--json"]) == 0
+    quoted = json.loads(capsys.readouterr().out)["reconciliation"]
+    assert [q["quoted"] for q in quoted] == ["0.22 GB", "3.5 GB", "29 GB", "13.7 GB", "107 GB"]
+    assert all(q["matches"] for q in quoted)
+    assert main(["memory", "--reconcile"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("matches") == 5 and "107,136,000,000 B" in out and "0.404 GiB" in out
+    # a tiny model's table picks a unit in which its figures are not zeros
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(build_tiny_model(num_hidden_layers=4).config.to_dict()))
+    assert main(["memory", "--config", str(config_path)]) == 0
+    out = capsys.readouterr().out
+    assert "KiB" in out and " 0.000 " not in out
+    assert main(["memory", "--reconcile", "--config", str(config_path)]) == 2
+    assert "kimik3 memory: error: argument --reconcile" in capsys.readouterr().err

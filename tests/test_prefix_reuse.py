@@ -2,7 +2,6 @@
 back to any earlier token; the block-hash prefix store finds the longest reusable prefix."""
 
 import copy
-import json
 import pytest
 import torch
 
@@ -175,7 +174,8 @@ def test_kimik3_memory_reports_snapshot_memory(capsys):
     assert rows[1]["snapshot_bytes"] == 51 * per
     from kimik3.cli import main
 
-    assert main(["memory", "--tokens", "65536", "--snapshot-blocks", "20", "--json"]) == 0
+    assert main(["memory", "--tokens", "65536", "--snapshot-blocks", "20", "--units", "GB"]) == 0
     out = capsys.readouterr().out
     assert "KDA state snapshots for prefix reuse, one every 10240 tokens" in out
-    assert json.loads(out.strip().splitlines()[-1])[0]["tokens"] == 65536  # the JSON line stays last
+    # 6 snapshots of one every 20 blocks in 64K tokens, in the table's unit
+    assert f"{6 * per / 1e9:,.3f} GB" in out.split("KDA state snapshots")[1]

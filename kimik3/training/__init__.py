@@ -3,6 +3,7 @@
 The model-independent parts import nothing from the model; see docs/training.md.
 """
 
+from .checkpointing import checkpointing_arguments, enable_checkpointing
 from .quantile_balancing import (
     ExpertLoadCallback,
     ExpertLoadMonitor,
@@ -15,6 +16,8 @@ from .quantile_balancing import (
 )
 
 __all__ = [
+    "checkpointing_arguments",
+    "enable_checkpointing",
     "ExpertLoadCallback",
     "ExpertLoadMonitor",
     "QuantileBalancer",
