@@ -569,7 +569,7 @@ class KimiK3Experts(nn.Module):
         all-reduce (or all-to-all combine) in f32, then rounded once, as on one device."""
         if self.packed and getattr(self, "_is_hooked", False):
             raise NotImplementedError(
-                "Tensor and expert parallelism need the experts as parameters: load with experts_format='bf16' "
+                "Tensor and expert parallelism need the experts as parameters: load with experts_format='dense' "
                 "(the packed MXFP4 buffers are not sharded)"
             )
         if self.num_experts < self.config.num_experts:
