@@ -57,6 +57,21 @@ def open_source(src, revision: str | None, chunk_bytes: int) -> Checkpoint:
     raise ConversionError(f"{src}: no such folder (and not a Hub repo id)")
 
 
+def processor_config(ckpt: Checkpoint, plan, notes: list) -> bytes | None:
+    """Our processor_config.json when the vision tower is converted and the release has its image settings
+    (preprocessor_config.json), so AutoProcessor gives our processor; None otherwise (--text-only writes none).
+    Release image settings our processor does not apply are added to `notes`."""
+    if not any(t.group in ("projector", "vision") for t in plan.tensors):
+        return None
+    if not (ckpt.root / files.PREPROCESSOR_CONFIG_NAME).is_file():
+        notes.append(f"the source has no {files.PREPROCESSOR_CONFIG_NAME}: no {files.PROCESSOR_CONFIG_NAME} is "
+                     "written; build the processor with KimiK3Processor(tokenizer=...) (release image settings)")
+        return None
+    settings, unapplied = files.media_proc_settings(ckpt.root, ckpt.vision_config)
+    notes.extend(unapplied)
+    return files.processor_config_bytes(settings)
+
+
 def convert(
     src,
     dst,
@@ -124,7 +139,8 @@ def convert(
             "shards": len(shards),
             "bytes": sum(s.nbytes for s in shards),
         }
-        tokenizer_out, provenance["tokenizer_changes"] = files.converted_tokenizer_files(ckpt.root)
+        tokenizer_out, provenance["tokenizer_changes"] = files.converted_tokenizer_files(
+            ckpt.root, processor_config(ckpt, plan, provenance["notes"]))
         generation_out, release_generation = files.generation_config_bytes(ckpt.root, ckpt.config)
         if release_generation is not None:
             provenance["release_generation_config"] = release_generation

@@ -2,6 +2,7 @@
 
 import fnmatch
 import json
+import math
 from pathlib import Path
 
 from kimik3.remote_code import remote_code_files  # noqa: F401  (the converter copies these into every folder)
@@ -34,6 +35,10 @@ PROVENANCE_NAME = "kimik3_conversion.json"
 # it), and the conversion record keeps what changed, so `kimik3 export` writes the release's files back byte for byte.
 OUR_AUTO_TOKENIZER = ["tokenization_kimi_k3.KimiK3Tokenizer", "tokenization_kimi_k3.KimiK3TokenizerFast"]
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
+# A converted folder with the vision tower also gets our processor_config.json (AutoProcessor -> our KimiK3Processor,
+# its image settings from the release's preprocessor_config.json, which stays as it is); export leaves it out.
+PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
+PROCESSOR_CONFIG_NAME = "processor_config.json"
 
 
 def read_provenance(root: Path) -> dict:
@@ -59,13 +64,17 @@ def tokenizer_files(src: Path) -> list[Path]:
     return found
 
 
-def converted_tokenizer_files(src: Path) -> tuple[list[tuple[str, bytes]], dict]:
+def converted_tokenizer_files(src: Path, processor_config: bytes | None = None) -> tuple[list[tuple[str, bytes]], dict]:
     """The release's tokenizer files as a converted folder holds them (verbatim, except tokenizer_config.json's
-    `auto_map.AutoTokenizer`, naming our classes, and our chat template where the release has none), and the record
-    of those changes for the conversion record: {"replaced": {name: original text}, "added": [names]}."""
+    `auto_map.AutoTokenizer`, naming our classes, our chat template where the release has none, and
+    `processor_config` as our processor_config.json when given), and the record of those changes for the conversion
+    record: {"replaced": {name: original text}, "added": [names]}."""
     out, changes = [], {"replaced": {}, "added": []}
     for path in tokenizer_files(src):
         data = path.read_bytes()
+        if path.name == PROCESSOR_CONFIG_NAME and processor_config is not None:
+            changes["replaced"][path.name] = _text(path, data)
+            continue
         if path.name == "tokenizer_config.json":
             try:
                 text = data.decode("utf-8")
@@ -84,7 +93,105 @@ def converted_tokenizer_files(src: Path) -> tuple[list[tuple[str, bytes]], dict]
 
         out.append((CHAT_TEMPLATE_NAME, CHAT_TEMPLATE_PATH.read_bytes()))
         changes["added"].append(CHAT_TEMPLATE_NAME)
+    if processor_config is not None:
+        out.append((PROCESSOR_CONFIG_NAME, processor_config))
+        if PROCESSOR_CONFIG_NAME not in changes["replaced"]:
+            changes["added"].append(PROCESSOR_CONFIG_NAME)
     return out, changes
+
+
+def _text(path: Path, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConversionError(f"{path}: not UTF-8 text ({exc})") from None
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path}: not a JSON object")
+    return value
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _side(value):
+    """A square kernel's side: the release writes merge_kernel_size as 2 in preprocessor_config.json, [2, 2] in
+    config.json."""
+    return value[0] if isinstance(value, (list, tuple)) and value else value
+
+
+def _three_numbers(value) -> bool:
+    return (isinstance(value, list) and len(value) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                                and math.isfinite(v) for v in value))
+
+
+# Our image processor's settings, each with what it supports (the release's `media_proc_cfg` keys of the same name and
+# meaning). `fixed_output_tokens` must stay null: the model splices one row per merged patch block, whatever the
+# processor counts.
+MEDIA_SETTING_CHECKS = {
+    "patch_size": (_positive_int, "a positive whole number"),
+    "merge_kernel_size": (lambda v: _positive_int(v) or (isinstance(v, list) and len(v) == 2 and v[0] == v[1]
+                                                        and _positive_int(v[0])),
+                          "a positive whole number (or a square [k, k])"),
+    "in_patch_limit": (_positive_int, "a positive whole number"),
+    "patch_limit_on_one_side": (_positive_int, "a positive whole number"),
+    "fixed_output_tokens": (lambda v: v is None, "null (the model turns every 2x2 patch block into one row)"),
+    "image_mean": (_three_numbers, "three finite numbers"),
+    "image_std": (lambda v: _three_numbers(v) and all(x > 0 for x in v), "three finite positive numbers"),
+}
+# Release settings our image processor does not implement, which change the pixels of some images
+UNAPPLIED_MEDIA_SETTINGS = {
+    "transparent_bg_config": "images with transparency are flattened by dropping the alpha channel, not composited "
+                             "onto the release's background; composite them before processing to match the release",
+}
+
+
+def media_proc_settings(src: Path, vision_config) -> tuple[dict, list[str]]:
+    """Our image processor's settings from the release's preprocessor_config.json (`media_proc_cfg`): each setting
+    our processor has is taken when its value is one we support (a ConversionError names the file and key
+    otherwise), the release defaults fill the rest; and notes on release settings that are not applied. patch_size
+    and merge_kernel_size must also agree with config.json's vision_config (the tower's own)."""
+    from kimik3.modeling.image_processing_kimi_k3 import DEFAULT_MEDIA_PROC_CFG
+
+    path = src / PREPROCESSOR_CONFIG_NAME
+    release = _json_object(path).get("media_proc_cfg")
+    if not isinstance(release, dict):
+        raise ConversionError(f"{path}: no `media_proc_cfg` object (the release keeps its image settings there); "
+                              "add it, or convert with --text-only")
+    settings = dict(DEFAULT_MEDIA_PROC_CFG)
+    for key, (supported, what) in MEDIA_SETTING_CHECKS.items():
+        if key not in release:
+            continue
+        if not supported(release[key]):
+            raise ConversionError(f"{path}: media_proc_cfg.{key} = {json.dumps(release[key])} is not supported by "
+                                  f"our image processor (expected {what})")
+        settings[key] = release[key]
+    for key in ("patch_size", "merge_kernel_size"):
+        ours, tower = settings[key], getattr(vision_config, key, None)
+        if tower is not None and _side(ours) != _side(tower):
+            raise ConversionError(f"{path}: media_proc_cfg.{key} = {json.dumps(ours)} but config.json's "
+                                  f"vision_config.{key} = {json.dumps(tower)}: the images would not fit the tower")
+    notes = [f"{PREPROCESSOR_CONFIG_NAME}: media_proc_cfg.{key} is not applied by our image processor: {why}"
+             for key, why in UNAPPLIED_MEDIA_SETTINGS.items() if release.get(key) is not None]
+    return settings, notes
+
+
+def processor_config_bytes(settings: dict) -> bytes:
+    """Our processor_config.json for these image settings: what `KimiK3Processor.write_processor_files` writes (the
+    image processor's settings nested, both auto_maps), built without a tokenizer."""
+    from kimik3.modeling.image_processing_kimi_k3 import KimiK3ImageProcessor
+    from kimik3.modeling.processing_kimi_k3 import PROCESSOR_AUTO_MAP
+
+    image_processor = {**KimiK3ImageProcessor(media_proc_cfg=settings).to_dict(), "auto_map": dict(PROCESSOR_AUTO_MAP)}
+    return json_bytes({"auto_map": dict(PROCESSOR_AUTO_MAP), "image_processor": image_processor,
+                       "processor_class": "KimiK3Processor"})
 
 
 def release_tokenizer_files(converted: Path) -> list[tuple[str, bytes]]:

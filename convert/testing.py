@@ -138,6 +138,33 @@ def _tensor_names(text_cfg, vision_cfg, vision: bool):
             yield site.group, site.release, site.rule
 
 
+def release_preprocessor_config(config: dict) -> dict:
+    """The release's preprocessor_config.json as other K3 ports read it (its exact bytes are not on record): the
+    release's own processor classes in `auto_map`, and `media_proc_cfg` with the image rules (patch size the tiny
+    tower's), the video budgets and the chessboard fill for transparent images."""
+    return {
+        "auto_map": {"AutoImageProcessor": "kimi_k3_vision_processing.KimiK3VisionProcessor",
+                     "AutoProcessor": "kimi_k3_processor.KimiK3Processor"},
+        "media_proc_cfg": {
+            "in_patch_limit": 65536,
+            "patch_size": config["vision_config"]["patch_size"],
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "merge_kernel_size": 2,
+            "fixed_output_tokens": None,
+            "patch_limit_on_one_side": 512,
+            "in_patch_limit_each_frame": 16384,
+            "sample_fps": 8.0,
+            "temporal_merge_kernel_size": 4,
+            "transparent_bg_config": {"pattern": "chessboard", "chessboard_square_size": 8,
+                                      "chessboard_square_on_top_left": True, "chessboard_white_value": 255,
+                                      "chessboard_gray_value": 180},
+            "transparent_bg_fill_stage": "after_resize",
+            "config_type": "media_proc.processors.moonvit.MoonViTMediaProcessorConfig",
+        },
+    }
+
+
 def _aux_files(dst: Path, config: dict) -> None:
     text = config["text_config"]
     (dst / "generation_config.json").write_text(
@@ -149,7 +176,7 @@ def _aux_files(dst: Path, config: dict) -> None:
          "eos_token": "<|end_of_msg|>", "model_max_length": 1048576}, indent=2))
     (dst / "tokenization_kimi.py").write_text("# release tokenizer (fixture placeholder)\n")
     (dst / "encoding_k3.py").write_text("# release XTML chat encoder (fixture placeholder)\n")
-    (dst / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": {"patch_size": 14}}, indent=2))
+    (dst / "preprocessor_config.json").write_text(json.dumps(release_preprocessor_config(config), indent=2))
     (dst / "LICENSE").write_text("Kimi K3 License (fixture placeholder)\n")
     (dst / "README.md").write_text("# Kimi K3 (fixture placeholder card)\n")
     for name in ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeling_kimi_linear.py"):

@@ -98,22 +98,23 @@ def _cache_rows(text) -> str:
     )
 
 
-# The card's image section, for folders whose model holds the vision tower. The processor is built from this folder's
-# code: a converted folder keeps the release's preprocessor_config.json, whose auto_map (if any) is not ours.
+# The card's image section, for folders whose model holds the vision tower. AutoProcessor goes by processor_config.json
+# (written by `kimik3 convert` and `kimik3 tiny`), which names our processor; the release's preprocessor_config.json,
+# kept as it is in a converted folder, is not read.
 IMAGES_SECTION = """
 ## Images
 
 `KimiK3ForConditionalGeneration` (what `AutoModelForCausalLM` loads here) reads images: the MoonViT-3d tower and the
 patch-merger projector turn an image into one row per 2x2 block of 14-pixel patches, spliced in at its
-`<|media_pad|>` tokens. `KimiK3Processor` (`processing_kimi_k3.py`) resizes, normalises and cuts the images with the
-release's rules and writes one `<|media_pad|>` per row; its outputs go straight to `generate`:
+`<|media_pad|>` tokens. `KimiK3Processor` (`processing_kimi_k3.py`, named by `processor_config.json`, which holds the
+release's image settings) resizes, normalises and cuts the images with the release's rules and writes one
+`<|media_pad|>` per row; its outputs go straight to `generate`:
 
 ```python
 from PIL import Image
-from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers import AutoProcessor
 
-KimiK3Processor = get_class_from_dynamic_module("processing_kimi_k3.KimiK3Processor", repo)
-processor = KimiK3Processor(tokenizer=tokenizer)  # release image settings: patch 14, 2x2 merge, pixels in [-1, 1]
+processor = AutoProcessor.from_pretrained(repo, trust_remote_code=True)
 messages = [{"role": "user", "content": [{"type": "image", "image": Image.open("photo.jpg")},
                                           {"type": "text", "text": "What is in this picture?"}]}]
 inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -123,9 +124,8 @@ print(processor.decode(out[0, inputs["input_ids"].shape[1]:]))
 ```
 
 Batches of conversations with images pad on the left (`padding=True, padding_side="left"`), and the static cache
-(`cache_implementation="static"`) works with images. A folder with our `processor_config.json` (written by
-`processor.save_pretrained` or `kimik3 tiny`) also loads it with `AutoProcessor.from_pretrained(repo,
-trust_remote_code=True)`. Images only: video is not supported.
+(`cache_implementation="static"`) works with images. Images only: video is not supported, and images with
+transparency are flattened by dropping the alpha channel (composite them onto a background first).
 """
 
 
