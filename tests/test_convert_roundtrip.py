@@ -121,6 +121,12 @@ def test_side_files_are_copied_and_the_release_model_code_is_replaced_by_ours(re
     release_tok.pop("auto_map")
     assert converted_tok == release_tok
     assert (converted / "chat_template.jinja").read_bytes() == CHAT_TEMPLATE_PATH.read_bytes()
+    # the vision tower came with the release's image settings: our processor_config.json names our processor
+    processor_config = json.loads((converted / "processor_config.json").read_text())
+    assert processor_config["auto_map"]["AutoProcessor"] == "processing_kimi_k3.KimiK3Processor"
+    assert processor_config["image_processor"]["media_proc_cfg"]["patch_size"] == testing.TINY_VISION["patch_size"]
+    changes = json.loads((converted / "kimik3_conversion.json").read_text())["tokenizer_changes"]
+    assert changes["added"] == ["chat_template.jinja", "processor_config.json"]
     ours = Path(kimik3.modeling.__file__).parent
     copied = [p for p in ours.glob("*.py") if p.name != "__init__.py"]
     assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "ops_kimi_k3.py"} <= {p.name for p in copied}
@@ -166,6 +172,7 @@ def test_text_only_sliced_conversion(release, tmp_path):
     assert config["num_experts"] == 4 and config["num_experts_per_token"] == 2
     names = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
     assert not any(n.startswith(("language_model.", "vision_tower.", "mm_projector.")) for n in names)
+    assert not (dst / "processor_config.json").exists()  # no images without the tower
     # only the shards holding layers 0, 1, 3 and the embed/head shard were read
     assert summary["source_shards_read"] == [release.shards[i] for i in (0, 1, 3, 6)]
     model = load(dst)
@@ -188,11 +195,12 @@ def test_export_reproduces_the_release_checkpoint_and_round_trips(release, conve
     for shard in release.shards:
         a, b = load_file(str(release.path / shard)), load_file(str(exported / shard))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
-    # the release's tokenizer and generation config files come back byte for byte; the chat template the conversion
-    # added does not
-    for name in ("tokenizer_config.json", "tiktoken.model", "tokenization_kimi.py", "generation_config.json"):
+    # the release's tokenizer, processor and generation config files come back byte for byte; the chat template and
+    # processor config the conversion added do not
+    for name in ("tokenizer_config.json", "tiktoken.model", "tokenization_kimi.py", "generation_config.json",
+                 "preprocessor_config.json"):
         assert filecmp.cmp(release.path / name, exported / name, shallow=False), name
-    assert not (exported / "chat_template.jinja").exists()
+    assert not (exported / "chat_template.jinja").exists() and not (exported / "processor_config.json").exists()
     # and converting the export again gives byte-identical tensors, index and config
     again = tmp_path / "again"
     kc.convert(exported, again, progress=False)

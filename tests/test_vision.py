@@ -3,6 +3,7 @@ release rules, the placeholder splice, images through generate(), and loading th
 checkpoint."""
 
 import copy
+import json
 import math
 import sys
 
@@ -466,7 +467,72 @@ def test_the_cards_image_example_runs(processor, vl_model, tiny_folder, tmp_path
     code = IMAGES_SECTION.split("```python\n")[1].split("```")[0].replace("max_new_tokens=2048", "max_new_tokens=3")
     _image(50, 30, 6).save(tmp_path / "photo.jpg")
     monkeypatch.chdir(tmp_path)
-    scope = {"repo": str(tiny_folder), "tokenizer": processor.tokenizer, "model": vl_model}
-    exec(code, scope)  # noqa: S102 - the card's own text
+    scope = {"repo": str(tiny_folder), "model": vl_model}
+    with monkeypatch.context() as hidden:  # the card's processor comes from the folder's files alone
+        hidden.setitem(sys.modules, "kimik3", None)
+        exec(code, scope)  # noqa: S102 - the card's own text
+    assert type(scope["processor"]).__name__ == "KimiK3Processor"
+    assert type(scope["processor"]).__module__.startswith("transformers_modules.")
     inputs, out = scope["inputs"], scope["out"]
     assert inputs["grid_thws"].tolist() == [[1, 4, 4]] and out.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A converted release folder: our processor_config.json from the release's preprocessor_config.json
+
+
+@pytest.fixture(scope="module")
+def converted_release(tmp_path_factory):
+    """A release-layout checkpoint (a loadable tiktoken.model in place of the fixture's placeholder), converted."""
+    import kimik3.convert as kc
+    from kimik3.tokenizer_files import ranks_file_text, train_ranks
+
+    root = tmp_path_factory.mktemp("release_vision")
+    fx = testing.write_release_checkpoint(root / "rel", num_layers=2, num_experts=2, return_dense=False)
+    (fx.path / "tiktoken.model").write_text(ranks_file_text(train_ranks(256)))
+    kc.convert(fx.path, root / "out", progress=False)
+    return fx.path, root / "out"
+
+
+def test_a_converted_release_loads_our_processor_with_the_releases_image_settings(converted_release, tmp_path):
+    release, converted = converted_release
+    processor = _load_processor_without_the_package(converted)
+    for part in (processor, processor.image_processor, processor.tokenizer):
+        assert type(part).__module__.startswith("transformers_modules."), type(part)
+    assert type(processor).__name__ == "KimiK3Processor"
+    assert type(processor.image_processor).__name__ == "KimiK3ImageProcessor"
+    release_cfg = json.loads((release / "preprocessor_config.json").read_text())["media_proc_cfg"]
+    settings = processor.image_processor.media_proc_cfg
+    assert settings == {key: release_cfg[key] for key in settings}
+    assert settings["patch_size"] == 4  # the tiny tower's, not the default 14
+    # 20 x 12 with 4-pixel patches and a 2x2 merge: padded to 24 x 16, 4 x 6 patches, 2 x 3 = 6 rows
+    out = processor(text="<|kimi_image_placeholder|>hi", images=[_image(20, 12, 0)])
+    assert out["grid_thws"].tolist() == [[1, 4, 6]] and out["pixel_values"].shape == (24, 3, 4, 4)
+    assert int((out["input_ids"] == processor.tokenizer.convert_tokens_to_ids("<|media_pad|>")).sum()) == 6
+    # the converter's processor_config.json is what the processor itself saves
+    processor.save_pretrained(tmp_path / "saved")
+    assert (json.loads((tmp_path / "saved" / "processor_config.json").read_text())
+            == json.loads((converted / "processor_config.json").read_text()))
+    # the release's transparent-background fill is not ours: the conversion says so
+    notes = json.loads((converted / "kimik3_conversion.json").read_text())["notes"]
+    assert any("transparent_bg_config is not applied" in note for note in notes)
+
+
+@pytest.mark.parametrize("key, value", [("fixed_output_tokens", 64), ("image_std", [0.5, 0.0, 0.5]),
+                                        ("merge_kernel_size", [2, 1]), ("patch_size", "14"), ("patch_size", 14)],
+                         ids=["fixed-tokens", "zero-std", "non-square-merge", "text-patch", "not-the-towers-patch"])
+def test_conversion_refuses_image_settings_our_processor_does_not_support(converted_release, tmp_path, key, value):
+    import kimik3.convert as kc
+
+    release, _ = converted_release
+    path = release / "preprocessor_config.json"
+    original = path.read_bytes()
+    values = json.loads(original)
+    values["media_proc_cfg"][key] = value
+    path.write_text(json.dumps(values))
+    try:
+        with pytest.raises(kc.ConversionError, match=rf"preprocessor_config.json: media_proc_cfg.{key} = "):
+            kc.convert(release, tmp_path / "out", progress=False)
+    finally:
+        path.write_bytes(original)
+    assert not (tmp_path / "out").exists()  # refused before anything is written
