@@ -242,16 +242,19 @@ def main():
     for name, run in sections.items():
         if name not in wanted:
             continue
+        start = time.perf_counter()
         try:
             results[name] = run()
         except Exception as exc:  # noqa: BLE001 - one failed section must not lose the others
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        results[name]["section_s"] = round(time.perf_counter() - start, 1)
         if device == "cuda":
             torch.cuda.empty_cache()
-    line = json.dumps(results, default=str)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+        # after every section, so a run stopped by a time limit keeps what it measured
+        print(json.dumps({name: results[name]}, default=str), file=sys.stderr, flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, default=str) + "\n")
+    print(json.dumps(results, default=str))
 
 
 if __name__ == "__main__":
