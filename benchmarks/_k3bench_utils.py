@@ -136,3 +136,22 @@ def round_sig(x, digits=4):
     if x is None or x == 0 or not math.isfinite(x):
         return x
     return round(x, -int(math.floor(math.log10(abs(x)))) + (digits - 1))
+
+
+def random_model(config, device, dtype: torch.dtype = torch.bfloat16):
+    """KimiK3ForCausalLM with random weights built directly on `device` in `dtype` (the modules create their f32
+    islands, A_log, dt_bias, convs and o_norm, in f32 themselves), with no uninitialised memory left in a parameter."""
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = KimiK3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not bool(torch.isfinite(param).all()):
+                param.normal_(0.0, 0.02)
+    return model.eval()

@@ -74,7 +74,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_model(args, num_layers: int, device):
     from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 
     if args.quick:
         from kimik3.configuration import tiny_text_config_dict
@@ -86,19 +85,9 @@ def build_model(args, num_layers: int, device):
         config = k3_config(num_layers=num_layers, num_experts=args.experts)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    # bf16 weights; the modules create their f32 islands (A_log, dt_bias, convs, o_norm) in f32 themselves
-    torch.set_default_dtype(torch.float32 if args.quick else torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = KimiK3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():  # no uninitialised memory (NaN/inf) in a parameter
-        for param in model.parameters():
-            if not bool(torch.isfinite(param).all()):
-                param.normal_(0.0, 0.02)
-    return model.eval()
+    from _k3bench_utils import random_model
+
+    return random_model(config, device, torch.float32 if args.quick else torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -89,20 +89,9 @@ def bench_config(args, num_experts: int):
 
 
 def random_model(config, device):
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+    from _k3bench_utils import random_model as build
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32 if device == "cpu" else torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = KimiK3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():  # no uninitialised memory (NaN/inf) in a parameter
-        for param in model.parameters():
-            if not bool(torch.isfinite(param).all()):
-                param.normal_(0.0, 0.02)
-    return model.eval()
+    return build(config, device, torch.float32 if device == "cpu" else torch.bfloat16)
 
 
 def model_dtype(args):
