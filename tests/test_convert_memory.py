@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kimik3.convert import testing
+from k3_test_utils import peak_rss_resettable
 
 CHUNK = 4 * 2**20
 WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "routed_expert_hidden_size": 256,
@@ -44,15 +45,6 @@ print(json.dumps(result))
 """
 
 
-def _clear_refs_works() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("mem")
@@ -74,7 +66,7 @@ def measured_by_format(checkpoints, tmp_path_factory):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not _clear_refs_works(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
+@pytest.mark.skipif(not peak_rss_resettable(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
 @pytest.mark.parametrize("experts", ["dense", "mxfp4"])
 def test_peak_rss_does_not_grow_with_the_model(measured_by_format, tmp_path, experts):
     measured = measured_by_format[experts]

@@ -23,6 +23,7 @@ from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.modeling.conversion_kimi_k3 import KimiK3LoadError, release_conversions
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3ForConditionalGeneration
 from kimik3.remote_code import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP, remote_code_files
+from k3_test_utils import peak_rss_resettable
 
 transformers = pytest.importorskip("transformers")
 FORMATS = ("dense", "mxfp4")
@@ -317,16 +318,7 @@ print(json.dumps({"growth": status("VmHWM:") - base, "model": size}))
 """
 
 
-def _clear_refs_works() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _clear_refs_works(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
+@pytest.mark.skipif(not peak_rss_resettable(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
 def test_peak_memory_while_loading_sync_is_the_model_plus_a_few_shards(tmp_path):
     """Measured with transformers' synchronous loading (HF_DEACTIVATE_ASYNC_LOAD=1). With its default thread pool
     the workers read ahead of the conversions and the peak is about twice the model (known gap, see the report)."""
