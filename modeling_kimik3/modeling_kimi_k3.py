@@ -778,8 +778,18 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         """Also loads the release layout as it is on disk (conversion_kimi_k3.py); `experts_format="mxfp4"` keeps
         MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are errors naming the release tensor."""
         load = super().from_pretrained
-        return check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
-                                  **kwargs)
+        model = check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
+                                   **kwargs)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            # the release's generation_config.json sets max_length to the context length, which only makes every
+            # generate(max_new_tokens=...) warn that both are set; `kimik3 convert` leaves it out, so does a direct load
+            if generation_config.max_length == model.config.get_text_config().max_position_embeddings:
+                generation_config.max_length = type(generation_config)().max_length
+            # loader options the loader also hands to the generation config are not generation settings
+            for option in ("vision", "experts_format"):
+                generation_config.__dict__.pop(option, None)
+        return model
 
     def post_init(self):
         super().post_init()

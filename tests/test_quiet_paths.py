@@ -112,3 +112,27 @@ def test_export_of_an_f32_folder_reports_its_casts_in_one_line(tiny_dir, tmp_pat
     assert len(cast) > 2 and len(casts) == 1
     assert casts[0].startswith(f"{len(cast)} tensor(s) cast from F32 to the release's BF16: `")
     assert casts[0].endswith(f" and {len(cast) - 2} more") and set(casts[0].split("`")[1::2]) <= set(cast)
+
+
+def test_release_folder_loads_and_generates_quietly(tmp_path):
+    """The release layout as it is on disk (its generation_config.json sets max_length to the context length, its
+    config.json names the model type `kimi_k3`): loading it directly and generate(max_new_tokens=...) say nothing, and
+    the loader's own options do not end up in the generation config."""
+    from transformers import logging as hf_logging
+
+    from kimik3.convert import testing
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+
+    release = testing.write_release_checkpoint(tmp_path / "release", num_layers=2, num_experts=4, vision=False,
+                                               return_dense=False)
+    assert '"max_length"' in (release.path / "generation_config.json").read_text()
+    hf_logging.disable_progress_bar()
+    try:
+        with no_warnings():
+            model = KimiK3ForConditionalGeneration.from_pretrained(release.path, dtype=torch.float32)
+            out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    finally:
+        hf_logging.enable_progress_bar()
+    assert out.shape == (1, 6)
+    saved = model.generation_config.to_dict()
+    assert "vision" not in saved and "experts_format" not in saved
