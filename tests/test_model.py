@@ -9,6 +9,7 @@ from kimik3.tiny import build_tiny_model
 from kimik3.configuration import kimi_linear_style_text_config_dict, tiny_text_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+from kimik3.training import enable_checkpointing
 
 F32_ISLANDS = ("A_log", "dt_bias", "conv1d", "o_norm", "e_score_correction_bias")
 
@@ -110,7 +111,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     model = build_tiny_model(num_hidden_layers=4).train()
     ids = torch.randint(3, 128, (2, 21))
     plain = _grads(model, ids)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, use_reentrant=False)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = _grads(model, ids)
     assert plain.keys() == checkpointed.keys()

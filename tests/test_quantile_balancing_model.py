@@ -4,6 +4,7 @@ load imbalance (max/mean) low while it collapses without."""
 
 import torch
 
+from kimik3.training import enable_checkpointing
 from kimik3.training.quantile_balancing import (
     ExpertLoadCallback,
     QuantileBalancer,
@@ -60,7 +61,7 @@ def test_real_model_checkpoint_recompute_counted_once():
     for checkpointing in (False, True):
         model = load_tiny()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model, use_reentrant=False)
         balancer = QuantileBalancer(model)
         model(**batch).loss.backward()
         stats = balancer.step()

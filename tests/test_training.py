@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from kimik3.training import checkpointing_arguments, enable_checkpointing
 from kimik3.training.memory import ActivationMeter
 from training_helpers import batch_of, load_tiny, losses, make_trainer, unigram_entropy
 
@@ -64,10 +65,10 @@ class GradCapture(TrainerCallback):
 def run_one_step(tmp_path, checkpointing, reentrant=False):
     model = load_tiny()
     capture = GradCapture()
-    extra = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}} if checkpointing else {}
+    # the installed transformers' names (activation_checkpointing on 5.23+, gradient_checkpointing before)
+    extra = checkpointing_arguments(checkpointing, {"use_reentrant": reentrant} if checkpointing else None)
     trainer = make_trainer(
-        model, tmp_path, max_steps=1, callbacks=[capture], trainer_cls=MeasuringTrainer,
-        gradient_checkpointing=checkpointing, max_grad_norm=0.0, **extra,
+        model, tmp_path, max_steps=1, callbacks=[capture], trainer_cls=MeasuringTrainer, max_grad_norm=0.0, **extra,
     )
     trainer.meters = []
     trainer.train()
@@ -99,7 +100,7 @@ def test_gradient_checkpointing_without_trainer_matches():
     for enable in (False, True):
         model = load_tiny()
         if enable:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model, use_reentrant=False)
         with ActivationMeter(model) as meter:
             loss = model(**batch).loss
         loss.backward()

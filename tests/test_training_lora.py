@@ -9,6 +9,7 @@ peft = pytest.importorskip("peft")
 from peft import PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from kimik3.training import checkpointing_arguments  # noqa: E402
 from kimik3.training.lora import default_lora_config, lora_target_modules  # noqa: E402
 from training_helpers import batch_of, load_tiny, losses, make_trainer  # noqa: E402
 
@@ -87,8 +88,7 @@ def test_lora_trainer_checkpointing_save_reload_merge(tmp_path):
     base = load_tiny()
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
     peft_model = get_peft_model(base, default_lora_config(base, r=RANK))
-    trainer = make_trainer(peft_model, tmp_path / "run", max_steps=12, learning_rate=2e-2,
-                           gradient_checkpointing=True)
+    trainer = make_trainer(peft_model, tmp_path / "run", max_steps=12, learning_rate=2e-2, **checkpointing_arguments())
     trainer.train()
     loss = losses(trainer)
     # the adapter learns (slowly: LoRA B starts at zero and lm_head / embeddings are frozen; 4.84 -> 4.53 measured)
