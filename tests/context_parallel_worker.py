@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from kimik3.modeling.context_parallel_kimi_k3 import ContextParallel
 from kimik3.tiny import build_tiny_model
+from kimik3.training import enable_checkpointing
 from kimik3.training import QuantileBalancer
 from kimik3.training.fsdp import shard_model
 
@@ -82,7 +83,7 @@ def context_parallel_training(model, device, tensors: dict) -> None:
     """Forward and backward of this rank's segment (gradient checkpointing on: the exchanges run again in the
     recompute); the parameter gradients summed over the ranks."""
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, use_reentrant=False)
     input_ids = token_ids(2, TRAIN_LENGTH, 1, model.config.vocab_size).to(device)
     cp = ContextParallel.for_sequence(TRAIN_LENGTH)
     logits = model(input_ids=cp.shard(input_ids), use_cache=False, context_parallel=cp).logits
@@ -93,7 +94,7 @@ def context_parallel_training(model, device, tensors: dict) -> None:
             grad = param.grad.detach().clone()
             dist.all_reduce(grad)
             tensors[f"grad.{name}"] = grad
-    model.gradient_checkpointing_disable()
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     model.zero_grad(set_to_none=True)
     model.eval()
 

@@ -33,6 +33,8 @@ from collections import Counter
 import torch
 from torch import nn
 
+from .checkpointing import enable_checkpointing
+
 
 DECODER_LAYER_CLASS = "KimiK3DecoderLayer"
 
@@ -103,7 +105,7 @@ def shard_model(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, use_reentrant=False)
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
