@@ -23,3 +23,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def two_rank_runs(tmp_path_factory):
+    """One torchrun launch of 2 gloo ranks for test_parallel.py and test_context_parallel.py (tests/two_rank_worker.py):
+    the tiny model folder the parallel plans load, and the two output folders the workers wrote."""
+    import subprocess
+
+    from kimik3.tiny import write_tiny_folder
+    from parallel_worker import MODES
+
+    root = tmp_path_factory.mktemp("two_rank")
+    tiny_dir, parallel_out, context_parallel_out = root / "tiny", root / "parallel", root / "context_parallel"
+    write_tiny_folder(tiny_dir)
+    parallel_out.mkdir()
+    context_parallel_out.mkdir()
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(tests / "two_rank_worker.py"), str(tiny_dir), str(parallel_out), str(context_parallel_out), *MODES]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return {"tiny_dir": tiny_dir, "parallel": parallel_out, "context_parallel": context_parallel_out}

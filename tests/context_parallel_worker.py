@@ -152,28 +152,32 @@ def fsdp_bf16_groups(device, report: dict) -> None:
     }
 
 
-def main(argv: list[str]) -> None:
-    out_dir = Path(argv[0])
-    dist.init_process_group("nccl" if ON_CUDA else "gloo")
+def run_all(out_dir: Path) -> None:
+    """Every check, in an initialised process group; writes this rank's report and tensors to OUT_DIR."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{rank}" if ON_CUDA else "cpu")
-    if ON_CUDA:
-        torch.cuda.set_device(device)
     tensors, report = {}, {}
+    if ON_CUDA:  # the FSDP loss curve is compared in f32: no TF32 convolutions
+        torch.backends.cudnn.allow_tf32 = False
+    model = as_released_dtypes(build_tiny_model(seed=SEED).to(device), CP_DTYPE)
+    context_parallel_prefill(model, device, tensors, report)
+    context_parallel_training(model, device, tensors)
+    fsdp_training(device, rank, world_size, tensors, report)
+    fsdp_bf16_groups(device, report)
+    dist.barrier()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+              str(Path(out_dir) / f"rank{rank}.safetensors"))
+
+
+def main(argv: list[str]) -> None:
+    dist.init_process_group("nccl" if ON_CUDA else "gloo")
+    if ON_CUDA:
+        torch.cuda.set_device(dist.get_rank())
     try:
-        if ON_CUDA:  # the FSDP loss curve is compared in f32: no TF32 convolutions
-            torch.backends.cudnn.allow_tf32 = False
-        model = as_released_dtypes(build_tiny_model(seed=SEED).to(device), CP_DTYPE)
-        context_parallel_prefill(model, device, tensors, report)
-        context_parallel_training(model, device, tensors)
-        fsdp_training(device, rank, world_size, tensors, report)
-        fsdp_bf16_groups(device, report)
-        dist.barrier()
+        run_all(Path(argv[0]))
     finally:
         dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out_dir / f"rank{rank}.safetensors"))
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -82,16 +82,20 @@ def run(model_dir: str, out_dir: Path, mode: str, rank: int) -> None:
               str(out_dir / f"{mode}-rank{rank}.safetensors"))
 
 
+def run_modes(model_dir: str, out_dir: Path, modes) -> None:
+    """Every mode in turn, in an initialised process group."""
+    for mode in modes:
+        run(model_dir, Path(out_dir), mode, dist.get_rank())
+        dist.barrier()
+
+
 def main(argv: list[str]) -> None:
     model_dir, out_dir, *modes = argv
     dist.init_process_group("nccl" if ON_CUDA else "gloo")
-    rank = dist.get_rank()
     if ON_CUDA:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(dist.get_rank())
     try:
-        for mode in modes:
-            run(model_dir, Path(out_dir), mode, rank)
-            dist.barrier()
+        run_modes(model_dir, Path(out_dir), modes)
     finally:
         dist.destroy_process_group()
 

@@ -2,8 +2,6 @@
 (tests/context_parallel_worker.py under one torchrun launch), each against the single-process model in f32."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,14 +29,9 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One torchrun launch, 2 gloo ranks: [(report, tensors)] per rank."""
-    out_dir = tmp_path_factory.mktemp("context_parallel_out")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(TESTS / "context_parallel_worker.py"), str(out_dir)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+def runs(two_rank_runs):
+    """The 2 gloo ranks' results (the shared torchrun launch, conftest.py): [(report, tensors)] per rank."""
+    out_dir = two_rank_runs["context_parallel"]
     return [(json.loads((out_dir / f"rank{r}.json").read_text()), load_file(str(out_dir / f"rank{r}.safetensors")))
             for r in range(2)]
 

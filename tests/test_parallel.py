@@ -3,7 +3,6 @@ plans on 2 gloo processes (tests/parallel_worker.py under torchrun), each agains
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from kimik3.tiny import write_tiny_folder
 
 
 TESTS = Path(__file__).resolve().parent
@@ -22,10 +20,8 @@ from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_parallel")
-    write_tiny_folder(directory)
-    return directory
+def tiny_dir(two_rank_runs):
+    return two_rank_runs["tiny_dir"]
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +36,9 @@ def reference(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(tiny_dir, tmp_path_factory):
-    """One torchrun launch, 2 gloo ranks on localhost, every mode in turn; returns {mode: [per-rank results]}."""
-    out_dir = tmp_path_factory.mktemp("parallel_out")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(TESTS / "parallel_worker.py"), str(tiny_dir), str(out_dir), *MODES]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+def parallel_runs(two_rank_runs):
+    """The 2 gloo ranks' results of every mode in turn (the shared torchrun launch, conftest.py): {mode: [per rank]}."""
+    out_dir = two_rank_runs["parallel"]
     runs = {}
     for mode in MODES:
         runs[mode] = [

@@ -1,0 +1,29 @@
+"""What the CPU suite runs under one torchrun launch of 2 gloo ranks (one start of two processes instead of one per
+test file): the tensor/expert-parallel plans of tests/parallel_worker.py, then the context-parallel and FSDP2 checks
+of tests/context_parallel_worker.py. The conftest fixture `two_rank_runs` launches it; each worker also runs alone
+(the GPU tests launch them with NCCL).
+
+    torchrun --standalone --nproc-per-node 2 tests/two_rank_worker.py MODEL_DIR PARALLEL_OUT CONTEXT_PARALLEL_OUT MODE...
+"""
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+import context_parallel_worker
+import parallel_worker
+
+
+def main(argv: list[str]) -> None:
+    model_dir, parallel_out, context_parallel_out, *modes = argv
+    dist.init_process_group("gloo")
+    try:
+        parallel_worker.run_modes(model_dir, Path(parallel_out), modes)
+        context_parallel_worker.run_all(Path(context_parallel_out))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
