@@ -33,7 +33,7 @@ setup(
         "tokenizers",
         "huggingface_hub",
     ],
-    extras_require={"test": ["pytest", "peft>=0.19.1", "pillow"], "train": ["peft>=0.19.1"], "gpu": ["fla-core>=0.5.2"],
+    extras_require={"test": ["pytest", "pytest-xdist", "peft>=0.19.1", "pillow"], "train": ["peft>=0.19.1"], "gpu": ["fla-core>=0.5.2"],
                     "vision": ["pillow"]},
     entry_points={"console_scripts": ["kimik3=kimik3.cli:main"]},
 )

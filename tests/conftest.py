@@ -11,6 +11,12 @@ _threads = os.environ.get("KIMIK3_TEST_THREADS", "1")
 if not _threads.isdigit() or int(_threads) < 1:
     raise pytest.UsageError(f"KIMIK3_TEST_THREADS must be a positive integer, got {_threads!r}")
 os.environ["OMP_NUM_THREADS"] = _threads
+# Each pytest-xdist worker gets its own transformers module cache: trust_remote_code copies a folder's code files under
+# the folder's base name there, and two workers loading folders of the same name would write the same files at once.
+if os.environ.get("PYTEST_XDIST_WORKER") and "HF_MODULES_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix=f"kimik3-hf-modules-{os.environ['PYTEST_XDIST_WORKER']}-")
 
 import torch  # noqa: E402
 
@@ -46,3 +52,12 @@ def two_rank_runs(tmp_path_factory):
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return {"tiny_dir": tiny_dir, "parallel": parallel_out, "context_parallel": context_parallel_out}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`--dist loadgroup`, pytest.ini) every file's tests stay on one worker, so a module-scoped
+    fixture (a tiny folder, a fresh process, a fine-tune) runs once; files marked with their own group keep it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
