@@ -145,12 +145,21 @@ MEDIA_SETTING_CHECKS = {
     "fixed_output_tokens": (lambda v: v is None, "null (the model turns every 2x2 patch block into one row)"),
     "image_mean": (_three_numbers, "three finite numbers"),
     "image_std": (lambda v: _three_numbers(v) and all(x > 0 for x in v), "three finite positive numbers"),
+    "transparent_bg_config": (lambda v: _transparent_bg_problem(v) is None,
+                              "null, or an object with pattern one of white/black/gray/chessboard, "
+                              "chessboard_square_size a positive whole number, chessboard_square_on_top_left true or "
+                              "false, chessboard_white_value and chessboard_gray_value whole numbers 0-255"),
+    "transparent_bg_fill_stage": (lambda v: v in ("before_resize", "after_resize"),
+                                  '"before_resize" or "after_resize"'),
 }
-# Release settings our image processor does not implement, which change the pixels of some images
-UNAPPLIED_MEDIA_SETTINGS = {
-    "transparent_bg_config": "images with transparency are flattened by dropping the alpha channel, not composited "
-                             "onto the release's background; composite them before processing to match the release",
-}
+# Release settings our image processor does not implement, which change the pixels of some images (none today)
+UNAPPLIED_MEDIA_SETTINGS = {}
+
+
+def _transparent_bg_problem(value):
+    from kimik3.modeling.image_processing_kimi_k3 import transparent_bg_problem
+
+    return transparent_bg_problem(value)
 
 
 def media_proc_settings(src: Path, vision_config) -> tuple[dict, list[str]]:

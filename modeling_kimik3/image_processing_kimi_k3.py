@@ -19,6 +19,14 @@ bottom to a multiple of patch * merge (28); scale to [0, 1] and normalise with m
 padding becomes -1); cut into patch x patch squares, row-major. Outputs `pixel_values` f32 [patches, 3, p, p] and
 `grid_thws` int64 [images, 3] = (1, rows, columns) in patches. The model turns each image into
 rows/2 * columns/2 tokens (`num_image_tokens`). Images only: the release's processor rejects other media.
+
+Transparency, as the release's media_utils.py: with `transparent_bg_config` null (the default) every image is
+converted to RGB, so alpha is dropped. With it set, an image whose mode has an alpha band ("A": RGBA, LA, PA) or that
+carries a `transparency` entry (palette or grey images with a transparent colour) is composited onto the configured
+background (a solid white/black/gray, or a chessboard of `chessboard_square_size` squares anchored at the top-left
+pixel); other images (RGB ones always) are converted to RGB. `transparent_bg_fill_stage` says when: "before_resize" (the default)
+composites at full size, "after_resize" (what the release ships) resizes the image in its own mode first and
+composites the resized image, before padding, so the padding stays zero.
 """
 
 import math
@@ -36,7 +44,78 @@ DEFAULT_MEDIA_PROC_CFG = {
     "fixed_output_tokens": None,
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],
+    "transparent_bg_config": None,
+    "transparent_bg_fill_stage": "before_resize",
 }
+
+TRANSPARENT_BG_FILL_STAGES = ("before_resize", "after_resize")
+# The release's TransparentBgConfig fields with their defaults, which fill the keys a config leaves out
+TRANSPARENT_BG_DEFAULTS = {
+    "pattern": "black",
+    "chessboard_square_size": 16,
+    "chessboard_square_on_top_left": True,
+    "chessboard_white_value": 255,
+    "chessboard_gray_value": 200,
+}
+SOLID_BACKGROUNDS = {"white": 255, "black": 0, "gray": 128}
+
+
+def _byte(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 255
+
+
+_TRANSPARENT_BG_CHECKS = {
+    "pattern": (lambda v: v == "chessboard" or (isinstance(v, str) and v in SOLID_BACKGROUNDS),
+                "one of \"white\", \"black\", \"gray\", \"chessboard\""),
+    "chessboard_square_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                               "a positive whole number of pixels"),
+    "chessboard_square_on_top_left": (lambda v: isinstance(v, bool), "true or false"),
+    "chessboard_white_value": (_byte, "a whole number from 0 to 255"),
+    "chessboard_gray_value": (_byte, "a whole number from 0 to 255"),
+}
+
+
+def transparent_bg_problem(value) -> str | None:
+    """What is wrong with a `transparent_bg_config` value, naming the key (None when the release would accept it)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return f"transparent_bg_config = {value!r}: expected null or an object of {', '.join(TRANSPARENT_BG_DEFAULTS)}"
+    for key in value:
+        if key not in TRANSPARENT_BG_DEFAULTS:
+            return (f"transparent_bg_config.{key} is not a setting of the transparent-background fill (it has "
+                    f"{', '.join(TRANSPARENT_BG_DEFAULTS)})")
+    for key, (supported, what) in _TRANSPARENT_BG_CHECKS.items():
+        if key in value and not supported(value[key]):
+            return f"transparent_bg_config.{key} = {value[key]!r}: expected {what}"
+    return None
+
+
+def background_pixels(height: int, width: int, background: dict) -> np.ndarray:
+    """The fill behind transparent pixels, uint8 [height, width, 3]."""
+    pattern = background["pattern"]
+    if pattern != "chessboard":
+        return np.full((height, width, 3), SOLID_BACKGROUNDS[pattern], dtype=np.uint8)
+    side = background["chessboard_square_size"]
+    square_sum = np.arange(height)[:, None] // side + np.arange(width)[None, :] // side
+    # the release's parity: with square_on_top_left the top-left square is white and its neighbours gray
+    gray = square_sum % 2 == (1 if background["chessboard_square_on_top_left"] else 0)
+    board = np.where(gray, background["chessboard_gray_value"], background["chessboard_white_value"])
+    return np.repeat(board.astype(np.uint8)[:, :, None], 3, axis=2)
+
+
+def flatten_transparency(image, background: dict | None):
+    """An RGB PIL image: alpha dropped when `background` is None, else transparent pixels composited onto it."""
+    from PIL import Image
+
+    has_transparency = "A" in image.getbands() or "transparency" in image.info
+    if background is None or image.mode == "RGB" or not has_transparency:
+        return image.convert("RGB")
+    rgba = np.asarray(image.convert("RGBA"))
+    # f32 arithmetic and truncation to uint8, as the release
+    alpha = rgba[:, :, 3:].astype(np.float32) / np.float32(255.0)
+    mixed = alpha * rgba[:, :, :3] + (1 - alpha) * background_pixels(rgba.shape[0], rgba.shape[1], background)
+    return Image.fromarray(mixed.astype(np.uint8))
 
 
 def resize_plan(width: int, height: int, cfg: dict) -> dict:
@@ -69,18 +148,18 @@ def _as_pil(image):
             raise ValueError(f"Kimi K3 image processor: media type {image.get('type')!r} is not supported (images only)")
         image = image.get("image")
     if isinstance(image, Image.Image):
-        return image.convert("RGB")
+        return image  # in its own mode: transparency is resolved by the image processor's settings
     if isinstance(image, torch.Tensor):
         image = image.numpy()
     if isinstance(image, np.ndarray):
-        if image.ndim == 3 and image.shape[0] in (1, 3) and image.shape[-1] not in (1, 3):
+        if image.ndim == 3 and image.shape[0] in (1, 3, 4) and image.shape[-1] not in (1, 3, 4):
             image = image.transpose(1, 2, 0)  # channels first -> last
         if image.dtype != np.uint8:
             if not np.isfinite(image).all():
                 raise ValueError("Kimi K3 image processor: the image array holds non-finite values")
             # float arrays in [0, 1] as transformers' image utilities produce them
             image = np.clip(np.rint(image * 255.0 if image.max() <= 1.0 else image), 0, 255).astype(np.uint8)
-        return Image.fromarray(image.squeeze(-1) if image.ndim == 3 and image.shape[-1] == 1 else image).convert("RGB")
+        return Image.fromarray(image.squeeze(-1) if image.ndim == 3 and image.shape[-1] == 1 else image)
     raise ValueError(f"Kimi K3 image processor: expected a PIL image, an array or a media dict, got "
                      f"{type(image).__name__}")
 
@@ -92,10 +171,15 @@ class KimiK3ImageProcessor(BaseImageProcessor):
         super().__init__(**kwargs)
         cfg = dict(DEFAULT_MEDIA_PROC_CFG)
         cfg.update(media_proc_cfg or {})
-        if cfg.get("transparent_bg_config") is not None:
-            raise ValueError("Kimi K3 image processor: media_proc_cfg.transparent_bg_config is not supported; "
-                             "composite transparent images onto a background before processing")
+        problem = transparent_bg_problem(cfg["transparent_bg_config"])
+        if problem is not None:
+            raise ValueError(f"Kimi K3 image processor: media_proc_cfg.{problem}")
+        if cfg["transparent_bg_fill_stage"] not in TRANSPARENT_BG_FILL_STAGES:
+            raise ValueError(f"Kimi K3 image processor: media_proc_cfg.transparent_bg_fill_stage = "
+                             f"{cfg['transparent_bg_fill_stage']!r}: expected \"before_resize\" or \"after_resize\"")
         self.media_proc_cfg = cfg
+        given = cfg["transparent_bg_config"]
+        self._background = None if given is None else {**TRANSPARENT_BG_DEFAULTS, **given}
 
     def num_image_tokens(self, width: int, height: int) -> int:
         """Rows an image of this size (before resizing) becomes in the language model."""
@@ -112,8 +196,15 @@ class KimiK3ImageProcessor(BaseImageProcessor):
         cfg = self.media_proc_cfg
         plan = resize_plan(image.width, image.height, cfg)
         size = (plan["new_width"], plan["new_height"])
+        fill_after_resize = cfg["transparent_bg_fill_stage"] == "after_resize"
+        if not fill_after_resize:
+            image = flatten_transparency(image, self._background)
         if size != image.size:
+            # after_resize this is in the image's own mode: PIL premultiplies alpha, so fully transparent pixels do not
+            # bleed their colour into the edges (and it resizes palette images nearest-neighbour)
             image = image.resize(size, resample=Image.Resampling.BICUBIC)
+        if fill_after_resize:
+            image = flatten_transparency(image, self._background)  # drawn on the resized image, not on the padding
         pixels = np.pad(np.asarray(image), ((0, plan["pad_height"]), (0, plan["pad_width"]), (0, 0)))
         # f32 as the release: x / 255 (f64) rounded to f32, then minus mean, times 1/std, in f32
         pixels = (pixels / 255.0).astype(np.float32)
@@ -145,4 +236,5 @@ class KimiK3ImageProcessor(BaseImageProcessor):
         return output
 
 
-__all__ = ["KimiK3ImageProcessor", "resize_plan"]
+__all__ = ["KimiK3ImageProcessor", "background_pixels", "flatten_transparency", "resize_plan",
+           "transparent_bg_problem"]

@@ -5,6 +5,7 @@ checkpoint."""
 import copy
 import json
 import math
+import re
 import sys
 
 import numpy as np
@@ -199,6 +200,114 @@ def test_large_images_are_scaled_to_the_patch_limits():
     assert abs(float(pv[7, 511, 2, 0, 13]) - (resized[98, 7167, 2] / 255.0 - 0.5) / 0.5) < 1e-6
     # 4000 x 4000 = 285^2 patches > 65536: scale sqrt(65536 / 285^2); int(4000 * s) = 3592 -> padded 3612 = 258 p
     assert proc.num_image_tokens(4000, 4000) == 129 * 129
+
+
+# the release's fill (preprocessor_config.json: transparent_bg_config, transparent_bg_fill_stage)
+RELEASE_BG = {"pattern": "chessboard", "chessboard_square_size": 8, "chessboard_square_on_top_left": True,
+              "chessboard_white_value": 255, "chessboard_gray_value": 180}
+RELEASE_FILL = {"transparent_bg_config": RELEASE_BG, "transparent_bg_fill_stage": "after_resize"}
+
+
+def _board(x, y):
+    """The release's chessboard at pixel (x, y): 8-pixel squares, white where the square's row + column is even."""
+    return 180 if (x // 8 + y // 8) % 2 == 1 else 255
+
+
+def _over_board(rgb, alpha, x, y):
+    """One channel of one pixel composited as the release does: in f32, truncated to a byte."""
+    a = np.float32(alpha) / np.float32(255)
+    return int(a * np.float32(rgb) + (np.float32(1) - a) * np.float32(_board(x, y)))
+
+
+def _processed_bytes(out, rows, cols, patch):
+    """The padded image the processor cut into patches, back as bytes (mean = std = 0.5)."""
+    pv = out["pixel_values"].double().view(rows, cols, 3, patch, patch).permute(0, 3, 1, 4, 2)
+    values = ((pv.reshape(rows * patch, cols * patch, 3) * 0.5 + 0.5) * 255).numpy()
+    assert np.abs(values - np.rint(values)).max() < 1e-3
+    return np.rint(values).astype(np.int64)
+
+
+def _transparent_image(mode, width, height, seed):
+    """An image with a fully transparent left part, partly transparent pixels and an opaque rest, and its colour and
+    alpha per pixel worked out here (the palette image through its palette, not through PIL's conversion)."""
+    rng = np.random.default_rng(seed)
+    alpha = np.full((height, width), 255, dtype=np.uint8)
+    alpha[:, : width // 3] = 0
+    alpha[:, width // 3: width // 2] = rng.integers(1, 255, (height, width // 2 - width // 3))
+    if mode == "RGBA":
+        rgb = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        return Image.fromarray(np.dstack([rgb, alpha]), mode="RGBA"), rgb, alpha
+    if mode == "LA":
+        grey = rng.integers(0, 256, (height, width), dtype=np.uint8)
+        return Image.fromarray(np.dstack([grey, alpha]), mode="LA"), np.repeat(grey[:, :, None], 3, axis=2), alpha
+    palette = rng.integers(0, 256, (256, 3), dtype=np.uint8)
+    index = rng.integers(1, 256, (height, width), dtype=np.uint8)
+    index[:, : width // 3] = 0  # palette entry 0 is the transparent colour
+    image = Image.fromarray(index, mode="P")
+    image.putpalette(palette.flatten().tolist())
+    image.info["transparency"] = 0
+    return image, palette[index], np.where(index == 0, 0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparent_pixels_are_composited_onto_the_releases_chessboard(mode):
+    image, rgb, alpha = _transparent_image(mode, 30, 20, seed=3)
+    out = KimiK3ImageProcessor(media_proc_cfg=RELEASE_FILL).preprocess([image])
+    assert out["grid_thws"].tolist() == [[1, 2, 4]]  # 30 x 20 kept, padded to 56 x 28
+    got = _processed_bytes(out, 2, 4, 14)
+    expected = np.zeros((28, 56, 3), dtype=np.int64)  # zero padding, no chessboard under it
+    for y in range(20):
+        for x in range(30):
+            expected[y, x] = [_over_board(rgb[y, x, k], alpha[y, x], x, y) for k in range(3)]
+    np.testing.assert_array_equal(got, expected)
+    assert (got[:20, :10] != rgb[:, :10]).any()  # the transparent part shows the board, not the hidden colours
+
+
+def test_the_chessboard_is_drawn_on_the_resized_image_of_premultiplied_colours():
+    image, _, _ = _transparent_image("RGBA", 64, 48, seed=4)
+    # 4 x 3 patches over a limit of 4: scaled by sqrt(4 / 12) to 36 x 27, padded to 56 x 28
+    out = KimiK3ImageProcessor(media_proc_cfg={**RELEASE_FILL, "in_patch_limit": 4}).preprocess([image])
+    assert out["grid_thws"].tolist() == [[1, 2, 4]]
+    resized = np.asarray(image.resize((36, 27), resample=Image.Resampling.BICUBIC))  # PIL: alpha premultiplied
+    expected = np.zeros((28, 56, 3), dtype=np.int64)
+    for y in range(27):
+        for x in range(36):
+            expected[y, x] = [_over_board(resized[y, x, k], resized[y, x, 3], x, y) for k in range(3)]
+    np.testing.assert_array_equal(_processed_bytes(out, 2, 4, 14), expected)
+    # composited before resizing (the release's other stage) the board would be blurred and scaled: not the same
+    before = KimiK3ImageProcessor(media_proc_cfg={**RELEASE_FILL, "in_patch_limit": 4,
+                                                  "transparent_bg_fill_stage": "before_resize"}).preprocess([image])
+    assert not torch.equal(before["pixel_values"], out["pixel_values"])
+
+
+def test_the_fill_leaves_rgb_images_alone_and_is_off_unless_configured():
+    rgb_image = _image(45, 33, seed=5)
+    plain, filled = KimiK3ImageProcessor(), KimiK3ImageProcessor(media_proc_cfg=RELEASE_FILL)
+    assert torch.equal(filled.preprocess([rgb_image])["pixel_values"], plain.preprocess([rgb_image])["pixel_values"])
+    assert plain.media_proc_cfg["transparent_bg_config"] is None
+    transparent, _, _ = _transparent_image("RGBA", 45, 33, seed=6)
+    # plain construction drops alpha (the release's rule without a transparent_bg_config)
+    assert torch.equal(plain.preprocess([transparent])["pixel_values"],
+                       plain.preprocess([transparent.convert("RGB")])["pixel_values"])
+    assert not torch.equal(filled.preprocess([transparent])["pixel_values"],
+                           plain.preprocess([transparent])["pixel_values"])
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"transparent_bg_config": {**RELEASE_BG, "pattern": "checkerboard"}}, "transparent_bg_config.pattern = "),
+    ({"transparent_bg_config": {**RELEASE_BG, "chessboard_square_size": 0}},
+     "transparent_bg_config.chessboard_square_size = "),
+    ({"transparent_bg_config": {**RELEASE_BG, "chessboard_gray_value": 256}},
+     "transparent_bg_config.chessboard_gray_value = "),
+    ({"transparent_bg_config": {**RELEASE_BG, "chessboard_square_on_top_left": "yes"}},
+     "transparent_bg_config.chessboard_square_on_top_left = "),
+    ({"transparent_bg_config": {**RELEASE_BG, "colour": "red"}}, "transparent_bg_config.colour is not a setting"),
+    ({"transparent_bg_config": "chessboard"}, "transparent_bg_config = "),
+    ({"transparent_bg_fill_stage": "during_resize"}, "transparent_bg_fill_stage = "),
+], ids=["pattern", "square-size", "gray-value", "top-left", "unknown-key", "not-an-object", "stage"])
+def test_bad_transparent_background_settings_are_refused_naming_the_key(settings, named):
+    with pytest.raises(ValueError, match="media_proc_cfg." + re.escape(named)):
+        KimiK3ImageProcessor(media_proc_cfg=settings)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -513,14 +622,21 @@ def test_a_converted_release_loads_our_processor_with_the_releases_image_setting
     processor.save_pretrained(tmp_path / "saved")
     assert (json.loads((tmp_path / "saved" / "processor_config.json").read_text())
             == json.loads((converted / "processor_config.json").read_text()))
-    # the release's transparent-background fill is not ours: the conversion says so
+    # the release's transparent-background fill is applied: a fully transparent image shows the chessboard
+    assert settings["transparent_bg_config"] == RELEASE_BG and settings["transparent_bg_fill_stage"] == "after_resize"
+    clear = Image.fromarray(np.zeros((12, 20, 4), dtype=np.uint8), mode="RGBA")
+    board = _processed_bytes(processor.image_processor.preprocess([clear]), 4, 6, 4)[:12, :20]
+    np.testing.assert_array_equal(board, [[[_board(x, y)] * 3 for x in range(20)] for y in range(12)])
     notes = json.loads((converted / "kimik3_conversion.json").read_text())["notes"]
-    assert any("transparent_bg_config is not applied" in note for note in notes)
+    assert not any("transparent_bg" in note for note in notes)
 
 
 @pytest.mark.parametrize("key, value", [("fixed_output_tokens", 64), ("image_std", [0.5, 0.0, 0.5]),
-                                        ("merge_kernel_size", [2, 1]), ("patch_size", "14"), ("patch_size", 14)],
-                         ids=["fixed-tokens", "zero-std", "non-square-merge", "text-patch", "not-the-towers-patch"])
+                                        ("merge_kernel_size", [2, 1]), ("patch_size", "14"), ("patch_size", 14),
+                                        ("transparent_bg_config", {**RELEASE_BG, "chessboard_square_size": -8}),
+                                        ("transparent_bg_fill_stage", "during_resize")],
+                         ids=["fixed-tokens", "zero-std", "non-square-merge", "text-patch", "not-the-towers-patch",
+                              "bad-fill", "bad-fill-stage"])
 def test_conversion_refuses_image_settings_our_processor_does_not_support(converted_release, tmp_path, key, value):
     import kimik3.convert as kc
 
