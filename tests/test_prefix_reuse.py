@@ -9,6 +9,7 @@ from k3_test_utils import cache_of
 from kimik3.memory import load_text_config, snapshot_memory
 from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, snapshot_bytes
 from kimik3.modeling.serving_kimi_k3 import KimiK3PrefixStore, block_hashes, build_prompt_cache
+from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
 from kimik3.tiny import build_tiny_model
 
 INTERVAL = 8  # tokens between snapshots in these tests (the release default is 40 blocks of 512)
@@ -29,7 +30,7 @@ def prompt_cache(model, prefix):
     return build_prompt_cache(model, prefix, snapshot_interval=INTERVAL)
 
 
-def _greedy(model, ids, **kwargs):
+def _greedy(model, ids, **kwargs):  # the cache goes in under the installed transformers' name (CACHE_FIELD)
     return model.generate(ids, max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True,
                           **kwargs)
 
@@ -53,7 +54,7 @@ def test_one_prompt_cache_serves_many_continuations_exactly(model, prefix, promp
         suffix = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(seed))
         ids = torch.cat([prefix, suffix], 1)
         calls, handle = _model_calls(model)
-        reused = _greedy(model, ids, past_key_values=copy.deepcopy(prompt_cache))
+        reused = _greedy(model, ids, **{CACHE_FIELD: copy.deepcopy(prompt_cache)})
         handle.remove()
         assert calls[0] == 4  # only the suffix is prefilled
         _assert_same_run(reused, _greedy(model, ids))
@@ -68,7 +69,7 @@ def test_left_padded_batch_reuses_its_prompt_cache_exactly(model):
     cache = build_prompt_cache(model, prefix, attention_mask=mask, snapshot_interval=4)
     suffix = torch.randint(3, 128, (3, 3), generator=torch.Generator().manual_seed(0))
     ids, full_mask = torch.cat([prefix, suffix], 1), torch.cat([mask, torch.ones(3, 3, dtype=torch.long)], 1)
-    reused = _greedy(model, ids, attention_mask=full_mask, past_key_values=copy.deepcopy(cache))
+    reused = _greedy(model, ids, attention_mask=full_mask, **{CACHE_FIELD: copy.deepcopy(cache)})
     _assert_same_run(reused, _greedy(model, ids, attention_mask=full_mask))
     # Going back inside the padded prefix replays with the recorded padding
     cache.crop(11)
@@ -137,12 +138,12 @@ def test_prefix_store_returns_the_longest_reusable_prefix(model, prefix, prompt_
     extended = torch.cat([prefix, torch.tensor([[5, 6, 7]])], 1)
     reused, cache = store.lookup(extended)
     assert reused == 30 and cache.get_seq_length() == 30
-    _assert_same_run(_greedy(model, extended, past_key_values=cache), _greedy(model, extended))
+    _assert_same_run(_greedy(model, extended, **{CACHE_FIELD: cache}), _greedy(model, extended))
 
     diverging = torch.cat([prefix[:, :20], torch.tensor([[9, 9, 9, 9]])], 1)  # shares 20 tokens: 2 whole blocks
     reused, cache = store.lookup(diverging)
     assert reused == 16
-    _assert_same_run(_greedy(model, diverging, past_key_values=cache), _greedy(model, diverging))
+    _assert_same_run(_greedy(model, diverging, **{CACHE_FIELD: cache}), _greedy(model, diverging))
 
     assert store.lookup(prefix)[0] == 24  # at most len - 1 tokens: the last block boundary below 30
     assert store.lookup(torch.tensor([[4, 4, 4]])) == (0, None)
