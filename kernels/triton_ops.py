@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.modeling.ops_kimi_k3 import MXFP4_GROUP_SIZE
+
 from . import custom_ops
 
 
@@ -499,7 +501,7 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     num_experts, n, kh = packed.shape
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise TypeError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
-    if kh * 2 != k or scale.shape != (num_experts, n, k // 32) or group_ends.shape != (num_experts,):
+    if kh * 2 != k or scale.shape != (num_experts, n, k // MXFP4_GROUP_SIZE) or group_ends.shape != (num_experts,):
         raise ValueError(f"MXFP4 grouped matmul shapes do not match: x {tuple(xs.shape)}, packed "
                          f"{tuple(packed.shape)}, scale {tuple(scale.shape)}, group_ends {tuple(group_ends.shape)}")
     xs, packed, scale = xs.contiguous(), packed.contiguous(), scale.contiguous()

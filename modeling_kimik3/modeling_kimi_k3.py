@@ -40,6 +40,7 @@ from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load, register_release_conversions
 from .ops_kimi_k3 import (
+    MXFP4_GROUP_SIZE,
     dequantize_mxfp4,
     fast_or_reference,
     gated_rms_norm,
@@ -547,7 +548,7 @@ class KimiK3Experts(nn.Module):
         if self.packed:
             for name, shape in (("gate_up_proj", gate_up), ("down_proj", down)):
                 self.register_buffer(f"{name}_packed", torch.zeros(*shape[:-1], shape[-1] // 2, dtype=torch.uint8))
-                self.register_buffer(f"{name}_scale", torch.full((*shape[:-1], shape[-1] // 32), 127,
+                self.register_buffer(f"{name}_scale", torch.full((*shape[:-1], shape[-1] // MXFP4_GROUP_SIZE), 127,
                                                                  dtype=torch.uint8))
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(gate_up))
