@@ -26,7 +26,9 @@ Conversions are reversed by `save_pretrained`, which thus writes a release-loade
 `tests/test_release_loading.py` proves that these rules name every release tensor as `convert/name_map.py` does.
 """
 
+import contextlib
 import copy
+import os
 import re
 
 import torch
@@ -349,6 +351,22 @@ def _non_finite_message(name: str, tensor: torch.Tensor, flat_index: int) -> str
     return f"non-finite value in release tensor {where} at index {[int(i) for i in index]}: refusing to load"
 
 
+@contextlib.contextmanager
+def _reading_in_step_with_the_conversions(enabled: bool):
+    """transformers' loader reads tensors on a thread pool ahead of the conversion ops: on a release checkpoint that
+    is most of the checkpoint again in memory before the experts are dequantised. Read in step with the ops
+    (HF_DEACTIVATE_ASYNC_LOAD, the loader's own switch, read when it starts), the memory beyond the model stays about
+    two converted layers whatever the model's size (tests/test_release_loading.py). A user's own setting wins."""
+    if not enabled or "HF_DEACTIVATE_ASYNC_LOAD" in os.environ:
+        yield
+        return
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
+
+
 def check_release_load(load, model_class, pretrained, *args, experts_format=None, **kwargs):
     """`from_pretrained` with the `experts_format` load option and errors that name the release tensor: a missing,
     unexpected or wrongly shaped tensor, a bad A_log padding or expert count, and any NaN/Inf."""
@@ -359,7 +377,8 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     kwargs["ignore_mismatched_sizes"] = True  # report mismatches ourselves, by release name
     _OP_ERRORS.clear()
     try:
-        model, info = load(pretrained, *args, output_loading_info=True, **kwargs)
+        with _reading_in_step_with_the_conversions(release_quantization is not None):
+            model, info = load(pretrained, *args, output_loading_info=True, **kwargs)
     except RuntimeError as exc:
         if _OP_ERRORS:
             raise KimiK3LoadError(f"{pretrained}: " + "; ".join(_OP_ERRORS)) from exc
