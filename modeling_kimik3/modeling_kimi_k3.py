@@ -784,8 +784,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         generation_config = getattr(model, "generation_config", None)
         if generation_config is not None:
             # the release's generation_config.json sets max_length to the context length, which only makes every
-            # generate(max_new_tokens=...) warn that both are set; `kimik3 convert` leaves it out, so does a direct load
-            if generation_config.max_length == model.config.get_text_config().max_position_embeddings:
+            # generate(max_new_tokens=...) warn that both are set; `kimik3 convert` leaves it out, so does a direct
+            # load of the release layout (one that applied conversions; a folder of ours keeps what it says)
+            release_layout = bool(getattr(model, "_weight_conversions", None))
+            context_length = model.config.get_text_config().max_position_embeddings
+            if release_layout and generation_config.max_length == context_length:
                 generation_config.max_length = type(generation_config)().max_length
             # loader options the loader also hands to the generation config are not generation settings
             for option in ("vision", "experts_format"):
