@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 
 from kimik3.convert import testing
-from k3_test_utils import peak_rss_resettable
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from convert_throughput import reset_peak  # noqa: E402  (the benchmark's peak-RSS reset, used here as well)
 
 CHUNK = 4 * 2**20
 WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "routed_expert_hidden_size": 256,
@@ -20,15 +24,8 @@ MEASURE = r"""
 import json, sys
 import kimik3.convert as kc
 
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-def status(key):
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
+sys.path.insert(0, sys.argv[5])
+from convert_throughput import reset_peak, status_bytes  # the benchmark measures the same way
 
 small, large, out, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 result = {}
@@ -36,11 +33,11 @@ for experts in ("dense", "mxfp4"):
     kc.convert(small, f"{out}/warm-{experts}", progress=False, chunk_bytes=chunk, experts_format=experts,
                threads=1)  # imports, pools
     for label, src in (("small", small), ("large", large)):
-        reset_peak()
-        base = status("VmRSS:")
+        assert reset_peak()
+        base = status_bytes("VmRSS:")
         summary = kc.convert(src, f"{out}/{experts}-{label}", progress=False, chunk_bytes=chunk,
                              experts_format=experts, threads=1)
-        result.setdefault(experts, {})[label] = {"growth": status("VmHWM:") - base, "bytes": summary["bytes"]}
+        result.setdefault(experts, {})[label] = {"growth": status_bytes("VmHWM:") - base, "bytes": summary["bytes"]}
 print(json.dumps(result))
 """
 
@@ -59,14 +56,14 @@ def measured_by_format(checkpoints, tmp_path_factory):
     """Both expert formats converted in one fresh process (one import of torch)."""
     result = subprocess.run(
         [sys.executable, "-c", MEASURE, str(checkpoints / "small"), str(checkpoints / "large"),
-         str(tmp_path_factory.mktemp("converted")), str(CHUNK)],
+         str(tmp_path_factory.mktemp("converted")), str(CHUNK), str(BENCHMARKS)],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not peak_rss_resettable(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
+@pytest.mark.skipif(not reset_peak(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
 @pytest.mark.parametrize("experts", ["dense", "mxfp4"])
 def test_peak_rss_does_not_grow_with_the_model(measured_by_format, tmp_path, experts):
     measured = measured_by_format[experts]
