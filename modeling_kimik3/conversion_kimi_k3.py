@@ -401,6 +401,12 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     if problems:
         raise KimiK3LoadError(f"{pretrained}: " + "; ".join(problems))
     _check_finite(model)
+    generation_config = getattr(model, "generation_config", None)
+    if getattr(model, "_weight_conversions", None) and generation_config is not None \
+            and generation_config.max_length == model.config.get_text_config().max_position_embeddings:
+        # the release's generation_config.json sets max_length to the context length, which only makes every
+        # generate(max_new_tokens=...) warn that both are set; `kimik3 convert` leaves it out, and so does this load
+        generation_config.max_length = type(generation_config)().max_length
     if release_quantization is not None:
         # save_pretrained writes the release layout back (MXFP4 experts), so the config describes it again
         model.config.get_text_config().quantization_config = release_quantization

@@ -779,21 +779,8 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         """Also loads the release layout as it is on disk (conversion_kimi_k3.py); `experts_format="mxfp4"` keeps
         MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are errors naming the release tensor."""
         load = super().from_pretrained
-        model = check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
-                                   **kwargs)
-        generation_config = getattr(model, "generation_config", None)
-        if generation_config is not None:
-            # the release's generation_config.json sets max_length to the context length, which only makes every
-            # generate(max_new_tokens=...) warn that both are set; `kimik3 convert` leaves it out, so does a direct
-            # load of the release layout (one that applied conversions; a folder of ours keeps what it says)
-            release_layout = bool(getattr(model, "_weight_conversions", None))
-            context_length = model.config.get_text_config().max_position_embeddings
-            if release_layout and generation_config.max_length == context_length:
-                generation_config.max_length = type(generation_config)().max_length
-            # loader options the loader also hands to the generation config are not generation settings
-            for option in ("vision", "experts_format"):
-                generation_config.__dict__.pop(option, None)
-        return model
+        return check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
+                                  **kwargs)
 
     def post_init(self):
         super().post_init()
@@ -1350,7 +1337,11 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         if vision is None:
             names = _checkpoint_tensor_names(pretrained_model_name_or_path, kwargs)
             vision = names is None or any(name.startswith(VISION_PREFIXES) for name in names)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
+        # transformers also hands the load options __init__ takes to the generation config; `vision` is not one of its
+        # settings (it would be saved in generation_config.json)
+        model.generation_config.__dict__.pop("vision", None)
+        return model
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
