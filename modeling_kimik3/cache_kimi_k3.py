@@ -46,7 +46,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from .ops_kimi_k3 import chunk_kda, fast_or_reference, fused_recurrent_kda
+from .ops_kimi_k3 import fast_or_reference
 
 # The report's serving granularity: prompts are hashed in 512-token blocks, and a KDA state snapshot is kept every
 # few dozen blocks (about 50 snapshots over a 1M-token context).
@@ -199,6 +199,32 @@ class KimiK3StaticKDAStateLayer(KimiK3KDAStateLayer):
 # Going back: rollback records and state snapshots
 
 
+def conv_windows_after(pre_conv: tuple[torch.Tensor, ...], base_windows: tuple[torch.Tensor, ...] | None,
+                       kernel_size: int) -> tuple[torch.Tensor, ...]:
+    """The q/k/v conv windows (the last K - 1 pre-conv inputs, as the cache stores them) after the tokens of
+    `pre_conv` ([B, T, C] each), continuing `base_windows` (None: the start of the sequence)."""
+    windows = []
+    for index, x in enumerate(pre_conv):
+        x_t = x.transpose(1, 2)
+        base = (x_t.new_zeros(*x_t.shape[:2], kernel_size - 1) if base_windows is None
+                else base_windows[index].to(x_t.dtype))
+        window = torch.cat([base, x_t], dim=-1)
+        windows.append(window[..., window.shape[-1] - (kernel_size - 1):])
+    return tuple(windows)
+
+
+def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, chunk_size: int, decode_step: bool):
+    """The delta rule over these tokens, with the kernel of the forward they belong to: a one-token forward that
+    continues a state is a decode step (fused recurrent form), anything else the chunked form. A rollback replay
+    and a forward split at snapshot positions pick by the same rule, so they compute what that forward computes."""
+    if decode_step and initial_state is not None:
+        kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
+    else:
+        kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": chunk_size}
+    return kda_fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=True, **extra)
+
+
 class KimiK3KDARollbackRecord:
     """What one KDA layer needs to roll back inside the recorded span: the state and conv windows it started from
     (references: a growing cache replaces, never overwrites, its tensors) and the per-token inputs of its conv and
@@ -226,22 +252,9 @@ class KimiK3KDARollbackRecord:
         """(conv windows, recurrent state) after the first `num_tokens` recorded tokens."""
         pre_conv = [torch.cat(parts, dim=1)[:, :num_tokens] for parts in zip(*self.pre_conv)]
         q, k, v, g, beta = (torch.cat(parts, dim=1)[:, :num_tokens] for parts in zip(*self.recurrence_inputs))
-        conv_states = []
-        for index, x in enumerate(pre_conv):
-            x_t = x.transpose(1, 2)
-            base = (x_t.new_zeros(*x_t.shape[:2], conv_kernel_size - 1) if self.base_conv_states is None
-                    else self.base_conv_states[index].to(x_t.dtype))
-            window = torch.cat([base, x_t], dim=-1)
-            conv_states.append(window[..., window.shape[-1] - (conv_kernel_size - 1):])
-        # The kernel choice of the forward that would have produced this state: one token continuing a state is
-        # a decode step, anything else a chunked prefill.
-        if num_tokens == 1 and self.base_state is not None:
-            kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
-        else:
-            kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": chunk_size}
-        _, state = kda_fn(q, k, v, g, beta, initial_state=self.base_state, output_final_state=True,
-                          use_qk_l2norm_in_kernel=True, **extra)
-        return tuple(conv_states), state
+        conv_states = conv_windows_after(pre_conv, self.base_conv_states, conv_kernel_size)
+        _, state = kda_recurrence(q, k, v, g, beta, self.base_state, True, chunk_size, decode_step=num_tokens == 1)
+        return conv_states, state
 
 
 def rollback_bytes_per_token(config, dtype_bytes: int = 2) -> int:

@@ -35,7 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .cache_kimi_k3 import KimiK3Cache
+from .cache_kimi_k3 import KimiK3Cache, conv_windows_after, kda_recurrence
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load, register_release_conversions
@@ -268,7 +268,6 @@ class KimiK3DeltaAttention(nn.Module):
         core = self.o_norm(core, gate.view(heads_shape))
         return self.o_proj(core.reshape(batch, seq_len, -1))
 
-
     def _recurrence(self, q, k, v, g, beta, state, keep_state, snapshot_offsets, pre_conv, conv_states, cache):
         """The delta rule over this forward's tokens. With snapshot offsets the chunked form runs segment by
         segment, carrying the state exactly as it carries it between its own chunks, and hands the state and conv
@@ -277,32 +276,15 @@ class KimiK3DeltaAttention(nn.Module):
         bounds = [0, *(o for o in snapshot_offsets if 0 < o < seq_len), seq_len]
         outputs = []
         for start, end in zip(bounds[:-1], bounds[1:]):
-            if state is not None and end - start == 1 and len(bounds) == 2:
-                kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
-            else:
-                kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": self.config.kda_chunk_size}
-            out, state = kda_fn(
-                q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
-                initial_state=state,
-                output_final_state=keep_state or end < seq_len,
-                use_qk_l2norm_in_kernel=True,
-                **extra,
+            out, state = kda_recurrence(
+                q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end], state,
+                keep_state or end < seq_len, self.config.kda_chunk_size, decode_step=seq_len == 1,
             )
             outputs.append(out)
             if end in snapshot_offsets:
-                cache.save_snapshot(self.layer_idx, end, self._conv_windows_at(end, pre_conv, conv_states), state)
+                windows = conv_windows_after(tuple(x[:, :end] for x in pre_conv), conv_states, self.conv_size)
+                cache.save_snapshot(self.layer_idx, end, windows, state)
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), state
-
-    def _conv_windows_at(self, offset, pre_conv, conv_states):
-        """The q/k/v conv windows (last K - 1 pre-conv inputs, as the cache stores them) after `offset` tokens."""
-        windows = []
-        for index, x in enumerate(pre_conv):
-            x_t = x[:, :offset].transpose(1, 2)
-            past = (x_t.new_zeros(*x_t.shape[:2], self.conv_size - 1) if conv_states is None
-                    else conv_states[index].to(x_t.dtype))
-            window = torch.cat([past, x_t], dim=-1)
-            windows.append(window[..., window.shape[-1] - (self.conv_size - 1):])
-        return tuple(windows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
