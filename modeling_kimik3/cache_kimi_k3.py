@@ -316,7 +316,7 @@ class KimiK3Cache(Cache):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"KimiK3Cache: {name} must be a positive integer or None, got {value!r}")
         self.conv_kernel_size = text_config.linear_conv_kernel_size
-        self._kda_heads, self._kda_head_dim = text_config.linear_num_heads, text_config.linear_head_dim
+        self._text_config = text_config  # snapshot sizes (snapshot_bytes)
         self.kda_chunk_size = text_config.kda_chunk_size
         self.snapshot_interval = snapshot_interval
         self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
@@ -361,7 +361,7 @@ class KimiK3Cache(Cache):
         self._pending_snapshots = self._snapshot_offsets(num_tokens)
         if self.max_snapshot_bytes is not None:
             # Thin before the forward, so that even its own snapshots never exceed the bound
-            per_snapshot = self._estimated_snapshot_bytes(batch_size)
+            per_snapshot = snapshot_bytes(self._text_config, batch_size, dtype_bytes=4)  # conv windows at most f32
             while self._pending_snapshots and (
                 self.snapshot_bytes_held() + len(self._pending_snapshots) * per_snapshot > self.max_snapshot_bytes
             ):
@@ -627,11 +627,6 @@ class KimiK3Cache(Cache):
         """Double the interval and drop the snapshots that are off it: coverage stays even."""
         self.snapshot_interval *= 2
         self.snapshots = {p: states for p, states in self.snapshots.items() if p % self.snapshot_interval == 0}
-
-    def _estimated_snapshot_bytes(self, batch_size: int) -> int:
-        """An upper bound on one snapshot: f32 states, conv windows counted at 4 bytes per value."""
-        return batch_size * len(self.kda_layer_indices) * self._kda_heads * self._kda_head_dim * (
-            self._kda_head_dim * 4 + 3 * (self.conv_kernel_size - 1) * 4)
 
     def _bound_snapshots(self) -> None:
         """Keep the snapshots under `max_snapshot_bytes`: drop every other one and double the interval."""
