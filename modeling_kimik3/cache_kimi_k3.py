@@ -570,8 +570,8 @@ class KimiK3Cache(Cache):
             layer.update(conv_states, state)
 
     def _restore_and_replay(self, target: int) -> None:
-        start = max((p for p in self.snapshots if p <= target and len(self.snapshots[p]) == len(self.kda_layer_indices)),
-                    default=0)
+        complete = len(self.kda_layer_indices)  # a snapshot every KDA layer handed over
+        start = max((p for p in self.snapshots if p <= target and len(self.snapshots[p]) == complete), default=0)
         model = self._model_ref() if self._model_ref is not None else None
         if start < target and (not self._replayable or self._token_ids is None or model is None):
             kda = self.kda_layer_indices
