@@ -46,7 +46,8 @@ def build_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                        snapshot_device: str | torch.device | None = None,
                        max_snapshot_bytes: int | None = None) -> KimiK3Cache:
     """Prefill `input_ids` once into a cache with KDA state snapshots, for reuse by many continuations:
-    `generate(prefix + suffix, past_key_values=copy.deepcopy(cache))` (or `cache.copy_prefix(n)`)."""
+    `generate(prefix + suffix, cache=copy.deepcopy(cache))` (`past_key_values=` before transformers 5.24), or
+    `cache.copy_prefix(n)`."""
     text_config = model.config.get_text_config()
     cache = KimiK3Cache(text_config, snapshot_interval=snapshot_interval, snapshot_device=snapshot_device,
                         max_snapshot_bytes=max_snapshot_bytes)
@@ -154,8 +155,8 @@ def _layer_tensors(layer) -> list[torch.Tensor]:
 
 def slice_draft_model(model, num_layers: int):
     """A draft for speculative decoding: the target's first `num_layers` layers, scheduled as
-    `kimik3 convert --num-layers` does (ending with an MLA layer), sharing the target's embeddings, final norms
-    and LM head. Its weights are copies; the target is unchanged."""
+    `kimik3 convert --num-layers` does (ending with an MLA layer), with the target's embeddings, final norms and
+    LM head. Its weights are copies; the target is unchanged."""
     try:
         from kimik3.convert.schedule import layer_map, output_text_config
     except ImportError as exc:  # remote code without the kimik3 package
