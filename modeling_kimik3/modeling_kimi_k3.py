@@ -862,6 +862,8 @@ COMPOSITE_AUTO_MAP = {
 }
 
 
+# processing_kimi_k3.PROCESSOR_CODE_FILES less the tokenizer's code file, which the tokenizer's own save_pretrained
+# writes (a model folder without a tokenizer holds no tokenizer code)
 PROCESSOR_CODE_FILES = ("processing_kimi_k3.py", "image_processing_kimi_k3.py")
 
 
