@@ -73,7 +73,7 @@ def cmd_tiny(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from kimik3.memory import (RECONCILE_TOKENS, auto_unit, describe_layers, format_memory_table,
+    from kimik3.memory import (RECONCILE_TOKENS, UNIT_WORDS, auto_unit, describe_layers, format_memory_table,
                                format_reconciliation, format_snapshot_memory, load_text_config, memory_table,
                                reconcile_quoted, snapshot_memory)
 
@@ -99,7 +99,7 @@ def cmd_memory(args) -> int:
     unit = args.units or ("GB" if args.reconcile else auto_unit(rows))
     print(f"Cache memory, {describe_layers(config)}, bf16 activations, {state_dtype} KDA state "
           f"({'the model keeps it in float32' if state_dtype != 'float32' else 'as the model keeps it'}); "
-          f"1 {unit} = {_UNIT_WORDS[unit]}")
+          f"1 {unit} = {UNIT_WORDS[unit]}")
     print(format_memory_table(rows, unit))
     if quoted is not None:
         print()
@@ -109,10 +109,6 @@ def cmd_memory(args) -> int:
     print(f"KDA state snapshots for prefix reuse, one every {snapshots[0]['interval_tokens']} tokens")
     print(format_snapshot_memory(snapshots, unit))
     return 0
-
-
-_UNIT_WORDS = {"GB": "10^9 bytes", "GiB": "2^30 bytes", "MB": "10^6 bytes", "MiB": "2^20 bytes", "kB": "10^3 bytes",
-               "KiB": "2^10 bytes"}
 
 
 def _memory_plan(args, config, usage_error) -> int:
@@ -159,6 +155,7 @@ PASSTHROUGH_HELP = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kimik3.memory import UNITS  # standard library only: the parser stays quick to build
     parser = argparse.ArgumentParser(
         prog="kimik3", description="Kimi K3 for Hugging Face transformers. `kimik3 COMMAND --help` lists the options "
                                    "of each command.")
@@ -187,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated context lengths (default: 131072,1048576; with --reconcile: "
                         "128000,1000000,1048576)")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
-    p.add_argument("--units", choices=tuple(_UNIT_WORDS),
+    p.add_argument("--units", choices=tuple(UNITS),
                    help="GB/MB/kB = 10^9/10^6/10^3 bytes, GiB/MiB/KiB = 2^30/2^20/2^10 bytes (default: GiB, or MiB/KiB "
                         "when GiB would show a small model's figures as zeros; GB with --reconcile)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"),

@@ -76,6 +76,8 @@ def describe_layers(config) -> str:
 
 
 UNITS = {"GB": 10**9, "GiB": 2**30, "MB": 10**6, "MiB": 2**20, "kB": 10**3, "KiB": 2**10}
+UNIT_WORDS = {"GB": "10^9 bytes", "GiB": "2^30 bytes", "MB": "10^6 bytes", "MiB": "2^20 bytes", "kB": "10^3 bytes",
+              "KiB": "2^10 bytes"}
 TABLE_COLUMNS = ("k3_mla_kv", "k3_kda_state", "k3_kda_conv", "k3_total", "all_mla_latent", "official_expanded_kv")
 
 
