@@ -448,4 +448,6 @@ RUN_CASES = [
 
 @pytest.mark.parametrize("scenario", RUN_CASES)
 def test_runs_and_destination_folders(scenario, release, reference, tmp_path, monkeypatch, capsys):
+    """Each scenario above asserts its own outcome (the error and its wording, what is or is not left in the
+    destination); this only runs them with the shared fixtures."""
     scenario(release, reference, tmp_path, monkeypatch, capsys)
