@@ -180,3 +180,24 @@ def test_kimik3_memory_reports_snapshot_memory(capsys):
     assert "KDA state snapshots for prefix reuse, one every 10240 tokens" in out
     # 6 snapshots of one every 20 blocks in 64K tokens, in the table's unit
     assert f"{6 * per / 1e9:,.3f} GB" in out.split("KDA state snapshots")[1]
+
+
+@pytest.mark.parametrize("option, value", [("snapshot_interval", -4), ("snapshot_interval", True),
+                                           ("snapshot_interval", 2.5), ("max_snapshot_bytes", 0),
+                                           ("max_rollback_tokens", -1), ("max_rollback_tokens", False)])
+def test_cache_options_must_be_positive_integers(model, option, value):
+    with pytest.raises(ValueError, match=f"{option} must be a positive integer or None, got {value!r}"):
+        KimiK3Cache(model.config, **{option: value})
+
+
+def test_prefix_store_refuses_what_it_cannot_key(model, prefix, prompt_cache):
+    store = KimiK3PrefixStore(block_size=INTERVAL)
+    with pytest.raises(ValueError, match=r"one prompt at a time .*got \(2, 30\)"):
+        store.lookup(torch.cat([prefix, prefix]))
+    with pytest.raises(TypeError, match="needs a growing KimiK3Cache"):
+        store.insert(prefix[0], KimiK3Cache(model.config, max_cache_len=64))
+    with pytest.raises(TypeError, match="needs a growing KimiK3Cache"):
+        store.insert(prefix[0], {"not": "a cache"})
+    with pytest.raises(ValueError, match="block_size must be positive, got 0"):
+        KimiK3PrefixStore(block_size=0)
+    assert store.stats()["entries"] == 0
