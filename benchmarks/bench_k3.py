@@ -19,7 +19,8 @@ Model: hidden 7168, 96 heads, MLA (q_lora 1536, kv_lora 512, nope 128, rope 64, 
 2 shared experts), SiTU, Block AttnRes (block 12), vocab 163840; layers (KDA, KDA, KDA, MLA) x 2, layer 0 dense.
 
 Measured, each in its own try/except under one time budget, JSON written after every measurement:
-  kernels      per-op fast path vs reference at K3 shapes
+  kernels      per-op fast path vs reference at K3 shapes (kernels_moe: routed experts; kernels_attention: the
+               MLA prefill attention through each PyTorch backend that returns the log-sum-exp)
   fast.*       our model with `kimik3.kernels` fast paths (fla-core KDA/conv, Triton, grouped_mm, bmm MLA decode)
   generate.*   decode steps of generate(), eager (dynamic cache) vs compiled (cache_implementation="static": torch
                compile with CUDA graphs), side by side
@@ -317,25 +318,51 @@ def measure_decode(driver, stats, batch, context, steps=10, warmup=3, synthetic=
 
 class _StepClock:
     """A logits processor that stamps the wall time after every forward of generate() (device synchronised), so the
-    intervals are whole decode steps as generate() runs them (forward, sampling, bookkeeping)."""
+    intervals are whole decode steps as generate() runs them (forward, sampling, bookkeeping). With `profile_steps`
+    (first, count) it also runs torch.profiler over exactly those decode steps (CUDA-graph replays included)."""
 
-    def __init__(self):
+    def __init__(self, profile_steps=None):
         self.stamps = []
+        self.profile_steps = profile_steps
+        self.profiler = None
 
     def __call__(self, input_ids, scores):
         if scores.is_cuda:
             torch.cuda.synchronize()
         self.stamps.append(time.perf_counter())
+        if self.profile_steps is not None:
+            first, count = self.profile_steps
+            if len(self.stamps) == first:
+                from torch.profiler import ProfilerActivity, profile
+
+                self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self.profiler.start()
+            elif len(self.stamps) == first + count and self.profiler is not None:
+                self.profiler.stop()
         return scores
+
+    def kernel_table(self, top=25):
+        """GPU kernel time per profiled step: total, launches, and the top kernels by time."""
+        if self.profiler is None:
+            return None
+        steps = self.profile_steps[1]
+        kernels = [e for e in self.profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total_us = sum(e.self_device_time_total for e in kernels) / steps
+        ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+        return {"gpu_kernel_ms_per_step": round(total_us / 1e3, 3),
+                "kernel_launches_per_step": sum(e.count for e in kernels) / steps,
+                "top_kernels": [{"name": e.key[:120], "ms_per_step": round(e.self_device_time_total / steps / 1e3, 4),
+                                 "calls_per_step": e.count / steps} for e in ranked]}
 
 
 def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=48, steady_from=8,
-                            synthetic=False):
+                            synthetic=False, profile=False):
     """ms per decode step of `generate()` (greedy, `new_tokens` tokens): eager with the dynamic cache and the fast
     ops, or `cache_implementation="static"`, which generate() compiles by itself on CUDA (torch.compile,
     mode="reduce-overhead": CUDA graphs). The first `steady_from` steps (compilation, CUDA-graph warm-up and
     recording) are reported apart; the figure is the median of the later steps. `synthetic`: the context is a
-    cache of random state (only the last prompt token runs), as for the eager 64K decode above."""
+    cache of random state (only the last prompt token runs), as for the eager 64K decode above. `profile`: also
+    the GPU kernel table of 5 steady steps (torch.profiler around those steps only)."""
     from torch._dynamo.utils import counters
 
     from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
@@ -344,7 +371,7 @@ def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=4
     counters.clear()
     free_cuda()
     device = model.device
-    clock = _StepClock()
+    clock = _StepClock((steady_from + 4, 5) if profile else None)
     ids = torch.randint(3, model.config.vocab_size - 1, (batch, context + (1 if synthetic else 0)), device=device)
     kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
               "do_sample": False, "logits_processor": [clock], "pad_token_id": 0}
@@ -363,7 +390,12 @@ def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=4
     model.generate(ids, **kwargs)
     total = time.perf_counter() - start
     steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-    steady = sorted(steps[steady_from:])
+    if clock.profile_steps is not None:  # the profiled steps run slower: not part of the timing
+        first, count = clock.profile_steps
+        steps_timed = [x for j, x in enumerate(steps) if not first - 1 <= j <= first + count - 1]
+    else:
+        steps_timed = steps
+    steady = sorted(steps_timed[steady_from:])
     per_step = steady[len(steady) // 2]
     roof = decode_roofline(stats, model.config, batch, context)
     return {
@@ -378,6 +410,7 @@ def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=4
         "dynamo_unique_graphs": counters["stats"].get("unique_graphs", 0),
         "graph_breaks": sum(counters["graph_break"].values()),
         "cudagraph_skips": counters["inductor"].get("cudagraph_skips", 0), **roof,
+        **({"profile": clock.kernel_table()} if profile else {}),
     }
 
 
@@ -547,6 +580,59 @@ def section_moe_kernels():
     return res
 
 
+def section_attention_kernels():
+    """MLA prefill attention (96 heads, q/k dim 192, v dim 128) with its log-sum-exp, through each PyTorch backend that
+    returns one: flash (V zero-padded to 192: our fast path), cuDNN (native v dim) and memory-efficient. Useful
+    TFLOP/s count 2*Sq*Sk*(192+128) per head (half of it when causal), not the padding. Outputs are compared with
+    the flash path."""
+    res = {}
+    bf = torch.bfloat16
+    scale = 192 ** -0.5
+
+    def flash(q, k, v, causal):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, torch.nn.functional.pad(v, (0, 64)), 0.0, causal, scale=scale)[:2]
+        return out[..., :128], lse
+
+    def cudnn(q, k, v, causal):
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+
+    def efficient(q, k, v, causal):
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse
+
+    for sq, sk, causal in ((8 * K, 8 * K, True), (16 * K, 16 * K, False), (64 * K, 16 * K, False)):
+        q = torch.randn(1, 96, sq, 192, device=DEV, dtype=bf)
+        k = torch.randn(1, 96, sk, 192, device=DEV, dtype=bf)
+        v = torch.randn(1, 96, sk, 128, device=DEV, dtype=bf)
+        flops = 2 * 96 * sq * sk * (192 + 128) * (0.5 if causal else 1.0)
+        entry = res[f"q{sq // K}k_k{sk // K}k{'_causal' if causal else ''}"] = {"useful_flops": flops}
+        base = None
+        for name, fn in (("flash_padded_v", flash), ("cudnn", cudnn), ("efficient", efficient)):
+            try:
+                with torch.inference_mode():
+                    sec, _ = timed(lambda: fn(q, k, v, causal), repeats=5, warmup=2)
+                    out, lse = fn(q, k, v, causal)
+                row = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1),
+                       "x_of_bf16_peak": round(flops / sec / BF16_FLOPS_PER_S, 3)}
+                lse = lse.float().reshape(1, 96, sq)
+                if base is None:
+                    base = (out.float(), lse)
+                else:
+                    row["max_abs_diff_out_vs_flash"] = float((out.float() - base[0]).abs().max())
+                    row["max_abs_diff_lse_vs_flash"] = float((lse - base[1]).abs().max())
+                entry[name] = row
+                del out, lse
+            except Exception as exc:  # noqa: BLE001 - a backend that refuses the shapes is a result too
+                entry[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        del q, k, v, base
+        free_cuda()
+    return res
+
+
 def set_reference(flag: bool):
     os.environ["KIMIK3_REFERENCE_ONLY"] = "1" if flag else "0"
 
@@ -589,6 +675,7 @@ def main():
     sec("env", section_env)
     sec("kernels", section_kernels, 30)
     sec("kernels_moe", section_moe_kernels, 30)
+    sec("kernels_attention", section_attention_kernels, 20)
 
     # ---------------------------------------------------------------- our model
     from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
@@ -652,7 +739,7 @@ def main():
                                                                                 synthetic=s), 15)
             sec(f"generate.compiled.decode_{tag}",
                 lambda b=batch, c=context, s=synthetic: measure_generate_decode(model, stats, b, c, True,
-                                                                                synthetic=s), 60)
+                                                                                synthetic=s, profile=True), 60)
         torch._dynamo.reset()
         free_cuda()
 
@@ -732,7 +819,7 @@ def main():
             sec(f"mxfp4.generate.eager.decode_b{batch}_4k",
                 lambda b=batch: measure_generate_decode(model, stats, b, 4 * K, False), 15)
             sec(f"mxfp4.generate.compiled.decode_b{batch}_4k",
-                lambda b=batch: measure_generate_decode(model, stats, b, 4 * K, True), 60)
+                lambda b=batch: measure_generate_decode(model, stats, b, 4 * K, True, profile=True), 60)
         torch._dynamo.reset()
         holder.clear()
         del model

@@ -47,6 +47,7 @@ from .ops_kimi_k3 import (
     kda_gate,
     mla_decode,
     routed_experts,
+    sdpa_backend_order,
 )
 from .parallel_kimi_k3 import local_shard
 from .vision_kimi_k3 import (
@@ -410,16 +411,17 @@ class KimiK3MLAAttention(nn.Module):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        return attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        with sdpa_backend_order(query, self.config._attn_implementation):
+            return attention_interface(
+                self,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=self.attention_dropout if self.training else 0.0,
+                scaling=self.scaling,
+                **kwargs,
+            )
 
     def _expand_latents(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, kv_len, _ = latents.shape

@@ -20,6 +20,7 @@ signatures mirror fla-core where a kernel exists (`chunk_kda`, `fused_recurrent_
 k3_math.md.
 """
 
+import contextlib
 import functools
 import importlib
 import math
@@ -604,6 +605,26 @@ def fast_path_allowed(name: str, *tensors: torch.Tensor | None) -> bool:
     if op.forward_only and torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False
     return True
+
+
+def sdpa_backend_order(query: torch.Tensor, attn_implementation: str | None):
+    """The context the expanded MLA attention runs SDPA in: cuDNN's fused attention first, on CUDA without autograd.
+    MLA's q/k and v head dims differ (192 and 128), which rules out flash, and PyTorch's default order then takes the
+    memory-efficient kernel, 4x slower than cuDNN on an H200 (docs/benchmarks.md). SDPA itself skips a backend that
+    cannot take the inputs (a mask cuDNN refuses, say). A no-op for other attention implementations, off CUDA, under
+    torch.compile, while autograd records, when attention_with_lse is forced to its reference, and on a torch
+    without backend priorities."""
+    if (attn_implementation != "sdpa" or query.device.type != "cuda" or torch.compiler.is_compiling()
+            or torch.is_grad_enabled() and query.requires_grad or "attention_with_lse" in _forced_references()):
+        return contextlib.nullcontext()
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        return sdpa_kernel(order, set_priority=True)
+    except (ImportError, AttributeError, TypeError):
+        return contextlib.nullcontext()
 
 
 def fast_or_reference(name: str, *tensors: torch.Tensor | None) -> Callable:
