@@ -481,8 +481,8 @@ def _dot_precision(dtype):
 
 
 # Plain (bf16/f16/f32) expert weights [E, N, K], K contiguous as the model stores gate_up_proj / down_proj: the inner
-# loop streams [BLOCK_N, BLOCK_K] weight tiles along K, so with a row or a few per expert the routed experts' bytes
-# are read once each at close to HBM speed, where grouped_mm pads every group to a full GEMM tile.
+# loop streams [BLOCK_N, BLOCK_K] weight tiles along K, so with a row or a few per expert each routed expert's bytes
+# are read once, by many programs at once (the aim: HBM speed), where grouped_mm pads every group to a GEMM tile.
 
 
 @triton.autotune(
