@@ -21,9 +21,9 @@ do not import. `KERNELS_API_VERSION` is the interface version; the remote code u
 matches the version it was written against.
 
 The twins that launch their own kernels and run in the decode step (situ_glu, block_attn_res_mix,
-fused_recurrent_kda, causal_conv1d, the packed-MXFP4 matmul and dequantisation) run them, when no gradient is
-recorded, as `torch.library` custom ops `torch.ops.kimik3.*` with fake implementations (custom_ops.py, registered on
-any machine), so a compiled decode step keeps them inside its one graph.
+fused_recurrent_kda, causal_conv1d, the bf16 experts' few-rows grouped matmul, the packed-MXFP4 matmul and
+dequantisation) run them, when no gradient is recorded, as `torch.library` custom ops `torch.ops.kimik3.*` with fake
+implementations (custom_ops.py, registered on any machine), so a compiled decode step keeps them inside its one graph.
 
 | name | fast twin | autograd |
 |---|---|---|
@@ -34,7 +34,7 @@ any machine), so a compiled decode step keeps them inside its one graph.
 | mla_decode | two cuBLAS bmm (f32 scores) + f32 softmax | yes (torch ops) |
 | block_attn_res_mix | own Triton forward | analytic PyTorch backward |
 | situ_glu | own Triton | yes |
-| moe_experts | torch grouped_mm + Triton SiTU + Triton combine | yes |
+| moe_experts | torch grouped_mm + Triton SiTU + Triton combine; decode: Triton few-rows grouped matmul | yes (grouped_mm) |
 | moe_experts_mxfp4 | Triton grouped matmul dequantising packed tiles in registers | activations only |
 | mxfp4_dequant | own Triton (bit-exact) | no |
 """

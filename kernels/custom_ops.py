@@ -151,6 +151,40 @@ def _(x, weight, conv_state):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Expert-grouped matmuls for few rows per expert (decode)
+
+
+def _grouped_matmul_reference(xs, weight, group_ends):
+    """Each group of rows times its expert transposed, f32 accumulation, rounded to xs.dtype (the Triton kernels'
+    numbers); rows past group_ends[-1] are zero."""
+    out = torch.zeros(xs.shape[0], weight.shape[1], dtype=xs.dtype, device=xs.device)
+    start = 0
+    for expert, end in enumerate(group_ends.tolist()):
+        if end > start:
+            out[start:end] = (xs[start:end].float() @ weight[expert].float().t()).to(xs.dtype)
+        start = end
+    return out
+
+
+@torch.library.custom_op("kimik3::grouped_matmul_few_rows", mutates_args=())
+def grouped_matmul_few_rows(xs: Tensor, weight: Tensor, group_ends: Tensor) -> Tensor:
+    """xs [M, K] grouped by expert, weight [E, N, K] -> [M, N], as `grouped_mm(xs, weight.mT, offs=group_ends)`."""
+    return _grouped_matmul_reference(xs, weight, group_ends)
+
+
+@grouped_matmul_few_rows.register_kernel("cuda")
+def _grouped_matmul_few_rows_cuda(xs, weight, group_ends):
+    from . import triton_ops
+
+    return triton_ops.grouped_matmul_few_rows(xs, weight, group_ends)
+
+
+@grouped_matmul_few_rows.register_fake
+def _(xs, weight, group_ends):
+    return torch.empty(xs.shape[0], weight.shape[1], dtype=xs.dtype, device=xs.device)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Packed MXFP4 experts
 
 
@@ -174,14 +208,7 @@ def _(packed, scale, dtype):
 @torch.library.custom_op("kimik3::mxfp4_grouped_matmul", mutates_args=())
 def mxfp4_grouped_matmul(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
     """Off CUDA: each group times its dequantised expert, f32 accumulation (the Triton kernel's numbers)."""
-    weight = _reference.dequantize_mxfp4(packed, scale, torch.float32)
-    out = torch.zeros(xs.shape[0], packed.shape[1], dtype=xs.dtype, device=xs.device)
-    start = 0
-    for expert, end in enumerate(group_ends.tolist()):
-        if end > start:
-            out[start:end] = (xs[start:end].float() @ weight[expert].t()).to(xs.dtype)
-        start = end
-    return out
+    return _grouped_matmul_reference(xs, _reference.dequantize_mxfp4(packed, scale, torch.float32), group_ends)
 
 
 @mxfp4_grouped_matmul.register_kernel("cuda")
@@ -201,6 +228,7 @@ OPS = {
     "block_attn_res_mix": block_attn_res_mix,
     "fused_recurrent_kda": fused_recurrent_kda,
     "causal_conv1d": causal_conv1d,
+    "grouped_matmul_few_rows": grouped_matmul_few_rows,
     "mxfp4_dequant": mxfp4_dequant,
     "mxfp4_grouped_matmul": mxfp4_grouped_matmul,
 }

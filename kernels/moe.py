@@ -11,7 +11,9 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Routed experts through grouped GEMMs (`torch.nn.functional.grouped_mm` / `torch._grouped_mm`).
+"""Routed experts through grouped GEMMs (`torch.nn.functional.grouped_mm` / `torch._grouped_mm`), or at decode
+(a few routed rows per expert, CUDA, no autograd) through the Triton grouped matmul `grouped_matmul_few_rows`, which
+reads each routed expert's weights once where grouped_mm pads every one-row group to a full GEMM tile.
 
 No host synchronisation: the routed slots are sorted by expert on the device, the group offsets are a device
 cumsum, and the combine back to token order is a gather (Triton kernel when available, else a PyTorch gather +
@@ -24,6 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from kimik3.modeling.ops_kimi_k3 import situ_glu as _situ_reference
+
+from . import custom_ops
+
+# Up to this many routed rows per expert on average, the bf16 experts' matmuls run the few-rows Triton kernel (each
+# block of 16 rows of an expert reads its weights again, so many rows belong to grouped_mm's GEMM tiles).
+FEW_ROWS_PER_EXPERT = 4
 
 
 def _grouped_mm_fn():
@@ -77,6 +85,23 @@ def _routed_experts(x, topk_indices, topk_weights, num_experts, inter, gate_up_m
     return _combine_torch(out, topk_weights, pos, x.dtype)
 
 
+def few_rows_per_expert(num_routed_rows: int, num_experts: int) -> bool:
+    """Whether the routed rows (tokens x top-k) are few enough per expert for the few-rows kernel: decode and small
+    batches. A static condition on shapes, so a compiled decode step picks its path at trace time."""
+    return num_routed_rows <= FEW_ROWS_PER_EXPERT * num_experts
+
+
+def _few_rows_kernel_runs_on(x) -> bool:
+    # the custom op's CUDA implementation is the Triton kernel (elsewhere it is the reference loop)
+    return x.device.type == "cuda" and _triton_ops is not None
+
+
+def _use_few_rows_kernel(x, gate_up_proj, down_proj, num_routed_rows) -> bool:
+    # the custom op is forward-only: autograd (training) and many rows (prefill) keep grouped_mm
+    return (_few_rows_kernel_runs_on(x) and not custom_ops.needs_grad(x, gate_up_proj, down_proj)
+            and few_rows_per_expert(num_routed_rows, gate_up_proj.shape[0]))
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_indices: torch.Tensor,
@@ -88,14 +113,23 @@ def moe_experts(
 ) -> torch.Tensor:
     """Same contract as `ops_kimi_k3.moe_experts`; x [N, Dl] -> [N, Dl] in x.dtype.
 
-    gate_up_proj [E, 2I, Dl], down_proj [E, Dl, I] in x.dtype (bf16 on the fast path)."""
-    grouped_mm = _grouped_mm_fn()
+    gate_up_proj [E, 2I, Dl], down_proj [E, Dl, I] in x.dtype (bf16 on the fast path). With few routed rows per
+    expert (`few_rows_per_expert`) on CUDA and no gradient recorded, both matmuls are the custom op
+    `torch.ops.kimik3.grouped_matmul_few_rows` (one node of a compiled graph); otherwise grouped_mm."""
+    if _use_few_rows_kernel(x, gate_up_proj, down_proj, x.shape[0] * topk_indices.shape[-1]):
+        matmul = torch.ops.kimik3.grouped_matmul_few_rows
+    else:
+        matmul = _grouped_mm_over_experts
     return _routed_experts(
         x, topk_indices, topk_weights, gate_up_proj.shape[0], gate_up_proj.shape[1] // 2,
-        lambda xs, offs: grouped_mm(xs, gate_up_proj.transpose(-2, -1), offs=offs),
-        lambda act, offs: grouped_mm(act, down_proj.transpose(-2, -1), offs=offs),
+        lambda xs, offs: matmul(xs, gate_up_proj, offs),
+        lambda act, offs: matmul(act, down_proj, offs),
         beta, linear_beta,
     )
+
+
+def _grouped_mm_over_experts(xs, weight, group_ends):
+    return _grouped_mm_fn()(xs, weight.transpose(-2, -1), offs=group_ends)
 
 
 def moe_experts_mxfp4(

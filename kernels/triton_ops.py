@@ -19,6 +19,8 @@
 * `moe_combine`         weighted f32 sum of the (rounded) expert outputs back to token order; Triton forward,
                         PyTorch backward.
 * `mxfp4_dequant`       MXFP4 (E2M1 + E8M0) -> bf16/f32, bit-exact with the reference.
+* `grouped_matmul_few_rows` expert-grouped matmul over plain expert weights for a few rows per expert (decode):
+                        streams each routed expert's weight tiles once; forward only.
 * `mxfp4_grouped_matmul` expert-grouped matmul over packed MXFP4 weights, dequantised tile by tile in registers;
                         gradient for the activations only.
 
@@ -439,6 +441,113 @@ def _mxfp4_dequant_launch(packed, scale, dtype):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Expert-grouped matmuls for few rows per expert (decode): each program takes one block of BLOCK_M expert-sorted rows
+# of a single expert and a BLOCK_N slice of that expert's output columns.
+
+
+@triton.jit
+def _expert_row_block(ends_ptr, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    # Row block `program_id(0)` of the expert-sorted rows, blocks never straddling two experts: found here from the
+    # group ends (a prefix sum over the experts) rather than from a table built by a dozen small launches on the
+    # host. Returns (expert, first row, end of the expert's rows); expert == E for the blocks past the last one.
+    blk = tl.program_id(0)
+    e_idx = tl.arange(0, E_PAD)
+    emask = e_idx < E
+    ends = tl.load(ends_ptr + e_idx, mask=emask, other=0)
+    starts = tl.load(ends_ptr + e_idx - 1, mask=emask & (e_idx > 0), other=0)
+    blocks = tl.where(emask, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    block_ends = tl.cumsum(blocks, axis=0)
+    expert = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
+    mine = e_idx == expert
+    row0 = tl.sum(tl.where(mine, starts + (blk - block_ends + blocks) * BLOCK_M, 0), axis=0)
+    row_end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    return expert, row0, row_end
+
+
+_FEW_ROWS_BLOCK_M = 16  # the smallest tl.dot tile: decode has a row or a few per expert
+
+
+def _row_block_grid(num_rows, num_experts, n):
+    def grid(meta):
+        # an upper bound on the number of row blocks (each has a row, and at most one per expert is partial); the
+        # ones past the last real block return at once
+        return (min(num_rows, triton.cdiv(num_rows, _FEW_ROWS_BLOCK_M) + num_experts), triton.cdiv(n, meta["BLOCK_N"]))
+
+    return grid
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else None  # f32 stays exact (no TF32)
+
+
+# Plain (bf16/f16/f32) expert weights [E, N, K], K contiguous as the model stores gate_up_proj / down_proj: the inner
+# loop streams [BLOCK_N, BLOCK_K] weight tiles along K, so with a row or a few per expert each routed expert's bytes
+# are read once, by many programs at once (the aim: HBM speed), where grouped_mm pads every group to a GEMM tile.
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bn, bk, w, st in ((32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 5), (64, 128, 4, 4), (64, 128, 8, 5),
+                              (64, 256, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3))
+    ],
+    key=["N", "K", "E_PAD"],
+)
+@triton.jit
+def _grouped_matmul_few_rows_kernel(x_ptr, w_ptr, o_ptr, ends_ptr, N, K, E, stride_xm, stride_we, stride_wn,
+                                    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    expert, row0, row_end = _expert_row_block(ends_ptr, E, E_PAD, BLOCK_M)
+    if expert < E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def grouped_matmul_few_rows(xs: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """xs [M, K], its rows grouped by expert (group e is rows group_ends[e-1]:group_ends[e]); weight [E, N, K] in
+    xs.dtype -> [M, N] in xs.dtype: each group times its expert transposed, f32 accumulation, as
+    `grouped_mm(xs, weight.transpose(-2, -1), offs=group_ends)`. Rows past group_ends[-1] are left unwritten.
+
+    The raw Triton launch (CUDA tensors, forward only): the model reaches it through the custom op
+    `torch.ops.kimik3.grouped_matmul_few_rows`, which torch.compile keeps as one node. Built for few rows per
+    expert: every block of 16 rows of an expert reads that expert's weights again."""
+    if xs.dim() != 2 or weight.dim() != 3 or xs.shape[1] != weight.shape[2] or group_ends.shape != weight.shape[:1]:
+        raise ValueError(f"grouped matmul shapes do not match: xs {tuple(xs.shape)} [M, K], weight "
+                         f"{tuple(weight.shape)} [E, N, K], group_ends {tuple(group_ends.shape)} [E]")
+    if weight.dtype != xs.dtype:
+        raise TypeError(f"grouped matmul weight must be in the rows' dtype {xs.dtype}, got {weight.dtype}")
+    num_rows, k = xs.shape
+    num_experts, n, _ = weight.shape
+    # unit stride along K is what the kernel streams; the model's stacks already have it (no copy)
+    xs = xs if xs.stride(-1) == 1 else xs.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
+    if num_rows == 0 or n == 0 or num_experts == 0:
+        return out
+    grid = _row_block_grid(num_rows, num_experts, n)
+    with torch.cuda.device(xs.device):  # Triton launches on the current device
+        _grouped_matmul_few_rows_kernel[grid](
+            xs, weight, out, group_ends.to(torch.int32).contiguous(), n, k, num_experts, xs.stride(0),
+            weight.stride(0), weight.stride(1), E_PAD=triton.next_power_of_2(num_experts),
+            BLOCK_M=_FEW_ROWS_BLOCK_M, PRECISION=_dot_precision(xs.dtype),
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Grouped matmul over packed MXFP4 experts. Each weight tile is dequantised in registers inside the matmul loop, so
 # HBM traffic is the routed experts' packed bytes (4.25 bits per weight) and never a dequantised copy. The even and
 # odd input columns are two half-width dots (low nibble = even element), which needs no interleave.
@@ -456,19 +565,7 @@ def _mxfp4_dequant_launch(packed, scale, dtype):
 def _mxfp4_grouped_matmul_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_PAD: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
                                  PRECISION: tl.constexpr):
-    # Row block `blk` of the expert-sorted rows, blocks never straddling two experts: found here from the group
-    # ends (a prefix sum over the experts) rather than from a table built by a dozen small launches on the host.
-    blk = tl.program_id(0)
-    e_idx = tl.arange(0, E_PAD)
-    emask = e_idx < E
-    ends = tl.load(ends_ptr + e_idx, mask=emask, other=0)
-    starts = tl.load(ends_ptr + e_idx - 1, mask=emask & (e_idx > 0), other=0)
-    blocks = tl.where(emask, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    block_ends = tl.cumsum(blocks, axis=0)
-    expert = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
-    mine = e_idx == expert
-    row0 = tl.sum(tl.where(mine, starts + (blk - block_ends + blocks) * BLOCK_M, 0), axis=0)
-    row_end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    expert, row0, row_end = _expert_row_block(ends_ptr, E, E_PAD, BLOCK_M)
     if expert < E:
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
@@ -508,18 +605,11 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
     if num_rows == 0 or n == 0:
         return out
-    block_m = 16  # the smallest tl.dot tile: decode has a row or a few per expert
-    precision = "ieee" if xs.dtype == torch.float32 else None  # f32 stays exact (no TF32)
-
-    def grid(meta):
-        # an upper bound on the number of row blocks (each has a row, and at most one per expert is partial); the
-        # ones past the last real block return at once
-        return (min(num_rows, triton.cdiv(num_rows, block_m) + num_experts), triton.cdiv(n, meta["BLOCK_N"]))
-
+    grid = _row_block_grid(num_rows, num_experts, n)
     with torch.cuda.device(xs.device):  # Triton launches on the current device
         _mxfp4_grouped_matmul_kernel[grid](xs, packed, scale, out, group_ends.to(torch.int32).contiguous(), n, kh,
-                                           num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-                                           PRECISION=precision)
+                                           num_experts, E_PAD=triton.next_power_of_2(num_experts),
+                                           BLOCK_M=_FEW_ROWS_BLOCK_M, PRECISION=_dot_precision(xs.dtype))
     return out
 
 

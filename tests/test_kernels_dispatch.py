@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimik3.tiny import build_tiny_model
 from kimik3.configuration import tiny_text_config_dict
@@ -377,6 +378,9 @@ def _custom_op_cases():
         "block_attn_res_mix": [([randn(2, 1, 8) for _ in range(3)], randn(8), randn(1, 8), 1e-6)],
         "fused_recurrent_kda": [(*step, None, randn(2, 3, 4, 5), True, True), (*step, 0.3, None, False, False)],
         "causal_conv1d": [(randn(2, 1, 6), randn(6, 1, 4), randn(2, 6, 3)), (randn(2, 5, 6), randn(6, 1, 4), None)],
+        "grouped_matmul_few_rows": [(randn(7, 64, dtype=torch.bfloat16), randn(4, 6, 64, dtype=torch.bfloat16),
+                                     torch.tensor([2, 2, 5, 7], dtype=torch.int32)),
+                                    (randn(4, 16), randn(3, 6, 16), torch.tensor([0, 1, 4], dtype=torch.int32))],
         "mxfp4_dequant": [(packed, scale, torch.bfloat16), (packed, scale, torch.float32)],
         "mxfp4_grouped_matmul": [(randn(7, 64, dtype=torch.bfloat16), packed, scale,
                                   torch.tensor([2, 2, 5, 7], dtype=torch.int32))],
@@ -411,14 +415,15 @@ def test_custom_ops_run_the_references_off_cuda():
                                torch.cat(rows).to(xs.dtype), rtol=0, atol=0)
 
 
-def test_custom_ops_compile_into_one_graph_without_breaks():
-    """A decode-like step calling every custom op (and the packed experts' routing around the grouped matmul, as
-    kernels/moe.py runs it) compiles with fullgraph=True into one graph that keeps each op as a node, and computes
-    what it computes eagerly."""
+def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
+    """A decode-like step calling every custom op (and the experts' routing around the grouped matmuls, as
+    kernels/moe.py runs it: the packed experts' and, as on CUDA, the bf16 experts' few-rows one) compiles with
+    fullgraph=True into one graph that keeps each op as a node, and computes what it computes eagerly."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     moe = importlib.import_module(kernels.__name__ + ".moe")
+    monkeypatch.setattr(moe, "_few_rows_kernel_runs_on", lambda x: True)  # the CUDA decision, on CPU tensors
     cases = _custom_op_cases()
     x, idx, w, gate_up, down = _moe_case(n=2, k=3, e=4, width=64, inter=32)
     (gu_packed, gu_scale), (d_packed, d_scale) = ops.quantize_mxfp4(gate_up), ops.quantize_mxfp4(down)
@@ -437,7 +442,8 @@ def test_custom_ops_compile_into_one_graph_without_breaks():
         y, new_conv = torch.ops.kimik3.causal_conv1d(conv_x, conv_w, conv_state)
         mixed = torch.ops.kimik3.block_attn_res_mix(*mix_args)
         dense = torch.ops.kimik3.mxfp4_dequant(gu_packed, gu_scale, torch.bfloat16)
-        return routed, h, o, state, y, new_conv, mixed, dense
+        plain = moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
+        return routed, h, o, state, y, new_conv, mixed, dense, plain
 
     graphs = []
 
@@ -459,4 +465,93 @@ def test_custom_ops_compile_into_one_graph_without_breaks():
     # the packed experts' routing around the custom grouped matmul computes the reference packed experts
     reference = ops.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)
     torch.testing.assert_close(compiled[0], reference, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(compiled[-1], ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), rtol=1e-2,
+                               atol=1e-2)
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ few-rows grouped matmul (bf16 experts at decode)
+
+
+def _grouped_product_f64(xs, weight, group_ends):
+    starts = [0, *group_ends.tolist()[:-1]]
+    return torch.cat([xs[a:b].double() @ weight[e].double().t() for e, (a, b) in enumerate(zip(starts, group_ends))])
+
+
+@pytest.mark.parametrize("counts", [[0, 1, 0, 3, 17], [1, 0, 0, 0, 0], [0, 0, 0, 0, 2], [5, 5, 5, 5, 5]])
+def test_grouped_matmul_few_rows_reference_is_the_grouped_product(counts):
+    """The op's CPU implementation (the reference of its Triton kernel): each group times its own expert, empty
+    experts skipped, in f32 to float64 accuracy and in bf16 as grouped_mm rounds it (f32 accumulation, one rounding)."""
+    ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    xs, weight = torch.randn(sum(counts), 80), torch.randn(5, 48, 80)
+    out = torch.ops.kimik3.grouped_matmul_few_rows(xs, weight, ends)
+    assert out.shape == (sum(counts), 48) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _grouped_product_f64(xs, weight, ends), rtol=1e-5, atol=1e-4)
+    # a shuffled assignment of experts gives other numbers: the groups really pick their own expert
+    wrong = torch.ops.kimik3.grouped_matmul_few_rows(xs, weight.flip(0), ends)
+    assert not torch.allclose(wrong, out)
+    xs16, weight16 = xs.bfloat16(), weight.bfloat16()
+    out16 = torch.ops.kimik3.grouped_matmul_few_rows(xs16, weight16, ends)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16.double(), _grouped_product_f64(xs16, weight16, ends), rtol=8e-3, atol=1e-2)
+    try:
+        grouped = torch._grouped_mm(xs16, weight16.transpose(-2, -1), offs=ends)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"grouped_mm unavailable on this CPU torch: {exc}")
+    assert torch.equal(out16, grouped)
+
+
+def test_moe_experts_few_rows_decision():
+    """The bf16 experts take the few-rows kernel exactly for CUDA tensors with Triton, no gradient recorded and at
+    most FEW_ROWS_PER_EXPERT routed rows per expert on average (decode); grouped_mm otherwise."""
+    moe = importlib.import_module(kernels.__name__ + ".moe")
+    assert moe.FEW_ROWS_PER_EXPERT == 4
+    # the benchmark model: 64 experts, top-16: 16 decoding tokens still qualify, 17 do not
+    assert moe.few_rows_per_expert(1 * 16, 64) and moe.few_rows_per_expert(16 * 16, 64)
+    assert not moe.few_rows_per_expert(17 * 16, 64)
+    x = fake_cuda(2, 8, dtype=torch.bfloat16)
+    gate_up, down = fake_cuda(64, 12, 8, dtype=torch.bfloat16), fake_cuda(64, 8, 6, dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "_triton_ops", types.SimpleNamespace())  # as where Triton imports
+        assert moe._use_few_rows_kernel(x, gate_up, down, 32)
+        assert not moe._use_few_rows_kernel(x, gate_up, down, 257)  # prefill
+        assert not moe._use_few_rows_kernel(x.as_subclass(torch.Tensor), gate_up, down, 32)  # CPU
+        trained = fake_cuda(64, 12, 8, dtype=torch.bfloat16, requires_grad=True)
+        assert not moe._use_few_rows_kernel(x, trained, down, 32)  # autograd records: the op has no backward
+        with torch.no_grad():
+            assert moe._use_few_rows_kernel(x, trained, down, 32)
+        mp.setattr(moe, "_triton_ops", None)  # no Triton: the op would have no CUDA kernel
+        assert not moe._use_few_rows_kernel(x, gate_up, down, 32)
+
+
+class _TopLevelOps(TorchDispatchMode):
+    """Records the ops called (not the ops inside them: the mode is off while one runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_moe_experts_runs_the_few_rows_op_at_decode_and_grouped_mm_otherwise(monkeypatch):
+    """With the device test passed (as on CUDA), `moe_experts` runs both matmuls as the custom op at decode sizes and
+    through grouped_mm for prefill sizes or while autograd records; every path computes the reference experts."""
+    moe = importlib.import_module(kernels.__name__ + ".moe")
+    monkeypatch.setattr(moe, "_few_rows_kernel_runs_on", lambda x: True)
+    few, grouped = "kimik3.grouped_matmul_few_rows", "aten._grouped_mm"
+    cases = {"decode": (_moe_case(n=2, k=3, e=6), False, {few}),
+             "prefill": (_moe_case(n=9, k=3, e=6), False, {grouped}),  # 27 routed rows > 4 x 6 experts
+             "training": (_moe_case(n=2, k=3, e=6), True, {grouped})}
+    for name, ((x, idx, w, gate_up, down), train, expected) in cases.items():
+        if train:
+            gate_up.requires_grad_(True)
+        with _TopLevelOps() as seen:
+            try:
+                out = moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
+            except (RuntimeError, NotImplementedError) as exc:
+                pytest.skip(f"grouped_mm unavailable on this CPU torch: {exc}")
+        assert seen.names & {few, grouped} == expected, name
+        torch.testing.assert_close(out, ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), rtol=1e-2, atol=1e-2)

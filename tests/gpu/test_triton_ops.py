@@ -1,8 +1,9 @@
-"""Own fast paths (Triton SiTU / AttnRes / MXFP4 / MoE combine, grouped_mm experts, bmm MLA decode) against the
-pure-PyTorch references of ops_kimi_k3, forward and backward where training uses them."""
+"""Own fast paths (Triton SiTU / AttnRes / MXFP4 / MoE combine / few-rows grouped matmul, grouped_mm experts, bmm MLA
+decode) against the pure-PyTorch references of ops_kimi_k3, forward and backward where training uses them."""
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
@@ -194,6 +195,117 @@ def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, t
     starts = (ends - counts).tolist()
     ref = torch.cat([xs[a:b].double() @ weight[e].double().T for e, (a, b) in enumerate(zip(starts, ends.tolist()))])
     assert rel_err(out, ref) < tol, rel_err(out, ref)
+
+
+# --------------------------------------------------------------------------------------- few-rows grouped matmul
+
+
+def _grouped_product_f64(xs, weight, group_ends):
+    starts = [0, *group_ends.tolist()[:-1]]
+    return torch.cat([xs[a:b].double() @ weight[e].double().T for e, (a, b) in enumerate(zip(starts, group_ends))])
+
+
+def _routed_counts(num_tokens, num_experts=64, top_k=16):
+    """Rows per expert of `num_tokens` tokens routed to top_k of num_experts (decode: 16 or 128 routed rows)."""
+    indices = torch.rand(num_tokens, num_experts, device=DEV).topk(top_k, dim=-1).indices
+    return torch.bincount(indices.reshape(-1), minlength=num_experts)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("case", ["empty and single rows", "one row only", "rows past a block",
+                                  "gate_up 1 token", "gate_up 8 tokens", "down 1 token", "down 8 tokens"])
+def test_grouped_matmul_few_rows_matches_float64(case, dtype, tol):
+    # decode shapes of the H200 benchmark model: 64 experts, top-16, gate_up 3584 -> 6144 and down 3072 -> 3584
+    from kimik3.kernels.triton_ops import grouped_matmul_few_rows
+
+    shape, counts = {
+        "empty and single rows": ((6, 192, 512), torch.tensor([3, 0, 1, 1, 0, 7])),
+        "one row only": ((6, 192, 520), torch.tensor([0, 0, 1, 0, 0, 0])),  # K not a multiple of any BLOCK_K
+        "rows past a block": ((3, 100, 256), torch.tensor([17, 0, 40])),  # several 16-row blocks of one expert
+        "gate_up 1 token": ((64, 6144, 3584), _routed_counts(1)),
+        "gate_up 8 tokens": ((64, 6144, 3584), _routed_counts(8)),
+        "down 1 token": ((64, 3584, 3072), _routed_counts(1)),
+        "down 8 tokens": ((64, 3584, 3072), _routed_counts(8)),
+    }[case]
+    num_experts, n, k = shape
+    ends = torch.cumsum(counts.to(DEV), 0).to(torch.int32)
+    weight = (torch.randn(num_experts, n, k, device=DEV) * k**-0.5).to(dtype)
+    xs = torch.randn(int(counts.sum()), k, device=DEV).to(dtype)
+    out = grouped_matmul_few_rows(xs, weight, ends)
+    assert out.dtype == dtype and out.shape == (xs.shape[0], n)
+    ref = _grouped_product_f64(xs, weight, ends)
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    assert max_rel(out, ref) < 5 * tol, max_rel(out, ref)
+    # the custom op the model calls runs this kernel on CUDA
+    assert torch.equal(torch.ops.kimik3.grouped_matmul_few_rows(xs, weight, ends), out)
+
+
+class _CalledOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops called at the top level (the mode is off while one runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_moe_experts_few_rows_path_matches_grouped_mm_path(num_tokens, monkeypatch):
+    from kimik3.kernels import moe
+
+    x, idx, w, gate_up, down = _moe_inputs(num_tokens, num_experts=64, top_k=16, width=1024, inter=512)
+    fast = load_fast("moe_experts")
+    with torch.no_grad(), _CalledOps() as called:
+        y = fast(x, idx, w, gate_up, down, 4.0, 25.0)
+    assert "kimik3.grouped_matmul_few_rows" in called.names and "aten._grouped_mm" not in called.names
+    monkeypatch.setattr(moe, "FEW_ROWS_PER_EXPERT", 0)  # the grouped_mm path for the same inputs
+    with torch.no_grad(), _CalledOps() as called:
+        y_grouped = fast(x, idx, w, gate_up, down, 4.0, 25.0)
+    assert "kimik3.grouped_matmul_few_rows" not in called.names and "aten._grouped_mm" in called.names
+    assert y.dtype == x.dtype and y.shape == y_grouped.shape
+    # the two differ only in the f32 summation order inside the matmuls before each rounding to bf16
+    assert max_rel(y, y_grouped) < 2e-2
+    assert rel_err(y, y_grouped) < 5e-3
+    with reference_only():
+        y_ref = ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
+    assert rel_err(y, y_ref) < 5e-3
+
+
+def test_moe_experts_few_rows_op_stays_in_the_compiled_graph():
+    """moe_experts under torch.compile(fullgraph=True) at decode size: one graph, no break, the custom op as a node
+    (not traced into), and the compiled result equals the eager one within bf16 rounding."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+
+    from kimik3.kernels import moe
+
+    x, idx, w, gate_up, down = _moe_inputs(2, num_experts=64, top_k=16, width=1024, inter=512)
+    graphs = []
+
+    def recording_inductor(gm, example_inputs):
+        graphs.append(gm.code)
+        return compile_fx(gm, example_inputs)
+
+    def step(x, idx, w):
+        return moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True, backend=recording_inductor)
+        y = compiled(x, idx, w)
+        y_again = compiled(x.flip(0), idx.flip(0), w.flip(0))  # same shapes: no recompilation
+        eager = step(x, idx, w)
+    assert len(graphs) == 1 and sum(counters["graph_break"].values()) == 0
+    assert graphs[0].count("torch.ops.kimik3.grouped_matmul_few_rows") == 2, graphs[0]
+    assert "grouped_mm" not in graphs[0]
+    assert rel_err(y, eager) < 5e-3 and max_rel(y, eager) < 2e-2
+    assert rel_err(y_again, y.flip(0)) < 5e-3
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------------------------------------------- MLA
