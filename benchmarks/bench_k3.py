@@ -540,12 +540,24 @@ def section_moe_kernels():
     bf = torch.bfloat16
     gate_up = torch.randn(64, 6144, 3584, device=DEV, dtype=bf) * 0.02
     down = torch.randn(64, 3584, 3072, device=DEV, dtype=bf) * 0.02
+    expert_bytes = (gate_up[0].numel() + down[0].numel()) * 2
     for n in (1, 8, 8 * K):
         x = torch.randn(n, 3584, device=DEV, dtype=bf)
         w, idx = torch.rand(n, 64, device=DEV).topk(16, dim=-1)
         fast = kk.load("moe_experts")
-        bench(f"moe_experts_n{n}", lambda: fast(x, idx, w, gate_up, down, 4.0, 25.0),
+        name = f"moe_experts_n{n}"
+        bench(name, lambda: fast(x, idx, w, gate_up, down, 4.0, 25.0),
               lambda: ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), repeats=5)
+        active = int(torch.unique(idx).numel())
+        res[name]["hbm_roofline_ms"] = round(active * expert_bytes / HBM_BYTES_PER_S * 1e3, 4)
+        if n <= 8:  # decode sizes: the few-rows Triton matmul (fast_ms) against grouped_mm for the same experts
+            with torch.inference_mode():
+                sec, _ = without_few_rows_kernel(lambda: timed(lambda: fast(x, idx, w, gate_up, down, 4.0, 25.0),
+                                                               repeats=5, warmup=2))
+                res[name]["grouped_mm_ms"] = round(sec * 1e3, 4)
+                grouped = without_few_rows_kernel(lambda: fast(x, idx, w, gate_up, down, 4.0, 25.0)).float()
+                res[name]["rel_err_vs_grouped_mm"] = float(
+                    (fast(x, idx, w, gate_up, down, 4.0, 25.0).float() - grouped).norm() / grouped.norm())
     # The same experts packed as MXFP4 (release format): the Triton grouped matmul that dequantises tiles in
     # registers, against dequantising the whole stack first and then the bf16 grouped GEMMs (the fast path before),
     # and against bf16 experts. Roofline: the packed bytes of the experts routed to, read once.
@@ -631,6 +643,18 @@ def section_attention_kernels():
         del q, k, v, base
         free_cuda()
     return res
+
+
+def without_few_rows_kernel(fn):
+    """fn() with the bf16 routed experts on grouped_mm at every size (the few-rows Triton matmul off)."""
+    from kimik3.kernels import moe
+
+    saved = moe.FEW_ROWS_PER_EXPERT
+    moe.FEW_ROWS_PER_EXPERT = 0
+    try:
+        return fn()
+    finally:
+        moe.FEW_ROWS_PER_EXPERT = saved
 
 
 def set_reference(flag: bool):
@@ -740,6 +764,10 @@ def main():
             sec(f"generate.compiled.decode_{tag}",
                 lambda b=batch, c=context, s=synthetic: measure_generate_decode(model, stats, b, c, True,
                                                                                 synthetic=s, profile=True), 60)
+            # the same step with the routed experts through grouped_mm instead of the few-rows Triton matmul
+            sec(f"generate.compiled_grouped_mm.decode_{tag}",
+                lambda b=batch, c=context, s=synthetic: without_few_rows_kernel(
+                    lambda: measure_generate_decode(model, stats, b, c, True, synthetic=s, profile=True)), 60)
         torch._dynamo.reset()
         free_cuda()
 
