@@ -358,6 +358,33 @@ def test_flash_attention_with_lse_adapter_matches_reference_on_cpu_op():
     assert is_reference("attention_with_lse", ops.fast_or_reference("attention_with_lse", q))
 
 
+def test_attention_with_lse_falls_back_to_flash_where_cudnn_refuses(monkeypatch):
+    """cuDNN first on CUDA; where it raises for some (device, dtype, head dims), flash, and cuDNN is not asked again
+    for those; other head dims still ask cuDNN."""
+    mla_prefill = importlib.import_module(kernels.__name__ + ".mla_prefill")
+    monkeypatch.setattr(mla_prefill, "_CUDNN_REFUSED", set())
+    calls = []
+
+    def cudnn(q, k, v, scale, causal):
+        calls.append(("cudnn", q.shape[-1], v.shape[-1]))
+        if q.shape[-1] == 24:
+            raise RuntimeError("cuDNN Frontend error: no engine for these head dims")
+        return "cudnn result"
+
+    monkeypatch.setattr(mla_prefill, "_cudnn", cudnn)
+    monkeypatch.setattr(mla_prefill, "_flash", lambda q, k, v, scale, causal: calls.append(("flash",)) or "flash")
+    q, v = fake_cuda(1, 2, 4, 24, dtype=torch.bfloat16), fake_cuda(1, 2, 4, 16, dtype=torch.bfloat16)
+    assert mla_prefill.attention_backend(q, v) == "cudnn"
+    assert mla_prefill.attention_with_lse(q, q, v, 0.2, True) == "flash"
+    assert calls == [("cudnn", 24, 16), ("flash",)]
+    assert mla_prefill.attention_backend(q, v) == "flash"
+    assert mla_prefill.attention_with_lse(q, q, v, 0.2, False) == "flash" and calls[-1] == ("flash",)
+    assert len(calls) == 3  # no second cuDNN attempt
+    q32 = fake_cuda(1, 2, 4, 32, dtype=torch.bfloat16)
+    assert mla_prefill.attention_with_lse(q32, q32, v, 0.2, True) == "cudnn result"
+    assert mla_prefill.attention_backend(q.as_subclass(torch.Tensor), v) == "flash"  # off CUDA: the flash CPU op
+
+
 # ------------------------------------------------------------------------ custom ops (torch.compile keeps the kernels)
 
 
@@ -555,3 +582,31 @@ def test_moe_experts_runs_the_few_rows_op_at_decode_and_grouped_mm_otherwise(mon
                 pytest.skip(f"grouped_mm unavailable on this CPU torch: {exc}")
         assert seen.names & {few, grouped} == expected, name
         torch.testing.assert_close(out, ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), rtol=1e-2, atol=1e-2)
+
+
+def test_sdpa_backend_order_asks_for_cudnn_only_for_cuda_inference_with_sdpa(monkeypatch):
+    """The expanded MLA attention's SDPA runs with cuDNN first exactly on CUDA, with the "sdpa" implementation, no
+    autograd recording through the query, outside torch.compile and unless attention_with_lse is forced to its
+    reference; every other case gets no context at all (SDPA's own choice)."""
+    import contextlib
+
+    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV, raising=False)
+    query = fake_cuda(1, 2, 4, 8, dtype=torch.bfloat16)
+
+    def asks_cudnn(q, implementation="sdpa"):
+        return not isinstance(ops.sdpa_backend_order(q, implementation), contextlib.nullcontext)
+
+    assert asks_cudnn(query)
+    assert not asks_cudnn(query, "eager") and not asks_cudnn(query, "flash_attention_2")
+    assert not asks_cudnn(query.as_subclass(torch.Tensor))  # CPU
+    trained = fake_cuda(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert not asks_cudnn(trained)
+    with torch.no_grad():
+        assert asks_cudnn(trained)
+    monkeypatch.setenv(ops.REFERENCE_ONLY_ENV, "attention_with_lse")
+    assert not asks_cudnn(query)
+    monkeypatch.setenv(ops.REFERENCE_ONLY_ENV, "1")
+    assert not asks_cudnn(query)
+    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not asks_cudnn(query)

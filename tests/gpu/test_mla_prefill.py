@@ -40,12 +40,15 @@ def test_attention_with_lse_matches_reference(causal, backend, monkeypatch):
     assert (lse - ref_lse).abs().max() < 2e-2
 
 
-def test_expanded_prefill_attention_prefers_cudnn():
+def test_expanded_prefill_attention_prefers_cudnn(monkeypatch):
     """The first prefill chunk (no cache) goes through the attention interface; on CUDA without autograd the model
-    asks SDPA for cuDNN first (MLA's unequal head dims rule out flash, and PyTorch's default order then picks the
-    memory-efficient kernel, 4x slower on an H200). Checked on the profiler's op names, and against the reference."""
+    asks SDPA for cuDNN first (MLA's unequal head dims rule out flash, and PyTorch's default order may take the
+    memory-efficient kernel, 4x slower on an H200). Checked on the profiler's op names. Its bf16 logits are measured
+    against the f32 reference-op model, as are those of the same bf16 model with the order switched off (SDPA's own
+    choice): cuDNN may not add more than bf16 noise."""
     from torch.profiler import ProfilerActivity, profile
 
+    from kimik3.modeling import ops_kimi_k3
     from kimik3.tiny import build_tiny_model
 
     model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
@@ -56,10 +59,16 @@ def test_expanded_prefill_attention_prefers_cudnn():
         model = model.bfloat16()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             logits = model(ids, use_cache=False).logits.float()
-    names = {e.key for e in prof.key_averages()}
+        names = {e.key for e in prof.key_averages()}
+        monkeypatch.setattr(ops_kimi_k3, "_forced_references", lambda: frozenset({"attention_with_lse"}))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            default_logits = model(ids, use_cache=False).logits.float()
+        default_names = {e.key for e in prof.key_averages()}
     assert any("cudnn_attention" in n for n in names), sorted(n for n in names if "attention" in n)
     assert not any("efficient_attention" in n for n in names)
-    assert rel_err(logits, gold) < 3e-2
+    cudnn_err, default_err = rel_err(logits, gold), rel_err(default_logits, gold)
+    assert cudnn_err < 1.5 * default_err + 1e-2, (cudnn_err, default_err,
+                                                  sorted(n for n in default_names if "attention" in n))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
