@@ -1,4 +1,19 @@
-"""Small helpers shared by the CPU tests."""
+"""Small helpers shared by the tests (CPU, and the GPU tests in tests/gpu/)."""
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class TopLevelOps(TorchDispatchMode):
+    """Records the names of the ops called at the top level (not the ops inside them: the mode is off while one
+    runs), e.g. which matmul a dispatch chose."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
 
 
 def cache_of(output):

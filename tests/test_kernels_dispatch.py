@@ -12,8 +12,8 @@ import types
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from k3_test_utils import TopLevelOps
 from kimik3.tiny import build_tiny_model
 from kimik3.configuration import tiny_text_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
@@ -551,18 +551,6 @@ def test_moe_experts_few_rows_decision():
         assert not moe._use_few_rows_kernel(x, gate_up, down, 32)
 
 
-class _TopLevelOps(TorchDispatchMode):
-    """Records the ops called (not the ops inside them: the mode is off while one runs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def test_moe_experts_runs_the_few_rows_op_at_decode_and_grouped_mm_otherwise(monkeypatch):
     """With the device test passed (as on CUDA), `moe_experts` runs both matmuls as the custom op at decode sizes and
     through grouped_mm for prefill sizes or while autograd records; every path computes the reference experts."""
@@ -575,7 +563,7 @@ def test_moe_experts_runs_the_few_rows_op_at_decode_and_grouped_mm_otherwise(mon
     for name, ((x, idx, w, gate_up, down), train, expected) in cases.items():
         if train:
             gate_up.requires_grad_(True)
-        with _TopLevelOps() as seen:
+        with TopLevelOps() as seen:
             try:
                 out = moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
             except (RuntimeError, NotImplementedError) as exc:

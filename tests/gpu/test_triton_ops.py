@@ -3,13 +3,13 @@ decode) against the pure-PyTorch references of ops_kimi_k3, forward and backward
 
 import pytest
 import torch
-import torch.utils._python_dispatch
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
 pytest.importorskip("triton")
 
 from gpu_helpers import load_fast, load_kernels, load_ops, max_rel, reference_only, rel_err  # noqa: E402
+from k3_test_utils import TopLevelOps  # noqa: E402
 
 kernels = load_kernels()
 ops = load_ops()
@@ -240,29 +240,17 @@ def test_grouped_matmul_few_rows_matches_float64(case, dtype, tol):
     assert torch.equal(torch.ops.kimik3.grouped_matmul_few_rows(xs, weight, ends), out)
 
 
-class _CalledOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the ops called at the top level (the mode is off while one runs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("num_tokens", [1, 8])
 def test_moe_experts_few_rows_path_matches_grouped_mm_path(num_tokens, monkeypatch):
     from kimik3.kernels import moe
 
     x, idx, w, gate_up, down = _moe_inputs(num_tokens, num_experts=64, top_k=16, width=1024, inter=512)
     fast = load_fast("moe_experts")
-    with torch.no_grad(), _CalledOps() as called:
+    with torch.no_grad(), TopLevelOps() as called:
         y = fast(x, idx, w, gate_up, down, 4.0, 25.0)
     assert "kimik3.grouped_matmul_few_rows" in called.names and "aten._grouped_mm" not in called.names
     monkeypatch.setattr(moe, "FEW_ROWS_PER_EXPERT", 0)  # the grouped_mm path for the same inputs
-    with torch.no_grad(), _CalledOps() as called:
+    with torch.no_grad(), TopLevelOps() as called:
         y_grouped = fast(x, idx, w, gate_up, down, 4.0, 25.0)
     assert "kimik3.grouped_matmul_few_rows" not in called.names and "aten._grouped_mm" in called.names
     assert y.dtype == x.dtype and y.shape == y_grouped.shape
