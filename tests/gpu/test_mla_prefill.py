@@ -14,18 +14,20 @@ ops = load_ops()
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_with_lse_matches_reference(causal, backend, monkeypatch):
-    """Both backends of the fast twin, on the model's layouts: the query a transposed view ([B, T, H, D] storage),
-    the value a slice of the expanded key/value projection."""
+@pytest.mark.parametrize("causal,q_len,k_len", [(False, 512, 512), (True, 512, 512), (True, 300, 300),
+                                                (False, 77, 1000), (False, 1, 129)])
+def test_attention_with_lse_matches_reference(causal, q_len, k_len, backend, monkeypatch):
+    """Both backends of the fast twin, on the model's layouts (the query a transposed view of [B, T, H, D] storage,
+    the value a slice of the expanded key/value projection) and at lengths that are no multiple of a tile (a chunk
+    of any length continues a cache of any length)."""
     from kimik3.kernels import mla_prefill
 
     if backend == "flash":  # as if cuDNN had refused
         monkeypatch.setattr(mla_prefill, "_CUDNN_REFUSED", {(torch.device("cuda", torch.cuda.current_device()),
                                                              torch.bfloat16, 192, 128)})
-    q = torch.randn(1, 512, 96, 192, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    k = torch.randn(1, 96, 512, 192, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, 512, 96, 256, device="cuda", dtype=torch.bfloat16).transpose(1, 2)[..., 128:]
+    q = torch.randn(1, q_len, 96, 192, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, 96, k_len, 192, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, k_len, 96, 256, device="cuda", dtype=torch.bfloat16).transpose(1, 2)[..., 128:]
     assert mla_prefill.attention_backend(q, v) == backend
     calls = []
     original = getattr(mla_prefill, f"_{backend}")
