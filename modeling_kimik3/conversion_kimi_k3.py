@@ -325,14 +325,19 @@ def _resolve_config(model_class, pretrained, kwargs, experts_format):
     return text.experts_format, release_quantization
 
 
+# Elements scanned at once by the finite check: its transient memory (a bool mask and the scan) stays a few MB, well
+# below one layer even of small checkpoints, so a load's peak is the model plus the conversion of one tensor.
+FINITE_CHECK_BLOCK = 1 << 21
+
+
 def _check_finite(model) -> None:
     """No NaN/Inf may pass into a model silently: every loaded floating tensor is scanned, a block at a time."""
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if not tensor.is_floating_point() or tensor.device.type == "meta" or hasattr(tensor, "to_local"):
             continue
         flat = tensor.detach().reshape(-1)
-        for start in range(0, flat.numel(), 1 << 24):
-            block = flat[start:start + (1 << 24)]
+        for start in range(0, flat.numel(), FINITE_CHECK_BLOCK):
+            block = flat[start:start + FINITE_CHECK_BLOCK]
             bad = (~torch.isfinite(block)).nonzero()
             if bad.numel():
                 raise KimiK3LoadError(_non_finite_message(name, tensor, start + int(bad[0, 0])))
@@ -355,8 +360,8 @@ def _non_finite_message(name: str, tensor: torch.Tensor, flat_index: int) -> str
 def _reading_in_step_with_the_conversions(enabled: bool):
     """transformers' loader reads tensors on a thread pool ahead of the conversion ops: on a release checkpoint that
     is most of the checkpoint again in memory before the experts are dequantised. Read in step with the ops
-    (HF_DEACTIVATE_ASYNC_LOAD, the loader's own switch, read when it starts), the memory beyond the model stays about
-    two converted layers whatever the model's size (tests/test_release_loading.py). A user's own setting wins."""
+    (HF_DEACTIVATE_ASYNC_LOAD, the loader's own switch, read when it starts), the memory beyond the model stays below
+    one converted layer whatever the model's size (tests/test_release_loading.py). A user's own setting wins."""
     if not enabled or "HF_DEACTIVATE_ASYNC_LOAD" in os.environ:
         yield
         return
