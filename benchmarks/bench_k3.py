@@ -755,6 +755,27 @@ def main():
 
         sec("fast.decode_profile_b1_4k", decode_profile, 15)
 
+        def prefill_profile():
+            """GPU kernel time of one 8K prefill (after the timed runs: warm), grouped by kernel: where the FLOPs do
+            not reach the bf16 peak. torch.profiler over one prefill."""
+            from torch.profiler import ProfilerActivity, profile
+
+            ids = random_ids(1, 8 * K)
+            with torch.inference_mode():
+                prefill(drv, ids)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    prefill(drv, ids)
+                    torch.cuda.synchronize()
+            kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            total_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+            top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]
+            return {"gpu_kernel_ms": round(total_ms, 2), "kernel_launches": sum(e.count for e in kernels),
+                    "top_kernels": [{"name": e.key[:120], "ms": round(e.self_device_time_total / 1e3, 3),
+                                     "calls": e.count} for e in top]}
+
+        sec("fast.prefill_profile_8k", prefill_profile, 20)
+
         model = holder["model"]
         for batch, context in ((1, 4 * K), (8, 4 * K), (1, 64 * K), (8, 64 * K)):
             tag, synthetic = f"b{batch}_{context // K}k", context > 4 * K
