@@ -63,6 +63,8 @@ def attention_with_lse(query, key, value, scale: float, causal: bool):
     if attention_backend(query, value) == "cudnn":
         try:
             return _cudnn(query, key, value, scale, causal)
+        except torch.cuda.OutOfMemoryError:  # a resource limit, not a refusal: the caller sees it
+            raise
         except RuntimeError:  # not supported for these inputs here: remembered, then flash
             _CUDNN_REFUSED.add((query.device, query.dtype, query.shape[-1], value.shape[-1]))
     return _flash(query, key, value, scale, causal)

@@ -369,6 +369,8 @@ def test_attention_with_lse_falls_back_to_flash_where_cudnn_refuses(monkeypatch)
         calls.append(("cudnn", q.shape[-1], v.shape[-1]))
         if q.shape[-1] == 24:
             raise RuntimeError("cuDNN Frontend error: no engine for these head dims")
+        if q.shape[-2] == 5:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return "cudnn result"
 
     monkeypatch.setattr(mla_prefill, "_cudnn", cudnn)
@@ -382,6 +384,11 @@ def test_attention_with_lse_falls_back_to_flash_where_cudnn_refuses(monkeypatch)
     assert len(calls) == 3  # no second cuDNN attempt
     q32 = fake_cuda(1, 2, 4, 32, dtype=torch.bfloat16)
     assert mla_prefill.attention_with_lse(q32, q32, v, 0.2, True) == "cudnn result"
+    # out of memory is no refusal: it reaches the caller and cuDNN stays the choice
+    long = fake_cuda(1, 2, 5, 32, dtype=torch.bfloat16)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        mla_prefill.attention_with_lse(long, long, v, 0.2, False)
+    assert mla_prefill.attention_backend(q32, v) == "cudnn"
     assert mla_prefill.attention_backend(q.as_subclass(torch.Tensor), v) == "flash"  # off CUDA: the flash CPU op
 
 
