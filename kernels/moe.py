@@ -97,8 +97,10 @@ def _few_rows_kernel_runs_on(x) -> bool:
 
 
 def _use_few_rows_kernel(x, gate_up_proj, down_proj, num_routed_rows) -> bool:
-    # the custom op is forward-only: autograd (training) and many rows (prefill) keep grouped_mm
+    # the custom op is forward-only: autograd (training) and many rows (prefill) keep grouped_mm; so do tensor-parallel
+    # (DTensor) weights, whose sharded product the custom op has no rule for
     return (_few_rows_kernel_runs_on(x) and not custom_ops.needs_grad(x, gate_up_proj, down_proj)
+            and not any(hasattr(w, "to_local") for w in (x, gate_up_proj, down_proj))
             and few_rows_per_expert(num_routed_rows, gate_up_proj.shape[0]))
 
 

@@ -20,6 +20,7 @@ from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 
 kernels = importlib.import_module("kimik3.kernels")
+importlib.import_module("kimik3.kernels.custom_ops")  # registers torch.ops.kimik3.* for the tests that call them
 ops = importlib.import_module("kimik3.modeling.ops_kimi_k3")
 
 
@@ -554,6 +555,9 @@ def test_moe_experts_few_rows_decision():
         assert not moe._use_few_rows_kernel(x, trained, down, 32)  # autograd records: the op has no backward
         with torch.no_grad():
             assert moe._use_few_rows_kernel(x, trained, down, 32)
+        sharded = fake_cuda(64, 12, 8, dtype=torch.bfloat16)
+        sharded.to_local = lambda: gate_up  # as a tensor-parallel DTensor: grouped_mm keeps its sharding rules
+        assert not moe._use_few_rows_kernel(x, sharded, down, 32)
         mp.setattr(moe, "_triton_ops", None)  # no Triton: the op would have no CUDA kernel
         assert not moe._use_few_rows_kernel(x, gate_up, down, 32)
 
