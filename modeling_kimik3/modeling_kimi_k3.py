@@ -411,7 +411,7 @@ class KimiK3MLAAttention(nn.Module):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        with sdpa_backend_order(query, self.config._attn_implementation):
+        with sdpa_backend_order(query, self.config._attn_implementation, masked=attention_mask is not None):
             return attention_interface(
                 self,
                 query,

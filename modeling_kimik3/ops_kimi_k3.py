@@ -607,14 +607,13 @@ def fast_path_allowed(name: str, *tensors: torch.Tensor | None) -> bool:
     return True
 
 
-def sdpa_backend_order(query: torch.Tensor, attn_implementation: str | None):
+def sdpa_backend_order(query: torch.Tensor, attn_implementation: str | None, masked: bool = False):
     """The context the expanded MLA attention runs SDPA in: cuDNN's fused attention first, on CUDA without autograd.
-    MLA's q/k and v head dims differ (192 and 128), which rules out flash, and PyTorch's default order then takes the
-    memory-efficient kernel, 4x slower than cuDNN on an H200 (docs/benchmarks.md). SDPA itself skips a backend that
-    cannot take the inputs (a mask cuDNN refuses, say). A no-op for other attention implementations, off CUDA, under
-    torch.compile, while autograd records, when attention_with_lse is forced to its reference, and on a torch
-    without backend priorities."""
-    if (attn_implementation != "sdpa" or query.device.type != "cuda" or torch.compiler.is_compiling()
+    MLA's q/k and v head dims differ (192 and 128), which rules out flash, and the memory-efficient kernel is 4x
+    slower than cuDNN on an H200 (docs/benchmarks.md). A no-op with an attention mask (padding: measured on neither
+    backend here), for other attention implementations, off CUDA, under torch.compile, while autograd records, when
+    attention_with_lse is forced to its reference, and on a torch without backend priorities."""
+    if (masked or attn_implementation != "sdpa" or query.device.type != "cuda" or torch.compiler.is_compiling()
             or torch.is_grad_enabled() and query.requires_grad or "attention_with_lse" in _forced_references()):
         return contextlib.nullcontext()
     try:

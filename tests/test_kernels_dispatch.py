@@ -584,9 +584,9 @@ def test_moe_experts_runs_the_few_rows_op_at_decode_and_grouped_mm_otherwise(mon
 
 
 def test_sdpa_backend_order_asks_for_cudnn_only_for_cuda_inference_with_sdpa(monkeypatch):
-    """The expanded MLA attention's SDPA runs with cuDNN first exactly on CUDA, with the "sdpa" implementation, no
-    autograd recording through the query, outside torch.compile and unless attention_with_lse is forced to its
-    reference; every other case gets no context at all (SDPA's own choice)."""
+    """The expanded MLA attention's SDPA runs with cuDNN first exactly on CUDA, with the "sdpa" implementation and no
+    mask, no autograd recording through the query, outside torch.compile and unless attention_with_lse is forced to
+    its reference; every other case gets no context at all (SDPA's own choice)."""
     import contextlib
 
     monkeypatch.delenv(ops.REFERENCE_ONLY_ENV, raising=False)
@@ -596,6 +596,7 @@ def test_sdpa_backend_order_asks_for_cudnn_only_for_cuda_inference_with_sdpa(mon
         return not isinstance(ops.sdpa_backend_order(q, implementation), contextlib.nullcontext)
 
     assert asks_cudnn(query)
+    assert isinstance(ops.sdpa_backend_order(query, "sdpa", masked=True), contextlib.nullcontext)  # padding
     assert not asks_cudnn(query, "eager") and not asks_cudnn(query, "flash_attention_2")
     assert not asks_cudnn(query.as_subclass(torch.Tensor))  # CPU
     trained = fake_cuda(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
