@@ -341,18 +341,19 @@ class _StepClock:
                 self.profiler.stop()
         return scores
 
-    def kernel_table(self, top=25):
-        """GPU kernel time per profiled step: total, launches, and the top kernels by time."""
-        if self.profiler is None:
-            return None
-        steps = self.profile_steps[1]
-        kernels = [e for e in self.profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        total_us = sum(e.self_device_time_total for e in kernels) / steps
-        ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
-        return {"gpu_kernel_ms_per_step": round(total_us / 1e3, 3),
-                "kernel_launches_per_step": sum(e.count for e in kernels) / steps,
-                "top_kernels": [{"name": e.key[:120], "ms_per_step": round(e.self_device_time_total / steps / 1e3, 4),
-                                 "calls_per_step": e.count / steps} for e in ranked]}
+    def kernel_table(self):
+        return None if self.profiler is None else kernel_table(self.profiler, steps=self.profile_steps[1])
+
+
+def kernel_table(prof, steps=1, top=25):
+    """GPU kernel time per profiled step (of `steps`) from a finished torch.profiler run: total, launches, and the
+    top kernels by time."""
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    return {"gpu_kernel_ms_per_step": round(sum(e.self_device_time_total for e in kernels) / steps / 1e3, 3),
+            "kernel_launches_per_step": sum(e.count for e in kernels) / steps,
+            "top_kernels": [{"name": e.key[:120], "ms_per_step": round(e.self_device_time_total / steps / 1e3, 4),
+                             "calls_per_step": e.count / steps} for e in ranked]}
 
 
 def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=48, steady_from=8,
@@ -742,22 +743,16 @@ def main():
                     for _ in range(steps):
                         logits, cache = drv.forward(tok, cache)
                     torch.cuda.synchronize()
-            kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-            cuda_us = sum(e.self_device_time_total for e in kernels) / steps
-            launches = sum(e.count for e in kernels) / steps
-            top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+            table = kernel_table(prof, steps=steps, top=12)
             roof = decode_roofline(stats, drv.model.config, 1, 4 * K)
-            return {"gpu_kernel_ms_per_step": round(cuda_us / 1e3, 3), "kernel_launches_per_step": launches,
-                    "hbm_roofline_ms": roof["hbm_roofline_ms"],
-                    "gpu_kernel_x_of_roofline": round(cuda_us / 1e3 / roof["hbm_roofline_ms"], 2),
-                    "top_kernels_ms_per_step": {e.key[:80]: round(e.self_device_time_total / steps / 1e3, 3)
-                                                for e in top}}
+            return {**table, "hbm_roofline_ms": roof["hbm_roofline_ms"],
+                    "gpu_kernel_x_of_roofline": round(table["gpu_kernel_ms_per_step"] / roof["hbm_roofline_ms"], 2)}
 
         sec("fast.decode_profile_b1_4k", decode_profile, 15)
 
         def prefill_profile():
             """GPU kernel time of one 8K prefill (after the timed runs: warm), grouped by kernel: where the FLOPs do
-            not reach the bf16 peak. torch.profiler over one prefill."""
+            not reach the bf16 peak. torch.profiler over one prefill (the table's "step")."""
             from torch.profiler import ProfilerActivity, profile
 
             ids = random_ids(1, 8 * K)
@@ -767,12 +762,7 @@ def main():
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     prefill(drv, ids)
                     torch.cuda.synchronize()
-            kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-            total_ms = sum(e.self_device_time_total for e in kernels) / 1e3
-            top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]
-            return {"gpu_kernel_ms": round(total_ms, 2), "kernel_launches": sum(e.count for e in kernels),
-                    "top_kernels": [{"name": e.key[:120], "ms": round(e.self_device_time_total / 1e3, 3),
-                                     "calls": e.count} for e in top]}
+            return kernel_table(prof, top=30)  # one step: the prefill
 
         sec("fast.prefill_profile_8k", prefill_profile, 20)
 
