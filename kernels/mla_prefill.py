@@ -51,11 +51,15 @@ def _flash(query, key, value, scale, causal):
     return out[..., :v_dim].float(), lse.float().reshape(query.shape[:-1])
 
 
+def _cudnn_case(query, value) -> tuple:
+    return query.device, query.dtype, query.shape[-1], value.shape[-1]
+
+
 def attention_backend(query, value) -> str:
     """"cudnn" or "flash": the op `attention_with_lse` runs for tensors like these."""
     if query.device.type != "cuda":
         return "flash"
-    return "flash" if (query.device, query.dtype, query.shape[-1], value.shape[-1]) in _CUDNN_REFUSED else "cudnn"
+    return "flash" if _cudnn_case(query, value) in _CUDNN_REFUSED else "cudnn"
 
 
 def attention_with_lse(query, key, value, scale: float, causal: bool):
@@ -66,5 +70,5 @@ def attention_with_lse(query, key, value, scale: float, causal: bool):
         except torch.cuda.OutOfMemoryError:  # a resource limit, not a refusal: the caller sees it
             raise
         except RuntimeError:  # not supported for these inputs here: remembered, then flash
-            _CUDNN_REFUSED.add((query.device, query.dtype, query.shape[-1], value.shape[-1]))
+            _CUDNN_REFUSED.add(_cudnn_case(query, value))
     return _flash(query, key, value, scale, causal)
