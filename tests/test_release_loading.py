@@ -348,3 +348,20 @@ def test_peak_memory_while_loading_is_the_model_plus_less_than_one_layer(tmp_pat
     layer = 64 * 3 * 256 * 256 * 2  # one layer's experts dequantised to bf16: what one layer shard becomes
     assert measured["model"] > 6 * layer, measured
     assert measured["growth"] < measured["model"] + layer, measured
+
+
+def test_finite_check_finds_a_value_past_its_first_blocks():
+    """The scan goes block by block (FINITE_CHECK_BLOCK elements): an Inf in a later block, past a block boundary, of
+    a tensor several blocks long is found and named at its own index; a NaN in the last, partial block too."""
+    from kimik3.modeling import conversion_kimi_k3 as conversion
+
+    block = conversion.FINITE_CHECK_BLOCK
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(torch.zeros(3, block + 7), requires_grad=False)
+    conversion._check_finite(holder)  # finite: passes
+    for flat_index, value in ((2 * block + 5, float("inf")), (3 * (block + 7) - 1, float("nan"))):
+        holder.weight.data.zero_()
+        holder.weight.data.view(-1)[flat_index] = value
+        row, col = divmod(flat_index, block + 7)
+        with pytest.raises(conversion.KimiK3LoadError, match=rf"`weight` at index \[{row}, {col}\]"):
+            conversion._check_finite(holder)
