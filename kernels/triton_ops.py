@@ -734,7 +734,8 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
     return out
 
 
-def mxfp4_gemv(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+def mxfp4_gemv(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+               group_ends: torch.Tensor) -> torch.Tensor:
     """`mxfp4_grouped_matmul` (same arguments, same numbers: f32 accumulation, one rounding to xs.dtype) as a GEMV
     for one or two rows per expert: each routed row reads its expert's packed bytes once, with no 16-row tile.
     Rows past group_ends[-1] are left unwritten. Without autograd recording it runs as the custom op

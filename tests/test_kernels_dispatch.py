@@ -419,7 +419,8 @@ def _custom_op_cases():
         "mxfp4_dequant": [(packed, scale, torch.bfloat16), (packed, scale, torch.float32)],
         "mxfp4_grouped_matmul": [(randn(7, 64, dtype=torch.bfloat16), packed, scale,
                                   torch.tensor([2, 2, 5, 7], dtype=torch.int32))],
-        "mxfp4_gemv": [(randn(4, 64, dtype=torch.bfloat16), packed, scale, torch.tensor([0, 1, 3, 4], dtype=torch.int32)),
+        "mxfp4_gemv": [(randn(4, 64, dtype=torch.bfloat16), packed, scale,
+                        torch.tensor([0, 1, 3, 4], dtype=torch.int32)),
                        (randn(2, 64), packed, scale, torch.tensor([0, 0, 0, 2], dtype=torch.int32))],
     }
     assert set(cases) == set(custom_ops.OPS)
