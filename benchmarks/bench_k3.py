@@ -532,7 +532,8 @@ def section_kernels():
 
 def section_moe_kernels():
     """Routed experts at K3 widths (64 experts, top-16, latent 3584, expert width 3072; ms, median of 5 after
-    warm-up): bf16 experts through grouped_mm against the reference loop, and packed MXFP4 experts."""
+    warm-up): bf16 experts through grouped_mm against the reference loop, and packed MXFP4 experts (at 1 and 8
+    tokens also through each packed kernel, GEMV and 16-row tiles, whole MoE and matmuls alone)."""
     import kimik3.kernels as kk
     from kimik3.modeling import ops_kimi_k3 as ops
 
@@ -590,6 +591,38 @@ def section_moe_kernels():
             before = moe_experts_mxfp4_dequantised(x, idx, w, *packed_args).float()
             entry["rel_err_vs_dequant_then_grouped_mm"] = float(
                 (fast_mxfp4(x, idx, w, *packed_args).float() - before).norm() / before.norm())
+        if n <= 8:  # decode sizes: the GEMV (one program per routed row) against the 16-row tile kernel
+            entry.update(_mxfp4_gemv_vs_tiles(x, idx, w, packed, packed_args, fast_mxfp4, active * bytes_per_expert))
+    return res
+
+
+def _mxfp4_gemv_vs_tiles(x, idx, w, packed, packed_args, fast_mxfp4, packed_bytes):
+    """moe_experts_mxfp4 with its matmuls forced onto each packed kernel (ms and effective TB/s of the packed bytes,
+    routing and combine included), and the two matmuls alone (gate_up on the expert-sorted rows, down on rows of
+    the expert width; 20 back-to-back calls per timing, so the host synchronisation is amortised)."""
+    res, outs = {}, {}
+    routed = idx.reshape(-1)
+    rows = x.index_select(0, torch.argsort(routed, stable=True) // idx.shape[-1])  # as moe.py sorts them
+    ends = torch.cumsum(torch.bincount(routed, minlength=packed[0][0].shape[0]), 0).to(torch.int32)
+    act = torch.randn(rows.shape[0], packed[1][0].shape[-1] * 2, device=DEV, dtype=x.dtype)
+    ops_by_kernel = {"gemv": torch.ops.kimik3.mxfp4_gemv, "tiles": torch.ops.kimik3.mxfp4_grouped_matmul}
+    with torch.inference_mode():
+        for kernel, matmul in ops_by_kernel.items():
+            sec, _ = with_mxfp4_kernel(kernel, lambda: timed(lambda: fast_mxfp4(x, idx, w, *packed_args),
+                                                             repeats=5, warmup=2))
+            res[f"{kernel}_ms"] = round(sec * 1e3, 4)
+            res[f"{kernel}_effective_TBps"] = round(packed_bytes / sec / 1e12, 2)
+            outs[kernel] = with_mxfp4_kernel(kernel, lambda: fast_mxfp4(x, idx, w, *packed_args)).float()
+
+            def both_matmuls_20x(matmul=matmul):
+                for _ in range(20):
+                    matmul(rows, *packed[0], ends)
+                    matmul(act, *packed[1], ends)
+
+            sec, _ = timed(both_matmuls_20x, repeats=5, warmup=1)
+            res[f"{kernel}_matmuls_only_ms"] = round(sec / 20 * 1e3, 4)
+            res[f"{kernel}_matmuls_only_effective_TBps"] = round(packed_bytes / (sec / 20) / 1e12, 2)
+    res["rel_err_gemv_vs_tiles"] = float((outs["gemv"] - outs["tiles"]).norm() / outs["tiles"].norm())
     return res
 
 
@@ -656,6 +689,19 @@ def without_few_rows_kernel(fn):
         return fn()
     finally:
         moe.FEW_ROWS_PER_EXPERT = saved
+
+
+def with_mxfp4_kernel(kernel, fn):
+    """fn() with the packed routed experts' matmuls on `kernel` ("gemv" or "tiles") up to the tile kernel's limit of
+    rows per expert (the dequantised stack beyond, as always)."""
+    from kimik3.kernels import moe
+
+    saved = moe.MXFP4_GEMV_ROWS_PER_EXPERT
+    moe.MXFP4_GEMV_ROWS_PER_EXPERT = {"gemv": moe.MXFP4_TILE_ROWS_PER_EXPERT, "tiles": 0}[kernel]
+    try:
+        return fn()
+    finally:
+        moe.MXFP4_GEMV_ROWS_PER_EXPERT = saved
 
 
 def set_reference(flag: bool):

@@ -35,7 +35,7 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 | block_attn_res_mix | own Triton forward | analytic PyTorch backward |
 | situ_glu | own Triton | yes |
 | moe_experts | torch grouped_mm + Triton SiTU + Triton combine; decode: Triton few-rows grouped matmul | yes (grouped_mm) |
-| moe_experts_mxfp4 | Triton grouped matmul dequantising packed tiles in registers | activations only |
+| moe_experts_mxfp4 | Triton grouped matmul dequantising packed tiles in registers; decode: Triton GEMV | activations only |
 | mxfp4_dequant | own Triton (bit-exact) | no |
 """
 

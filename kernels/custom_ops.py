@@ -205,10 +205,19 @@ def _(packed, scale, dtype):
     return torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=dtype, device=packed.device)
 
 
+def _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends):
+    """Each group times its dequantised expert, f32 accumulation (the numbers of both packed Triton kernels)."""
+    return _grouped_matmul_reference(xs, _reference.dequantize_mxfp4(packed, scale, torch.float32), group_ends)
+
+
+def _mxfp4_grouped_matmul_fake(xs, packed, scale, group_ends):
+    return torch.empty(xs.shape[0], packed.shape[1], dtype=xs.dtype, device=xs.device)
+
+
 @torch.library.custom_op("kimik3::mxfp4_grouped_matmul", mutates_args=())
 def mxfp4_grouped_matmul(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
-    """Off CUDA: each group times its dequantised expert, f32 accumulation (the Triton kernel's numbers)."""
-    return _grouped_matmul_reference(xs, _reference.dequantize_mxfp4(packed, scale, torch.float32), group_ends)
+    """xs [M, K] grouped by expert, packed [E, N, K/2], scale [E, N, K/32] -> [M, N]; CUDA: the tile kernel."""
+    return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
 
 
 @mxfp4_grouped_matmul.register_kernel("cuda")
@@ -218,9 +227,23 @@ def _mxfp4_grouped_matmul_cuda(xs, packed, scale, group_ends):
     return triton_ops._mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends)
 
 
-@mxfp4_grouped_matmul.register_fake
-def _(xs, packed, scale, group_ends):
-    return torch.empty(xs.shape[0], packed.shape[1], dtype=xs.dtype, device=xs.device)
+mxfp4_grouped_matmul.register_fake(_mxfp4_grouped_matmul_fake)
+
+
+@torch.library.custom_op("kimik3::mxfp4_gemv", mutates_args=())
+def mxfp4_gemv(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
+    """`mxfp4_grouped_matmul` for one or two rows per expert; CUDA: the GEMV kernel (one program per routed row)."""
+    return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
+
+
+@mxfp4_gemv.register_kernel("cuda")
+def _mxfp4_gemv_cuda(xs, packed, scale, group_ends):
+    from . import triton_ops
+
+    return triton_ops._mxfp4_gemv_fwd(xs, packed, scale, group_ends)
+
+
+mxfp4_gemv.register_fake(_mxfp4_grouped_matmul_fake)
 
 
 OPS = {
@@ -231,4 +254,5 @@ OPS = {
     "grouped_matmul_few_rows": grouped_matmul_few_rows,
     "mxfp4_dequant": mxfp4_dequant,
     "mxfp4_grouped_matmul": mxfp4_grouped_matmul,
+    "mxfp4_gemv": mxfp4_gemv,
 }

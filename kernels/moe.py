@@ -13,7 +13,8 @@
 # limitations under the License.
 """Routed experts through grouped GEMMs (`torch.nn.functional.grouped_mm` / `torch._grouped_mm`), or at decode
 (a few routed rows per expert, CUDA, no autograd) through the Triton grouped matmul `grouped_matmul_few_rows`, which
-reads each routed expert's weights once where grouped_mm pads every one-row group to a full GEMM tile.
+reads each routed expert's weights once where grouped_mm pads every one-row group to a full GEMM tile. Packed MXFP4
+experts go through the Triton kernels that decode the packed bytes in registers (`moe_experts_mxfp4`).
 
 No host synchronisation: the routed slots are sorted by expert on the device, the group offsets are a device
 cumsum, and the combine back to token order is a gather (Triton kernel when available, else a PyTorch gather +
@@ -32,6 +33,13 @@ from . import custom_ops
 # Up to this many routed rows per expert on average, the bf16 experts' matmuls run the few-rows Triton kernel (each
 # block of 16 rows of an expert reads its weights again, so many rows belong to grouped_mm's GEMM tiles).
 FEW_ROWS_PER_EXPERT = 4
+
+# The packed MXFP4 experts' three paths, by routed rows per expert on average: up to MXFP4_GEMV_ROWS_PER_EXPERT the
+# GEMV kernel (each routed row reads its expert's packed bytes; decode at batch 1-8 over 64+ experts), up to
+# MXFP4_TILE_ROWS_PER_EXPERT the tile kernel (one decode of each tile per 16 rows of an expert), beyond that the
+# stack dequantised once and the grouped GEMMs (prefill).
+MXFP4_GEMV_ROWS_PER_EXPERT = 2
+MXFP4_TILE_ROWS_PER_EXPERT = 16
 
 
 def _grouped_mm_fn():
@@ -134,6 +142,16 @@ def _grouped_mm_over_experts(xs, weight, group_ends):
     return _grouped_mm_fn()(xs, weight.transpose(-2, -1), offs=group_ends)
 
 
+def mxfp4_experts_path(num_routed_rows: int, num_experts: int) -> str:
+    """How the packed experts run for this many routed rows (tokens x top-k): "gemv", "tiles" or "dequantised"
+    (module constants above). A static condition on shapes, so a compiled decode step picks its path at trace time."""
+    if num_routed_rows <= MXFP4_GEMV_ROWS_PER_EXPERT * num_experts:
+        return "gemv"
+    if num_routed_rows <= MXFP4_TILE_ROWS_PER_EXPERT * num_experts:
+        return "tiles"
+    return "dequantised"
+
+
 def moe_experts_mxfp4(
     x, topk_indices, topk_weights, gate_up_packed, gate_up_scale, down_packed, down_scale, beta=None,
     linear_beta=None,
@@ -141,18 +159,21 @@ def moe_experts_mxfp4(
     """Same contract as `ops_kimi_k3.moe_experts_mxfp4`; x and the routing weights get gradients, the
     packed weights are frozen.
 
-    With at most 16 routed rows per expert on average (decode, small batches), both expert matmuls read the packed
-    weights and dequantise them tile by tile inside the Triton grouped matmul: HBM traffic is the routed experts'
-    packed bytes. With more rows (prefill), every row block would dequantise its tiles again, so the stack is
-    dequantised once into a transient x.dtype copy and goes through the grouped GEMMs (docs/benchmarks.md)."""
+    With few routed rows per expert (decode, small batches; `mxfp4_experts_path`), both expert matmuls read the
+    packed weights and decode them in registers: HBM traffic is the routed experts' packed bytes. At one or two rows
+    per expert that is the Triton GEMV (one program per routed row), up to 16 the Triton grouped matmul (16-row
+    tiles). With more rows (prefill), every row block would dequantise its tiles again, so the stack is dequantised
+    once into a transient x.dtype copy and goes through the grouped GEMMs (docs/benchmarks.md)."""
     num_experts = gate_up_packed.shape[0]
-    if x.shape[0] * topk_indices.shape[-1] > 16 * num_experts:
+    path = mxfp4_experts_path(x.shape[0] * topk_indices.shape[-1], num_experts)
+    if path == "dequantised":
         return moe_experts_mxfp4_dequantised(x, topk_indices, topk_weights, gate_up_packed, gate_up_scale,
                                              down_packed, down_scale, beta, linear_beta)
+    matmul = _triton_ops.mxfp4_gemv if path == "gemv" else _triton_ops.mxfp4_grouped_matmul
     return _routed_experts(
         x, topk_indices, topk_weights, num_experts, gate_up_packed.shape[1] // 2,
-        lambda xs, offs: _triton_ops.mxfp4_grouped_matmul(xs, gate_up_packed, gate_up_scale, offs),
-        lambda act, offs: _triton_ops.mxfp4_grouped_matmul(act, down_packed, down_scale, offs),
+        lambda xs, offs: matmul(xs, gate_up_packed, gate_up_scale, offs),
+        lambda act, offs: matmul(act, down_packed, down_scale, offs),
         beta, linear_beta,
     )
 

@@ -23,6 +23,8 @@
                         streams each routed expert's weight tiles once; forward only.
 * `mxfp4_grouped_matmul` expert-grouped matmul over packed MXFP4 weights, dequantised tile by tile in registers;
                         gradient for the activations only.
+* `mxfp4_gemv`          the same product for one or two rows per expert (decode): one routed row per program, no
+                        `tl.dot`, the weights decoded and summed in registers; gradient for the activations only.
 
 Kernels avoid libdevice so they also run under `TRITON_INTERPRET=1` (fp32 inputs) for CPU debugging. Without
 autograd recording, the public functions run their forwards as `torch.ops.kimik3.*` custom ops (custom_ops.py), which
@@ -593,7 +595,7 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E,
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
+def _check_mxfp4_matmul_args(xs, packed, scale, group_ends):
     num_rows, k = xs.shape
     num_experts, n, kh = packed.shape
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
@@ -601,6 +603,12 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     if kh * 2 != k or scale.shape != (num_experts, n, k // MXFP4_GROUP_SIZE) or group_ends.shape != (num_experts,):
         raise ValueError(f"MXFP4 grouped matmul shapes do not match: x {tuple(xs.shape)}, packed "
                          f"{tuple(packed.shape)}, scale {tuple(scale.shape)}, group_ends {tuple(group_ends.shape)}")
+
+
+def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
+    _check_mxfp4_matmul_args(xs, packed, scale, group_ends)
+    num_rows, k = xs.shape
+    num_experts, n, kh = packed.shape
     xs, packed, scale = xs.contiguous(), packed.contiguous(), scale.contiguous()
     out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
     if num_rows == 0 or n == 0:
@@ -615,22 +623,22 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
 
 class _MXFP4GroupedMatmul(torch.autograd.Function):
     """Gradient for x only (the packed weights are frozen): dx = dout @ W per group, through a transient
-    dequantised copy and grouped_mm."""
+    dequantised copy and grouped_mm. `launch` is the forward kernel's launcher (tiles or GEMV)."""
 
     @staticmethod
-    def forward(ctx, xs, packed, scale, group_ends):
+    def forward(ctx, xs, packed, scale, group_ends, launch):
         ctx.save_for_backward(packed, scale, group_ends)
-        return _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends)
+        return launch(xs, packed, scale, group_ends)
 
     @staticmethod
     def backward(ctx, grad_out):
         packed, scale, group_ends = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
         from .moe import _grouped_mm_fn
 
         weight = mxfp4_dequant(packed, scale, grad_out.dtype)  # [E, N, K]
-        return _grouped_mm_fn()(grad_out, weight, offs=group_ends.to(torch.int32)), None, None, None
+        return _grouped_mm_fn()(grad_out, weight, offs=group_ends.to(torch.int32)), None, None, None, None
 
 
 def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -641,5 +649,97 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
     Built for few rows per expert: every block of 16 rows dequantises its expert's tiles again."""
     if custom_ops.needs_grad(xs):
-        return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends)
+        return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _mxfp4_grouped_matmul_fwd)
     return torch.ops.kimik3.mxfp4_grouped_matmul(xs, packed, scale, group_ends)  # one node under compile
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Packed MXFP4 GEMV for one or two routed rows per expert (decode). A tl.dot tile has at least 16 rows, so with one
+# row per expert the tile kernel above wastes 15/16 of every dot and moves each decoded weight through shared memory
+# first; here a program multiplies one routed row by a BLOCK_N slice of its expert's output columns on the CUDA
+# cores: the packed bytes stream in along K (16 contiguous bytes per scale group), both nibbles are decoded to f32 in
+# registers, and the sum over K is a tl.sum. Rows of one expert each read its weights: with one or two rows per
+# expert the second read comes from L2 (the row is the grid's fastest axis, so the programs of an expert's rows run
+# side by side); with more rows the tile kernel, which decodes each tile once for 16 rows, is the one to use.
+
+
+@triton.jit
+def _expert_of_row(ends_ptr, row, E, E_PAD: tl.constexpr):
+    # the expert whose rows hold `row` (rows sorted by expert): the number of experts whose rows all lie before it,
+    # empty experts included (a searchsorted over the group ends); E for a row past the last group
+    e_idx = tl.arange(0, E_PAD)
+    ends = tl.load(ends_ptr + e_idx, mask=e_idx < E, other=2147483647)
+    return tl.sum((ends <= row).to(tl.int32), axis=0)
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn, "BLOCK_KH": bkh}, num_warps=w, num_stages=st)
+        for bn, bkh, w, st in ((16, 256, 4, 3), (16, 512, 4, 2), (32, 128, 4, 4), (32, 256, 4, 3), (32, 512, 8, 2),
+                               (64, 128, 4, 3), (64, 256, 8, 3), (64, 512, 8, 2))
+    ],
+    key=["N", "KH"],
+)
+@triton.jit
+def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_KH: tl.constexpr):
+    # KH is a multiple of 16 (one E8M0 scale per 16 packed bytes, K % 32 == 0), so the tile is
+    # [BLOCK_N rows, GROUPS scale groups, 16 bytes] and only whole groups are masked
+    GROUPS: tl.constexpr = BLOCK_KH // 16
+    row = tl.program_id(0)
+    expert = _expert_of_row(ends_ptr, row, E, E_PAD)
+    if expert < E:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/2] packed matrix
+        p_rows = p_ptr + w_rows[:, None, None] * KH
+        s_rows = s_ptr + w_rows[:, None] * (KH // 16)
+        x_row = x_ptr + row.to(tl.int64) * (2 * KH)
+        g_idx = tl.arange(0, GROUPS)
+        b_idx = tl.arange(0, 16)
+        # one partial sum per (column, scale group) slot; reduced over the groups once at the end
+        acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        for g0 in range(0, KH // 16, GROUPS):
+            g = g0 + g_idx
+            gmask = g < KH // 16
+            j = g[:, None] * 16 + b_idx[None, :]  # packed byte index along K: [GROUPS, 16]
+            x_even = tl.load(x_row + 2 * j, mask=gmask[:, None], other=0.0).to(tl.float32)
+            x_odd = tl.load(x_row + 2 * j + 1, mask=gmask[:, None], other=0.0).to(tl.float32)
+            wmask = cmask[:, None] & gmask[None, :]
+            byte = tl.load(p_rows + j[None, :, :], mask=wmask[:, :, None], other=0).to(tl.int32)
+            # low nibble = even element. Products of E2M1 values with x are exact for 16-bit x, and the group's
+            # power-of-two scale multiplies its 32-term f32 sum (exact as well) instead of each weight
+            group_sum = tl.sum(_e2m1(byte & 15) * x_even[None, :, :] + _e2m1(byte >> 4) * x_odd[None, :, :], axis=2)
+            factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))
+            acc += group_sum * factor
+        out = tl.sum(acc, axis=1)
+        tl.store(o_ptr + row.to(tl.int64) * N + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
+
+
+def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
+    _check_mxfp4_matmul_args(xs, packed, scale, group_ends)
+    num_rows, k = xs.shape
+    num_experts, n, kh = packed.shape
+    xs, packed, scale = xs.contiguous(), packed.contiguous(), scale.contiguous()
+    out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
+    if num_rows == 0 or n == 0:
+        return out
+
+    def grid(meta):
+        return (num_rows, triton.cdiv(n, meta["BLOCK_N"]))
+
+    with torch.cuda.device(xs.device):  # Triton launches on the current device
+        _mxfp4_gemv_kernel[grid](xs, packed, scale, out, group_ends.to(torch.int32).contiguous(), n, kh, num_experts,
+                                 E_PAD=triton.next_power_of_2(num_experts))
+    return out
+
+
+def mxfp4_gemv(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+               group_ends: torch.Tensor) -> torch.Tensor:
+    """`mxfp4_grouped_matmul` (same arguments, same numbers: f32 accumulation, one rounding to xs.dtype) as a GEMV
+    for one or two rows per expert: each routed row reads its expert's packed bytes once, with no 16-row tile.
+    Rows past group_ends[-1] are left unwritten. Without autograd recording it runs as the custom op
+    `torch.ops.kimik3.mxfp4_gemv` (one node under torch.compile); gradient for xs only."""
+    if custom_ops.needs_grad(xs):
+        return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _mxfp4_gemv_fwd)
+    return torch.ops.kimik3.mxfp4_gemv(xs, packed, scale, group_ends)  # one node under compile

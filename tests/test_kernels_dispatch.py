@@ -419,6 +419,9 @@ def _custom_op_cases():
         "mxfp4_dequant": [(packed, scale, torch.bfloat16), (packed, scale, torch.float32)],
         "mxfp4_grouped_matmul": [(randn(7, 64, dtype=torch.bfloat16), packed, scale,
                                   torch.tensor([2, 2, 5, 7], dtype=torch.int32))],
+        "mxfp4_gemv": [(randn(4, 64, dtype=torch.bfloat16), packed, scale,
+                        torch.tensor([0, 1, 3, 4], dtype=torch.int32)),
+                       (randn(2, 64), packed, scale, torch.tensor([0, 0, 0, 2], dtype=torch.int32))],
     }
     assert set(cases) == set(custom_ops.OPS)
     return cases
@@ -459,6 +462,7 @@ def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
 
     moe = importlib.import_module(kernels.__name__ + ".moe")
     monkeypatch.setattr(moe, "_few_rows_kernel_runs_on", lambda x: True)  # the CUDA decision, on CPU tensors
+    _packed_kernels_as_custom_ops(monkeypatch, moe)
     cases = _custom_op_cases()
     x, idx, w, gate_up, down = _moe_case(n=2, k=3, e=4, width=64, inter=32)
     (gu_packed, gu_scale), (d_packed, d_scale) = ops.quantize_mxfp4(gate_up), ops.quantize_mxfp4(down)
@@ -477,8 +481,9 @@ def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
         y, new_conv = torch.ops.kimik3.causal_conv1d(conv_x, conv_w, conv_state)
         mixed = torch.ops.kimik3.block_attn_res_mix(*mix_args)
         dense = torch.ops.kimik3.mxfp4_dequant(gu_packed, gu_scale, torch.bfloat16)
+        packed = moe.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)  # GEMV size
         plain = moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
-        return routed, h, o, state, y, new_conv, mixed, dense, plain
+        return routed, h, o, state, y, new_conv, mixed, dense, packed, plain
 
     graphs = []
 
@@ -500,6 +505,7 @@ def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
     # the packed experts' routing around the custom grouped matmul computes the reference packed experts
     reference = ops.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)
     torch.testing.assert_close(compiled[0], reference, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(compiled[-2], reference, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(compiled[-1], ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), rtol=1e-2,
                                atol=1e-2)
     torch._dynamo.reset()
@@ -610,3 +616,69 @@ def test_sdpa_backend_order_asks_for_cudnn_only_for_cuda_inference_with_sdpa(mon
     monkeypatch.delenv(ops.REFERENCE_ONLY_ENV)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not asks_cudnn(query)
+
+
+# --------------------------------------------------------------------- packed MXFP4 experts: GEMV, tiles, dequantised
+
+
+def _packed_kernels_as_custom_ops(monkeypatch, moe):
+    """moe_experts_mxfp4's Triton entry points as on a CUDA machine without autograd: the custom ops, which off CUDA
+    run their references (so the dispatch and the routing around the ops run on CPU)."""
+    monkeypatch.setattr(moe, "_triton_ops", types.SimpleNamespace(
+        mxfp4_gemv=torch.ops.kimik3.mxfp4_gemv, mxfp4_grouped_matmul=torch.ops.kimik3.mxfp4_grouped_matmul,
+        mxfp4_dequant=torch.ops.kimik3.mxfp4_dequant))
+
+
+@pytest.mark.parametrize("counts", [[0, 1, 0, 3, 2], [1, 0, 0, 0, 0], [0, 0, 0, 0, 2], [0, 0, 0, 0, 0]])
+def test_mxfp4_gemv_reference_is_the_product_of_the_dequantised_experts(counts):
+    """The GEMV op's CPU implementation (the reference of its Triton kernel, shared with the tile op): each group of
+    rows times its own dequantised expert, empty experts skipped; f32 to float64 accuracy, bf16 rounded once."""
+    ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    packed, scale = ops.quantize_mxfp4(torch.randn(5, 48, 96) * 0.05)
+    scale[0, :2, 0] = torch.tensor([0, 200], dtype=torch.uint8)  # a denormal and a large group scale
+    dense = ops.dequantize_mxfp4(packed, scale, torch.float32)
+    xs = torch.randn(sum(counts), 96)
+    out = torch.ops.kimik3.mxfp4_gemv(xs, packed, scale, ends)
+    assert out.shape == (sum(counts), 48) and out.dtype == torch.float32
+    expected = _grouped_product_f64(xs, dense, ends) if sum(counts) else torch.zeros(0, 48, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(out, torch.ops.kimik3.mxfp4_grouped_matmul(xs, packed, scale, ends))
+    if sum(counts):  # the groups really pick their own expert
+        assert not torch.allclose(torch.ops.kimik3.mxfp4_gemv(xs, packed.flip(0), scale.flip(0), ends), out)
+    out16 = torch.ops.kimik3.mxfp4_gemv(xs.bfloat16(), packed, scale, ends)
+    assert out16.dtype == torch.bfloat16 and out16.shape == out.shape
+    torch.testing.assert_close(out16.double(), expected if not sum(counts) else
+                               _grouped_product_f64(xs.bfloat16(), dense, ends), rtol=8e-3, atol=1e-2)
+
+
+def test_mxfp4_experts_path_decision():
+    """GEMV up to MXFP4_GEMV_ROWS_PER_EXPERT routed rows per expert on average, the tile kernel up to
+    MXFP4_TILE_ROWS_PER_EXPERT, the dequantised stack and grouped GEMMs beyond."""
+    moe = importlib.import_module(kernels.__name__ + ".moe")
+    assert (moe.MXFP4_GEMV_ROWS_PER_EXPERT, moe.MXFP4_TILE_ROWS_PER_EXPERT) == (2, 16)
+    # the benchmark model: 64 experts, top-16: decode at batch 1..8 is GEMV, 9..64 tokens tiles, more dequantised
+    assert moe.mxfp4_experts_path(1 * 16, 64) == "gemv" and moe.mxfp4_experts_path(8 * 16, 64) == "gemv"
+    assert moe.mxfp4_experts_path(9 * 16, 64) == "tiles" and moe.mxfp4_experts_path(64 * 16, 64) == "tiles"
+    assert moe.mxfp4_experts_path(65 * 16, 64) == "dequantised"
+    assert moe.mxfp4_experts_path(0, 64) == "gemv"
+    with pytest.MonkeyPatch.context() as mp:  # the constants are the switch the benchmark flips
+        mp.setattr(moe, "MXFP4_GEMV_ROWS_PER_EXPERT", 0)
+        assert moe.mxfp4_experts_path(16, 64) == "tiles"
+
+
+def test_moe_experts_mxfp4_runs_each_path_by_rows_per_expert(monkeypatch):
+    """`moe_experts_mxfp4` (its Triton entry points standing in as the custom ops) runs the GEMV op at decode sizes,
+    the tile op at a few rows per expert and the dequantised stack through grouped_mm beyond; every path computes
+    the reference packed experts."""
+    moe = importlib.import_module(kernels.__name__ + ".moe")
+    _packed_kernels_as_custom_ops(monkeypatch, moe)
+    gemv, tiles = "kimik3.mxfp4_gemv", "kimik3.mxfp4_grouped_matmul"
+    dequant, grouped = "kimik3.mxfp4_dequant", "aten._grouped_mm"
+    e, k = 6, 3  # GEMV up to 12 routed rows (4 tokens), tiles up to 96 (32 tokens)
+    for n, expected in ((1, {gemv}), (4, {gemv}), (5, {tiles}), (33, {dequant, grouped})):
+        x, idx, w, gate_up, down = _moe_case(n=n, k=k, e=e)
+        args = (*ops.quantize_mxfp4(gate_up), *ops.quantize_mxfp4(down), 4.0, 25.0)
+        with torch.no_grad(), TopLevelOps() as seen:
+            out = moe.moe_experts_mxfp4(x, idx, w, *args)
+        assert seen.names & {gemv, tiles, dequant, grouped} == expected, (n, seen.names)
+        torch.testing.assert_close(out, ops.moe_experts_mxfp4(x, idx, w, *args), rtol=1e-2, atol=1e-2)
