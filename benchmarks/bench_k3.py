@@ -356,6 +356,72 @@ def kernel_table(prof, steps=1, top=25):
                              "calls_per_step": e.count / steps} for e in ranked]}
 
 
+class _LastStepInputs:
+    """Wraps `prepare_inputs_for_generation` on one model instance for one generate() call and keeps the inputs of
+    its last decode step, so the compiled step can be called again outside generate() (`compiled_call_breakdown`)."""
+
+    def __init__(self, model):
+        self.model, self.inputs = model, None
+
+    def __enter__(self):
+        prepare = self.model.prepare_inputs_for_generation
+
+        def recording(*args, **kwargs):
+            self.inputs = prepare(*args, **kwargs)
+            return self.inputs
+
+        self.model.prepare_inputs_for_generation = recording
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.prepare_inputs_for_generation  # the class's method again
+
+
+def compiled_call_breakdown(model, inputs, calls=20):
+    """Where a compiled decode step's wall time goes: the step generate() compiled (`model._compiled_call`, the same
+    CUDA-graph tree) called again with the last step's inputs (same shapes: a replay, no recompile), 1) back to back
+    without synchronising (GPU-bound: kernel time + the gaps between kernels of the graph), 2) synchronised after
+    every call (+ the host's cost of one call: guards, CUDA-graph-tree bookkeeping, launch), and the host time of one
+    call when the GPU is busy. generate()'s step minus (2) is generate()'s own work per step."""
+    fn = getattr(model, "_compiled_call", None)
+    if fn is None or inputs is None:
+        return None
+    from torch._dynamo.utils import counters
+
+    from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
+
+    position = inputs[CACHE_FIELD].position  # the static cache's write position (a device tensor)
+    graphs_before = counters["stats"].get("unique_graphs", 0)
+
+    def step():  # the same position every call: the static cache never runs out (one extra 1-element kernel)
+        fn(**inputs, return_dict=True)
+        position.sub_(1)
+
+    with torch.no_grad():  # generate()'s grad mode: the same guards
+        position.sub_(1)  # the last step's position (generate() stops with the buffer full)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        host = []
+        start = time.perf_counter()
+        for _ in range(calls):
+            t = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        pipelined = (time.perf_counter() - start) / calls
+        serial = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            serial.append(time.perf_counter() - t)
+    return {"back_to_back_ms_per_call": round(pipelined * 1e3, 3),
+            "synchronised_ms_per_call": round(sorted(serial)[calls // 2] * 1e3, 3),
+            "host_ms_per_call": round(sorted(host)[calls // 2] * 1e3, 3),
+            "recompiled": counters["stats"].get("unique_graphs", 0) != graphs_before}
+
+
 def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=48, steady_from=8,
                             synthetic=False, profile=False):
     """ms per decode step of `generate()` (greedy, `new_tokens` tokens): eager with the dynamic cache and the fast
@@ -388,7 +454,8 @@ def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=4
         reset_peak()
         torch.cuda.synchronize()
     start = time.perf_counter()
-    model.generate(ids, **kwargs)
+    with _LastStepInputs(model) as last_step:
+        model.generate(ids, **kwargs)
     total = time.perf_counter() - start
     steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
     if clock.profile_steps is not None:  # the profiled steps run slower: not part of the timing
@@ -412,7 +479,16 @@ def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=4
         "graph_breaks": sum(counters["graph_break"].values()),
         "cudagraph_skips": counters["inductor"].get("cudagraph_skips", 0), **roof,
         **({"profile": clock.kernel_table()} if profile else {}),
+        **({"compiled_call": _with_generate_overhead(compiled_call_breakdown(model, last_step.inputs), per_step)}
+           if compiled and device.type == "cuda" else {}),
     }
+
+
+def _with_generate_overhead(breakdown, per_step):
+    if breakdown is not None:
+        breakdown["generate_ms_per_step_beyond_synchronised_call"] = round(
+            per_step * 1e3 - breakdown["synchronised_ms_per_call"], 3)
+    return breakdown
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -905,6 +981,10 @@ def main():
                 lambda b=batch: measure_generate_decode(model, stats, b, 4 * K, False), 15)
             sec(f"mxfp4.generate.compiled.decode_b{batch}_4k",
                 lambda b=batch: measure_generate_decode(model, stats, b, 4 * K, True, profile=True), 60)
+            # the same step with the packed matmuls on the 16-row tile kernel instead of the GEMV
+            sec(f"mxfp4.generate.compiled_tiles.decode_b{batch}_4k",
+                lambda b=batch: with_mxfp4_kernel("tiles", lambda: measure_generate_decode(
+                    model, stats, b, 4 * K, True, profile=True)), 60)
         torch._dynamo.reset()
         holder.clear()
         del model
