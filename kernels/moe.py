@@ -35,10 +35,11 @@ from . import custom_ops
 FEW_ROWS_PER_EXPERT = 4
 
 # The packed MXFP4 experts' three paths, by routed rows per expert on average: up to MXFP4_GEMV_ROWS_PER_EXPERT the
-# GEMV kernel (each routed row reads its expert's packed bytes; decode at batch 1-8 over 64+ experts), up to
-# MXFP4_TILE_ROWS_PER_EXPERT the tile kernel (one decode of each tile per 16 rows of an expert), beyond that the
-# stack dequantised once and the grouped GEMMs (prefill).
-MXFP4_GEMV_ROWS_PER_EXPERT = 2
+# GEMV kernel (each routed row reads its expert's packed bytes), up to MXFP4_TILE_ROWS_PER_EXPERT the tile kernel
+# (one decode of each tile per 16 rows of an expert), beyond that the stack dequantised once and the grouped GEMMs
+# (prefill). On the H200 (docs/benchmarks.md, session 8) the GEMV's matmuls take 0.22 ms against the tiles' 0.38 ms
+# at 1 row per expert, but 1.42 ms against 1.18 ms at 2: a second row re-reads the expert, so the GEMV stops at 1.
+MXFP4_GEMV_ROWS_PER_EXPERT = 1
 MXFP4_TILE_ROWS_PER_EXPERT = 16
 
 
@@ -160,7 +161,7 @@ def moe_experts_mxfp4(
     packed weights are frozen.
 
     With few routed rows per expert (decode, small batches; `mxfp4_experts_path`), both expert matmuls read the
-    packed weights and decode them in registers: HBM traffic is the routed experts' packed bytes. At one or two rows
+    packed weights and decode them in registers: HBM traffic is the routed experts' packed bytes. At one row
     per expert that is the Triton GEMV (one program per routed row), up to 16 the Triton grouped matmul (16-row
     tiles). With more rows (prefill), every row block would dequantise its tiles again, so the stack is dequantised
     once into a transient x.dtype copy and goes through the grouped GEMMs (docs/benchmarks.md)."""

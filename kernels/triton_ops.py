@@ -23,7 +23,7 @@
                         streams each routed expert's weight tiles once; forward only.
 * `mxfp4_grouped_matmul` expert-grouped matmul over packed MXFP4 weights, dequantised tile by tile in registers;
                         gradient for the activations only.
-* `mxfp4_gemv`          the same product for one or two rows per expert (decode): one routed row per program, no
+* `mxfp4_gemv`          the same product for one row per expert (decode): one routed row per program, no
                         `tl.dot`, the weights decoded and summed in registers; gradient for the activations only.
 
 Kernels avoid libdevice so they also run under `TRITON_INTERPRET=1` (fp32 inputs) for CPU debugging. Without
@@ -654,13 +654,13 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Packed MXFP4 GEMV for one or two routed rows per expert (decode). A tl.dot tile has at least 16 rows, so with one
+# Packed MXFP4 GEMV for one routed row per expert (decode). A tl.dot tile has at least 16 rows, so with one
 # row per expert the tile kernel above wastes 15/16 of every dot and moves each decoded weight through shared memory
 # first; here a program multiplies one routed row by a BLOCK_N slice of its expert's output columns on the CUDA
 # cores: the packed bytes stream in along K (16 contiguous bytes per scale group), both nibbles are decoded to f32 in
-# registers, and the sum over K is a tl.sum. Rows of one expert each read its weights: with one or two rows per
-# expert the second read comes from L2 (the row is the grid's fastest axis, so the programs of an expert's rows run
-# side by side); with more rows the tile kernel, which decodes each tile once for 16 rows, is the one to use.
+# registers, and the sum over K is a tl.sum. Rows of one expert each read its weights: measured on the H200, two
+# rows per expert already make it slower than the tile kernel, which decodes each tile once for 16 rows
+# (kernels/moe.py, MXFP4_GEMV_ROWS_PER_EXPERT).
 
 
 @triton.jit
@@ -737,7 +737,7 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
 def mxfp4_gemv(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                group_ends: torch.Tensor) -> torch.Tensor:
     """`mxfp4_grouped_matmul` (same arguments, same numbers: f32 accumulation, one rounding to xs.dtype) as a GEMV
-    for one or two rows per expert: each routed row reads its expert's packed bytes once, with no 16-row tile.
+    for one row per expert: each routed row reads its expert's packed bytes once, with no 16-row tile.
     Rows past group_ends[-1] are left unwritten. Without autograd recording it runs as the custom op
     `torch.ops.kimik3.mxfp4_gemv` (one node under torch.compile); gradient for xs only."""
     if custom_ops.needs_grad(xs):
