@@ -595,7 +595,8 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E,
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-def _check_mxfp4_matmul_args(xs, packed, scale, group_ends):
+def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
+    """Checked, contiguous operands of the packed matmuls and their [M, N] output (unwritten)."""
     num_rows, k = xs.shape
     num_experts, n, kh = packed.shape
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
@@ -603,20 +604,19 @@ def _check_mxfp4_matmul_args(xs, packed, scale, group_ends):
     if kh * 2 != k or scale.shape != (num_experts, n, k // MXFP4_GROUP_SIZE) or group_ends.shape != (num_experts,):
         raise ValueError(f"MXFP4 grouped matmul shapes do not match: x {tuple(xs.shape)}, packed "
                          f"{tuple(packed.shape)}, scale {tuple(scale.shape)}, group_ends {tuple(group_ends.shape)}")
+    out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
+    return xs.contiguous(), packed.contiguous(), scale.contiguous(), group_ends.to(torch.int32).contiguous(), out
 
 
 def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
-    _check_mxfp4_matmul_args(xs, packed, scale, group_ends)
-    num_rows, k = xs.shape
-    num_experts, n, kh = packed.shape
-    xs, packed, scale = xs.contiguous(), packed.contiguous(), scale.contiguous()
-    out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
+    xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
+    (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
     if num_rows == 0 or n == 0:
         return out
     grid = _row_block_grid(num_rows, num_experts, n)
     with torch.cuda.device(xs.device):  # Triton launches on the current device
-        _mxfp4_grouped_matmul_kernel[grid](xs, packed, scale, out, group_ends.to(torch.int32).contiguous(), n, kh,
-                                           num_experts, E_PAD=triton.next_power_of_2(num_experts),
+        _mxfp4_grouped_matmul_kernel[grid](xs, packed, scale, out, ends, n, kh, num_experts,
+                                           E_PAD=triton.next_power_of_2(num_experts),
                                            BLOCK_M=_FEW_ROWS_BLOCK_M, PRECISION=_dot_precision(xs.dtype))
     return out
 
@@ -717,11 +717,8 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_PAD: tl
 
 
 def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
-    _check_mxfp4_matmul_args(xs, packed, scale, group_ends)
-    num_rows, k = xs.shape
-    num_experts, n, kh = packed.shape
-    xs, packed, scale = xs.contiguous(), packed.contiguous(), scale.contiguous()
-    out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
+    xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
+    (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
     if num_rows == 0 or n == 0:
         return out
 
@@ -729,7 +726,7 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
         return (num_rows, triton.cdiv(n, meta["BLOCK_N"]))
 
     with torch.cuda.device(xs.device):  # Triton launches on the current device
-        _mxfp4_gemv_kernel[grid](xs, packed, scale, out, group_ends.to(torch.int32).contiguous(), n, kh, num_experts,
+        _mxfp4_gemv_kernel[grid](xs, packed, scale, out, ends, n, kh, num_experts,
                                  E_PAD=triton.next_power_of_2(num_experts))
     return out
 

@@ -263,38 +263,42 @@ def test_moe_experts_few_rows_path_matches_grouped_mm_path(num_tokens, monkeypat
     assert rel_err(y, y_ref) < 5e-3
 
 
-def test_moe_experts_few_rows_op_stays_in_the_compiled_graph():
-    """moe_experts under torch.compile(fullgraph=True) at decode size: one graph, no break, the custom op as a node
-    (not traced into), and the compiled result equals the eager one within bf16 rounding."""
+def _assert_one_graph_with_op(step, x, idx, w, op: str, absent: str):
+    """step(x, idx, w) under torch.compile(fullgraph=True): one graph, no break, both expert matmuls the custom op
+    `op` as nodes (not traced into), `absent` nowhere, and the compiled result equals the eager one within bf16
+    rounding (also for other inputs of the same shapes: no recompilation)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
-    from kimik3.kernels import moe
-
-    x, idx, w, gate_up, down = _moe_inputs(2, num_experts=64, top_k=16, width=1024, inter=512)
     graphs = []
 
     def recording_inductor(gm, example_inputs):
         graphs.append(gm.code)
         return compile_fx(gm, example_inputs)
 
-    def step(x, idx, w):
-        return moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
-
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
         compiled = torch.compile(step, fullgraph=True, backend=recording_inductor)
         y = compiled(x, idx, w)
-        y_again = compiled(x.flip(0), idx.flip(0), w.flip(0))  # same shapes: no recompilation
+        y_again = compiled(x.flip(0), idx.flip(0), w.flip(0))
         eager = step(x, idx, w)
     assert len(graphs) == 1 and sum(counters["graph_break"].values()) == 0
-    assert graphs[0].count("torch.ops.kimik3.grouped_matmul_few_rows") == 2, graphs[0]
-    assert "grouped_mm" not in graphs[0]
+    assert graphs[0].count(f"torch.ops.kimik3.{op}") == 2, graphs[0]
+    assert absent not in graphs[0]
     assert rel_err(y, eager) < 5e-3 and max_rel(y, eager) < 2e-2
     assert rel_err(y_again, y.flip(0)) < 5e-3
     torch._dynamo.reset()
+
+
+def test_moe_experts_few_rows_op_stays_in_the_compiled_graph():
+    """moe_experts at decode size compiles into one graph with the few-rows custom op as its two matmuls."""
+    from kimik3.kernels import moe
+
+    x, idx, w, gate_up, down = _moe_inputs(2, num_experts=64, top_k=16, width=1024, inter=512)
+    _assert_one_graph_with_op(lambda x, idx, w: moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), x, idx, w,
+                              "grouped_matmul_few_rows", absent="grouped_mm")
 
 
 # ------------------------------------------------------------------------------------------- packed MXFP4 GEMV
@@ -391,37 +395,13 @@ def test_moe_experts_mxfp4_gemv_path_matches_tile_path(num_tokens, monkeypatch):
 
 
 def test_moe_experts_mxfp4_gemv_op_stays_in_the_compiled_graph():
-    """moe_experts_mxfp4 under torch.compile(fullgraph=True) at 2 tokens: one graph, no break, both matmuls the GEMV
-    custom op as nodes, and the compiled result equals the eager one within bf16 rounding."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    from torch._inductor.compile_fx import compile_fx
-
+    """moe_experts_mxfp4 at 2 tokens (32 rows, 64 experts) compiles into one graph with the GEMV custom op as its two
+    matmuls."""
     from kimik3.kernels import moe
 
     x, idx, w, args = _packed_moe_inputs(2)
-    graphs = []
-
-    def recording_inductor(gm, example_inputs):
-        graphs.append(gm.code)
-        return compile_fx(gm, example_inputs)
-
-    def step(x, idx, w):
-        return moe.moe_experts_mxfp4(x, idx, w, *args)
-
-    torch._dynamo.reset()
-    counters.clear()
-    with torch.no_grad():
-        compiled = torch.compile(step, fullgraph=True, backend=recording_inductor)
-        y = compiled(x, idx, w)
-        y_again = compiled(x.flip(0), idx.flip(0), w.flip(0))  # same shapes: no recompilation
-        eager = step(x, idx, w)
-    assert len(graphs) == 1 and sum(counters["graph_break"].values()) == 0
-    assert graphs[0].count("torch.ops.kimik3.mxfp4_gemv") == 2, graphs[0]
-    assert "mxfp4_grouped_matmul" not in graphs[0]
-    assert rel_err(y, eager) < 5e-3 and max_rel(y, eager) < 2e-2
-    assert rel_err(y_again, y.flip(0)) < 5e-3
-    torch._dynamo.reset()
+    _assert_one_graph_with_op(lambda x, idx, w: moe.moe_experts_mxfp4(x, idx, w, *args), x, idx, w, "mxfp4_gemv",
+                              absent="mxfp4_grouped_matmul")
 
 
 # ---------------------------------------------------------------------------------------------------------- MLA
