@@ -66,8 +66,9 @@ def _packed_copy(dense_model):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_compiled_static_decode_keeps_packed_mxfp4_experts_on_the_triton_kernel(batch, monkeypatch):
-    """Packed experts in the compiled decode step: one graph, no break, a CUDA graph, the Triton grouped matmul
-    (a kimik3 custom op) and never the dequantising reference, and the decode of the uncompiled packed model."""
+    """Packed experts in the compiled decode step: one graph, no break, a CUDA graph, the Triton packed kernels
+    (kimik3 custom ops: GEMV or tiles) and never the dequantising reference, and the decode of the uncompiled
+    packed model."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -82,17 +83,20 @@ def test_compiled_static_decode_keeps_packed_mxfp4_experts_on_the_triton_kernel(
     ids = torch.randint(3, 128, (batch, 12), device="cuda")
 
     calls = {"triton": 0, "reference": 0}
-    triton_matmul, reference_dequant = triton_ops._mxfp4_grouped_matmul_fwd, ops.dequantize_mxfp4
+    reference_dequant = ops.dequantize_mxfp4
 
-    def spy_triton(*args):
-        calls["triton"] += 1
-        return triton_matmul(*args)
+    def spy_triton(launcher):  # either packed kernel (GEMV at one routed row per expert, tiles beyond)
+        def spy(*args):
+            calls["triton"] += 1
+            return launcher(*args)
+        return spy
 
     def spy_reference(*args, **kwargs):
         calls["reference"] += 1
         return reference_dequant(*args, **kwargs)
 
-    monkeypatch.setattr(triton_ops, "_mxfp4_grouped_matmul_fwd", spy_triton)
+    for name in ("_mxfp4_grouped_matmul_fwd", "_mxfp4_gemv_fwd"):
+        monkeypatch.setattr(triton_ops, name, spy_triton(getattr(triton_ops, name)))
     monkeypatch.setattr(ops, "dequantize_mxfp4", spy_reference)
     moe_layers = sum(1 for m in model.modules() if type(m).__name__ == "KimiK3Experts")
     with torch.no_grad():
