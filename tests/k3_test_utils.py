@@ -1,6 +1,14 @@
 """Small helpers shared by the tests (CPU, and the GPU tests in tests/gpu/)."""
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def grouped_product_f64(xs, weight, group_ends):
+    """Each group of expert-sorted rows (group e: rows group_ends[e-1]:group_ends[e]) times its expert transposed, in
+    float64: the reference of the grouped matmuls."""
+    starts = [0, *group_ends.tolist()[:-1]]
+    return torch.cat([xs[a:b].double() @ weight[e].double().t() for e, (a, b) in enumerate(zip(starts, group_ends))])
 
 
 class TopLevelOps(TorchDispatchMode):

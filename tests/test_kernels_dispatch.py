@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from k3_test_utils import TopLevelOps
+from k3_test_utils import TopLevelOps, grouped_product_f64
 from kimik3.tiny import build_tiny_model
 from kimik3.configuration import tiny_text_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
@@ -514,11 +514,6 @@ def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
 # ------------------------------------------------------------------ few-rows grouped matmul (bf16 experts at decode)
 
 
-def _grouped_product_f64(xs, weight, group_ends):
-    starts = [0, *group_ends.tolist()[:-1]]
-    return torch.cat([xs[a:b].double() @ weight[e].double().t() for e, (a, b) in enumerate(zip(starts, group_ends))])
-
-
 @pytest.mark.parametrize("counts", [[0, 1, 0, 3, 17], [1, 0, 0, 0, 0], [0, 0, 0, 0, 2], [5, 5, 5, 5, 5]])
 def test_grouped_matmul_few_rows_reference_is_the_grouped_product(counts):
     """The op's CPU implementation (the reference of its Triton kernel): each group times its own expert, empty
@@ -527,14 +522,14 @@ def test_grouped_matmul_few_rows_reference_is_the_grouped_product(counts):
     xs, weight = torch.randn(sum(counts), 80), torch.randn(5, 48, 80)
     out = torch.ops.kimik3.grouped_matmul_few_rows(xs, weight, ends)
     assert out.shape == (sum(counts), 48) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), _grouped_product_f64(xs, weight, ends), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.double(), grouped_product_f64(xs, weight, ends), rtol=1e-5, atol=1e-4)
     # a shuffled assignment of experts gives other numbers: the groups really pick their own expert
     wrong = torch.ops.kimik3.grouped_matmul_few_rows(xs, weight.flip(0), ends)
     assert not torch.allclose(wrong, out)
     xs16, weight16 = xs.bfloat16(), weight.bfloat16()
     out16 = torch.ops.kimik3.grouped_matmul_few_rows(xs16, weight16, ends)
     assert out16.dtype == torch.bfloat16
-    torch.testing.assert_close(out16.double(), _grouped_product_f64(xs16, weight16, ends), rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(out16.double(), grouped_product_f64(xs16, weight16, ends), rtol=8e-3, atol=1e-2)
     try:
         grouped = torch._grouped_mm(xs16, weight16.transpose(-2, -1), offs=ends)
     except (RuntimeError, NotImplementedError) as exc:
@@ -640,7 +635,7 @@ def test_mxfp4_gemv_reference_is_the_product_of_the_dequantised_experts(counts):
     xs = torch.randn(sum(counts), 96)
     out = torch.ops.kimik3.mxfp4_gemv(xs, packed, scale, ends)
     assert out.shape == (sum(counts), 48) and out.dtype == torch.float32
-    expected = _grouped_product_f64(xs, dense, ends) if sum(counts) else torch.zeros(0, 48, dtype=torch.float64)
+    expected = grouped_product_f64(xs, dense, ends) if sum(counts) else torch.zeros(0, 48, dtype=torch.float64)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
     assert torch.equal(out, torch.ops.kimik3.mxfp4_grouped_matmul(xs, packed, scale, ends))
     if sum(counts):  # the groups really pick their own expert
@@ -648,7 +643,7 @@ def test_mxfp4_gemv_reference_is_the_product_of_the_dequantised_experts(counts):
     out16 = torch.ops.kimik3.mxfp4_gemv(xs.bfloat16(), packed, scale, ends)
     assert out16.dtype == torch.bfloat16 and out16.shape == out.shape
     torch.testing.assert_close(out16.double(), expected if not sum(counts) else
-                               _grouped_product_f64(xs.bfloat16(), dense, ends), rtol=8e-3, atol=1e-2)
+                               grouped_product_f64(xs.bfloat16(), dense, ends), rtol=8e-3, atol=1e-2)
 
 
 def test_mxfp4_experts_path_decision():

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from gpu_helpers import load_fast, load_kernels, load_ops, max_rel, reference_only, rel_err  # noqa: E402
-from k3_test_utils import TopLevelOps  # noqa: E402
+from k3_test_utils import TopLevelOps, grouped_product_f64  # noqa: E402
 
 kernels = load_kernels()
 ops = load_ops()
@@ -201,11 +201,6 @@ def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, t
 # --------------------------------------------------------------------------------------- few-rows grouped matmul
 
 
-def _grouped_product_f64(xs, weight, group_ends):
-    starts = [0, *group_ends.tolist()[:-1]]
-    return torch.cat([xs[a:b].double() @ weight[e].double().T for e, (a, b) in enumerate(zip(starts, group_ends))])
-
-
 def _routed_counts(num_tokens, num_experts=64, top_k=16):
     """Rows per expert of `num_tokens` tokens routed to top_k of num_experts (decode: 16 or 128 routed rows)."""
     indices = torch.rand(num_tokens, num_experts, device=DEV).topk(top_k, dim=-1).indices
@@ -234,7 +229,7 @@ def test_grouped_matmul_few_rows_matches_float64(case, dtype, tol):
     xs = torch.randn(int(counts.sum()), k, device=DEV).to(dtype)
     out = grouped_matmul_few_rows(xs, weight, ends)
     assert out.dtype == dtype and out.shape == (xs.shape[0], n)
-    ref = _grouped_product_f64(xs, weight, ends)
+    ref = grouped_product_f64(xs, weight, ends)
     assert rel_err(out, ref) < tol, rel_err(out, ref)
     assert max_rel(out, ref) < 5 * tol, max_rel(out, ref)
     # the custom op the model calls runs this kernel on CUDA
