@@ -663,15 +663,6 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 # (kernels/moe.py, MXFP4_GEMV_ROWS_PER_EXPERT).
 
 
-@triton.jit
-def _expert_of_row(ends_ptr, row, E, E_PAD: tl.constexpr):
-    # the expert whose rows hold `row` (rows sorted by expert): the number of experts whose rows all lie before it,
-    # empty experts included (a searchsorted over the group ends); E for a row past the last group
-    e_idx = tl.arange(0, E_PAD)
-    ends = tl.load(ends_ptr + e_idx, mask=e_idx < E, other=2147483647)
-    return tl.sum((ends <= row).to(tl.int32), axis=0)
-
-
 @triton.autotune(
     configs=[
         triton.Config({"BLOCK_N": bn, "BLOCK_KH": bkh}, num_warps=w, num_stages=st)
@@ -686,8 +677,8 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_PAD: tl
     # KH is a multiple of 16 (one E8M0 scale per 16 packed bytes, K % 32 == 0), so the tile is
     # [BLOCK_N rows, GROUPS scale groups, 16 bytes] and only whole groups are masked
     GROUPS: tl.constexpr = BLOCK_KH // 16
-    row = tl.program_id(0)
-    expert = _expert_of_row(ends_ptr, row, E, E_PAD)
+    # row program_id(0) and its expert: the tile kernels' row-block search with blocks of one row
+    expert, row, _ = _expert_row_block(ends_ptr, E, E_PAD, 1)
     if expert < E:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
