@@ -23,7 +23,8 @@ Measured, each in its own try/except under one time budget, JSON written after e
                MLA prefill attention through each PyTorch backend that returns the log-sum-exp)
   fast.*       our model with `kimik3.kernels` fast paths (fla-core KDA/conv, Triton, grouped_mm, bmm MLA decode)
   generate.*   decode steps of generate(), eager (dynamic cache) vs compiled (cache_implementation="static": torch
-               compile with CUDA graphs), side by side
+               compile with CUDA graphs), side by side; compiled_grouped_mm / compiled_fla_conv: the compiled step
+               with one decode kernel switched back (routed experts on grouped_mm, KDA convs on fla's kernels)
   ref.*        the same model forced onto the pure-PyTorch reference ops
   kimi_linear.* transformers' in-tree KimiLinearForCausalLM at the closest config (64 experts, top-16, expert width
                1536, hidden 7168, same layer schedule; uses fla when importable, as transformers does)
@@ -345,9 +346,13 @@ class _StepClock:
         return None if self.profiler is None else kernel_table(self.profiler, steps=self.profile_steps[1])
 
 
-def kernel_table(prof, steps=1, top=25):
+KERNEL_TABLE_TOP = 25  # --kernel-table-top
+
+
+def kernel_table(prof, steps=1, top=None):
     """GPU kernel time per profiled step (of `steps`) from a finished torch.profiler run: total, launches, and the
     top kernels by time."""
+    top = KERNEL_TABLE_TOP if top is None else top
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
     return {"gpu_kernel_ms_per_step": round(sum(e.self_device_time_total for e in kernels) / steps / 1e3, 3),
@@ -790,16 +795,20 @@ def section_attention_kernels():
     return res
 
 
+def _with_setting(module, name, value, fn):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(module, name, saved)
+
+
 def without_few_rows_kernel(fn):
     """fn() with the bf16 routed experts on grouped_mm at every size (the few-rows Triton matmul off)."""
     from kimik3.kernels import moe
 
-    saved = moe.FEW_ROWS_PER_EXPERT
-    moe.FEW_ROWS_PER_EXPERT = 0
-    try:
-        return fn()
-    finally:
-        moe.FEW_ROWS_PER_EXPERT = saved
+    return _with_setting(moe, "FEW_ROWS_PER_EXPERT", 0, fn)
 
 
 def with_mxfp4_kernel(kernel, fn):
@@ -807,12 +816,15 @@ def with_mxfp4_kernel(kernel, fn):
     rows per expert (the dequantised stack beyond, as always)."""
     from kimik3.kernels import moe
 
-    saved = moe.MXFP4_GEMV_ROWS_PER_EXPERT
-    moe.MXFP4_GEMV_ROWS_PER_EXPERT = {"gemv": moe.MXFP4_TILE_ROWS_PER_EXPERT, "tiles": 0}[kernel]
-    try:
-        return fn()
-    finally:
-        moe.MXFP4_GEMV_ROWS_PER_EXPERT = saved
+    return _with_setting(moe, "MXFP4_GEMV_ROWS_PER_EXPERT",
+                         {"gemv": moe.MXFP4_TILE_ROWS_PER_EXPERT, "tiles": 0}[kernel], fn)
+
+
+def without_conv_step_kernel(fn):
+    """fn() with every KDA conv on fla's kernels (pad, conv, final window, slice), the one-launch step kernel off."""
+    from kimik3.kernels import triton_ops
+
+    return _with_setting(triton_ops, "CONV_STEP_MAX_TOKENS", 0, fn)
 
 
 def set_reference(flag: bool):
@@ -829,7 +841,11 @@ def main():
     parser.add_argument("--only", default="", help="comma list of section prefixes to run (builds run as needed)")
     parser.add_argument("--prefill-1m-budget-s", type=float, default=120.0)
     parser.add_argument("--chunk-1m", type=int, default=32 * K)
+    parser.add_argument("--kernel-table-top", type=int, default=25,
+                        help="kernels listed per profiled decode step (all of them: a large number)")
     args = parser.parse_args()
+    global KERNEL_TABLE_TOP
+    KERNEL_TABLE_TOP = args.kernel_table_top
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     run = Runner(Path(args.out), args.budget_s)
     skip = tuple(s for s in args.skip.split(",") if s)
@@ -935,6 +951,10 @@ def main():
             # the same step with the routed experts through grouped_mm instead of the few-rows Triton matmul
             sec(f"generate.compiled_grouped_mm.decode_{tag}",
                 lambda b=batch, c=context, s=synthetic: without_few_rows_kernel(
+                    lambda: measure_generate_decode(model, stats, b, c, True, synthetic=s, profile=True)), 60)
+            # the same step with the KDA convs on fla's kernels instead of the step kernel
+            sec(f"generate.compiled_fla_conv.decode_{tag}",
+                lambda b=batch, c=context, s=synthetic: without_conv_step_kernel(
                     lambda: measure_generate_decode(model, stats, b, c, True, synthetic=s, profile=True)), 60)
         torch._dynamo.reset()
         free_cuda()

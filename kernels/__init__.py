@@ -29,7 +29,7 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 |---|---|---|
 | chunk_kda | fla-core `fla.ops.kda.chunk_kda` | yes (fla's) |
 | fused_recurrent_kda | fla-core `fused_recurrent_kda` | no |
-| causal_conv1d | fla-core Triton causal_conv1d | yes |
+| causal_conv1d | fla-core Triton causal_conv1d; up to 16 tokens after a cached window: own Triton step kernel | yes (fla) |
 | attention_with_lse | PyTorch's cuDNN fused attention with its log-sum-exp (flash, V padded, where cuDNN refuses) | no |
 | mla_decode | two cuBLAS bmm (f32 scores) + f32 softmax | yes (torch ops) |
 | block_attn_res_mix | own Triton forward | analytic PyTorch backward |

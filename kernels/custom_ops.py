@@ -78,8 +78,7 @@ def _block_attn_res_mix_cuda(candidates, norm_weight, proj_weight, eps):
     from . import triton_ops
 
     cands = [c.contiguous() for c in candidates]
-    query = (norm_weight.float() * proj_weight.float().reshape(-1)).contiguous()
-    return triton_ops._attn_res_fwd(cands, query, eps, cands[-1].dtype).view(cands[-1].shape)
+    return triton_ops._attn_res_fwd(cands, norm_weight, proj_weight, eps, cands[-1].dtype).view(cands[-1].shape)
 
 
 @block_attn_res_mix.register_fake
@@ -137,6 +136,10 @@ def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Optional[Tensor]) -> Tu
 
 @causal_conv1d.register_kernel("cuda")
 def _causal_conv1d_cuda(x, weight, conv_state):
+    from . import triton_ops
+
+    if conv_state is not None and x.shape[1] <= triton_ops.CONV_STEP_MAX_TOKENS:
+        return triton_ops.causal_conv1d_step(x, weight, conv_state)  # decode: one launch, outputs contiguous
     from . import fla_ops
 
     y, state = fla_ops._causal_conv1d_eager(x, weight, conv_state)

@@ -23,6 +23,7 @@
                         streams each routed expert's weight tiles once; forward only.
 * `mxfp4_grouped_matmul` expert-grouped matmul over packed MXFP4 weights, dequantised tile by tile in registers;
                         gradient for the activations only.
+* `causal_conv1d_step`  depthwise causal conv + SiLU over a few tokens after a cached window (decode), one launch.
 * `mxfp4_gemv`          the same product for one row per expert (decode): one routed row per program, no
                         `tl.dot`, the weights decoded and summed in registers; gradient for the activations only.
 
@@ -216,9 +217,11 @@ def _pick(i: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12
 @triton.jit
 def _attn_res_fwd_kernel(
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
-    w_ptr, o_ptr, D, eps,
+    norm_w_ptr, proj_w_ptr, o_ptr, D, eps,
     N_CAND: tl.constexpr, N_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # the query w = norm_weight * proj_weight is formed here, in f32, block by block: built on the host it cost
+    # three small launches (two casts, a product) per mix, two mixes per layer
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     idx = tl.arange(0, N_POW2)
@@ -232,7 +235,8 @@ def _attn_res_fwd_kernel(
             cols = d0 + offs
             m = cols < D
             x = tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols, mask=m, other=0.0)
+            w = tl.load(norm_w_ptr + cols, mask=m, other=0.0).to(tl.float32) * tl.load(
+                proj_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
             acc_ss += x * x
             acc_dot += x * w
         s = tl.sum(acc_dot, axis=0) / tl.sqrt(tl.sum(acc_ss, axis=0) / D + eps)
@@ -252,16 +256,17 @@ def _attn_res_fwd_kernel(
         tl.store(o_ptr + row * D + cols, acc.to(o_ptr.dtype.element_ty), mask=m)
 
 
-def _attn_res_fwd(cands, query, eps, out_dtype):
+def _attn_res_fwd(cands, norm_weight, proj_weight, eps, out_dtype):
     d = cands[0].shape[-1]
+    norm_weight, proj_weight = norm_weight.reshape(-1).contiguous(), proj_weight.reshape(-1).contiguous()
     rows = cands[0].numel() // d
     out = torch.empty(rows, d, dtype=out_dtype, device=cands[0].device)
     n = len(cands)
     ptrs = list(cands) + [cands[0]] * (_ATTN_RES_MAX_CANDIDATES - n)
     if rows:
-        with torch.cuda.device(query.device):  # Triton launches on the current device
+        with torch.cuda.device(out.device):  # Triton launches on the current device
             _attn_res_fwd_kernel[(rows,)](
-                *ptrs, query, out, d, eps,
+                *ptrs, norm_weight, proj_weight, out, d, eps,
                 N_CAND=n, N_POW2=max(2, triton.next_power_of_2(n)), BLOCK_D=1024, num_warps=4,
             )
     return out
@@ -297,8 +302,7 @@ def _attn_res_bwd_torch(cands, query, eps, grad):
 class _AttnResMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, norm_weight, proj_weight, eps, *cands):
-        query = (norm_weight.float() * proj_weight.float().reshape(-1)).contiguous()
-        out = _attn_res_fwd(cands, query, eps, cands[-1].dtype)
+        out = _attn_res_fwd(cands, norm_weight, proj_weight, eps, cands[-1].dtype)
         ctx.save_for_backward(norm_weight, proj_weight, *cands)
         ctx.eps = eps
         return out.view(cands[-1].shape)
@@ -383,6 +387,67 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, pos: torch.Tens
     """expert_out [M, D] (rows in expert-sorted order), weights [N, k] f32, pos [N, k] int64 (row of each routed
     slot in expert_out) -> [N, D] in out_dtype, f32 accumulation over j = 0..k-1. Has autograd."""
     return _MoECombine.apply(expert_out, weights, pos.contiguous(), out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Causal conv1d over a few tokens after a cached window (decode, verify). fla's path pads the cached window to
+# fla's [B, C, K] state (two launches), runs its conv and its final-state kernels, and slices the new window out
+# (one more copy): five launches per projection for one token, three projections per KDA layer. Here one program
+# per (channel block, sequence) reads the window straight from the cached state and the new inputs and writes the
+# outputs and the new window: one launch.
+
+CONV_STEP_MAX_TOKENS = 16  # above this the tokens are a prefill chunk: fla's parallel kernel
+
+
+@triton.jit
+def _causal_conv1d_step_kernel(x_ptr, s_ptr, w_ptr, y_ptr, ns_ptr, T, C, sx_b, sx_t, sx_c, ss_b, ss_c, ss_k,
+                               K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+    # position p of the sequence [cached window (K - 1) | x (T)] is state column p for p < K - 1, else token
+    # p - (K - 1); the cached window is rounded to x's dtype first, as the reference concatenates in x's dtype
+    b = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    j = tl.arange(0, K_PAD)
+    w = tl.load(w_ptr + c[:, None] * K + j[None, :], mask=cmask[:, None] & (j < K)[None, :], other=0.0)
+    w = w.to(tl.float32)
+    for t in range(0, T + 1):
+        # t < T: the taps of output t (positions t .. t + K - 1); t == T: the new window (positions T .. T + K - 2)
+        width = K if t < T else K - 1
+        p = t + j
+        in_state = (p < K - 1)[None, :]
+        valid = cmask[:, None] & (j < width)[None, :]
+        cached = tl.load(s_ptr + b * ss_b + c[:, None] * ss_c + p[None, :] * ss_k, mask=valid & in_state, other=0.0)
+        fresh = tl.load(x_ptr + b * sx_b + (p - (K - 1))[None, :] * sx_t + c[:, None] * sx_c, mask=valid & ~in_state,
+                        other=0.0)
+        window = tl.where(in_state, cached.to(y_ptr.dtype.element_ty), fresh)
+        if t < T:
+            acc = tl.sum(window.to(tl.float32) * w, axis=1)  # f32 taps, as F.conv1d on the f32 window
+            y = acc * tl.sigmoid(acc)
+            tl.store(y_ptr + (b * T + t) * C + c, y.to(y_ptr.dtype.element_ty), mask=cmask)
+        else:
+            tl.store(ns_ptr + (b * C + c[:, None]) * (K - 1) + j[None, :], window, mask=valid)
+
+
+def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor):
+    """The reference `causal_conv1d` for a few tokens after a cached window: x [B, T, C] (any strides), weight
+    [C, 1, K], conv_state [B, C, K-1] -> (y [B, T, C] in x.dtype, new conv_state [B, C, K-1] in x.dtype), one
+    launch; f32 taps and SiLU. Forward only (the custom op `kimik3::causal_conv1d` calls it on CUDA)."""
+    batch, tokens, channels = x.shape
+    kernel_size = weight.shape[-1]
+    if conv_state.shape != (batch, channels, kernel_size - 1):
+        raise ValueError(f"causal_conv1d_step: conv_state {tuple(conv_state.shape)} does not match x "
+                         f"{tuple(x.shape)} and a kernel of {kernel_size}")
+    y = torch.empty(batch, tokens, channels, dtype=x.dtype, device=x.device)
+    new_state = torch.empty(batch, channels, kernel_size - 1, dtype=x.dtype, device=x.device)
+    w = weight.reshape(channels, kernel_size).contiguous()
+    if batch and channels:
+        block = 256
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            _causal_conv1d_step_kernel[(triton.cdiv(channels, block), batch)](
+                x, conv_state, w, y, new_state, tokens, channels, *x.stride(), *conv_state.stride(),
+                K=kernel_size, K_PAD=triton.next_power_of_2(kernel_size), BLOCK_C=block, num_warps=4,
+            )
+    return y, new_state
 
 
 # --------------------------------------------------------------------------------------------------------------

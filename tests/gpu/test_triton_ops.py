@@ -1,6 +1,6 @@
-"""Own fast paths (Triton SiTU / AttnRes / MXFP4 tiles and GEMV / MoE combine / few-rows grouped matmul, grouped_mm
-experts, bmm MLA decode) against the pure-PyTorch references of ops_kimi_k3, forward and backward where training uses
-them."""
+"""Own fast paths (Triton SiTU / AttnRes / MXFP4 tiles and GEMV / MoE combine / few-rows grouped matmul / decode
+conv step, grouped_mm experts, bmm MLA decode) against the pure-PyTorch references of ops_kimi_k3, forward and
+backward where training uses them."""
 
 import pytest
 import torch
@@ -397,6 +397,47 @@ def test_moe_experts_mxfp4_gemv_op_stays_in_the_compiled_graph():
     x, idx, w, args = _packed_moe_inputs(2)
     _assert_one_graph_with_op(lambda x, idx, w: moe.moe_experts_mxfp4(x, idx, w, *args), x, idx, w, "mxfp4_gemv",
                               absent="mxfp4_grouped_matmul")
+
+
+# ---------------------------------------------------------------------------------------------------------- conv step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,tokens,channels,width", [(1, 1, 12288, 4), (3, 1, 300, 4), (2, 5, 520, 4),
+                                                         (2, 16, 700, 4), (1, 3, 64, 2)])
+def test_causal_conv1d_step_matches_float64(batch, tokens, channels, width, dtype):
+    """The decode conv kernel on strided x and state (a projection's columns, a transposed window) against the
+    reference's math in float64: outputs within one rounding to the dtype, the new window bit-equal."""
+    from kimik3.kernels import triton_ops
+
+    x = torch.randn(batch, tokens, 2 * channels, device=DEV).to(dtype)[..., ::2]
+    weight = torch.randn(channels, 1, width, device=DEV) * 0.5  # F32 in the release
+    state = torch.randn(batch, width - 1, channels, device=DEV).to(dtype).transpose(1, 2)
+    y, new_state = triton_ops.causal_conv1d_step(x, weight, state)
+    window = torch.cat([state, x.transpose(1, 2)], dim=-1).double()
+    exact = torch.nn.functional.conv1d(window, weight.double(), groups=channels)
+    exact = torch.nn.functional.silu(exact).transpose(1, 2)
+    assert y.dtype == dtype and y.is_contiguous() and new_state.is_contiguous()
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20  # f32: the sum's rounding and the GPU's exp
+    assert ((y.double() - exact).abs() <= ulp * exact.abs() + 1e-6 * exact.abs().max()).all()
+    assert torch.equal(new_state, ops.causal_conv1d(x, weight, state)[1])
+
+
+def test_causal_conv1d_op_runs_the_step_kernel_for_few_tokens_after_a_window(monkeypatch):
+    from kimik3.kernels import triton_ops
+
+    calls = []
+    step = triton_ops.causal_conv1d_step
+    monkeypatch.setattr(triton_ops, "causal_conv1d_step", lambda *a: calls.append(a[0].shape[1]) or step(*a))
+    weight = torch.randn(256, 1, 4, device=DEV)
+    state = torch.randn(2, 256, 3, device=DEV, dtype=torch.bfloat16)
+    for tokens in (1, triton_ops.CONV_STEP_MAX_TOKENS, triton_ops.CONV_STEP_MAX_TOKENS + 1):
+        x = torch.randn(2, tokens, 256, device=DEV, dtype=torch.bfloat16)
+        y, new_state = torch.ops.kimik3.causal_conv1d(x, weight, state)
+        y_ref, state_ref = ops.causal_conv1d(x, weight, state)
+        assert max_rel(y, y_ref) < 1e-2 and torch.equal(new_state, state_ref)
+    torch.ops.kimik3.causal_conv1d(x[:, :1], weight, None)  # no window: a sequence's first tokens, fla's kernel
+    assert calls == [1, triton_ops.CONV_STEP_MAX_TOKENS]
 
 
 # ---------------------------------------------------------------------------------------------------------- MLA
