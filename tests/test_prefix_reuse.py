@@ -84,9 +84,11 @@ def test_snapshots_do_not_change_the_prefill(model, prefix):
         plain = model(prefix, use_cache=True)
         cache = KimiK3Cache(model.config, snapshot_interval=INTERVAL, snapshot_device="cpu")
         snapped = model(prefix, past_key_values=cache, use_cache=True)
-    torch.testing.assert_close(snapped.logits, plain.logits, atol=1e-6, rtol=1e-6)
+    # f32, the chunked recurrence split at the snapshot offsets: the same sums in another order, which CPU kernels
+    # round differently by up to ~1e-6 (seen on an AMD EPYC); a wrong carried state would be off by orders more
+    torch.testing.assert_close(snapped.logits, plain.logits, atol=1e-5, rtol=1e-5)
     layer = model.config.kda_layer_indices[0]
-    torch.testing.assert_close(cache.kda_state(layer)[1], cache_of(plain).kda_state(layer)[1], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.kda_state(layer)[1], cache_of(plain).kda_state(layer)[1], atol=1e-5, rtol=1e-5)
     assert cache.snapshot_bytes_held() == 3 * snapshot_bytes(model.config, dtype_bytes=4)
 
 

@@ -87,14 +87,16 @@ def test_rollback_is_the_state_of_the_shorter_sequence_and_small(model):
         cache.crop(-3)
         shorter = cache_of(model(torch.cat([prefix, block[:, :2]], 1), use_cache=True))
         assert cache.get_seq_length() == 9
+        # f32 projections of 5 + 2 rows against 9 rows (matmul batching): CPU kernels round them differently by
+        # up to ~2e-6 (seen on an AMD EPYC); a state or window of the wrong tokens is off by orders more
         for layer in model.config.kda_layer_indices:
             (conv, state), (conv_ref, state_ref) = cache.kda_state(layer), shorter.kda_state(layer)
-            torch.testing.assert_close(state, state_ref, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(state, state_ref, atol=1e-5, rtol=1e-5)
             for window, window_ref in zip(conv, conv_ref, strict=True):
-                torch.testing.assert_close(window, window_ref, atol=1e-6, rtol=1e-5)  # projections: matmul batching
+                torch.testing.assert_close(window, window_ref, atol=1e-5, rtol=1e-5)
         for layer in model.config.mla_layer_indices:
             torch.testing.assert_close(cache.layers[layer].latents, shorter.layers[layer].latents,
-                                       atol=1e-6, rtol=1e-5)
+                                       atol=1e-5, rtol=1e-5)
         following = torch.randint(3, 128, (1, 1))
         torch.testing.assert_close(model(following, past_key_values=cache).logits,
                                    model(following, past_key_values=shorter).logits, atol=1e-5, rtol=0)
