@@ -325,6 +325,8 @@ def test_callback_updates_at_step_end_and_logs():
 # ----------------------------------------------------------------------------------------------------------------------
 # two ranks (gloo) with all-reduced histograms == one process seeing the whole batch
 def _dist_worker(rank, world, init_file, out_dir):
+    # a forked rank cannot use the parent's OpenMP thread pool: with KIMIK3_TEST_THREADS > 1 its first parallel op hung
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         calls = []
