@@ -402,38 +402,38 @@ def compiled_call_breakdown(model, inputs, calls=20):
         fn(**inputs, return_dict=True)
         position.sub_(1)
 
+    def timed_calls(synchronise=False):  # seconds of each of `calls` calls
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            step()
+            if synchronise:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return times
+
+    def median_ms(times):
+        return round(sorted(times)[calls // 2] * 1e3, 3)
+
     with torch.no_grad():  # generate()'s grad mode: the same guards
         position.sub_(1)  # the last step's position (generate() stops with the buffer full)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        host = []
         start = time.perf_counter()
-        for _ in range(calls):
-            t = time.perf_counter()
-            step()
-            host.append(time.perf_counter() - t)
+        host = timed_calls()
         torch.cuda.synchronize()
         pipelined = (time.perf_counter() - start) / calls
-        serial = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            serial.append(time.perf_counter() - t)
+        serial = timed_calls(synchronise=True)
         host_profile = _host_profile(step, calls)
         # the same calls without Dynamo's guard evaluation (only safe here: nothing changes between the calls)
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            unguarded = []
-            for _ in range(calls):
-                t = time.perf_counter()
-                step()
-                unguarded.append(time.perf_counter() - t)
+            unguarded = timed_calls()
         torch.cuda.synchronize()
     return {"back_to_back_ms_per_call": round(pipelined * 1e3, 3),
-            "synchronised_ms_per_call": round(sorted(serial)[calls // 2] * 1e3, 3),
-            "host_ms_per_call": round(sorted(host)[calls // 2] * 1e3, 3),
-            "host_ms_per_call_without_guard_eval": round(sorted(unguarded)[calls // 2] * 1e3, 3),
+            "synchronised_ms_per_call": median_ms(serial),
+            "host_ms_per_call": median_ms(host),
+            "host_ms_per_call_without_guard_eval": median_ms(unguarded),
             "recompiled": counters["stats"].get("unique_graphs", 0) != graphs_before,
             "host_profile": host_profile}
 
@@ -832,6 +832,7 @@ def set_reference(flag: bool):
 
 
 def main():
+    global KERNEL_TABLE_TOP
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/bench_k3.json")
     parser.add_argument("--budget-s", type=float, default=540.0)
@@ -841,10 +842,9 @@ def main():
     parser.add_argument("--only", default="", help="comma list of section prefixes to run (builds run as needed)")
     parser.add_argument("--prefill-1m-budget-s", type=float, default=120.0)
     parser.add_argument("--chunk-1m", type=int, default=32 * K)
-    parser.add_argument("--kernel-table-top", type=int, default=25,
+    parser.add_argument("--kernel-table-top", type=int, default=KERNEL_TABLE_TOP,
                         help="kernels listed per profiled decode step (all of them: a large number)")
     args = parser.parse_args()
-    global KERNEL_TABLE_TOP
     KERNEL_TABLE_TOP = args.kernel_table_top
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     run = Runner(Path(args.out), args.budget_s)
