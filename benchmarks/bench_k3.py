@@ -721,24 +721,30 @@ def _mxfp4_gemv_vs_tiles(x, idx, w, packed, packed_args, fast_mxfp4, packed_byte
     rows = x.index_select(0, torch.argsort(routed, stable=True) // idx.shape[-1])  # as moe.py sorts them
     ends = torch.cumsum(torch.bincount(routed, minlength=packed[0][0].shape[0]), 0).to(torch.int32)
     act = torch.randn(rows.shape[0], packed[1][0].shape[-1] * 2, device=DEV, dtype=x.dtype)
-    ops_by_kernel = {"gemv": torch.ops.kimik3.mxfp4_gemv, "tiles": torch.ops.kimik3.mxfp4_grouped_matmul}
+    # "gemv_portable_decode": the GEMV with its codes decoded one at a time (the f16-pair PTX decode off)
+    ops_by_kernel = {"gemv": ("gemv", torch.ops.kimik3.mxfp4_gemv),
+                     "gemv_portable_decode": ("gemv", torch.ops.kimik3.mxfp4_gemv),
+                     "tiles": ("tiles", torch.ops.kimik3.mxfp4_grouped_matmul)}
     with torch.inference_mode():
-        for kernel, matmul in ops_by_kernel.items():
-            sec, _ = with_mxfp4_kernel(kernel, lambda: timed(lambda: fast_mxfp4(x, idx, w, *packed_args),
-                                                             repeats=5, warmup=2))
+        for kernel, (path, matmul) in ops_by_kernel.items():
+            decode = (lambda fn: without_ptx_decode(fn)) if kernel == "gemv_portable_decode" else (lambda fn: fn())
+            sec, _ = decode(lambda: with_mxfp4_kernel(path, lambda: timed(
+                lambda: fast_mxfp4(x, idx, w, *packed_args), repeats=5, warmup=2)))
             res[f"{kernel}_ms"] = round(sec * 1e3, 4)
             res[f"{kernel}_effective_TBps"] = round(packed_bytes / sec / 1e12, 2)
-            outs[kernel] = with_mxfp4_kernel(kernel, lambda: fast_mxfp4(x, idx, w, *packed_args)).float()
+            outs[kernel] = decode(lambda: with_mxfp4_kernel(path, lambda: fast_mxfp4(x, idx, w, *packed_args))).float()
 
             def both_matmuls_20x(matmul=matmul):
                 for _ in range(20):
                     matmul(rows, *packed[0], ends)
                     matmul(act, *packed[1], ends)
 
-            sec, _ = timed(both_matmuls_20x, repeats=5, warmup=1)
+            sec, _ = decode(lambda: timed(both_matmuls_20x, repeats=5, warmup=1))
             res[f"{kernel}_matmuls_only_ms"] = round(sec / 20 * 1e3, 4)
             res[f"{kernel}_matmuls_only_effective_TBps"] = round(packed_bytes / (sec / 20) / 1e12, 2)
     res["rel_err_gemv_vs_tiles"] = float((outs["gemv"] - outs["tiles"]).norm() / outs["tiles"].norm())
+    res["rel_err_gemv_vs_portable_decode"] = float(
+        (outs["gemv"] - outs["gemv_portable_decode"]).norm() / outs["gemv_portable_decode"].norm())
     return res
 
 
@@ -825,6 +831,13 @@ def without_conv_step_kernel(fn):
     from kimik3.kernels import triton_ops
 
     return _with_setting(triton_ops, "CONV_STEP_MAX_TOKENS", 0, fn)
+
+
+def without_ptx_decode(fn):
+    """fn() with the packed GEMV decoding one code at a time (its f16-pair PTX decode off)."""
+    from kimik3.kernels import triton_ops
+
+    return _with_setting(triton_ops, "MXFP4_PTX_DECODE", False, fn)
 
 
 def set_reference(flag: bool):

@@ -24,13 +24,15 @@
 * `mxfp4_grouped_matmul` expert-grouped matmul over packed MXFP4 weights, dequantised tile by tile in registers;
                         gradient for the activations only.
 * `causal_conv1d_step`  depthwise causal conv + SiLU over a few tokens after a cached window (decode), one launch.
-* `mxfp4_gemv`          the same product for one row per expert (decode): one routed row per program, no
+* `mxfp4_gemv`          the same product for 1-2 rows per expert (decode): one routed row per program, no
                         `tl.dot`, the weights decoded and summed in registers; gradient for the activations only.
 
 Kernels avoid libdevice so they also run under `TRITON_INTERPRET=1` (fp32 inputs) for CPU debugging. Without
 autograd recording, the public functions run their forwards as `torch.ops.kimik3.*` custom ops (custom_ops.py), which
 torch.compile keeps as single graph nodes.
 """
+
+import os
 
 import torch
 import triton
@@ -455,12 +457,17 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
 
 
 @triton.jit
-def _e2m1(code):
+def _e2m1_bits(code):
     # The 3 magnitude bits of an E2M1 code placed at the top of an f32's exponent/mantissa field make 2^-126 times
-    # the E2M1 value (codes 0 and 1 land on the denormals 0 and 2^-127), so one exact multiply by 2^126 decodes
-    # every code. Fewer instructions per weight than branching on the exponent (this runs once per weight).
+    # the E2M1 value (codes 0 and 1 land on the denormals 0 and 2^-127), so one exact multiply by a power of two
+    # decodes every code. Fewer instructions per weight than branching on the exponent.
     bits = ((code & 7) << 22) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(code):
+    return _e2m1_bits(code) * 8.507059173023462e37  # 2^126: the E2M1 value
 
 
 @triton.jit
@@ -719,57 +726,121 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Packed MXFP4 GEMV for one routed row per expert (decode). A tl.dot tile has at least 16 rows, so with one
-# row per expert the tile kernel above wastes 15/16 of every dot and moves each decoded weight through shared memory
-# first; here a program multiplies one routed row by a BLOCK_N slice of its expert's output columns on the CUDA
-# cores: the packed bytes stream in along K (16 contiguous bytes per scale group), both nibbles are decoded to f32 in
-# registers, and the sum over K is a tl.sum. Rows of one expert each read its weights: measured on the H200, two
-# rows per expert already make it slower than the tile kernel, which decodes each tile once for 16 rows
-# (kernels/moe.py, MXFP4_GEMV_ROWS_PER_EXPERT).
+# Packed MXFP4 GEMV for one or two routed rows per expert (decode). A tl.dot tile has at least 16 rows, so with a
+# row or two per expert the tile kernel above wastes most of every dot and moves each decoded weight through shared
+# memory first; here a program multiplies one routed row by a BLOCK_N slice of its expert's output columns on the
+# CUDA cores: the packed bytes stream in along K as 32-bit words (4 words per scale group), each word's eight codes
+# are decoded to f32 in registers, and the sum over K is a tl.sum. Rows of one expert each read its weights; up to
+# two rows per expert that still beats the tile kernel, which decodes each tile once for 16 rows (measured on the
+# H200: kernels/moe.py, MXFP4_GEMV_ROWS_PER_EXPERT).
+#
+# What bounds it (benchmarks/diagnose_mxfp4_gemv.py, docs/benchmarks.md session 10): loading the words alone runs
+# at 3.0-3.7 TB/s, loading and decoding them at 2.2-3.1, and x fetched as eight strided scalars per word dragged
+# the whole kernel to 1.4; x is therefore one 16-byte load per word. On NVIDIA GPUs a word is decoded two codes per
+# 32-bit operation: a code's magnitude bits placed at bits 9-11 of an f16 (exponent low bits + top mantissa bit)
+# and its sign at bit 15 make the f16 2^-14 times the E2M1 value, denormal codes included, so four shift/mask
+# steps decode the word into four f16 pairs and eight exact conversions give f32 (1.5 -> 2.0 TB/s against the
+# portable decode). The portable decode (the interpreter, other backends) builds the same 2^-14-scaled values one
+# code at a time; both are exact, and the 2^14 goes back into the group's scale.
+
+_E2M1_F16_PAIRS_PTX = tl.constexpr("""
+{
+.reg .b32 m, s, p;
+.reg .b16 lo, hi;
+shl.b32 m, $8, 9; and.b32 m, m, 0x0E000E00; shl.b32 s, $8, 12; and.b32 s, s, 0x80008000; or.b32 p, m, s;
+mov.b32 {lo, hi}, p; cvt.f32.f16 $0, lo; cvt.f32.f16 $4, hi;
+shl.b32 m, $8, 5; and.b32 m, m, 0x0E000E00; shl.b32 s, $8, 8; and.b32 s, s, 0x80008000; or.b32 p, m, s;
+mov.b32 {lo, hi}, p; cvt.f32.f16 $1, lo; cvt.f32.f16 $5, hi;
+shl.b32 m, $8, 1; and.b32 m, m, 0x0E000E00; shl.b32 s, $8, 4; and.b32 s, s, 0x80008000; or.b32 p, m, s;
+mov.b32 {lo, hi}, p; cvt.f32.f16 $2, lo; cvt.f32.f16 $6, hi;
+shr.b32 m, $8, 3; and.b32 m, m, 0x0E000E00; and.b32 s, $8, 0x80008000; or.b32 p, m, s;
+mov.b32 {lo, hi}, p; cvt.f32.f16 $3, lo; cvt.f32.f16 $7, hi;
+}
+""")  # a constexpr: jit functions read no other globals
+
+
+@triton.jit
+def _e2m1_word_ptx(word):
+    # the eight codes of a little-endian word (nibble i = element i) times 2^-14, two per f16 pair: pair p holds
+    # nibbles p and p + 4, i.e. the 16-bit halves of the word shifted alike
+    c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+        _E2M1_F16_PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+    return (c0.to(tl.float32, bitcast=True), c1.to(tl.float32, bitcast=True), c2.to(tl.float32, bitcast=True),
+            c3.to(tl.float32, bitcast=True), c4.to(tl.float32, bitcast=True), c5.to(tl.float32, bitcast=True),
+            c6.to(tl.float32, bitcast=True), c7.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e2m1_scaled(code):
+    return _e2m1_bits(code) * 5.192296858534828e33  # 2^112: the E2M1 value times 2^-14, the PTX decode's scale
+
+
+@triton.jit
+def _e2m1_word(word):
+    return (_e2m1_scaled(word), _e2m1_scaled(word >> 4), _e2m1_scaled(word >> 8), _e2m1_scaled(word >> 12),
+            _e2m1_scaled(word >> 16), _e2m1_scaled(word >> 20), _e2m1_scaled(word >> 24), _e2m1_scaled(word >> 28))
 
 
 @triton.autotune(
     configs=[
-        triton.Config({"BLOCK_N": bn, "BLOCK_KH": bkh}, num_warps=w, num_stages=st)
-        for bn, bkh, w, st in ((16, 256, 4, 3), (16, 512, 4, 2), (32, 128, 4, 4), (32, 256, 4, 3), (32, 512, 8, 2),
-                               (64, 128, 4, 3), (64, 256, 8, 3), (64, 512, 8, 2))
+        triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw}, num_warps=w, num_stages=st)
+        for bn, bkw, w, st in ((8, 128, 4, 2), (16, 64, 2, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2),
+                               (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
     ],
-    key=["N", "KH"],
+    key=["N", "KW", "PTX_DECODE"],
 )
 @triton.jit
-def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_KH: tl.constexpr):
-    # KH is a multiple of 16 (one E8M0 scale per 16 packed bytes, K % 32 == 0), so the tile is
-    # [BLOCK_N rows, GROUPS scale groups, 16 bytes] and only whole groups are masked
-    GROUPS: tl.constexpr = BLOCK_KH // 16
+def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr):
+    # p_ptr: the packed bytes as int32 words, KW = K/8 per row; one E8M0 scale per 4 words (K % 32 == 0), so the
+    # tile is [BLOCK_N rows, GROUPS scale groups, 4 words] and only whole groups are masked
+    GROUPS: tl.constexpr = BLOCK_KW // 4
     # row program_id(0) and its expert: the tile kernels' row-block search with blocks of one row
     expert, row, _ = _expert_row_block(ends_ptr, E, E_PAD, 1)
     if expert < E:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
-        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/2] packed matrix
-        p_rows = p_ptr + w_rows[:, None, None] * KH
-        s_rows = s_ptr + w_rows[:, None] * (KH // 16)
-        x_row = x_ptr + row.to(tl.int64) * (2 * KH)
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/8] word matrix
+        p_rows = p_ptr + w_rows[:, None, None] * KW
+        s_rows = s_ptr + w_rows[:, None] * (KW // 4)
+        x_row = x_ptr + row.to(tl.int64) * (8 * KW)
         g_idx = tl.arange(0, GROUPS)
-        b_idx = tl.arange(0, 16)
+        q_idx = tl.arange(0, 4)
         # one partial sum per (column, scale group) slot; reduced over the groups once at the end
         acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-        for g0 in range(0, KH // 16, GROUPS):
+        for g0 in range(0, KW // 4, GROUPS):
             g = g0 + g_idx
-            gmask = g < KH // 16
-            j = g[:, None] * 16 + b_idx[None, :]  # packed byte index along K: [GROUPS, 16]
-            x_even = tl.load(x_row + 2 * j, mask=gmask[:, None], other=0.0).to(tl.float32)
-            x_odd = tl.load(x_row + 2 * j + 1, mask=gmask[:, None], other=0.0).to(tl.float32)
+            gmask = g < KW // 4
+            q = g[:, None] * 4 + q_idx[None, :]  # word index along the row: [GROUPS, 4]
             wmask = cmask[:, None] & gmask[None, :]
-            byte = tl.load(p_rows + j[None, :, :], mask=wmask[:, :, None], other=0).to(tl.int32)
-            # low nibble = even element. Products of E2M1 values with x are exact for 16-bit x, and the group's
-            # power-of-two scale multiplies its 32-term f32 sum (exact as well) instead of each weight
-            group_sum = tl.sum(_e2m1(byte & 15) * x_even[None, :, :] + _e2m1(byte >> 4) * x_odd[None, :, :], axis=2)
+            word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
+            if PTX_DECODE:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
+            else:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
+            # [BLOCK_N, GROUPS, 4 words, 8 codes]: join puts its pair last, so the last join is the fastest index
+            # (code i = 4a + 2b + c). Code i of word q multiplies element 8q + i of x, loaded as one 16-byte vector
+            # per word (eight strided loads per word cost more than the decode: docs/benchmarks.md, session 10).
+            # Products of 2^-14-scaled E2M1 values with 16-bit x are exact in f32; the group's power-of-two scale
+            # (times 2^14) multiplies its 32-term sum
+            codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                                       tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
+            xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=gmask[:, None, None],
+                         other=0.0).to(tl.float32)
+            part = tl.sum(tl.sum(codes * xv[None, :, :, :], axis=3), axis=2)
             factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))
-            acc += group_sum * factor
+            acc += (part * 16384.0) * factor
         out = tl.sum(acc, axis=1)
         tl.store(o_ptr + row.to(tl.int64) * N + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
+
+
+MXFP4_PTX_DECODE = True  # the f16-pair decode where it can run (off: the portable decode, for side-by-side runs)
+
+
+def _ptx_decode(device: torch.device) -> bool:
+    # the f16-pair decode is NVIDIA PTX: not for ROCm, not for the interpreter (CPU debugging)
+    return (MXFP4_PTX_DECODE and device.type == "cuda" and torch.version.hip is None
+            and os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
@@ -777,20 +848,22 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
     (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
     if num_rows == 0 or n == 0:
         return out
+    # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
+    words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
 
     def grid(meta):
         return (num_rows, triton.cdiv(n, meta["BLOCK_N"]))
 
     with torch.cuda.device(xs.device):  # Triton launches on the current device
-        _mxfp4_gemv_kernel[grid](xs, packed, scale, out, ends, n, kh, num_experts,
-                                 E_PAD=triton.next_power_of_2(num_experts))
+        _mxfp4_gemv_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
+                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device))
     return out
 
 
 def mxfp4_gemv(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                group_ends: torch.Tensor) -> torch.Tensor:
     """`mxfp4_grouped_matmul` (same arguments, same numbers: f32 accumulation, one rounding to xs.dtype) as a GEMV
-    for one row per expert: each routed row reads its expert's packed bytes once, with no 16-row tile.
+    for one or two rows per expert: each routed row reads its expert's packed bytes once, with no 16-row tile.
     Rows past group_ends[-1] are left unwritten. Without autograd recording it runs as the custom op
     `torch.ops.kimik3.mxfp4_gemv` (one node under torch.compile); gradient for xs only."""
     if custom_ops.needs_grad(xs):

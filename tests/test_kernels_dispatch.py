@@ -650,10 +650,10 @@ def test_mxfp4_experts_path_decision():
     """GEMV up to MXFP4_GEMV_ROWS_PER_EXPERT routed rows per expert on average, the tile kernel up to
     MXFP4_TILE_ROWS_PER_EXPERT, the dequantised stack and grouped GEMMs beyond."""
     moe = importlib.import_module(kernels.__name__ + ".moe")
-    assert (moe.MXFP4_GEMV_ROWS_PER_EXPERT, moe.MXFP4_TILE_ROWS_PER_EXPERT) == (1, 16)
-    # the benchmark model: 64 experts, top-16: decode at batch 1..4 is GEMV, 5..64 tokens tiles, more dequantised
-    assert moe.mxfp4_experts_path(1 * 16, 64) == "gemv" and moe.mxfp4_experts_path(4 * 16, 64) == "gemv"
-    assert moe.mxfp4_experts_path(5 * 16, 64) == "tiles" and moe.mxfp4_experts_path(8 * 16, 64) == "tiles"
+    assert (moe.MXFP4_GEMV_ROWS_PER_EXPERT, moe.MXFP4_TILE_ROWS_PER_EXPERT) == (2, 16)
+    # the benchmark model: 64 experts, top-16: decode at batch 1..8 is GEMV, 9..64 tokens tiles, more dequantised
+    assert moe.mxfp4_experts_path(1 * 16, 64) == "gemv" and moe.mxfp4_experts_path(8 * 16, 64) == "gemv"
+    assert moe.mxfp4_experts_path(9 * 16, 64) == "tiles" and moe.mxfp4_experts_path(16 * 16, 64) == "tiles"
     assert moe.mxfp4_experts_path(64 * 16, 64) == "tiles"
     assert moe.mxfp4_experts_path(65 * 16, 64) == "dequantised"
     assert moe.mxfp4_experts_path(0, 64) == "gemv"
@@ -670,8 +670,8 @@ def test_moe_experts_mxfp4_runs_each_path_by_rows_per_expert(monkeypatch):
     _packed_kernels_as_custom_ops(monkeypatch, moe)
     gemv, tiles = "kimik3.mxfp4_gemv", "kimik3.mxfp4_grouped_matmul"
     dequant, grouped = "kimik3.mxfp4_dequant", "aten._grouped_mm"
-    e, k = 6, 3  # GEMV up to 6 routed rows (2 tokens), tiles up to 96 (32 tokens)
-    for n, expected in ((1, {gemv}), (2, {gemv}), (3, {tiles}), (32, {tiles}), (33, {dequant, grouped})):
+    e, k = 6, 3  # GEMV up to 12 routed rows (4 tokens), tiles up to 96 (32 tokens)
+    for n, expected in ((1, {gemv}), (4, {gemv}), (5, {tiles}), (32, {tiles}), (33, {dequant, grouped})):
         x, idx, w, gate_up, down = _moe_case(n=n, k=k, e=e)
         args = (*ops.quantize_mxfp4(gate_up), *ops.quantize_mxfp4(down), 4.0, 25.0)
         with torch.no_grad(), TopLevelOps() as seen:
