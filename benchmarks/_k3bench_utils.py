@@ -127,6 +127,20 @@ def timed(fn, repeats: int = 1, warmup: int = 0):
     return times[len(times) // 2], times
 
 
+def event_us(fn, iters: int, warmup: int = 3) -> float:
+    """Mean microseconds per call of `iters` back-to-back calls after `warmup`, timed by CUDA events (no host
+    synchronisation between calls: kernel-level timings)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
     """E[# distinct experts hit] when each of `batch` tokens picks top_k of num_experts uniformly."""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)

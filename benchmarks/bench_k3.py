@@ -727,7 +727,7 @@ def _mxfp4_gemv_vs_tiles(x, idx, w, packed, packed_args, fast_mxfp4, packed_byte
                      "tiles": ("tiles", torch.ops.kimik3.mxfp4_grouped_matmul)}
     with torch.inference_mode():
         for kernel, (path, matmul) in ops_by_kernel.items():
-            decode = (lambda fn: without_ptx_decode(fn)) if kernel == "gemv_portable_decode" else (lambda fn: fn())
+            decode = without_ptx_decode if kernel == "gemv_portable_decode" else (lambda fn: fn())
             sec, _ = decode(lambda: with_mxfp4_kernel(path, lambda: timed(
                 lambda: fast_mxfp4(x, idx, w, *packed_args), repeats=5, warmup=2)))
             res[f"{kernel}_ms"] = round(sec * 1e3, 4)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from _k3bench_utils import event_us
 from kimik3.modeling import ops_kimi_k3 as ops
 
 @triton.jit
@@ -145,18 +146,6 @@ def check(device, dtype, shapes, tol, **launch):
     return worst
 
 
-def event_us(fn, iters=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check-only", action="store_true", help="small correctness checks (CPU interpreter)")
@@ -188,7 +177,7 @@ def main():
         }
         for name, fn in timings.items():
             with torch.inference_mode():
-                us = event_us(fn)
+                us = event_us(fn, 20)
             row[name] = {"us": round(us, 1), "TBps": round(latent_bytes / us / 1e6, 2)}
         with torch.inference_mode():
             want = ops.mla_decode(q, cache, scale, 512, valid[:, None])[0].float()

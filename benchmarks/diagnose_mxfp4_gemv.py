@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from _k3bench_utils import event_us
 from kimik3.kernels import triton_ops
 from kimik3.kernels.triton_ops import _e2m1_word_ptx
 
@@ -59,18 +60,6 @@ def _probe_kernel(x_ptr, p_ptr, o_ptr, N, KW, BLOCK_N: tl.constexpr, BLOCK_KW: t
     tl.store(o_ptr + row * N + cols, tl.sum(acc, axis=1), mask=cmask)
 
 
-def event_us(fn, iters=50):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
 def main():
     dev = "cuda"
     experts, rows, n, k = 64, 16, 6144, 3584
@@ -86,7 +75,7 @@ def main():
     results = {"shape": {"experts": experts, "rows": rows, "n": n, "k": k, "packed_bytes_read": read},
                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     ref = triton_ops._mxfp4_gemv_fwd(xs, packed, scale, ends).float()
-    results["autotuned_us"] = round(event_us(lambda: triton_ops._mxfp4_gemv_fwd(xs, packed, scale, ends)), 1)
+    results["autotuned_us"] = round(event_us(lambda: triton_ops._mxfp4_gemv_fwd(xs, packed, scale, ends), 50), 1)
     for bn, bkw, warps in CONFIGS:
         tag = f"n{bn}_kw{bkw}_w{warps}"
         grid = (rows, triton.cdiv(n, bn))
@@ -95,11 +84,11 @@ def main():
             def call(ptx=ptx):
                 triton_ops._mxfp4_gemv_kernel.fn[grid](xs, words, scale, out, ends, n, kw, experts, E_PAD=64,
                                                        BLOCK_N=bn, BLOCK_KW=bkw, PTX_DECODE=ptx, num_warps=warps)
-            row[name] = event_us(call)
+            row[name] = event_us(call, 50)
             assert torch.allclose(out.float(), ref, rtol=2e-2, atol=1e-2), (tag, name)
         for name, mode in (("probe_load", 0), ("probe_decode", 1), ("probe_strided_x", 2)):
             row[name] = event_us(lambda mode=mode: _probe_kernel[grid](xs, words, out32, n, kw, BLOCK_N=bn,
-                                                                       BLOCK_KW=bkw, MODE=mode, num_warps=warps))
+                                                                       BLOCK_KW=bkw, MODE=mode, num_warps=warps), 50)
         results[tag] = {name: {"us": round(us, 1), "TBps": round(read / us / 1e6, 2)} for name, us in row.items()}
         print(tag, {name: v["TBps"] for name, v in results[tag].items()}, flush=True)
     print("autotuned", results["autotuned_us"], "us", round(read / results["autotuned_us"] / 1e6, 2), "TB/s")

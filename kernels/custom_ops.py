@@ -235,7 +235,7 @@ mxfp4_grouped_matmul.register_fake(_mxfp4_grouped_matmul_fake)
 
 @torch.library.custom_op("kimik3::mxfp4_gemv", mutates_args=())
 def mxfp4_gemv(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
-    """`mxfp4_grouped_matmul` for one row per expert; CUDA: the GEMV kernel (one program per routed row)."""
+    """`mxfp4_grouped_matmul` for one or two rows per expert; CUDA: the GEMV kernel (one program per routed row)."""
     return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
 
 
