@@ -141,6 +141,21 @@ def event_us(fn, iters: int, warmup: int = 3) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+def graph_us(fn, iters: int, warmup: int = 3) -> float:
+    """Mean microseconds per replay of fn captured in a CUDA graph (GPU time without host launch cost, as inside the
+    compiled decode step's graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return event_us(graph.replay, iters, warmup=1)
+
+
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
     """E[# distinct experts hit] when each of `batch` tokens picks top_k of num_experts uniformly."""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)

@@ -840,6 +840,16 @@ def without_ptx_decode(fn):
     return _with_setting(triton_ops, "MXFP4_PTX_DECODE", False, fn)
 
 
+def with_reference_ops(names: str, fn):
+    """fn() with the ops in the comma list `names` on their references (KIMIK3_REFERENCE_ONLY), the others fast."""
+    previous = os.environ.get("KIMIK3_REFERENCE_ONLY")
+    os.environ["KIMIK3_REFERENCE_ONLY"] = names
+    try:
+        return fn()
+    finally:
+        os.environ["KIMIK3_REFERENCE_ONLY"] = previous if previous is not None else "0"
+
+
 def set_reference(flag: bool):
     os.environ["KIMIK3_REFERENCE_ONLY"] = "1" if flag else "0"
 
@@ -907,6 +917,15 @@ def main():
         drv, stats = holder["driver"], holder["stats"]
         set_reference(False)
         sec("fast.prefill_8k", lambda: measure_prefill(drv, stats, 8 * K, repeats=3), 20)
+        # the same prefill with the RMSNorms on their six-op reference (the fused Triton twin off)
+        sec("fast_reference_rms_norm.prefill_8k", lambda: with_reference_ops(
+            "rms_norm", lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
+        # ... and with both norms (KimiRMSNorm and KDA's gated output norm) on their references
+        sec("fast_reference_norms.prefill_8k", lambda: with_reference_ops(
+            "rms_norm,gated_rms_norm", lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
+        # ... and with the KDA decay gate too (the three one-pass kernels of session 11 off)
+        sec("fast_reference_norms_gate.prefill_8k", lambda: with_reference_ops(
+            "rms_norm,gated_rms_norm,kda_gate", lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
         sec("fast.decode_b1_4k", lambda: measure_decode(drv, stats, 1, 4 * K, steps=20), 15)
         sec("fast.decode_b8_4k", lambda: measure_decode(drv, stats, 8, 4 * K, steps=10), 20)
         sec("fast.prefill_64k", lambda: measure_prefill(drv, stats, 64 * K, repeats=1, warmup=1), 40)
@@ -965,6 +984,11 @@ def main():
             sec(f"generate.compiled_grouped_mm.decode_{tag}",
                 lambda b=batch, c=context, s=synthetic: without_few_rows_kernel(
                     lambda: measure_generate_decode(model, stats, b, c, True, synthetic=s, profile=True)), 60)
+            if context > 4 * K:  # the same step with the MLA decode traced from its reference (the op off)
+                sec(f"generate.compiled_reference_mla.decode_{tag}",
+                    lambda b=batch, c=context, s=synthetic: with_reference_ops(
+                        "mla_decode", lambda: measure_generate_decode(model, stats, b, c, True, synthetic=s,
+                                                                      profile=True)), 60)
             # the same step with the KDA convs on fla's kernels instead of the step kernel
             sec(f"generate.compiled_fla_conv.decode_{tag}",
                 lambda b=batch, c=context, s=synthetic: without_conv_step_kernel(

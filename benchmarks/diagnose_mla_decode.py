@@ -26,14 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from _k3bench_utils import event_us
+from _k3bench_utils import event_us, graph_us
 from kimik3.modeling import ops_kimi_k3 as ops
 
 @triton.jit
 def _mla_decode_split_kernel(q_ptr, c_ptr, v_ptr, acc_ptr, ml_ptr, T, ROWS, S, SPLIT_T, scale,
                              stride_qb, stride_qr, stride_cb, stride_ct, stride_vb, stride_vs,
                              R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-                             HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):
+                             HAS_MASK: tl.constexpr, ONE_QUERY: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < ROWS
@@ -55,10 +55,13 @@ def _mla_decode_split_kernel(q_ptr, c_ptr, v_ptr, acc_ptr, ml_ptr, T, ROWS, S, S
         k_pe = tl.load(c_rows + R + p_idx[None, :], mask=tmask[:, None], other=0.0)
         s = tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION) * scale
-        if HAS_MASK:  # key-valid mask [B, S, T]: query row h * S + i reads row i
+        if HAS_MASK and ONE_QUERY:  # one new token: every row reads the same mask row
+            valid = tl.load(v_ptr + b * stride_vb + t, mask=tmask, other=0)
+            s = tl.where(valid[None, :] != 0, s, -1e30)  # finite: a row with no valid key stays finite (uniform)
+        elif HAS_MASK:  # key-valid mask [B, S, T]: query row h * S + i reads row i
             valid = tl.load(v_ptr + b * stride_vb + (rows % S).to(tl.int64)[:, None] * stride_vs + t[None, :],
                             mask=rmask[:, None] & tmask[None, :], other=0)
-            s = tl.where(valid != 0, s, -1e30)  # finite: a row with no valid key stays finite (uniform)
+            s = tl.where(valid != 0, s, -1e30)
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -88,7 +91,7 @@ def _mla_decode_combine_kernel(acc_ptr, ml_ptr, o_ptr, SPLITS, R: tl.constexpr, 
 
 
 def mla_decode_split_k(q_lat, latent_cache, scale, kv_lora_rank, key_valid=None, block_r=32, block_t=32,
-                       num_warps=8, target_programs=None):
+                       num_warps=8, target_programs=None, num_stages=None):
     """q_lat [B, H, S, R+P], latent_cache [B, T, R+P], key_valid bool [B, S, T] or None -> o_lat [B, H, S, R]."""
     batch, heads, s_len, width = q_lat.shape
     t_len = latent_cache.shape[1]
@@ -111,7 +114,8 @@ def mla_decode_split_k(q_lat, latent_cache, scale, kv_lora_rank, key_valid=None,
         q, cache, valid, acc, ml, t_len, rows, s_len, split_t, scale, q.stride(0), q.stride(1), cache.stride(0),
         cache.stride(1), valid.stride(0) if key_valid is not None else 0,
         valid.stride(1) if key_valid is not None else 0, R=rank, P=pe, BLOCK_R=block_r, BLOCK_T=block_t,
-        HAS_MASK=key_valid is not None, PRECISION=precision, num_warps=num_warps)
+        HAS_MASK=key_valid is not None, ONE_QUERY=s_len == 1, PRECISION=precision, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}))
     out = torch.empty(batch, rows, rank, dtype=q.dtype, device=q.device)
     _mla_decode_combine_kernel[(batch * rows,)](acc, ml, out, splits, R=rank,
                                                 SPLITS_PAD=triton.next_power_of_2(splits))
@@ -178,11 +182,43 @@ def main():
         for name, fn in timings.items():
             with torch.inference_mode():
                 us = event_us(fn, 20)
-            row[name] = {"us": round(us, 1), "TBps": round(latent_bytes / us / 1e6, 2)}
+            try:
+                with torch.inference_mode():
+                    gpu_us = graph_us(fn, 20)
+            except Exception as exc:  # not capturable
+                gpu_us = float("nan")
+                row[f"{name}_graph_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            row[name] = {"us": round(us, 1), "TBps": round(latent_bytes / us / 1e6, 2), "graph_us": round(gpu_us, 1),
+                         "graph_TBps": round(latent_bytes / gpu_us / 1e6, 2)}
         with torch.inference_mode():
             want = ops.mla_decode(q, cache, scale, 512, valid[:, None])[0].float()
             got = mla_decode_split_k(q, cache, scale, 512, valid).float()
         row["split_k_rel_err_vs_reference"] = ((got - want).norm() / want.norm()).item()
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        sweep = {}
+        configs = [(r, t, w, st, p) for r, t, w in ((64, 32, 8), (64, 64, 8), (32, 64, 8), (32, 32, 4), (16, 64, 4))
+                   for st in (1, 2, 3) for p in (1, 2, 4)] if t_len > 4096 else []
+        for block_r, block_t, warps, stages, per_sm in configs:
+            if True:
+                launch = dict(block_r=block_r, block_t=block_t, num_warps=warps, target_programs=per_sm * sms,
+                              num_stages=stages)
+                try:
+                    with torch.inference_mode():
+                        us = event_us(lambda: mla_decode_split_k(q, cache, scale, 512, valid, **launch), 10)
+                except Exception as exc:  # a config that does not compile (registers, shared memory)
+                    sweep[f"r{block_r}_t{block_t}_w{warps}_s{stages}_p{per_sm}"] = f"{type(exc).__name__}"
+                    continue
+                sweep[f"r{block_r}_t{block_t}_w{warps}_s{stages}_p{per_sm}"] = round(us, 1)
+        row["split_k_sweep_us"] = sweep
+        if not sweep:
+            continue
+        best = min((v, k) for k, v in sweep.items() if isinstance(v, float))
+        row["split_k_best"] = {"config": best[1], "us": best[0], "TBps": round(latent_bytes / best[0] / 1e6, 2)}
+        r, t, w, st, p = (int(part[1:]) for part in best[1].split("_"))
+        with torch.inference_mode():
+            row["split_k_best"]["graph_us"] = round(graph_us(lambda: mla_decode_split_k(
+                q, cache, scale, 512, valid, block_r=r, block_t=t, num_warps=w, num_stages=st,
+                target_programs=p * sms), 20), 1)
         results[f"b{batch}_t{t_len // 1024}k"] = row
         print(f"b{batch}_t{t_len // 1024}k", {k: v for k, v in row.items()}, flush=True)
     Path(os.environ.get("OUT", "."), "diagnose_mla_decode.json").write_text(json.dumps(results, indent=1))

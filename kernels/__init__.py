@@ -21,8 +21,8 @@ do not import. `KERNELS_API_VERSION` is the interface version; the remote code u
 matches the version it was written against.
 
 The twins that launch their own kernels and run in the decode step (situ_glu, block_attn_res_mix,
-fused_recurrent_kda, causal_conv1d, the bf16 experts' few-rows grouped matmul, the packed-MXFP4 matmul and
-dequantisation) run them, when no gradient is recorded, as `torch.library` custom ops `torch.ops.kimik3.*` with fake
+fused_recurrent_kda, causal_conv1d, mla_decode, the bf16 experts' few-rows grouped matmul, the packed-MXFP4 matmul
+and dequantisation) run them, when no gradient is recorded, as `torch.library` custom ops `torch.ops.kimik3.*` with fake
 implementations (custom_ops.py, registered on any machine), so a compiled decode step keeps them inside its one graph.
 
 | name | fast twin | autograd |
@@ -31,9 +31,12 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 | fused_recurrent_kda | fla-core `fused_recurrent_kda` | no |
 | causal_conv1d | fla-core Triton causal_conv1d; up to 16 tokens after a cached window: own Triton step kernel | yes (fla) |
 | attention_with_lse | PyTorch's cuDNN fused attention with its log-sum-exp (flash, V padded, where cuDNN refuses) | no |
-| mla_decode | two cuBLAS bmm (f32 scores) + f32 softmax | yes (torch ops) |
+| mla_decode | two cuBLAS bmm + one Triton scale/mask/f32-softmax pass (masks included) | no |
 | block_attn_res_mix | own Triton forward | analytic PyTorch backward |
 | situ_glu | own Triton | yes |
+| rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
+| gated_rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
+| kda_gate | own Triton, one pass (K3's lower-bounded form; the softplus form runs the reference) | no |
 | moe_experts | torch grouped_mm + Triton SiTU + Triton combine; decode: Triton few-rows grouped matmul | yes (grouped_mm) |
 | moe_experts_mxfp4 | Triton grouped matmul dequantising packed tiles in registers; decode: Triton GEMV | activations only |
 | mxfp4_dequant | own Triton (bit-exact) | no |
@@ -85,7 +88,7 @@ def _load_mla_prefill():
 
 
 def _load_mla():
-    from . import mla
+    from . import mla, triton_ops  # noqa: F401  (the softmax between the GEMMs is a Triton kernel)
 
     return mla.mla_decode
 
@@ -98,6 +101,9 @@ _LOADERS = {
     "mla_decode": _load_mla,
     "block_attn_res_mix": _load_triton("block_attn_res_mix"),
     "situ_glu": _load_triton("situ_glu"),
+    "rms_norm": _load_triton("rms_norm"),
+    "gated_rms_norm": _load_triton("gated_rms_norm"),
+    "kda_gate": _load_triton("kda_gate"),
     "moe_experts": _load_moe,
     "moe_experts_mxfp4": _load_moe_mxfp4,
     "mxfp4_dequant": _load_triton("mxfp4_dequant"),

@@ -249,6 +249,28 @@ def _mxfp4_gemv_cuda(xs, packed, scale, group_ends):
 mxfp4_gemv.register_fake(_mxfp4_grouped_matmul_fake)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Absorbed MLA decode attention (cuBLAS + one Triton softmax pass)
+
+
+@torch.library.custom_op("kimik3::mla_decode", mutates_args=())
+def mla_decode(q_lat: Tensor, latent_cache: Tensor, scale: float, kv_lora_rank: int,
+               attention_mask: Optional[Tensor]) -> Tensor:
+    return _reference.mla_decode(q_lat, latent_cache, scale, kv_lora_rank, attention_mask)[0].contiguous()
+
+
+@mla_decode.register_kernel("cuda")
+def _mla_decode_cuda(q_lat, latent_cache, scale, kv_lora_rank, attention_mask):
+    from . import mla
+
+    return mla.mla_decode_cuda(q_lat, latent_cache, scale, kv_lora_rank, attention_mask)
+
+
+@mla_decode.register_fake
+def _(q_lat, latent_cache, scale, kv_lora_rank, attention_mask):
+    return torch.empty(*q_lat.shape[:-1], kv_lora_rank, dtype=q_lat.dtype, device=q_lat.device)
+
+
 OPS = {
     "situ_glu": situ_glu,
     "block_attn_res_mix": block_attn_res_mix,
@@ -258,4 +280,5 @@ OPS = {
     "mxfp4_dequant": mxfp4_dequant,
     "mxfp4_grouped_matmul": mxfp4_grouped_matmul,
     "mxfp4_gemv": mxfp4_gemv,
+    "mla_decode": mla_decode,
 }

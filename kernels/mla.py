@@ -11,36 +11,49 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Absorbed MLA decode attention as two well-shaped batched GEMMs (no SDPA, so no math-path fallback).
+"""Absorbed MLA decode attention: the reference's two batched GEMMs on cuBLAS with its scale / mask / f32 softmax /
+rounding fused into one Triton pass between them, as one custom op (`torch.ops.kimik3.mla_decode`).
 
 All H heads (times S query rows) of a sequence form the M dimension of one GEMM against the shared latent cache
-(MQA), so the cache is read by two cuBLAS bmm calls: scores in f32 (bf16 products, f32 accumulate and output), f32
-softmax, probabilities in the cache dtype (as flash attention does), PV in f32 accumulation.
+(MQA). The reference rounds where this does: scores in the cache dtype, times the scale (rounded again), masked with
+the dtype's lowest value, softmax in f32, probabilities rounded to the cache dtype, PV accumulated by cuBLAS. Under
+torch.compile the op is one graph node: inductor otherwise picked unaligned cuBLAS kernels for the static cache's
+whole-buffer GEMMs and copied the latents' first R columns out before the second (docs/benchmarks.md, session 11).
 """
 
 import torch
 
-
-def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    try:
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    except (TypeError, RuntimeError, NotImplementedError):  # older torch: no out_dtype overload
-        return torch.bmm(a.float(), b.float())
+from . import custom_ops
 
 
 def mla_decode(
-    q_lat: torch.Tensor, latent_cache: torch.Tensor, scale: float, kv_lora_rank: int, attention_mask: None = None
+    q_lat: torch.Tensor,
+    latent_cache: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """Same contract as `ops_kimi_k3.mla_decode` without a mask (with one, the model calls the reference):
-    q_lat [B, H, S, R+P], latent_cache [B, T, R+P] -> (o_lat [B, H, S, R] in q_lat's dtype, None: the probabilities
-    are not kept)."""
-    if attention_mask is not None:
-        raise ValueError("the fast mla_decode takes no attention mask; masked decode runs ops_kimi_k3.mla_decode")
-    batch, heads, s_len, dim = q_lat.shape
+    """Same contract as `ops_kimi_k3.mla_decode`: q_lat [B, H, S, R+P], latent_cache [B, T, R+P], attention_mask bool
+    [B, 1 or H, S, T] or None -> (o_lat [B, H, S, R] in q_lat's dtype, None: the probabilities are not kept).
+    Forward only."""
+    if custom_ops.needs_grad(q_lat, latent_cache):
+        raise ValueError("the fast mla_decode has no backward; while autograd records the model runs the reference")
+    o_lat = torch.ops.kimik3.mla_decode(q_lat, latent_cache, float(scale), int(kv_lora_rank), attention_mask)
+    return o_lat, None
+
+
+def mla_decode_cuda(q_lat, latent_cache, scale, kv_lora_rank, attention_mask):
+    """The op's CUDA implementation: bmm, the fused softmax kernel, bmm on the strided first R latent columns."""
+    from . import triton_ops
+
+    batch, heads, s_len, width = q_lat.shape
+    if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[0] != batch
+                                       or attention_mask.shape[1] not in (1, heads)
+                                       or attention_mask.shape[2:] != (s_len, latent_cache.shape[1])):
+        raise ValueError(f"mla_decode: attention mask {tuple(attention_mask.shape)} does not broadcast to "
+                         f"[{batch}, {heads}, {s_len}, {latent_cache.shape[1]}]")
     cache = latent_cache if latent_cache.dtype == q_lat.dtype else latent_cache.to(q_lat.dtype)
-    q = q_lat.reshape(batch, heads * s_len, dim)
-    scores = _bmm_f32(q, cache.transpose(1, 2))  # [B, H*S, T]
-    scores.mul_(scale)
-    probs = torch.softmax(scores, dim=-1).to(cache.dtype)
-    out = torch.bmm(probs, cache[:, :, :kv_lora_rank])  # [B, H*S, R]
-    return out.view(batch, heads, s_len, kv_lora_rank), None
+    scores = torch.bmm(q_lat.reshape(batch, heads * s_len, width), cache.transpose(1, 2))  # [B, H*S, T]
+    probs = triton_ops.mla_softmax(scores, scale, attention_mask, heads, s_len)
+    out = torch.bmm(probs, cache[:, :, :kv_lora_rank])
+    return out.view(batch, heads, s_len, kv_lora_rank)

@@ -14,6 +14,10 @@
 """Triton kernels of Kimi K3 (importing this module requires `triton`).
 
 * `situ_glu`            fused SiTU-GLU, forward and backward in Triton (autograd Function).
+* `rms_norm`            KimiRMSNorm in one pass (forward only).
+* `gated_rms_norm`      KDA's gated output norm (f32 throughout) in one pass (forward only).
+* `kda_gate`            KDA's lower-bounded decay gate (f32) in one pass over the bf16 logits (forward only).
+* `mla_softmax`         the absorbed MLA decode's scale / mask / f32 softmax / rounding between its two GEMMs.
 * `block_attn_res_mix`  AttnRes softmax depth-mixture; forward in Triton (one read pass for the scores, one for the
                         mix, no stacked copy of the candidates), backward analytic in PyTorch (per candidate, f32).
 * `moe_combine`         weighted f32 sum of the (rounded) expert outputs back to token order; Triton forward,
@@ -38,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kimik3.modeling import ops_kimi_k3 as _reference_ops
 from kimik3.modeling.ops_kimi_k3 import MXFP4_GROUP_SIZE
 
 from . import custom_ops
@@ -172,6 +177,193 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_be
     if custom_ops.needs_grad(gate, up):
         return _SituGLU.apply(gate, up, b1, b2)
     return torch.ops.kimik3.situ_glu(gate, up, b1, b2)  # one node under torch.compile
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RMSNorms in one pass: KimiRMSNorm (the reference's six ops: f32 copy, square, mean, scale, cast back, weight) and
+# the KDA output's gated norm (ten ops with f32 intermediates)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, D, stride_x, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    m = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
+    # the two roundings of the reference: normalised row to the input dtype, then the product with the weight
+    normed = (x * inv_rms).to(o_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * D + cols, (normed * w).to(o_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `ops_kimi_k3.rms_norm` for a weight of the input's dtype; forward only (FAST_OPS declares it
+    so: while autograd records, and under torch.compile, which fuses the reference itself, the reference runs)."""
+    d = hidden_states.shape[-1]
+    if weight.shape != (d,) or weight.dtype != hidden_states.dtype:
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} {weight.dtype} does not fit hidden states "
+                         f"[..., {d}] {hidden_states.dtype}")
+    x = _rows(hidden_states, d)
+    out = torch.empty(x.shape, dtype=hidden_states.dtype, device=x.device)
+    if x.shape[0]:
+        block = triton.next_power_of_2(d)
+        with torch.cuda.device(x.device):
+            _rms_norm_kernel[(x.shape[0],)](x, weight.contiguous(), out, d, x.stride(0), float(eps), BLOCK_D=block,
+                                            num_warps=min(16, max(1, block // 512)))
+    return out.view(hidden_states.shape)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, o_ptr, ROWS, D, stride_x, stride_g, eps, BLOCK_ROWS: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    m = (rows < ROWS)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
+    y = x * inv_rms[:, None] * w[None, :] * (1.0 / (1.0 + tl.exp(-g)))
+    tl.store(o_ptr + rows[:, None] * D + cols[None, :], y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `ops_kimi_k3.gated_rms_norm` (all f32, one rounding to x's dtype) in one pass; forward only."""
+    d = x.shape[-1]
+    if gate.shape != x.shape or weight.shape != (d,):
+        raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)} and weight "
+                         f"{tuple(weight.shape)} do not fit (gate as x, weight [{d}])")
+    x2, g2 = _rows(x, d), _rows(gate, d)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if rows:
+        block_d = triton.next_power_of_2(d)
+        block_rows = max(1, min(64, 4096 // block_d))
+        with torch.cuda.device(x.device):
+            _gated_rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
+                x2, g2, weight.contiguous(), out, rows, d, x2.stride(0), g2.stride(0), float(eps),
+                BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4)
+    return out.view(x.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# KDA decay gate: g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias)), f32, in one pass over the bf16 logits (the reference
+# runs five f32 ops, two of them broadcasting over heads)
+
+
+@triton.jit
+def _kda_gate_kernel(z_ptr, a_ptr, b_ptr, g_ptr, ROWS, C, HEAD_DIM, stride_z, lower_bound, BLOCK_ROWS: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    m = (rows < ROWS)[:, None] & cmask[None, :]
+    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    bias = tl.load(b_ptr + cols, mask=cmask, other=0.0)
+    a = tl.load(a_ptr + cols // HEAD_DIM, mask=cmask, other=0.0)
+    x = a[None, :] * (z + bias[None, :])
+    tl.store(g_ptr + rows[:, None] * C + cols[None, :], lower_bound * (1.0 / (1.0 + tl.exp(-x))), mask=m)
+
+
+def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Same contract as `ops_kimi_k3.kda_gate`; the lower-bounded (K3) form in one Triton pass, the softplus (Kimi
+    Linear) form through the reference. exp(A_log) per head is computed by torch, as the reference does."""
+    if lower_bound is None:
+        return _reference_ops.kda_gate(z, A_log, dt_bias, lower_bound)
+    num_heads, head_dim = z.shape[-2], z.shape[-1]
+    channels = num_heads * head_dim
+    if dt_bias.numel() != channels or A_log.numel() < num_heads:
+        raise ValueError(f"kda_gate: logits [..., {num_heads}, {head_dim}] need dt_bias [{channels}] and A_log "
+                         f"[>= {num_heads}], got {tuple(dt_bias.shape)} and {tuple(A_log.shape)}")
+    z2 = _rows(z, channels)
+    a = A_log.float()[:num_heads].exp().contiguous()
+    bias = dt_bias.float().reshape(channels).contiguous()
+    g = torch.empty(z2.shape, dtype=torch.float32, device=z.device)
+    rows = z2.shape[0]
+    if rows:
+        block_c = min(1024, triton.next_power_of_2(channels))
+        block_rows = max(1, 4096 // block_c)
+        with torch.cuda.device(z.device):
+            _kda_gate_kernel[(triton.cdiv(rows, block_rows), triton.cdiv(channels, block_c))](
+                z2, a, bias, g, rows, channels, head_dim, z2.stride(0), float(lower_bound), BLOCK_ROWS=block_rows,
+                BLOCK_C=block_c, num_warps=4)
+    return g.view(z.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MLA decode softmax: the reference's scale, mask, f32 softmax and rounding between its two GEMMs, in one kernel
+
+
+@triton.jit
+def _mla_scaled_masked_scores(s_ptr, m_ptr, row, t, tm, scale, fill, H, S, stride_mb, stride_mh, stride_ms,
+                              stride_mt, HAS_MASK: tl.constexpr):
+    x = tl.load(s_ptr + t, mask=tm, other=0.0).to(tl.float32)
+    x = (x * scale).to(s_ptr.dtype.element_ty).to(tl.float32)  # the scaled scores are a tensor of that dtype
+    if HAS_MASK:
+        m_row = m_ptr + (row // (H * S)) * stride_mb + ((row // S) % H) * stride_mh + (row % S) * stride_ms
+        keep = tl.load(m_row + t.to(tl.int64) * stride_mt, mask=tm, other=0)
+        x = tl.where(keep != 0, x, fill)
+    return tl.where(tm, x, float("-inf"))
+
+
+@triton.jit
+def _mla_softmax_stats_kernel(s_ptr, m_ptr, ml_ptr, T, H, S, scale, fill, stride_mb, stride_mh, stride_ms, stride_mt,
+                              HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one query row (sequence, head, new token) x one block of keys
+    blk = tl.program_id(1)
+    t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    x = _mla_scaled_masked_scores(s_ptr + row * T, m_ptr, row, t, t < T, scale, fill, H, S, stride_mb, stride_mh,
+                                  stride_ms, stride_mt, HAS_MASK)
+    m = tl.max(x, axis=0)
+    out = (row * tl.num_programs(1) + blk) * 2
+    tl.store(ml_ptr + out, m)
+    tl.store(ml_ptr + out + 1, tl.sum(tl.exp(x - m), axis=0))
+
+
+@triton.jit
+def _mla_softmax_kernel(s_ptr, m_ptr, ml_ptr, p_ptr, T, H, S, scale, fill, stride_mb, stride_mh, stride_ms,
+                        stride_mt, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.num_programs(1)
+    b_idx = tl.arange(0, BLOCKS_PAD)
+    bm = b_idx < blocks
+    part_m = tl.load(ml_ptr + (row * blocks + b_idx) * 2, mask=bm, other=float("-inf"))
+    part_l = tl.load(ml_ptr + (row * blocks + b_idx) * 2 + 1, mask=bm, other=0.0)
+    m = tl.max(part_m, axis=0)
+    l = tl.sum(tl.where(bm, part_l * tl.exp(part_m - m), 0.0), axis=0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    x = _mla_scaled_masked_scores(s_ptr + row * T, m_ptr, row, t, tm, scale, fill, H, S, stride_mb, stride_mh,
+                                  stride_ms, stride_mt, HAS_MASK)
+    tl.store(p_ptr + row * T + t, tl.div_rn(tl.exp(x - m), l).to(p_ptr.dtype.element_ty), mask=tm)
+
+
+def mla_softmax(scores: torch.Tensor, scale: float, attention_mask: torch.Tensor | None, heads: int,
+                s_len: int) -> torch.Tensor:
+    """scores [B, H*S, T] (contiguous, the first GEMM's output) -> probabilities in scores' dtype, as
+    `ops_kimi_k3.mla_decode` computes them: softmax_f32(masked_fill(scores * scale, ~mask, dtype min))."""
+    t_len = scores.shape[-1]
+    probs = torch.empty_like(scores)
+    rows = scores.numel() // max(t_len, 1)
+    if rows and t_len:
+        if attention_mask is not None:
+            mask = attention_mask.view(torch.uint8) if attention_mask.dtype == torch.bool else attention_mask
+            strides = (mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0, mask.stride(2), mask.stride(3))
+        else:
+            mask, strides = scores, (0, 0, 0, 0)  # not read
+        block = min(2048, triton.next_power_of_2(t_len))
+        blocks = triton.cdiv(t_len, block)
+        stats = torch.empty(rows, blocks, 2, dtype=torch.float32, device=scores.device)
+        args = (t_len, heads, s_len, float(scale), torch.finfo(scores.dtype).min, *strides)
+        with torch.cuda.device(scores.device):
+            # the row's max and exp-sum per key block, then every block normalised by the row's merged statistics
+            _mla_softmax_stats_kernel[(rows, blocks)](scores, mask, stats, *args, HAS_MASK=attention_mask is not None,
+                                                      BLOCK_T=block, num_warps=4)
+            _mla_softmax_kernel[(rows, blocks)](scores, mask, stats, probs, *args, HAS_MASK=attention_mask is not None,
+                                                BLOCK_T=block, BLOCKS_PAD=max(2, triton.next_power_of_2(blocks)),
+                                                num_warps=4)
+    return probs
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -110,9 +110,20 @@ class KimiK3LatentLayer:
         self.latents = None
 
 
+# A static cache's buffers hold a whole number of these many tokens (the extra rows stay invalid in the key mask):
+# the decode step's GEMMs over the whole buffer then have 16-byte-aligned leading dimensions. With an odd length
+# (e.g. 64K context + 49) cuBLAS falls back to its unaligned kernels, 2-4x slower there (docs/benchmarks.md,
+# session 11).
+STATIC_BUFFER_TOKENS_MULTIPLE = 64
+
+
+def static_buffer_len(max_cache_len: int) -> int:
+    return -(-max_cache_len // STATIC_BUFFER_TOKENS_MULTIPLE) * STATIC_BUFFER_TOKENS_MULTIPLE
+
+
 class KimiK3StaticLatentLayer(KimiK3LatentLayer):
-    """MLA layer of a static cache: a preallocated [B, max_cache_len, R + P] buffer at a fixed address, written in
-    place; the cache's key-validity mask says which rows hold real tokens."""
+    """MLA layer of a static cache: a preallocated [B, max_cache_len rounded up, R + P] buffer at a fixed address,
+    written in place; the cache's key-validity mask says which rows hold real tokens."""
 
     is_compileable = True
     is_croppable = False
@@ -123,7 +134,7 @@ class KimiK3StaticLatentLayer(KimiK3LatentLayer):
 
     def _buffer(self, latents: torch.Tensor) -> torch.Tensor:
         if self.latents is None:
-            buffer = latents.new_zeros(latents.shape[0], self.max_cache_len, latents.shape[-1])
+            buffer = latents.new_zeros(latents.shape[0], static_buffer_len(self.max_cache_len), latents.shape[-1])
             self.latents = _static_address(buffer)
         return self.latents
 
@@ -673,9 +684,9 @@ class KimiK3Cache(Cache):
 class KimiK3StaticCache(KimiK3Cache):
     """Static Kimi K3 cache (`KimiK3Cache(config, max_cache_len=N)`): MLA latents live in preallocated buffers
     written in place, KDA states and conv windows are updated in place, the write position is a device tensor and
-    key validity a [B, max_cache_len] mask. A one-token decode step then has fixed shapes and addresses and never
-    reads a Python counter, so `generate(..., cache_implementation="static")` can compile it (`torch.compile`, CUDA
-    graphs)."""
+    key validity a [B, buffer length] mask (max_cache_len rounded up to 64 tokens). A one-token decode step then has
+    fixed shapes and addresses and never reads a Python counter, so `generate(..., cache_implementation="static")`
+    can compile it (`torch.compile`, CUDA graphs)."""
 
     is_static = True
 
@@ -685,7 +696,7 @@ class KimiK3StaticCache(KimiK3Cache):
         self._max_cache_len = max_cache_len
         super().__init__(config, **kwargs)
         self.position: torch.Tensor | None = None  # number of cached tokens, on the device
-        self.key_valid: torch.Tensor | None = None  # [B, max_cache_len], True where a real token is cached
+        self.key_valid: torch.Tensor | None = None  # [B, buffer length], True where a real token is cached
 
     def _new_layer(self, layer_type: str) -> KimiK3StaticLatentLayer | KimiK3StaticKDAStateLayer:
         if layer_type == "linear_attention":
@@ -705,8 +716,8 @@ class KimiK3StaticCache(KimiK3Cache):
         `max_cache_len`), shape-static for one decode token."""
         if self.position is None:
             self.position = _static_address(torch.zeros(1, dtype=torch.long, device=device))
-            self.key_valid = _static_address(torch.zeros(batch_size, self.max_cache_len, dtype=torch.bool,
-                                                         device=device))
+            self.key_valid = _static_address(torch.zeros(batch_size, static_buffer_len(self.max_cache_len),
+                                                         dtype=torch.bool, device=device))
         if self.is_fixed_shape_step(num_tokens):
             self.key_valid.index_fill_(1, self.position, True)
             return
@@ -719,7 +730,7 @@ class KimiK3StaticCache(KimiK3Cache):
         self.key_valid[:, start : start + num_tokens] = valid
 
     def key_valid_mask(self) -> torch.Tensor:
-        """[B, 1, 1, max_cache_len] attention mask of a fixed-shape decode step over the whole buffer."""
+        """[B, 1, 1, buffer length] attention mask of a fixed-shape decode step over the whole buffer."""
         return self.key_valid[:, None, None, :]
 
     def update_latents(self, latents: torch.Tensor, layer_idx: int) -> torch.Tensor:

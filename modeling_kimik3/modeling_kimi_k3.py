@@ -43,9 +43,6 @@ from .ops_kimi_k3 import (
     MXFP4_GROUP_SIZE,
     dequantize_mxfp4,
     fast_or_reference,
-    gated_rms_norm,
-    kda_gate,
-    mla_decode,
     routed_experts,
     sdpa_backend_order,
 )
@@ -101,10 +98,8 @@ class KimiK3RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden = hidden_states.float()
-        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * hidden.to(input_dtype)
+        norm = fast_or_reference("rms_norm", hidden_states, self.weight)
+        return norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -146,7 +141,8 @@ class KimiK3GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(hidden_states, gate, self.weight, self.eps)
+        norm = fast_or_reference("gated_rms_norm", hidden_states, gate, self.weight)
+        return norm(hidden_states, gate, self.weight, self.eps)
 
 
 class KimiK3DeltaAttention(nn.Module):
@@ -237,7 +233,9 @@ class KimiK3DeltaAttention(nn.Module):
         q, k, v = q.view(heads_shape), k.view(heads_shape), v.view(heads_shape)
 
         decay_logits = self.f_b_proj(self.f_a_proj(hidden_states)).view(heads_shape)
-        g = kda_gate(decay_logits, local_shard(self.A_log), local_shard(self.dt_bias), self.lower_bound)
+        A_log, dt_bias = local_shard(self.A_log), local_shard(self.dt_bias)
+        gate_fn = fast_or_reference("kda_gate", decay_logits, A_log, dt_bias)
+        g = gate_fn(decay_logits, A_log, dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
         if token_mask is not None:
             # A padded step must be the identity on the state: the decay is not 1 on zero input, so set g = 0 and
@@ -460,8 +458,7 @@ class KimiK3MLAAttention(nn.Module):
         q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
         q_all = torch.cat([q_latent, q_pe], dim=-1)
-        # the fast decode takes no mask: with one (padding, static caches) the reference runs
-        decode = fast_or_reference("mla_decode", query) if attention_mask is None else mla_decode
+        decode = fast_or_reference("mla_decode", q_all, latents)
         o_latent, attn_weights = decode(q_all, latents, self.scaling, self.kv_lora_rank, attention_mask)
         attn_output = torch.einsum("bhtr,hvr->bthv", o_latent, w_uv)
         return attn_output, attn_weights

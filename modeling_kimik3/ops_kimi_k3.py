@@ -264,6 +264,15 @@ def kda_segment_transition(
     return transition.contiguous()
 
 
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KimiRMSNorm (7): statistics in f32, cast back to the input dtype, then times the weight (in the weight and
+    input dtypes' promoted type: a bf16 weight times bf16 gives a bf16 product)."""
+    input_dtype = hidden_states.dtype
+    hidden = hidden_states.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(input_dtype)
+
+
 @f32_island
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fla FusedRMSNormGated(activation='sigmoid'): RMS over the last dim, weight, sigmoid gate; all f32 (2.2.8)."""
@@ -527,15 +536,19 @@ class FastOp:
     traceable_forward: bool = False
 
 
-# Under compile: the ops of the compiled (static-cache) decode step stay fast. mla_decode is not among them (a static
-# cache hands it a mask, which only the reference takes); chunk_kda and attention_with_lse run in prefill.
+# Under compile: the ops of the compiled (static-cache) decode step stay fast; chunk_kda and attention_with_lse run in
+# prefill, and inductor fuses the norms' and the KDA gate's references itself.
 FAST_OPS = {
     "chunk_kda": FastOp(chunk_kda),
     "fused_recurrent_kda": FastOp(fused_recurrent_kda, forward_only=True, traceable_forward=True),
     "causal_conv1d": FastOp(causal_conv1d, traceable_forward=True),
     "attention_with_lse": FastOp(attention_with_lse, half_only=True, forward_only=True),
-    "mla_decode": FastOp(mla_decode),
+    "mla_decode": FastOp(mla_decode, forward_only=True, traceable_forward=True),
     "block_attn_res_mix": FastOp(block_attn_res_mix, one_dtype=True, traceable_forward=True),
+    # eager only: under compile inductor fuses the reference's six ops into one kernel itself
+    "rms_norm": FastOp(rms_norm, half_only=True, one_dtype=True, forward_only=True),
+    "gated_rms_norm": FastOp(gated_rms_norm, forward_only=True),
+    "kda_gate": FastOp(kda_gate, forward_only=True),
     "situ_glu": FastOp(situ_glu, traceable_forward=True),
     "moe_experts": FastOp(moe_experts, half_only=True, traceable=True),
     # torch ops around the packed grouped matmul (a custom op)

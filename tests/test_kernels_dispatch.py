@@ -69,7 +69,8 @@ def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
         out = step()
         return set(asked), out
 
-    every_layer = {"block_attn_res_mix", "causal_conv1d", "situ_glu", "moe_experts"}
+    every_layer = {"block_attn_res_mix", "causal_conv1d", "situ_glu", "moe_experts", "rms_norm", "gated_rms_norm",
+                   "kda_gate"}
     # a fresh prefill attends through the attention interface; continuing a cache merges key blocks by their LSE;
     # one token steps the KDA recurrence and attends in the absorbed latent form
     expected = {"prefill": every_layer | {"chunk_kda"},
@@ -129,6 +130,18 @@ def test_each_declared_constraint(fake_fast_ops, monkeypatch):
         assert ops.fast_or_reference(name, fake_cuda(2, 3, dtype=torch.bfloat16))() == name
         assert ops.fast_or_reference(name, fake_cuda(2, 3, dtype=torch.float16))() == name
     assert ops.fast_or_reference("mla_decode", x)() == "mla_decode"  # f32 is fine there
+    assert is_reference("mla_decode", ops.fast_or_reference("mla_decode", y, x))  # forward only
+    # rms_norm: bf16/fp16 with a weight of the same dtype and no autograd (eager prefill and decode)
+    h = fake_cuda(2, 3, dtype=torch.bfloat16)
+    assert ops.fast_or_reference("rms_norm", h, fake_cuda(3, dtype=torch.bfloat16))() == "rms_norm"
+    assert is_reference("rms_norm", ops.fast_or_reference("rms_norm", h, fake_cuda(3)))  # f32 weight promotes
+    assert is_reference("rms_norm", ops.fast_or_reference("rms_norm", x, fake_cuda(3)))
+    assert is_reference("rms_norm", ops.fast_or_reference("rms_norm", y.bfloat16(), fake_cuda(3, dtype=torch.bfloat16)))
+    # gated_rms_norm: any float dtypes (bf16 rows and gate, the f32 weight), no autograd
+    assert ops.fast_or_reference("gated_rms_norm", h, h, fake_cuda(3))() == "gated_rms_norm"
+    assert is_reference("gated_rms_norm", ops.fast_or_reference("gated_rms_norm", h, h, fake_cuda(3, requires_grad=True)))
+    assert ops.fast_or_reference("kda_gate", h, fake_cuda(3), fake_cuda(3))() == "kda_gate"
+    assert is_reference("kda_gate", ops.fast_or_reference("kda_gate", h, fake_cuda(3, requires_grad=True), fake_cuda(3)))
     # one_dtype: AttnRes candidates of mixed dtypes keep the reference
     b = fake_cuda(2, 3, dtype=torch.bfloat16)
     assert ops.fast_or_reference("block_attn_res_mix", b, b)() == "block_attn_res_mix"
@@ -145,7 +158,8 @@ def test_each_declared_constraint(fake_fast_ops, monkeypatch):
             assert (fn() == name) if op.traceable else is_reference(name, fn), name
     assert [name for name, op in ops.FAST_OPS.items() if op.traceable] == ["moe_experts"]
     assert {name for name, op in ops.FAST_OPS.items() if op.traceable_forward} == {
-        "fused_recurrent_kda", "causal_conv1d", "block_attn_res_mix", "situ_glu", "moe_experts_mxfp4", "mxfp4_dequant"}
+        "fused_recurrent_kda", "causal_conv1d", "block_attn_res_mix", "situ_glu", "moe_experts_mxfp4", "mxfp4_dequant",
+        "mla_decode"}
 
 
 def test_one_switch_forces_references(fake_fast_ops, monkeypatch):
@@ -331,14 +345,15 @@ def test_reference_mla_decode_matches_expanded_attention():
     keep = (torch.arange(seq_len) < torch.tensor([10, 4])[:, None])[:, None, None, :]
     o_masked, _ = ops.mla_decode(q_lat, latents, scale, rank, keep)
     torch.testing.assert_close(o_masked[1:], ops.mla_decode(q_lat[1:], latents[1:, :4], scale, rank)[0])
-    # the fast twin's bmm/f32-softmax form, run on CPU in f32: same numbers, no probabilities, refuses a mask
+    # the fast twin is one custom op (its CPU implementation is this reference): no probabilities, masks taken, and
+    # no backward (the model runs the reference while autograd records)
     from kimik3.kernels.mla import mla_decode as fast_mla_decode
 
     fast_out, fast_probs = fast_mla_decode(q_lat, latents, scale, rank)
-    assert fast_probs is None
-    torch.testing.assert_close(fast_out, o_lat, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="no attention mask"):
-        fast_mla_decode(q_lat, latents, scale, rank, keep)
+    assert fast_probs is None and torch.equal(fast_out, o_lat)
+    assert torch.equal(fast_mla_decode(q_lat, latents, scale, rank, keep)[0], o_masked)
+    with pytest.raises(ValueError, match="no backward"):
+        fast_mla_decode(q_lat.requires_grad_(), latents, scale, rank)
 
 
 def test_reference_mxfp4_dequant_is_the_models():
@@ -419,6 +434,9 @@ def _custom_op_cases():
         "mxfp4_dequant": [(packed, scale, torch.bfloat16), (packed, scale, torch.float32)],
         "mxfp4_grouped_matmul": [(randn(7, 64, dtype=torch.bfloat16), packed, scale,
                                   torch.tensor([2, 2, 5, 7], dtype=torch.int32))],
+        "mla_decode": [(randn(2, 3, 1, 24, dtype=torch.bfloat16), randn(2, 5, 24, dtype=torch.bfloat16), 0.3, 16,
+                        torch.arange(5) < torch.tensor([5, 2])[:, None, None, None]),
+                       (randn(1, 2, 3, 12), randn(1, 4, 12), 0.5, 8, None)],
         "mxfp4_gemv": [(randn(4, 64, dtype=torch.bfloat16), packed, scale,
                         torch.tensor([0, 1, 3, 4], dtype=torch.int32)),
                        (randn(2, 64), packed, scale, torch.tensor([0, 0, 0, 2], dtype=torch.int32))],
@@ -480,10 +498,11 @@ def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
         o, state = torch.ops.kimik3.fused_recurrent_kda(*kda_args)
         y, new_conv = torch.ops.kimik3.causal_conv1d(conv_x, conv_w, conv_state)
         mixed = torch.ops.kimik3.block_attn_res_mix(*mix_args)
+        attended = torch.ops.kimik3.mla_decode(*cases["mla_decode"][0])
         dense = torch.ops.kimik3.mxfp4_dequant(gu_packed, gu_scale, torch.bfloat16)
         packed = moe.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)  # GEMV size
         plain = moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
-        return routed, h, o, state, y, new_conv, mixed, dense, packed, plain
+        return routed, h, o, state, y, new_conv, mixed, attended, dense, packed, plain
 
     graphs = []
 

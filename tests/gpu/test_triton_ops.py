@@ -1,4 +1,4 @@
-"""Own fast paths (Triton SiTU / AttnRes / MXFP4 tiles and GEMV / MoE combine / few-rows grouped matmul / decode
+"""Own fast paths (Triton SiTU / RMSNorms / KDA gate / AttnRes / MXFP4 tiles and GEMV / MoE combine / few-rows grouped matmul / decode
 conv step, grouped_mm experts, bmm MLA decode) against the pure-PyTorch references of ops_kimi_k3, forward and
 backward where training uses them."""
 
@@ -44,6 +44,64 @@ def test_situ_glu_small_and_large_arguments():
     for betas in ((4.0, 25.0), (None, None)):
         y, y_ref = fast(a, u, *betas), ops.situ_glu(a, u, *betas)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [7168, 3584, 1536, 512, 1000])
+def test_rms_norm_rounds_where_the_reference_does(width, dtype):
+    base = torch.randn(2, 301, width + 64, device=DEV) * 4
+    base[0, 3] *= 1e-3  # a row of small values: the eps matters
+    x = base[..., 32:32 + width].to(dtype)  # strided rows, as a sliced projection output
+    w = (1 + 0.3 * torch.randn(width, device=DEV)).to(dtype)
+    got, want = load_fast("rms_norm")(x, w, 1e-6), ops.rms_norm(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    # f32 statistics summed in another order: the one rounding to 16 bits may land one ulp off, rarely
+    ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((got.float() - want.float()).abs() <= 2 * ulp + 1e-30).all()
+    assert (got == want).float().mean().item() > 0.995
+    # the normalised row is rounded before the weight (the reference's order): a product rounded once differs
+    once = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(dtype)
+    assert (got == want).float().mean().item() > (once == want).float().mean().item()
+
+
+@pytest.mark.parametrize("head_dim", [128, 100])
+def test_gated_rms_norm_against_the_f32_reference(head_dim):
+    x = (torch.randn(3, 517, 16, head_dim, device=DEV) * 2).to(torch.bfloat16)
+    x[1, 5] *= 1e-4
+    gate = (torch.randn(3, 517, 2 * 16 * head_dim, device=DEV) * 4).to(torch.bfloat16)
+    gate = gate[..., :16 * head_dim].view(3, 517, 16, head_dim)  # strided, as a slice of a wider projection
+    w = 1 + 0.3 * torch.randn(head_dim, device=DEV)  # f32, as the model keeps it
+    got, want = load_fast("gated_rms_norm")(x, gate, w, 1e-5), ops.gated_rms_norm(x, gate, w, 1e-5)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-30)
+    assert ((got.float() - want.float()).abs() <= 2 * ulp).all()
+    assert (got == want).float().mean().item() > 0.99
+    # one rounding at the end: a gate applied after rounding the normalised rows to bf16 would be further off
+    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * w).to(torch.bfloat16)
+    twice = (normed.float() * torch.sigmoid(gate.float())).to(torch.bfloat16)
+    assert (got == want).float().mean().item() > (twice == want).float().mean().item()
+
+
+# ---------------------------------------------------------------------------------------------------------- KDA gate
+
+
+@pytest.mark.parametrize("heads,head_dim", [(32, 128), (6, 100)])
+def test_kda_gate_against_the_reference(heads, head_dim):
+    logits = (torch.randn(2, 777, 2 * heads * head_dim, device=DEV) * 4).to(torch.bfloat16)
+    z = logits[..., :heads * head_dim].view(2, 777, heads, head_dim)  # strided, as a slice of a wider output
+    A_log = torch.randn(heads + 3, device=DEV)  # padded past the heads, as the release stores it
+    dt_bias = torch.randn(heads * head_dim, device=DEV)
+    fast = load_fast("kda_gate")
+    got, want = fast(z, A_log, dt_bias, -5.0), ops.kda_gate(z, A_log, dt_bias, -5.0)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # f32 throughout: a few ulp (the sigmoid's exp through exp2 loses relative accuracy only in its far tail, where
+    # g is below 1e-9); a wrong head of A_log or channel of dt_bias is far outside this
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-12)
+    assert not torch.allclose(fast(z, A_log.roll(1), dt_bias, -5.0), want, rtol=1e-3, atol=1e-6)
+    assert torch.equal(fast(z, A_log, dt_bias, None), ops.kda_gate(z, A_log, dt_bias, None))  # softplus: reference
 
 
 # ---------------------------------------------------------------------------------------------------------- AttnRes
@@ -443,18 +501,43 @@ def test_causal_conv1d_op_runs_the_step_kernel_for_few_tokens_after_a_window(mon
 # ---------------------------------------------------------------------------------------------------------- MLA
 
 
-@pytest.mark.parametrize("batch,seq_len", [(1, 1), (2, 1000), (3, 4099)])
-def test_mla_decode(batch, seq_len):
+@pytest.mark.parametrize("batch,s_len,seq_len", [(1, 1, 1), (2, 1, 1000), (3, 1, 4099), (2, 3, 9000)])
+def test_mla_decode(batch, s_len, seq_len):
     heads, rank, rope = 96, 512, 64
-    q = torch.randn(batch, heads, 1, rank + rope, device=DEV).to(torch.bfloat16)
+    q = torch.randn(batch, heads, s_len, rank + rope, device=DEV).to(torch.bfloat16)
     cache = torch.randn(batch, seq_len, rank + rope, device=DEV).to(torch.bfloat16)
     scale = (128 + 64) ** -0.5
-    out, probs = load_fast("mla_decode")(q, cache, scale, rank)
-    # the reference on the same bf16 values in f32: the ground truth the fast twin's f32 scores/softmax approach
-    ref = ops.mla_decode(q.float(), cache.float(), scale, rank)[0]
-    assert out.shape == (batch, heads, 1, rank) and out.dtype == q.dtype and probs is None
-    assert max_rel(out, ref) < 2e-2
-    assert rel_err(out, ref) < 1e-2
+    # a static buffer's mask (the unfilled tail hidden), one sequence with every key hidden (uniform weights)
+    keep = torch.ones(batch, 1, s_len, seq_len, dtype=torch.bool, device=DEV)
+    keep[..., seq_len - seq_len // 3:] = False
+    keep[-1] = False
+    fast = load_fast("mla_decode")
+    for mask in (None, keep, keep.expand(batch, heads, s_len, seq_len)):
+        out, probs = fast(q, cache, scale, rank, mask)
+        assert out.shape == (batch, heads, s_len, rank) and out.dtype == q.dtype and probs is None
+        # the reference rounds at the same points (bf16 scores, scaled scores, probabilities): a bf16 ulp or two
+        want = ops.mla_decode(q, cache, scale, rank, mask)[0]
+        assert rel_err(out, want) < 2e-3 and max_rel(out, want) < 2e-2
+        # and the f32 computation on the same bf16 values is near (bf16 probabilities: about 1e-2 off)
+        assert rel_err(out, ops.mla_decode(q.float(), cache.float(), scale, rank, mask)[0]) < 3e-2
+    if batch > 1 and seq_len > 1:  # the mask is applied
+        unmasked = fast(q, cache, scale, rank)[0]
+        assert rel_err(fast(q, cache, scale, rank, keep)[0][:-1], unmasked[:-1]) > 0.1
+
+
+def test_mla_decode_op_in_a_compiled_cuda_graph():
+    """The op as the static-cache step runs it: compiled with mode reduce-overhead (a CUDA graph), one node."""
+    q = torch.randn(2, 96, 1, 576, device=DEV).to(torch.bfloat16)
+    cache = torch.randn(2, 3000, 576, device=DEV).to(torch.bfloat16)
+    keep = torch.arange(3000, device=DEV) < torch.tensor([3000, 1200], device=DEV)[:, None]
+    fast = load_fast("mla_decode")
+    step = torch.compile(lambda q, c, m: fast(q, c, 0.07, 512, m[:, None, None, :])[0], mode="reduce-overhead",
+                         fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            got = step(q, cache, keep)
+        want = ops.mla_decode(q, cache, 0.07, 512, keep[:, None, None, :])[0]
+    assert rel_err(got, want) < 2e-3
 
 
 # ---------------------------------------------------------------------------------------------------------- dispatch
