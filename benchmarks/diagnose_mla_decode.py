@@ -13,8 +13,9 @@ averages all keys, as the reference's finfo.min fill does), keys past the buffer
     python benchmarks/diagnose_mla_decode.py                 # H200: correctness and timings, JSON to $OUT
     TRITON_INTERPRET=1 python benchmarks/diagnose_mla_decode.py --check-only   # CPU: correctness at small sizes
 
-Status (session 10): checked under TRITON_INTERPRET on CPU only (f32, masked / unmasked / a sequence with no
-valid key, several spans, two query rows per head: within 5e-7 of float64); not yet compiled or timed on a GPU.
+Status (session 11, H200 runs 24-25, docs/benchmarks.md): correct on the GPU, but slower than the cuBLAS GEMMs at
+every size (b=8 64K: best of 60 configs 658 us against 476 us for the compiled reference; b=1 64K: 111 against 72):
+not adopted. The 64K step's extra time came from unaligned static buffers instead (fixed in the cache).
 """
 
 import argparse
