@@ -250,7 +250,7 @@ mxfp4_gemv.register_fake(_mxfp4_grouped_matmul_fake)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Absorbed MLA decode attention (cuBLAS + one Triton softmax pass)
+# Absorbed MLA decode attention (cuBLAS + the Triton softmax between its GEMMs)
 
 
 @torch.library.custom_op("kimik3::mla_decode", mutates_args=())

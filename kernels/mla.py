@@ -12,13 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """Absorbed MLA decode attention: the reference's two batched GEMMs on cuBLAS with its scale / mask / f32 softmax /
-rounding fused into one Triton pass between them, as one custom op (`torch.ops.kimik3.mla_decode`).
+rounding in two Triton kernels between them (per key block: max and exp-sum; then every block normalised), as one
+custom op (`torch.ops.kimik3.mla_decode`).
 
 All H heads (times S query rows) of a sequence form the M dimension of one GEMM against the shared latent cache
 (MQA). The reference rounds where this does: scores in the cache dtype, times the scale (rounded again), masked with
-the dtype's lowest value, softmax in f32, probabilities rounded to the cache dtype, PV accumulated by cuBLAS. Under
-torch.compile the op is one graph node: inductor otherwise picked unaligned cuBLAS kernels for the static cache's
-whole-buffer GEMMs and copied the latents' first R columns out before the second (docs/benchmarks.md, session 11).
+the dtype's lowest value, softmax in f32, probabilities rounded to the cache dtype, PV accumulated by cuBLAS. Eager,
+it replaces the reference's five elementwise passes over the scores; in a compiled static-cache step it is one graph
+node and costs the same GPU time as inductor's fusion of the reference (docs/benchmarks.md, session 11).
 """
 
 import torch

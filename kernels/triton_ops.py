@@ -292,7 +292,7 @@ def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_
 
 
 # --------------------------------------------------------------------------------------------------------------
-# MLA decode softmax: the reference's scale, mask, f32 softmax and rounding between its two GEMMs, in one kernel
+# MLA decode softmax: the reference's scale, mask, f32 softmax and rounding between its two GEMMs, in two kernels
 
 
 @triton.jit

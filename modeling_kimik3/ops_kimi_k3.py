@@ -514,7 +514,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # The `kimik3.kernels` interface this file is written against: `load(name)` returns the fast twin of FAST_OPS[name]
 # (or None), with the reference's signature and contract. Bump it on both sides when that changes.
-KERNELS_API_VERSION = 2  # 2: the twins of `traceable_forward` ops run as torch.library custom ops
+# 2: the twins of `traceable_forward` ops run as torch.library custom ops; 3: the mla_decode twin takes masks (an
+# older install's refuses them) and runs as a custom op
+KERNELS_API_VERSION = 3
 # "1" (or "all"): every op runs its reference; a comma list of op names: those ops do; unset or "0": none.
 REFERENCE_ONLY_ENV = "KIMIK3_REFERENCE_ONLY"
 
