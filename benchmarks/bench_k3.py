@@ -917,15 +917,11 @@ def main():
         drv, stats = holder["driver"], holder["stats"]
         set_reference(False)
         sec("fast.prefill_8k", lambda: measure_prefill(drv, stats, 8 * K, repeats=3), 20)
-        # the same prefill with the RMSNorms on their six-op reference (the fused Triton twin off)
-        sec("fast_reference_rms_norm.prefill_8k", lambda: with_reference_ops(
-            "rms_norm", lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
-        # ... and with both norms (KimiRMSNorm and KDA's gated output norm) on their references
-        sec("fast_reference_norms.prefill_8k", lambda: with_reference_ops(
-            "rms_norm,gated_rms_norm", lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
-        # ... and with the KDA decay gate too (the three one-pass kernels of session 11 off)
-        sec("fast_reference_norms_gate.prefill_8k", lambda: with_reference_ops(
-            "rms_norm,gated_rms_norm,kda_gate", lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
+        # the same prefill with session 11's one-pass twins back on their references, one more op each time
+        for tag, names in (("rms_norm", "rms_norm"), ("norms", "rms_norm,gated_rms_norm"),
+                           ("norms_gate", "rms_norm,gated_rms_norm,kda_gate")):
+            sec(f"fast_reference_{tag}.prefill_8k", lambda n=names: with_reference_ops(
+                n, lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
         sec("fast.decode_b1_4k", lambda: measure_decode(drv, stats, 1, 4 * K, steps=20), 15)
         sec("fast.decode_b8_4k", lambda: measure_decode(drv, stats, 8, 4 * K, steps=10), 20)
         sec("fast.prefill_64k", lambda: measure_prefill(drv, stats, 64 * K, repeats=1, warmup=1), 40)

@@ -15,7 +15,9 @@ averages all keys, as the reference's finfo.min fill does), keys past the buffer
 
 Status (session 11, H200 runs 24-25, docs/benchmarks.md): correct on the GPU, but slower than the cuBLAS GEMMs at
 every size (b=8 64K: best of 60 configs 658 us against 476 us for the compiled reference; b=1 64K: 111 against 72):
-not adopted. The 64K step's extra time came from unaligned static buffers instead (fixed in the cache).
+not adopted. The 64K step's extra time came from unaligned static buffers instead (fixed in the cache). Runs 24-25
+timed the model's earlier fast twin (f32 scores, no mask) as `cublas_twin_unmasked`; the script now times the
+current one (`kimik3.kernels.mla`, the same unmasked call) as `fast_twin_unmasked`.
 """
 
 import argparse
@@ -160,7 +162,7 @@ def main():
                       target_programs=8)
         print(json.dumps(worst, indent=1))
         return
-    from kimik3.kernels.mla import mla_decode as cublas_twin
+    from kimik3.kernels.mla import mla_decode as fast_twin
 
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "check_f32": check("cuda", torch.float32, [(2, 96, 1, 4100), (1, 96, 2, 1000)], 1e-5),
@@ -177,7 +179,7 @@ def main():
         timings = {
             "reference_masked_eager": lambda: ops.mla_decode(q, cache, scale, 512, valid[:, None])[0],
             "reference_masked_compiled": lambda: compiled_ref(q, cache, valid[:, None]),
-            "cublas_twin_unmasked": lambda: cublas_twin(q, cache, scale, 512)[0],
+            "fast_twin_unmasked": lambda: fast_twin(q, cache, scale, 512)[0],
             "split_k_masked": lambda: mla_decode_split_k(q, cache, scale, 512, valid),
         }
         for name, fn in timings.items():
@@ -196,30 +198,26 @@ def main():
             got = mla_decode_split_k(q, cache, scale, 512, valid).float()
         row["split_k_rel_err_vs_reference"] = ((got - want).norm() / want.norm()).item()
         sms = torch.cuda.get_device_properties(0).multi_processor_count
+        launches = {f"r{r}_t{t}_w{w}_s{st}_p{p}": dict(block_r=r, block_t=t, num_warps=w, num_stages=st,
+                                                       target_programs=p * sms)
+                    for r, t, w in ((64, 32, 8), (64, 64, 8), (32, 64, 8), (32, 32, 4), (16, 64, 4))
+                    for st in (1, 2, 3) for p in (1, 2, 4)} if t_len > 4096 else {}
         sweep = {}
-        configs = [(r, t, w, st, p) for r, t, w in ((64, 32, 8), (64, 64, 8), (32, 64, 8), (32, 32, 4), (16, 64, 4))
-                   for st in (1, 2, 3) for p in (1, 2, 4)] if t_len > 4096 else []
-        for block_r, block_t, warps, stages, per_sm in configs:
-            if True:
-                launch = dict(block_r=block_r, block_t=block_t, num_warps=warps, target_programs=per_sm * sms,
-                              num_stages=stages)
-                try:
-                    with torch.inference_mode():
-                        us = event_us(lambda: mla_decode_split_k(q, cache, scale, 512, valid, **launch), 10)
-                except Exception as exc:  # a config that does not compile (registers, shared memory)
-                    sweep[f"r{block_r}_t{block_t}_w{warps}_s{stages}_p{per_sm}"] = f"{type(exc).__name__}"
-                    continue
-                sweep[f"r{block_r}_t{block_t}_w{warps}_s{stages}_p{per_sm}"] = round(us, 1)
+        for name, launch in launches.items():
+            try:
+                with torch.inference_mode():
+                    sweep[name] = round(event_us(lambda: mla_decode_split_k(q, cache, scale, 512, valid, **launch),
+                                                 10), 1)
+            except Exception as exc:  # a config that does not compile (registers, shared memory)
+                sweep[name] = type(exc).__name__
         row["split_k_sweep_us"] = sweep
-        if not sweep:
-            continue
-        best = min((v, k) for k, v in sweep.items() if isinstance(v, float))
-        row["split_k_best"] = {"config": best[1], "us": best[0], "TBps": round(latent_bytes / best[0] / 1e6, 2)}
-        r, t, w, st, p = (int(part[1:]) for part in best[1].split("_"))
-        with torch.inference_mode():
-            row["split_k_best"]["graph_us"] = round(graph_us(lambda: mla_decode_split_k(
-                q, cache, scale, 512, valid, block_r=r, block_t=t, num_warps=w, num_stages=st,
-                target_programs=p * sms), 20), 1)
+        timed = {name: us for name, us in sweep.items() if isinstance(us, float)}
+        if timed:
+            best = min(timed, key=timed.get)
+            with torch.inference_mode():
+                best_graph_us = graph_us(lambda: mla_decode_split_k(q, cache, scale, 512, valid, **launches[best]), 20)
+            row["split_k_best"] = {"config": best, "us": timed[best], "TBps": round(latent_bytes / timed[best] / 1e6, 2),
+                                   "graph_us": round(best_graph_us, 1)}
         results[f"b{batch}_t{t_len // 1024}k"] = row
         print(f"b{batch}_t{t_len // 1024}k", {k: v for k, v in row.items()}, flush=True)
     Path(os.environ.get("OUT", "."), "diagnose_mla_decode.json").write_text(json.dumps(results, indent=1))

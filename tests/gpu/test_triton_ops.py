@@ -1,6 +1,6 @@
-"""Own fast paths (Triton SiTU / RMSNorms / KDA gate / AttnRes / MXFP4 tiles and GEMV / MoE combine / few-rows grouped matmul / decode
-conv step, grouped_mm experts, bmm MLA decode) against the pure-PyTorch references of ops_kimi_k3, forward and
-backward where training uses them."""
+"""Own fast paths (Triton SiTU / RMSNorms / KDA gate / AttnRes / MXFP4 tiles and GEMV / MoE combine / few-rows
+grouped matmul / decode conv step, grouped_mm experts, MLA decode op) against the pure-PyTorch references of
+ops_kimi_k3, forward and backward where training uses them."""
 
 import pytest
 import torch
