@@ -45,14 +45,14 @@ def mla_decode(
 
 def mla_decode_cuda(q_lat, latent_cache, scale, kv_lora_rank, attention_mask):
     """The op's CUDA implementation: bmm, the fused softmax kernel, bmm on the strided first R latent columns."""
-    from . import triton_ops
-
     batch, heads, s_len, width = q_lat.shape
     if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[0] != batch
                                        or attention_mask.shape[1] not in (1, heads)
                                        or attention_mask.shape[2:] != (s_len, latent_cache.shape[1])):
         raise ValueError(f"mla_decode: attention mask {tuple(attention_mask.shape)} does not broadcast to "
                          f"[{batch}, {heads}, {s_len}, {latent_cache.shape[1]}]")
+    from . import triton_ops  # after the checks: a bad mask is named on any machine
+
     cache = latent_cache if latent_cache.dtype == q_lat.dtype else latent_cache.to(q_lat.dtype)
     scores = torch.bmm(q_lat.reshape(batch, heads * s_len, width), cache.transpose(1, 2))  # [B, H*S, T]
     probs = triton_ops.mla_softmax(scores, scale, attention_mask, heads, s_len)

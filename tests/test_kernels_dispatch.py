@@ -354,6 +354,12 @@ def test_reference_mla_decode_matches_expanded_attention():
     assert torch.equal(fast_mla_decode(q_lat, latents, scale, rank, keep)[0], o_masked)
     with pytest.raises(ValueError, match="no backward"):
         fast_mla_decode(q_lat.requires_grad_(), latents, scale, rank)
+    # a mask that does not broadcast over [B, H, S, T] is refused by the CUDA implementation, naming its shape
+    from kimik3.kernels.mla import mla_decode_cuda
+
+    for bad in (keep[:, :, :, :9], keep[:1], keep.expand(batch, 2, 1, seq_len), keep[:, 0]):
+        with pytest.raises(ValueError, match=r"attention mask \(.*\) does not broadcast to \[2, 3, 1, 10\]"):
+            mla_decode_cuda(q_lat.detach(), latents, scale, rank, bad)
 
 
 def test_reference_mxfp4_dequant_is_the_models():
