@@ -916,7 +916,7 @@ def main():
     if "driver" in holder:
         drv, stats = holder["driver"], holder["stats"]
         set_reference(False)
-        sec("fast.prefill_8k", lambda: measure_prefill(drv, stats, 8 * K, repeats=3), 20)
+        sec("fast.prefill_8k", lambda: measure_prefill(drv, stats, 8 * K, repeats=5), 20)
         # the same prefill with session 11's one-pass twins back on their references, one more op each time
         for tag, names in (("rms_norm", "rms_norm"), ("norms", "rms_norm,gated_rms_norm"),
                            ("norms_gate", "rms_norm,gated_rms_norm,kda_gate")):

@@ -2,6 +2,7 @@
 benchmark model's shapes (64 experts, N 6144, K 3584; 16 routed rows, one per expert), timed per tile config for
 
 * `gemv_ptx` / `gemv_portable`: the product kernel (`triton_ops._mxfp4_gemv_kernel`) with each decode,
+* `gemv_ptx_x_f32`: the same with x handed over as f32 (the cast not timed),
 * `probe_load`: the same tiles loaded and summed as integers (what streaming the words alone costs),
 * `probe_decode`: loaded and decoded (f16-pair PTX) but not multiplied by x,
 * `probe_strided_x`: decoded and multiplied by x loaded as eight strided scalars per word (the session-9 form,
@@ -68,6 +69,7 @@ def main():
     scale = torch.randint(110, 122, (experts, n, k // 32), dtype=torch.uint8, device=dev)
     words = packed.view(torch.int32)
     xs = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+    xs32 = xs.float()  # the same values as f32: does converting x in every program cost? (session 12: no)
     ends = torch.cat([torch.arange(1, rows + 1), torch.full((experts - rows,), rows)]).to(dev, torch.int32)
     out = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
     out32 = torch.empty(rows, n, device=dev, dtype=torch.float32)
@@ -80,9 +82,9 @@ def main():
         tag = f"n{bn}_kw{bkw}_w{warps}"
         grid = (rows, triton.cdiv(n, bn))
         row = {}
-        for name, ptx in (("gemv_ptx", True), ("gemv_portable", False)):
-            def call(ptx=ptx):
-                triton_ops._mxfp4_gemv_kernel.fn[grid](xs, words, scale, out, ends, n, kw, experts, E_PAD=64,
+        for name, ptx, x in (("gemv_ptx", True, xs), ("gemv_ptx_x_f32", True, xs32), ("gemv_portable", False, xs)):
+            def call(ptx=ptx, x=x):
+                triton_ops._mxfp4_gemv_kernel.fn[grid](x, words, scale, out, ends, n, kw, experts, E_PAD=64,
                                                        BLOCK_N=bn, BLOCK_KW=bkw, PTX_DECODE=ptx, num_warps=warps)
             row[name] = event_us(call, 50)
             assert torch.allclose(out.float(), ref, rtol=2e-2, atol=1e-2), (tag, name)

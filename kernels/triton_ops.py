@@ -53,15 +53,20 @@ from . import custom_ops
 
 
 @triton.jit
-def _tanh(x):
-    # tanh without libdevice: odd Taylor series near 0 (no cancellation), exp form elsewhere.
+def _tanh_ratio(x, e):
+    # tanh(x) as (numerator, denominator) given e = exp(-2|x|), so that a caller divides once for several factors
     ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    big = (1.0 - e) / (1.0 + e)
     x2 = ax * ax
-    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    t = tl.where(ax < 0.0625, small, big)
-    return tl.where(x < 0, -t, t)
+    small = ax < 0.0625
+    num = tl.where(small, ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0)))), 1.0 - e)
+    return tl.where(x < 0, -num, num), tl.where(small, 1.0, 1.0 + e)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh without libdevice: odd Taylor series near 0 (no cancellation), exp form elsewhere
+    num, den = _tanh_ratio(x, tl.exp(-2.0 * tl.abs(x)))
+    return num / den
 
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -80,18 +85,38 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
 
 @triton.jit
 def _situ_fwd_kernel(
-    a_ptr, u_ptr, o_ptr, n_cols, stride_a, stride_u, stride_o, b1, b2,
-    HAS_B2: tl.constexpr, BLOCK: tl.constexpr,
+    a_ptr, u_ptr, o_ptr, n_cols, stride_a, stride_u, stride_o, b1, inv_b1, b2, inv_b2,
+    HAS_B2: tl.constexpr, SIGMOID_POW: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # Arithmetic, not bytes, bounded the first form of this kernel (five divisions and three exps per element: 10.5
+    # ms of an 8K prefill, docs/benchmarks.md session 12). Here the two tanh and the sigmoid are ratios, the sigmoid's
+    # exp is the gate tanh's squared when beta1 = 4 (the release), the betas are reciprocals (exact for 4; within an
+    # f32 ulp for 25), and one division finishes the product. f32 error: a few ulps, far below the bf16 output's.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    act = b1 * _tanh(a / b1) * tl.sigmoid(a)
+    g = a * inv_b1
+    e_g = tl.exp(-2.0 * tl.abs(g))
+    t_num, t_den = _tanh_ratio(g, e_g)
+    # sigmoid(a) = 1 / (1 + e) for a >= 0 and e / (1 + e) below, e = exp(-|a|) = e_g ** (beta1 / 2)
+    if SIGMOID_POW == 1:
+        e = e_g
+    elif SIGMOID_POW == 2:
+        e = e_g * e_g
+    else:
+        e = tl.exp(-tl.abs(a))
+    num = (b1 * t_num) * tl.where(a < 0, e, 1.0)
+    den = t_den * (1.0 + e)
     if HAS_B2:
-        u = b2 * _tanh(u / b2)
-    tl.store(o_ptr + row * stride_o + cols, (act * u).to(o_ptr.dtype.element_ty), mask=mask)
+        h = u * inv_b2
+        u_num, u_den = _tanh_ratio(h, tl.exp(-2.0 * tl.abs(h)))
+        num = num * (b2 * u_num)
+        den = den * u_den
+    else:
+        num = num * u
+    tl.store(o_ptr + row * stride_o + cols, (num / den).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -130,8 +155,9 @@ def _situ_fwd(a2, u2, b1, b2, out_dtype):
         grid = (rows, triton.cdiv(n, _SITU_BLOCK))
         with torch.cuda.device(a2.device):  # Triton launches on the current device
             _situ_fwd_kernel[grid](
-                a2, u2, out, n, a2.stride(0), u2.stride(0), out.stride(0), b1, 1.0 if b2 is None else b2,
-                HAS_B2=b2 is not None, BLOCK=_SITU_BLOCK, num_warps=4,
+                a2, u2, out, n, a2.stride(0), u2.stride(0), out.stride(0), b1, 1.0 / b1,
+                1.0 if b2 is None else b2, 1.0 if b2 is None else 1.0 / b2,
+                HAS_B2=b2 is not None, SIGMOID_POW={2.0: 1, 4.0: 2}.get(b1, 0), BLOCK=_SITU_BLOCK, num_warps=4,
             )
     return out
 

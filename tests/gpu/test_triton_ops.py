@@ -21,7 +21,8 @@ DEV = "cuda"
 # ---------------------------------------------------------------------------------------------------------- SiTU
 
 
-@pytest.mark.parametrize("betas", [(4.0, 25.0), (None, None), (4.0, None)])
+# beta1 = 4 and 2 take the sigmoid's exp from the gate tanh's (squared / as is), others compute their own
+@pytest.mark.parametrize("betas", [(4.0, 25.0), (None, None), (4.0, None), (2.0, 7.0)])
 def test_situ_glu_forward_backward(betas):
     h = (torch.randn(300, 2 * 3072, device=DEV) * 8).to(torch.bfloat16).requires_grad_(True)
     gate, up = h[:, :3072], h[:, 3072:]  # strided halves of a fused gate_up output, as in the experts
@@ -41,7 +42,7 @@ def test_situ_glu_small_and_large_arguments():
     a = torch.tensor([0.0, 1e-6, -3e-4, 0.05, 0.0626, -0.07, 2.0, -30.0, 200.0], device=DEV)
     u = torch.tensor([1.0, -2.0, 1e-5, 0.3, 80.0, -300.0, 0.01, 1.0, 5.0], device=DEV)
     fast = load_fast("situ_glu")
-    for betas in ((4.0, 25.0), (None, None)):
+    for betas in ((4.0, 25.0), (None, None), (2.0, None)):
         y, y_ref = fast(a, u, *betas), ops.situ_glu(a, u, *betas)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-7)
 
