@@ -87,6 +87,23 @@ def test_absorbed_decode_equals_expanded_attention():
     torch.testing.assert_close(absorbed, expanded, atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_keys_are_head_views_of_token_major_storage():
+    """Each head's key is [k_nope | the shared k_pe], handed to attention as a [B, H, T, D] view of token-major
+    storage, the projection's own order (the head-major concatenation was 4x slower on an H200: docs/benchmarks.md,
+    session 12)."""
+    model = build_tiny_model(num_hidden_layers=4)
+    mla = model.model.layers[3].self_attn
+    nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
+    latents = torch.randn(2, 9, rank + mla.qk_rope_head_dim)
+    with torch.no_grad():
+        key, value = mla._expand_latents(latents)
+        kv = mla.kv_b_proj(latents[..., :rank]).view(2, 9, mla.num_heads, -1).transpose(1, 2)
+    assert key.shape == (2, mla.num_heads, 9, mla.qk_head_dim) and value.shape == (2, mla.num_heads, 9, mla.v_head_dim)
+    assert key.transpose(1, 2).is_contiguous()
+    assert torch.equal(key[..., :nope], kv[..., :nope]) and torch.equal(value, kv[..., nope:])
+    assert torch.equal(key[..., nope:], latents[:, None, :, rank:].expand(-1, mla.num_heads, -1, -1))
+
+
 def _grads(model, ids):
     model.zero_grad()
     model(ids, labels=ids).loss.backward()

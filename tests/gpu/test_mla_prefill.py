@@ -1,6 +1,6 @@
 """MLA prefill on CUDA: the fused `attention_with_lse` (cuDNN, and flash where cuDNN refuses) against the
-reference, the first chunk's SDPA backend, and the model's chunked prefill (fast paths on) against its one-shot
-prefill."""
+reference, cuDNN on the prefill's strided keys, the first chunk's SDPA backend, and the model's chunked prefill (fast
+paths on) against its one-shot prefill."""
 
 import pytest
 import torch
@@ -40,6 +40,30 @@ def test_attention_with_lse_matches_reference(causal, q_len, k_len, backend, mon
     assert out.dtype == lse.dtype == torch.float32
     assert rel_err(out, ref_out) < 1e-2
     assert (lse - ref_lse).abs().max() < 2e-2
+
+
+def test_cudnn_attention_reads_the_strided_prefill_keys():
+    """The expanded prefill's keys are [B, H, T, D] views of token-major storage (a head stride of D, a token stride of
+    H*D): cuDNN's fused attention gives the same bits on them as on contiguous copies, and both match f32 attention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kimik3.tiny import build_tiny_model
+
+    model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda().bfloat16()
+    mla = next(layer.self_attn for layer in model.model.layers if not layer.is_linear)
+    latents = torch.randn(2, 1000, mla.kv_lora_rank + mla.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(2, 1000, mla.num_heads, mla.qk_head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    with torch.no_grad():
+        key, value = mla._expand_latents(latents)
+        assert key.stride()[1:] == (mla.qk_head_dim, mla.num_heads * mla.qk_head_dim, 1)
+        attend = torch.nn.functional.scaled_dot_product_attention
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            strided = attend(query, key, value, is_causal=True, scale=mla.scaling)
+            contiguous = attend(query.contiguous(), key.contiguous(), value.contiguous(), is_causal=True,
+                                scale=mla.scaling)
+        exact = attend(query.float(), key.float(), value.float(), is_causal=True, scale=mla.scaling)
+    assert torch.equal(strided, contiguous)
+    assert rel_err(strided, exact) < 1e-2
 
 
 def test_expanded_prefill_attention_prefers_cudnn(monkeypatch):
