@@ -427,8 +427,8 @@ class KimiK3MLAAttention(nn.Module):
         kv = self.kv_b_proj(latent).view(batch, kv_len, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # Keys assembled token-major, as the projection wrote them, by two strided copies, and handed over as a
-        # [B, H, T, D] view: torch.cat of these strided / broadcast inputs took 0.77 ms a layer at 8K on an H200
-        # (its generic path), about 4x the bytes' time (docs/benchmarks.md, session 12)
+        # [B, H, T, D] view: torch.cat of the head-major strided / broadcast views took its generic path, twice the
+        # time of these copies (0.77 against 0.38 ms a layer at 8K on an H200: docs/benchmarks.md, session 12)
         dtype = torch.promote_types(kv.dtype, k_pe.dtype)
         key = kv.new_empty(batch, kv_len, kv.shape[2], self.qk_head_dim, dtype=dtype)
         key[..., : self.qk_nope_head_dim] = k_nope
