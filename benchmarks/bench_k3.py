@@ -52,6 +52,7 @@ from _k3bench_utils import (  # noqa: E402
     HBM_BYTES_PER_S,
     Runner,
     ensure_kimik3,
+    event_us,
     expected_distinct_experts,
     free_cuda,
     peak_gib,
@@ -276,6 +277,9 @@ def measure_prefill(driver, stats, tokens, batch=1, repeats=2, warmup=1, chunk=N
         "times_s": [round(t, 4) for t in all_times], "tokens_per_s": round(batch * tokens / seconds, 1),
         "peak_mem_gib": peak_gib(), "achieved_tflops": round(flops["flops"] / seconds / 1e12, 1),
         "fraction_of_bf16_peak": round(flops["flops"] / seconds / BF16_FLOPS_PER_S, 3),
+        "fraction_of_this_machines_gemm": (
+            round(flops["flops"] / seconds / MEASURED_CEILINGS["bf16_gemm_flops_per_s"], 3)
+            if MEASURED_CEILINGS else None),
         "bf16_roofline_s": flops["bf16_roofline_s"], "flops": flops,
     }
 
@@ -535,6 +539,32 @@ def _with_generate_overhead(breakdown, per_step):
 # sections
 
 
+# This machine's own ceilings, measured by section_env: the prefill also reports its fraction of these, which
+# separates the model's efficiency from the speed of the machine it ran on (kind-wide constants above stay the target)
+MEASURED_CEILINGS = {}
+
+
+def _gemm_us():
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    return event_us(lambda: torch.mm(a, b), 20)
+
+
+def _copy_us(num_bytes):
+    src = torch.empty(num_bytes, device=DEV, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return event_us(lambda: dst.copy_(src), 10)
+
+
+def measure_ceilings():
+    """This machine's 8192^3 bf16 GEMM (FLOP/s) and 2 GiB device-to-device copy (bytes read + written per second),
+    each the mean of back-to-back calls timed by CUDA events."""
+    gemm_us, copy_us = _gemm_us(), _copy_us(2**31)
+    free_cuda()
+    return {"bf16_gemm_flops_per_s": round(2 * 8192**3 / (gemm_us * 1e-6)),
+            "hbm_copy_bytes_per_s": round(2 * 2**31 / (copy_us * 1e-6))}
+
+
 def section_env():
     import triton
     import transformers
@@ -556,6 +586,8 @@ def section_env():
 
     info["kimik3_import"] = ensure_kimik3()
     info["fast_ops"] = kk.available_ops()
+    MEASURED_CEILINGS.update(measure_ceilings())
+    info["measured_on_this_machine"] = dict(MEASURED_CEILINGS)
     return info
 
 

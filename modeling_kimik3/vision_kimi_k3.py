@@ -29,8 +29,6 @@ RMSNorms are built without eps, so `rms_norm` picks its own default (the f32 mac
 bf16 inputs, whose statistic is computed in f32).
 """
 
-import math
-
 import numpy as np
 import torch
 import torch.nn.functional as F
