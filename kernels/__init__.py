@@ -37,6 +37,7 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 | rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
 | gated_rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
 | kda_gate | own Triton, one pass (K3's lower-bounded form; the softplus form runs the reference) | no |
+| router_logits | one cuBLAS 16-bit GEMM written as f32 (`torch.mm(out_dtype=float32)`): no f32 copy of the activations | no |
 | moe_experts | torch grouped_mm + Triton SiTU + Triton combine; decode: Triton few-rows grouped matmul | yes (grouped_mm) |
 | moe_experts_mxfp4 | Triton grouped matmul dequantising packed tiles in registers; decode: Triton GEMV | activations only |
 | mxfp4_dequant | own Triton (bit-exact) | no |
@@ -74,6 +75,13 @@ def _load_moe():
     return moe.moe_experts
 
 
+def _load_router():
+    from . import moe
+
+    moe._mm_with_f32_output()  # raises ImportError on a torch without mm's out_dtype
+    return moe.router_logits
+
+
 def _load_moe_mxfp4():
     from . import moe, triton_ops  # noqa: F401  (needs Triton for the packed matmul)
 
@@ -104,6 +112,7 @@ _LOADERS = {
     "rms_norm": _load_triton("rms_norm"),
     "gated_rms_norm": _load_triton("gated_rms_norm"),
     "kda_gate": _load_triton("kda_gate"),
+    "router_logits": _load_router,
     "moe_experts": _load_moe,
     "moe_experts_mxfp4": _load_moe_mxfp4,
     "mxfp4_dequant": _load_triton("mxfp4_dequant"),
