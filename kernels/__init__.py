@@ -29,7 +29,7 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 |---|---|---|
 | chunk_kda | fla-core `fla.ops.kda.chunk_kda` | yes (fla's) |
 | fused_recurrent_kda | fla-core `fused_recurrent_kda` | no |
-| causal_conv1d | fla-core Triton causal_conv1d; up to 16 tokens after a cached window: own Triton step kernel | yes (fla) |
+| causal_conv1d | own Triton without autograd (step kernel up to 16 tokens after a window, else prefill tiles); fla-core's with | yes (fla) |
 | attention_with_lse | PyTorch's cuDNN fused attention with its log-sum-exp (flash, V padded, where cuDNN refuses) | no |
 | mla_decode | two cuBLAS bmm + one Triton scale/mask/f32-softmax pass (masks included) | no |
 | block_attn_res_mix | own Triton forward | analytic PyTorch backward |
@@ -37,8 +37,8 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 | rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
 | gated_rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
 | kda_gate | own Triton, one pass (K3's lower-bounded form; the softplus form runs the reference) | no |
-| router_logits | one cuBLAS 16-bit GEMM written as f32 (`torch.mm(out_dtype=float32)`): no f32 copy of the activations | no |
-| moe_experts | torch grouped_mm + Triton SiTU + Triton combine; decode: Triton few-rows grouped matmul | yes (grouped_mm) |
+| router_logits | own Triton, f32 FMA dot over the 16-bit operands upcast in registers (no f32 copy of the activations) | no |
+| moe_experts | torch grouped_mm + Triton row gather (no autograd), SiTU and combine; decode: Triton few-rows grouped matmul | yes (grouped_mm) |
 | moe_experts_mxfp4 | Triton grouped matmul dequantising packed tiles in registers; decode: Triton GEMV | activations only |
 | mxfp4_dequant | own Triton (bit-exact) | no |
 """
@@ -75,13 +75,6 @@ def _load_moe():
     return moe.moe_experts
 
 
-def _load_router():
-    from . import moe
-
-    moe._mm_with_f32_output()  # raises ImportError on a torch without mm's out_dtype
-    return moe.router_logits
-
-
 def _load_moe_mxfp4():
     from . import moe, triton_ops  # noqa: F401  (needs Triton for the packed matmul)
 
@@ -112,7 +105,7 @@ _LOADERS = {
     "rms_norm": _load_triton("rms_norm"),
     "gated_rms_norm": _load_triton("gated_rms_norm"),
     "kda_gate": _load_triton("kda_gate"),
-    "router_logits": _load_router,
+    "router_logits": _load_triton("router_logits"),
     "moe_experts": _load_moe,
     "moe_experts_mxfp4": _load_moe_mxfp4,
     "mxfp4_dequant": _load_triton("mxfp4_dequant"),

@@ -140,10 +140,7 @@ def _causal_conv1d_cuda(x, weight, conv_state):
 
     if conv_state is not None and x.shape[1] <= triton_ops.CONV_STEP_MAX_TOKENS:
         return triton_ops.causal_conv1d_step(x, weight, conv_state)  # decode: one launch, outputs contiguous
-    from . import fla_ops
-
-    y, state = fla_ops._causal_conv1d_eager(x, weight, conv_state)
-    return y.contiguous(), state.contiguous()
+    return triton_ops.causal_conv1d_prefill(x, weight, conv_state)  # outputs contiguous
 
 
 @causal_conv1d.register_fake

@@ -27,7 +27,9 @@ Importing this module imports fla (and so Triton); it fails with ImportError whe
   backward.
 
 `fused_recurrent_kda` and `causal_conv1d` run as `torch.ops.kimik3.*` custom ops (custom_ops.py) when no gradient
-is recorded, so torch.compile (the static-cache decode step) keeps each as one graph node.
+is recorded, so torch.compile (the static-cache decode step) keeps each as one graph node; the conv op's CUDA
+implementation is then the own Triton kernels (triton_ops: the decode step and the prefill tiles), fla's conv runs
+where autograd records.
 """
 
 import torch

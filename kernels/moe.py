@@ -51,33 +51,14 @@ def _grouped_mm_fn():
     return fn
 
 
-def _mm_with_f32_output():
-    """torch.mm's `out_dtype` (a 16-bit GEMM written as f32; CUDA in torch >= 2.8), or ImportError."""
-    probe = torch.empty(1, 8, device="meta", dtype=torch.bfloat16)
-    try:
-        torch.mm(probe, probe.t(), out_dtype=torch.float32)
-    except (TypeError, RuntimeError, NotImplementedError) as exc:
-        raise ImportError(f"this torch has no torch.mm(..., out_dtype=torch.float32): {exc}") from exc
-
-
-def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The reference's f32 logits (x.float() @ W.float()^T) from one 16-bit tensor-core GEMM with an f32 output.
-
-    Same arithmetic class: the product of two bf16 (or two fp16) values is exact in f32, and cuBLAS sums the
-    products in f32; only the summation order differs from the f32 SGEMM, as between any two f32 GEMMs. What goes
-    away is the f32 copy of the activations (7 x 0.19 ms per 8K prefill of the benchmark model) and the FFMA SGEMM.
-    hidden_states [..., D] and weight [E, D], both bf16 or both fp16 (FAST_OPS declares it)."""
-    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    logits = torch.mm(flat, weight.t(), out_dtype=torch.float32)
-    return logits.view(*hidden_states.shape[:-1], weight.shape[0])
-
-
 try:  # Triton parts are optional: without them the same math runs in PyTorch (the packed experts need them)
     from . import triton_ops as _triton_ops
+    from .triton_ops import gather_rows as _gather_rows_triton
     from .triton_ops import moe_combine as _moe_combine_triton
     from .triton_ops import situ_glu as _situ_triton
 except ImportError:  # pragma: no cover - depends on the environment
     _triton_ops = None
+    _gather_rows_triton = None
     _moe_combine_triton = None
     _situ_triton = None
 
@@ -99,12 +80,15 @@ def _routed_experts(x, topk_indices, topk_weights, num_experts, inter, gate_up_m
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    xs = x.index_select(0, order // k)  # [N*k, Dl], expert-sorted
-    h = gate_up_matmul(xs, offs)  # [N*k, 2I]
     # Under torch.compile the grouped GEMMs stay and the elementwise parts are left to the compiler to fuse (our
     # Triton kernels are opaque to it). The op as a whole is declared traceable (FAST_OPS), so this inner choice is
     # the op's own; the device test is for direct callers (the CPU tests run this routing on CPU grouped_mm).
-    own_kernels = h.is_cuda and not torch.compiler.is_compiling()
+    own_kernels = x.is_cuda and not torch.compiler.is_compiling()
+    if own_kernels and _gather_rows_triton is not None and not custom_ops.needs_grad(x):
+        xs = _gather_rows_triton(x, order // k)  # [N*k, Dl], expert-sorted
+    else:
+        xs = x.index_select(0, order // k)
+    h = gate_up_matmul(xs, offs)  # [N*k, 2I]
     situ = _situ_triton if (_situ_triton is not None and own_kernels) else _situ_reference
     act = situ(h[:, :inter], h[:, inter:], beta, linear_beta)
     out = down_matmul(act, offs)  # [N*k, Dl], rounded to x.dtype

@@ -17,9 +17,11 @@
 * `rms_norm`            KimiRMSNorm in one pass (forward only).
 * `gated_rms_norm`      KDA's gated output norm (f32 throughout) in one pass (forward only).
 * `kda_gate`            KDA's lower-bounded decay gate (f32) in one pass over the bf16 logits (forward only).
+* `router_logits`       the MoE router's f32 logits from the 16-bit activations, upcast in registers (forward only).
 * `mla_softmax`         the absorbed MLA decode's scale / mask / f32 softmax / rounding between its two GEMMs.
 * `block_attn_res_mix`  AttnRes softmax depth-mixture; forward in Triton (one read pass for the scores, one for the
                         mix, no stacked copy of the candidates), backward analytic in PyTorch (per candidate, f32).
+* `gather_rows`         the routed experts' expert-sorted copy of the activations (index_select; forward only).
 * `moe_combine`         weighted f32 sum of the (rounded) expert outputs back to token order; Triton forward,
                         PyTorch backward.
 * `mxfp4_dequant`       MXFP4 (E2M1 + E8M0) -> bf16/f32, bit-exact with the reference.
@@ -28,6 +30,7 @@
 * `mxfp4_grouped_matmul` expert-grouped matmul over packed MXFP4 weights, dequantised tile by tile in registers;
                         gradient for the activations only.
 * `causal_conv1d_step`  depthwise causal conv + SiLU over a few tokens after a cached window (decode), one launch.
+* `causal_conv1d_prefill` the same over a prefill chunk (token x channel tiles, K shifted loads), one launch.
 * `mxfp4_gemv`          the same product for 1-2 rows per expert (decode): one routed row per program, no
                         `tl.dot`, the weights decoded and summed in registers; gradient for the activations only.
 
@@ -315,6 +318,50 @@ def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_
                 z2, a, bias, g, rows, channels, head_dim, z2.stride(0), float(lower_bound), BLOCK_ROWS=block_rows,
                 BLOCK_C=block_c, num_warps=4)
     return g.view(z.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Router logits: x @ W^T in f32 from the 16-bit operands, upcast in registers (the reference writes an f32 copy of the
+# activations, then runs an FFMA SGEMM). The dot is IEEE f32 (FMA): a 16-bit tensor-core GEMM with an f32 output was
+# measured ~25x farther from the float64 logits than the SGEMM (docs/benchmarks.md, session 13), not f32 accuracy.
+
+ROUTER_BLOCKS = (64, 64, 32, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, o_ptr, M, N, K, stride_x, stride_w, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        a = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=(rows < M)[:, None] & (kk < K)[None, :],
+                    other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=(kk < K)[:, None] & (cols < N)[None, :],
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    tl.store(o_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor, blocks=ROUTER_BLOCKS) -> torch.Tensor:
+    """Same contract as `ops_kimi_k3.router_logits` (f32 logits of both operands upcast, f32 accumulation): one
+    Triton pass reading the 16-bit activations once; forward only. hidden_states [..., D], weight [E, D]."""
+    width, experts = hidden_states.shape[-1], weight.shape[0]
+    if weight.shape != (experts, width):
+        raise ValueError(f"router_logits: hidden_states [..., {width}] needs weight [experts, {width}], got "
+                         f"{tuple(weight.shape)}")
+    x2, w2 = _rows(hidden_states, width), _rows(weight, width)
+    rows = x2.shape[0]
+    out = torch.empty(rows, experts, dtype=torch.float32, device=hidden_states.device)
+    if rows and experts:
+        block_m, block_n, block_k, warps = blocks
+        with torch.cuda.device(hidden_states.device):
+            _router_logits_kernel[(triton.cdiv(rows, block_m), triton.cdiv(experts, block_n))](
+                x2, w2, out, rows, experts, width, x2.stride(0), w2.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k, num_warps=warps)
+    return out.view(*hidden_states.shape[:-1], experts)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -610,6 +657,37 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, pos: torch.Tens
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Row gather out[i] = x[index[i]]: the routed experts' expert-sorted copy of the activations (8K prefill: 131072 rows
+# of 7 KB from 8192), where index_select wrote ~2.1 TB/s (docs/benchmarks.md, session 13)
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, idx_ptr, o_ptr, ROWS, D, stride_x, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rmask = rows < ROWS
+    src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    m = rmask[:, None] & (cols < D)[None, :]
+    v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=m)
+    tl.store(o_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], v, mask=m)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, block_rows: int = 8, block_d: int = 512) -> torch.Tensor:
+    """x.index_select(0, index) for a 2-D x (unit stride on the last dim) and 1-D integer index, forward only;
+    indices must lie in [0, x.shape[0]) (callers build them from a sort)."""
+    rows, d = index.numel(), x.shape[1]
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
+    if rows and d:
+        block_d = min(block_d, triton.next_power_of_2(d))
+        with torch.cuda.device(x.device):
+            _gather_rows_kernel[(triton.cdiv(rows, block_rows), triton.cdiv(d, block_d))](
+                x2, index.contiguous(), out, rows, d, x2.stride(0), BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+                num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Causal conv1d over a few tokens after a cached window (decode, verify). fla's path pads the cached window to
 # fla's [B, C, K] state (two launches), runs its conv and its final-state kernels, and slices the new window out
 # (one more copy): five launches per projection for one token, three projections per KDA layer. Here one program
@@ -667,6 +745,76 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
                 x, conv_state, w, y, new_state, tokens, channels, *x.stride(), *conv_state.stride(),
                 K=kernel_size, K_PAD=triton.next_power_of_2(kernel_size), BLOCK_C=block, num_warps=4,
             )
+    return y, new_state
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Causal conv1d over a prefill chunk: one program per (token block, channel block, sequence) reads its K shifted input
+# tiles (the K - 1 rows before the block from x or the cached window) and writes the outputs. fla's kernel moved
+# ~2.2 TB/s on the 8K prefill's [8192, 12288] projections (docs/benchmarks.md, session 13).
+
+CONV_PREFILL_BLOCKS = (64, 128, 4)  # BLOCK_T, BLOCK_C, num_warps
+
+
+@triton.jit
+def _causal_conv1d_prefill_kernel(x_ptr, s_ptr, w_ptr, y_ptr, T, C, sx_b, sx_t, ss_b, ss_c, ss_k,
+                                  HAS_STATE: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                                  BLOCK_C: tl.constexpr):
+    # input position p = t - (K - 1) + j of output t's tap j is token p for p >= 0, else column p + K - 1 of the
+    # cached window (rounded to x's dtype, as the reference concatenates in x's dtype; zeros without a window)
+    b = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    live = t < T
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(K):
+        p = t - (K - 1) + j
+        fresh = live & (p >= 0)
+        tap = tl.load(x_ptr + b * sx_b + p.to(tl.int64)[:, None] * sx_t + c[None, :],
+                      mask=fresh[:, None] & cmask[None, :], other=0.0)
+        if HAS_STATE:
+            cached = live & (p < 0)
+            old = tl.load(s_ptr + b * ss_b + c[None, :] * ss_c + (p + K - 1)[:, None] * ss_k,
+                          mask=cached[:, None] & cmask[None, :], other=0.0)
+            tap = tl.where(cached[:, None], old.to(y_ptr.dtype.element_ty), tap)
+        w = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += tap.to(tl.float32) * w[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + (b * T + t.to(tl.int64))[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=live[:, None] & cmask[None, :])
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                          blocks=CONV_PREFILL_BLOCKS):
+    """The reference `causal_conv1d` over a prefill chunk: x [B, T, C], weight [C, 1, K], conv_state [B, C, K-1] or
+    None -> (y [B, T, C] in x.dtype, contiguous; new conv_state [B, C, K-1] in x.dtype); f32 taps and SiLU. Forward
+    only (the custom op `kimik3::causal_conv1d` calls it on CUDA)."""
+    batch, tokens, channels = x.shape
+    kernel_size = weight.shape[-1]
+    if conv_state is not None and conv_state.shape != (batch, channels, kernel_size - 1):
+        raise ValueError(f"causal_conv1d_prefill: conv_state {tuple(conv_state.shape)} does not match x "
+                         f"{tuple(x.shape)} and a kernel of {kernel_size}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(batch, tokens, channels, dtype=x.dtype, device=x.device)
+    w = weight.reshape(channels, kernel_size).contiguous()
+    state = conv_state if conv_state is not None else w  # any tensor: not read without HAS_STATE
+    if batch and tokens and channels:
+        block_t, block_c, warps = blocks
+        with torch.cuda.device(x.device):
+            _causal_conv1d_prefill_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c), batch)](
+                x, state, w, y, tokens, channels, x.stride(0), x.stride(1),
+                *(conv_state.stride() if conv_state is not None else (0, 0, 0)), HAS_STATE=conv_state is not None,
+                K=kernel_size, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
+    # the new window: the last K - 1 positions of [cached window | x], in x's dtype
+    keep = kernel_size - 1
+    if tokens >= keep:  # a fresh tensor even where the transposed slice is contiguous (custom op outputs never alias)
+        new_state = x.new_empty(batch, channels, keep).copy_(x[:, tokens - keep:].transpose(1, 2))
+    else:
+        previous = (conv_state.to(x.dtype) if conv_state is not None
+                    else x.new_zeros(batch, channels, keep))
+        new_state = torch.cat([previous[..., tokens:], x.transpose(1, 2)], dim=-1).contiguous()
     return y, new_state
 
 

@@ -1,17 +1,24 @@
-"""Two parts of the MoE block of an 8K prefill on the GPU (a diagnostic, not a test; CUDA events, bf16):
+"""Memory- and FMA-bound ops of an 8K prefill of the benchmark model on the GPU (a diagnostic, not a test; CUDA
+events, bf16), each form against what the model ran before session 13:
 
 * `router`: the f32 router logits of 8192 tokens at the benchmark model's 64 experts and the release's 896, width
-  7168: the reference (both operands upcast, FFMA SGEMM) against the fast twin (one 16-bit GEMM written as f32,
-  `kimik3.kernels.moe.router_logits`). Both against float64 logits: max and mean absolute error, and the fraction of
-  tokens whose top-16 set differs from the float64 one; the bf16-rounded logits (the error k3_math 8.1 warns about)
-  for scale.
+  7168: the reference (both operands upcast, FFMA SGEMM), the Triton twin (`triton_ops.router_logits`, f32 FMA dot
+  over operands upcast in registers) at several (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), and one 16-bit tensor-core
+  GEMM written as f32 (`torch.mm(out_dtype=torch.float32)`, session 13's first form, rejected). Each against the
+  float64 logits: max and mean absolute error, and the fraction of tokens whose top-16 set differs from the float64
+  one; the logits rounded to bf16 (the error k3_math 8.1 warns about) for scale.
 * `experts`: the routed experts' two grouped GEMMs (8192 tokens x top-16 of 64 experts, latent 3584, width 3072) by
   `grouped_mm` (what the model runs), by one cuBLAS mm per expert (group sizes known on the host), and one dense mm
   of the same rows (the ceiling of a GEMM this size). TFLOP/s of the useful work.
+* `gather`: the experts' expert-sorted copy of the activations (131072 rows of 3584 from 8192): `index_select`
+  against `triton_ops.gather_rows` at several (rows, columns) per program; TB/s of the bytes written and read once.
+* `conv`: the KDA short conv (+ SiLU) of one [8192, 12288] projection, no cached window: fla-core's Triton kernel
+  (through `fla_ops`, as before) against `triton_ops.causal_conv1d_prefill` at several (BLOCK_T, BLOCK_C, warps);
+  TB/s of x read once and y written; the largest difference from the reference.
 
 Prints and writes JSON (to $OUT or the working directory).
 
-    python benchmarks/diagnose_router_experts.py
+    python benchmarks/diagnose_prefill_ops.py
 """
 
 import json
@@ -21,11 +28,15 @@ from pathlib import Path
 import torch
 
 from _k3bench_utils import event_us
-from kimik3.kernels import moe
+from kimik3.kernels import moe, triton_ops
 from kimik3.modeling import ops_kimi_k3 as ops
 
 TOKENS, WIDTH, TOP_K = 8192, 7168, 16
 EXPERTS, LATENT, INTERMEDIATE = 64, 3584, 3072
+GATHER_CONFIGS = [(8, 512), (4, 512), (16, 512), (32, 256), (16, 256), (2, 1024)]
+CONV_CONFIGS = [(64, 128, 4), (32, 256, 4), (128, 64, 4), (64, 256, 8), (16, 512, 4), (128, 128, 8), (32, 128, 4)]
+ROUTER_CONFIGS = [(64, 64, 32, 4), (32, 64, 32, 4), (16, 64, 32, 2), (32, 64, 64, 4), (64, 64, 16, 4), (128, 64, 32, 8),
+                  (64, 128, 32, 8), (32, 32, 64, 2)]
 
 
 def _top_sets(logits):
@@ -41,7 +52,9 @@ def router(results):
         truth = _top_sets(exact)
         row = {}
         forms = {"reference_upcast_sgemm": lambda: ops.router_logits(x, w),
-                 "fast_bf16_gemm_f32_out": lambda: moe.router_logits(x, w)}
+                 "tensor_core_gemm_f32_out": lambda: torch.mm(x, w.t(), out_dtype=torch.float32)}
+        for blocks in ROUTER_CONFIGS:
+            forms["triton_" + "_".join(map(str, blocks))] = lambda b=blocks: triton_ops.router_logits(x, w, b)
         for name, fn in forms.items():
             logits = fn()
             err = (logits.double() - exact).abs()
@@ -91,11 +104,49 @@ def experts(results):
         print(name, json.dumps(row))
 
 
+def gather(results):
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, LATENT, device="cuda").to(torch.bfloat16)
+    index = torch.rand(TOKENS, EXPERTS, device="cuda").topk(TOP_K, dim=-1).indices.reshape(-1).argsort() // TOP_K
+    moved = index.numel() * LATENT * 2 + x.numel() * 2
+    ref = x.index_select(0, index)
+    forms = {"index_select": lambda: x.index_select(0, index)}
+    for blocks in GATHER_CONFIGS:
+        forms["triton_" + "_".join(map(str, blocks))] = lambda b=blocks: triton_ops.gather_rows(x, index, *b)
+    row = {}
+    for name, fn in forms.items():
+        us = event_us(fn, 20)
+        row[name] = {"us": round(us, 1), "TBps": round(moved / us / 1e6, 2), "equal": bool(torch.equal(fn(), ref))}
+    results["gather"] = row
+    print("gather", json.dumps(row))
+
+
+def conv(results):
+    from kimik3.kernels import fla_ops
+
+    torch.manual_seed(0)
+    x = torch.randn(1, TOKENS, 12288, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(12288, 1, 4, device="cuda") * 0.5
+    moved = 2 * x.numel() * 2
+    ref = ops.causal_conv1d(x, weight, None)[0]
+    forms = {"fla": lambda: fla_ops._causal_conv1d_eager(x, weight, None)}
+    for blocks in CONV_CONFIGS:
+        forms["triton_" + "_".join(map(str, blocks))] = (
+            lambda b=blocks: triton_ops.causal_conv1d_prefill(x, weight, None, b))
+    row = {}
+    for name, fn in forms.items():
+        us = event_us(fn, 20)
+        row[name] = {"us": round(us, 1), "TBps": round(moved / us / 1e6, 2),
+                     "max_abs_diff_vs_reference": float((fn()[0].float() - ref.float()).abs().max())}
+    results["conv"] = row
+    print("conv", json.dumps(row))
+
+
 def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    router(results)
-    experts(results)
-    out = Path(os.environ.get("OUT", ".")) / "diagnose_router_experts.json"
+    for part in (router, experts, gather, conv):
+        part(results)
+    out = Path(os.environ.get("OUT", ".")) / "diagnose_prefill_ops.json"
     out.write_text(json.dumps(results, indent=1))
 
 
