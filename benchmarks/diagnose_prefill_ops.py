@@ -1,28 +1,27 @@
 """Memory- and FMA-bound ops of an 8K prefill of the benchmark model on the GPU (a diagnostic, not a test; CUDA
 events, bf16), each form against what the model ran before session 13:
 
-* `router`: the f32 router logits of 8192 tokens at the benchmark model's 64 experts and the release's 896, width
-  7168: the reference (both operands upcast, FFMA SGEMM), the Triton twin (`triton_ops.router_logits`, f32 FMA dot
-  over operands upcast in registers) at several (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), and one 16-bit tensor-core
-  GEMM written as f32 (`torch.mm(out_dtype=torch.float32)`, session 13's first form, rejected). Each against the
-  float64 logits: max and mean absolute error, and the fraction of tokens whose top-16 set differs from the float64
-  one; the logits rounded to bf16 (the error k3_math 8.1 warns about) for scale.
 * `experts`: the routed experts' two grouped GEMMs (8192 tokens x top-16 of 64 experts, latent 3584, width 3072) by
   `grouped_mm` (what the model runs), by one cuBLAS mm per expert (group sizes known on the host), and one dense mm
-  of the same rows (the ceiling of a GEMM this size). TFLOP/s of the useful work.
+  of the same rows (the ceiling of a GEMM this size); gate_up also as two grouped GEMMs over the weight's gate and up
+  halves, and both transposed (weights as the 3-D operand, the rows as the ragged N of the 2-D one: out^T = W x^T).
+  TFLOP/s of the useful work.
 * `gather`: the experts' expert-sorted copy of the activations (131072 rows of 3584 from 8192): `index_select`
   against `triton_ops.gather_rows` at several (rows, columns) per program; TB/s of the bytes written and read once.
 * `conv`: the KDA short conv (+ SiLU) of one [8192, 12288] projection, no cached window: fla-core's Triton kernel
   (through `fla_ops`, as before) against `triton_ops.causal_conv1d_prefill` at several (BLOCK_T, BLOCK_C, warps);
   TB/s of x read once and y written; the largest difference from the reference.
 
-Prints and writes JSON (to $OUT or the working directory).
+Session 13's runs 35-36 also timed router forms here (a tensor-core GEMM written as f32, a Triton f32 dot): both
+rejected for accuracy (docs/benchmarks.md), their JSON kept in benchmarks/results. Prints and writes JSON (to $OUT or
+the working directory); arguments pick parts (default: all).
 
-    python benchmarks/diagnose_prefill_ops.py
+    python benchmarks/diagnose_prefill_ops.py [experts] [gather] [conv]
 """
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -31,42 +30,11 @@ from _k3bench_utils import event_us
 from kimik3.kernels import moe, triton_ops
 from kimik3.modeling import ops_kimi_k3 as ops
 
-TOKENS, WIDTH, TOP_K = 8192, 7168, 16
+TOKENS, TOP_K = 8192, 16
 EXPERTS, LATENT, INTERMEDIATE = 64, 3584, 3072
-GATHER_CONFIGS = [(8, 512), (4, 512), (16, 512), (32, 256), (16, 256), (2, 1024)]
-CONV_CONFIGS = [(64, 128, 4), (32, 256, 4), (128, 64, 4), (64, 256, 8), (16, 512, 4), (128, 128, 8), (32, 128, 4)]
-ROUTER_CONFIGS = [(64, 64, 32, 4), (32, 64, 32, 4), (16, 64, 32, 2), (32, 64, 64, 4), (64, 64, 16, 4), (128, 64, 32, 8),
-                  (64, 128, 32, 8), (32, 32, 64, 2)]
-
-
-def _top_sets(logits):
-    return logits.topk(TOP_K, dim=-1).indices.sort(dim=-1).values
-
-
-def router(results):
-    torch.manual_seed(0)
-    x = torch.randn(TOKENS, WIDTH, device="cuda").to(torch.bfloat16)
-    for experts in (EXPERTS, 896):
-        w = (torch.randn(experts, WIDTH, device="cuda") * 0.02).to(torch.bfloat16)
-        exact = x.double() @ w.double().t()
-        truth = _top_sets(exact)
-        row = {}
-        forms = {"reference_upcast_sgemm": lambda: ops.router_logits(x, w),
-                 "tensor_core_gemm_f32_out": lambda: torch.mm(x, w.t(), out_dtype=torch.float32)}
-        for blocks in ROUTER_CONFIGS:
-            forms["triton_" + "_".join(map(str, blocks))] = lambda b=blocks: triton_ops.router_logits(x, w, b)
-        for name, fn in forms.items():
-            logits = fn()
-            err = (logits.double() - exact).abs()
-            row[name] = {"us": round(event_us(fn, 20), 1), "max_abs_err": float(err.max()),
-                         "mean_abs_err": float(err.mean()),
-                         "sets_differing_from_f64": float((_top_sets(logits) != truth).any(-1).float().mean())}
-        rounded = ops.router_logits(x, w).to(torch.bfloat16).double()
-        row["bf16_rounded_logits"] = {"max_abs_err": float((rounded - exact).abs().max()),
-                                      "sets_differing_from_f64": float((_top_sets(rounded) != truth).any(-1)
-                                                                       .float().mean())}
-        results[f"router_{experts}_experts"] = row
-        print(experts, json.dumps(row))
+GATHER_CONFIGS = [(32, 256), (8, 512), (64, 128), (64, 256), (16, 256)]
+CONV_CONFIGS = [(32, 128, 4), (64, 128, 4), (16, 128, 4), (32, 128, 2), (16, 256, 4), (32, 64, 2), (64, 64, 4),
+                (8, 256, 2), (16, 64, 2)]
 
 
 def experts(results):
@@ -91,8 +59,12 @@ def experts(results):
                 start += size
 
         forms = {"grouped_mm": lambda: grouped_mm(x, w.transpose(-2, -1), offs=ends),
+                 "transposed_grouped_mm": lambda: grouped_mm(w, x.t(), offs=ends),
                  "per_expert_mm": per_expert,
                  "dense_mm_same_rows": lambda: torch.mm(x, w[0].t(), out=out)}
+        if name == "gate_up":
+            forms["gate_and_up_grouped_mm"] = lambda: (grouped_mm(x, w[:, :INTERMEDIATE].transpose(-2, -1), offs=ends),
+                                                       grouped_mm(x, w[:, INTERMEDIATE:].transpose(-2, -1), offs=ends))
         ref = grouped_mm(x, w.transpose(-2, -1), offs=ends)
         per_expert()
         row = {"rows": rows, "k": k, "n": n, "rows_per_expert": [min(sizes), max(sizes)],
@@ -144,8 +116,9 @@ def conv(results):
 
 def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for part in (router, experts, gather, conv):
-        part(results)
+    parts = {"experts": experts, "gather": gather, "conv": conv}
+    for name in sys.argv[1:] or parts:
+        parts[name](results)
     out = Path(os.environ.get("OUT", ".")) / "diagnose_prefill_ops.json"
     out.write_text(json.dumps(results, indent=1))
 

@@ -17,7 +17,6 @@
 * `rms_norm`            KimiRMSNorm in one pass (forward only).
 * `gated_rms_norm`      KDA's gated output norm (f32 throughout) in one pass (forward only).
 * `kda_gate`            KDA's lower-bounded decay gate (f32) in one pass over the bf16 logits (forward only).
-* `router_logits`       the MoE router's f32 logits from the 16-bit activations, upcast in registers (forward only).
 * `mla_softmax`         the absorbed MLA decode's scale / mask / f32 softmax / rounding between its two GEMMs.
 * `block_attn_res_mix`  AttnRes softmax depth-mixture; forward in Triton (one read pass for the scores, one for the
                         mix, no stacked copy of the candidates), backward analytic in PyTorch (per candidate, f32).
@@ -318,50 +317,6 @@ def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_
                 z2, a, bias, g, rows, channels, head_dim, z2.stride(0), float(lower_bound), BLOCK_ROWS=block_rows,
                 BLOCK_C=block_c, num_warps=4)
     return g.view(z.shape)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Router logits: x @ W^T in f32 from the 16-bit operands, upcast in registers (the reference writes an f32 copy of the
-# activations, then runs an FFMA SGEMM). The dot is IEEE f32 (FMA): a 16-bit tensor-core GEMM with an f32 output was
-# measured ~25x farther from the float64 logits than the SGEMM (docs/benchmarks.md, session 13), not f32 accuracy.
-
-ROUTER_BLOCKS = (64, 64, 32, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
-
-
-@triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, o_ptr, M, N, K, stride_x, stride_w, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + ks
-        a = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=(rows < M)[:, None] & (kk < K)[None, :],
-                    other=0.0).to(tl.float32)
-        b = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=(kk < K)[:, None] & (cols < N)[None, :],
-                    other=0.0).to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    tl.store(o_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-
-def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor, blocks=ROUTER_BLOCKS) -> torch.Tensor:
-    """Same contract as `ops_kimi_k3.router_logits` (f32 logits of both operands upcast, f32 accumulation): one
-    Triton pass reading the 16-bit activations once; forward only. hidden_states [..., D], weight [E, D]."""
-    width, experts = hidden_states.shape[-1], weight.shape[0]
-    if weight.shape != (experts, width):
-        raise ValueError(f"router_logits: hidden_states [..., {width}] needs weight [experts, {width}], got "
-                         f"{tuple(weight.shape)}")
-    x2, w2 = _rows(hidden_states, width), _rows(weight, width)
-    rows = x2.shape[0]
-    out = torch.empty(rows, experts, dtype=torch.float32, device=hidden_states.device)
-    if rows and experts:
-        block_m, block_n, block_k, warps = blocks
-        with torch.cuda.device(hidden_states.device):
-            _router_logits_kernel[(triton.cdiv(rows, block_m), triton.cdiv(experts, block_n))](
-                x2, w2, out, rows, experts, width, x2.stride(0), w2.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_K=block_k, num_warps=warps)
-    return out.view(*hidden_states.shape[:-1], experts)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -672,7 +627,7 @@ def _gather_rows_kernel(x_ptr, idx_ptr, o_ptr, ROWS, D, stride_x, BLOCK_ROWS: tl
     tl.store(o_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], v, mask=m)
 
 
-def gather_rows(x: torch.Tensor, index: torch.Tensor, block_rows: int = 8, block_d: int = 512) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, index: torch.Tensor, block_rows: int = 32, block_d: int = 256) -> torch.Tensor:
     """x.index_select(0, index) for a 2-D x (unit stride on the last dim) and 1-D integer index, forward only;
     indices must lie in [0, x.shape[0]) (callers build them from a sort)."""
     rows, d = index.numel(), x.shape[1]
@@ -753,7 +708,7 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
 # tiles (the K - 1 rows before the block from x or the cached window) and writes the outputs. fla's kernel moved
 # ~2.2 TB/s on the 8K prefill's [8192, 12288] projections (docs/benchmarks.md, session 13).
 
-CONV_PREFILL_BLOCKS = (64, 128, 4)  # BLOCK_T, BLOCK_C, num_warps
+CONV_PREFILL_BLOCKS = (32, 128, 4)  # BLOCK_T, BLOCK_C, num_warps
 
 
 @triton.jit

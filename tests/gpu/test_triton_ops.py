@@ -1,4 +1,4 @@
-"""Own fast paths (router logits / Triton SiTU / RMSNorms / KDA gate / AttnRes / MXFP4 tiles and GEMV / MoE
+"""Own fast paths (Triton SiTU / RMSNorms / KDA gate / AttnRes / MXFP4 tiles and GEMV / MoE
 combine and row gather / few-rows grouped matmul / conv step and prefill, grouped_mm experts, MLA decode op) against
 the pure-PyTorch references of ops_kimi_k3, forward and backward where training uses them."""
 
@@ -158,42 +158,6 @@ def test_mxfp4_dequant_f32_bit_exact():
     ref = ops.dequantize_mxfp4(packed.cpu(), scale.cpu(), torch.float32)
     torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0)
     torch.testing.assert_close(ops.dequantize_mxfp4(packed, scale, torch.float32).cpu(), ref, rtol=0, atol=0)
-
-
-# ---------------------------------------------------------------------------------------------------------- router
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_router_logits_are_as_close_to_float64_as_the_f32_reference(dtype):
-    """The Triton twin sums the upcast operands with f32 FMAs: as close to the float64 logits as the reference's
-    SGEMM (max error within 4x of it), and the top-16 sets differ from the float64 ones for no more tokens than the
-    reference's do (plus 2 of 4096 for near-ties). A 16-bit tensor-core GEMM written as f32 fails the first bound
-    (~25x, docs/benchmarks.md), and logits rounded to the input dtype (k3_math 8.1) by orders of magnitude."""
-    x = torch.randn(2, 2048, 7168, device=DEV).to(dtype)
-    w = (torch.randn(896, 7168, device=DEV) * 0.02).to(dtype)
-    exact = x.double() @ w.double().t()
-    fast = load_fast("router_logits")
-    y, y_ref = fast(x, w), ops.router_logits(x, w)
-    assert y.dtype == torch.float32 and y.shape == y_ref.shape == (2, 2048, 896)
-    err, err_ref = (y.double() - exact).abs().max(), (y_ref.double() - exact).abs().max()
-    assert err <= 4 * err_ref, (err, err_ref)
-    assert (y.to(dtype).double() - exact).abs().max() > 100 * err_ref
-
-    def differing_sets(logits):
-        top = logits.topk(16, dim=-1).indices.sort(dim=-1).values
-        return int((top != exact.topk(16, dim=-1).indices.sort(dim=-1).values).any(-1).sum())
-
-    assert differing_sets(y) <= differing_sets(y_ref) + 2
-
-
-@pytest.mark.parametrize("rows, experts, width", [(1, 64, 7168), (130, 70, 100), (0, 64, 32), (33, 896, 4096)])
-def test_router_logits_ragged_shapes(rows, experts, width):
-    """Row, expert and width counts off the block sizes (masked tails), one decode row, no rows; a strided view."""
-    x = torch.randn(rows, 2 * width, device=DEV).to(torch.bfloat16)[:, ::2]
-    w = (torch.randn(experts, width, device=DEV) * 0.05).to(torch.bfloat16)
-    y, y_ref = load_fast("router_logits")(x, w), ops.router_logits(x, w)
-    assert y.shape == (rows, experts) and y.dtype == torch.float32
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------- MoE
@@ -623,14 +587,12 @@ def test_mla_decode_op_in_a_compiled_cuda_graph():
 def test_dispatch_on_cuda():
     x = torch.randn(4, 8, device=DEV)
     available = kernels.available_ops()
-    for name in ("situ_glu", "block_attn_res_mix", "moe_experts", "mla_decode", "mxfp4_dequant", "router_logits"):
+    for name in ("situ_glu", "block_attn_res_mix", "moe_experts", "mla_decode", "mxfp4_dequant"):
         assert available[name] is True, (name, available[name])
     for name in ("situ_glu", "block_attn_res_mix", "mla_decode", "mxfp4_dequant"):
         assert ops.fast_or_reference(name, x) is kernels.load(name), name
     assert ops.fast_or_reference("moe_experts", x) is ops.moe_experts  # f32: half-only
     assert ops.fast_or_reference("moe_experts", x.bfloat16()) is kernels.load("moe_experts")
-    assert ops.fast_or_reference("router_logits", x.bfloat16(), x) is ops.router_logits  # an f32 weight: reference
-    assert ops.fast_or_reference("router_logits", x.bfloat16(), x.bfloat16()) is kernels.load("router_logits")
     assert ops.fast_or_reference("situ_glu", x, torch.randn(4, 8)) is ops.situ_glu  # one CPU tensor: reference
     with reference_only():
         assert ops.fast_or_reference("situ_glu", x) is ops.situ_glu
