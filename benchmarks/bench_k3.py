@@ -949,9 +949,10 @@ def main():
         drv, stats = holder["driver"], holder["stats"]
         set_reference(False)
         sec("fast.prefill_8k", lambda: measure_prefill(drv, stats, 8 * K, repeats=5), 20)
-        # the same prefill with session 11's one-pass twins back on their references, one more op each time
+        # the same prefill with session 11's one-pass twins back on their references, one more op each time, and
+        # with session 13's router twin on its reference
         for tag, names in (("rms_norm", "rms_norm"), ("norms", "rms_norm,gated_rms_norm"),
-                           ("norms_gate", "rms_norm,gated_rms_norm,kda_gate")):
+                           ("norms_gate", "rms_norm,gated_rms_norm,kda_gate"), ("router", "router_logits")):
             sec(f"fast_reference_{tag}.prefill_8k", lambda n=names: with_reference_ops(
                 n, lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
         sec("fast.decode_b1_4k", lambda: measure_decode(drv, stats, 1, 4 * K, steps=20), 15)

@@ -4,8 +4,8 @@ events, bf16), each form against what the model ran before session 13:
 * `experts`: the routed experts' two grouped GEMMs (8192 tokens x top-16 of 64 experts, latent 3584, width 3072) by
   `grouped_mm` (what the model runs), by one cuBLAS mm per expert (group sizes known on the host), and one dense mm
   of the same rows (the ceiling of a GEMM this size); gate_up also as two grouped GEMMs over the weight's gate and up
-  halves, and both transposed (weights as the 3-D operand, the rows as the ragged N of the 2-D one: out^T = W x^T).
-  TFLOP/s of the useful work.
+  halves. TFLOP/s of the useful work. (The transposed form, out^T = W x^T with the rows as the 2-D operand's ragged
+  N, was tried in run 37: grouped_mm asserts on the device unless every group's size is a multiple of 8.)
 * `gather`: the experts' expert-sorted copy of the activations (131072 rows of 3584 from 8192): `index_select`
   against `triton_ops.gather_rows` at several (rows, columns) per program; TB/s of the bytes written and read once.
 * `conv`: the KDA short conv (+ SiLU) of one [8192, 12288] projection, no cached window: fla-core's Triton kernel
@@ -59,7 +59,6 @@ def experts(results):
                 start += size
 
         forms = {"grouped_mm": lambda: grouped_mm(x, w.transpose(-2, -1), offs=ends),
-                 "transposed_grouped_mm": lambda: grouped_mm(w, x.t(), offs=ends),
                  "per_expert_mm": per_expert,
                  "dense_mm_same_rows": lambda: torch.mm(x, w[0].t(), out=out)}
         if name == "gate_up":

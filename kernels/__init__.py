@@ -37,6 +37,7 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 | rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
 | gated_rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
 | kda_gate | own Triton, one pass (K3's lower-bounded form; the softplus form runs the reference) | no |
+| router_logits | the reference's SGEMM after a one-pass Triton upcast of the activations (same logits) | no |
 | moe_experts | torch grouped_mm + Triton row gather (no autograd), SiTU and combine; decode: Triton few-rows grouped matmul | yes (grouped_mm) |
 | moe_experts_mxfp4 | Triton grouped matmul dequantising packed tiles in registers; decode: Triton GEMV | activations only |
 | mxfp4_dequant | own Triton (bit-exact) | no |
@@ -104,6 +105,7 @@ _LOADERS = {
     "rms_norm": _load_triton("rms_norm"),
     "gated_rms_norm": _load_triton("gated_rms_norm"),
     "kda_gate": _load_triton("kda_gate"),
+    "router_logits": _load_triton("router_logits"),
     "moe_experts": _load_moe,
     "moe_experts_mxfp4": _load_moe_mxfp4,
     "mxfp4_dequant": _load_triton("mxfp4_dequant"),

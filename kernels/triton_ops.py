@@ -17,6 +17,7 @@
 * `rms_norm`            KimiRMSNorm in one pass (forward only).
 * `gated_rms_norm`      KDA's gated output norm (f32 throughout) in one pass (forward only).
 * `kda_gate`            KDA's lower-bounded decay gate (f32) in one pass over the bf16 logits (forward only).
+* `router_logits`       the reference's SGEMM after a one-pass Triton upcast of the activations (forward only).
 * `mla_softmax`         the absorbed MLA decode's scale / mask / f32 softmax / rounding between its two GEMMs.
 * `block_attn_res_mix`  AttnRes softmax depth-mixture; forward in Triton (one read pass for the scores, one for the
                         mix, no stacked copy of the candidates), backward analytic in PyTorch (per candidate, f32).
@@ -41,6 +42,7 @@ torch.compile keeps as single graph nodes.
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -317,6 +319,37 @@ def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_
                 z2, a, bias, g, rows, channels, head_dim, z2.stride(0), float(lower_bound), BLOCK_ROWS=block_rows,
                 BLOCK_C=block_c, num_warps=4)
     return g.view(z.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Router logits: the reference's SGEMM on the same f32 values (bit-identical logits), with the activations' upcast as
+# one vectorised pass (PyTorch's casting copy moved ~1.9 TB/s on the 8K prefill's [8192, 7168]). Faster forms of the
+# product itself were not f32-accurate: a tensor-core GEMM written as f32 ~25x, a Triton f32 dot ~9x farther from the
+# float64 logits than the SGEMM at the max (docs/benchmarks.md, session 13).
+
+
+@triton.jit
+def _upcast_kernel(x_ptr, o_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=mask).to(tl.float32), mask=mask)
+
+
+def upcast_f32(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """x.float() (exact for 16-bit x) as one Triton pass; a contiguous result."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if x.numel():
+        with torch.cuda.device(x.device):
+            _upcast_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block, num_warps=8)
+    return out
+
+
+def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Same contract and the same numbers as `ops_kimi_k3.router_logits` (the same SGEMM on the same f32 operands);
+    forward only."""
+    with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+        return F.linear(upcast_f32(hidden_states), weight.float())
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -708,7 +741,7 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
 # tiles (the K - 1 rows before the block from x or the cached window) and writes the outputs. fla's kernel moved
 # ~2.2 TB/s on the 8K prefill's [8192, 12288] projections (docs/benchmarks.md, session 13).
 
-CONV_PREFILL_BLOCKS = (32, 128, 4)  # BLOCK_T, BLOCK_C, num_warps
+CONV_PREFILL_BLOCKS = (16, 128, 4)  # BLOCK_T, BLOCK_C, num_warps
 
 
 @triton.jit

@@ -489,11 +489,7 @@ class KimiK3MoEGate(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Both operands upcast, autocast off: bf16 router logits change the selected set for a few % of tokens (8.1).
-        # Kept an SGEMM: a tensor-core GEMM written as f32 was ~25x, a Triton f32 dot ~9x farther from the float64
-        # logits at the max (docs/benchmarks.md, session 13).
-        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
-            router_logits = F.linear(hidden_states.float(), self.weight.float())
+        router_logits = fast_or_reference("router_logits", hidden_states)(hidden_states, self.weight)
         scores = torch.sigmoid(router_logits)
         biased = scores + self.e_score_correction_bias.float()
         if self.config.num_expert_group > 1:

@@ -366,7 +366,14 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_be
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Routed experts (6.4)
+# Router (6.2) and routed experts (6.4)
+
+
+def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """f32 router logits x @ W^T of both operands upcast (8.1: bf16 logits change the selected set for a few % of
+    tokens), autocast off: an SGEMM. hidden_states [..., D], weight [E, D] -> [..., E] f32."""
+    with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+        return F.linear(hidden_states.float(), weight.float())
 
 
 def routed_experts(
@@ -552,6 +559,8 @@ FAST_OPS = {
     "gated_rms_norm": FastOp(gated_rms_norm, forward_only=True),
     "kda_gate": FastOp(kda_gate, forward_only=True),
     "situ_glu": FastOp(situ_glu, traceable_forward=True),
+    # eager only (the compiled decode step keeps tracing the reference, as measured)
+    "router_logits": FastOp(router_logits, half_only=True, forward_only=True),
     "moe_experts": FastOp(moe_experts, half_only=True, traceable=True),
     # torch ops around the packed grouped matmul (a custom op)
     "moe_experts_mxfp4": FastOp(moe_experts_mxfp4, half_only=True, traceable_forward=True),

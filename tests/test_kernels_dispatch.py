@@ -69,8 +69,8 @@ def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
         out = step()
         return set(asked), out
 
-    every_layer = {"block_attn_res_mix", "causal_conv1d", "situ_glu", "moe_experts", "rms_norm", "gated_rms_norm",
-                   "kda_gate"}
+    every_layer = {"block_attn_res_mix", "causal_conv1d", "situ_glu", "router_logits", "moe_experts", "rms_norm",
+                   "gated_rms_norm", "kda_gate"}
     # a fresh prefill attends through the attention interface; continuing a cache merges key blocks by their LSE;
     # one token steps the KDA recurrence and attends in the absorbed latent form
     expected = {"prefill": every_layer | {"chunk_kda"},

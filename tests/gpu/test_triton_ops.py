@@ -1,4 +1,4 @@
-"""Own fast paths (Triton SiTU / RMSNorms / KDA gate / AttnRes / MXFP4 tiles and GEMV / MoE
+"""Own fast paths (router upcast / Triton SiTU / RMSNorms / KDA gate / AttnRes / MXFP4 tiles and GEMV / MoE
 combine and row gather / few-rows grouped matmul / conv step and prefill, grouped_mm experts, MLA decode op) against
 the pure-PyTorch references of ops_kimi_k3, forward and backward where training uses them."""
 
@@ -158,6 +158,23 @@ def test_mxfp4_dequant_f32_bit_exact():
     ref = ops.dequantize_mxfp4(packed.cpu(), scale.cpu(), torch.float32)
     torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0)
     torch.testing.assert_close(ops.dequantize_mxfp4(packed, scale, torch.float32).cpu(), ref, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------- router
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,experts", [((2, 2048, 7168), 64), ((1, 7168), 896), ((3, 5, 100), 70), ((0, 7168), 64)])
+def test_router_logits_equal_the_reference(shape, experts, dtype):
+    """The same SGEMM on the same f32 operands: bit-identical logits (the upcast is exact), also for a strided view
+    and for non-finite and subnormal activations; one decode row, no rows, a ragged width."""
+    x = torch.randn(*shape[:-1], 2 * shape[-1], device=DEV).to(dtype)[..., ::2]
+    if x.numel():
+        x[(0,) * (x.dim() - 1)][:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40]).to(dtype)
+    w = (torch.randn(experts, shape[-1], device=DEV) * 0.02).to(dtype)
+    y, y_ref = load_fast("router_logits")(x, w), ops.router_logits(x, w)
+    assert y.dtype == torch.float32 and y.shape == y_ref.shape == (*shape[:-1], experts)
+    assert torch.equal(y.isnan(), y_ref.isnan()) and torch.equal(y.nan_to_num(), y_ref.nan_to_num())
 
 
 # ---------------------------------------------------------------------------------------------------------- MoE
@@ -587,12 +604,14 @@ def test_mla_decode_op_in_a_compiled_cuda_graph():
 def test_dispatch_on_cuda():
     x = torch.randn(4, 8, device=DEV)
     available = kernels.available_ops()
-    for name in ("situ_glu", "block_attn_res_mix", "moe_experts", "mla_decode", "mxfp4_dequant"):
+    for name in ("situ_glu", "block_attn_res_mix", "moe_experts", "mla_decode", "mxfp4_dequant", "router_logits"):
         assert available[name] is True, (name, available[name])
     for name in ("situ_glu", "block_attn_res_mix", "mla_decode", "mxfp4_dequant"):
         assert ops.fast_or_reference(name, x) is kernels.load(name), name
     assert ops.fast_or_reference("moe_experts", x) is ops.moe_experts  # f32: half-only
     assert ops.fast_or_reference("moe_experts", x.bfloat16()) is kernels.load("moe_experts")
+    assert ops.fast_or_reference("router_logits", x) is ops.router_logits  # f32 activations: nothing to upcast
+    assert ops.fast_or_reference("router_logits", x.bfloat16()) is kernels.load("router_logits")
     assert ops.fast_or_reference("situ_glu", x, torch.randn(4, 8)) is ops.situ_glu  # one CPU tensor: reference
     with reference_only():
         assert ops.fast_or_reference("situ_glu", x) is ops.situ_glu
