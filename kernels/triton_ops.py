@@ -664,7 +664,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, block_rows: int = 32, bloc
     """x.index_select(0, index) for a 2-D x (unit stride on the last dim) and 1-D integer index, forward only;
     indices must lie in [0, x.shape[0]) (callers build them from a sort)."""
     rows, d = index.numel(), x.shape[1]
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    x2 = _rows(x, d)
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
     if rows and d:
         block_d = min(block_d, triton.next_power_of_2(d))
