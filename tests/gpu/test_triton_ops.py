@@ -478,6 +478,20 @@ def test_moe_experts_mxfp4_gemv_op_stays_in_the_compiled_graph():
 # ---------------------------------------------------------------------------------------------------------- conv step
 
 
+def _assert_conv_matches_float64(x, weight, state, y, new_state):
+    """A conv kernel's outputs against the reference's math in float64 (window of zeros without a state): within one
+    rounding to x's dtype, contiguous, the new window bit-equal to the reference's."""
+    batch, _, channels = x.shape
+    previous = state if state is not None else x.new_zeros(batch, channels, weight.shape[-1] - 1)
+    window = torch.cat([previous, x.transpose(1, 2)], dim=-1).double()
+    exact = torch.nn.functional.conv1d(window, weight.double(), groups=channels)
+    exact = torch.nn.functional.silu(exact).transpose(1, 2)
+    assert y.dtype == x.dtype and y.is_contiguous() and new_state.is_contiguous()
+    ulp = 2.0**-8 if x.dtype == torch.bfloat16 else 2.0**-20  # f32: the sum's rounding and the GPU's exp
+    assert ((y.double() - exact).abs() <= ulp * exact.abs() + 1e-6 * exact.abs().max()).all()
+    assert torch.equal(new_state, ops.causal_conv1d(x, weight, state)[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,tokens,channels,width", [(1, 1, 12288, 4), (3, 1, 300, 4), (2, 5, 520, 4),
                                                          (2, 16, 700, 4), (1, 3, 64, 2)])
@@ -489,14 +503,7 @@ def test_causal_conv1d_step_matches_float64(batch, tokens, channels, width, dtyp
     x = torch.randn(batch, tokens, 2 * channels, device=DEV).to(dtype)[..., ::2]
     weight = torch.randn(channels, 1, width, device=DEV) * 0.5  # F32 in the release
     state = torch.randn(batch, width - 1, channels, device=DEV).to(dtype).transpose(1, 2)
-    y, new_state = triton_ops.causal_conv1d_step(x, weight, state)
-    window = torch.cat([state, x.transpose(1, 2)], dim=-1).double()
-    exact = torch.nn.functional.conv1d(window, weight.double(), groups=channels)
-    exact = torch.nn.functional.silu(exact).transpose(1, 2)
-    assert y.dtype == dtype and y.is_contiguous() and new_state.is_contiguous()
-    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20  # f32: the sum's rounding and the GPU's exp
-    assert ((y.double() - exact).abs() <= ulp * exact.abs() + 1e-6 * exact.abs().max()).all()
-    assert torch.equal(new_state, ops.causal_conv1d(x, weight, state)[1])
+    _assert_conv_matches_float64(x, weight, state, *triton_ops.causal_conv1d_step(x, weight, state))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -512,15 +519,7 @@ def test_causal_conv1d_prefill_matches_float64(batch, tokens, channels, width, w
     x = torch.randn(batch, tokens, 2 * channels, device=DEV).to(dtype)[..., ::2]
     weight = torch.randn(channels, 1, width, device=DEV) * 0.5
     state = torch.randn(batch, width - 1, channels, device=DEV).to(dtype).transpose(1, 2) if window else None
-    y, new_state = triton_ops.causal_conv1d_prefill(x, weight, state)
-    previous = state if window else x.new_zeros(batch, channels, width - 1)
-    exact = torch.nn.functional.conv1d(torch.cat([previous, x.transpose(1, 2)], dim=-1).double(), weight.double(),
-                                       groups=channels)
-    exact = torch.nn.functional.silu(exact).transpose(1, 2)
-    assert y.dtype == dtype and y.is_contiguous() and new_state.is_contiguous()
-    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20
-    assert ((y.double() - exact).abs() <= ulp * exact.abs() + 1e-6 * exact.abs().max()).all()
-    assert torch.equal(new_state, ops.causal_conv1d(x, weight, state)[1])
+    _assert_conv_matches_float64(x, weight, state, *triton_ops.causal_conv1d_prefill(x, weight, state))
 
 
 def test_causal_conv1d_op_runs_the_step_kernel_for_few_tokens_after_a_window(monkeypatch):
