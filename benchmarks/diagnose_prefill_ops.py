@@ -16,7 +16,10 @@ Session 13's runs 35-36 also timed router forms here (a tensor-core GEMM written
 rejected for accuracy (docs/benchmarks.md), their JSON kept in benchmarks/results. Prints and writes JSON (to $OUT or
 the working directory); arguments pick parts (default: all).
 
-    python benchmarks/diagnose_prefill_ops.py [experts] [gather] [conv]
+* `kda` (session 14): one KDA layer's gate + chunked recurrence, the decay computed before fla's chunk_kda against
+  inside it (with and without fla's safe_gate); microseconds and the error against an f32 run.
+
+    python benchmarks/diagnose_prefill_ops.py [experts] [gather] [conv] [kda]
 """
 
 import json
@@ -113,9 +116,51 @@ def conv(results):
     print("conv", json.dumps(row))
 
 
+def kda(results):
+    """One KDA layer's decay and chunked recurrence at the K3 shape (8192 tokens, 96 heads of 128): our Triton gate
+    + fla's chunk_kda on the precomputed decay (what the model ran before session 14) against fla computing the
+    decay inside its chunk cumsum, with and without its safe_gate diagonal tiles; each output's error against the
+    reference ops (f32 chunked math) on the same inputs."""
+    from kimik3.kernels import fla_ops
+
+    torch.manual_seed(0)
+    heads, dim = 96, 128
+    q, k, v = (torch.randn(1, TOKENS, heads, dim, device="cuda").to(torch.bfloat16) for _ in range(3))
+    raw = torch.randn(1, TOKENS, heads, dim, device="cuda").to(torch.bfloat16)
+    A_log = torch.zeros(128, device="cuda")
+    A_log[:heads] = torch.randn(heads, device="cuda") * 0.5
+    dt_bias = torch.randn(heads * dim, device="cuda") * 0.5
+    beta = torch.sigmoid(torch.randn(1, TOKENS, heads, device="cuda"))
+    lb = -5.0
+    gate_fast = triton_ops.kda_gate
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def separate():
+        return fla_ops.chunk_kda(q, k, v, gate_fast(raw, A_log, dt_bias, lb), beta, **kw)
+
+    def in_kernel(safe):
+        def run():
+            return fla_ops._fla_chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True, A_log=A_log[:heads],
+                                          dt_bias=dt_bias, lower_bound=lb, safe_gate=safe, **kw)
+        return run
+
+    with torch.inference_mode():
+        gold = ops.chunk_kda(q, k, v, ops.kda_gate(raw, A_log, dt_bias, lb), beta, **kw)[0].double()
+    forms = {"gate_then_chunk_kda": separate, "gate_in_kernel": in_kernel(False),
+             "gate_in_kernel_safe_gate": in_kernel(True)}
+    part = {}
+    for name, fn in forms.items():
+        with torch.inference_mode():
+            us = event_us(fn, 20)
+            o = fn()[0].double()
+        part[name] = {"us": round(us, 1), "rel_err_vs_f32": float((o - gold).norm() / gold.norm())}
+    results["kda"] = part
+    print("kda", part, flush=True)
+
+
 def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    parts = {"experts": experts, "gather": gather, "conv": conv}
+    parts = {"experts": experts, "gather": gather, "conv": conv, "kda": kda}
     for name in sys.argv[1:] or parts:
         parts[name](results)
     out = Path(os.environ.get("OUT", ".")) / "diagnose_prefill_ops.json"

@@ -45,7 +45,9 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 
 # The interface the remote code checks (its own copy is `ops_kimi_k3.KERNELS_API_VERSION`): `load(name)` below and
 # the contracts of the references it stands in for. Bump both together when either changes.
-KERNELS_API_VERSION = 3  # 2: `traceable_forward` twins run as custom ops; 3: mla_decode takes masks (a custom op)
+# 2: `traceable_forward` twins run as custom ops; 3: mla_decode takes masks (a custom op); 4: chunk_kda takes the raw
+# decay logits with `use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`
+KERNELS_API_VERSION = 4
 
 __all__ = ["KERNELS_API_VERSION", "OP_NAMES", "available_ops", "load"]
 

@@ -17,7 +17,10 @@ Importing this module imports fla (and so Triton); it fails with ImportError whe
 
 * `chunk_kda`, `fused_recurrent_kda`: same signature/contract as the references: q, k, g [B, T, H, K],
   v [B, T, H, V], beta [B, T, H] (post-sigmoid), g the log-space decay already computed (fla's
-  `use_gate_in_kernel=False`), state [B, H, K, V] f32 -> (o in v.dtype, final state f32 or None).
+  `use_gate_in_kernel=False`), state [B, H, K, V] f32 -> (o in v.dtype, final state f32 or None). `chunk_kda`
+  also takes the raw decay logits as `g` with `use_gate_in_kernel=True`, `A_log`, `dt_bias` and `lower_bound` (fla's
+  fused gate + chunk cumsum; K3's bounded gate on fla's `safe_gate` path) where no gradient is recorded; under
+  autograd the reference gate runs first and fla's chunked form takes the decay as before.
   `chunk_kda` has autograd (fla's); `fused_recurrent_kda` is forward-only (declared so in FAST_OPS: the model
   keeps the reference when a gradient is needed). The reference's `chunk_size` is a memory knob of its own chunked
   loop; fla's kernels are tuned for 64-token chunks and always use them.
@@ -38,6 +41,8 @@ from fla.modules.causal_conv1d import causal_conv1d as _fla_causal_conv1d
 from fla.ops.kda import chunk_kda as _fla_chunk_kda
 from fla.ops.kda import fused_recurrent_kda as _fla_fused_recurrent_kda
 
+from kimik3.modeling import ops_kimi_k3 as _reference
+
 from . import custom_ops
 
 
@@ -50,10 +55,23 @@ def _state(initial_state):
 def chunk_kda(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
     chunk_size=None,  # the reference's memory knob, passed by the model to either twin; fla always chunks by 64
+    use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
 ):
+    gate = {}
+    if use_gate_in_kernel and custom_ops.needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        # training: the decay from the reference gate (its autograd), then fla's chunked form on it, the path the
+        # GPU backward tests hold; fla's fused gate backward is not used
+        g = _reference.kda_gate(g, A_log, dt_bias, lower_bound)
+    elif use_gate_in_kernel:
+        # fla's gate kernel reads A_log[h] for the heads present, so the release's zero-padded [128] A_log is passed
+        # as its first H entries. K3's lower-bounded gate (-5 <= lb < 0) runs fla's safe_gate path: the decay bound
+        # keeps the diagonal tiles' exponentials in f32 range, so they go through tensor-core dots (k3_math 3; the
+        # official code's setting)
+        gate = dict(use_gate_in_kernel=True, A_log=A_log[: g.shape[-2]], dt_bias=dt_bias, lower_bound=lower_bound,
+                    safe_gate=lower_bound is not None and -5 <= lower_bound < 0)
     o, final = _fla_chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=64,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=64, **gate,
     )
     return o.to(v.dtype), (final if output_final_state else None)
 

@@ -224,14 +224,22 @@ def conv_windows_after(pre_conv: tuple[torch.Tensor, ...], base_windows: tuple[t
     return tuple(windows)
 
 
-def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, chunk_size: int, decode_step: bool):
+def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, chunk_size: int, decode_step: bool,
+                   gate: tuple | None = None):
     """The delta rule over these tokens, with the kernel of the forward they belong to: a one-token forward that
     continues a state is a decode step (fused recurrent form), anything else the chunked form. A rollback replay
-    and a forward split at snapshot positions pick by the same rule, so they compute what that forward computes."""
+    and a forward split at snapshot positions pick by the same rule, so they compute what that forward computes.
+    With `gate` = (A_log, dt_bias, lower_bound), `g` holds the raw decay logits: the chunked form computes the
+    decay inside its kernel (`use_gate_in_kernel`), the recurrent form gets it from `kda_gate` first."""
     if decode_step and initial_state is not None:
         kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
+        if gate is not None:
+            g = fast_or_reference("kda_gate", g, *gate[:2])(g, *gate)
     else:
         kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": chunk_size}
+        if gate is not None:
+            A_log, dt_bias, lower_bound = gate
+            extra.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     return kda_fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=True, **extra)
 

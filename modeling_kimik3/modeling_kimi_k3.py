@@ -234,8 +234,18 @@ class KimiK3DeltaAttention(nn.Module):
 
         decay_logits = self.f_b_proj(self.f_a_proj(hidden_states)).view(heads_shape)
         A_log, dt_bias = local_shard(self.A_log), local_shard(self.dt_bias)
-        gate_fn = fast_or_reference("kda_gate", decay_logits, A_log, dt_bias)
-        g = gate_fn(decay_logits, A_log, dt_bias, self.lower_bound)
+        recording = cache is not None and cache.records_step()
+        # Inference: K3's bounded decay is computed inside the chunked kernel's cumsum (one pass over the logits
+        # instead of a gate pass writing f32 decays and a cumsum pass re-reading them), where nothing else needs the
+        # decay: a padding mask overwrites it per token, a rollback record and the context-parallel split keep it
+        decay_gate = None
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (decay_logits, A_log, dt_bias))
+        if (self.lower_bound is not None and token_mask is None and context_parallel is None and not recording
+                and not training):
+            g, decay_gate = decay_logits, (A_log, dt_bias, self.lower_bound)
+        else:
+            gate_fn = fast_or_reference("kda_gate", decay_logits, A_log, dt_bias)
+            g = gate_fn(decay_logits, A_log, dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
         if token_mask is not None:
             # A padded step must be the identity on the state: the decay is not 1 on zero input, so set g = 0 and
@@ -249,14 +259,14 @@ class KimiK3DeltaAttention(nn.Module):
                                                      self.config.kda_chunk_size, self.layer_idx)
             q_state, k_state, v_state = sequence_conv_states
         else:
-            if cache is not None and cache.records_step():
+            if recording:
                 # Speculative verify/draft step: keep what a rollback replays (the recurrence inputs and the
                 # pre-conv inputs of the conv windows), so rejected tokens never cost a re-projection or a re-run
                 # of the prefix
                 cache.record_kda_step(self.layer_idx, conv_states, recurrent_state, pre_conv, (q, k, v, g, beta))
             snapshot_offsets = cache.snapshot_offsets(seq_len) if cache is not None else []
             core, final_state = self._recurrence(q, k, v, g, beta, recurrent_state, cache is not None,
-                                                 snapshot_offsets, pre_conv, conv_states, cache)
+                                                 snapshot_offsets, pre_conv, conv_states, cache, decay_gate)
         if cache is not None:
             cache.update_kda_state((q_state, k_state, v_state), final_state, self.layer_idx)
 
@@ -267,7 +277,8 @@ class KimiK3DeltaAttention(nn.Module):
         core = self.o_norm(core, gate.view(heads_shape))
         return self.o_proj(core.reshape(batch, seq_len, -1))
 
-    def _recurrence(self, q, k, v, g, beta, state, keep_state, snapshot_offsets, pre_conv, conv_states, cache):
+    def _recurrence(self, q, k, v, g, beta, state, keep_state, snapshot_offsets, pre_conv, conv_states, cache,
+                    decay_gate=None):
         """The delta rule over this forward's tokens. With snapshot offsets the chunked form runs segment by
         segment, carrying the state exactly as it carries it between its own chunks, and hands the state and conv
         windows at each offset to the cache."""
@@ -278,6 +289,7 @@ class KimiK3DeltaAttention(nn.Module):
             out, state = kda_recurrence(
                 q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end], state,
                 keep_state or end < seq_len, self.config.kda_chunk_size, decode_step=seq_len == 1,
+                gate=decay_gate,
             )
             outputs.append(out)
             if end in snapshot_offsets:

@@ -166,8 +166,14 @@ def chunk_kda(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     chunk_size: int = 64,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA for prefill and training, same contract as `fused_recurrent_kda`.
+    """Chunked KDA for prefill and training, same contract as `fused_recurrent_kda`. With `use_gate_in_kernel`
+    (fla's name), `g` holds the raw decay logits and the decay is `kda_gate(g, A_log, dt_bias, lower_bound)`: the
+    fast twin then computes it inside its chunk cumsum instead of writing and re-reading it.
 
     Chunks are processed one after another and only the running state is carried, so live memory is
     O(B*H*chunk*(chunk*K + V)) per step and the output O(T): no T x T matrix and no stored per-chunk states. Under
@@ -175,6 +181,8 @@ def chunk_kda(
     saved tensors are the inputs plus one state per segment (O(sqrt(T)) states).
     """
     dtype = v.dtype
+    if use_gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
     q, k = _prepare_qk(q, k, scale, use_qk_l2norm_in_kernel)
     v, g, beta = v.float(), g.float(), beta.float()
     batch, seq_len, num_heads, k_dim = k.shape
@@ -522,8 +530,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # The `kimik3.kernels` interface this file is written against: `load(name)` returns the fast twin of FAST_OPS[name]
 # (or None), with the reference's signature and contract. Bump it on both sides when that changes.
 # 2: the twins of `traceable_forward` ops run as torch.library custom ops; 3: the mla_decode twin takes masks (an
-# older install's refuses them) and runs as a custom op
-KERNELS_API_VERSION = 3
+# older install's refuses them) and runs as a custom op; 4: chunk_kda takes the raw decay logits and the gate's
+# parameters (`use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`)
+KERNELS_API_VERSION = 4
 # "1" (or "all"): every op runs its reference; a comma list of op names: those ops do; unset or "0": none.
 REFERENCE_ONLY_ENV = "KIMIK3_REFERENCE_ONLY"
 
@@ -657,5 +666,21 @@ def fast_or_reference(name: str, *tensors: torch.Tensor | None) -> Callable:
     reference = FAST_OPS[name].reference
     if _KERNELS is None or not fast_path_allowed(name, *tensors):
         return reference
+    if not _traced_twins_loaded and not torch.compiler.is_compiling():
+        _load_traced_twins()
     fast = _KERNELS.load(name)
     return reference if fast is None else fast
+
+
+_traced_twins_loaded = False
+
+
+def _load_traced_twins() -> None:
+    """Load, eagerly and once, every twin a compiled graph may ask for: a twin's first load imports its module, and
+    an import inside a trace is a graph break (a compiled decode step's `fused_recurrent_kda` is first needed there,
+    after an eager prefill that never asked for it)."""
+    global _traced_twins_loaded
+    _traced_twins_loaded = True
+    for name, op in FAST_OPS.items():
+        if op.traceable or op.traceable_forward:
+            _KERNELS.load(name)

@@ -62,6 +62,34 @@ def test_gate_is_lower_bounded_sigmoid_not_softplus():
     torch.testing.assert_close(kda_gate(z, padded, dt_bias, -5.0), g)
 
 
+def test_gate_in_kernel_is_the_gate_applied_first():
+    """chunk_kda's `use_gate_in_kernel` contract (the model's prefill path): raw logits plus the gate's parameters
+    give exactly what the precomputed decay gives, gradients included (A_log padded to 128 as released), and
+    `kda_recurrence` applies the same gate before a decode step's recurrent form."""
+    from kimik3.modeling.cache_kimi_k3 import kda_recurrence
+
+    q, k, v, _, beta, state = _inputs(1, 37, 2, 8, 8)
+    raw = torch.randn(1, 37, 2, 8) * 2
+    A_log, dt_bias = torch.cat([torch.randn(2), torch.zeros(126)]).requires_grad_(), torch.randn(16).requires_grad_()
+    fused = chunk_kda(q, k, v, raw, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      chunk_size=16, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    first = chunk_kda(q, k, v, kda_gate(raw, A_log, dt_bias, -5.0), beta, initial_state=state,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
+    assert torch.equal(fused[0], first[0]) and torch.equal(fused[1], first[1])
+    grads = [torch.autograd.grad(out[0].sum(), (A_log, dt_bias)) for out in (fused, first)]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    assert grads[0][0][2:].abs().max() == 0 and grads[0][0][:2].abs().min() > 0
+    with torch.no_grad():
+        gate = (A_log, dt_bias, -5.0)
+        step = kda_recurrence(q[:, :1], k[:, :1], v[:, :1], raw[:, :1], beta[:, :1], state, True, 16, True, gate)
+        want = fused_recurrent_kda(q[:, :1], k[:, :1], v[:, :1], kda_gate(raw[:, :1], *gate), beta[:, :1],
+                                   initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert torch.equal(step[0], want[0]) and torch.equal(step[1], want[1])
+        chunked = kda_recurrence(q, k, v, raw, beta, state, True, 16, False, gate)
+        assert torch.equal(chunked[0], first[0].detach()) and torch.equal(chunked[1], first[1].detach())
+
+
 def test_chunked_split_equals_one_pass_and_chunk_state_is_carried():
     q, k, v, g, beta, _ = _inputs(1, 40, 2, 8, 8)
     full, full_state = chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,

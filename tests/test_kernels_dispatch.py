@@ -70,12 +70,13 @@ def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
         return set(asked), out
 
     every_layer = {"block_attn_res_mix", "causal_conv1d", "situ_glu", "router_logits", "moe_experts", "rms_norm",
-                   "gated_rms_norm", "kda_gate"}
+                   "gated_rms_norm"}
     # a fresh prefill attends through the attention interface; continuing a cache merges key blocks by their LSE;
-    # one token steps the KDA recurrence and attends in the absorbed latent form
+    # one token steps the KDA recurrence (its decay from kda_gate: the chunked form computes it inside chunk_kda)
+    # and attends in the absorbed latent form
     expected = {"prefill": every_layer | {"chunk_kda"},
                 "chunked prefill": every_layer | {"chunk_kda", "attention_with_lse"},
-                "decode": every_layer | {"fused_recurrent_kda", "mla_decode"}}
+                "decode": every_layer | {"fused_recurrent_kda", "kda_gate", "mla_decode"}}
     ids = torch.randint(3, 128, (1, 9))
     seen = set()
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
@@ -703,3 +704,27 @@ def test_moe_experts_mxfp4_runs_each_path_by_rows_per_expert(monkeypatch):
             out = moe.moe_experts_mxfp4(x, idx, w, *args)
         assert seen.names & {gemv, tiles, dequant, grouped} == expected, (n, seen.names)
         torch.testing.assert_close(out, ops.moe_experts_mxfp4(x, idx, w, *args), rtol=1e-2, atol=1e-2)
+
+
+def test_twins_a_compiled_graph_asks_for_load_on_the_first_eager_fast_call(fake_fast_ops, monkeypatch):
+    """An import inside a trace is a graph break: the first eager fast-path decision loads every traceable twin (a
+    compiled decode step's fused_recurrent_kda would otherwise be loaded for the first time inside the trace); a CPU
+    decision or one under compile loads nothing."""
+    loaded = []
+    monkeypatch.setattr(ops, "_KERNELS", types.SimpleNamespace(load=lambda n: loaded.append(n) or fake_fast_ops[n]))
+    monkeypatch.setattr(ops, "_traced_twins_loaded", False)
+    ops.fast_or_reference("situ_glu", torch.randn(2, 3))
+    assert loaded == []
+    with pytest.MonkeyPatch.context() as compiling:
+        compiling.setattr(torch.compiler, "is_compiling", lambda: True)
+        with torch.no_grad():
+            assert ops.fast_or_reference("situ_glu", fake_cuda(2, 3))() == "situ_glu"
+    assert loaded == ["situ_glu"]
+    loaded.clear()
+    assert ops.fast_or_reference("rms_norm", fake_cuda(2, 3, dtype=torch.bfloat16))() == "rms_norm"
+    traced = {n for n, op in ops.FAST_OPS.items() if op.traceable or op.traceable_forward}
+    assert {"fused_recurrent_kda", "causal_conv1d", "mla_decode"} <= traced
+    assert set(loaded) == traced | {"rms_norm"} and loaded[-1] == "rms_norm"
+    loaded.clear()
+    ops.fast_or_reference("rms_norm", fake_cuda(2, 3, dtype=torch.bfloat16))
+    assert loaded == ["rms_norm"]

@@ -124,3 +124,76 @@ def test_chunk_kda_backward():
     for name, g, g_ref in zip(names, grads, grads_ref):
         assert g.shape == g_ref.shape, name
         assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
+
+
+@pytest.mark.parametrize("seq_len,lower_bound", [(64, -5.0), (200, -5.0), (1000, -5.0), (200, -7.0)])
+def test_chunk_kda_gate_in_kernel_forward(seq_len, lower_bound):
+    """The decay computed inside fla's chunk cumsum (its `safe_gate` path for K3's bound -5; -7 is outside fla's
+    safe range and keeps the token-parallel diagonal tiles) against the reference applying `kda_gate` first. The
+    release's zero-padded [128] A_log is passed as it is stored."""
+    t = _kda_inputs(2, seq_len, lower_bound=lower_bound)
+    fast = load_fast("chunk_kda")
+    args = (t["q"], t["k"], t["v"], t["raw"], t["beta"])
+    gate = dict(use_gate_in_kernel=True, A_log=t["a_log"], dt_bias=t["dt_bias"], lower_bound=lower_bound)
+    o, s = fast(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True, **gate)
+    o_ref, s_ref = ops.chunk_kda(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                 **gate)
+    assert o.dtype == t["v"].dtype and s.dtype == torch.float32 and o.shape == o_ref.shape
+    assert max_rel(o, o_ref) < 2e-2
+    assert rel_err(o, o_ref) < 1e-2
+    assert rel_err(s, s_ref) < 1e-2
+    # the reference's own contract: the gate inside equals the gate applied before
+    precomputed = ops.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0"],
+                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(o_ref, precomputed[0]) and torch.equal(s_ref, precomputed[1])
+    # a head's decay read from another head's A_log is far outside these bounds
+    gate["A_log"] = t["a_log"].clone()
+    gate["A_log"][:H] = t["a_log"][:H].roll(1)
+    o_wrong, _ = fast(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True, **gate)
+    assert rel_err(o_wrong, o_ref) > 5e-2
+
+
+def test_chunk_kda_gate_in_kernel_backward():
+    """The fused-gate contract under autograd (the twin applies the reference gate, then fla's chunked form, whose
+    backward the test above holds): A_log, dt_bias and the raw logits get the reference's gradients (A_log's
+    padding rows none)."""
+    t = _kda_inputs(1, 130)
+    names = ("q", "k", "v", "raw", "beta", "h0", "a_log", "dt_bias")
+    inputs = [t[n].detach().clone().requires_grad_(True) for n in names]
+    fast = load_fast("chunk_kda")
+
+    def run(fn):
+        q, k, v, raw, beta, h0, a_log, dt_bias = inputs
+        o, s = fn(q, k, v, raw, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
+        loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=DEV)).sum() + (s * 0.1).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    grads, grads_ref = run(fast), run(ops.chunk_kda)
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert g.shape == g_ref.shape, name
+        assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
+    assert grads[6][H:].abs().max() == 0 and grads[6][:H].abs().max() > 0
+
+
+def test_model_prefill_with_the_gate_in_fla_matches_the_reference_kda(monkeypatch):
+    """A bf16 tiny model's prefill with fla computing the bounded decay in its kernel (safe_gate) against the f32
+    model on the reference ops, as close to it as the same bf16 model with chunk_kda on its reference (which applies
+    kda_gate to the same logits, A_log, dt_bias and bound per layer): the fused path adds only bf16/TF32 noise."""
+    import copy
+
+    from kimik3.tiny import build_tiny_model
+
+    gold_model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
+    assert gold_model.config.gate_lower_bound is not None
+    model = copy.deepcopy(gold_model).bfloat16()
+    ids = torch.randint(3, 128, (2, 200), device=DEV)
+    with torch.no_grad():
+        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "1")
+        gold = gold_model(ids, use_cache=False).logits.float()
+        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "chunk_kda")
+        ref = model(ids, use_cache=False).logits.float()
+        monkeypatch.delenv("KIMIK3_REFERENCE_ONLY")
+        fast = model(ids, use_cache=False).logits.float()
+    fast_err, ref_err = rel_err(fast, gold), rel_err(ref, gold)
+    assert fast_err < 1.5 * ref_err + 1e-2, (fast_err, ref_err)
