@@ -109,14 +109,23 @@ def test_chunk_kda_forward(seq_len):
     assert s2 is None and rel_err(o2, ops.chunk_kda(*args, use_qk_l2norm_in_kernel=True)[0]) < 1e-2
 
 
-def test_chunk_kda_backward():
-    t = _kda_inputs(1, 130, requires_grad=True)
-    names = ("q", "k", "v", "g", "beta", "h0")
-    inputs = [t[n] for n in names]
+@pytest.mark.parametrize("gate_in_kernel", [False, True])
+def test_chunk_kda_backward(gate_in_kernel):
+    """fla's backward against autograd through the reference. With `use_gate_in_kernel` (the fused-gate contract
+    under autograd: the twin applies the reference gate, then fla's chunked form), A_log, dt_bias and the raw logits
+    get the reference's gradients too (A_log's padding rows none)."""
+    t = _kda_inputs(1, 130)
+    names = ("q", "k", "v", "raw" if gate_in_kernel else "g", "beta", "h0")
+    names += ("a_log", "dt_bias") if gate_in_kernel else ()
+    inputs = [t[n].detach().clone().requires_grad_(True) for n in names]
     fast = load_fast("chunk_kda")
 
     def run(fn):
-        o, s = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        gate = {}
+        if gate_in_kernel:
+            gate = dict(use_gate_in_kernel=True, A_log=inputs[6], dt_bias=inputs[7], lower_bound=-5.0)
+        o, s = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  **gate)
         loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=DEV)).sum() + (s * 0.1).sum()
         return torch.autograd.grad(loss, inputs)
 
@@ -124,6 +133,8 @@ def test_chunk_kda_backward():
     for name, g, g_ref in zip(names, grads, grads_ref):
         assert g.shape == g_ref.shape, name
         assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
+    if gate_in_kernel:
+        assert grads[6][H:].abs().max() == 0 and grads[6][:H].abs().max() > 0
 
 
 @pytest.mark.parametrize("seq_len,lower_bound", [(64, -5.0), (200, -5.0), (1000, -5.0), (200, -7.0)])
@@ -151,29 +162,6 @@ def test_chunk_kda_gate_in_kernel_forward(seq_len, lower_bound):
     gate["A_log"][:H] = t["a_log"][:H].roll(1)
     o_wrong, _ = fast(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True, **gate)
     assert rel_err(o_wrong, o_ref) > 5e-2
-
-
-def test_chunk_kda_gate_in_kernel_backward():
-    """The fused-gate contract under autograd (the twin applies the reference gate, then fla's chunked form, whose
-    backward the test above holds): A_log, dt_bias and the raw logits get the reference's gradients (A_log's
-    padding rows none)."""
-    t = _kda_inputs(1, 130)
-    names = ("q", "k", "v", "raw", "beta", "h0", "a_log", "dt_bias")
-    inputs = [t[n].detach().clone().requires_grad_(True) for n in names]
-    fast = load_fast("chunk_kda")
-
-    def run(fn):
-        q, k, v, raw, beta, h0, a_log, dt_bias = inputs
-        o, s = fn(q, k, v, raw, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                  use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
-        loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=DEV)).sum() + (s * 0.1).sum()
-        return torch.autograd.grad(loss, inputs)
-
-    grads, grads_ref = run(fast), run(ops.chunk_kda)
-    for name, g, g_ref in zip(names, grads, grads_ref):
-        assert g.shape == g_ref.shape, name
-        assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
-    assert grads[6][H:].abs().max() == 0 and grads[6][:H].abs().max() > 0
 
 
 def test_model_prefill_with_the_gate_in_fla_matches_the_reference_kda(monkeypatch):
