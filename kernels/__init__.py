@@ -27,7 +27,7 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 
 | name | fast twin | autograd |
 |---|---|---|
-| chunk_kda | fla-core `fla.ops.kda.chunk_kda` | yes (fla's) |
+| chunk_kda | fla-core `fla.ops.kda.chunk_kda` (the raw decay logits: fla's in-kernel gate, safe_gate, no autograd) | yes (fla's) |
 | fused_recurrent_kda | fla-core `fused_recurrent_kda` | no |
 | causal_conv1d | no autograd: own Triton (decode step up to 16 tokens after a window, else prefill tiles); else fla-core's | yes (fla) |
 | attention_with_lse | PyTorch's cuDNN fused attention with its log-sum-exp (flash, V padded, where cuDNN refuses) | no |
