@@ -709,7 +709,7 @@ def test_moe_experts_mxfp4_runs_each_path_by_rows_per_expert(monkeypatch):
 def test_twins_a_compiled_graph_asks_for_load_on_the_first_eager_fast_call(fake_fast_ops, monkeypatch):
     """An import inside a trace is a graph break: the first eager fast-path decision loads every traceable twin (a
     compiled decode step's fused_recurrent_kda would otherwise be loaded for the first time inside the trace); a CPU
-    decision or one under compile loads nothing."""
+    decision loads nothing, one under compile only the twin it asks for."""
     loaded = []
     monkeypatch.setattr(ops, "_KERNELS", types.SimpleNamespace(load=lambda n: loaded.append(n) or fake_fast_ops[n]))
     monkeypatch.setattr(ops, "_traced_twins_loaded", False)
