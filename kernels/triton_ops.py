@@ -42,7 +42,6 @@ torch.compile keeps as single graph nodes.
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -346,10 +345,9 @@ def upcast_f32(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
 
 
 def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Same contract and the same numbers as `ops_kimi_k3.router_logits` (the same SGEMM on the same f32 operands);
-    forward only."""
-    with torch.autocast(device_type=hidden_states.device.type, enabled=False):
-        return F.linear(upcast_f32(hidden_states), weight.float())
+    """Same contract and the same numbers as `ops_kimi_k3.router_logits`: the reference itself on the activations
+    upcast in one pass (its own upcast of an f32 tensor is a no-op); forward only."""
+    return _reference_ops.router_logits(upcast_f32(hidden_states), weight)
 
 
 # --------------------------------------------------------------------------------------------------------------
