@@ -224,6 +224,11 @@ def conv_windows_after(pre_conv: tuple[torch.Tensor, ...], base_windows: tuple[t
     return tuple(windows)
 
 
+def kda_decay(decay_logits, A_log, dt_bias, lower_bound):
+    """The KDA log-decay g from its logits, through the gate's fast twin where it may run."""
+    return fast_or_reference("kda_gate", decay_logits, A_log, dt_bias)(decay_logits, A_log, dt_bias, lower_bound)
+
+
 def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, chunk_size: int, decode_step: bool,
                    gate: tuple | None = None):
     """The delta rule over these tokens, with the kernel of the forward they belong to: a one-token forward that
@@ -234,7 +239,7 @@ def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, ch
     if decode_step and initial_state is not None:
         kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
         if gate is not None:
-            g = fast_or_reference("kda_gate", g, *gate[:2])(g, *gate)
+            g = kda_decay(g, *gate)
     else:
         kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": chunk_size}
         if gate is not None:

@@ -35,7 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .cache_kimi_k3 import KimiK3Cache, conv_windows_after, kda_recurrence
+from .cache_kimi_k3 import KimiK3Cache, conv_windows_after, kda_decay, kda_recurrence
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load, register_release_conversions
@@ -244,8 +244,7 @@ class KimiK3DeltaAttention(nn.Module):
                 and not training):
             g, decay_gate = decay_logits, (A_log, dt_bias, self.lower_bound)
         else:
-            gate_fn = fast_or_reference("kda_gate", decay_logits, A_log, dt_bias)
-            g = gate_fn(decay_logits, A_log, dt_bias, self.lower_bound)
+            g = kda_decay(decay_logits, A_log, dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
         if token_mask is not None:
             # A padded step must be the identity on the state: the decay is not 1 on zero input, so set g = 0 and
