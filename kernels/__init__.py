@@ -29,7 +29,7 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 |---|---|---|
 | chunk_kda | fla-core `fla.ops.kda.chunk_kda` (the raw decay logits: fla's in-kernel gate, safe_gate, no autograd) | yes (fla's) |
 | fused_recurrent_kda | fla-core `fused_recurrent_kda` | no |
-| causal_conv1d | no autograd: own Triton (decode step up to 16 tokens after a window, else prefill tiles); else fla-core's | yes (fla) |
+| causal_conv1d | no autograd: own Triton (decode step up to 16 tokens after a window, else prefill tiles, with each head's L2 norm where asked); else fla-core's | yes (fla) |
 | attention_with_lse | PyTorch's cuDNN fused attention with its log-sum-exp (flash, V padded, where cuDNN refuses) | no |
 | mla_decode | two cuBLAS bmm + one Triton scale/mask/f32-softmax pass (masks included) | no |
 | block_attn_res_mix | own Triton forward | analytic PyTorch backward |

@@ -129,22 +129,24 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_
 
 
 @torch.library.custom_op("kimik3::causal_conv1d", mutates_args=())
-def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    y, state = _reference.causal_conv1d(x, weight, conv_state)
+def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Optional[Tensor], l2norm_head_dim: int = 0
+                  ) -> Tuple[Tensor, Tensor]:
+    y, state = _reference.causal_conv1d(x, weight, conv_state, l2norm_head_dim)
     return y.contiguous(), state.clone() if state is conv_state else state.contiguous()
 
 
 @causal_conv1d.register_kernel("cuda")
-def _causal_conv1d_cuda(x, weight, conv_state):
+def _causal_conv1d_cuda(x, weight, conv_state, l2norm_head_dim=0):
     from . import triton_ops
 
     if conv_state is not None and x.shape[1] <= triton_ops.CONV_STEP_MAX_TOKENS:
-        return triton_ops.causal_conv1d_step(x, weight, conv_state)  # decode: one launch, outputs contiguous
-    return triton_ops.causal_conv1d_prefill(x, weight, conv_state)  # outputs contiguous
+        y, state = triton_ops.causal_conv1d_step(x, weight, conv_state)  # decode: one launch, outputs contiguous
+        return (_reference.l2norm_heads(y, l2norm_head_dim) if l2norm_head_dim else y), state
+    return triton_ops.causal_conv1d_prefill(x, weight, conv_state, l2norm_head_dim=l2norm_head_dim)
 
 
 @causal_conv1d.register_fake
-def _(x, weight, conv_state):
+def _(x, weight, conv_state, l2norm_head_dim=0):
     batch, _, channels = x.shape
     state = torch.empty(batch, channels, weight.shape[-1] - 1, dtype=x.dtype, device=x.device)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), state

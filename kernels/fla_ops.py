@@ -25,7 +25,8 @@ Importing this module imports fla (and so Triton); it fails with ImportError whe
   keeps the reference when a gradient is needed). The reference's `chunk_size` is a memory knob of its own chunked
   loop; fla's kernels are tuned for 64-token chunks and always use them.
 * `causal_conv1d`: same contract as the reference (x [B, T, C], weight [C, 1, K], conv_state [B, C, K-1] of previous
-  pre-conv inputs or None -> (SiLU(conv) in x.dtype, new conv_state [B, C, K-1])). fla keeps a [B, C, K] state
+  pre-conv inputs or None -> (SiLU(conv) in x.dtype, new conv_state [B, C, K-1]); `l2norm_head_dim` > 0: y also
+  L2-normalised per head, in the prefill kernel's tiles). fla keeps a [B, C, K] state
   whose last K-1 columns are the previous inputs; the adapter pads / slices. Autograd through fla's Triton
   backward.
 
@@ -90,10 +91,11 @@ def fused_recurrent_kda(
     return o.to(v.dtype), (final if output_final_state else None)
 
 
-def causal_conv1d(x, weight, conv_state=None):
+def causal_conv1d(x, weight, conv_state=None, l2norm_head_dim=0):
     if custom_ops.needs_grad(x, weight, conv_state):
-        return _causal_conv1d_eager(x, weight, conv_state)
-    return torch.ops.kimik3.causal_conv1d(x, weight, conv_state)
+        y, state = _causal_conv1d_eager(x, weight, conv_state)
+        return (_reference.l2norm_heads(y, l2norm_head_dim) if l2norm_head_dim else y), state
+    return torch.ops.kimik3.causal_conv1d(x, weight, conv_state, l2norm_head_dim)
 
 
 def _causal_conv1d_eager(x, weight, conv_state):

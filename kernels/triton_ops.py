@@ -745,7 +745,7 @@ CONV_PREFILL_BLOCKS = (16, 128, 4)  # BLOCK_T, BLOCK_C, num_warps
 @triton.jit
 def _causal_conv1d_prefill_kernel(x_ptr, s_ptr, w_ptr, y_ptr, T, C, sx_b, sx_t, ss_b, ss_c, ss_k,
                                   HAS_STATE: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
-                                  BLOCK_C: tl.constexpr):
+                                  BLOCK_C: tl.constexpr, L2NORM: tl.constexpr):
     # input position p = t - (K - 1) + j of output t's tap j is token p for p >= 0, else column p + K - 1 of the
     # cached window (rounded to x's dtype, as the reference concatenates in x's dtype; zeros without a window)
     b = tl.program_id(2).to(tl.int64)
@@ -767,15 +767,20 @@ def _causal_conv1d_prefill_kernel(x_ptr, s_ptr, w_ptr, y_ptr, T, C, sx_b, sx_t, 
         w = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0).to(tl.float32)
         acc += tap.to(tl.float32) * w[None, :]
     y = acc * tl.sigmoid(acc)
+    if L2NORM:
+        # a tile row is one head (BLOCK_C == head_dim): fla's l2norm of the output as it would have been stored
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = y * (1 / tl.sqrt(tl.sum(y * y, axis=1) + 1e-6))[:, None]
     tl.store(y_ptr + (b * T + t.to(tl.int64))[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
              mask=live[:, None] & cmask[None, :])
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
-                          blocks=CONV_PREFILL_BLOCKS):
+                          blocks=CONV_PREFILL_BLOCKS, l2norm_head_dim: int = 0):
     """The reference `causal_conv1d` over a prefill chunk: x [B, T, C], weight [C, 1, K], conv_state [B, C, K-1] or
     None -> (y [B, T, C] in x.dtype, contiguous; new conv_state [B, C, K-1] in x.dtype); f32 taps and SiLU. Forward
-    only (the custom op `kimik3::causal_conv1d` calls it on CUDA)."""
+    only (the custom op `kimik3::causal_conv1d` calls it on CUDA). `l2norm_head_dim` > 0: y L2-normalised per head in
+    the same pass (tiles one head wide); a head width that is not a power of two up to 256 normalises afterwards."""
     batch, tokens, channels = x.shape
     kernel_size = weight.shape[-1]
     if conv_state is not None and conv_state.shape != (batch, channels, kernel_size - 1):
@@ -786,13 +791,21 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     y = torch.empty(batch, tokens, channels, dtype=x.dtype, device=x.device)
     w = weight.reshape(channels, kernel_size).contiguous()
     state = conv_state if conv_state is not None else w  # any tensor: not read without HAS_STATE
+    if l2norm_head_dim and channels % l2norm_head_dim:
+        raise ValueError(f"causal_conv1d_prefill: {channels} channels are not whole heads of {l2norm_head_dim}")
+    in_tiles = l2norm_head_dim in (16, 32, 64, 128, 256)
     if batch and tokens and channels:
         block_t, block_c, warps = blocks
+        if l2norm_head_dim and in_tiles:
+            block_c = l2norm_head_dim
         with torch.cuda.device(x.device):
             _causal_conv1d_prefill_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c), batch)](
                 x, state, w, y, tokens, channels, x.stride(0), x.stride(1),
                 *(conv_state.stride() if conv_state is not None else (0, 0, 0)), HAS_STATE=conv_state is not None,
-                K=kernel_size, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
+                K=kernel_size, BLOCK_T=block_t, BLOCK_C=block_c, L2NORM=bool(l2norm_head_dim and in_tiles),
+                num_warps=warps)
+    if l2norm_head_dim and not in_tiles:
+        y = _reference_ops.l2norm_heads(y, l2norm_head_dim).contiguous()
     # the new window: the last K - 1 positions of [cached window | x], in x's dtype
     keep = kernel_size - 1
     if tokens >= keep:  # a fresh tensor even where the transposed slice is contiguous (custom op outputs never alias)

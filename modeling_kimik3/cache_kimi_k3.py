@@ -230,12 +230,13 @@ def kda_decay(decay_logits, A_log, dt_bias, lower_bound):
 
 
 def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, chunk_size: int, decode_step: bool,
-                   gate: tuple | None = None):
+                   gate: tuple | None = None, qk_normalized: bool = False):
     """The delta rule over these tokens, with the kernel of the forward they belong to: a one-token forward that
     continues a state is a decode step (fused recurrent form), anything else the chunked form. A rollback replay
     and a forward split at snapshot positions pick by the same rule, so they compute what that forward computes.
     With `gate` = (A_log, dt_bias, lower_bound), `g` holds the raw decay logits: the chunked form computes the
-    decay inside its kernel (`use_gate_in_kernel`), the recurrent form gets it from `kda_gate` first."""
+    decay inside its kernel (`use_gate_in_kernel`), the recurrent form gets it from `kda_gate` first.
+    `qk_normalized`: q and k come L2-normalised from the conv (`l2norm_head_dim`), so the kernel skips its own."""
     if decode_step and initial_state is not None:
         kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
         if gate is not None:
@@ -246,7 +247,7 @@ def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, ch
             A_log, dt_bias, lower_bound = gate
             extra.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     return kda_fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=True, **extra)
+                  use_qk_l2norm_in_kernel=not qk_normalized, **extra)
 
 
 class KimiK3KDARollbackRecord:

@@ -43,6 +43,7 @@ from .ops_kimi_k3 import (
     MXFP4_GROUP_SIZE,
     dequantize_mxfp4,
     fast_or_reference,
+    has_fast_twin,
     routed_experts,
     sdpa_backend_order,
 )
@@ -223,18 +224,28 @@ class KimiK3DeltaAttention(nn.Module):
             (q, k, v), conv_states, sequence_conv_states = context_parallel.conv_windows(
                 (q, k, v), self.conv_size - 1, self.layer_idx
             )
+        recording = cache is not None and cache.records_step()
+        # Where fla's chunked form runs after the fast conv, q and k leave the conv L2-normalised (fla rounds them
+        # to their dtype after its own normalisation pass, which reads and writes both again): not for a decode step
+        # (recurrent form), a rollback record (it replays un-normalised inputs), the context-parallel split or
+        # autograd, and never on the reference path, which normalises in f32 inside its recurrence
+        qk_normalized = (
+            context_parallel is None and not recording and not (seq_len == 1 and recurrent_state is not None)
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+            and has_fast_twin("causal_conv1d", q) and has_fast_twin("chunk_kda", q)
+        )
         conv_fn = fast_or_reference("causal_conv1d", q)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        l2norm_head_dims = (self.head_dim, self.head_dim, 0) if qk_normalized else (0, 0, 0)
         with _onloaded(*convs):
             (q, q_state), (k, k_state), (v, v_state) = (
-                conv_fn(x, local_shard(conv.weight), None if conv_states is None else state)
-                for x, conv, state in zip((q, k, v), convs, conv_states or (None, None, None))
+                conv_fn(x, local_shard(conv.weight), None if conv_states is None else state, norm)
+                for x, conv, state, norm in zip((q, k, v), convs, conv_states or (None, None, None), l2norm_head_dims)
             )
         q, k, v = q.view(heads_shape), k.view(heads_shape), v.view(heads_shape)
 
         decay_logits = self.f_b_proj(self.f_a_proj(hidden_states)).view(heads_shape)
         A_log, dt_bias = local_shard(self.A_log), local_shard(self.dt_bias)
-        recording = cache is not None and cache.records_step()
         # Inference: K3's bounded decay is computed inside the chunked kernel's cumsum (one pass over the logits
         # instead of a gate pass writing f32 decays and a cumsum pass re-reading them), where nothing else needs the
         # decay: a padding mask overwrites it per token, a rollback record and the context-parallel split keep it
@@ -265,7 +276,8 @@ class KimiK3DeltaAttention(nn.Module):
                 cache.record_kda_step(self.layer_idx, conv_states, recurrent_state, pre_conv, (q, k, v, g, beta))
             snapshot_offsets = cache.snapshot_offsets(seq_len) if cache is not None else []
             core, final_state = self._recurrence(q, k, v, g, beta, recurrent_state, cache is not None,
-                                                 snapshot_offsets, pre_conv, conv_states, cache, decay_gate)
+                                                 snapshot_offsets, pre_conv, conv_states, cache, decay_gate,
+                                                 qk_normalized)
         if cache is not None:
             cache.update_kda_state((q_state, k_state, v_state), final_state, self.layer_idx)
 
@@ -277,7 +289,7 @@ class KimiK3DeltaAttention(nn.Module):
         return self.o_proj(core.reshape(batch, seq_len, -1))
 
     def _recurrence(self, q, k, v, g, beta, state, keep_state, snapshot_offsets, pre_conv, conv_states, cache,
-                    decay_gate=None):
+                    decay_gate=None, qk_normalized=False):
         """The delta rule over this forward's tokens. With snapshot offsets the chunked form runs segment by
         segment, carrying the state exactly as it carries it between its own chunks, and hands the state and conv
         windows at each offset to the cache."""
@@ -288,7 +300,7 @@ class KimiK3DeltaAttention(nn.Module):
             out, state = kda_recurrence(
                 q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end], state,
                 keep_state or end < seq_len, self.config.kda_chunk_size, decode_step=seq_len == 1,
-                gate=decay_gate,
+                gate=decay_gate, qk_normalized=qk_normalized,
             )
             outputs.append(out)
             if end in snapshot_offsets:

@@ -77,12 +77,17 @@ def kda_gate(
 
 @f32_island
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None, l2norm_head_dim: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU, computed in f32 and returned in x's dtype (fla ShortConvolution).
 
     x: [B, T, C] pre-conv projections; weight: [C, 1, K]; conv_state: [B, C, K-1] previous pre-conv inputs or None
     (zeros, a new sequence). Returns (y [B, T, C], new conv_state [B, C, K-1] in x's dtype).
+
+    With `l2norm_head_dim` > 0, y is also L2-normalised per head of that width: `l2norm` in f32 of the output as
+    rounded to x's dtype, rounded again. That is fla's own q/k normalisation in its chunked KDA (which rounds the
+    normalised q/k to their dtype), moved into the conv; the model asks for it only where fla's chunked form then
+    runs (`use_qk_l2norm_in_kernel=False`), never on the reference path, whose KDA normalises in f32 itself.
     """
     kernel_size = weight.shape[-1]
     x_t = x.transpose(1, 2)
@@ -91,7 +96,17 @@ def causal_conv1d(
     window = torch.cat([conv_state.to(x_t.dtype), x_t], dim=-1)
     y = F.conv1d(window.float(), weight.float(), groups=x_t.shape[1])
     y = F.silu(y).to(x.dtype).transpose(1, 2)
+    if l2norm_head_dim:
+        y = l2norm_heads(y, l2norm_head_dim)
     return y, window[..., window.shape[-1] - (kernel_size - 1):]
+
+
+def l2norm_heads(y: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`l2norm` over each `head_dim` channels of y [..., C] in f32, rounded to y's dtype."""
+    if y.shape[-1] % head_dim:
+        raise ValueError(f"l2norm over heads of {head_dim}: {y.shape[-1]} channels are not whole heads")
+    heads = y.float().unflatten(-1, (-1, head_dim))
+    return l2norm(heads).flatten(-2).to(y.dtype)
 
 
 def _prepare_qk(q, k, scale, use_qk_l2norm_in_kernel):
@@ -670,6 +685,11 @@ def fast_or_reference(name: str, *tensors: torch.Tensor | None) -> Callable:
         _load_traced_twins()
     fast = _KERNELS.load(name)
     return reference if fast is None else fast
+
+
+def has_fast_twin(name: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether `fast_or_reference(name, *tensors)` gives the fast twin (for a choice that only pays on it)."""
+    return fast_or_reference(name, *tensors) is not FAST_OPS[name].reference
 
 
 _traced_twins_loaded = False

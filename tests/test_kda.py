@@ -146,3 +146,37 @@ def test_chunked_training_memory_saves_no_state_per_chunk():
     out.sum().backward()
     assert all(t.grad is not None for t in leaves)
     assert len(state_shaped) <= 10, len(state_shaped)  # 8 segments of 16 chunks (+ the initial state)
+
+
+def test_qk_normalised_in_the_conv_is_the_recurrence_normalising_them(monkeypatch):
+    """The fold the model takes where fla runs after the fast conv (forced here on CPU): the conv L2-normalises q and
+    k per head (`l2norm_head_dim`; not v), the chunked form skips its own normalisation, and in f32 the logits are
+    exactly those of the unfolded path (the same f32 l2norm on the same values). A decode step keeps the recurrent
+    form's own normalisation. Channels that are not whole heads are refused."""
+    from kimik3.modeling import cache_kimi_k3, modeling_kimi_k3 as modeling
+    from kimik3.modeling import ops_kimi_k3 as ops
+    from kimik3.tiny import build_tiny_model
+
+    model = build_tiny_model(num_hidden_layers=4).eval()
+    ids = torch.randint(3, 128, (2, 11))
+    with torch.no_grad():
+        plain = model(ids, use_cache=False).logits
+        seen_conv, seen_kda = [], []
+        conv, recurrence = ops.causal_conv1d, cache_kimi_k3.kda_recurrence
+        monkeypatch.setattr(modeling, "has_fast_twin", lambda name, *t: True)
+        monkeypatch.setitem(ops.FAST_OPS, "causal_conv1d", ops.FastOp(
+            lambda *a: seen_conv.append(a[3]) or conv(*a), traceable_forward=True))
+        monkeypatch.setattr(modeling, "kda_recurrence",
+                            lambda *a, **k: seen_kda.append(k.get("qk_normalized")) or recurrence(*a, **k))
+        folded = model(ids, use_cache=False).logits
+        assert torch.equal(folded, plain)
+        n_kda = model.config.layer_types.count("linear_attention")
+        head_dim = model.config.linear_head_dim
+        assert seen_conv == [head_dim, head_dim, 0] * n_kda and seen_kda == [True] * n_kda
+        out = model(ids[:, :10], use_cache=True)
+        seen_kda.clear()
+        model(ids[:, 10:], cache=out.cache if getattr(out, "cache", None) is not None else out.past_key_values)
+        assert seen_kda == [False] * n_kda  # one token continuing a state: the recurrent form normalises
+    x = torch.randn(1, 3, 10)
+    with pytest.raises(ValueError, match="whole heads"):
+        causal_conv1d(x, torch.randn(10, 1, 4), None, 4)

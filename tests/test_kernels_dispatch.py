@@ -728,3 +728,11 @@ def test_twins_a_compiled_graph_asks_for_load_on_the_first_eager_fast_call(fake_
     loaded.clear()
     ops.fast_or_reference("rms_norm", fake_cuda(2, 3, dtype=torch.bfloat16))
     assert loaded == ["rms_norm"]
+
+
+def test_has_fast_twin_is_what_fast_or_reference_gives(fake_fast_ops, monkeypatch):
+    b = fake_cuda(2, 3, dtype=torch.bfloat16)
+    assert ops.has_fast_twin("chunk_kda", b) and ops.has_fast_twin("causal_conv1d", b)
+    assert not ops.has_fast_twin("chunk_kda", torch.randn(2, 3))  # CPU
+    monkeypatch.setenv(ops.REFERENCE_ONLY_ENV, "chunk_kda")
+    assert not ops.has_fast_twin("chunk_kda", b) and ops.has_fast_twin("causal_conv1d", b)

@@ -530,7 +530,7 @@ def test_causal_conv1d_op_runs_the_step_kernel_for_few_tokens_after_a_window(mon
     step, prefill = triton_ops.causal_conv1d_step, triton_ops.causal_conv1d_prefill
     monkeypatch.setattr(triton_ops, "causal_conv1d_step", lambda *a: calls.append(("step", a[0].shape[1])) or step(*a))
     monkeypatch.setattr(triton_ops, "causal_conv1d_prefill",
-                        lambda *a: calls.append(("prefill", a[0].shape[1])) or prefill(*a))
+                        lambda *a, **k: calls.append(("prefill", a[0].shape[1])) or prefill(*a, **k))
     weight = torch.randn(256, 1, 4, device=DEV)
     state = torch.randn(2, 256, 3, device=DEV, dtype=torch.bfloat16)
     for tokens in (1, triton_ops.CONV_STEP_MAX_TOKENS, triton_ops.CONV_STEP_MAX_TOKENS + 1):
@@ -541,6 +541,68 @@ def test_causal_conv1d_op_runs_the_step_kernel_for_few_tokens_after_a_window(mon
     torch.ops.kimik3.causal_conv1d(x[:, :1], weight, None)  # no window: a sequence's first tokens
     assert calls == [("step", 1), ("step", triton_ops.CONV_STEP_MAX_TOKENS),
                      ("prefill", triton_ops.CONV_STEP_MAX_TOKENS + 1), ("prefill", 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,tokens,heads,head_dim,window", [
+    (1, 8192, 96, 128, False), (2, 300, 3, 128, True), (1, 2, 4, 64, True), (3, 65, 5, 32, False),
+    (1, 40, 3, 48, True)])
+def test_causal_conv1d_prefill_l2norm_matches_the_reference(batch, tokens, heads, head_dim, window, dtype):
+    """The conv with each head's L2 norm in the same tiles (q, k before fla's chunked KDA) against the reference's
+    conv + `l2norm_heads`: within one rounding of the dtype (the norm's f32 sum order differs), each head of unit
+    norm up to that rounding, the window bit-equal; 48 is no power of two: normalised after the kernel."""
+    from kimik3.kernels import triton_ops
+
+    channels = heads * head_dim
+    x = (2 * torch.randn(batch, tokens, 2 * channels, device=DEV)).to(dtype)[..., ::2]
+    weight = torch.randn(channels, 1, 4, device=DEV) * 0.5
+    state = torch.randn(batch, 3, channels, device=DEV).to(dtype).transpose(1, 2) if window else None
+    y, new_state = triton_ops.causal_conv1d_prefill(x, weight, state, l2norm_head_dim=head_dim)
+    y_ref, state_ref = ops.causal_conv1d(x, weight, state, l2norm_head_dim=head_dim)
+    # bf16: two roundings (the conv output, then the normalised value; either may land one ulp off where the f32 sums
+    # differ in order); f32: also the GPU's sqrt and division. Absolute slack for outputs whose taps nearly cancel
+    # (the sum's order moves them by an f32 ulp of the taps, as in the conv tests above); unit-norm heads: 1e-6
+    ulp = 2.0**-6 if dtype == torch.bfloat16 else 2.0**-20
+    assert y.dtype == dtype and y.is_contiguous() and torch.equal(new_state, state_ref)
+    assert ((y.double() - y_ref.double()).abs() <= ulp * y_ref.double().abs() + 1e-6).all()
+    norms = y.double().unflatten(-1, (heads, head_dim)).norm(dim=-1)
+    assert ((norms - 1).abs() < 0.02).all()
+    plain = ops.causal_conv1d(x, weight, state)[0]
+    assert torch.equal(y, ops.l2norm_heads(plain, head_dim)) or max_rel(y, ops.l2norm_heads(plain, head_dim)) < 1e-2
+    # the op: the prefill tiles with the norm, and the step kernel followed by the reference norm
+    y_op, _ = torch.ops.kimik3.causal_conv1d(x, weight, state, head_dim)
+    assert torch.equal(y_op, y)
+    if window:
+        y_step, _ = torch.ops.kimik3.causal_conv1d(x[:, :3], weight, state, head_dim)
+        assert max_rel(y_step, ops.causal_conv1d(x[:, :3], weight, state, l2norm_head_dim=head_dim)[0]) < 1e-2
+
+
+def test_model_prefill_with_qk_normalised_in_the_conv_matches_the_reference(monkeypatch):
+    """A bf16 tiny model's prefill with q/k normalised in the conv (fla's chunked KDA then skipping its own pass)
+    against the f32 model on the reference ops, as close to it as the same bf16 model with the fold switched off by
+    running chunk_kda on its reference (which normalises in f32 itself): the conv's norm adds only bf16 noise."""
+    import copy
+
+    from kimik3.kernels import triton_ops
+    from kimik3.tiny import build_tiny_model
+
+    gold_model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
+    model = copy.deepcopy(gold_model).bfloat16()
+    ids = torch.randint(3, 128, (2, 200), device=DEV)
+    seen = []
+    prefill = triton_ops.causal_conv1d_prefill
+    with torch.no_grad():
+        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "1")
+        gold = gold_model(ids, use_cache=False).logits.float()
+        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "chunk_kda")
+        ref = model(ids, use_cache=False).logits.float()
+        monkeypatch.delenv("KIMIK3_REFERENCE_ONLY")
+        monkeypatch.setattr(triton_ops, "causal_conv1d_prefill",
+                            lambda *a, **k: seen.append(k["l2norm_head_dim"]) or prefill(*a, **k))
+        fast = model(ids, use_cache=False).logits.float()
+    assert sorted(set(seen)) == [0, 64] and seen.count(64) == 2 * seen.count(0)  # q, k normalised; v not
+    fast_err, ref_err = rel_err(fast, gold), rel_err(ref, gold)
+    assert fast_err < 1.5 * ref_err + 1e-2, (fast_err, ref_err)
 
 
 # ---------------------------------------------------------------------------------------------------------- gather
