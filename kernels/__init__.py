@@ -46,8 +46,8 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 # The interface the remote code checks (its own copy is `ops_kimi_k3.KERNELS_API_VERSION`): `load(name)` below and
 # the contracts of the references it stands in for. Bump both together when either changes.
 # 2: `traceable_forward` twins run as custom ops; 3: mla_decode takes masks (a custom op); 4: chunk_kda takes the raw
-# decay logits with `use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`
-KERNELS_API_VERSION = 4
+# decay logits with `use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`; 5: causal_conv1d takes `l2norm_head_dim`
+KERNELS_API_VERSION = 5
 
 __all__ = ["KERNELS_API_VERSION", "OP_NAMES", "available_ops", "load"]
 

@@ -546,8 +546,8 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # (or None), with the reference's signature and contract. Bump it on both sides when that changes.
 # 2: the twins of `traceable_forward` ops run as torch.library custom ops; 3: the mla_decode twin takes masks (an
 # older install's refuses them) and runs as a custom op; 4: chunk_kda takes the raw decay logits and the gate's
-# parameters (`use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`)
-KERNELS_API_VERSION = 4
+# parameters (`use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`); 5: causal_conv1d takes `l2norm_head_dim`
+KERNELS_API_VERSION = 5
 # "1" (or "all"): every op runs its reference; a comma list of op names: those ops do; unset or "0": none.
 REFERENCE_ONLY_ENV = "KIMIK3_REFERENCE_ONLY"
 
