@@ -19,7 +19,9 @@ the working directory); arguments pick parts (default: all).
 * `kda` (session 14): one KDA layer's gate + chunked recurrence, the decay computed before fla's chunk_kda against
   inside it (with and without fla's safe_gate); microseconds and the error against an f32 run.
 
-    python benchmarks/diagnose_prefill_ops.py [experts] [gather] [conv] [kda]
+* `attn_res` (branch wip/attn-res-fused): the fused residual add + AttnRes mix + RMSNorm against the three ops.
+
+    python benchmarks/diagnose_prefill_ops.py [experts] [gather] [conv] [kda] [attn_res]
 """
 
 import json
@@ -158,9 +160,41 @@ def kda(results):
     print("kda", part, flush=True)
 
 
+def attn_res(results):
+    """A decoder layer's residual add + AttnRes mix + RMSNorm at [8192, 7168] bf16: the fused twin (rows on chip up
+    to 4 candidates, else the multi-pass kernel) against the three separate ops (bf16 add, the mix twin, the norm
+    twin), with 1, 3 and 8 banked blocks, on the MLP side (with the add) and the attention side (without)."""
+    torch.manual_seed(0)
+    d = 7168
+    rows = torch.randn(10, TOKENS, d, device="cuda").to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16)
+    proj = (0.05 * torch.randn(1, d, device="cuda")).to(torch.bfloat16)
+    mix, norm = triton_ops.block_attn_res_mix, triton_ops.rms_norm
+    part = {}
+    for n_blocks in (1, 3, 8):
+        blocks = list(rows[:n_blocks])
+        for side, delta in (("mlp", rows[9]), ("attention", None)):
+            prefix = rows[8]
+
+            def fused():
+                return triton_ops.attn_res_mix_norm(blocks, prefix, delta, w, proj, 1e-5, w, 1e-6)
+
+            def separate():
+                p = prefix + delta if delta is not None else prefix
+                return p, norm(mix([*blocks, p], w, proj, 1e-5), w, 1e-6)
+
+            with torch.inference_mode():
+                got, want = fused()[1], separate()[1]
+                part[f"{side}_{n_blocks}_blocks"] = {
+                    "fused_us": round(event_us(fused, 20), 1), "separate_us": round(event_us(separate, 20), 1),
+                    "equal_fraction": float((got == want).float().mean())}
+    results["attn_res"] = part
+    print("attn_res", part, flush=True)
+
+
 def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    parts = {"experts": experts, "gather": gather, "conv": conv, "kda": kda}
+    parts = {"experts": experts, "gather": gather, "conv": conv, "kda": kda, "attn_res": attn_res}
     for name in sys.argv[1:] or parts:
         parts[name](results)
     out = Path(os.environ.get("OUT", ".")) / "diagnose_prefill_ops.json"

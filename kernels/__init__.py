@@ -33,6 +33,7 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 | attention_with_lse | PyTorch's cuDNN fused attention with its log-sum-exp (flash, V padded, where cuDNN refuses) | no |
 | mla_decode | two cuBLAS bmm + one Triton scale/mask/f32-softmax pass (masks included) | no |
 | block_attn_res_mix | own Triton forward | analytic PyTorch backward |
+| attn_res_mix_norm | own Triton, one pass: residual add, AttnRes mix, the next RMSNorm (eager) | no |
 | situ_glu | own Triton | yes |
 | rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
 | gated_rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
@@ -103,6 +104,7 @@ _LOADERS = {
     "attention_with_lse": _load_mla_prefill,
     "mla_decode": _load_mla,
     "block_attn_res_mix": _load_triton("block_attn_res_mix"),
+    "attn_res_mix_norm": _load_triton("attn_res_mix_norm"),
     "situ_glu": _load_triton("situ_glu"),
     "rms_norm": _load_triton("rms_norm"),
     "gated_rms_norm": _load_triton("gated_rms_norm"),

@@ -21,6 +21,8 @@
 * `mla_softmax`         the absorbed MLA decode's scale / mask / f32 softmax / rounding between its two GEMMs.
 * `block_attn_res_mix`  AttnRes softmax depth-mixture; forward in Triton (one read pass for the scores, one for the
                         mix, no stacked copy of the candidates), backward analytic in PyTorch (per candidate, f32).
+* `attn_res_mix_norm`   a layer's residual add, AttnRes mix and the RMSNorm after it in one pass per row (forward
+                        only; the mix is not stored).
 * `gather_rows`         the routed experts' expert-sorted copy of the activations (index_select; forward only).
 * `moe_combine`         weighted f32 sum of the (rounded) expert outputs back to token order; Triton forward,
                         PyTorch backward.
@@ -586,6 +588,177 @@ def block_attn_res_mix(
         return torch.ops.kimik3.block_attn_res_mix(candidates, norm_weight, proj_weight, float(eps))
     cands = [c if c.is_contiguous() else c.contiguous() for c in candidates]
     return _AttnResMix.apply(norm_weight, proj_weight, float(eps), *cands)
+
+
+# The decoder layer's residual add, AttnRes mix and following RMSNorm in one program per row: the add and the norm
+# cost no pass of their own and the mix is never written. The add, the scores, the softmax and the mix are
+# `_attn_res_fwd_kernel`'s arithmetic (same chunking, warps and sums: the same mix, bit for bit); the norm is
+# `_rms_norm_kernel`'s (its two roundings), its sum of squares gathered chunk by chunk.
+
+
+@triton.jit
+def _attn_res_mix_norm_kernel(
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+    delta_ptr, new_prefix_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, o_ptr, D, res_eps, out_eps,
+    N_CAND: tl.constexpr, ADD: tl.constexpr, N_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # candidates c0..c{N_CAND-2} are the blocks, c{N_CAND-1} the prefix; with ADD the last candidate is
+    # prefix + delta, rounded to the activation dtype as torch's add rounds it, and stored as the new prefix.
+    # (Unrolled chunk loops, D a constexpr, ran 10-15% faster at 8-15 blocks but compiled 10-28 s per block count.)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    idx = tl.arange(0, N_POW2)
+    act_ty = o_ptr.dtype.element_ty
+    scores = tl.full([N_POW2], float("-inf"), dtype=tl.float32)
+    # pass 1: score_i = (x_i . w) / rms(x_i)
+    for i in tl.static_range(N_CAND):
+        base = _pick(i, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) + row * D
+        acc_ss = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc_dot = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + offs
+            m = cols < D
+            x = tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
+            if ADD:
+                if i == N_CAND - 1:
+                    x = (x + tl.load(delta_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)).to(act_ty)
+                    tl.store(new_prefix_ptr + row * D + cols, x, mask=m)
+                    x = x.to(tl.float32)
+            w = tl.load(norm_w_ptr + cols, mask=m, other=0.0).to(tl.float32) * tl.load(
+                proj_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            acc_ss += x * x
+            acc_dot += x * w
+        s = tl.sum(acc_dot, axis=0) / tl.sqrt(tl.sum(acc_ss, axis=0) / D + res_eps)
+        scores = tl.where(idx == i, s, scores)
+    mx = tl.max(scores, axis=0)
+    p = tl.exp(scores - mx)
+    p = p / tl.sum(p, axis=0)
+    if ADD:
+        tl.debug_barrier()  # the new prefix's row, stored by all the program's threads, is read back below
+    # pass 2: mix of the raw candidates, rounded to the activation dtype; kept in the output row (this program's
+    # scratch, in L2) until its mean square is known
+    acc_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + offs
+        m = cols < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for i in tl.static_range(N_CAND):
+            base = _pick(i, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) + row * D
+            if ADD:
+                if i == N_CAND - 1:
+                    base = new_prefix_ptr + row * D
+            p_i = tl.sum(tl.where(idx == i, p, 0.0), axis=0)
+            acc += p_i * tl.load(base + cols, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        mixed = acc.to(act_ty)
+        acc_sq += mixed.to(tl.float32) * mixed.to(tl.float32)
+        tl.store(o_ptr + row * D + cols, mixed, mask=m)
+    tl.debug_barrier()
+    # pass 3: the RMSNorm of the rounded mix: the normalised row rounded, then times the weight, rounded
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(acc_sq, axis=0) / D + out_eps))
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + offs
+        m = cols < D
+        mixed = tl.load(o_ptr + row * D + cols, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        normed = (mixed * inv_rms).to(act_ty).to(tl.float32)
+        w = tl.load(out_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(o_ptr + row * D + cols, (normed * w).to(act_ty), mask=m)
+
+
+_ATTN_RES_ON_CHIP_MAX = (4, 8192)  # candidates, row width: a row's candidates held in registers, read once
+
+
+@triton.jit
+def _attn_res_mix_norm_on_chip_kernel(
+    c0, c1, c2, c3, delta_ptr, new_prefix_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, o_ptr, D, res_eps, out_eps,
+    N_CAND: tl.constexpr, ADD: tl.constexpr, N_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Few candidates: the row of every candidate in registers ([N_POW2, BLOCK_D]), so each is read from memory once
+    # (the multi-pass kernel reads them twice and the mix once more), then the scores, the mix and the norm.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    m = cols < D
+    idx = tl.arange(0, N_POW2)
+    act_ty = o_ptr.dtype.element_ty
+    tile = tl.zeros([N_POW2, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(N_CAND):
+        base = _pick(i, c0, c1, c2, c3, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0) + row * D
+        x = tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
+        if ADD:
+            if i == N_CAND - 1:
+                x = (x + tl.load(delta_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)).to(act_ty)
+                tl.store(new_prefix_ptr + row * D + cols, x, mask=m)
+                x = x.to(tl.float32)
+        tile = tl.where((idx == i)[:, None], x[None, :], tile)
+    w = tl.load(norm_w_ptr + cols, mask=m, other=0.0).to(tl.float32) * tl.load(
+        proj_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    scores = tl.sum(tile * w[None, :], axis=1) / tl.sqrt(tl.sum(tile * tile, axis=1) / D + res_eps)
+    scores = tl.where(idx < N_CAND, scores, float("-inf"))
+    p = tl.exp(scores - tl.max(scores, axis=0))
+    p = p / tl.sum(p, axis=0)
+    mixed = tl.sum(p[:, None] * tile, axis=0).to(act_ty).to(tl.float32)
+    # the RMSNorm of the rounded mix: the normalised row rounded, then times the weight, rounded (the rms_norm twin)
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(mixed * mixed, axis=0) / D + out_eps))
+    normed = (mixed * inv_rms).to(act_ty).to(tl.float32)
+    out_w = tl.load(out_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * D + cols, (normed * out_w).to(act_ty), mask=m)
+
+
+def attn_res_mix_norm(
+    blocks: list[torch.Tensor], prefix: torch.Tensor | None, delta: torch.Tensor | None,
+    res_norm_weight: torch.Tensor, res_proj_weight: torch.Tensor, res_eps: float, out_norm_weight: torch.Tensor,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `ops_kimi_k3.attn_res_mix_norm` (new prefix bit-identical, the normed mix as the separate
+    twins give it up to their f32 sums' order) in one Triton pass per row; forward only, eager only (FAST_OPS
+    declares it so). Up to 15 blocks; blocks, prefix, delta and the out-norm weight of one dtype."""
+    if prefix is None and delta is None:
+        raise ValueError("attn_res_mix_norm needs a prefix or a delta")
+    if custom_ops.needs_grad(prefix, delta, res_norm_weight, res_proj_weight, out_norm_weight, *blocks):
+        raise ValueError("attn_res_mix_norm's fast twin has no backward; the reference runs while autograd records")
+    n = len(blocks) + 1
+    if n > _ATTN_RES_MAX_CANDIDATES:
+        raise ValueError(f"attn_res_mix_norm takes 0..{_ATTN_RES_MAX_CANDIDATES - 1} blocks, got {len(blocks)}")
+    last = prefix if prefix is not None else delta
+    shape, dtype = last.shape, last.dtype
+    given = [*blocks, last] + ([delta] if prefix is not None and delta is not None else [])
+    if any(t.shape != shape or t.dtype != dtype or t.device != last.device for t in given):
+        raise ValueError(f"attn_res_mix_norm: blocks, prefix and delta must share shape, dtype and device, got "
+                         f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in given]}")
+    d = shape[-1]
+    if out_norm_weight.shape != (d,) or out_norm_weight.dtype != dtype:
+        raise ValueError(f"attn_res_mix_norm: out-norm weight {tuple(out_norm_weight.shape)} {out_norm_weight.dtype} "
+                         f"does not fit the rows [..., {d}] {dtype}")
+    if res_norm_weight.numel() != d or res_proj_weight.numel() != d:
+        raise ValueError(f"attn_res_mix_norm: AttnRes weights {tuple(res_norm_weight.shape)} and "
+                         f"{tuple(res_proj_weight.shape)} do not fit the rows [..., {d}]")
+    add = prefix is not None and delta is not None
+    cands = [t.contiguous() for t in (*blocks, last)]
+    delta_c = delta.contiguous() if add else cands[-1]
+    new_prefix = torch.empty(shape, dtype=dtype, device=last.device) if add else last
+    normed = torch.empty(shape, dtype=dtype, device=last.device)
+    rows = last.numel() // d if d else 0
+    if rows:
+        on_chip = n <= _ATTN_RES_ON_CHIP_MAX[0] and d <= _ATTN_RES_ON_CHIP_MAX[1]
+        if on_chip:
+            block_d = triton.next_power_of_2(d)
+            with torch.cuda.device(last.device):
+                _attn_res_mix_norm_on_chip_kernel[(rows,)](
+                    *(cands + [cands[0]] * (4 - n)), delta_c, new_prefix if add else normed,
+                    res_norm_weight.reshape(-1).contiguous(), res_proj_weight.reshape(-1).contiguous(),
+                    out_norm_weight.contiguous(), normed, d, float(res_eps), float(out_eps), N_CAND=n, ADD=add,
+                    N_POW2=max(2, triton.next_power_of_2(n)), BLOCK_D=block_d,
+                    num_warps=min(16, max(1, block_d // 512)),
+                )
+            return new_prefix, normed
+        ptrs = cands + [cands[0]] * (_ATTN_RES_MAX_CANDIDATES - n)
+        with torch.cuda.device(last.device):
+            _attn_res_mix_norm_kernel[(rows,)](
+                *ptrs, delta_c, new_prefix if add else normed, res_norm_weight.reshape(-1).contiguous(),
+                res_proj_weight.reshape(-1).contiguous(), out_norm_weight.contiguous(), normed, d, float(res_eps),
+                float(out_eps), N_CAND=n, ADD=add, N_POW2=max(2, triton.next_power_of_2(n)), BLOCK_D=1024,
+                num_warps=4,
+            )
+    return new_prefix, normed
 
 
 # --------------------------------------------------------------------------------------------------------------

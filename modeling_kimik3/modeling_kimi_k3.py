@@ -668,6 +668,22 @@ def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.L
         return mix(candidates, norm.weight, proj.weight, norm.variance_epsilon)
 
 
+def attn_res_mix_and_norm(blocks: list[torch.Tensor], prefix: torch.Tensor | None, delta: torch.Tensor | None,
+                          norm: KimiK3RMSNorm, proj: nn.Linear, out_norm: KimiK3RMSNorm):
+    """P = prefix + delta (either may be None), the mix of [b_0, ..., b_{n-1}, P] (5.1) and `out_norm` of it, as one
+    op: in eager inference one kernel instead of three (add, mix, norm) that each read and write [B, T, D]; the mix
+    itself is never stored. Elsewhere its reference runs the three. Returns (P, out_norm(mix))."""
+    device = (prefix if prefix is not None else delta).device
+    blocks = [block.to(device) for block in blocks]  # banked on the layers that made them, as in `attn_res_mix`
+    with _onloaded(norm, proj, out_norm):
+        weights = (norm.weight, proj.weight, out_norm.weight)
+        fused = fast_or_reference("attn_res_mix_norm", *blocks, prefix, delta, *weights)
+        return fused(blocks, prefix, delta, norm.weight, proj.weight, norm.variance_epsilon, out_norm.weight,
+                     out_norm.variance_epsilon)
+
+
+
+
 class KimiK3DecoderLayer(GradientCheckpointingLayer):
     """One K3 layer. With Block AttnRes, `hidden_states` is the running block sum P and `banked_blocks` the banked
     block vectors (inputs only: the model loop banks, so a recomputed layer mutates nothing)."""
@@ -716,20 +732,21 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             return hidden_states + self._feed_forward(self.post_attention_layernorm(hidden_states), token_mask)
 
         prefix, blocks = hidden_states, list(banked_blocks)
-        # Layer 0 has no banked block yet: its attention reads the embedding directly.
-        attn_input = (
-            attn_res_mix([*blocks, prefix], self.self_attention_res_norm, self.self_attention_res_proj)
-            if blocks
-            else prefix
-        )
+        # Layer 0 has no banked block yet: its attention reads the embedding directly. Otherwise the mix and
+        # input_layernorm run as one op (no residual add on this side).
+        if blocks:
+            _, attn_input = attn_res_mix_and_norm(blocks, prefix, None, self.self_attention_res_norm,
+                                                  self.self_attention_res_proj, self.input_layernorm)
+        else:
+            attn_input = self.input_layernorm(prefix)
         if self.starts_block:
             blocks.append(prefix)
             prefix = None
-        attn_output = self._attention(self.input_layernorm(attn_input), attention_mask, token_mask, cache,
-                                      document_index, **kwargs)
-        prefix = attn_output if prefix is None else prefix + attn_output
-        mlp_input = attn_res_mix([*blocks, prefix], self.mlp_res_norm, self.mlp_res_proj)
-        return prefix + self._feed_forward(self.post_attention_layernorm(mlp_input), token_mask)
+        attn_output = self._attention(attn_input, attention_mask, token_mask, cache, document_index, **kwargs)
+        # P + attn_output (P None: this layer starts a block), the mix and post_attention_layernorm as one op
+        prefix, mlp_input = attn_res_mix_and_norm(blocks, prefix, attn_output, self.mlp_res_norm, self.mlp_res_proj,
+                                                  self.post_attention_layernorm)
+        return prefix + self._feed_forward(mlp_input, token_mask)
 
     def _feed_forward(self, hidden_states, token_mask):
         if isinstance(self.mlp, KimiK3SparseMoeBlock):

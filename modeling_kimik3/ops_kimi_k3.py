@@ -370,6 +370,32 @@ def block_attn_res_mix(
     return (weights.unsqueeze(-1) * values).sum(dim=0).to(candidates[-1].dtype)
 
 
+def attn_res_mix_norm(
+    blocks: list[torch.Tensor],
+    prefix: torch.Tensor | None,
+    delta: torch.Tensor | None,
+    res_norm_weight: torch.Tensor,
+    res_proj_weight: torch.Tensor,
+    res_eps: float,
+    out_norm_weight: torch.Tensor,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual add, AttnRes mix and the RMSNorm after it (5.1, 7), as one op.
+
+    new_prefix = prefix + delta (the one given when the other is None: that tensor itself), mix =
+    block_attn_res_mix([*blocks, new_prefix], res_norm_weight, res_proj_weight, res_eps); returns
+    (new_prefix, rms_norm(mix, out_norm_weight, out_eps)). The parts go through their own fast paths, so where the
+    fused twin may not run (autograd, torch.compile, CPU) this is exactly the three separate ops.
+    """
+    if prefix is None and delta is None:
+        raise ValueError("attn_res_mix_norm needs a prefix or a delta")
+    new_prefix = delta if prefix is None else prefix if delta is None else prefix + delta
+    candidates = [*blocks, new_prefix]
+    mix = fast_or_reference("block_attn_res_mix", *candidates)(candidates, res_norm_weight, res_proj_weight, res_eps)
+    normed = fast_or_reference("rms_norm", mix, out_norm_weight)(mix, out_norm_weight, out_eps)
+    return new_prefix, normed
+
+
 # --------------------------------------------------------------------------------------------------------------
 # SiTU (6.3)
 
@@ -578,6 +604,9 @@ FAST_OPS = {
     "attention_with_lse": FastOp(attention_with_lse, half_only=True, forward_only=True),
     "mla_decode": FastOp(mla_decode, forward_only=True, traceable_forward=True),
     "block_attn_res_mix": FastOp(block_attn_res_mix, one_dtype=True, traceable_forward=True),
+    # eager only, forward only (the prefill's and decode's eager layers): one pass instead of the add, the mix and the
+    # norm; its reference runs those three through their own fast paths (the mix's autograd, the compiled graphs)
+    "attn_res_mix_norm": FastOp(attn_res_mix_norm, half_only=True, one_dtype=True, forward_only=True),
     # eager only: under compile inductor fuses the reference's six ops into one kernel itself
     "rms_norm": FastOp(rms_norm, half_only=True, one_dtype=True, forward_only=True),
     "gated_rms_norm": FastOp(gated_rms_norm, forward_only=True),

@@ -67,10 +67,15 @@ def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
     def asked_by(step):
         asked.clear()
         out = step()
+        # off CUDA the fused AttnRes op runs its reference, which asks for its parts (the paths the model takes where
+        # the fused twin may not run: autograd, torch.compile)
+        order = [name for i, name in enumerate(asked) if i == 0 or name != asked[i - 1]]  # one ask reads it twice
+        fused = [i for i, name in enumerate(order) if name == "attn_res_mix_norm"]
+        assert fused and all(order[i + 1:i + 3] == ["block_attn_res_mix", "rms_norm"] for i in fused), order
         return set(asked), out
 
-    every_layer = {"block_attn_res_mix", "causal_conv1d", "situ_glu", "router_logits", "moe_experts", "rms_norm",
-                   "gated_rms_norm"}
+    every_layer = {"attn_res_mix_norm", "block_attn_res_mix", "causal_conv1d", "situ_glu", "router_logits",
+                   "moe_experts", "rms_norm", "gated_rms_norm"}
     # a fresh prefill attends through the attention interface; continuing a cache merges key blocks by their LSE;
     # one token steps the KDA recurrence (its decay from kda_gate: the chunked form computes it inside chunk_kda)
     # and attends in the absorbed latent form
@@ -147,6 +152,15 @@ def test_each_declared_constraint(fake_fast_ops, monkeypatch):
     b = fake_cuda(2, 3, dtype=torch.bfloat16)
     assert ops.fast_or_reference("block_attn_res_mix", b, b)() == "block_attn_res_mix"
     assert is_reference("block_attn_res_mix", ops.fast_or_reference("block_attn_res_mix", b, x))
+    # attn_res_mix_norm: 16-bit rows and weights all of one dtype (an f32 weight is legal for the module: the
+    # reference), no autograd; the model asks with every tensor it reads, None for a missing prefix or delta
+    w, proj = fake_cuda(3, dtype=torch.bfloat16), fake_cuda(1, 3, dtype=torch.bfloat16)
+    assert ops.fast_or_reference("attn_res_mix_norm", b, b, None, w, proj, w)() == "attn_res_mix_norm"
+    assert ops.fast_or_reference("attn_res_mix_norm", None, b, w, proj, w)() == "attn_res_mix_norm"
+    for args in ((b, b, None, w, proj, fake_cuda(3)), (x, x, None, fake_cuda(3), fake_cuda(1, 3), fake_cuda(3)),
+                 (b, b, b, w, proj, torch.randn(3, dtype=torch.bfloat16)),
+                 (b, b, b, w, fake_cuda(1, 3, dtype=torch.bfloat16, requires_grad=True), w)):
+        assert is_reference("attn_res_mix_norm", ops.fast_or_reference("attn_res_mix_norm", *args))
     # under torch.compile: the grouped-GEMM experts (torch ops) stay fast with or without autograd; the twins made of
     # custom ops (the compiled decode step's kernels) only while no gradient is recorded; the others never
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

@@ -7,10 +7,12 @@ import torch
 
 from kimik3.modeling.ops_kimi_k3 import (
     attention_with_lse,
+    attn_res_mix_norm,
     block_attn_res_mix,
     dequantize_mxfp4,
     gated_rms_norm,
     quantize_mxfp4,
+    rms_norm,
     situ_glu,
 )
 
@@ -71,6 +73,29 @@ def test_attn_res_mix_uses_normalised_keys_and_raw_values():
     torch.testing.assert_close(block_attn_res_mix(cands, gamma, proj, 1e-5), expected)
     uniform = block_attn_res_mix(cands, gamma, torch.zeros(1, 16), 1e-5)
     torch.testing.assert_close(uniform, sum(cands) / 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_blocks", [0, 1, 3, 8])
+@pytest.mark.parametrize("given", ["prefix and delta", "prefix", "delta"])
+def test_attn_res_mix_norm_is_the_add_the_mix_and_the_norm(given, num_blocks, dtype):
+    """The fused op's reference is the layer's three steps, bit for bit: P = prefix + delta (the one given otherwise,
+    that tensor itself), the AttnRes mix of [*blocks, P], the RMSNorm of the mix."""
+    shape = (2, 5, 48)
+    blocks = [(torch.randn(shape) * (1 + i)).to(dtype) for i in range(num_blocks)]
+    prefix = (torch.randn(shape) * 3).to(dtype) if "prefix" in given else None
+    delta = torch.randn(shape).to(dtype) if "delta" in given else None
+    res_w, proj_w = (1 + 0.1 * torch.randn(48)).to(dtype), (0.3 * torch.randn(1, 48)).to(dtype)
+    out_w = (1 + 0.3 * torch.randn(48)).to(dtype)
+    new_prefix, normed = attn_res_mix_norm(blocks, prefix, delta, res_w, proj_w, 1e-5, out_w, 1e-6)
+    expected_prefix = prefix + delta if prefix is not None and delta is not None else prefix if delta is None else delta
+    if prefix is None or delta is None:
+        assert new_prefix is expected_prefix
+    assert torch.equal(new_prefix, expected_prefix) and new_prefix.dtype == dtype
+    mix = block_attn_res_mix([*blocks, expected_prefix], res_w, proj_w, 1e-5)
+    assert torch.equal(normed, rms_norm(mix, out_w, 1e-6)) and normed.dtype == dtype
+    with pytest.raises(ValueError, match="needs a prefix or a delta"):
+        attn_res_mix_norm(blocks, None, None, res_w, proj_w, 1e-5, out_w, 1e-6)
 
 
 def test_gated_rms_norm_is_f32_and_gated_per_channel():

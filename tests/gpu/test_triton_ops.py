@@ -131,6 +131,105 @@ def test_block_attn_res_mix_forward_backward(num_candidates):
         assert rel_err(g, g_ref) < 1e-2, (i, rel_err(g, g_ref))
 
 
+def _mix_norm_inputs(shape, num_blocks, given):
+    """bf16 blocks, prefix and/or delta with row 1 of the prefix side huge (x1e4) and row 2 zero everywhere (the
+    mix is zero there: the norm's eps), and the layer's weights (res norm, res proj, eps, out norm, eps)."""
+    d = shape[-1]
+    blocks = [(torch.randn(shape, device=DEV) * (1 + i)).to(torch.bfloat16) for i in range(num_blocks)]
+    prefix = (torch.randn(shape, device=DEV) * 3).to(torch.bfloat16) if "prefix" in given else None
+    delta = torch.randn(shape, device=DEV).to(torch.bfloat16) if "delta" in given else None
+    for t in [*blocks, prefix, delta]:
+        if t is not None:
+            t.view(-1, d)[2] = 0
+    for t in (prefix, delta):
+        if t is not None:
+            t.view(-1, d)[1] *= 1e4
+    res_norm = (1 + 0.1 * torch.randn(d, device=DEV)).to(torch.bfloat16)
+    res_proj = (0.05 * torch.randn(1, d, device=DEV)).to(torch.bfloat16)
+    out_norm = (1 + 0.3 * torch.randn(d, device=DEV)).to(torch.bfloat16)
+    return blocks, prefix, delta, (res_norm, res_proj, 1e-5, out_norm, 1e-6)
+
+
+def max_abs(t):
+    return t.float().abs().max().item()
+
+
+@pytest.mark.parametrize("given", ["prefix and delta", "prefix", "delta"])
+@pytest.mark.parametrize("num_candidates", [1, 2, 4, 9])
+@pytest.mark.parametrize("shape", [(2, 33, 7168), (3, 7, 100), (5, 1030), (4, 64), (3, 9000)])
+def test_attn_res_mix_norm_against_the_reference(shape, num_candidates, given):
+    blocks, prefix, delta, weights = _mix_norm_inputs(shape, num_candidates - 1, given)
+    new_prefix, normed = load_fast("attn_res_mix_norm")(blocks, prefix, delta, *weights)
+    # the reference as the model runs it without the fused twin: the add, then the AttnRes and RMSNorm twins
+    want_prefix, want = ops.attn_res_mix_norm(blocks, prefix, delta, *weights)
+    assert torch.equal(new_prefix, want_prefix) and (new_prefix is want_prefix) == (given != "prefix and delta")
+    assert normed.dtype == torch.bfloat16 and normed.shape == want.shape
+    # up to 4 candidates of at most 8192 the rows are held on chip and summed in another order than the separate
+    # twins' (more: the AttnRes twin's own chunked sums, the mix bit for bit); the f32 sums' order moves a rounding
+    # to bf16 one ulp, rarely, and where candidates nearly cancel an ulp of the candidates, not of the result
+    ulp = torch.finfo(torch.bfloat16).eps
+    assert ((normed.float() - want.float()).abs() <= 2 * ulp * want.float().abs() + ulp * max_abs(want)).all()
+    assert (normed == want).float().mean().item() > 0.99
+    d = shape[-1]
+    assert (normed.view(-1, d)[2] == 0).all()  # a zero row normalises to zeros (eps), no NaN
+    assert torch.isfinite(normed).all()
+    # the pure-PyTorch reference sums the scores in another order: the softmax weights move by f32 rounding, the mix
+    # may round one ulp apart, more than an ulp of the result where candidates cancel: the AttnRes test's bounds
+    with reference_only():
+        ref_prefix, ref = ops.attn_res_mix_norm(blocks, prefix, delta, *weights)
+    assert torch.equal(new_prefix, ref_prefix)
+    assert max_rel(normed, ref) < 1e-2 and rel_err(normed, ref) < 3e-3
+    assert (normed == ref).float().mean().item() > 0.99
+
+
+def test_attn_res_mix_norm_refuses_what_it_cannot_compute():
+    fast = load_fast("attn_res_mix_norm")
+    x = torch.randn(2, 4, 64, device=DEV).to(torch.bfloat16)
+    w, proj = torch.ones(64, device=DEV, dtype=torch.bfloat16), torch.ones(1, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs a prefix or a delta"):
+        fast([x], None, None, w, proj, 1e-5, w, 1e-6)
+    with pytest.raises(ValueError, match=r"0\.\.15 blocks, got 16"):
+        fast([x] * 16, x, None, w, proj, 1e-5, w, 1e-6)
+    with pytest.raises(ValueError, match="share shape, dtype and device"):
+        fast([x[:, :3]], x, None, w, proj, 1e-5, w, 1e-6)
+    with pytest.raises(ValueError, match="share shape, dtype and device"):
+        fast([x], x, x.half(), w, proj, 1e-5, w, 1e-6)
+    with pytest.raises(ValueError, match="out-norm weight"):
+        fast([x], x, None, w, proj, 1e-5, w.float(), 1e-6)
+    with pytest.raises(ValueError, match="no backward"):
+        fast([x], x, x.clone().requires_grad_(True), w, proj, 1e-5, w, 1e-6)
+    # what the twin refuses the declaration keeps on the reference: an f32 norm weight (legal for the module),
+    # autograd, f32 rows
+    assert ops.fast_or_reference("attn_res_mix_norm", x, x, None, w, proj, w) is kernels.load("attn_res_mix_norm")
+    assert ops.fast_or_reference("attn_res_mix_norm", x, x, None, w, proj, w.float()) is ops.attn_res_mix_norm
+    assert ops.fast_or_reference("attn_res_mix_norm", x.float(), None, x.float(), w.float(), proj.float(),
+                                 w.float()) is ops.attn_res_mix_norm
+    assert ops.fast_or_reference("attn_res_mix_norm", x, x.clone().requires_grad_(True), w, proj,
+                                 w) is ops.attn_res_mix_norm
+
+
+def test_model_logits_with_and_without_the_fused_attn_res_op(monkeypatch):
+    """A tiny bf16 model on CUDA runs the fused twin in every layer's two mixes (its first attention side excepted)
+    and gives the logits it gives with the three separate ops (KIMIK3_REFERENCE_ONLY=attn_res_mix_norm)."""
+    from kimik3.tiny import build_tiny_model
+
+    model = build_tiny_model(num_hidden_layers=4).to(DEV, torch.bfloat16)
+    ids = torch.randint(3, 128, (2, 37), device=DEV)
+    fast = load_fast("attn_res_mix_norm")
+    calls = []
+    monkeypatch.setitem(kernels._cache, "attn_res_mix_norm", lambda *a: calls.append(1) or fast(*a))
+    monkeypatch.delenv("KIMIK3_REFERENCE_ONLY", raising=False)
+    with torch.no_grad():
+        fused = model(ids).logits.float()
+        assert len(calls) == 2 * 4 - 1
+        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "attn_res_mix_norm")
+        separate = model(ids).logits.float()
+    assert len(calls) == 2 * 4 - 1
+    # the same new prefixes and mixes; a norm output one ulp apart in a rare element, carried through the layers
+    assert rel_err(fused, separate) < 2e-3, rel_err(fused, separate)
+    assert (fused.argmax(-1) == separate.argmax(-1)).float().mean().item() > 0.99
+
+
 # ---------------------------------------------------------------------------------------------------------- MXFP4
 
 
@@ -665,7 +764,8 @@ def test_mla_decode_op_in_a_compiled_cuda_graph():
 def test_dispatch_on_cuda():
     x = torch.randn(4, 8, device=DEV)
     available = kernels.available_ops()
-    for name in ("situ_glu", "block_attn_res_mix", "moe_experts", "mla_decode", "mxfp4_dequant", "router_logits"):
+    for name in ("situ_glu", "block_attn_res_mix", "attn_res_mix_norm", "moe_experts", "mla_decode", "mxfp4_dequant",
+                 "router_logits"):
         assert available[name] is True, (name, available[name])
     for name in ("situ_glu", "block_attn_res_mix", "mla_decode", "mxfp4_dequant"):
         assert ops.fast_or_reference(name, x) is kernels.load(name), name
