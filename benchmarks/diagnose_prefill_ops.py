@@ -161,8 +161,8 @@ def kda(results):
 
 
 def attn_res(results):
-    """A decoder layer's residual add + AttnRes mix + RMSNorm at [8192, 7168] bf16: the fused twin (rows on chip up
-    to 4 candidates, else the multi-pass kernel) against the three separate ops (bf16 add, the mix twin, the norm
+    """A decoder layer's residual add + AttnRes mix + RMSNorm at [8192, 7168] bf16: the fused twin (rows on chip for
+    one block + the prefix, else the add and the separate twins) against the three separate ops (bf16 add, the mix twin, the norm
     twin), with 1, 3 and 8 banked blocks, on the MLP side (with the add) and the attention side (without)."""
     torch.manual_seed(0)
     d = 7168

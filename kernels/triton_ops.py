@@ -596,84 +596,20 @@ def block_attn_res_mix(
 # `_rms_norm_kernel`'s (its two roundings), its sum of squares gathered chunk by chunk.
 
 
-@triton.jit
-def _attn_res_mix_norm_kernel(
-    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
-    delta_ptr, new_prefix_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, o_ptr, D, res_eps, out_eps,
-    N_CAND: tl.constexpr, ADD: tl.constexpr, N_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    # candidates c0..c{N_CAND-2} are the blocks, c{N_CAND-1} the prefix; with ADD the last candidate is
-    # prefix + delta, rounded to the activation dtype as torch's add rounds it, and stored as the new prefix.
-    # (Unrolled chunk loops, D a constexpr, ran 10-15% faster at 8-15 blocks but compiled 10-28 s per block count.)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    idx = tl.arange(0, N_POW2)
-    act_ty = o_ptr.dtype.element_ty
-    scores = tl.full([N_POW2], float("-inf"), dtype=tl.float32)
-    # pass 1: score_i = (x_i . w) / rms(x_i)
-    for i in tl.static_range(N_CAND):
-        base = _pick(i, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) + row * D
-        acc_ss = tl.zeros([BLOCK_D], dtype=tl.float32)
-        acc_dot = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + offs
-            m = cols < D
-            x = tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
-            if ADD:
-                if i == N_CAND - 1:
-                    x = (x + tl.load(delta_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)).to(act_ty)
-                    tl.store(new_prefix_ptr + row * D + cols, x, mask=m)
-                    x = x.to(tl.float32)
-            w = tl.load(norm_w_ptr + cols, mask=m, other=0.0).to(tl.float32) * tl.load(
-                proj_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            acc_ss += x * x
-            acc_dot += x * w
-        s = tl.sum(acc_dot, axis=0) / tl.sqrt(tl.sum(acc_ss, axis=0) / D + res_eps)
-        scores = tl.where(idx == i, s, scores)
-    mx = tl.max(scores, axis=0)
-    p = tl.exp(scores - mx)
-    p = p / tl.sum(p, axis=0)
-    if ADD:
-        tl.debug_barrier()  # the new prefix's row, stored by all the program's threads, is read back below
-    # pass 2: mix of the raw candidates, rounded to the activation dtype; kept in the output row (this program's
-    # scratch, in L2) until its mean square is known
-    acc_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + offs
-        m = cols < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i in tl.static_range(N_CAND):
-            base = _pick(i, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) + row * D
-            if ADD:
-                if i == N_CAND - 1:
-                    base = new_prefix_ptr + row * D
-            p_i = tl.sum(tl.where(idx == i, p, 0.0), axis=0)
-            acc += p_i * tl.load(base + cols, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        mixed = acc.to(act_ty)
-        acc_sq += mixed.to(tl.float32) * mixed.to(tl.float32)
-        tl.store(o_ptr + row * D + cols, mixed, mask=m)
-    tl.debug_barrier()
-    # pass 3: the RMSNorm of the rounded mix: the normalised row rounded, then times the weight, rounded
-    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(acc_sq, axis=0) / D + out_eps))
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + offs
-        m = cols < D
-        mixed = tl.load(o_ptr + row * D + cols, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        normed = (mixed * inv_rms).to(act_ty).to(tl.float32)
-        w = tl.load(out_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(o_ptr + row * D + cols, (normed * w).to(act_ty), mask=m)
-
-
-_ATTN_RES_ON_CHIP_MAX = (4, 8192)  # candidates, row width: a row's candidates held in registers, read once
+# candidates, row width: a row's candidates held in registers, each read once. One banked block + the prefix only:
+# at 4 candidates the kernel ran slower than the separate twins (H200: 394-412 us against 315-398 us at 8192 x
+# 7168, diagnose_prefill_ops attn_res), at 2 faster (170-189 against 192-275 us)
+_ATTN_RES_ON_CHIP_MAX = (2, 8192)
 
 
 @triton.jit
 def _attn_res_mix_norm_on_chip_kernel(
-    c0, c1, c2, c3, delta_ptr, new_prefix_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, o_ptr, D, res_eps, out_eps,
+    c0, c1, delta_ptr, new_prefix_ptr, norm_w_ptr, proj_w_ptr, out_w_ptr, o_ptr, D, res_eps, out_eps,
     N_CAND: tl.constexpr, ADD: tl.constexpr, N_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Few candidates: the row of every candidate in registers ([N_POW2, BLOCK_D]), so each is read from memory once
-    # (the multi-pass kernel reads them twice and the mix once more), then the scores, the mix and the norm.
+    # The row of every candidate in registers ([N_POW2, BLOCK_D]), so each is read from memory once (the separate
+    # twins read them twice for the scores and the mix, then the norm reads the mix), then the scores, the mix and
+    # the norm.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     m = cols < D
@@ -681,7 +617,7 @@ def _attn_res_mix_norm_on_chip_kernel(
     act_ty = o_ptr.dtype.element_ty
     tile = tl.zeros([N_POW2, BLOCK_D], dtype=tl.float32)
     for i in tl.static_range(N_CAND):
-        base = _pick(i, c0, c1, c2, c3, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0) + row * D
+        base = _pick(i, c0, c1, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0, c0) + row * D
         x = tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
         if ADD:
             if i == N_CAND - 1:
@@ -709,8 +645,9 @@ def attn_res_mix_norm(
     out_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `ops_kimi_k3.attn_res_mix_norm` (new prefix bit-identical, the normed mix as the separate
-    twins give it up to their f32 sums' order) in one Triton pass per row; forward only, eager only (FAST_OPS
-    declares it so). Up to 15 blocks; blocks, prefix, delta and the out-norm weight of one dtype."""
+    twins give it up to their f32 sums' order): one Triton pass per row for up to one block of up to 8192, else the
+    add and the separate twins; forward only, eager only (FAST_OPS declares it so). Up to 15 blocks; blocks, prefix,
+    delta and the out-norm weight of one dtype."""
     if prefix is None and delta is None:
         raise ValueError("attn_res_mix_norm needs a prefix or a delta")
     if custom_ops.needs_grad(prefix, delta, res_norm_weight, res_proj_weight, out_norm_weight, *blocks):
@@ -732,31 +669,25 @@ def attn_res_mix_norm(
         raise ValueError(f"attn_res_mix_norm: AttnRes weights {tuple(res_norm_weight.shape)} and "
                          f"{tuple(res_proj_weight.shape)} do not fit the rows [..., {d}]")
     add = prefix is not None and delta is not None
+    if n > _ATTN_RES_ON_CHIP_MAX[0] or d > _ATTN_RES_ON_CHIP_MAX[1]:
+        # where the one-pass kernel does not gain: the add, then the AttnRes and RMSNorm twins (what the reference's
+        # dispatch picks for these tensors: this declaration is the stricter one)
+        new_prefix = prefix + delta if add else last
+        return new_prefix, rms_norm(block_attn_res_mix([*blocks, new_prefix], res_norm_weight, res_proj_weight,
+                                                       res_eps), out_norm_weight, out_eps)
     cands = [t.contiguous() for t in (*blocks, last)]
     delta_c = delta.contiguous() if add else cands[-1]
     new_prefix = torch.empty(shape, dtype=dtype, device=last.device) if add else last
     normed = torch.empty(shape, dtype=dtype, device=last.device)
     rows = last.numel() // d if d else 0
     if rows:
-        on_chip = n <= _ATTN_RES_ON_CHIP_MAX[0] and d <= _ATTN_RES_ON_CHIP_MAX[1]
-        if on_chip:
-            block_d = triton.next_power_of_2(d)
-            with torch.cuda.device(last.device):
-                _attn_res_mix_norm_on_chip_kernel[(rows,)](
-                    *(cands + [cands[0]] * (4 - n)), delta_c, new_prefix if add else normed,
-                    res_norm_weight.reshape(-1).contiguous(), res_proj_weight.reshape(-1).contiguous(),
-                    out_norm_weight.contiguous(), normed, d, float(res_eps), float(out_eps), N_CAND=n, ADD=add,
-                    N_POW2=max(2, triton.next_power_of_2(n)), BLOCK_D=block_d,
-                    num_warps=min(16, max(1, block_d // 512)),
-                )
-            return new_prefix, normed
-        ptrs = cands + [cands[0]] * (_ATTN_RES_MAX_CANDIDATES - n)
+        block_d = triton.next_power_of_2(d)
         with torch.cuda.device(last.device):
-            _attn_res_mix_norm_kernel[(rows,)](
-                *ptrs, delta_c, new_prefix if add else normed, res_norm_weight.reshape(-1).contiguous(),
-                res_proj_weight.reshape(-1).contiguous(), out_norm_weight.contiguous(), normed, d, float(res_eps),
-                float(out_eps), N_CAND=n, ADD=add, N_POW2=max(2, triton.next_power_of_2(n)), BLOCK_D=1024,
-                num_warps=4,
+            _attn_res_mix_norm_on_chip_kernel[(rows,)](
+                *(cands + [cands[0]] * (_ATTN_RES_ON_CHIP_MAX[0] - n)), delta_c, new_prefix if add else normed,
+                res_norm_weight.reshape(-1).contiguous(), res_proj_weight.reshape(-1).contiguous(),
+                out_norm_weight.contiguous(), normed, d, float(res_eps), float(out_eps), N_CAND=n, ADD=add,
+                N_POW2=2, BLOCK_D=block_d, num_warps=min(16, max(1, block_d // 512)),
             )
     return new_prefix, normed
 

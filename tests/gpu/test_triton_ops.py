@@ -164,12 +164,14 @@ def test_attn_res_mix_norm_against_the_reference(shape, num_candidates, given):
     want_prefix, want = ops.attn_res_mix_norm(blocks, prefix, delta, *weights)
     assert torch.equal(new_prefix, want_prefix) and (new_prefix is want_prefix) == (given != "prefix and delta")
     assert normed.dtype == torch.bfloat16 and normed.shape == want.shape
-    # up to 4 candidates of at most 8192 the rows are held on chip and summed in another order than the separate
-    # twins' (more: the AttnRes twin's own chunked sums, the mix bit for bit); the f32 sums' order moves a rounding
-    # to bf16 one ulp, rarely, and where candidates nearly cancel an ulp of the candidates, not of the result
+    # up to 2 candidates of at most 8192 the rows are held on chip and summed in another order than the separate
+    # twins' (more: the separate twins themselves, bit for bit); the f32 sums' order moves a rounding to bf16 one
+    # ulp, rarely, and where candidates nearly cancel an ulp of the candidates, not of the result
     ulp = torch.finfo(torch.bfloat16).eps
     assert ((normed.float() - want.float()).abs() <= 2 * ulp * want.float().abs() + ulp * max_abs(want)).all()
     assert (normed == want).float().mean().item() > 0.99
+    if num_candidates > 2 or shape[-1] > 8192:
+        assert torch.equal(normed, want)
     d = shape[-1]
     assert (normed.view(-1, d)[2] == 0).all()  # a zero row normalises to zeros (eps), no NaN
     assert torch.isfinite(normed).all()
@@ -668,9 +670,13 @@ def test_causal_conv1d_prefill_l2norm_matches_the_reference(batch, tokens, heads
     assert ((norms - 1).abs() < 0.02).all()
     plain = ops.causal_conv1d(x, weight, state)[0]
     assert torch.equal(y, ops.l2norm_heads(plain, head_dim)) or max_rel(y, ops.l2norm_heads(plain, head_dim)) < 1e-2
-    # the op: the prefill tiles with the norm, and the step kernel followed by the reference norm
+    # the op: the prefill tiles with the norm past the step kernel's few tokens, else the step kernel followed by
+    # the reference norm
     y_op, _ = torch.ops.kimik3.causal_conv1d(x, weight, state, head_dim)
-    assert torch.equal(y_op, y)
+    if tokens > triton_ops.CONV_STEP_MAX_TOKENS or state is None:
+        assert torch.equal(y_op, y)
+    else:
+        assert max_rel(y_op, y_ref) < 1e-2
     if window:
         y_step, _ = torch.ops.kimik3.causal_conv1d(x[:, :3], weight, state, head_dim)
         assert max_rel(y_step, ops.causal_conv1d(x[:, :3], weight, state, l2norm_head_dim=head_dim)[0]) < 1e-2
