@@ -49,6 +49,32 @@ def build_tiny_model(seed: int = 0, num_hidden_layers: int = 4, **overrides):
     return model.eval()
 
 
+
+def packed_mxfp4_copy(dense_model):
+    """The same model with its routed experts packed as MXFP4 (the release format), quantised from the dense ones
+    (the GPU tests' and diagnostics' packed model)."""
+    import copy
+
+    from kimik3.modeling import ops_kimi_k3 as ops
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
+
+    config = copy.deepcopy(dense_model.config)
+    config.experts_format = "mxfp4"
+    packed = KimiK3ForCausalLM(config).to(dense_model.device)
+    missing, unexpected = packed.load_state_dict(dense_model.state_dict(), strict=False)
+    if not all(key.endswith(("_packed", "_scale")) for key in missing) or not all(
+            key.endswith(("gate_up_proj", "down_proj")) for key in unexpected):
+        raise ValueError(f"packed_mxfp4_copy: expected only the expert weights to change form, got missing "
+                         f"{missing}, unexpected {unexpected}")
+    for name, module in dense_model.named_modules():
+        if isinstance(module, KimiK3Experts):
+            target = packed.get_submodule(name)
+            for weight in ("gate_up_proj", "down_proj"):
+                codes, scale = ops.quantize_mxfp4(getattr(module, weight).detach())
+                getattr(target, f"{weight}_packed").copy_(codes)
+                getattr(target, f"{weight}_scale").copy_(scale)
+    return packed.eval()
+
 def check_tiny_directory(directory: Path, overwrite: bool) -> list[str]:
     """Refuses a folder that is not empty unless --overwrite; even then refuses one holding model files that tiny
     does not write (they would be mixed into the new model). Returns the names of the other files, which stay."""

@@ -43,27 +43,6 @@ def test_auto_compiled_static_decode_matches_eager_forward(batch, dtype):
     torch._dynamo.reset()
 
 
-def _packed_copy(dense_model):
-    """The same model with its routed experts packed as MXFP4 (the release format), quantised from the dense ones."""
-    from kimik3.modeling import ops_kimi_k3 as ops
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
-
-    config = copy.deepcopy(dense_model.config)
-    config.experts_format = "mxfp4"
-    packed = KimiK3ForCausalLM(config).to(dense_model.device)
-    missing, unexpected = packed.load_state_dict(dense_model.state_dict(), strict=False)
-    assert all(key.endswith(("_packed", "_scale")) for key in missing)
-    assert all(key.endswith(("gate_up_proj", "down_proj")) for key in unexpected)
-    for name, module in dense_model.named_modules():
-        if isinstance(module, KimiK3Experts):
-            target = packed.get_submodule(name)
-            for weight in ("gate_up_proj", "down_proj"):
-                codes, scale = ops.quantize_mxfp4(getattr(module, weight).detach())
-                getattr(target, f"{weight}_packed").copy_(codes)
-                getattr(target, f"{weight}_scale").copy_(scale)
-    return packed.eval()
-
-
 @pytest.mark.parametrize("batch", [1, 3])
 def test_compiled_static_decode_keeps_packed_mxfp4_experts_on_the_triton_kernel(batch, monkeypatch):
     """Packed experts in the compiled decode step: one graph, no break, a CUDA graph, the Triton packed kernels
@@ -75,10 +54,10 @@ def test_compiled_static_decode_keeps_packed_mxfp4_experts_on_the_triton_kernel(
     from gpu_helpers import load_fast
     from kimik3.kernels import triton_ops
     from kimik3.modeling import ops_kimi_k3 as ops
-    from kimik3.tiny import build_tiny_model
+    from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
 
     load_fast("moe_experts_mxfp4")  # the twin is there (Triton, grouped_mm), or the reason why not
-    gold_model = _packed_copy(build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda())
+    gold_model = packed_mxfp4_copy(build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda())
     model = copy.deepcopy(gold_model).to(torch.bfloat16)
     ids = torch.randint(3, 128, (batch, 12), device="cuda")
 
