@@ -54,7 +54,8 @@ def run(variant, experts, batch, device, compile_on_cpu):
     os.environ.pop("KIMIK3_REFERENCE_ONLY", None)
     d, e = rel_err(decoded, gold), rel_err(eager, gold)
     return {
-        "decoded_vs_gold": round(d, 5), "eager_vs_gold": round(e, 5), "decoded_vs_eager": round(rel_err(decoded, eager), 5),
+        "decoded_vs_gold": round(d, 5), "eager_vs_gold": round(e, 5),
+        "decoded_vs_eager": round(rel_err(decoded, eager), 5),
         "test_bound": round(1.5 * e + 5e-3, 5), "within_bound": d < 1.5 * e + 5e-3,
         "per_position_decoded_vs_gold": [round(rel_err(decoded[:, i], gold[:, i]), 4) for i in range(decoded.shape[1])],
         "per_position_eager_vs_gold": [round(rel_err(eager[:, i], gold[:, i]), 4) for i in range(eager.shape[1])],

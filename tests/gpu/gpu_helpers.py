@@ -48,3 +48,27 @@ def reference_only():
             os.environ.pop("KIMIK3_REFERENCE_ONLY")
         else:
             os.environ["KIMIK3_REFERENCE_ONLY"] = previous
+
+
+def tiny_prefill_errors_fast_and_reference_kda(monkeypatch, before_fast=None) -> tuple[float, float]:
+    """A bf16 tiny model's prefill (4 layers, 2 x 200 tokens, no cache) with every fast path, and with chunk_kda on
+    its reference, each as a relative error against the f32 model on the reference ops: (fast, reference KDA).
+    `before_fast` runs just before the fast forward (to install a spy)."""
+    import copy
+
+    from kimik3.tiny import build_tiny_model
+
+    gold_model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
+    assert gold_model.config.gate_lower_bound is not None
+    model = copy.deepcopy(gold_model).bfloat16()
+    ids = torch.randint(3, 128, (2, 200), device="cuda")
+    with torch.no_grad():
+        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "1")
+        gold = gold_model(ids, use_cache=False).logits.float()
+        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "chunk_kda")
+        ref = model(ids, use_cache=False).logits.float()
+        monkeypatch.delenv("KIMIK3_REFERENCE_ONLY")
+        if before_fast is not None:
+            before_fast()
+        fast = model(ids, use_cache=False).logits.float()
+    return rel_err(fast, gold), rel_err(ref, gold)

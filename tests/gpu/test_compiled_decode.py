@@ -57,7 +57,8 @@ def test_compiled_static_decode_keeps_packed_mxfp4_experts_on_the_triton_kernel(
     from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
 
     load_fast("moe_experts_mxfp4")  # the twin is there (Triton, grouped_mm), or the reason why not
-    gold_model = packed_mxfp4_copy(build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda())
+    dense = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
+    gold_model = packed_mxfp4_copy(dense)
     model = copy.deepcopy(gold_model).to(torch.bfloat16)
     ids = torch.randint(3, 128, (batch, 12), device="cuda")
 

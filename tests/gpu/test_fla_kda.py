@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("fla")
 pytest.importorskip("triton")
 
-from gpu_helpers import load_fast, load_ops, max_rel, rel_err  # noqa: E402
+from gpu_helpers import load_fast, load_ops, max_rel, rel_err, tiny_prefill_errors_fast_and_reference_kda  # noqa: E402
 
 ops = load_ops()
 
@@ -168,20 +168,5 @@ def test_model_prefill_with_the_gate_in_fla_matches_the_reference_kda(monkeypatc
     """A bf16 tiny model's prefill with fla computing the bounded decay in its kernel (safe_gate) against the f32
     model on the reference ops, as close to it as the same bf16 model with chunk_kda on its reference (which applies
     kda_gate to the same logits, A_log, dt_bias and bound per layer): the fused path adds only bf16/TF32 noise."""
-    import copy
-
-    from kimik3.tiny import build_tiny_model
-
-    gold_model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
-    assert gold_model.config.gate_lower_bound is not None
-    model = copy.deepcopy(gold_model).bfloat16()
-    ids = torch.randint(3, 128, (2, 200), device=DEV)
-    with torch.no_grad():
-        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "1")
-        gold = gold_model(ids, use_cache=False).logits.float()
-        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "chunk_kda")
-        ref = model(ids, use_cache=False).logits.float()
-        monkeypatch.delenv("KIMIK3_REFERENCE_ONLY")
-        fast = model(ids, use_cache=False).logits.float()
-    fast_err, ref_err = rel_err(fast, gold), rel_err(ref, gold)
+    fast_err, ref_err = tiny_prefill_errors_fast_and_reference_kda(monkeypatch)
     assert fast_err < 1.5 * ref_err + 1e-2, (fast_err, ref_err)

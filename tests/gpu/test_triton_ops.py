@@ -9,7 +9,9 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
 pytest.importorskip("triton")
 
-from gpu_helpers import load_fast, load_kernels, load_ops, max_rel, reference_only, rel_err  # noqa: E402
+from gpu_helpers import (  # noqa: E402
+    load_fast, load_kernels, load_ops, max_rel, reference_only, rel_err, tiny_prefill_errors_fast_and_reference_kda,
+)
 from k3_test_utils import TopLevelOps, grouped_product_f64  # noqa: E402
 
 kernels = load_kernels()
@@ -686,27 +688,13 @@ def test_model_prefill_with_qk_normalised_in_the_conv_matches_the_reference(monk
     """A bf16 tiny model's prefill with q/k normalised in the conv (fla's chunked KDA then skipping its own pass)
     against the f32 model on the reference ops, as close to it as the same bf16 model with the fold switched off by
     running chunk_kda on its reference (which normalises in f32 itself): the conv's norm adds only bf16 noise."""
-    import copy
-
     from kimik3.kernels import triton_ops
-    from kimik3.tiny import build_tiny_model
 
-    gold_model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
-    model = copy.deepcopy(gold_model).bfloat16()
-    ids = torch.randint(3, 128, (2, 200), device=DEV)
     seen = []
     prefill = triton_ops.causal_conv1d_prefill
-    with torch.no_grad():
-        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "1")
-        gold = gold_model(ids, use_cache=False).logits.float()
-        monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "chunk_kda")
-        ref = model(ids, use_cache=False).logits.float()
-        monkeypatch.delenv("KIMIK3_REFERENCE_ONLY")
-        monkeypatch.setattr(triton_ops, "causal_conv1d_prefill",
-                            lambda *a, **k: seen.append(k["l2norm_head_dim"]) or prefill(*a, **k))
-        fast = model(ids, use_cache=False).logits.float()
+    fast_err, ref_err = tiny_prefill_errors_fast_and_reference_kda(monkeypatch, lambda: monkeypatch.setattr(
+        triton_ops, "causal_conv1d_prefill", lambda *a, **k: seen.append(k["l2norm_head_dim"]) or prefill(*a, **k)))
     assert sorted(set(seen)) == [0, 64] and seen.count(64) == 2 * seen.count(0)  # q, k normalised; v not
-    fast_err, ref_err = rel_err(fast, gold), rel_err(ref, gold)
     assert fast_err < 1.5 * ref_err + 1e-2, (fast_err, ref_err)
 
 
