@@ -4,7 +4,8 @@ or packed MXFP4), run once per variant, where a variant is a value of KIMIK3_REF
 "chunk_kda" = the pure-PyTorch chunked KDA, so neither the decay inside fla's cumsum nor q/k normalised in the conv;
 "attn_res_mix_norm", "situ_glu", ... one op on its reference). For each: the relative error against the f32 model of
 the decoded logits (prefill + compiled steps) and of the eager forward over the same tokens, per position, and the
-test's bound (decoded < 1.5 x eager + 5e-3).
+test's bound (decoded < 1.5 x eager + 5e-3); each variant with the static cache (compiled) and the dynamic one
+(eager decode).
 
     python benchmarks/diagnose_compiled_decode_error.py --experts mxfp4 --batch 1 "" chunk_kda attn_res_mix_norm
 
@@ -28,7 +29,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def run(variant, experts, batch, device, compile_on_cpu):
+def run(variant, experts, batch, device, compile_on_cpu, cache_implementation):
     import torch._dynamo
 
     os.environ.pop("KIMIK3_REFERENCE_ONLY", None)
@@ -46,7 +47,7 @@ def run(variant, experts, batch, device, compile_on_cpu):
     ids = torch.randint(3, 128, (batch, 12), device=device)
     torch._dynamo.reset()
     out = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
-                         cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+                         cache_implementation=cache_implementation, return_dict_in_generate=True, output_logits=True)
     decoded = torch.stack(out.logits, dim=1).float()
     with torch.no_grad():
         eager = model(out.sequences, use_cache=False).logits.float()[:, 11:-1]
@@ -74,9 +75,13 @@ def main():
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
                "experts": args.experts, "batch": args.batch, "variants": {}}
     for variant in args.variants:
-        results["variants"][variant or "all fast"] = part = run(variant, args.experts, args.batch, device,
-                                                                args.compile_on_cpu)
-        print(variant or "all fast", json.dumps(part), flush=True)
+        # static: the compiled step (CUDA graphs); dynamic: the same decode eager, step by step with the fast kernels
+        # (separates what compiling changes from what the prefill's state hand-over and the recurrent form change)
+        for cache_implementation in ("static", "dynamic"):
+            name = f"{variant or 'all fast'} / {cache_implementation}"
+            results["variants"][name] = part = run(variant, args.experts, args.batch, device, args.compile_on_cpu,
+                                                   cache_implementation)
+            print(name, json.dumps(part), flush=True)
     out = Path(os.environ.get("OUT", ".")) / "diagnose_compiled_decode_error.json"
     out.write_text(json.dumps(results, indent=1))
 

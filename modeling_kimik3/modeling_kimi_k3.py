@@ -682,8 +682,6 @@ def attn_res_mix_and_norm(blocks: list[torch.Tensor], prefix: torch.Tensor | Non
                      out_norm.variance_epsilon)
 
 
-
-
 class KimiK3DecoderLayer(GradientCheckpointingLayer):
     """One K3 layer. With Block AttnRes, `hidden_states` is the running block sum P and `banked_blocks` the banked
     block vectors (inputs only: the model loop banks, so a recomputed layer mutates nothing)."""
