@@ -4,7 +4,8 @@ or packed MXFP4), run once per variant, where a variant is a value of KIMIK3_REF
 "chunk_kda" = the pure-PyTorch chunked KDA, so neither the decay inside fla's cumsum nor q/k normalised in the conv;
 "attn_res_mix_norm", "situ_glu", ... one op on its reference). For each: the relative error against the f32 model of
 the decoded logits (prefill + compiled steps) and of the eager forward over the same tokens, per position, and the
-test's bound (decoded < 1.5 x eager + 5e-3); each variant with the static cache (compiled) and the dynamic one
+test's bound (decoded < 1.5 x eager + 5e-3), and per position the eager forward's nearest router tie and whether it
+routes some token apart from the f32 model; each variant with the static cache (compiled) and the dynamic one
 (eager decode).
 
     python benchmarks/diagnose_compiled_decode_error.py --experts mxfp4 --batch 1 "" chunk_kda attn_res_mix_norm
@@ -27,6 +28,33 @@ from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
 
 def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
+
+
+def routing(model, sequences, positions):
+    """An eager forward over `sequences` with each MoE gate observed: per position (the decoded ones), the smallest
+    margin over layers between the k-th and (k+1)-th biased router score (a near tie: another rounding may route
+    the token elsewhere), and the top-k index sets per layer."""
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3MoEGate
+
+    seen = []
+
+    def hook(module, args, output):
+        logits, _, indices = output
+        biased = torch.sigmoid(logits.float()) + module.e_score_correction_bias.float()
+        top = biased.topk(module.top_k + 1, dim=-1).values
+        seen.append((top[:, -2] - top[:, -1], indices.sort(dim=-1).values))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, KimiK3MoEGate)]
+    try:
+        with torch.no_grad():
+            model(sequences, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    batch, length = sequences.shape
+    margins = torch.stack([m.view(batch, length)[:, positions] for m, _ in seen])  # [layers, B, P]
+    sets = [i.view(batch, length, -1)[:, positions] for _, i in seen]
+    return margins.amin(dim=(0, 1)), sets
 
 
 def run(variant, experts, batch, device, compile_on_cpu, cache_implementation):
@@ -52,6 +80,10 @@ def run(variant, experts, batch, device, compile_on_cpu, cache_implementation):
     with torch.no_grad():
         eager = model(out.sequences, use_cache=False).logits.float()[:, 11:-1]
         gold = gold_model(out.sequences, use_cache=False).logits.float()[:, 11:-1]
+    positions = torch.arange(11, out.sequences.shape[1] - 1)
+    margins, sets = routing(model, out.sequences, positions)
+    _, gold_sets = routing(gold_model, out.sequences, positions)
+    routed_apart = torch.stack([(a != b).any(-1) for a, b in zip(sets, gold_sets)]).any(0).any(0)  # [P]
     os.environ.pop("KIMIK3_REFERENCE_ONLY", None)
     d, e = rel_err(decoded, gold), rel_err(eager, gold)
     return {
@@ -61,6 +93,10 @@ def run(variant, experts, batch, device, compile_on_cpu, cache_implementation):
         "per_position_decoded_vs_gold": [round(rel_err(decoded[:, i], gold[:, i]), 4) for i in range(decoded.shape[1])],
         "per_position_eager_vs_gold": [round(rel_err(eager[:, i], gold[:, i]), 4) for i in range(eager.shape[1])],
         "same_tokens_as_gold_argmax": bool((gold.argmax(-1) == out.sequences[:, 12:]).all()),
+        # the eager bf16 forward's smallest top-k score margin per position, and where it routes a token of some
+        # layer to another expert set than the f32 model does
+        "per_position_min_router_margin": [float(f"{m:.3g}") for m in margins.tolist()],
+        "per_position_eager_routed_apart_from_gold": routed_apart.tolist(),
     }
 
 
