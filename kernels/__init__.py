@@ -33,7 +33,7 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 | attention_with_lse | PyTorch's cuDNN fused attention with its log-sum-exp (flash, V padded, where cuDNN refuses) | no |
 | mla_decode | two cuBLAS bmm + one Triton scale/mask/f32-softmax pass (masks included) | no |
 | block_attn_res_mix | own Triton forward | analytic PyTorch backward |
-| attn_res_mix_norm | own Triton, one pass: residual add, AttnRes mix, the next RMSNorm (eager) | no |
+| attn_res_mix_norm | own Triton, one pass for one banked block + the prefix: residual add, AttnRes mix, the next RMSNorm (eager); more blocks: the add and the separate twins | no |
 | situ_glu | own Triton | yes |
 | rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
 | gated_rms_norm | own Triton, one pass (eager; compiled graphs fuse the reference) | no |
