@@ -591,9 +591,8 @@ def block_attn_res_mix(
 
 
 # The decoder layer's residual add, AttnRes mix and following RMSNorm in one program per row: the add and the norm
-# cost no pass of their own and the mix is never written. The add, the scores, the softmax and the mix are
-# `_attn_res_fwd_kernel`'s arithmetic (same chunking, warps and sums: the same mix, bit for bit); the norm is
-# `_rms_norm_kernel`'s (its two roundings), its sum of squares gathered chunk by chunk.
+# cost no pass of their own and the mix is never written. The arithmetic is `_attn_res_fwd_kernel`'s and
+# `_rms_norm_kernel`'s (its two roundings), the f32 sums over the whole row at once instead of chunk by chunk.
 
 
 # candidates, row width: a row's candidates held in registers, each read once. One banked block + the prefix only:
@@ -656,8 +655,9 @@ def attn_res_mix_norm(
     if n > _ATTN_RES_MAX_CANDIDATES:
         raise ValueError(f"attn_res_mix_norm takes 0..{_ATTN_RES_MAX_CANDIDATES - 1} blocks, got {len(blocks)}")
     last = prefix if prefix is not None else delta
+    add = prefix is not None and delta is not None
     shape, dtype = last.shape, last.dtype
-    given = [*blocks, last] + ([delta] if prefix is not None and delta is not None else [])
+    given = [*blocks, last] + ([delta] if add else [])
     if any(t.shape != shape or t.dtype != dtype or t.device != last.device for t in given):
         raise ValueError(f"attn_res_mix_norm: blocks, prefix and delta must share shape, dtype and device, got "
                          f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in given]}")
@@ -668,13 +668,11 @@ def attn_res_mix_norm(
     if res_norm_weight.numel() != d or res_proj_weight.numel() != d:
         raise ValueError(f"attn_res_mix_norm: AttnRes weights {tuple(res_norm_weight.shape)} and "
                          f"{tuple(res_proj_weight.shape)} do not fit the rows [..., {d}]")
-    add = prefix is not None and delta is not None
     if n > _ATTN_RES_ON_CHIP_MAX[0] or d > _ATTN_RES_ON_CHIP_MAX[1]:
-        # where the one-pass kernel does not gain: the add, then the AttnRes and RMSNorm twins (what the reference's
-        # dispatch picks for these tensors: this declaration is the stricter one)
-        new_prefix = prefix + delta if add else last
-        return new_prefix, rms_norm(block_attn_res_mix([*blocks, new_prefix], res_norm_weight, res_proj_weight,
-                                                       res_eps), out_norm_weight, out_eps)
+        # where the one-pass kernel does not gain: the reference, whose add, AttnRes mix and RMSNorm dispatch to
+        # their own twins (this declaration is the stricter one, so they are the fast ones)
+        return _reference_ops.attn_res_mix_norm(blocks, prefix, delta, res_norm_weight, res_proj_weight, res_eps,
+                                                out_norm_weight, out_eps)
     cands = [t.contiguous() for t in (*blocks, last)]
     delta_c = delta.contiguous() if add else cands[-1]
     new_prefix = torch.empty(shape, dtype=dtype, device=last.device) if add else last

@@ -671,13 +671,13 @@ def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.L
 def attn_res_mix_and_norm(blocks: list[torch.Tensor], prefix: torch.Tensor | None, delta: torch.Tensor | None,
                           norm: KimiK3RMSNorm, proj: nn.Linear, out_norm: KimiK3RMSNorm):
     """P = prefix + delta (either may be None), the mix of [b_0, ..., b_{n-1}, P] (5.1) and `out_norm` of it, as one
-    op: in eager inference one kernel instead of three (add, mix, norm) that each read and write [B, T, D]; the mix
-    itself is never stored. Elsewhere its reference runs the three. Returns (P, out_norm(mix))."""
+    op: in eager inference with one banked block, one kernel instead of three (add, mix, norm) that each read and
+    write [B, T, D], the mix never stored. Elsewhere its reference runs the three. Returns (P, out_norm(mix))."""
     device = (prefix if prefix is not None else delta).device
     blocks = [block.to(device) for block in blocks]  # banked on the layers that made them, as in `attn_res_mix`
     with _onloaded(norm, proj, out_norm):
-        weights = (norm.weight, proj.weight, out_norm.weight)
-        fused = fast_or_reference("attn_res_mix_norm", *blocks, prefix, delta, *weights)
+        fused = fast_or_reference("attn_res_mix_norm", *blocks, prefix, delta, norm.weight, proj.weight,
+                                  out_norm.weight)
         return fused(blocks, prefix, delta, norm.weight, proj.weight, norm.variance_epsilon, out_norm.weight,
                      out_norm.variance_epsilon)
 
