@@ -1,5 +1,6 @@
 """generate(cache_implementation="static") on CUDA: generate() compiles the decode step by itself (torch.compile,
-mode="reduce-overhead", so CUDA graphs); the compiled steps must reproduce an eager forward over the same tokens."""
+mode="reduce-overhead", so CUDA graphs); the compiled steps must reproduce the same decode uncompiled and an eager
+forward over the same tokens."""
 
 import copy
 
@@ -9,7 +10,42 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
 
-from gpu_helpers import rel_err  # noqa: E402
+from gpu_helpers import reference_only, rel_err  # noqa: E402
+
+
+def f32_reference_logits(gold_model, sequences):
+    """The f32 model's logits at the decoded positions, on every op's pure-PyTorch reference (the gold of the other
+    GPU tests: no fast path's own rounding in it)."""
+    with torch.no_grad(), reference_only():
+        return gold_model(sequences, use_cache=False).logits.float()[:, 11:-1]
+
+
+def uncompiled_decode_logits(model, sequences, prompt_length=12):
+    """The same decode without compiling, teacher-forced over `sequences`: the prefill, then one eager step per
+    generated token on the model's own (dynamic) cache, so the same recurrent step kernels and state hand-over."""
+    with torch.no_grad():
+        out = model(sequences[:, :prompt_length], use_cache=True)
+        logits = [out.logits[:, -1]]
+        for t in range(prompt_length, sequences.shape[1] - 1):
+            out = model(sequences[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1).float()
+
+
+def assert_compiling_keeps_decode_accuracy(model, gold_model, out):
+    """bf16: the compiler keeps fused intermediates in f32, so its roundings differ from eager's; measured against
+    the f32 model, the compiled steps must be as close to it as the same decode uncompiled, and within the bf16
+    noise of the teacher-forced forward. (The uncompiled decode is the baseline, not that forward: at a sensitive
+    position the recurrent step and fla's chunked prefill round apart. On the H200 (docs/benchmarks.md, session 16)
+    the uncompiled decode, like the pure-PyTorch chunked KDA forward, was 0.050 from the f32 model where fla's
+    prefill was 0.024: 0.14-0.15 at one position where fla's was 0.03.)"""
+    decoded = torch.stack(out.logits, dim=1).float()  # [B, 10, V]: the prefill's last logits, then 9 compiled steps
+    uncompiled = uncompiled_decode_logits(model, out.sequences)
+    with torch.no_grad():
+        eager = model(out.sequences, use_cache=False).logits.float()[:, 11:-1]
+    gold = f32_reference_logits(gold_model, out.sequences)
+    assert rel_err(decoded, gold) < 1.5 * rel_err(uncompiled, gold) + 5e-3
+    assert rel_err(decoded, eager) < 2 * rel_err(eager, gold) + 5e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -30,16 +66,13 @@ def test_auto_compiled_static_decode_matches_eager_forward(batch, dtype):
     assert counters["stats"]["unique_graphs"] >= 1, "generate() did not compile the static decode step"
     assert sum(counters["graph_break"].values()) == 0
     assert counters["inductor"].get("cudagraph_skips", 0) == 0, "the compiled step does not run as a CUDA graph"
-    decoded = torch.stack(out.logits, dim=1).float()  # [B, 10, V]: the prefill's last logits, then 9 compiled steps
-    with torch.no_grad():  # teacher-forced over the generated tokens, no cache
-        eager = model(out.sequences, use_cache=False).logits.float()[:, 11:-1]
-        gold = gold_model(out.sequences, use_cache=False).logits.float()[:, 11:-1]
     if dtype == torch.float32:
+        decoded = torch.stack(out.logits, dim=1).float()  # [B, 10, V]: the prefill's last logits, then 9 steps
+        with torch.no_grad():  # teacher-forced over the generated tokens, no cache
+            eager = model(out.sequences, use_cache=False).logits.float()[:, 11:-1]
         assert rel_err(decoded, eager) < 5e-3
     else:
-        # the compiler keeps fused intermediates in f32, so bf16 rounding differs from eager's: measure both against
-        # the f32 model and ask the compiled steps to be as close to it as eager bf16 is
-        assert rel_err(decoded, gold) < 1.5 * rel_err(eager, gold) + 5e-3
+        assert_compiling_keeps_decode_accuracy(model, gold_model, out)
     torch._dynamo.reset()
 
 
@@ -97,11 +130,5 @@ def test_compiled_static_decode_keeps_packed_mxfp4_experts_on_the_triton_kernel(
     assert calls["triton"] > 2 * moe_layers
     monkeypatch.undo()
 
-    decoded = torch.stack(out.logits, dim=1).float()
-    with torch.no_grad():  # the uncompiled packed model over the same tokens (Triton kernel too), and the f32 gold
-        eager = model(out.sequences, use_cache=False).logits.float()[:, 11:-1]
-        gold = gold_model(out.sequences, use_cache=False).logits.float()[:, 11:-1]
-    # as in the bf16 case above: the compiler's fused f32 intermediates round differently from eager bf16
-    assert rel_err(decoded, gold) < 1.5 * rel_err(eager, gold) + 5e-3
-    assert rel_err(decoded, eager) < 2 * rel_err(eager, gold) + 5e-3
+    assert_compiling_keeps_decode_accuracy(model, gold_model, out)  # the packed kernels stay inside the graph
     torch._dynamo.reset()
