@@ -141,7 +141,7 @@ def _causal_conv1d_cuda(x, weight, conv_state, l2norm_head_dim=0):
 
     if conv_state is not None and x.shape[1] <= triton_ops.CONV_STEP_MAX_TOKENS:
         y, state = triton_ops.causal_conv1d_step(x, weight, conv_state)  # decode: one launch, outputs contiguous
-        return (_reference.l2norm_heads(y, l2norm_head_dim) if l2norm_head_dim else y), state
+        return _reference.l2norm_heads(y, l2norm_head_dim), state
     return triton_ops.causal_conv1d_prefill(x, weight, conv_state, l2norm_head_dim=l2norm_head_dim)
 
 

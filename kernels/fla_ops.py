@@ -94,7 +94,7 @@ def fused_recurrent_kda(
 def causal_conv1d(x, weight, conv_state=None, l2norm_head_dim=0):
     if custom_ops.needs_grad(x, weight, conv_state):
         y, state = _causal_conv1d_eager(x, weight, conv_state)
-        return (_reference.l2norm_heads(y, l2norm_head_dim) if l2norm_head_dim else y), state
+        return _reference.l2norm_heads(y, l2norm_head_dim), state
     return torch.ops.kimik3.causal_conv1d(x, weight, conv_state, l2norm_head_dim)
 
 

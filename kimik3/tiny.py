@@ -49,7 +49,6 @@ def build_tiny_model(seed: int = 0, num_hidden_layers: int = 4, **overrides):
     return model.eval()
 
 
-
 def packed_mxfp4_copy(dense_model):
     """The same model with its routed experts packed as MXFP4 (the release format), quantised from the dense ones
     (the GPU tests' and diagnostics' packed model)."""
@@ -74,6 +73,7 @@ def packed_mxfp4_copy(dense_model):
                 getattr(target, f"{weight}_packed").copy_(codes)
                 getattr(target, f"{weight}_scale").copy_(scale)
     return packed.eval()
+
 
 def check_tiny_directory(directory: Path, overwrite: bool) -> list[str]:
     """Refuses a folder that is not empty unless --overwrite; even then refuses one holding model files that tiny

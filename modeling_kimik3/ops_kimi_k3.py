@@ -95,14 +95,15 @@ def causal_conv1d(
         conv_state = x_t.new_zeros(x_t.shape[0], x_t.shape[1], kernel_size - 1)
     window = torch.cat([conv_state.to(x_t.dtype), x_t], dim=-1)
     y = F.conv1d(window.float(), weight.float(), groups=x_t.shape[1])
-    y = F.silu(y).to(x.dtype).transpose(1, 2)
-    if l2norm_head_dim:
-        y = l2norm_heads(y, l2norm_head_dim)
+    y = l2norm_heads(F.silu(y).to(x.dtype).transpose(1, 2), l2norm_head_dim)
     return y, window[..., window.shape[-1] - (kernel_size - 1):]
 
 
 def l2norm_heads(y: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """`l2norm` over each `head_dim` channels of y [..., C] in f32, rounded to y's dtype."""
+    """`l2norm` over each `head_dim` channels of y [..., C] in f32, rounded to y's dtype; head_dim 0: y itself (the
+    conv contract's `l2norm_head_dim` 0, no norm)."""
+    if not head_dim:
+        return y
     if y.shape[-1] % head_dim:
         raise ValueError(f"l2norm over heads of {head_dim}: {y.shape[-1]} channels are not whole heads")
     heads = y.float().unflatten(-1, (-1, head_dim))
