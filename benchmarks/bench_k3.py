@@ -1147,7 +1147,7 @@ def main():
         del drv
         free_cuda()
     run.emit("done", {"wall_s": round(args.budget_s - run.left(), 1)})
-    print(json.dumps(run.results, default=str)[:200])
+    print(json.dumps({"sections": list(run.results)}))  # every line of the output is one JSON object
 
 
 if __name__ == "__main__":
