@@ -49,10 +49,10 @@ def _assert_same_tokens(got, expected):
         assert torch.equal(torch.isfinite(a), torch.isfinite(b))
 
 
-def _assert_same_run(got, expected, model, prompt_len):
-    """Same tokens; scores within twice the plain run's own distance from the exact scores."""
+def _assert_same_run(got, expected, exact_scores):
+    """Same tokens; scores within twice the plain run's own distance from its exact scores (`_exact_scores`)."""
     _assert_same_tokens(got, expected)
-    rounding = _max_score_gap(expected.scores, _exact_scores(model, expected, prompt_len))
+    rounding = _max_score_gap(expected.scores, exact_scores)
     gap = _max_score_gap(got.scores, expected.scores)
     print(f"score gap to the plain run {gap:.3e}; the plain run's distance from the exact scores {rounding:.3e}")
     assert gap <= 2 * rounding + 1e-5, (gap, rounding)
@@ -67,12 +67,16 @@ def test_assisted_greedy_is_plain_greedy_on_cuda(model):
     draft.generation_config.num_assistant_tokens = 4
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
+    with reference_only():
+        plain_on_reference = _greedy(model, ids)
+    plain = _greedy(model, ids)
+    exact_scores = _exact_scores(model, plain, ids.shape[1])
     for assistance in ({"prompt_lookup_num_tokens": 4}, {"assistant_model": draft}):
         with reference_only():  # the rollback replay alone: equal to f32 rounding
-            exact, assisted = _greedy(model, ids), _greedy(model, ids, **assistance)
-        _assert_same_tokens(assisted, exact)
-        assert _max_score_gap(assisted.scores, exact.scores) < 1e-4
-        _assert_same_run(_greedy(model, ids, **assistance), _greedy(model, ids), model, ids.shape[1])
+            assisted = _greedy(model, ids, **assistance)
+        _assert_same_tokens(assisted, plain_on_reference)
+        assert _max_score_gap(assisted.scores, plain_on_reference.scores) < 1e-4
+        _assert_same_run(_greedy(model, ids, **assistance), plain, exact_scores)
 
 
 def test_prompt_cache_with_cpu_snapshots_reuses_exactly_on_cuda(model):
@@ -84,11 +88,13 @@ def test_prompt_cache_with_cpu_snapshots_reuses_exactly_on_cuda(model):
     assert all(state.device.type == "cpu" for states in cache.snapshots.values() for _, state in states.values())
     ids = torch.cat([prefix, torch.randint(3, 128, (1, 5), device="cuda")], 1)
     cold = _greedy(model, ids)
-    _assert_same_run(_greedy(model, ids, past_key_values=copy.deepcopy(cache)), cold, model, ids.shape[1])
+    _assert_same_run(_greedy(model, ids, past_key_values=copy.deepcopy(cache)), cold,
+                     _exact_scores(model, cold, ids.shape[1]))
     store = KimiK3PrefixStore(block_size=64)
     store.insert(prefix[0], cache)
     diverging = torch.cat([prefix[:, :150], torch.randint(3, 128, (1, 5), device="cuda")], 1)
     reused, partial = store.lookup(diverging)  # 128 tokens: restored from the CPU snapshot, nothing replayed
     assert reused == 128 and partial.kda_state(model.config.kda_layer_indices[0])[1].device.type == "cuda"
-    _assert_same_run(_greedy(model, diverging, past_key_values=partial), _greedy(model, diverging), model,
-                     diverging.shape[1])
+    cold = _greedy(model, diverging)
+    _assert_same_run(_greedy(model, diverging, past_key_values=partial), cold,
+                     _exact_scores(model, cold, diverging.shape[1]))
