@@ -6,9 +6,16 @@ needed, so a partial conversion (`--text-only`, `--num-layers`) opens only the s
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from kimik3.modeling.conversion_kimi_k3 import (
+    check_file_name,
+    check_inside as _check_inside,
+    check_layer_count,
+    check_shards_against_index,
+)
 
 from .errors import ConversionError, shard_error
 from .safetensors_io import DEFAULT_CHUNK_BYTES, ShardReader, TensorEntry, read_header
@@ -25,24 +32,26 @@ def shard_file_name(number: int, total: int, total_digits: int = 5) -> str:
 
 
 def check_shard_name(shard: str, index_path: Path, tensor: str) -> None:
-    """An index may only name plain files next to it: anything else could read (or, on export, write) elsewhere."""
-    if (
-        not isinstance(shard, str)
-        or not shard
-        or shard in (".", "..")
-        or "/" in shard
-        or "\\" in shard
-        or "\x00" in shard
-        or ".." in shard
-        or ":" in shard
-        or not shard.endswith(".safetensors")
-    ):
-        raise shard_error(index_path, f"refusing shard name {shard!r}: shards must be plain `*.safetensors` file "
-                          "names in the checkpoint folder (no path separators, no `..`)", tensor)
+    """An index may only name plain files next to it: anything else could read (or, on export, write) elsewhere. The
+    rule is the one from_pretrained applies (conversion_kimi_k3.check_file_name)."""
+    check_file_name(shard, index_path, what="shard", suffix=".safetensors", tensor=tensor, error=shard_error)
+
+
+def check_inside(root: Path, path: Path) -> None:
+    """A file of the source folder must not be a symlink to somewhere outside it (a Hub cache's links into its own
+    blobs/ excepted): conversion_kimi_k3.check_inside, the rule from_pretrained applies."""
+    _check_inside(root, path, error=shard_error)
+
+
+def _json_error(path: Path, exc: RecursionError) -> ConversionError:
+    return ConversionError(f"{path}: JSON nested too deeply to parse (arrays or objects inside each other beyond "
+                           "Python's recursion limit; a real file nests a few levels)")
 
 
 def load_config_dict(root: Path) -> dict:
     path = root / "config.json"
+    if os.path.lexists(path):
+        check_inside(root, path)
     try:
         raw = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
@@ -51,6 +60,8 @@ def load_config_dict(root: Path) -> dict:
         raise ConversionError(f"{path}: not UTF-8 text ({exc})") from None
     except json.JSONDecodeError as exc:
         raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError as exc:
+        raise _json_error(path, exc) from None
     if not isinstance(raw, dict):
         raise ConversionError(f"{path}: must hold a JSON object, not a {type(raw).__name__}")
     return raw
@@ -72,20 +83,25 @@ class Checkpoint:
         self.root = Path(root)
         self.fetch = fetch  # downloads a shard on first use (Hub sources); None for local folders
         if not self.root.is_dir():
-            raise ConversionError(f"{self.root}: not a checkpoint folder")
+            what = "no such folder" if not self.root.exists() else "not a checkpoint folder (not a folder)"
+            raise ConversionError(f"{self.root}: {what}")
         self.chunk_bytes = chunk_bytes
         self.config_dict = load_config_dict(self.root)
+        self.index_path, self.index_bytes, self.weight_map = self._load_index()
+        # before the config is built: building one for 10^9 layers would not finish
+        check_layer_count(self.config_dict, self.weight_map, self.root / "config.json", self.index_path,
+                          error=shard_error)
         self.config = config_from_dict(self.config_dict, self.root)
         self.composite = hasattr(self.config, "text_config")
         self.text_config = self.config.text_config if self.composite else self.config
         self.vision_config = getattr(self.config, "vision_config", None) if self.composite else None
-        self.index_path, self.index_bytes, self.weight_map = self._load_index()
         self._readers: dict[str, ShardReader] = {}
 
     # --------------------------------------------------------------------------------------------------------------
     def _load_index(self):
         index_path = self.root / INDEX_NAME
-        if index_path.exists():
+        if os.path.lexists(index_path):
+            check_inside(self.root, index_path)
             raw = index_path.read_bytes()
             try:
                 index = json.loads(raw.decode("utf-8"))
@@ -93,6 +109,8 @@ class Checkpoint:
                 raise ConversionError(f"{index_path}: not a safetensors index (not UTF-8 text: {exc})") from None
             except json.JSONDecodeError as exc:
                 raise ConversionError(f"{index_path}: not a safetensors index (not valid JSON: {exc})") from None
+            except RecursionError as exc:
+                raise _json_error(index_path, exc) from None
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 raise ConversionError(f"{index_path}: not a safetensors index (needs a `weight_map` object mapping "
@@ -104,7 +122,8 @@ class Checkpoint:
                 check_shard_name(shard, index_path, tensor)
             return index_path, raw, dict(weight_map)
         single = self.root / SINGLE_FILE_NAME
-        if single.exists():
+        if os.path.lexists(single):
+            check_inside(self.root, single)
             entries, _ = read_header(single)
             raw = json.dumps(sorted(entries)).encode()
             return single, raw, {name: SINGLE_FILE_NAME for name in entries}
@@ -128,9 +147,14 @@ class Checkpoint:
             path = self.shard_path(shard)
             if not path.exists() and self.fetch is not None:
                 self.fetch(shard)
+            if os.path.lexists(path):
+                check_inside(self.root, path)
             if not path.exists():
                 raise shard_error(path, f"shard file is missing (the index names it for `{name}`)")
-            self._readers[shard] = ShardReader(path, self.chunk_bytes)
+            reader = ShardReader(path, self.chunk_bytes)
+            check_shards_against_index({shard: (path, reader.entries)}, self.weight_map, self.index_path,
+                                       error=shard_error, listed=False)
+            self._readers[shard] = reader
         return self._readers[shard]
 
     def entry(self, name: str) -> TensorEntry:

@@ -61,7 +61,11 @@ def _verify_parser(prog: str = "kimik3 verify") -> argparse.ArgumentParser:
     return p
 
 
-def _run(parser: argparse.ArgumentParser, argv, action) -> int:
+# The shell's code for a process stopped by SIGINT (128 + 2)
+INTERRUPTED_EXIT_CODE = 130
+
+
+def _run(parser: argparse.ArgumentParser, argv, action, resumable: bool = True) -> int:
     try:
         args = parser.parse_args(list(argv) if argv is not None else None)
     except SystemExit as exc:  # argparse exits on --help and on usage errors; callers want a code
@@ -71,6 +75,11 @@ def _run(parser: argparse.ArgumentParser, argv, action) -> int:
     except (ConversionError, OSError) as exc:  # bad input, or a folder we may not read / write (the message names it)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: the shard being written was removed and the finished ones are recorded (convert/engine.py)
+        again = "; run the same command again to resume after the finished shards" if resumable else ""
+        print(f"{parser.prog}: interrupted{again}", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
 
 
 def _report_writes(prog: str, dst, summary: dict) -> bool:
@@ -158,4 +167,4 @@ def run_export(argv=None) -> int:
 
 
 def run_verify(argv=None) -> int:
-    return _run(_verify_parser(), argv, _do_verify)
+    return _run(_verify_parser(), argv, _do_verify, resumable=False)

@@ -1,10 +1,10 @@
 """`kimik3 convert SRC DST`: release layout -> our transformers layout."""
 
-import re
 from pathlib import Path
 
 from transformers.utils.hub import convert_file_size_to_int
 from kimik3.hub_card import converted_model_card
+from kimik3.modeling.conversion_kimi_k3 import looks_like_local_path
 
 from . import files
 from .checkpoint import Checkpoint
@@ -49,12 +49,16 @@ def _hub_checkpoint(repo_id: str, revision: str | None, chunk_bytes: int) -> Che
 
 
 def open_source(src, revision: str | None, chunk_bytes: int) -> Checkpoint:
+    """A local folder, or a Hub repo id (`org/name`). What can only be a local path (conversion_kimi_k3.
+    looks_like_local_path: `./k3`, `/data/k3`, `a/b/c`, `models/k3` next to a `models/` folder) is never looked up on
+    the Hub: a missing one is reported as missing."""
     path = Path(src)
     if path.exists():
         return Checkpoint(path, chunk_bytes)
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(src)):
+    if not looks_like_local_path(str(src)) and "/" in str(src):
         return _hub_checkpoint(str(src), revision, chunk_bytes)
-    raise ConversionError(f"{src}: no such folder (and not a Hub repo id)")
+    raise ConversionError(f"{src}: no such folder (a local path, so not looked up on the Hub, which takes repo ids "
+                          "`org/name`)")
 
 
 def processor_config(ckpt: Checkpoint, plan, notes: list) -> bytes | None:

@@ -295,13 +295,15 @@ def _write_shard(dst: Path, shard: ShardPlan, progress: ByteProgress) -> int:
     tmp = dst / ("." + shard.name + PARTIAL_SUFFIX)
     ordered = layout_order([t.spec for t in shard.tensors])
     by_name = {t.spec.name: t for t in shard.tensors}
-    writer = ShardWriter(tmp, ordered, metadata={"format": "pt"})
-    try:
+    writer = None
+    try:  # whatever stops the shard (a full disk, a file-size limit, an error, Ctrl-C), no `.partial` stays
+        writer = ShardWriter(tmp, ordered, metadata={"format": "pt"})
         for spec in ordered:
             writer.write_tensor(spec, by_name[spec.name].produce(), progress.update)
         writer.close()
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, dst / shard.name)
@@ -319,6 +321,14 @@ def _disk_full_error(path: Path, exc: OSError, needed: int, done: int) -> Conver
     return ConversionError(
         f"{path}: {os.strerror(exc.errno)} while writing; about {needed:,} more bytes are needed to finish. Free some "
         f"space and run the same command again: it resumes after the {done} finished shard(s)")
+
+
+def _file_too_large_error(path: Path, exc: OSError, size: int | None, done: int) -> ConversionError:
+    wanted = f" (it needs about {size:,} bytes)" if size else ""
+    return ConversionError(
+        f"{path}: {os.strerror(exc.errno)} while writing: the process's file-size limit (`ulimit -f`) is below this "
+        f"file's size{wanted}. Raise the limit, or pass a smaller --max-shard-size (which starts over), and run the "
+        f"same command again: it resumes after the {done} finished shard(s)")
 
 
 def _save_manifest(dst: Path, manifest: dict, name: str = MANIFEST_NAME) -> None:
@@ -413,6 +423,9 @@ def _write_all(dst, shards, manifest, context, label, progress, threads, side_fi
                 current = dst / name
                 _write_atomic(current, data)
     except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            size = next((s.nbytes for s in shards if dst / s.name == current), None)
+            raise _file_too_large_error(current, exc, size, len(manifest["done"])) from None
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         needed = sum(s.nbytes for s in shards if s.name not in manifest["done"])

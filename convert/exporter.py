@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from . import files
-from .checkpoint import RELEASE_TOTAL_DIGITS, Checkpoint, shard_file_name
+from .checkpoint import RELEASE_TOTAL_DIGITS, Checkpoint, check_inside, shard_file_name
 from .converter import CONVERTER_VERSION
 from .engine import ShardPlan, write_checkpoint
 from .errors import ConversionError
@@ -97,6 +97,7 @@ def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_un
             if release_generation is not None:  # what the conversion changed goes back as the release had it
                 out.append(("generation_config.json", release_generation.encode("utf-8")))
             elif generation.exists():
+                check_inside(ckpt.root, generation)
                 out.append(("generation_config.json", generation.read_bytes()))
             report = {"source": str(src), "notes": notes, "how_to_load": HOW_TO_LOAD,
                       "experts_roundtrip": summarise_error(context.stats)}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kimik3.remote_code import remote_code_files  # noqa: F401  (the converter copies these into every folder)
 
+from .checkpoint import check_inside
 from .errors import ConversionError
 
 # Tokenizer, chat and processor files of the release, copied verbatim when present.
@@ -46,9 +47,10 @@ def read_provenance(root: Path) -> dict:
     path = Path(root) / PROVENANCE_NAME
     if not path.is_file():
         return {}
+    check_inside(Path(root), path)
     try:
         provenance = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConversionError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(provenance, dict):
         raise ConversionError(f"{path}: not a JSON object")
@@ -56,10 +58,13 @@ def read_provenance(root: Path) -> dict:
 
 
 def tokenizer_files(src: Path) -> list[Path]:
+    """The side files copied verbatim; one that is a symlink to a file outside the folder is refused (its contents
+    would be copied from elsewhere), as from_pretrained refuses one."""
     found = []
     for path in sorted(src.iterdir()):
         if path.is_file() and path.name not in RELEASE_MODEL_CODE:
             if any(fnmatch.fnmatch(path.name, pattern) for pattern in TOKENIZER_PATTERNS):
+                check_inside(src, path)
                 found.append(path)
     return found
 
@@ -79,7 +84,7 @@ def converted_tokenizer_files(src: Path, processor_config: bytes | None = None) 
             try:
                 text = data.decode("utf-8")
                 config = json.loads(text)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
                 raise ConversionError(f"{path}: not valid JSON ({exc})") from None
             if not isinstance(config, dict):
                 raise ConversionError(f"{path}: not a JSON object")
@@ -108,9 +113,10 @@ def _text(path: Path, data: bytes) -> str:
 
 
 def _json_object(path: Path) -> dict:
+    check_inside(path.parent, path)
     try:
         value = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConversionError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise ConversionError(f"{path}: not a JSON object")
@@ -224,10 +230,11 @@ def generation_config_bytes(src: Path, config) -> tuple[bytes, str | None]:
     text = getattr(config, "text_config", config)
     path = src / "generation_config.json"
     if path.exists():
+        check_inside(src, path)
         original = path.read_bytes()
         try:
             values = json.loads(original)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ConversionError(f"{path}: not valid JSON ({exc})") from None
         max_length = values.get("max_length") if isinstance(values, dict) else None
         if isinstance(max_length, int) and max_length >= text.max_position_embeddings:

@@ -5,7 +5,8 @@ the process's RSS until the file is closed (measured here: reading a 1 GiB shard
 `safe_open` raised RSS by 1 GiB). A release shard is 17 GB, so the bound "peak RSS independent of model size" needs
 plain positioned reads into buffers we own. The format is simple and fixed: an 8-byte little-endian header length,
 a JSON header `{name: {dtype, shape, data_offsets}}` (+ optional `__metadata__`), then the raw little-endian data.
-The header parser below is as strict as the format (known dtypes, shape x itemsize = offset span, no duplicate keys,
+The header parser (conversion_kimi_k3.read_safetensors_header, which from_pretrained also runs on every shard of a
+folder) is as strict as the format (known dtypes, shape x itemsize = offset span, no duplicate keys,
 the data section indexed fully with no overlaps, holes or trailing bytes, `__metadata__` strings only), so a
 truncated, corrupted or ambiguous shard fails with the file and tensor named instead of yielding wrong weights; tests
 cross-check both directions against the `safetensors` library. Every chunk read is also checked for NaN / infinity
@@ -15,7 +16,6 @@ cross-check both directions against the `safetensors` library. Every chunk read 
 import json
 import math
 import os
-import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+
+from kimik3.modeling.conversion_kimi_k3 import MAX_HEADER_BYTES, read_safetensors_header  # noqa: F401
+from kimik3.modeling.conversion_kimi_k3 import open_regular_file as _open_regular_file
 
 from .errors import shard_error
 
@@ -41,13 +44,12 @@ DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-# safetensors caps the header at 100 MB; anything larger is corruption, not a real header.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+ITEMSIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def itemsize(dtype_name: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    return ITEMSIZES[dtype_name]
 
 
 @dataclass(frozen=True)
@@ -67,158 +69,18 @@ class TensorEntry:
         return DTYPES[self.dtype]
 
 
-def _bad_header(path, message: str, tensor: str | None = None):
-    return shard_error(path, f"corrupted safetensors header: {message}", tensor)
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _parse_entry(path, name, raw, data_start: int, data_size: int) -> TensorEntry:
-    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
-        raise _bad_header(path, f"an entry needs exactly dtype, shape and data_offsets, found {raw!r}", name)
-    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
-    if dtype not in DTYPES:
-        raise _bad_header(path, f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})", name)
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise _bad_header(path, f"bad shape {shape!r} (a list of non-negative integers)", name)
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
-        raise _bad_header(path, f"bad data_offsets {offsets!r} (two non-negative integers)", name)
-    if offsets[0] > offsets[1]:
-        raise _bad_header(path, f"data_offsets {offsets} end before they begin", name)
-    expected = math.prod(shape) * itemsize(dtype)
-    if offsets[1] - offsets[0] != expected:
-        raise _bad_header(
-            path,
-            f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype} {shape} needs {expected}",
-            name,
-        )
-    if offsets[1] > data_size:
-        raise shard_error(
-            path,
-            f"file is truncated: the tensor's data ends at byte {data_start + offsets[1]} but the file has only "
-            f"{data_start + data_size} bytes",
-            name,
-        )
-    return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
-
-
-def _check_layout(path, entries: dict[str, TensorEntry], data_start: int, data_size: int) -> None:
-    """The format indexes the byte buffer fully: sorted by offset, each tensor starts where the previous one ended,
-    and the last one ends at the end of the file. Overlaps would let two names share bytes (`k_proj` reading
-    `q_proj`'s values); holes or a tail would be bytes that belong to no tensor."""
-    ordered = sorted(entries.values(), key=lambda e: (e.begin, e.end))
-    for before, after in zip(ordered, ordered[1:]):
-        if after.begin < before.end:
-            raise _bad_header(path, f"its data overlaps `{before.name}` (bytes {after.begin - data_start}.."
-                              f"{min(after.end, before.end) - data_start} of the data section belong to both)",
-                              after.name)
-    position = data_start
-    for entry in ordered:
-        if entry.begin > position:
-            raise _bad_header(path, f"bytes {position - data_start}..{entry.begin - data_start} of the data section "
-                              "before this tensor belong to no tensor (the format allows no holes)", entry.name)
-        position = entry.end
-    if position != data_start + data_size:
-        raise _bad_header(path, f"the last {data_start + data_size - position} bytes of the file belong to no tensor "
-                          "(the format allows no trailing data)")
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _object_without_duplicates(pairs):
-    # json.loads keeps the last of two equal keys; in a header that silently replaces one tensor by another
-    obj = {}
-    for key, value in pairs:
-        if key in obj:
-            raise _DuplicateKey(key)
-        obj[key] = value
-    return obj
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _parse_json_header(path, raw: bytes) -> dict:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _bad_header(path, f"not UTF-8 ({exc})") from None
-    try:
-        header = json.loads(text, object_pairs_hook=_object_without_duplicates, parse_constant=_reject_constant)
-    except _DuplicateKey as exc:
-        raise _bad_header(path, "the key appears twice in the header (which one is meant is ambiguous)",
-                          exc.key) from None
-    except ValueError as exc:  # JSONDecodeError and rejected constants
-        raise _bad_header(path, f"not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise _bad_header(path, f"not a JSON object (found {type(header).__name__})")
-    return header
-
-
-def _parse_metadata(path, header: dict) -> dict[str, str]:
-    metadata = header.pop("__metadata__", None)
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _bad_header(path, f"__metadata__ must map strings to strings, found {metadata!r}"[:300])
-    return metadata
-
-
-def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
-
-
 def open_regular_file(path: Path):
-    """Opens `path` for reading only if it is a regular file (a symlink to one is fine: Hub caches use them).
-    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer; on a regular file it does
-    nothing."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise shard_error(path, "shard file is missing") from None
-    except IsADirectoryError:
-        raise shard_error(path, "is a directory, not a shard file") from None
-    except OSError as exc:
-        raise shard_error(path, f"cannot be opened for reading ({exc.strerror or exc})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise shard_error(path, f"is {_file_kind(mode)}, not a shard file (a regular `.safetensors` file)")
-    return os.fdopen(fd, "rb")
+    """Opens `path` for reading only if it is a regular file (a symlink to one is fine: Hub caches use them); never
+    blocks on a FIFO (conversion_kimi_k3.open_regular_file)."""
+    return _open_regular_file(path, shard_error)
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
-    """Parses and validates a shard's header as strictly as the format: returns ({name: entry}, metadata)."""
+    """Parses and validates a shard's header as strictly as the format: returns ({name: entry}, metadata). The parser
+    is the one from_pretrained runs on every shard of a folder (conversion_kimi_k3.read_safetensors_header)."""
     path = Path(path)
-    with open_regular_file(path) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise shard_error(path, f"file is truncated: {size} bytes, not even the 8-byte header length")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            limit = "more than the format's 100 MB limit" if header_len > MAX_HEADER_BYTES else "beyond the end"
-            raise shard_error(
-                path,
-                f"truncated or corrupted safetensors header: it claims {header_len} header bytes ({limit}), the file "
-                f"has {size} bytes in total",
-            )
-        raw = handle.read(header_len)
-    header = _parse_json_header(path, raw)
-    metadata = _parse_metadata(path, header)
-    data_start, data_size = 8 + header_len, size - 8 - header_len
-    entries = {name: _parse_entry(path, name, raw_entry, data_start, data_size) for name, raw_entry in header.items()}
-    _check_layout(path, entries, data_start, data_size)
-    return entries, metadata
+    entries, metadata = read_safetensors_header(path, error=shard_error, itemsizes=ITEMSIZES)
+    return {name: TensorEntry(name, *entry) for name, entry in entries.items()}, metadata
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -386,7 +248,11 @@ class ShardWriter:
         self.path = path
         self.specs = specs
         self._handle = open(path, "wb")
-        self._handle.write(encode_header(specs, metadata))
+        try:
+            self._handle.write(encode_header(specs, metadata))
+        except BaseException:
+            _close_quietly(self._handle)
+            raise
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimik3-writer")
         self._pending = None
         self._index = 0
@@ -432,10 +298,20 @@ class ShardWriter:
         self._handle.close()
 
     def abort(self) -> None:
+        """Stops without raising: the write in flight may have failed (a full disk), and closing flushes the buffer,
+        which fails the same way; the caller removes the file."""
         try:
             self._wait()
-        except OSError:
+        except Exception:
             pass
         finally:
             self._pool.shutdown()
-            self._handle.close()
+            _close_quietly(self._handle)
+
+
+def _close_quietly(handle) -> None:
+    # a buffered file closes its descriptor even when the flush before it fails
+    try:
+        handle.close()
+    except OSError:
+        pass

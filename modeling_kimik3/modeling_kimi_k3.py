@@ -38,7 +38,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .cache_kimi_k3 import KimiK3Cache, conv_windows_after, kda_decay, kda_recurrence
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .context_parallel_kimi_k3 import ContextParallel
-from .conversion_kimi_k3 import check_release_load, register_release_conversions
+from .conversion_kimi_k3 import check_release_load, checked_pretrained_folder, register_release_conversions
 from .ops_kimi_k3 import (
     MXFP4_GROUP_SIZE,
     dequantize_mxfp4,
@@ -800,7 +800,8 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, experts_format: str | None = None, **kwargs):
         """Also loads the release layout as it is on disk (conversion_kimi_k3.py); `experts_format="mxfp4"` keeps
-        MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are errors naming the release tensor."""
+        MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are errors naming the release tensor;
+        a local folder's files are checked first (conversion_kimi_k3.check_pretrained_folder)."""
         load = super().from_pretrained
         return check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
                                   **kwargs)
@@ -1359,10 +1360,12 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
         """As the text classes; the vision tower is loaded when the checkpoint holds it (`vision=None`), skipped with
         `vision=False`, and required with `vision=True`."""
-        if vision is None:
-            names = _checkpoint_tensor_names(pretrained_model_name_or_path, kwargs)
-            vision = names is None or any(name.startswith(VISION_PREFIXES) for name in names)
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
+        # the folder's files are checked before anything here or in transformers reads them (conversion_kimi_k3.py)
+        with checked_pretrained_folder(pretrained_model_name_or_path, kwargs):
+            if vision is None:
+                names = _checkpoint_tensor_names(pretrained_model_name_or_path, kwargs)
+                vision = names is None or any(name.startswith(VISION_PREFIXES) for name in names)
+            model = super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
         # transformers also hands the load options __init__ takes to the generation config; `vision` is not one of its
         # settings (it would be saved in generation_config.json)
         model.generation_config.__dict__.pop("vision", None)
