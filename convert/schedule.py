@@ -146,7 +146,9 @@ def release_config_dict(our_config) -> dict:
     """The release's config.json for one of our configs (export): 1-based lists and the release's schema via the
     config class's `to_release_dict()`, and the release's MXFP4 quantization_config (experts are written packed)."""
     if not hasattr(our_config, "text_config"):
-        our_config = KimiK3Config(text_config=our_config, vision_config={})
+        # the top-level token ids index the text vocabulary: a text-only folder's own ids, not the release's defaults
+        our_config = KimiK3Config(text_config=our_config, vision_config={}, pad_token_id=our_config.pad_token_id,
+                                  bos_token_id=our_config.bos_token_id, eos_token_id=our_config.eos_token_id)
     text = our_config.text_config
     saved = getattr(text, "quantization_config", None)
     text.quantization_config = copy.deepcopy(RELEASE_QUANTIZATION_CONFIG)

@@ -102,6 +102,20 @@ _RELEASE_TEXT_AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM",
 }
 _SUPPORTED_ACTIVATIONS = ("situ", "silu")
+# `model_type` values each class reads: the release's and ours (a config of another model is refused, not
+# reinterpreted). The release's vision_config has none; the release's own class re-saves it as "".
+_TEXT_MODEL_TYPES = (_RELEASE_TEXT_MODEL_TYPE, "kimik3_text")
+_COMPOSITE_MODEL_TYPES = ("kimi_k3", "kimik3")
+_VISION_MODEL_TYPES = ("", "kimik3_vision")
+# A bound far above any real model (the release has 93 layers): a corrupted or hostile layer count is refused before
+# anything is derived from it (layer schedules, per-layer modules, caches).
+MAX_HIDDEN_LAYERS = 4096
+# `dtype` / `torch_dtype` name a torch floating dtype; transformers turns the string into `getattr(torch, name)`.
+_DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
+# The release's experts format (k3_checkpoint.md 1.4); the experts are always decoded as MXFP4 groups of 32.
+_QUANT_METHOD = "compressed-tensors"
+_QUANT_FORMAT = "mxfp4-pack-quantized"
+_QUANT_GROUP_SIZE = 32
 
 
 def _config_error(key: str, message: str) -> ValueError:
@@ -173,6 +187,85 @@ _LINEAR_ATTN_FIELD_RULES = {
     "kda_layers": ("a list of 1-based layer indices", True),
     "full_attn_layers": ("a list of 1-based layer indices", True),
 }
+
+
+def _check_model_type(kwargs: dict, allowed: tuple[str, ...], key: str = "model_type") -> None:
+    model_type = kwargs.pop("model_type", None)
+    if model_type is not None and model_type not in allowed:
+        raise _config_error(key, f"{model_type!r} is not a Kimi K3 config (expected one of {list(allowed)})")
+
+
+def _check_dtype(kwargs: dict) -> None:
+    """`dtype` / `torch_dtype` must name a floating torch dtype (transformers would raise an AttributeError from
+    `getattr(torch, name)`, or carry an integer dtype into from_pretrained)."""
+    import torch
+
+    for key in ("dtype", "torch_dtype"):
+        value = kwargs.get(key)
+        if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+            continue
+        named = getattr(torch, value, None) if isinstance(value, str) and not value.startswith("_") else None
+        if not (isinstance(named, torch.dtype) and named.is_floating_point):
+            raise _config_error(key, f"{value!r} is not a floating dtype (expected one of {list(_DTYPE_NAMES)})")
+
+
+def _token_id_problem(key: str, value, vocab_size: int) -> str | None:
+    def bad(token) -> bool:
+        return not _is_int(token) or not 0 <= token < vocab_size
+
+    if value is None:
+        return None
+    if key == "eos_token_id" and isinstance(value, (list, tuple)):
+        wrong = [token for token in value if bad(token)]
+        if not value or wrong:
+            return (f"the list {list(value)!r} must hold token ids in [0, vocab_size={vocab_size})"
+                    + (f"; {wrong!r} are not" if wrong else ""))
+        return None
+    if bad(value):
+        kind = "a token id or a list of token ids" if key == "eos_token_id" else "a token id"
+        return f"{value!r} must be {kind} in [0, vocab_size={vocab_size}) or null"
+    return None
+
+
+def check_token_ids(values, vocab_size: int, prefix: str = "") -> None:
+    """`pad/bos/eos_token_id` of a config or a generation config (a dict or an object): each null, or an id inside
+    the vocabulary (eos also a non-empty list of them). An id outside it would index past the embedding table."""
+    get = values.get if isinstance(values, dict) else lambda key: getattr(values, key, None)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        problem = _token_id_problem(key, get(key), vocab_size)
+        if problem is not None:
+            raise _config_error(prefix + key, problem)
+
+
+def _check_quantization_config(quant) -> None:
+    """The release's compressed-tensors MXFP4 description is read, not followed: the experts are decoded as MXFP4
+    with groups of 32 whatever it says, so another format or group size would be decoded wrongly; refused."""
+    if quant is None:
+        return
+    if not isinstance(quant, dict):
+        raise _config_error("quantization_config", f"must be a JSON object, got {type(quant).__name__}")
+    method = quant.get("quant_method")
+    if method is not None and method != _QUANT_METHOD:
+        raise _config_error("quantization_config.quant_method",
+                            f"{method!r}: Kimi K3 reads only the release's {_QUANT_METHOD!r} MXFP4 experts")
+    formats = [("quantization_config.format", quant.get("format"))]
+    groups = quant.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise _config_error("quantization_config.config_groups", f"must be a JSON object, got {groups!r:.80}")
+    for name, group in groups.items():
+        where = f"quantization_config.config_groups.{name}"
+        if not isinstance(group, dict):
+            raise _config_error(where, f"must be a JSON object, got {group!r:.80}")
+        formats.append((f"{where}.format", group.get("format")))
+        weights = group.get("weights") or {}
+        size = weights.get("group_size") if isinstance(weights, dict) else None
+        if size is not None and size != _QUANT_GROUP_SIZE:
+            raise _config_error(f"{where}.weights.group_size",
+                                f"{size!r}: the MXFP4 experts are decoded in groups of {_QUANT_GROUP_SIZE} (the MX "
+                                "format's block size); another group size would be decoded wrongly")
+    for key, value in formats:
+        if value is not None and value != _QUANT_FORMAT:
+            raise _config_error(key, f"{value!r} is not a format Kimi K3 decodes (only {_QUANT_FORMAT!r})")
 
 
 def _check_fields(values, rules: dict, prefix: str = "") -> None:
@@ -270,7 +363,8 @@ class KimiK3TextConfig(PretrainedConfig):
         **kwargs,
     ):
         # The nested release dict says `kimi_linear`; it is the same schema, read by this class.
-        kwargs.pop("model_type", None)
+        _check_model_type(kwargs, _TEXT_MODEL_TYPES)
+        _check_dtype(kwargs)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -326,6 +420,10 @@ class KimiK3TextConfig(PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
 
         _check_fields(vars(self), _TEXT_FIELD_RULES)
+        if num_hidden_layers > MAX_HIDDEN_LAYERS:
+            raise _config_error("num_hidden_layers", f"{num_hidden_layers} is more than the {MAX_HIDDEN_LAYERS} layers "
+                                "a Kimi K3 config may have (the release has 93)")
+        check_token_ids(vars(self), vocab_size)
         _check_fields(self._lac(), _LINEAR_ATTN_FIELD_RULES, "linear_attn_config.")
         derived_layer_types = self._derive_layer_types()
         if layer_types is not None and list(layer_types) != derived_layer_types:
@@ -421,7 +519,8 @@ class KimiK3TextConfig(PretrainedConfig):
                 "linear_attn_config.kda_layers/full_attn_layers",
                 f"1-based layer(s) {both} are in both lists",
             )
-        neither = [i for i in range(1, n + 1) if i not in set(kda) | set(full)]
+        listed = set(kda) | set(full)
+        neither = [i for i in range(1, n + 1) if i not in listed]
         if neither:
             raise _config_error(
                 "linear_attn_config.kda_layers/full_attn_layers",
@@ -476,17 +575,57 @@ class KimiK3TextConfig(PretrainedConfig):
         if self.mla_use_nope is False:
             raise _config_error("mla_use_nope", "Kimi K3 MLA has no positional encoding; rotary MLA is not supported")
         quant = getattr(self, "quantization_config", None)
-        if isinstance(quant, dict) and self.num_experts:
-            group = (
-                quant.get("config_groups", {}).get("group_0", {}).get("weights", {}).get("group_size")
-                if quant.get("config_groups")
-                else None
-            )
-            if group:
-                for key in ("moe_intermediate_size", "routed_expert_hidden_size"):
-                    value = getattr(self, key)
-                    if value is not None and value % group != 0:
-                        raise _config_error(key, f"{value} is not a multiple of the MXFP4 group size {group}")
+        _check_quantization_config(quant)
+        if quant is not None and self.num_experts:
+            for key in ("moe_intermediate_size", "routed_expert_hidden_size"):
+                value = getattr(self, key)
+                if value is not None and value % _QUANT_GROUP_SIZE != 0:
+                    raise _config_error(key, f"{value} is not a multiple of the MXFP4 group size {_QUANT_GROUP_SIZE}")
+
+
+# Vision settings the tower divides by or builds from, checked where present (a config without `vt_hidden_size`
+# describes no tower; a tower config missing one of them is refused when the tower is built, naming it).
+_VISION_FIELD_RULES = {
+    "patch_size": "a positive integer",
+    "vt_hidden_size": "a positive integer",
+    "vt_num_attention_heads": "a positive integer",
+    "vt_num_hidden_layers": "a non-negative integer",
+    "vt_intermediate_size": "a positive integer",
+    "qkv_hidden_size": "a positive integer",
+    "mm_hidden_size": "a positive integer",
+    "text_hidden_size": "a positive integer",
+    "init_pos_emb_height": "a positive integer",
+    "init_pos_emb_width": "a positive integer",
+    "init_pos_emb_time": "a positive integer",
+    "projector_ln_eps": "a finite positive number",
+}
+
+
+def _check_vision_fields(values: dict) -> None:
+    prefix = ""  # inside the composite config, _sub_config names the key `vision_config.<key>`
+    for key, rule in _VISION_FIELD_RULES.items():
+        if key in values and not _RULES[rule](values[key]):
+            raise _config_error(prefix + key, f"must be {rule}, got {values[key]!r}")
+    if "merge_kernel_size" in values:
+        kernel = values["merge_kernel_size"]
+        sides = [kernel] if _is_int(kernel) else kernel
+        if not isinstance(sides, (list, tuple)) or len(sides) not in (1, 2) or not all(
+                _is_int(side) and side > 0 for side in sides):
+            raise _config_error(prefix + "merge_kernel_size",
+                                f"must be a positive integer or a list of two, got {kernel!r}")
+    heads = values.get("vt_num_attention_heads")
+    # the attention width is qkv_hidden_size when given (the release: 1536 = 12 heads x 128), else the tower width
+    width_key = "qkv_hidden_size" if values.get("qkv_hidden_size") is not None else "vt_hidden_size"
+    width = values.get(width_key)
+    if heads is not None and width is not None:
+        if width % heads:
+            raise _config_error(prefix + "vt_num_attention_heads",
+                                f"{heads} heads do not divide {width_key}={width}")
+        if (width // heads) % 4:
+            # the 2-D rotary embedding rotates channel pairs for rows and columns: head_dim / 4 frequencies
+            raise _config_error(prefix + "vt_num_attention_heads",
+                                f"{heads} heads give a head dim of {width // heads} ({width_key}={width}); the 2-D "
+                                "rotary embedding needs a multiple of 4")
 
 
 class KimiK3VisionConfig(PretrainedConfig):
@@ -497,7 +636,9 @@ class KimiK3VisionConfig(PretrainedConfig):
     model_type = "kimik3_vision"
 
     def __init__(self, **kwargs):
-        kwargs.pop("model_type", None)
+        _check_model_type(kwargs, _VISION_MODEL_TYPES)
+        _check_dtype(kwargs)
+        _check_vision_fields(kwargs)
         attn = kwargs.pop("_attn_implementation", None)
         self._release_vision_keys = sorted(kwargs)
         for key, value in kwargs.items():
@@ -510,6 +651,9 @@ class KimiK3VisionConfig(PretrainedConfig):
     def describes_tower(self) -> bool:
         """Whether these settings define a vision tower (the release's do; an empty vision config does not)."""
         return getattr(self, "vt_hidden_size", None) is not None
+
+
+_UNSET = object()  # a token id argument not given
 
 
 def _sub_config(key: str, value, config_class):
@@ -543,14 +687,23 @@ class KimiK3Config(PretrainedConfig):
         ignore_index: int = -100,
         media_placeholder_token_id: int = 163605,
         image_placeholder: str = "<|kimi_image_placeholder|>",
-        pad_token_id: int | None = 163839,
-        bos_token_id: int | None = 163584,
-        eos_token_id: int | None = 163586,
+        pad_token_id: int | None = _UNSET,
+        bos_token_id: int | None = _UNSET,
+        eos_token_id: int | list[int] | None = _UNSET,
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
-        kwargs.pop("model_type", None)
+        _check_model_type(kwargs, _COMPOSITE_MODEL_TYPES)
+        _check_dtype(kwargs)
+        given_ids = {key: value for key, value in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id),
+                                                   ("eos_token_id", eos_token_id)) if value is not _UNSET}
+        pad_token_id = given_ids.get("pad_token_id", 163839)
+        bos_token_id = given_ids.get("bos_token_id", 163584)
+        eos_token_id = given_ids.get("eos_token_id", 163586)
         text_config = _sub_config("text_config", text_config, KimiK3TextConfig)
+        # ids given here index the text model's vocabulary (the defaults, the release's, are only checked when given:
+        # a composite built around a small text config keeps them unread)
+        check_token_ids(given_ids, text_config.vocab_size)
         vision_config = _sub_config("vision_config", vision_config, KimiK3VisionConfig)
         self.text_config = text_config
         self.vision_config = vision_config
