@@ -1,16 +1,19 @@
 """The K3 chat format (XTML) in Python: a renderer that produces the same text as `configuration/chat_template.jinja`
-as a list of segments, encoded segment by segment (markup with special tokens, content without: marker text typed
-by a user stays ordinary text, which a flat Jinja string cannot express), and a parser of model output (reasoning,
-response, tool calls with typed arguments)."""
+as a list of segments, encoded segment by segment (the renderer's own control tokens as special tokens, everything
+else, message text and attribute values included, as ordinary text: marker text typed by a user stays text), and a
+parser of model output (reasoning, response, tool calls with typed arguments). The tokenizer's
+`apply_chat_template(tokenize=True)` gives the same ids (docs/bad_inputs.md, "Chat and tokenizer")."""
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from kimik3.modeling.tokenization_kimi_k3 import normalize_conversation
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
-REASONING_EFFORTS = ("low", "high", "max")
+REASONING_EFFORTS = ("low", "medium", "high", "max")
+CONTROL_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)  # the only special tokens the renderer writes
 TOOL_DECLARE_HEAD = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
 EFFORT_BODY = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
                "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked "
@@ -29,7 +32,7 @@ class ChatFormatError(ValueError):
 @dataclass
 class Segment:
     text: str
-    markup: bool  # markup: encoded with special tokens; content: special-token text stays ordinary text
+    markup: bool  # markup: the renderer's own text, its control tokens special; content: ordinary text throughout
 
 
 def compact_json(value) -> str:
@@ -60,7 +63,12 @@ class Renderer:
             self.segments.append(Segment(text, False))
 
     def open(self, tag: str, *attrs):
-        self.markup(OPEN + tag + "".join(f' {k}="{escape_attribute(_jinja_str(v))}"' for k, v in attrs) + SEP)
+        self.markup(OPEN + tag)
+        for key, value in attrs:  # a value (a name, a tool, an argument key) is message data: content
+            self.markup(f' {key}="')
+            self.content(escape_attribute(_jinja_str(value)))
+            self.markup('"')
+        self.markup(SEP)
 
     def close(self, tag: str):
         self.markup(CLOSE + tag + SEP)
@@ -107,14 +115,15 @@ def _function(call: dict) -> dict:
     return call["function"] if isinstance(call.get("function"), dict) else call
 
 
-def _render_assistant(r: Renderer, message: dict):
+def _render_assistant(r: Renderer, message: dict, thinking: bool = True):
     attrs = [("role", "assistant")] + ([("name", message["name"])] if message.get("name") else [])
     r.open("message", *attrs)
     reasoning = message.get("reasoning_content") or message.get("reasoning")
-    r.open("think")
-    if reasoning and reasoning.strip():
-        r.content(reasoning)
-    r.close("think")
+    if thinking:
+        r.open("think")
+        if reasoning and reasoning.strip():
+            r.content(reasoning)
+        r.close("think")
     r.open("response")
     r.content(content_text(message.get("content")))
     r.close("response")
@@ -167,32 +176,46 @@ def _render_tool_run(r: Renderer, run: list[dict], calls: list[dict]):
         emit(result, name)
 
 
+def _declare_tools(r: Renderer, tools):
+    r.open("message", ("role", "system"), ("type", "tool-declare"))
+    r.content(TOOL_DECLARE_HEAD + compact_json(tools) + "\n```")
+    r.end_message()
+
+
 def render_segments(messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False,
-                    reasoning_effort: str | None = "max", tool_choice=None, response_format=None) -> list[Segment]:
+                    reasoning_effort: str | None = "max", tool_choice=None, response_format=None,
+                    thinking: bool = True) -> list[Segment]:
     """The conversation as XTML segments, block order: tool declarations, effort, messages, tool_choice,
-    response_format, generation prompt. Thinking is always on."""
+    response_format, generation prompt. As the release's encoder: `thinking=False` drops the effort message and the
+    think sections and opens the response in the generation prompt; a system message carrying `tools` declares
+    them where it stands (then its content, if any); `developer` messages are dropped."""
     if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
-        raise ChatFormatError(f"reasoning_effort must be low, high or max (got {reasoning_effort})")
+        raise ChatFormatError(f"reasoning_effort must be low, medium, high or max (got {reasoning_effort})")
+    thinking = True if thinking is None else thinking
     messages = normalize_conversation(list(messages))
     r = Renderer()
     if tools:
-        r.open("message", ("role", "system"), ("type", "tool-declare"))
-        r.content(TOOL_DECLARE_HEAD + compact_json(tools) + "\n```")
-        r.end_message()
-    if reasoning_effort is not None:
+        _declare_tools(r, tools)
+    if reasoning_effort is not None and thinking:
         r.system_note("thinking-effort", EFFORT_BODY.format(reasoning_effort))
     calls: list[dict] = []
     i = 0
     while i < len(messages):
         message = messages[i]
-        role = "system" if message.get("role") == "developer" else message.get("role")
-        if role in ("user", "system"):
-            r.open("message", ("role", role), *([("name", message["name"])] if message.get("name") else []))
-            r.content(content_text(message.get("content")))
-            r.end_message()
+        role = message.get("role")
+        if role == "developer":
+            pass
+        elif role in ("user", "system"):
+            body = content_text(message.get("content"))
+            if role == "system" and message.get("tools"):
+                _declare_tools(r, message["tools"])
+            if role == "user" or body or not message.get("tools"):
+                r.open("message", ("role", role), *([("name", message["name"])] if message.get("name") else []))
+                r.content(body)
+                r.end_message()
         elif role == "assistant":
             calls = message.get("tool_calls") or []
-            _render_assistant(r, message)
+            _render_assistant(r, message, thinking)
         elif role == "tool":
             run = []
             while i < len(messages) and messages[i].get("role") == "tool":
@@ -215,7 +238,7 @@ def render_segments(messages: list[dict], tools: list | None = None, add_generat
                       "\nThe JSON data must match the following schema:\n```json\n" + compact_json(schema) + "\n```")
     if add_generation_prompt:
         r.open("message", ("role", "assistant"))
-        r.open("think")
+        r.open("think" if thinking else "response")
     return r.segments
 
 
@@ -224,12 +247,33 @@ def render_text(messages, **kwargs) -> str:
     return "".join(s.text for s in render_segments(messages, **kwargs))
 
 
+_CONTROL_RE = re.compile("(" + "|".join(re.escape(t) for t in CONTROL_TOKENS) + ")")
+
+
 def encode_segments(tokenizer, segments: list[Segment]) -> list[int]:
-    """Token ids segment by segment: markup with special tokens, content with them split as ordinary text. Segments
-    are not merged (BPE is not associative)."""
+    """Token ids: the control tokens of markup segments as special tokens, the text between two of them (markup
+    words, attribute values, content) as one piece of ordinary text, so control-token spellings in message data stay
+    text. That piece is what the release's encoder encodes as a content segment (BPE is not associative: pieces
+    are not merged across control tokens)."""
     ids: list[int] = []
+    text: list[str] = []
+
+    def flush():
+        if text:
+            ids.extend(tokenizer.encode("".join(text), add_special_tokens=False, split_special_tokens=True))
+            text.clear()
+
     for segment in segments:
-        ids += tokenizer.encode(segment.text, add_special_tokens=False, split_special_tokens=not segment.markup)
+        if not segment.markup:
+            text.append(segment.text)
+            continue
+        for index, piece in enumerate(_CONTROL_RE.split(segment.text)):
+            if index % 2:
+                flush()
+                ids.append(tokenizer.convert_tokens_to_ids(piece))
+            elif piece:
+                text.append(piece)
+    flush()
     return ids
 
 

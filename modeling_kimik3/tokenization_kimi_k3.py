@@ -16,6 +16,7 @@ This file runs as remote code copied flat into a model folder: no imports of `ki
 """
 
 import base64
+import heapq
 import json
 import os
 import shutil
@@ -179,17 +180,50 @@ def token_text(token: bytes) -> str:
 
 def bpe_parts(ranks: dict[bytes, int], piece: bytes, max_rank: int | None = None) -> list[bytes]:
     """tiktoken's merge rule: repeatedly merge the adjacent pair whose concatenation has the lowest rank (leftmost
-    on a tie), considering only ranks below `max_rank` when given."""
-    parts = [piece[i:i + 1] for i in range(len(piece))]
-    while len(parts) > 1:
-        best_index, best_rank = -1, None
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and (max_rank is None or rank < max_rank) and (best_rank is None or rank < best_rank):
-                best_index, best_rank = i, rank
-        if best_rank is None:
-            break
-        parts[best_index:best_index + 2] = [parts[best_index] + parts[best_index + 1]]
+    on a tie), considering only ranks below `max_rank` when given.
+
+    The pairs wait in a heap ordered by (rank, start offset), so the pair taken is the one the rule names; a merge
+    adds at most two new pairs, and an entry whose parts have changed since it was pushed is skipped. That is
+    O(n log n) for a piece of n bytes: rescanning every pair after each merge was O(n^2) on one long word (a page
+    of text without spaces took minutes)."""
+    n = len(piece)
+    if n < 2:
+        return [piece]
+    limit = max_rank
+
+    def rank_of(start: int, end: int):
+        rank = ranks.get(piece[start:end])
+        return rank if rank is not None and (limit is None or rank < limit) else None
+
+    # parts as a linked list of start offsets: part `i` is piece[i:end[i]], `prev[i]` the part before it
+    end = list(range(1, n + 1))
+    prev = list(range(-1, n - 1))
+    alive = [True] * n
+    heap = []
+    for i in range(n - 1):
+        rank = rank_of(i, i + 2)
+        if rank is not None:
+            heap.append((rank, i, i + 2))
+    heapq.heapify(heap)
+    while heap:
+        _, i, stop = heapq.heappop(heap)
+        if not alive[i] or end[i] >= n or end[end[i]] != stop:
+            continue  # one of the two parts was merged into another since this pair was pushed
+        alive[end[i]] = False
+        end[i] = stop
+        if stop < n:
+            prev[stop] = i
+            rank = rank_of(i, end[stop])
+            if rank is not None:
+                heapq.heappush(heap, (rank, i, end[stop]))
+        if prev[i] >= 0:
+            rank = rank_of(prev[i], stop)
+            if rank is not None:
+                heapq.heappush(heap, (rank, prev[i], stop))
+    parts, i = [], 0
+    while i < n:
+        parts.append(piece[i:end[i]])
+        i = end[i]
     return parts
 
 
@@ -243,12 +277,32 @@ def deep_sorted(value):
     return value
 
 
-def normalize_tool_call(call: dict) -> dict:
+class ChatMessageError(ValueError):
+    """A conversation the chat format cannot render; the message names the message index and the field."""
+
+
+MESSAGE_ROLES = ("user", "system", "developer", "assistant", "tool")
+PART_TYPES = ("text", "image", "image_url")
+
+
+def normalize_tool_call(call, where: str = "tool_calls[0]") -> dict:
     """An OpenAI-style call with its `arguments` as typed values: a JSON-object string is parsed (as the encoder does;
     a Jinja template cannot parse JSON), keys deep-sorted. A string that is not a JSON object stays a string and is
-    rendered as a `json` block."""
+    rendered as a `json` block. A call without a name, or with arguments that are neither a mapping nor a string, is
+    a ChatMessageError naming `where`."""
+    if not isinstance(call, dict):
+        raise ChatMessageError(f"{where} must be a mapping with a `function` (`name`, `arguments`), not "
+                               f"{type(call).__name__}")
     call = dict(call)
-    function = dict(call.get("function") or {k: call[k] for k in ("name", "arguments") if k in call})
+    nested = "function" in call
+    if nested and not isinstance(call["function"], dict):
+        raise ChatMessageError(f"{where}.function must be a mapping with `name` and `arguments`, not "
+                               f"{type(call['function']).__name__}")
+    function = dict(call["function"] if nested else {k: call[k] for k in ("name", "arguments") if k in call})
+    field = f"{where}.function" if nested else where
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise ChatMessageError(f"{field}.name: a tool call needs the tool's name (a non-empty string), got {name!r}")
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
@@ -257,6 +311,9 @@ def normalize_tool_call(call: dict) -> dict:
             parsed = None
         if isinstance(parsed, dict):
             arguments = parsed
+    elif arguments is not None and not isinstance(arguments, dict):
+        raise ChatMessageError(f"{field}.arguments must be a mapping or a JSON string, not "
+                               f"{type(arguments).__name__} ({arguments!r:.80})")
     if isinstance(arguments, dict):
         arguments = deep_sorted(arguments)
     function["arguments"] = arguments if arguments is not None else {}
@@ -264,16 +321,123 @@ def normalize_tool_call(call: dict) -> dict:
     return call
 
 
-def normalize_conversation(messages: list[dict]) -> list[dict]:
+def check_content(content, where: str, optional: bool) -> None:
+    """Message content is a string or a list of parts (`{"type": "text", "text": ...}`, `{"type": "image", ...}`,
+    `{"type": "image_url", ...}`); None only where `optional` (an assistant turn, a system message declaring tools)."""
+    if content is None:
+        if not optional:
+            raise ChatMessageError(f"{where} is missing: this message needs content (a string or a list of parts)")
+        return
+    if isinstance(content, str):
+        return
+    if not isinstance(content, (list, tuple)):
+        raise ChatMessageError(f"{where} must be a string or a list of parts, not {type(content).__name__} "
+                               f"({content!r:.80})")
+    for index, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ChatMessageError(f"{where}[{index}] must be a part mapping with a `type`, not {type(part).__name__}")
+        kind = part.get("type")
+        if kind not in PART_TYPES:
+            raise ChatMessageError(f"{where}[{index}].type is {kind!r}: a part is one of {', '.join(PART_TYPES)}")
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise ChatMessageError(f"{where}[{index}].text: a text part needs a string `text`, got "
+                                   f"{type(part.get('text')).__name__}")
+
+
+def normalize_conversation(messages, where: str = "messages") -> list[dict]:
     """What the encoder does before rendering and a Jinja template cannot: tool-call arguments given as JSON strings
-    become typed values (keys deep-sorted). The template itself orders tool results by call."""
+    become typed values (keys deep-sorted). The template itself orders tool results by call. Every field a renderer
+    reads is checked first, so a bad message is a ChatMessageError naming `messages[i].field` on every path (the
+    template, the processor, kimik3.chat_format) instead of a Jinja error or a silently empty turn."""
     out = []
-    for message in messages:
+    for index, message in enumerate(messages):
+        here = f"{where}[{index}]"
+        if not isinstance(message, dict):
+            raise ChatMessageError(f"{here} must be a mapping with `role` and `content`, not {type(message).__name__}")
         message = dict(message)
-        if message.get("tool_calls"):
-            message["tool_calls"] = [normalize_tool_call(call) for call in message["tool_calls"]]
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            raise ChatMessageError(f"{here}.role is {role!r}: a message role is one of {', '.join(MESSAGE_ROLES)}")
+        check_content(message.get("content"), f"{here}.content",
+                      optional=role == "assistant" or role in ("system", "developer") and bool(message.get("tools")))
+        for key in ("reasoning_content", "reasoning", "name"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise ChatMessageError(f"{here}.{key} must be a string, not {type(message[key]).__name__}")
+        calls = message.get("tool_calls")
+        if calls:
+            if not isinstance(calls, (list, tuple)):
+                raise ChatMessageError(f"{here}.tool_calls must be a list of calls, not {type(calls).__name__}")
+            message["tool_calls"] = [normalize_tool_call(call, f"{here}.tool_calls[{i}]")
+                                     for i, call in enumerate(calls)]
         out.append(message)
     return out
+
+
+def normalize_conversations(conversation):
+    """`normalize_conversation` for one conversation or a batch of them (anything else passes as it is)."""
+    if isinstance(conversation, (list, tuple)) and conversation and isinstance(conversation[0], (list, tuple)):
+        return [normalize_conversation(list(c), f"conversation[{i}]") for i, c in enumerate(conversation)]
+    if isinstance(conversation, (list, tuple)) and conversation and not hasattr(conversation[0], "messages"):
+        return normalize_conversation(list(conversation))
+    return conversation
+
+
+# Template markers vs message text. The chat paths render the template twice: as it is (the text
+# `tokenize=False` returns) and with every control-token spelling in the template's own source wrapped in tags that
+# hold a random per-tokenizer nonce. In the tagged rendering a control token with tags around it was written by
+# the template; any other spelling of one came from the conversation (content, names, arguments, tool schemas,
+# parts that join into one, ...) and is encoded as ordinary text. The text between two of the template's control
+# tokens is encoded as one piece, as the release's segment-wise encoder encodes a content segment, so ordinary
+# conversations get the same ids as before. The tagged rendering with its tags removed must equal the plain one, or
+# the template inspects its own markers (or a message carries the tags) and the encoding is refused.
+_TAG_OPEN, _TAG_CLOSE = "\ue000", "\ue001"
+
+
+class ChatTagging:
+    def __init__(self, markers, extra_markers=()):
+        import re
+        import secrets
+
+        self.markers = tuple(sorted(set(markers) | set(extra_markers), key=lambda m: (-len(m), m)))
+        nonce = secrets.token_hex(8)
+        self.start, self.end = f"{_TAG_OPEN}{nonce}{_TAG_OPEN}", f"{_TAG_CLOSE}{nonce}{_TAG_CLOSE}"
+        self._marker_re = re.compile("|".join(re.escape(m) for m in self.markers)) if self.markers else None
+        self._tagged_re = re.compile(re.escape(self.start) + "(.*?)" + re.escape(self.end), re.S)
+        self._templates: dict[str, str] = {}
+
+    def tag(self, text: str) -> str:
+        if self._marker_re is None:
+            return text
+        return self._marker_re.sub(lambda m: self.start + m.group(0) + self.end, text)
+
+    def template(self, template: str) -> str:
+        if template not in self._templates:
+            self._templates[template] = self.tag(template)
+        return self._templates[template]
+
+    def template_kwargs(self, template: str, special_tokens_map: dict, given: dict) -> dict:
+        """The named special tokens a template reads as variables (`{{ bos_token }}`), tagged: written by the
+        template. Values the caller passes are conversation data and stay as they are."""
+        import re
+
+        return {key: self.tag(value) for key, value in special_tokens_map.items()
+                if isinstance(value, str) and key not in given and re.search(rf"\b{key}\b", template)}
+
+    def split(self, tagged: str, plain: str) -> list[tuple[str, bool]]:
+        """(text, is_template_marker) pieces of a tagged rendering, checked against the plain one."""
+        pieces, position = [], 0
+        for match in self._tagged_re.finditer(tagged):
+            pieces.append((tagged[position:match.start()], False))
+            pieces.append((match.group(1), True))
+            position = match.end()
+        pieces.append((tagged[position:], False))
+        stray = any(self.start in t or self.end in t for t, m in pieces if not m)
+        if stray or any(m and t not in self.markers for t, m in pieces) or "".join(t for t, _ in pieces) != plain:
+            raise ChatMessageError(
+                "the chat template's own control tokens cannot be told apart from the conversation's text: the "
+                "template compares or transforms its control tokens (or a message carries the tokenizer's private "
+                "tags); render with tokenize=False and encode the parts yourself")
+        return [(t, m) for t, m in pieces if t]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,10 +458,10 @@ def _named_defaults(kwargs, specials_by_token, source):
 
 
 class ChatNormalizingMixin:
-    """`apply_chat_template` normalises the conversation first (tool arguments parsed from JSON strings), so the Jinja
-    template renders what the encoder renders. `save_pretrained` (and so `push_to_hub`) writes this file and the
-    `auto_map` naming it, so the folder loads with trust_remote_code whether the tokenizer came from the installed
-    package or from a folder."""
+    """`apply_chat_template` checks and normalises the conversation first (tool arguments parsed from JSON strings),
+    so the Jinja template renders what the encoder renders, and encodes message text as ordinary text.
+    `save_pretrained` (and so `push_to_hub`) writes this file and the `auto_map` naming it, so the folder loads with
+    trust_remote_code whether the tokenizer came from the installed package or from a folder."""
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         saved = super().save_pretrained(save_directory, *args, **kwargs)
@@ -313,12 +477,81 @@ class ChatNormalizingMixin:
         config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         return tuple(saved) + (str(directory / here.name),)
 
-    def apply_chat_template(self, conversation, *args, **kwargs):
-        if conversation and isinstance(conversation[0], dict):
-            conversation = normalize_conversation(list(conversation))
-        elif conversation and isinstance(conversation[0], (list, tuple)):
-            conversation = [normalize_conversation(list(c)) for c in conversation]
-        return super().apply_chat_template(conversation, *args, **kwargs)
+    def chat_tagging(self, extra_markers=()) -> ChatTagging:
+        """The tagging of this tokenizer's control tokens (every added token), one per set of extra markers."""
+        cache = self.__dict__.setdefault("_kimik3_chat_tagging", {})
+        key = tuple(extra_markers)
+        if key not in cache:
+            cache[key] = ChatTagging([t.content for t in self.added_tokens_decoder.values()], key)
+        return cache[key]
+
+    def encode_chat_pieces(self, pieces) -> list[int]:
+        """Ids of (text, is_template_marker) pieces: a template marker that is a token is that token; the text
+        between two of them is one piece of ordinary text (control-token spellings in it stay text)."""
+        ids, text = [], []
+        vocab = self.added_tokens_encoder
+
+        def flush():
+            if text:
+                ids.extend(self.encode("".join(text), add_special_tokens=False, split_special_tokens=True))
+                text.clear()
+
+        for piece, is_marker in pieces:
+            if is_marker and piece in vocab:
+                flush()
+                ids.append(vocab[piece])
+            else:
+                text.append(piece)
+        flush()
+        return ids
+
+    def chat_batch_encoding(self, ids, is_batched, padding=False, truncation=False, max_length=None,
+                            return_tensors=None, tokenizer_kwargs=None):
+        """What `self(rendered, add_special_tokens=False, ...)` returns, for ids encoded piece by piece."""
+        options = dict(tokenizer_kwargs or {})
+        side = options.pop("truncation_side", self.truncation_side)
+        pad_options = {k: options.pop(k) for k in ("pad_to_multiple_of", "padding_side", "return_attention_mask")
+                       if k in options}
+        options.pop("add_special_tokens", None)  # a chat never gets BOS/EOS added around the template's own
+        if options:
+            raise ValueError(f"tokenizer_kwargs {sorted(options)}: not supported by the K3 chat encoding (it takes "
+                             "truncation_side, padding_side, pad_to_multiple_of, return_attention_mask)")
+        if truncation not in (False, None, "do_not_truncate"):
+            limit = max_length if max_length is not None else self.model_max_length
+            ids = [seq[:limit] if side == "right" else seq[max(len(seq) - limit, 0):] for seq in ids]
+        batch = ids if is_batched or return_tensors else ids[0]
+        return self.pad({"input_ids": batch}, padding=padding, max_length=max_length, return_tensors=return_tensors,
+                        **pad_options)
+
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
+                            add_generation_prompt=False, continue_final_message=False, tokenize=True, padding=False,
+                            truncation=False, max_length=None, return_tensors=None, return_dict=True,
+                            return_assistant_tokens_mask=False, tokenizer_kwargs=None, **kwargs):
+        """As transformers' (same arguments and return values), with the conversation checked and normalised
+        first, and with `tokenize=True` encoding message text as ordinary text wherever it spells a control token
+        (see `ChatTagging`); `tokenize=False` returns the template's text unchanged. transformers 5.24's
+        `sanitize_control_tokens` is accepted and changes nothing: this encoding always does it."""
+        conversation = normalize_conversations(conversation)
+        kwargs.pop("sanitize_control_tokens", None)
+        render = dict(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, **kwargs)
+        plain = super().apply_chat_template(conversation, chat_template=chat_template, tokenize=False, **render)
+        if not tokenize:
+            return plain
+        if return_assistant_tokens_mask:
+            raise ValueError("return_assistant_tokens_mask: the K3 chat template has no {% generation %} blocks; "
+                             "kimik3.chat_format.render_segments marks each part of an assistant turn")
+        template = self.get_chat_template(chat_template, tools)
+        tagging = self.chat_tagging()
+        tagged = super().apply_chat_template(
+            conversation, chat_template=tagging.template(template), tokenize=False,
+            **tagging.template_kwargs(template, self.special_tokens_map, kwargs), **render)
+        is_batched = isinstance(plain, list)
+        pairs = zip(tagged, plain) if is_batched else [(tagged, plain)]
+        ids = [self.encode_chat_pieces(tagging.split(t, p)) for t, p in pairs]
+        out = self.chat_batch_encoding(ids, is_batched, padding, truncation, max_length, return_tensors,
+                                       tokenizer_kwargs)
+        return out if return_dict else out["input_ids"]
 
 
 class KimiK3Tokenizer(ChatNormalizingMixin, PreTrainedTokenizer):
@@ -369,7 +602,7 @@ class KimiK3Tokenizer(ChatNormalizingMixin, PreTrainedTokenizer):
         cached = self._piece_cache.get(piece)
         if cached is None:
             parts = [piece] if piece in self.ranks else bpe_parts(self.ranks, piece)
-            cached = tuple(token_text(p) for p in parts)
+            cached = tuple(self.id_to_text[self.ranks[p]] for p in parts)
             if len(self._piece_cache) < 100_000:
                 self._piece_cache[piece] = cached
         return cached

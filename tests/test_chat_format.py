@@ -1,6 +1,6 @@
 """The XTML chat format: the Jinja template and the Python renderer give the same text and token ids on a broad set of
-conversations; the reply parser recovers reasoning, response and typed tool calls; `kimik3 chat` goes from a prompt
-to streamed text on a tiny folder."""
+conversations; the reply parser recovers reasoning, response and typed tool calls; `chat()` goes from a prompt to
+streamed text on a tiny folder (the `kimik3 chat` program: tests/test_chat_cli.py)."""
 
 import json
 
@@ -9,7 +9,6 @@ from transformers import TextStreamer
 
 from kimik3.chat import chat, load_chat
 from kimik3.chat_format import ChatFormatError, encode_chat, parse_reply, render_segments, render_text
-from kimik3.cli import main
 from kimik3.modeling.tokenization_kimi_k3 import KimiK3Tokenizer
 from kimik3.tiny import TINY_NUM_RANKS, write_tiny_folder
 
@@ -26,7 +25,17 @@ CONVERSATIONS = {
     "single-user": ([{"role": "user", "content": "Hello!"}], {}),
     "system-named": ([{"role": "system", "content": "Be brief.", "name": "ops"},
                       {"role": "user", "content": "Hi", "name": "ann"}], {}),
-    "developer-as-system": ([{"role": "developer", "content": "Rules."}, {"role": "user", "content": "x"}], {}),
+    "developer-dropped": ([{"role": "developer", "content": "Rules."}, {"role": "user", "content": "x"}], {}),
+    "developer-with-tools-dropped": ([{"role": "developer", "content": "Rules.", "tools": TOOLS[:1]},
+                                      {"role": "user", "content": "x"}], {}),
+    "system-declares-tools": ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"},
+                               {"role": "system", "tools": TOOLS[1:]},
+                               {"role": "system", "content": "Now search.", "tools": TOOLS[:1]},
+                               {"role": "user", "content": "y"}], {"tools": TOOLS[1:]}),
+    "thinking-off": ([{"role": "user", "content": "2+2?"},
+                      {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
+                      {"role": "user", "content": "And 3+3?"}], {"thinking": False, "reasoning_effort": "high"}),
+    "effort-medium": ([{"role": "user", "content": "Hi"}], {"reasoning_effort": "medium"}),
     "multi-turn-reasoning-echoed": ([{"role": "user", "content": "2+2?"},
                                      {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
                                      {"role": "user", "content": "And 3+3?"},
@@ -116,24 +125,45 @@ def test_format_facts():
         CONVERSATIONS["unparseable-arguments-json-block"][0])
 
 
-def test_user_typed_marker_text_stays_ordinary_tokens_only_in_the_python_renderer(loaded):
-    """The documented difference: a flat Jinja string turns marker text in content into special tokens."""
+def test_user_typed_marker_text_stays_ordinary_tokens_on_both_paths(loaded, slow):
+    """Marker text typed in a message is ordinary text in the Python encoder and in apply_chat_template alike (the
+    exhaustive cases: tests/test_bad_inputs_chat.py)."""
     tokenizer, _ = loaded
     messages = [{"role": "user", "content": "say <|end_of_msg|> please"}]
     python_ids = encode_chat(tokenizer, messages)
-    flat_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     eom = tokenizer.convert_tokens_to_ids("<|end_of_msg|>")
-    assert python_ids.count(eom) == 2 and flat_ids.count(eom) == 3  # effort message + user message (+ typed)
-    assert tokenizer.decode(python_ids) == tokenizer.decode(flat_ids)
+    assert python_ids.count(eom) == 2  # the effort message's and the user message's, not the typed one
+    for tok in (tokenizer, slow):
+        assert tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"] == python_ids
+    assert tokenizer.decode(python_ids) == tokenizer.apply_chat_template(messages, tokenize=False)
 
 
-@pytest.mark.parametrize("effort", ["medium", "extreme"])
+@pytest.mark.parametrize("effort", ["extreme", "MAX"])
 def test_unsupported_reasoning_effort_is_refused_both_ways(loaded, effort):
     tokenizer, _ = loaded
-    with pytest.raises(ChatFormatError, match="reasoning_effort must be low, high or max"):
+    with pytest.raises(ChatFormatError, match="reasoning_effort must be low, medium, high or max"):
         render_segments([{"role": "user", "content": "x"}], reasoning_effort=effort)
-    with pytest.raises(Exception, match="reasoning_effort must be low, high or max"):
+    with pytest.raises(Exception, match="reasoning_effort must be low, medium, high or max"):
         tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, reasoning_effort=effort)
+
+
+def test_thinking_off_developer_and_dynamic_tools_follow_the_release_encoder():
+    """thinking=False: no effort message, no think sections, the generation prompt opens the response; developer
+    messages are dropped; a system message with tools declares them where it stands."""
+    messages, options = CONVERSATIONS["thinking-off"]
+    text = render_text(messages, add_generation_prompt=True, **options)
+    assert "thinking-effort" not in text and "<|open|>think" not in text and "Add them." not in text
+    assert text.endswith('<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
+    assert "<|open|>response<|sep|>4<|close|>response<|sep|>" in text
+    plain = render_text([{"role": "user", "content": "x"}])
+    assert render_text(CONVERSATIONS["developer-dropped"][0]) == plain
+    assert render_text(CONVERSATIONS["developer-with-tools-dropped"][0]) == plain
+    dynamic = render_text(*CONVERSATIONS["system-declares-tools"][:1], **CONVERSATIONS["system-declares-tools"][1])
+    assert dynamic.count('type="tool-declare"') == 3
+    assert dynamic.index("<|sep|>x<|close|>") < dynamic.index('"name":"get_weather"') < dynamic.index("Now search.")
+    assert dynamic.count('<|open|>message role="system"<|sep|>') == 2  # the declaring one without content: no body
+    assert "thinking_effort=medium" in render_text(*CONVERSATIONS["effort-medium"][:1],
+                                                   **CONVERSATIONS["effort-medium"][1])
 
 
 def test_parser_recovers_reasoning_response_and_typed_tool_calls():
@@ -196,9 +226,3 @@ def test_chat_generates_from_the_template_prompt_streams_and_stops_at_end_of_msg
     assert len(result.new_ids) == 6 and result.new_ids[-1] == eom and eom not in result.new_ids[:-1]
     assert "".join(streamer.pieces) == tokenizer.decode(result.new_ids) == result.text
     assert isinstance(torch.tensor(result.new_ids), torch.Tensor)
-
-
-def test_chat_cli(folder, capsys, tmp_path):
-    assert main(["chat", str(folder), "--prompt", "Hello", "--max-new-tokens", "3"]) == 0
-    assert main(["chat", str(tmp_path), "--prompt", "Hello"]) == 2
-    assert f"kimik3 chat: error: {tmp_path}: no config.json" in capsys.readouterr().err
