@@ -136,14 +136,37 @@ def cmd_demo(args) -> int:
     return 0 if run_demo(args.new_tokens) else 1
 
 
+class TemplateReasoningEfforts:
+    """argparse choices of --reasoning-effort: the chat format's own list (kimik3.chat_format.REASONING_EFFORTS, the
+    values its renderer and the Jinja template accept), read when first needed: importing it loads transformers, and
+    the parser stays quick to build."""
+
+    def _values(self) -> tuple[str, ...]:
+        from kimik3.chat_format import REASONING_EFFORTS
+
+        return REASONING_EFFORTS
+
+    def __contains__(self, value) -> bool:
+        return value in self._values()
+
+    def __iter__(self):
+        return iter(self._values())
+
+
 def cmd_chat(args) -> int:
-    from kimik3.chat import ChatFolderError, run_chat
+    from kimik3.chat import ChatFolderError, ChatInputError, read_prompt_file, run_chat
 
     try:
-        run_chat(args.directory, args.prompt, args.max_new_tokens, args.reasoning_effort)
-    except ChatFolderError as exc:
+        prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
+        run_chat(args.directory, prompt, args.max_new_tokens, args.reasoning_effort, system=args.system,
+                 tools_file=args.tools, image=args.image,
+                 **({} if args.prefill_chunk_size is None else {"prefill_chunk_size": args.prefill_chunk_size}))
+    except (ChatFolderError, ChatInputError) as exc:
         print(f"kimik3 chat: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nkimik3 chat: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -217,14 +240,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=positive_int, default=12, help="tokens to generate (default 12)")
     p.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("chat", help="prompt -> chat template -> generate (stops at <|end_of_msg|>) -> streamed text",
-                       description="Render a one-turn chat with the folder's tokenizer and chat template, generate "
-                                   "until <|end_of_msg|> and stream the text.")
+    p = sub.add_parser("chat", help="a chat with a model folder: chat template -> generate (stops at <|end_of_msg|>) "
+                                    "-> streamed text, history kept across turns",
+                       description="Chat with a model folder: each user turn is rendered with the conversation so far "
+                                   "(earlier replies echoed back with their reasoning) by the folder's tokenizer and "
+                                   "chat template, generated until <|end_of_msg|> and streamed. Without --prompt or "
+                                   "--prompt-file the user turns are read from stdin, one a line, until end of input "
+                                   "or /exit (interactive on a terminal; `printf 'hi\\nagain\\n' | kimik3 chat DIR` "
+                                   "works too). Long prompts are prefilled through the cache in chunks.")
     p.add_argument("directory", help="a model folder with a tokenizer (converted release, or kimik3 tiny)")
-    p.add_argument("--prompt", default="Hello! Who are you?", help="the user message")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="generation limit (default 64)")
-    p.add_argument("--reasoning-effort", choices=("low", "high", "max"), default="max",
-                   help="the release's reasoning effort (default max)")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--prompt", help="one user message: a single turn (default: read turns from stdin)")
+    given.add_argument("--prompt-file", metavar="FILE", help="one user message read from a UTF-8 text file")
+    p.add_argument("--system", help="a system prompt, the conversation's first message")
+    p.add_argument("--tools", metavar="FILE",
+                   help='a JSON file of tool declarations, e.g. [{"type": "function", "function": {"name": ..., '
+                        '"parameters": {...}}}] (calls the model makes are printed, not run)')
+    p.add_argument("--image", metavar="PATH",
+                   help="an image (local path or file:// URL) attached to the first turn; needs a model with a "
+                        "vision tower")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="generation limit a turn (default 64)")
+    p.add_argument("--reasoning-effort", choices=TemplateReasoningEfforts(), default="max",
+                   help="the chat template's reasoning effort (default max)")
+    p.add_argument("--prefill-chunk-size", type=positive_int, metavar="TOKENS",
+                   help="prompt tokens a prefill forward: bounds the prefill's memory (default: "
+                        "kimik3.chat.PREFILL_CHUNK_SIZE, 2048)")
     p.set_defaults(fn=cmd_chat)
 
     for name in ("convert", "export", "verify"):
@@ -237,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             from kimik3.convert import cli as convert_cli
 
             return getattr(convert_cli, f"run_{args.passthrough}")(rest)
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if rest:  # the subcommand's usage and name (`kimik3 chat: error: ...`), not the top-level parser's
+            sub.choices[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as exc:
         return int(exc.code or 0)
     return args.fn(args)

@@ -29,7 +29,14 @@ composites at full size, "after_resize" (what the release ships) resizes the ima
 composites the resized image, before padding, so the padding stays zero.
 """
 
+import base64
+import binascii
+import io
 import math
+import os
+import re
+from urllib.parse import unquote, urlsplit
+from urllib.request import url2pathname
 
 import numpy as np
 import torch
@@ -140,13 +147,97 @@ def _merge(cfg: dict) -> int:
     return int(merge[0]) if isinstance(merge, (list, tuple)) else int(merge)
 
 
+_BASE64_TEXT = re.compile(r"[A-Za-z0-9+/\s]+={0,2}")
+
+
+def _shown(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+
+
+def _base64_image(text: str):
+    """The image whose file bytes `text` is in base64, or None when it is not one (then it was meant as a path)."""
+    from PIL import Image
+
+    if len(text) < 64 or not _BASE64_TEXT.fullmatch(text):
+        return None
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(text))) as opened:
+            opened.load()
+            return opened.copy()
+    except (binascii.Error, ValueError, OSError, SyntaxError):
+        return None
+
+
+def load_image_source(source):
+    """A PIL image from where a chat message or a caller names one: a local path, a `file://` URL, a
+    `data:image/...;base64,` URL or bare base64 data (the forms transformers' processors take). Remote URLs (http,
+    https, any other scheme) are refused without a connection: this file makes no network calls, so the caller
+    downloads the image and passes its path. EXIF orientation is applied, as transformers' `load_image` does; the mode
+    is kept, so transparency is resolved by the image processor's settings. Errors are ValueErrors naming the path."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    text = os.fsdecode(source) if isinstance(source, (bytes, os.PathLike)) else source
+    lowered = text[:16].lower()
+    data, path = None, None
+    if lowered.startswith("data:"):
+        header, _, payload = text.partition(",")
+        if ";base64" not in header.lower():
+            raise ValueError(f"Kimi K3 image processor: data URL {_shown(header)!r}: only base64 data URLs are read "
+                             "(data:image/...;base64,...)")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"Kimi K3 image processor: data URL {_shown(header)!r}: not valid base64 "
+                             f"({exc})") from None
+        where = f"data URL {_shown(header)!r}"
+    elif "://" in text:
+        parts = urlsplit(text)
+        if parts.scheme.lower() != "file":
+            raise ValueError(f"Kimi K3 image processor: {_shown(text)}: remote image URLs are not fetched (no network "
+                             "access here); download the image and pass its local path or a file:// URL")
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"Kimi K3 image processor: {_shown(text)}: a file:// URL on host {parts.netloc!r}; only "
+                             "local files are read (file:///path/to/image.png)")
+        path = url2pathname(unquote(parts.path))
+    else:
+        path = text
+    if path is not None:
+        if not os.path.exists(path):
+            image = _base64_image(path)  # what transformers' load_image also accepts: base64 text of an image file
+            if image is None:
+                raise ValueError(f"Kimi K3 image processor: {_shown(path)}: no such image file")
+            return image
+        elif os.path.isdir(path):
+            raise ValueError(f"Kimi K3 image processor: {path}: is a folder, not an image file")
+        elif not os.path.isfile(path):
+            # a FIFO or a device would block or never end: only regular files are opened
+            raise ValueError(f"Kimi K3 image processor: {path}: is not a regular file")
+        else:
+            where = path
+    try:
+        with Image.open(io.BytesIO(data) if data is not None else path) as opened:
+            opened.load()  # decode now, so a truncated file is an error here, naming it
+            image = ImageOps.exif_transpose(opened)  # a loaded copy, independent of the file
+    except UnidentifiedImageError:
+        raise ValueError(f"Kimi K3 image processor: {where}: not an image file (PIL cannot identify it)") from None
+    except Image.DecompressionBombError as exc:
+        raise ValueError(f"Kimi K3 image processor: {where}: {exc}") from None
+    except (OSError, SyntaxError) as exc:  # truncated or corrupt data, unreadable file (PIL raises SyntaxError too)
+        raise ValueError(f"Kimi K3 image processor: {where}: cannot read the image ({exc})") from None
+    return image
+
+
 def _as_pil(image):
     from PIL import Image
 
     if isinstance(image, dict):  # the release's media dicts: {"type": "image", "image": ...}
         if image.get("type", "image") != "image":
             raise ValueError(f"Kimi K3 image processor: media type {image.get('type')!r} is not supported (images only)")
-        image = image.get("image")
+        # the image itself under "image", or where to read it: "url" / "path" (transformers' content-part keys)
+        image = next((image[key] for key in ("image", "url", "path", "base64") if image.get(key) is not None),
+                     None)
+    if isinstance(image, (str, os.PathLike)):
+        image = load_image_source(image)
     if isinstance(image, Image.Image):
         return image  # in its own mode: transparency is resolved by the image processor's settings
     if isinstance(image, torch.Tensor):
@@ -160,8 +251,8 @@ def _as_pil(image):
             # float arrays in [0, 1] as transformers' image utilities produce them
             image = np.clip(np.rint(image * 255.0 if image.max() <= 1.0 else image), 0, 255).astype(np.uint8)
         return Image.fromarray(image.squeeze(-1) if image.ndim == 3 and image.shape[-1] == 1 else image)
-    raise ValueError(f"Kimi K3 image processor: expected a PIL image, an array or a media dict, got "
-                     f"{type(image).__name__}")
+    raise ValueError(f"Kimi K3 image processor: expected a PIL image, an array, a path or URL, or a media dict, "
+                     f"got {type(image).__name__}")
 
 
 class KimiK3ImageProcessor(BaseImageProcessor):
@@ -236,5 +327,5 @@ class KimiK3ImageProcessor(BaseImageProcessor):
         return output
 
 
-__all__ = ["KimiK3ImageProcessor", "background_pixels", "flatten_transparency", "resize_plan",
-           "transparent_bg_problem"]
+__all__ = ["KimiK3ImageProcessor", "background_pixels", "flatten_transparency", "load_image_source",
+           "resize_plan", "transparent_bg_problem"]
