@@ -84,7 +84,7 @@ class Checkpoint:
         self.fetch = fetch  # downloads a shard on first use (Hub sources); None for local folders
         if not self.root.is_dir():
             what = "no such folder" if not self.root.exists() else "not a checkpoint folder (not a folder)"
-            raise ConversionError(f"{self.root}: {what}")
+            raise ConversionError(f"{os.fspath(root)}: {what}")
         self.chunk_bytes = chunk_bytes
         self.config_dict = load_config_dict(self.root)
         self.index_path, self.index_bytes, self.weight_map = self._load_index()

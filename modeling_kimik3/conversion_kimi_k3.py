@@ -305,11 +305,6 @@ _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revi
                "trust_remote_code")
 
 
-def _config_source(kwargs, pretrained):
-    config = kwargs.get("config")
-    return config if isinstance(config, str) else pretrained
-
-
 def _resolve_config(model_class, pretrained, kwargs, experts_format):
     """(expert format, the release's quantization_config or None). The config is passed on (kwargs["config"]) only
     when the load changes it: with an `experts_format` option (for the composite config it belongs to the text
@@ -318,14 +313,16 @@ def _resolve_config(model_class, pretrained, kwargs, experts_format):
     config = kwargs.get("config")
     if config is None or isinstance(config, str):
         hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs and k != "trust_remote_code"}
-        config = model_class.config_class.from_pretrained(config or pretrained, **hub)
-        if isinstance(config.get_text_config(), dict):
-            # a text class given a composite config.json (the release's): its text model is the nested
-            # text_config, read as the composite class reads it
+        source, config_class = config or pretrained, model_class.config_class
+        if "text_config" not in getattr(config_class, "sub_configs", {}):
             from .configuration_kimi_k3 import KimiK3Config
 
-            config = KimiK3Config.from_pretrained(_config_source(kwargs, pretrained), **hub).text_config
-            kwargs["config"] = config
+            if isinstance(KimiK3Config.get_config_dict(source, **hub)[0].get("text_config"), dict):
+                # a text class given a composite config.json (the release's): its text model is the nested
+                # text_config, read as the composite class reads it
+                kwargs["config"] = KimiK3Config.from_pretrained(source, **hub).text_config
+                config_class = None
+        config = kwargs["config"] if config_class is None else config_class.from_pretrained(source, **hub)
     release_quantization = getattr(config.get_text_config(), "quantization_config", None)
     if experts_format is None and release_quantization is None:
         return config.get_text_config().experts_format, None

@@ -228,6 +228,47 @@ def test_an_unreadable_shard_names_the_path(release, tmp_path, monkeypatch, erro
     assert_refused(release, tmp_path / "out", [str(shard), "cannot be opened for reading", "Permission denied"])
 
 
+def q_also_in_shard1(root):
+    """`q_proj` (shard 0 by the index) also in shard 1's header, with other values."""
+    tensors = load_file(str(root / SHARD1))
+    tensors[Q] = -load_file(str(root / SHARD0))[Q]
+    save_file(tensors, str(root / SHARD1), metadata={"format": "pt"})
+
+
+def unlisted_tensor_in_shard0(root):
+    tensors = load_file(str(root / SHARD0))
+    tensors[L0 + "self_attn.extra.weight"] = torch.ones(4, dtype=torch.bfloat16)
+    save_file(tensors, str(root / SHARD0), metadata={"format": "pt"})
+
+
+def nested_header(root):
+    header, body = split_shard(root / SHARD0)
+    join_shard(root / SHARD0, ('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}").encode(), body)
+
+
+def shard1_linked_out(root):
+    outside = root.parent / "elsewhere.safetensors"
+    shutil.move(root / SHARD1, outside)
+    (root / SHARD1).symlink_to(outside)
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    pytest.param(q_also_in_shard1, [f"{SHARD1}, tensor `{Q}`", "also in", f"/{SHARD0}, which the index",
+                                    "must come from one shard"],
+                 id="tensor-in-two-shards"),
+    pytest.param(unlisted_tensor_in_shard0, [f"{SHARD0}, tensor `{L0}self_attn.extra.weight`", "does not list it"],
+                 id="tensor-not-in-index"),
+    pytest.param(nested_header, [SHARD0, "corrupted safetensors header: nested too deeply"], id="header-deeply-nested"),
+    pytest.param(shard1_linked_out, [f"{SHARD1}: is a symlink to", "elsewhere.safetensors, outside the folder"],
+                 id="shard-symlink-out"),
+])
+def test_a_tensor_from_two_places_or_a_shard_from_outside_is_refused(release, tmp_path, damage, fragments):
+    """Each of these converted silently before (the second copy, the unlisted tensor and the link were never looked
+    at; the nested header was a RecursionError traceback)."""
+    damage(release)
+    assert_refused(release, tmp_path / "out", fragments)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Non-finite values
 

@@ -2,12 +2,16 @@
 disk space, CLI arguments. Each case id here has a row in docs/bad_inputs.md ("Runs, folders and configs")."""
 
 import errno
+import io
 import json
 import math
 import os
+import re
+import resource
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -19,7 +23,8 @@ from kimik3.configuration import (
     released_config_dict,
     tiny_text_config_dict,
 )
-from kimik3.convert import engine, testing
+from kimik3.convert import converter, engine, testing
+from kimik3.convert import safetensors_io as sio
 from kimik3.convert.errors import ConversionError
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 
@@ -161,6 +166,10 @@ def set_in_config(path, key, value):
                  id="index-weight-map-list"),
     pytest.param(INDEX, lambda p: p.write_text('{"weight_map": {"lm_head.weight": 3}}'),
                  ["lm_head.weight", "strings", "3"], id="index-weight-map-value-int"),
+    pytest.param("config.json", lambda p: p.write_text("[" * 100_000 + "]" * 100_000), ["nested too deeply"],
+                 id="config-deeply-nested"),
+    pytest.param(INDEX, lambda p: p.write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+                 ["nested too deeply"], id="index-deeply-nested"),
 ])
 def test_bad_source_files_are_named(release, tmp_path, name, damage, fragments):
     src = tmp_path / "src"
@@ -174,6 +183,75 @@ def test_bad_source_files_are_named(release, tmp_path, name, damage, fragments):
     assert str(src / name) in message, message
     for fragment in fragments:
         assert fragment in message, message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("count, fragments", [
+    pytest.param(10**9, ["`text_config.num_hidden_layers` = 1,000,000,000", "layers 0..3 (4 layer(s)), none of layer 4"],
+                 id="num-hidden-layers-huge"),
+    pytest.param(5, ["`text_config.num_hidden_layers` = 5", "none of layer 4"], id="num-hidden-layers-one-more"),
+])
+def test_a_layer_count_the_tensors_do_not_have_is_refused_at_once(release, tmp_path, count, fragments):
+    """Checked on the raw config.json against the index: building a config of 10^9 layers never finished."""
+    src = tmp_path / "src"
+    shutil.copytree(release.path, src)
+    set_in_config(src / "config.json", "num_hidden_layers", count)
+    outcome = {}
+
+    def run():
+        try:
+            convert(src, tmp_path / "out")
+        except ConversionError as exc:
+            outcome["error"] = str(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "convert hangs"
+    assert outcome["error"].startswith(f"{src / 'config.json'}: key "), outcome
+    for fragment in fragments + [str(src / INDEX)]:
+        assert fragment in outcome["error"], outcome["error"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("LICENSE", id="side-file-symlink-out"),
+    pytest.param("config.json", id="config-symlink-out"),
+    pytest.param(INDEX, id="index-symlink-out"),
+])
+def test_a_source_file_linked_out_of_the_folder_is_refused(release, tmp_path, name):
+    """Its contents would come from elsewhere (a side file was copied into the output as it was)."""
+    src = tmp_path / "k3"
+    shutil.copytree(release.path, src)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(src / name, outside / name)
+    (src / name).symlink_to(outside / name)
+    with pytest.raises(ConversionError, match=re.escape(f"{src / name}: is a symlink to {outside / name}, outside "
+                                                        f"the folder {src}")):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command, src", [
+    pytest.param("convert", "./k3-missing", id="convert-src-missing-dot-path"),
+    pytest.param("convert", "data/k3/v1", id="convert-src-missing-nested-path"),
+    pytest.param("convert", "models/k3", id="convert-src-missing-under-local-folder"),
+    pytest.param("verify", "models/k3", id="verify-src-missing-path"),
+    pytest.param("export", "./k3-missing", id="export-src-missing-path"),
+])
+def test_a_missing_local_source_is_not_looked_up_on_the_hub(reference, tmp_path, monkeypatch, capsys, command, src):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a Hub lookup was tried")
+
+    monkeypatch.setattr(converter, "_hub_checkpoint", no_hub)
+    second = str(reference) if command == "verify" else str(tmp_path / "out")
+    assert getattr(kc, f"run_{command}")([src, second]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kimik3 {command}: error: {src}: no such folder"), err
     assert not (tmp_path / "out").exists()
 
 
@@ -423,6 +501,70 @@ def disk_full_mid_run(release, reference, tmp_path, monkeypatch, capsys):
     assert summary["skipped"] and contents(dst) == contents(reference)
 
 
+class ShortWritesThenFull(io.FileIO):
+    """A file on a disk with `room` bytes left, as the kernel reports it: a write is cut short at the limit, the next
+    one fails with ENOSPC; so the buffered tail of a shard fails again when the file is closed."""
+
+    room = 0
+
+    def write(self, data):
+        left = self.room - self.tell()
+        if left <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(memoryview(data).cast("B")[:left])
+
+
+def disk_full_in_the_last_bytes(release, reference, tmp_path, monkeypatch, capsys):
+    """ENOSPC in the buffered last bytes of the first shard (the close that follows fails the same way): no
+    `.partial` stays (one did), and the same command resumes to the same bytes."""
+    dst = tmp_path / "out"
+    first = sorted(reference.glob("model-*.safetensors"))[0]
+    monkeypatch.setattr(ShortWritesThenFull, "room", first.stat().st_size - 2000)
+    monkeypatch.setattr(sio, "open", lambda path, mode: io.BufferedWriter(ShortWritesThenFull(path, mode)),
+                        raising=False)
+    with pytest.raises(ConversionError, match=re.escape(f"{dst / first.name}: No space left on device while "
+                                                        "writing")):
+        convert(release.path, dst)
+    assert looks_unfinished(dst) and not list(dst.glob(".*.partial")), sorted(p.name for p in dst.iterdir())
+    monkeypatch.undo()
+    convert(release.path, dst)
+    assert contents(dst) == contents(reference)
+
+
+def file_size_limit(release, reference, tmp_path, monkeypatch, capsys):
+    """A real RLIMIT_FSIZE below the first shard's size (Python ignores SIGXFSZ, so the write fails with EFBIG): the
+    error names the file (it named none), no `.partial` stays, and the same command resumes to the same bytes."""
+    dst = tmp_path / "out"
+    first = sorted(reference.glob("model-*.safetensors"))[0]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (first.stat().st_size - 2000, hard))
+    try:
+        with pytest.raises(ConversionError, match=re.escape(f"{dst / first.name}: File too large while writing: the "
+                                                            "process's file-size limit (`ulimit -f`)")):
+            convert(release.path, dst)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert looks_unfinished(dst) and not list(dst.glob(".*.partial"))
+    convert(release.path, dst)
+    assert contents(dst) == contents(reference)
+
+
+def ctrl_c_during_convert(release, reference, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of a shard: one line on stderr (it was a KeyboardInterrupt traceback), exit 130, no
+    `.partial`, and the same command resumes after the finished shards to the same bytes."""
+    dst = tmp_path / "out"
+    args = [str(release.path), str(dst), "--max-shard-size", SHARD, "--quiet"]
+    fail_after_tensors(monkeypatch, 25, KeyboardInterrupt())
+    assert kc.run_convert(args) == 130
+    err = capsys.readouterr().err
+    assert err == "kimik3 convert: interrupted; run the same command again to resume after the finished shards\n"
+    assert looks_unfinished(dst) and not list(dst.glob(".*.partial"))
+    done = json.loads((dst / engine.MANIFEST_NAME).read_text())["done"]
+    monkeypatch.undo()
+    assert kc.run_convert(args) == 0 and done
+    assert contents(dst) == contents(reference)
+
+
 def threads_negative_api(release, reference, tmp_path, monkeypatch, capsys):
     with pytest.raises(ConversionError, match="--threads -1: must be a whole number >= 1"):
         convert(release.path, tmp_path / "out", threads=-1)
@@ -443,6 +585,9 @@ RUN_CASES = [
     pytest.param(disk_full_upfront, id="disk-full-upfront"),
     pytest.param(disk_full_mid_run, id="disk-full-mid-run"),
     pytest.param(threads_negative_api, id="threads-negative-api"),
+    pytest.param(disk_full_in_the_last_bytes, id="disk-full-in-the-last-bytes"),
+    pytest.param(file_size_limit, id="file-size-limit"),
+    pytest.param(ctrl_c_during_convert, id="ctrl-c-exit-130-resumes"),
 ]
 
 
