@@ -443,7 +443,8 @@ _REPO_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_][\w.-]*(?<![.-])(/[A-Za-z0-9_
 # A code reference in auto_map: `module.Class` where module.py sits in the folder
 _CODE_REFERENCE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
 # The layers of a checkpoint's text model, in the release's and our names (composite or text-only)
-_LAYER_NAME = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")
+_LAYER_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.")
+_VISION_NAMES = ("vision_tower.", "mm_projector.")
 # safetensors' dtypes and their element sizes (the converter passes the subset it can read)
 SAFETENSORS_ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                          "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -694,8 +695,9 @@ def check_shards_against_index(headers: dict, weight_map: dict, index_path, erro
 
 def check_layer_count(config: dict, weight_map: dict, config_path, index_path, error=load_error) -> None:
     """config.json's layer count must match the layers whose tensors the checkpoint holds (every layer 0..L-1 has
-    some): checked on the raw JSON, before a config is built, since building one for a count like 10^9 would take
-    hours. A count that is not a positive whole number is left to the config's own check (which names the key)."""
+    some `...layers.N.` tensor): checked on the raw JSON, before a config is built, since building one for a count
+    like 10^9 would take hours. A count that is not a positive whole number is left to the config's own check (which
+    names the key), and a checkpoint without any `layers.N.` name is not counted."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     key = "text_config.num_hidden_layers" if text is not config else "num_hidden_layers"
     count = text.get("num_hidden_layers")
@@ -703,9 +705,11 @@ def check_layer_count(config: dict, weight_map: dict, config_path, index_path, e
         return
     held = set()
     for tensor in weight_map:
-        match = _LAYER_NAME.match(tensor)
+        match = None if tensor.startswith(_VISION_NAMES) else _LAYER_NAME.match(tensor)
         if match:
             held.add(int(match.group(1)))
+    if not held:
+        return  # names of another kind (no `layers.N.`): nothing to count
     missing = next((layer for layer in range(count) if layer not in held), None)
     if missing is not None:
         found = f"layers 0..{max(held)} ({len(held)} layer(s))" if held else "no layer"
