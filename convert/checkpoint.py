@@ -153,9 +153,22 @@ class Checkpoint:
                 raise shard_error(path, f"shard file is missing (the index names it for `{name}`)")
             reader = ShardReader(path, self.chunk_bytes)
             check_shards_against_index({shard: (path, reader.entries)}, self.weight_map, self.index_path,
-                                       error=shard_error, listed=False)
+                                       error=shard_error, listed=False, names_of=self._names_in)
             self._readers[shard] = reader
         return self._readers[shard]
+
+    def _names_in(self, shard: str):
+        """The tensor names in another shard's header, for the message when a tensor sits in the wrong one (None when
+        that shard cannot be read: the error for it comes when it is opened)."""
+        if shard in self._readers:
+            return self._readers[shard].entries
+        path = self.shard_path(shard)
+        try:
+            check_file_name(shard, self.index_path, what="shard", suffix=".safetensors", error=shard_error)
+            check_inside(self.root, path)
+            return read_header(path)[0]
+        except ConversionError:
+            return None
 
     def entry(self, name: str) -> TensorEntry:
         return self.reader(name).entry(name)

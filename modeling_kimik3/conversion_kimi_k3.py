@@ -673,21 +673,30 @@ def read_safetensors_header(path, *, error=load_error, itemsizes=SAFETENSORS_ITE
 
 
 def check_shards_against_index(headers: dict, weight_map: dict, index_path, error=load_error,
-                               listed: bool = True) -> None:
+                               listed: bool = True, names_of=None) -> None:
     """Every tensor comes from one place: a tensor in a shard's header that the index does not list, or lists in
-    another shard (the same name in two shards), is refused naming both files; the index may not name a tensor its
-    shard lacks (`listed=False` leaves that to the reader, which refuses such a tensor when it is read).
-    `headers`: {shard name: (path, {tensor: entry})} of the shards read."""
+    another shard that holds it too (the same name in two shards), is refused naming both files; the index may not
+    name a tensor its shard lacks (`listed=False` leaves that to the reader, which refuses such a tensor when it is
+    read). `headers`: {shard name: (path, {tensor: entry})} of the shards read; `names_of(shard)`: the tensor names in
+    another shard's header (default: from `headers`)."""
+    if names_of is None:
+        names_of = lambda shard: headers[shard][1] if shard in headers else None  # noqa: E731
     for shard, (path, entries) in headers.items():
         for tensor in entries:
             owner = weight_map.get(tensor)
             if owner == shard:
                 continue
             if owner is None:
-                raise error(path, f"the shard's header holds this tensor but the index {index_path} does not list it "
-                            "(a tensor must come from one place: list it, or remove it from the shard)", tensor)
-            raise error(path, f"the tensor is also in {os.path.join(os.path.dirname(path), owner)}, which the index "
-                        f"{index_path} names for it (a tensor must come from one shard)", tensor)
+                raise error(path, f"the shard's header holds this tensor, but it is missing from the index "
+                            f"{index_path} (a tensor must come from one place: list it, or remove it from the shard)",
+                            tensor)
+            owner_path = os.path.join(os.path.dirname(path), owner)
+            owner_names = names_of(owner)
+            if owner_names is not None and tensor not in owner_names:
+                raise error(owner_path, f"the index names this tensor but the shard's header lacks it (it is in "
+                            f"{path})", tensor)
+            raise error(path, f"the tensor is also in {owner_path}, which the index {index_path} names for it (a "
+                        "tensor must come from one shard)", tensor)
     for tensor, shard in weight_map.items() if listed else ():
         if shard in headers and tensor not in headers[shard][1]:
             raise error(headers[shard][0], "the index names this tensor but the shard's header lacks it", tensor)

@@ -112,6 +112,13 @@ def second_copy_of_q(root):
     return {}
 
 
+def q_named_in_another_shard(root):
+    home = weight_map(root)[Q]
+    other = next(s for s in sorted(set(weight_map(root).values())) if s != home)
+    set_weight_map(root, lambda wm: wm.__setitem__(Q, other))
+    return {}
+
+
 def q_unlisted(root):
     set_weight_map(root, lambda wm: wm.pop(Q))
     return {}
@@ -195,7 +202,9 @@ LOADING_CASES = [
                  id="load-release-tensor-in-two-shards"),
     pytest.param("converted", second_copy_of_q, [Q, "is also in", "must come from one shard"],
                  id="load-converted-tensor-in-two-shards"),
-    pytest.param("release", q_unlisted, [Q, "the index", "does not list it"], id="load-tensor-not-in-index"),
+    pytest.param("release", q_unlisted, [Q, "the index", "missing from the index"], id="load-tensor-not-in-index"),
+    pytest.param("converted", q_named_in_another_shard, [Q, "the index names this tensor but the shard's header lacks it",
+                                                         "(it is in "], id="load-tensor-in-the-wrong-shard"),
     pytest.param("release", nested_json("config.json"), ["config.json", "nested too deeply"],
                  id="load-config-deeply-nested"),
     pytest.param("converted", nested_json(INDEX), [INDEX, "nested too deeply"], id="load-index-deeply-nested"),
