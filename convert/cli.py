@@ -50,10 +50,11 @@ def _export_parser(prog: str = "kimik3 export") -> argparse.ArgumentParser:
 
 
 def _verify_parser(prog: str = "kimik3 verify") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Compare a converted folder with its source, tensor by "
-                                "tensor and by the logits of a short forward.")
-    p.add_argument("src")
-    p.add_argument("converted")
+    p = argparse.ArgumentParser(prog=prog, description="Compare two folders of one model (release, converted, "
+                                "exported, fine-tuned or saved; either order), tensor by tensor and by the logits of a "
+                                "short forward.")
+    p.add_argument("src", help="a folder (or Hub repo id) in the release layout or ours")
+    p.add_argument("converted", help="the other folder, in either layout")
     p.add_argument("--revision")
     p.add_argument("--logits", choices=("auto", "always", "never"), default="auto")
     p.add_argument("--tokens", type=positive_int, default=8)
@@ -145,9 +146,10 @@ def _do_verify(args) -> int:
         print(json.dumps(report, indent=2, default=str))
     tensors = report["tensors"]
     print(f"tensors: {tensors['compared']} compared, {len(tensors['mismatches'])} mismatch(es)")
-    if "values_equal_bytes_differ" in tensors:  # two release-layout folders (an export against its source)
+    if "values_equal_bytes_differ" in tensors:  # two folders of one layout, compared name by name
+        why = tensors.get("values_equal_why", "MXFP4 experts re-quantised with another valid scale")
         print(f"  {tensors['bytes_equal']} bytes-equal, {tensors['values_equal_bytes_differ']} values-equal with "
-              "different bytes (MXFP4 experts re-quantised with another valid scale)")
+              f"different bytes ({why})")
     for m in tensors["mismatches"][:20]:
         print(f"  MISMATCH {m['tensor']} (source {m['source']}): {m['max_abs_diff']}")
     logits = report["logits"]

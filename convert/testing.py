@@ -10,9 +10,15 @@ total), then the embed/head shard, the projector shard and the vision shard. Wri
 
 MXFP4 experts are random E2M1 codes with one code of magnitude 6 in every group of 32 (so re-quantising their
 dequantised values reproduces the same bytes) and E8M0 scales near 2^-7; their exact dense values are returned.
+
+The tokenizer is a working one in the release's form: `tiktoken.model` with the synthetic BPE ranks `kimik3 tiny`
+uses (kimik3/tokenizer_files.py: vocab_size - 256 ranks, then the 256 reserved specials) and `tokenizer_config.json`
+with the release's auto_map, so a conversion of the fixture chats. A vocabulary the synthetic ranks cannot fill
+(fewer than 256 + 256 entries, or more ranks than the training text gives) gets a 2-rank stub instead.
 """
 
 import copy
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -23,15 +29,19 @@ from safetensors.torch import save_file
 
 from kimik3.configuration import release_layer_schedule, released_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
+from kimik3.tokenizer_files import ranks_file_text, special_token_ids, tokenizer_config, train_ranks
 
 from . import name_map as nm
 from .checkpoint import INDEX_NAME, RELEASE_TOTAL_DIGITS, shard_file_name
 from .mxfp4 import MXFP4_GROUP_SIZE, dequantize_mxfp4, pack_codes
 from .plan import TEXT_PREFIX
 
+# The tokenizer's ranks (the size `kimik3 tiny` uses); the vocabulary adds the 256 reserved specials.
+TINY_TOKENIZER_RANKS = 512
+_TINY_IDS = special_token_ids(TINY_TOKENIZER_RANKS)  # [BOS], <|end_of_msg|>, [PAD]
 TINY_TEXT = {
     "hidden_size": 64,
-    "vocab_size": 256,
+    "vocab_size": TINY_TOKENIZER_RANKS + 256,
     "intermediate_size": 96,
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
@@ -46,9 +56,7 @@ TINY_TEXT = {
     "num_shared_experts": 2,
     "attn_res_block_size": 2,
     "max_position_embeddings": 4096,
-    "bos_token_id": 240,
-    "eos_token_id": 242,
-    "pad_token_id": 255,
+    **_TINY_IDS,
 }
 TINY_LINEAR = {"num_heads": 2, "head_dim": 16}
 TINY_VISION = {
@@ -62,7 +70,8 @@ TINY_VISION = {
     "init_pos_emb_width": 4,
     "mm_hidden_size": 32,
 }
-TINY_TOP = {"bos_token_id": 240, "eos_token_id": 242, "pad_token_id": 255, "media_placeholder_token_id": 253}
+# <|media_pad|> is the 22nd reserved special, as 163605 = 163584 + 21 in the release
+TINY_TOP = {**_TINY_IDS, "media_placeholder_token_id": TINY_TOKENIZER_RANKS + 21}
 
 
 @dataclass
@@ -165,15 +174,33 @@ def release_preprocessor_config(config: dict) -> dict:
     }
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer_ranks(num_ranks: int) -> str | None:
+    """The ranks file text of the synthetic tokenizer (trained once per size), None where it cannot have that size."""
+    try:
+        return ranks_file_text(train_ranks(num_ranks))
+    except ValueError:  # fewer than the 256 single bytes, or more merges than the training text holds
+        return None
+
+
 def _aux_files(dst: Path, config: dict) -> None:
     text = config["text_config"]
     (dst / "generation_config.json").write_text(
         json.dumps({"max_length": text["max_position_embeddings"], "eos_token_id": text["eos_token_id"]}, indent=2)
     )
-    (dst / "tiktoken.model").write_bytes(b"IQ== 0\nIg== 1\n")
-    (dst / "tokenizer_config.json").write_text(json.dumps(
-        {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}, "bos_token": "[BOS]",
-         "eos_token": "<|end_of_msg|>", "model_max_length": 1048576}, indent=2))
+    ranks = _tokenizer_ranks(text["vocab_size"] - 256)
+    if ranks is None:
+        (dst / "tiktoken.model").write_bytes(b"IQ== 0\nIg== 1\n")
+        (dst / "tokenizer_config.json").write_text(json.dumps(
+            {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}, "bos_token": "[BOS]",
+             "eos_token": "<|end_of_msg|>", "model_max_length": 1048576}, indent=2))
+    else:
+        (dst / "tiktoken.model").write_text(ranks)
+        # the release's form: its own slow tokenizer class in auto_map (the converter names ours instead)
+        release_tokenizer = tokenizer_config(text["vocab_size"] - 256)
+        release_tokenizer.update(auto_map={"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+                                 tokenizer_class="TikTokenTokenizer")
+        (dst / "tokenizer_config.json").write_text(json.dumps(release_tokenizer, indent=2))
     (dst / "tokenization_kimi.py").write_text("# release tokenizer (fixture placeholder)\n")
     (dst / "encoding_k3.py").write_text("# release XTML chat encoder (fixture placeholder)\n")
     (dst / "preprocessor_config.json").write_text(json.dumps(release_preprocessor_config(config), indent=2))

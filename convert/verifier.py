@@ -1,17 +1,26 @@
-"""`kimik3 verify SRC CONVERTED`: a converted folder against its source.
+"""`kimik3 verify A B`: any two folders of one model, in either order: the release (or an export, both in the
+release layout) and ours (a conversion with dense or packed experts, a fine-tune, a `save_pretrained` of a loaded
+model). Each folder's layout is detected from its names and config (`is_release_layout`).
 
-1. Tensors: the converted folder is read back into the release's naming (the export direction of the name map, with
-   experts split per expert and dequantised when kept packed), and every tensor is compared bit for bit with the
-   source's value (MXFP4 experts dequantised), following the layer / expert slicing recorded in
-   `kimik3_conversion.json`. Different code paths do the two directions (fusing vs slicing), so a mistake in either
-   shows up as a mismatch. Every converted tensor must be accounted for. The source is read with the `safetensors`
-   library, not with our reader, so a header our parser misreads cannot make both sides agree.
-   When CONVERTED is itself in the release layout (an `export`), the two release folders are compared name by name,
-   counting bytes-equal tensors apart from MXFP4 experts whose bytes differ but whose values are equal (a source
-   that chose another valid E8M0 scale than the OCP rule export uses).
-2. Logits: the converted folder is loaded with `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`
-   and compared with the same class built from the source's values in memory (dense experts), on a short fixed
-   input. Skipped for models above `max_logits_params` parameters or when the model classes are not available.
+1. Tensors. A release folder against one of ours: our folder is read back into the release's naming (the export
+   direction of the name map, with experts split per expert), and every tensor is compared bit for bit with the
+   release's value, following the layer / expert slicing of a `--num-layers` / `--num-experts` conversion (the
+   layer map recorded in `kimik3_conversion.json`, identity when both have the same layers). Routed experts are
+   compared as bytes where both sides keep them packed (MXFP4 codes and scales), else as exact dense values (the
+   packed side dequantised). Different code paths do the two directions (fusing vs slicing), so a mistake in either
+   shows up as a mismatch. The release folder is read with the `safetensors` library, not with our reader, so a
+   header our parser misreads cannot make both sides agree.
+   Two release-layout folders (a source and its export) are compared name by name, counting bytes-equal tensors
+   apart from MXFP4 experts whose bytes differ but whose values are equal (a source that chose another valid E8M0
+   scale than the OCP rule export uses). Two of our folders are compared name by name in our naming (a composite
+   folder's `language_model.` prefix set aside when the other is text-only): packed against dense experts by exact
+   value, tensors saved in another dtype by exact value, both counted apart from the bytes-equal ones.
+   Everywhere `A_log` is compared after un-padding: the release stores it zero-padded to 128 (docs/design.md,
+   "Parameter names"), ours at its live length; the padding must be +0.0.
+2. Logits. Where one side is ours, it is loaded with `AutoModelForCausalLM.from_pretrained(...,
+   trust_remote_code=True)` and compared with the same class built from the release's values in memory (dense
+   experts), or with the other folder loaded the same way when both are ours, on a short fixed input. Skipped for
+   models above `max_logits_params` parameters or when the model classes are not available.
 """
 
 import copy
@@ -82,8 +91,42 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) if a.numel() else True
 
 
+def _max_diff(a: torch.Tensor, b: torch.Tensor):
+    if a.shape != b.shape:
+        return f"shape {list(a.shape)} vs {list(b.shape)}"
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _unpadded_a_log(value: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """The live heads of an A_log stored at its length or zero-padded (+0.0 bit for bit); None if it is neither."""
+    if value.dim() != 1 or value.shape[0] < heads:
+        return None
+    tail = value[heads:]
+    if bool((tail != 0).any()) or bool(torch.signbit(tail).any()):
+        return None
+    return value[:heads]
+
+
+def _compare_a_log(a: torch.Tensor, b: torch.Tensor, heads: int):
+    """None when equal after un-padding, else what differs."""
+    ua, ub = _unpadded_a_log(a, heads), _unpadded_a_log(b, heads)
+    for value, side in ((ua, "first"), (ub, "second")):
+        if value is None:
+            return f"A_log {list((a if side == 'first' else b).shape)} in the {side} folder is not {heads} heads " \
+                   "(optionally followed by +0.0 padding)"
+    return None if _same_bits(ua, ub) else _max_diff(ua, ub)
+
+
+def _is_a_log(name: str) -> bool:
+    return name.endswith(".self_attn.A_log")
+
+
 def compare_tensors(src, conv, layer_map: list[int]) -> dict:
-    plan = build_export_plan(conv, RunContext(), experts_format="dense")
+    """A release-layout folder `src` against one of ours `conv`, in the release's naming."""
+    both_packed = any(n.endswith(".weight_packed") for n in src.weight_map) and any(
+        n.endswith("experts.gate_up_proj_packed") for n in conv.weight_map)
+    plan = build_export_plan(conv, RunContext(), experts_format="mxfp4" if both_packed else "dense")
+    heads = nm.dims(conv.text_config)["H"]
     mismatches, compared = [], 0
     lib = LibraryReader(src)
     for tensor in plan.tensors:
@@ -97,15 +140,15 @@ def compare_tensors(src, conv, layer_map: list[int]) -> dict:
             expected = expected[: tensor.spec.shape[0]]
         actual = materialise(tensor)
         compared += 1
-        if not _same_bits(actual, expected):
-            diff = (
-                float((actual.float() - expected.float()).abs().max())
-                if actual.shape == expected.shape
-                else f"shape {list(actual.shape)} vs {list(expected.shape)}"
-            )
+        if _is_a_log(release_name):
+            diff = _compare_a_log(actual, expected, heads)
+        else:
+            diff = None if _same_bits(actual, expected) else _max_diff(actual, expected)
+        if diff is not None:
             mismatches.append({"tensor": release_name, "source": source_name, "max_abs_diff": diff})
     lib.close()
-    return {"compared": compared, "mismatches": mismatches}
+    return {"compared": compared, "mismatches": mismatches,
+            "experts": "bytes (both packed)" if both_packed else "dense values"}
 
 
 def is_release_layout(ckpt) -> bool:
@@ -127,6 +170,7 @@ def compare_release_layouts(src, other) -> dict:
     """Two release-layout folders (a source and its export), name by name: bytes-equal tensors, MXFP4 pairs whose
     bytes differ but whose dequantised values are equal, and mismatches (missing names included)."""
     lib = LibraryReader(src)
+    heads = nm.dims(src.text_config)["H"]
     mismatches, bytes_equal, values_equal, done = [], 0, 0, set()
     for name in sorted(set(src.weight_map) | set(other.weight_map)):
         if name in done:
@@ -135,56 +179,151 @@ def compare_release_layouts(src, other) -> dict:
         done.update(group)
         absent = [n for n in group if n not in src.weight_map or n not in other.weight_map]
         if absent:
-            side = "source" if absent[0] not in src.weight_map else "exported folder"
+            side = "first folder" if absent[0] not in src.weight_map else "second folder"
             mismatches.append({"tensor": absent[0], "source": absent[0], "max_abs_diff": f"missing in the {side}"})
             continue
         want = [lib.read(n) for n in group]
         got = [other.reader(n).read(n, E8M0 if n.endswith("_scale") else None) for n in group]
         if all(_same_bits(a, b) for a, b in zip(got, want)):
             bytes_equal += len(group)
+        elif _is_a_log(name) and _compare_a_log(got[0], want[0], heads) is None:
+            values_equal += 1  # the same heads, padded to another length
         elif len(group) == 2 and all(a.shape == b.shape for a, b in zip(got, want)) and torch.equal(
                 dequantize_mxfp4(*got, torch.float32), dequantize_mxfp4(*want, torch.float32)):
             values_equal += len(group)
         else:
-            diff = (float((got[0].float() - want[0].float()).abs().max()) if got[0].shape == want[0].shape
-                    else f"shape {list(got[0].shape)} vs {list(want[0].shape)}")
+            diff = _compare_a_log(got[0], want[0], heads) if _is_a_log(name) else _max_diff(got[0], want[0])
             mismatches.append({"tensor": name, "source": name, "max_abs_diff": diff})
     lib.close()
     return {"compared": len(done), "bytes_equal": bytes_equal, "values_equal_bytes_differ": values_equal,
             "mismatches": mismatches}
 
 
-def _reference_state(src, provenance: dict) -> dict:
-    options = provenance.get("options", {})
-    plan = build_convert_plan(src, ConvertOptions(
-        text_only=options.get("text_only", False),
+_PACKED_SUFFIXES = ("_packed", "_scale")
+
+
+def _our_groups(ckpt, strip_prefix: bool) -> dict:
+    """Our folder's tensors by the name they are compared under: a fused expert tensor's packed pair under the dense
+    name (`...experts.gate_up_proj`), the composite prefix removed when the other folder is text-only."""
+    groups: dict = {}
+    for name in ckpt.weight_map:
+        key = name.removeprefix("language_model.") if strip_prefix else name
+        base = key
+        for suffix in _PACKED_SUFFIXES:
+            if key.endswith(("experts.gate_up_proj" + suffix, "experts.down_proj" + suffix)):
+                base = key[: -len(suffix)]
+        groups.setdefault(base, []).append(name)
+    return groups
+
+
+def _forms(names: list[str]) -> list[str]:
+    """How a compared tensor is stored: [""] dense, ["_packed", "_scale"] packed."""
+    return [next((s for s in _PACKED_SUFFIXES if n.endswith(s)), "") for n in names]
+
+
+def _read_ours(ckpt, reader, names: list[str]) -> torch.Tensor:
+    """One compared tensor of our layout: dense as stored, or the packed pair dequantised (exact in f32)."""
+    if len(names) == 1 and not names[0].endswith(_PACKED_SUFFIXES):
+        return reader(names[0])
+    packed = next(n for n in names if n.endswith("_packed"))
+    scale = next(n for n in names if n.endswith("_scale"))
+    return dequantize_mxfp4(reader(packed), reader(scale), torch.float32)
+
+
+def compare_our_layouts(first, second) -> dict:
+    """Two of our folders (a conversion and a fine-tune or save_pretrained of it, dense and packed experts), name by
+    name: bytes-equal tensors (packed experts: codes and scales), and tensors equal in value with other bytes
+    (packed vs dense experts, another dtype, A_log padded to another length)."""
+    lib = LibraryReader(first)
+    strip = first.composite != second.composite
+    groups_a, groups_b = _our_groups(first, strip and first.composite), _our_groups(second, strip and second.composite)
+    heads = nm.dims(first.text_config)["H"]
+
+    def read_b(name):
+        return second.reader(name).read(name, E8M0 if name.endswith("_scale") else None)
+
+    mismatches, bytes_equal, values_equal = [], 0, 0
+    for key in sorted(set(groups_a) | set(groups_b)):
+        names_a, names_b = sorted(groups_a.get(key, [])), sorted(groups_b.get(key, []))
+        if not names_a or not names_b:
+            side = "first folder" if not names_a else "second folder"
+            shown = (names_b or names_a)[0]
+            mismatches.append({"tensor": shown, "source": shown, "max_abs_diff": f"missing in the {side}"})
+            continue
+        raw_a, raw_b = [lib.read(n) for n in names_a], [read_b(n) for n in names_b]
+        if _forms(names_a) == _forms(names_b) and all(_same_bits(a, b) for a, b in zip(raw_a, raw_b)):
+            bytes_equal += 1
+            continue
+        a = _read_ours(first, dict(zip(names_a, raw_a)).__getitem__, names_a)
+        b = _read_ours(second, dict(zip(names_b, raw_b)).__getitem__, names_b)
+        if _is_a_log(key):
+            diff = _compare_a_log(a.float(), b.float(), heads)
+        elif a.shape == b.shape and (a.dtype.is_floating_point == b.dtype.is_floating_point):
+            # exact in float64 for every floating dtype a checkpoint holds (bf16, f16, f32)
+            diff = None if torch.equal(a.double(), b.double()) else _max_diff(a, b)
+        else:
+            diff = _max_diff(a, b) if a.dtype.is_floating_point and b.dtype.is_floating_point else \
+                f"{a.dtype} {list(a.shape)} vs {b.dtype} {list(b.shape)}"
+        if diff is None:
+            values_equal += 1
+        else:
+            mismatches.append({"tensor": names_b[0], "source": names_a[0], "max_abs_diff": diff})
+    lib.close()
+    return {"compared": len(set(groups_a) | set(groups_b)), "bytes_equal": bytes_equal,
+            "values_equal_bytes_differ": values_equal, "mismatches": mismatches,
+            "values_equal_why": "packed vs dense experts, another dtype, or A_log padded to another length"}
+
+
+def _slicing(release, ours, provenance: dict) -> ConvertOptions:
+    """The conversion options that make `release` into `ours` (layers, experts, text only), read from the two
+    configs: the same for a conversion of the release and for a release exported from ours."""
+    r_text, o_text = release.text_config, ours.text_config
+    return ConvertOptions(
+        text_only=not ours.composite,
         experts_format="dense",
-        num_layers=options.get("num_layers"),
-        num_experts=options.get("num_experts"),
-        allow_unknown=options.get("allow_unknown", False),
-    ))
-    return {t.spec.name: materialise(t) for t in plan.tensors}
+        num_layers=o_text.num_hidden_layers if o_text.num_hidden_layers != r_text.num_hidden_layers else None,
+        num_experts=o_text.num_experts if o_text.num_experts != r_text.num_experts else None,
+        allow_unknown=provenance.get("options", {}).get("allow_unknown", False),
+    )
 
 
-def compare_logits(src, converted: Path, provenance: dict, num_tokens: int) -> dict:
+def _layer_map(release, ours, provenance: dict, provenance_path: Path) -> list[int]:
+    count = ours.text_config.num_hidden_layers
+    if count == release.text_config.num_hidden_layers:
+        return list(range(count))
+    layer_map = provenance.get("layer_map")
+    if layer_map is None:
+        layer_map, _ = make_layer_map(release.text_config, count)
+    if len(layer_map) != count:
+        raise ConversionError(f"{provenance_path}: layer_map has {len(layer_map)} layers, config.json {count}")
+    return layer_map
+
+
+def _load_ours(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def _fixed_input(vocab: int, num_tokens: int) -> torch.Tensor:
+    return (torch.arange(num_tokens).unsqueeze(0) * 7919 + 11) % vocab
+
+
+def compare_logits(src, converted: Path, options: ConvertOptions, num_tokens: int) -> dict:
     try:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(converted), trust_remote_code=True, dtype=torch.float32)
+        model = _load_ours(converted)
     except Exception as exc:  # the model classes may not exist yet, or not support this layout
         return {"skipped": f"could not load the converted model: {type(exc).__name__}: {exc}"}
     config = copy.deepcopy(model.config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     text.experts_format = "dense"
     reference = type(model)(config).to(torch.float32)
-    state = _reference_state(src, provenance)
+    state = {t.spec.name: materialise(t) for t in build_convert_plan(src, options).tensors}
     missing, unexpected = reference.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(("vision_tower.", "mm_projector."))]
     if missing:
         return {"skipped": None, "ok": False, "error": f"reference model lacks values for {missing[:5]}"}
-    vocab = text.vocab_size
-    input_ids = (torch.arange(num_tokens).unsqueeze(0) * 7919 + 11) % vocab
-    model.eval()
+    input_ids = _fixed_input(text.vocab_size, num_tokens)
     reference.eval()
     with torch.no_grad():
         got = model(input_ids=input_ids).logits.float()
@@ -194,30 +333,50 @@ def compare_logits(src, converted: Path, provenance: dict, num_tokens: int) -> d
             "ignored_keys": sorted(unexpected)[:5]}
 
 
+def compare_our_logits(first: Path, second: Path, num_tokens: int) -> dict:
+    try:
+        models = [_load_ours(first), _load_ours(second)]
+    except Exception as exc:
+        return {"skipped": f"could not load both models: {type(exc).__name__}: {exc}"}
+    input_ids = _fixed_input(models[0].config.get_text_config().vocab_size, num_tokens)
+    with torch.no_grad():
+        got, want = (m(input_ids=input_ids).logits.float() for m in models)
+    diff = float((got - want).abs().max()) if got.shape == want.shape else f"shape {list(got.shape)} vs " \
+                                                                             f"{list(want.shape)}"
+    return {"skipped": None, "ok": diff == 0.0, "max_abs_diff": diff, "tokens": num_tokens}
+
+
+def _logits_too_large(ours, logits: str, max_logits_params: float) -> str | None:
+    params = sum(ours.entry(n).nbytes for n in ours.weight_map) / 2
+    if logits == "never":
+        return "disabled"
+    if logits == "auto" and params > max_logits_params:
+        return f"model too large (~{params:.3g} parameters); pass --logits always"
+    return None
+
+
 def verify(src, converted, *, logits: str = "auto", max_logits_params: float = 2e8, tokens: int = 8,
            revision: str | None = None) -> dict:
-    """Returns a report; `report["ok"]` is False on any mismatch. logits: "auto" | "always" | "never"."""
+    """Compares two folders of one model, each in either layout (`src` may be a Hub repo id). Returns a report;
+    `report["ok"]` is False on any mismatch. logits: "auto" | "always" | "never"."""
     converted = Path(converted)
-    provenance_path = converted / PROVENANCE_NAME
-    provenance = files.read_provenance(converted)
-    with Checkpoint(converted) as conv, open_source(src, revision, 64 * 2**20) as source:
-        if is_release_layout(conv):
-            report = {"tensors": compare_release_layouts(source, conv),
-                      "logits": {"skipped": "both folders are in the release layout (compared tensor by tensor)"}}
-            report["ok"] = not report["tensors"]["mismatches"]
-            return report
-        layer_map = provenance.get("layer_map")
-        if layer_map is None:
-            layer_map, _ = make_layer_map(source.text_config, conv.text_config.num_hidden_layers)
-        if len(layer_map) != conv.text_config.num_hidden_layers:
-            raise ConversionError(f"{provenance_path}: layer_map has {len(layer_map)} layers, config.json "
-                                  f"{conv.text_config.num_hidden_layers}")
-        report = {"tensors": compare_tensors(source, conv, layer_map)}
-        params = sum(conv.entry(n).nbytes for n in conv.weight_map) / 2
-        if logits == "never" or (logits == "auto" and params > max_logits_params):
-            report["logits"] = {"skipped": "disabled" if logits == "never" else f"model too large (~{params:.3g} "
-                                "parameters); pass --logits always"}
+    with Checkpoint(converted) as second, open_source(src, revision, 64 * 2**20) as first:
+        release = [is_release_layout(first), is_release_layout(second)]
+        report = {"layouts": ["release" if r else "ours" for r in release]}
+        if all(release):
+            report["tensors"] = compare_release_layouts(first, second)
+            report["logits"] = {"skipped": "both folders are in the release layout (compared tensor by tensor)"}
+        elif not any(release):
+            report["tensors"] = compare_our_layouts(first, second)
+            skipped = _logits_too_large(second, logits, max_logits_params)
+            report["logits"] = {"skipped": skipped} if skipped else compare_our_logits(first.root, converted, tokens)
         else:
-            report["logits"] = compare_logits(source, converted, provenance, tokens)
+            rel, ours = (first, second) if release[0] else (second, first)
+            provenance = files.read_provenance(ours.root)
+            layer_map = _layer_map(rel, ours, provenance, ours.root / PROVENANCE_NAME)
+            report["tensors"] = compare_tensors(rel, ours, layer_map)
+            skipped = _logits_too_large(ours, logits, max_logits_params)
+            report["logits"] = {"skipped": skipped} if skipped else compare_logits(rel, ours.root,
+                                                                                 _slicing(rel, ours, provenance), tokens)
     report["ok"] = not report["tensors"]["mismatches"] and report["logits"].get("ok", True) is not False
     return report

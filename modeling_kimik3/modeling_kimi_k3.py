@@ -878,7 +878,18 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     # Saving: the folder must load with trust_remote_code in a fresh process, whether this class came from the
     # installed package or from a model folder's flat files.
     def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
+        # One A_log rule per layout (docs/design.md, "Parameter names"): ours stores the live [H] heads, the release
+        # [128] zero-padded. The loader records the A_log un-padding as used on every load, ours too (the name is the
+        # same), so a model loaded from our layout would be saved padded; its saves keep our layout instead.
+        conversions = getattr(self, "_weight_conversions", None)
+        loaded_ours = bool(conversions) and all(_is_a_log_unpadding(c) for c in conversions)
+        if loaded_ours:
+            self._weight_conversions = []
+        try:
+            super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            if loaded_ours:
+                self._weight_conversions = conversions
         if kwargs.get("is_main_process", True):
             _write_remote_code(self, Path(save_directory))
 
@@ -888,6 +899,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         except ImportError:  # remote code without the package: no card of ours to keep, the library's push as is
             return super().push_to_hub(repo_id, **kwargs)
         return push_with_card(self, repo_id, **kwargs)
+
+
+def _is_a_log_unpadding(conversion) -> bool:
+    """The A_log un-padding converter of conversion_kimi_k3.release_conversions (same source and target name)."""
+    return type(conversion).__name__ == "WeightConverter" and any(
+        type(op).__name__ == "UnpadHeads" for op in getattr(conversion, "operations", ()))
 
 
 # `auto_map` of a folder whose config.json is our text config, and of one holding the release's composite schema (the

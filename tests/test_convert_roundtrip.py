@@ -33,6 +33,28 @@ def converted(release, tmp_path_factory):
     return dst
 
 
+@pytest.fixture(scope="module")
+def converted_mx(release, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("converted_mx") / "out"
+    kc.convert(release.path, dst, experts_format="mxfp4", progress=False)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def exported(converted, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("exported") / "out"
+    summary = kc.export(converted, dst, progress=False)
+    return dst, summary
+
+
+@pytest.fixture(scope="module")
+def saved(converted, tmp_path_factory):
+    """save_pretrained of the converted folder loaded in f32 (every bf16 tensor saved as f32, same values)."""
+    dst = tmp_path_factory.mktemp("saved") / "out"
+    load(converted).save_pretrained(dst)
+    return dst
+
+
 def dense_state(release, prefix: str, layer_map, keep: int) -> dict:
     """Our parameter names (docs/design.md) from the release's dense values, written out by hand."""
     state = {}
@@ -181,9 +203,8 @@ def test_text_only_sliced_conversion(release, tmp_path):
     assert torch.equal(logits(model), logits(reference))
 
 
-def test_export_reproduces_the_release_checkpoint_and_round_trips(release, converted, tmp_path):
-    exported = tmp_path / "exported"
-    summary = kc.export(converted, exported, progress=False)
+def test_export_reproduces_the_release_checkpoint_and_round_trips(release, converted, exported, tmp_path):
+    exported, summary = exported
     err = summary["experts_roundtrip"]
     assert err["experts_requantised"] == 5 * NUM_EXPERTS * 3 and err["experts_bit_exact"] == err["experts_requantised"]
     assert err["relative_rms_error"] == 0.0
@@ -274,3 +295,94 @@ def test_plain_bf16_experts_and_a_single_file_source(tmp_path):
     w = {k: plain.dense[f"language_model.model.layers.1.block_sparse_moe.experts.2.{k}.weight"] for k in ("w1", "w3")}
     assert torch.equal(tensors["language_model.model.layers.1.mlp.experts.gate_up_proj"][2],
                        torch.cat([w["w1"], w["w3"]]))
+
+
+def _folder(name, release, converted, converted_mx, exported, saved):
+    return {"release": release.path, "converted": converted, "converted_mx": converted_mx, "exported": exported[0],
+            "saved": saved}[name]
+
+
+@pytest.mark.parametrize("first, second, equal_values", [
+    ("release", "converted", None),
+    ("release", "converted_mx", None),  # packed experts compared as bytes
+    ("converted", "exported", None),  # the README's `kimik3 verify MODEL EXPORTED` (was 214 mismatches)
+    ("exported", "converted", None),
+    ("converted_mx", "exported", None),  # was 224 mismatches (A_log [128] vs [2], experts "missing")
+    ("release", "exported", 0),
+    ("converted", "saved", "bf16"),  # the f32 save: every bf16 tensor equal in value, other bytes
+    ("converted", "converted_mx", 10),  # 5 MoE layers x 2 fused tensors, packed vs dense by value
+])
+def test_verify_compares_any_two_folders_of_one_model(first, second, equal_values, release, converted, converted_mx,
+                                                      exported, saved, capsys):
+    folders = [_folder(n, release, converted, converted_mx, exported, saved) for n in (first, second)]
+    assert kc.run_verify([str(folders[0]), str(folders[1]), "--logits", "never"]) == 0
+    out = capsys.readouterr().out
+    assert ", 0 mismatch(es)" in out and "MISMATCH" not in out
+    if equal_values == "bf16":
+        tensors = load_file(str(next(converted.glob("model-*.safetensors"))))
+        equal_values = sum(value.dtype == torch.bfloat16 for value in tensors.values())
+        assert equal_values > 100
+    if equal_values is not None:
+        assert f", {equal_values} values-equal with different bytes" in out
+
+
+def _copy_with(folder: Path, dst: Path, name: str, edit) -> Path:
+    """A copy of `folder` whose tensor `name` is changed by `edit(value) -> value`."""
+    dst.mkdir()
+    for path in folder.iterdir():
+        (dst / path.name).write_bytes(path.read_bytes())
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        if name in tensors:
+            tensors[name] = edit(tensors[name])
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+            return dst
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("first, second, name", [
+    ("converted", "saved", "language_model.model.layers.2.self_attn.A_log"),  # ours vs ours, after un-padding
+    ("converted_mx", "exported", "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_packed"),
+    ("release", "exported", "language_model.model.layers.0.self_attn.A_log"),
+])
+def test_verify_still_reports_a_real_difference(first, second, name, release, converted, converted_mx, exported, saved,
+                                                tmp_path, capsys):
+    folders = [_folder(n, release, converted, converted_mx, exported, saved) for n in (first, second)]
+
+    def edit(value):
+        value = value.clone()
+        value.view(-1)[1] += 1  # the second head's A_log; a packed byte's high nibble moves
+        return value
+
+    broken = _copy_with(folders[1], tmp_path / "broken", name, edit)
+    assert kc.run_verify([str(folders[0]), str(broken), "--logits", "never"]) == 1
+    out = capsys.readouterr().out
+    assert f"MISMATCH {name}" in out
+
+
+def test_verify_logits_of_two_of_our_folders(converted, saved, capsys):
+    assert kc.run_verify([str(converted), str(saved), "--logits", "always"]) == 0
+    assert "logits: equal (max |diff| 0.0)" in capsys.readouterr().out
+
+
+def test_save_pretrained_then_reload_gives_bit_equal_logits_and_keeps_our_a_log(converted, saved):
+    """save_pretrained of a model loaded from our layout writes our layout: A_log at its live [H] (the release's
+    [128] padding only for a model loaded from the release, docs/design.md), and reloads to the same logits bit for
+    bit."""
+    tensors = {}
+    for shard in saved.glob("*.safetensors"):
+        tensors.update(load_file(str(shard)))
+    assert tensors["language_model.model.layers.0.self_attn.A_log"].shape == (HEADS,)
+    assert not any("block_sparse_moe" in name for name in tensors)
+    original, reloaded = load(converted), load(saved)
+    assert torch.equal(logits(original), logits(reloaded))
+    original_state, reloaded_state = original.state_dict(), reloaded.state_dict()
+    assert original_state.keys() == reloaded_state.keys()
+    assert all(torch.equal(original_state[k], reloaded_state[k]) for k in original_state)
+    # and it exports as the converted folder does (export refused the padded A_log: "expected shape [2]")
+    from kimik3.convert.checkpoint import Checkpoint
+    from kimik3.convert.plan import RunContext, build_export_plan
+
+    with Checkpoint(saved) as ours, Checkpoint(converted) as theirs:
+        names = [t.spec.name for t in build_export_plan(ours, RunContext()).tensors]
+        assert names == [t.spec.name for t in build_export_plan(theirs, RunContext()).tensors]
