@@ -24,13 +24,14 @@ reading order (texts in order, then positions). Images only: video and audio inp
 
 import json
 import shutil
+from contextvars import ContextVar
 from pathlib import Path
 
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
 from .image_processing_kimi_k3 import KimiK3ImageProcessor, _as_pil
-from .tokenization_kimi_k3 import normalize_conversation
+from .tokenization_kimi_k3 import normalize_conversations
 
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
@@ -45,6 +46,9 @@ PROCESSOR_AUTO_MAP = {"AutoProcessor": "processing_kimi_k3.KimiK3Processor",
 # Keyword arguments ProcessorMixin.apply_chat_template passes for media loading that the tokenizer must not see
 _MEDIA_LOADING_KWARGS = ("num_frames", "fps", "do_sample_frames", "video_load_backend", "sampling_rate",
                          "load_audio_from_video")
+# While apply_chat_template(tokenize=True) renders the tagged template (tokenization_kimi_k3.ChatTagging), the
+# tagging and the plain renderings for __call__, which ProcessorMixin calls with the tagged text
+_CHAT_RENDERING: ContextVar = ContextVar("kimik3_chat_rendering", default=None)
 
 
 def _flatten(items) -> list:
@@ -52,15 +56,6 @@ def _flatten(items) -> list:
     for item in items:
         flat.extend(_flatten(item) if isinstance(item, (list, tuple)) else [item])
     return flat
-
-
-def _normalized(conversation):
-    """The tokenizer's conversation normalisation, for one conversation or a batch of them."""
-    if conversation and isinstance(conversation[0], dict):
-        return normalize_conversation(list(conversation))
-    if conversation and isinstance(conversation[0], (list, tuple)):
-        return [normalize_conversation(list(c)) for c in conversation]
-    return conversation
 
 
 class KimiK3Processor(ProcessorMixin):
@@ -95,34 +90,99 @@ class KimiK3Processor(ProcessorMixin):
         images = [_as_pil(image) for image in _flatten(images or [])]
         for key in _MEDIA_LOADING_KWARGS:
             kwargs.pop(key, None)
-        texts = self._insert_image_prompts(texts, images, expand_media_pad)
-        text_inputs = self.tokenizer(texts if len(texts) > 1 or not isinstance(text, str) else texts[0],
-                                     return_tensors=return_tensors, **kwargs)
+        rendering = _CHAT_RENDERING.get()
+        if rendering is not None:
+            _CHAT_RENDERING.set(None)
+            text_inputs = self._encode_chat_rendering(rendering, texts, images, expand_media_pad,
+                                                      len(texts) > 1 or not isinstance(text, str), return_tensors,
+                                                      kwargs)
+        else:
+            texts = self._insert_image_prompts(texts, images, expand_media_pad)
+            text_inputs = self.tokenizer(texts if len(texts) > 1 or not isinstance(text, str) else texts[0],
+                                         return_tensors=return_tensors, **kwargs)
         data = dict(text_inputs)
         if images:
             data.update(self.image_processor.preprocess(images, return_tensors=return_tensors).data)
         return BatchFeature(data=data, tensor_type=return_tensors)
 
-    def apply_chat_template(self, conversation, *args, **kwargs):
+    def apply_chat_template(self, conversation, chat_template=None, **kwargs):
         """As ProcessorMixin's (image parts: `{"type": "image", "image": <PIL image, path or URL>}`), with the
-        tokenizer's normalisation first so the text matches `tokenizer.apply_chat_template`."""
-        return super().apply_chat_template(_normalized(conversation), *args, **kwargs)
+        tokenizer's checks and normalisation first so the text matches `tokenizer.apply_chat_template`. With
+        `tokenize=True` the conversation's text is ordinary text wherever it spells a control token or the image
+        placeholder, as in the tokenizer's (only the template's own `<|kimi_image_placeholder|>` is an image)."""
+        conversation = normalize_conversations(conversation)
+        if not kwargs.get("tokenize") or not hasattr(self.tokenizer, "chat_tagging"):
+            return super().apply_chat_template(conversation, chat_template, **kwargs)
+        kwargs.pop("sanitize_control_tokens", None)
+        if kwargs.get("return_assistant_tokens_mask"):
+            raise ValueError("return_assistant_tokens_mask: the K3 chat template has no {% generation %} blocks")
+        template = self._chat_template_string(chat_template)
+        plain = super().apply_chat_template(conversation, template, **{**kwargs, "tokenize": False})
+        tagging = self.tokenizer.chat_tagging((IMAGE_PLACEHOLDER,))
+        extra = tagging.template_kwargs(template, self.tokenizer.special_tokens_map, kwargs)
+        token = _CHAT_RENDERING.set((tagging, plain if isinstance(plain, list) else [plain]))
+        try:
+            return super().apply_chat_template(conversation, tagging.template(template), **extra, **kwargs)
+        finally:
+            _CHAT_RENDERING.reset(token)
 
-    def _insert_image_prompts(self, texts: list[str], images: list, expand_media_pad: bool) -> list[str]:
-        placeholders = sum(t.count(IMAGE_PLACEHOLDER) for t in texts)
-        pre_written = sum(t.count(MEDIA_PAD) for t in texts)
+    def _chat_template_string(self, chat_template):
+        templates = self.chat_template
+        if chat_template is None:
+            if isinstance(templates, dict):
+                if "default" not in templates:
+                    raise ValueError(f"the processor has chat templates {sorted(templates)} but none named "
+                                     "`default`: pass chat_template")
+                return templates["default"]
+            if templates is None:
+                raise ValueError("the processor has no chat template")
+            return templates
+        return templates[chat_template] if isinstance(templates, dict) and chat_template in templates else chat_template
+
+    def _encode_chat_rendering(self, rendering, texts, images, expand_media_pad, is_batched, return_tensors, kwargs):
+        """The tagged chat text: pieces checked against the plain rendering, the template's placeholders replaced
+        by image prompts (the same rules as `_insert_image_prompts`, counted over the template's markers only),
+        encoded piece by piece."""
+        tagging, plains = rendering
+        rows = [tagging.split(t, p) for t, p in zip(texts, plains)]
+        placeholders = sum(m and t == IMAGE_PLACEHOLDER for row in rows for t, m in row)
+        pre_written = sum(m and t == MEDIA_PAD for row in rows for t, m in row)
+        self._check_image_counts(placeholders, pre_written, len(images))
+        prompts = iter(self.image_prompt(image.width, image.height, expand_media_pad) for image in images)
+        expanded = []
+        for row in rows:
+            out = []
+            for t, m in row:
+                if m and t == IMAGE_PLACEHOLDER:
+                    prompt = next(prompts)
+                    out.extend(tagging.split(tagging.tag(prompt), prompt))
+                else:
+                    out.append((t, m))
+            expanded.append(out)
+        ids = [self.tokenizer.encode_chat_pieces(row) for row in expanded]
+        options = {k: kwargs.pop(k) for k in ("padding", "truncation", "max_length") if k in kwargs}
+        return self.tokenizer.chat_batch_encoding(ids, is_batched, return_tensors=return_tensors,
+                                                  tokenizer_kwargs=kwargs, **options)
+
+    @staticmethod
+    def _check_image_counts(placeholders: int, pre_written: int, images: int):
         if placeholders and pre_written:
             raise ValueError(f"the text mixes {IMAGE_PLACEHOLDER} and {MEDIA_PAD}: use one form")
         if placeholders == 0:
-            if pre_written and pre_written != len(images):
-                raise ValueError(f"the text holds {pre_written} {MEDIA_PAD} token(s) but {len(images)} image(s) "
+            if pre_written and pre_written != images:
+                raise ValueError(f"the text holds {pre_written} {MEDIA_PAD} token(s) but {images} image(s) "
                                  "were given")
             if not pre_written and images:
-                raise ValueError(f"{len(images)} image(s) were given but the text has no {IMAGE_PLACEHOLDER}")
-            return texts
-        if placeholders != len(images):
-            raise ValueError(f"the text holds {placeholders} {IMAGE_PLACEHOLDER} but {len(images)} image(s) were "
+                raise ValueError(f"{images} image(s) were given but the text has no {IMAGE_PLACEHOLDER}")
+        elif placeholders != images:
+            raise ValueError(f"the text holds {placeholders} {IMAGE_PLACEHOLDER} but {images} image(s) were "
                              "given: one placeholder per image")
+
+    def _insert_image_prompts(self, texts: list[str], images: list, expand_media_pad: bool) -> list[str]:
+        placeholders = sum(t.count(IMAGE_PLACEHOLDER) for t in texts)
+        self._check_image_counts(placeholders, sum(t.count(MEDIA_PAD) for t in texts), len(images))
+        if placeholders == 0:
+            return texts
         prompts = iter(self.image_prompt(image.width, image.height, expand_media_pad) for image in images)
         return ["".join(part if i == 0 else next(prompts) + part for i, part in enumerate(t.split(IMAGE_PLACEHOLDER)))
                 for t in texts]

@@ -145,6 +145,17 @@ def resolve_specials(num_ranks: int, added_tokens_decoder: dict | None, source: 
     return specials
 
 
+def check_token_ids(ids, vocab_size: int) -> list[int]:
+    """Ids to decode as ints, each in 0..vocab_size-1: an id outside the vocabulary is an error naming it (the fast
+    backend would drop it silently, or overflow on a negative one)."""
+    ids = [int(i) for i in ids]
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"token id {i} is outside the vocabulary: ids are 0..{vocab_size - 1} (vocabulary size "
+                             f"{vocab_size})")
+    return ids
+
+
 def check_named_special(source: str, key: str, value, specials_by_token: dict[str, int]) -> None:
     """A `bos_token`/`eos_token`/... value must be one of the special tokens (a clear error, not a silent new id)."""
     content = value.content if isinstance(value, AddedToken) else value
@@ -376,7 +387,7 @@ def normalize_conversation(messages, where: str = "messages") -> list[dict]:
 def normalize_conversations(conversation):
     """`normalize_conversation` for one conversation or a batch of them (anything else passes as it is)."""
     if isinstance(conversation, (list, tuple)) and conversation and isinstance(conversation[0], (list, tuple)):
-        return [normalize_conversation(list(c), f"conversation[{i}]") for i, c in enumerate(conversation)]
+        return [normalize_conversation(list(c), f"conversation {i}: messages") for i, c in enumerate(conversation)]
     if isinstance(conversation, (list, tuple)) and conversation and not hasattr(conversation[0], "messages"):
         return normalize_conversation(list(conversation))
     return conversation
@@ -635,10 +646,7 @@ class KimiK3Tokenizer(ChatNormalizingMixin, PreTrainedTokenizer):
     def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs):
         if isinstance(token_ids, int):
             token_ids = [token_ids]
-        ids = [int(i) for i in token_ids]
-        for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        ids = check_token_ids(token_ids, self.vocab_size)
         if skip_special_tokens:
             ids = [i for i in ids if i < self.num_ranks]
         return self._bytes_of_ids(ids)
@@ -687,6 +695,11 @@ class KimiK3TokenizerFast(ChatNormalizingMixin, PreTrainedTokenizerFast):
             if self.convert_tokens_to_ids(content) != token_id:
                 raise TokenizerFileError(f"{source}: {content!r} is id {self.convert_tokens_to_ids(content)} in "
                                          f"tokenizer.json but {token_id} in tokenizer_config.json")
+
+    def _decode(self, token_ids, *args, **kwargs):
+        ids = [token_ids] if isinstance(token_ids, int) else (
+            token_ids["input_ids"] if isinstance(token_ids, dict) else token_ids)
+        return super()._decode(check_token_ids(ids, len(self)), *args, **kwargs)
 
     def save_vocabulary(self, save_directory, filename_prefix=None):
         import shutil
