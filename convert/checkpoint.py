@@ -15,6 +15,7 @@ from kimik3.modeling.conversion_kimi_k3 import (
     check_inside as _check_inside,
     check_layer_count,
     check_shards_against_index,
+    open_regular_file as _open_regular_file,
 )
 
 from .errors import ConversionError, shard_error
@@ -48,14 +49,20 @@ def _json_error(path: Path, exc: RecursionError) -> ConversionError:
                            "Python's recursion limit; a real file nests a few levels)")
 
 
+def read_source_file(root: Path, path: Path) -> bytes:
+    """The bytes of a file of the source folder: inside it (`check_inside`) and a regular file (a FIFO would block the
+    read forever)."""
+    check_inside(root, path)
+    with _open_regular_file(path, shard_error, kind=path.name) as handle:
+        return handle.read()
+
+
 def load_config_dict(root: Path) -> dict:
     path = root / "config.json"
-    if os.path.lexists(path):
-        check_inside(root, path)
+    if not os.path.lexists(path):
+        raise ConversionError(f"{path}: config.json is missing")
     try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise ConversionError(f"{path}: config.json is missing") from None
+        raw = json.loads(read_source_file(root, path).decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ConversionError(f"{path}: not UTF-8 text ({exc})") from None
     except json.JSONDecodeError as exc:
@@ -101,8 +108,7 @@ class Checkpoint:
     def _load_index(self):
         index_path = self.root / INDEX_NAME
         if os.path.lexists(index_path):
-            check_inside(self.root, index_path)
-            raw = index_path.read_bytes()
+            raw = read_source_file(self.root, index_path)
             try:
                 index = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as exc:

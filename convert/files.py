@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kimik3.remote_code import remote_code_files  # noqa: F401  (the converter copies these into every folder)
 
-from .checkpoint import check_inside
+from .checkpoint import check_inside, read_source_file
 from .errors import ConversionError
 
 # Tokenizer, chat and processor files of the release, copied verbatim when present.
@@ -47,9 +47,8 @@ def read_provenance(root: Path) -> dict:
     path = Path(root) / PROVENANCE_NAME
     if not path.is_file():
         return {}
-    check_inside(Path(root), path)
     try:
-        provenance = json.loads(path.read_text(encoding="utf-8"))
+        provenance = json.loads(read_source_file(Path(root), path).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConversionError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(provenance, dict):
@@ -113,9 +112,8 @@ def _text(path: Path, data: bytes) -> str:
 
 
 def _json_object(path: Path) -> dict:
-    check_inside(path.parent, path)
     try:
-        value = json.loads(path.read_bytes())
+        value = json.loads(read_source_file(path.parent, path))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConversionError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
@@ -230,8 +228,7 @@ def generation_config_bytes(src: Path, config) -> tuple[bytes, str | None]:
     text = getattr(config, "text_config", config)
     path = src / "generation_config.json"
     if path.exists():
-        check_inside(src, path)
-        original = path.read_bytes()
+        original = read_source_file(src, path)
         try:
             values = json.loads(original)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

@@ -8,7 +8,10 @@ memory stays bounded whatever the expert size.
 
 import torch
 
+from kimik3.modeling.conversion_kimi_k3 import mxfp4_overflow, mxfp4_overflow_message
 from kimik3.modeling.ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
+
+from .errors import ConversionError
 
 # Rows dequantised per call: dequantize_mxfp4 holds ~20 bytes of temporaries per weight (int64 codes, f32 values
 # and factors), so 1M weights keep its working set near 20 MB whatever the expert size.
@@ -30,8 +33,24 @@ def _row_step(width: int) -> int:
     return max(1, BLOCK_WEIGHTS // max(1, width))
 
 
-def dequantize_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
-    """dequantize_mxfp4 into a preallocated [rows, K] tensor, a row block at a time."""
+def check_finite_decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, where: str,
+                        prefix: tuple[int, ...] = (), row_offset: int = 0) -> None:
+    """Every group must decode to finite values in `dtype` (the dtype the values are written in, or computed in for
+    kept-packed experts): a valid E8M0 byte can still overflow it (0xFE with code 6.0 is inf in bf16). `where` names
+    the file and tensor; for rows of one expert of a fused [E, R, G] tensor, `prefix` is (expert,) and `row_offset`
+    the first row, so the index named is the fused tensor's."""
+    found = mxfp4_overflow(packed, scale, dtype)
+    if found is not None:
+        index, byte, code = found
+        index = [*prefix, index[0] + row_offset, *index[1:]]
+        raise ConversionError(f"{where}: {mxfp4_overflow_message(index, byte, code, dtype)}")
+
+
+def dequantize_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, where: str | None = None,
+                    prefix: tuple[int, ...] = (), row_offset: int = 0) -> None:
+    """dequantize_mxfp4 into a preallocated [rows, K] tensor, a row block at a time, after checking that every value
+    is finite in out.dtype (`where` names the source in the error)."""
+    check_finite_decode(packed, scale, out.dtype, where or "MXFP4 tensor", prefix, row_offset)
     step = _row_step(out.shape[-1])
     for row in range(0, out.shape[0], step):
         out[row:row + step] = dequantize_mxfp4(packed[row:row + step], scale[row:row + step], out.dtype)
@@ -57,4 +76,4 @@ def quantize_rows(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict
 
 
 __all__ = ["MXFP4_GROUP_SIZE", "dequantize_mxfp4", "quantize_mxfp4", "packed_shapes", "pack_codes",
-           "dequantize_into", "quantize_rows"]
+           "check_finite_decode", "dequantize_into", "quantize_rows"]

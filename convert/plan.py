@@ -19,7 +19,7 @@ import torch
 from . import files
 from . import name_map as nm
 from .errors import ConversionError, shard_error
-from .mxfp4 import MXFP4_GROUP_SIZE, dequantize_into, packed_shapes, quantize_rows
+from .mxfp4 import MXFP4_GROUP_SIZE, check_finite_decode, dequantize_into, packed_shapes, quantize_rows
 from .safetensors_io import DEFAULT_CHUNK_BYTES, DTYPES, E8M0, OutSpec, itemsize
 
 TEXT_PREFIX = "language_model."
@@ -127,7 +127,8 @@ def fused_experts(ckpt, part_names, tensor: str, per_expert_out_bytes: int, chun
         if tensor == "scale":
             out.copy_(read(names[1], E8M0))
         elif tensor == "dense" and len(names) == 2:
-            dequantize_into(out, read(names[0]), read(names[1], E8M0))
+            dequantize_into(out, read(names[0]), read(names[1], E8M0),
+                            f"{ckpt.reader(names[1]).path}, tensor `{names[1]}`")
         else:
             out.copy_(read(names[0]))
 
@@ -183,9 +184,16 @@ def export_expert_part(ckpt, ours: str, stored_format: str, expert: int, rows, s
     """One release expert tensor (`weight_packed` / `weight_scale` / dense `weight`) from our fused tensors, which
     are stored in `stored_format` ("dense" | "mxfp4")."""
 
+    def where():
+        return f"{ckpt.reader(ours + '_scale').path}, tensor `{ours}_scale`"
+
     def quantized():
         if stored_format == "mxfp4":
-            return _fused_rows(ckpt, ours + "_packed", expert, rows), _fused_rows(ckpt, ours + "_scale", expert, rows)
+            packed = _fused_rows(ckpt, ours + "_packed", expert, rows)
+            scale = _fused_rows(ckpt, ours + "_scale", expert, rows)
+            # the copied bytes are what the release's code decodes to bf16
+            check_finite_decode(packed, scale, torch.bfloat16, where(), (expert,), rows[0])
+            return packed, scale
         # the round-trip error of re-quantisation, measured on every expert
         q_packed, q_scale, stats = quantize_rows(_fused_rows(ckpt, ours, expert, rows))
         context.add(experts=1, **stats)
@@ -195,7 +203,7 @@ def export_expert_part(ckpt, ours: str, stored_format: str, expert: int, rows, s
         if stored_format == "mxfp4":
             values = torch.empty(rows[1] - rows[0], ckpt.entry(ours + "_packed").shape[-1] * 2, dtype=torch.bfloat16)
             dequantize_into(values, _fused_rows(ckpt, ours + "_packed", expert, rows),
-                             _fused_rows(ckpt, ours + "_scale", expert, rows))
+                             _fused_rows(ckpt, ours + "_scale", expert, rows), where(), (expert,), rows[0])
             return values
         return _fused_rows(ckpt, ours, expert, rows).to(torch.bfloat16)
 

@@ -529,7 +529,7 @@ def read_json(path, data: bytes | None = None, *, error=load_error, what: str | 
     prefix = f"{what}: " if what else ""
     try:
         if data is None:
-            with open(path, "rb") as handle:
+            with open_regular_file(path, error, kind="JSON") as handle:
                 data = handle.read()
         text = data.decode("utf-8")
         return json.loads(text, parse_constant=_reject_constant if strict else None,
@@ -616,22 +616,23 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def open_regular_file(path, error=load_error):
+def open_regular_file(path, error=load_error, kind: str = "shard"):
     """Opens `path` for reading only if it is a regular file (a symlink to one is fine: Hub caches use them).
-    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer; on a regular file it does
-    nothing."""
+    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer (reading one would wait forever);
+    on a regular file it does nothing. `kind` names the file in the messages."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
-        raise error(path, "shard file is missing") from None
+        raise error(path, f"{kind} file is missing") from None
     except IsADirectoryError:
-        raise error(path, "is a directory, not a shard file") from None
+        raise error(path, f"is a directory, not a {kind} file") from None
     except OSError as exc:
         raise error(path, f"cannot be opened for reading ({exc.strerror or exc})") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise error(path, f"is {_file_kind(mode)}, not a shard file (a regular `.safetensors` file)")
+        regular = "a regular `.safetensors` file" if kind == "shard" else "a regular file"
+        raise error(path, f"is {_file_kind(mode)}, not a {kind} file ({regular})")
     return os.fdopen(fd, "rb")
 
 

@@ -1,14 +1,24 @@
-"""Config values the model and the converter would otherwise ignore or trip on (docs/bad_inputs.md, "Config values")."""
+"""Config values the model and the converter would otherwise ignore or trip on (docs/bad_inputs.md, "Config values"),
+and MXFP4 scale bytes that are valid but overflow the dtype the weights are decoded to (the E8M0 rows of "Reading and
+values")."""
 
 import json
+import shutil
 import time
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
+import kimik3.convert as kc
 
 from kimik3.configuration import released_config_dict, tiny_text_config_dict
+from kimik3.convert import testing
 from kimik3.convert.checkpoint import config_from_dict
 from kimik3.convert.errors import ConversionError
+from kimik3.convert.mxfp4 import dequantize_into
+from kimik3.modeling.conversion_kimi_k3 import KimiK3LoadError
+from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
 from kimik3.modeling.configuration_kimi_k3 import MAX_HIDDEN_LAYERS, KimiK3Config, KimiK3TextConfig
 
 VOCAB = 128  # the tiny text config's vocabulary
@@ -138,3 +148,115 @@ def test_a_composite_around_a_small_text_config_keeps_the_default_top_level_ids(
     text-only folder) still builds."""
     config = KimiK3Config(text_config=KimiK3TextConfig(**text()), vision_config={})
     assert (config.pad_token_id, config.eos_token_id) == (163839, 163586)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# E8M0 overflow: a valid scale byte (0x00..0xFE) times a valid code can still be beyond the dtype's range. Each
+# value must be finite in the dtype it is written in (convert, export) or decoded to (load; kept-packed experts are
+# decoded to the model's dtype at every forward, so their bytes are checked at load).
+
+CODE_6, CODE_2, CODE_1_5 = 0x07, 0x04, 0x03  # E2M1 codes of 6.0, 2.0 and 1.5 (low nibble: the group's first weight)
+
+
+def _group(byte: int, code: int):
+    packed = torch.zeros(3, 32, dtype=torch.uint8)  # [rows, K/2]: K = 64, two groups per row
+    scale = torch.full((3, 2), 127, dtype=torch.uint8)
+    packed[2, 16] = code  # row 2, group 1
+    scale[2, 1] = byte
+    return packed, scale
+
+
+OVERFLOWS = [
+    pytest.param(0xFE, CODE_6, torch.bfloat16, r"0xFE at \[2, 1\] with code 6.0 gives inf in bfloat16",
+                 id="e8m0-0xfe-code-6-bf16"),
+    pytest.param(0xFE, CODE_2, torch.float32, r"0xFE at \[2, 1\] with code 2.0 gives inf in float32",
+                 id="e8m0-0xfe-code-2-f32"),
+    pytest.param(0xFE, CODE_6 | 0x8, torch.bfloat16, r"0xFE at \[2, 1\] with code -6.0 gives -inf in bfloat16",
+                 id="e8m0-0xfe-code-minus-6-bf16"),
+    # fp16's largest finite value is 65504: 6.0 x 2^14 (byte 0x8D) is already beyond it
+    pytest.param(0x8D, CODE_6, torch.float16, r"0x8D at \[2, 1\] with code 6.0 gives inf in float16",
+                 id="e8m0-0x8d-code-6-fp16"),
+]
+
+
+@pytest.mark.parametrize("byte, code, dtype, message", OVERFLOWS)
+def test_a_scale_that_overflows_the_target_dtype_is_refused(byte, code, dtype, message):
+    packed, scale = _group(byte, code)
+    assert not torch.isfinite(testing.dequantize_mxfp4(packed, scale, dtype)).all()  # what would have been written
+    out = torch.zeros(3, 64, dtype=dtype)
+    with pytest.raises(ConversionError, match=rf"^w.safetensors, tensor `w`: E8M0 scale byte {message}"):
+        dequantize_into(out, packed, scale, "w.safetensors, tensor `w`")
+    assert not out.any()  # checked before anything is written
+
+
+FITS = [
+    pytest.param(0xFE, CODE_1_5, torch.bfloat16, id="e8m0-0xfe-code-1.5-bf16-finite"),
+    pytest.param(0xFD, 0x05, torch.float32, id="e8m0-0xfd-code-3-f32-finite"),  # 3.0 x 2^126 (4.0 would be 2^128)
+    pytest.param(0x8C, CODE_6, torch.float16, id="e8m0-0x8c-code-6-fp16-finite"),
+    pytest.param(0x00, CODE_6, torch.bfloat16, id="e8m0-0x00-tiny"),
+    pytest.param(0xFE, 0x00, torch.bfloat16, id="e8m0-0xfe-all-zero-codes"),
+]
+
+
+@pytest.mark.parametrize("byte, code, dtype", FITS)
+def test_large_but_finite_and_tiny_scales_decode_exactly(byte, code, dtype):
+    packed, scale = _group(byte, code)
+    expected = testing.dequantize_mxfp4(packed, scale, torch.float32).double()
+    out = torch.empty(3, 64, dtype=dtype)
+    dequantize_into(out, packed, scale, "w")
+    assert torch.isfinite(out).all() and torch.equal(out.double(), expected)
+
+
+EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.1.w2.weight_"
+FUSED = "language_model.model.layers.1.mlp.experts.down_proj_"
+SHARD1 = "model-00002-of-000003.safetensors"
+
+
+@pytest.fixture(scope="module")
+def overflowing_release(tmp_path_factory):
+    """The reading tests' 2-layer release, with expert 1's w2 row 5, group 0 scaled by 0xFE and a code of 6.0: every
+    byte valid, the weight 1.5 x 2^129 (inf in bf16)."""
+    root = testing.write_release_checkpoint(tmp_path_factory.mktemp("release") / "k3", seed=7, num_layers=2,
+                                            num_experts=2, vision=False, return_dense=False).path
+    tensors = load_file(str(root / SHARD1))
+    tensors[EXPERT + "scale"][5, 0] = 0xFE
+    tensors[EXPERT + "packed"][5, :16] = 0  # group 0: its first weight 6.0, the others 0
+    tensors[EXPERT + "packed"][5, 0] = CODE_6
+    save_file(tensors, str(root / SHARD1), metadata={"format": "pt"})
+    return root
+
+
+@pytest.mark.parametrize("case", [pytest.param("dense", id="e8m0-overflow-convert-dense")])
+def test_convert_dense_refuses_an_overflowing_scale(overflowing_release, tmp_path, case):
+    dst = tmp_path / "out"
+    with pytest.raises(ConversionError, match=rf"{SHARD1}, tensor `{EXPERT}scale`: E8M0 scale byte 0xFE at "
+                                              r"\[5, 0\] with code 6.0 gives inf in bfloat16"):
+        kc.convert(overflowing_release, dst, progress=False)
+    assert not (dst / "config.json").exists() and not (dst / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("experts_format", [pytest.param("dense", id="e8m0-overflow-direct-load-dense"),
+                                            pytest.param("mxfp4", id="e8m0-overflow-direct-load-packed")])
+def test_direct_release_load_refuses_an_overflowing_scale(overflowing_release, experts_format):
+    """dense: dequantised at load, to the model's dtype; mxfp4: kept packed and dequantised at every forward, so
+    the bytes are checked against the compute dtype at load."""
+    with pytest.raises(KimiK3LoadError, match=rf"`{EXPERT}scale`.*E8M0 scale byte 0xFE at \[(1, )?5, 0\] with "
+                                              r"code 6.0 gives inf in bfloat16"):
+        KimiK3ForConditionalGeneration.from_pretrained(overflowing_release, experts_format=experts_format,
+                                                       dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", [pytest.param("mxfp4", id="e8m0-overflow-kept-packed-load-and-export")])
+def test_kept_packed_convert_then_load_and_export_refuse_it(overflowing_release, tmp_path, case):
+    """Convert keeps the bytes (they decode at run time); loading the converted folder and exporting it refuse them,
+    naming our fused tensor at [expert, row, group]."""
+    packed = tmp_path / "packed"
+    kc.convert(overflowing_release, packed, experts_format="mxfp4", progress=False)
+    with pytest.raises(KimiK3LoadError, match=r"our `language_model.model.layers.1.mlp.experts.down_proj_scale`\): "
+                                              r"E8M0 scale byte 0xFE at \[1, 5, 0\] with code 6.0 gives inf"):
+        KimiK3ForConditionalGeneration.from_pretrained(packed, dtype=torch.bfloat16)
+    with pytest.raises(ConversionError, match=rf"tensor `{FUSED}scale`: E8M0 scale byte 0xFE at \[1, 5, 0\] with "
+                                              r"code 6.0 gives inf in bfloat16"):
+        kc.export(packed, tmp_path / "exported", progress=False)
+    assert not (tmp_path / "exported" / "config.json").exists()
+    shutil.rmtree(packed)

@@ -153,9 +153,12 @@ def overlapping_offsets(root):
     return {}
 
 
-def make_dir(name):
+def replaced_by(make, name_of):
+    """The file `name_of(folder)` replaced by what `make(path)` creates (a FIFO, a directory)."""
     def damage(root):
-        (root / name).mkdir()
+        path = root / name_of(root)
+        path.unlink()
+        make(path)
         return {}
     return damage
 
@@ -211,6 +214,12 @@ LOADING_CASES = [
     pytest.param("release", nested_header, ["corrupted safetensors header", "nested too deeply"],
                  id="load-header-deeply-nested"),
     pytest.param("release", overlapping_offsets, ["safetensors, tensor `", "overlaps", Q, K], id="load-release-overlap-offsets"),
+    pytest.param("release", replaced_by(os.mkfifo, lambda r: weight_map(r)[Q]), ["is a FIFO, not a shard file"],
+                 id="load-shard-is-fifo"),
+    pytest.param("converted", replaced_by(os.mkfifo, lambda r: "config.json"),
+                 ["config.json: is a FIFO, not a JSON file"], id="load-config-is-fifo"),
+    pytest.param("converted", replaced_by(os.mkdir, lambda r: weight_map(r)[Q]), ["is a directory, not a shard file"],
+                 id="load-shard-is-directory"),
     pytest.param("release", set_config(lambda c: c["text_config"].update(num_hidden_layers=10**9)),
                  ["config.json", "`text_config.num_hidden_layers` = 1,000,000,000", "layers 0..1", "none of layer 2"],
                  id="load-num-hidden-layers-huge"),
@@ -222,7 +231,7 @@ def test_a_folder_naming_files_it_must_not_is_refused_before_reading(folder, dam
     options = damage(folder)
     outcome = {}
 
-    def load():  # a config of 10^9 layers would take hours to build: give up after 60 s
+    def load():  # a config of 10^9 layers would take hours to build, a FIFO blocks a reader: give up after 60 s
         try:
             KimiK3ForConditionalGeneration.from_pretrained(folder, **options)
         except Exception as exc:  # noqa: BLE001 - the assertion below says what it was

@@ -233,6 +233,34 @@ def test_a_source_file_linked_out_of_the_folder_is_refused(release, tmp_path, na
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name, kind", [
+    pytest.param("config.json", "config.json", id="config-is-fifo"),
+    pytest.param(INDEX, INDEX, id="index-is-fifo"),
+    pytest.param("generation_config.json", "generation_config.json", id="generation-config-is-fifo"),
+])
+def test_a_source_file_that_is_a_fifo_is_refused_without_waiting(release, tmp_path, name, kind):
+    """Reading a FIFO waits for a writer forever: the file is opened non-blocking and refused (the test gives up
+    after 60 s)."""
+    src = tmp_path / "k3"
+    shutil.copytree(release.path, src)
+    (src / name).unlink()
+    os.mkfifo(src / name)
+    outcome = {}
+
+    def run():
+        try:
+            convert(src, tmp_path / "out")
+        except ConversionError as exc:
+            outcome["error"] = str(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "convert hangs"
+    assert outcome["error"] == f"{src / name}: is a FIFO, not a {kind} file (a regular file)"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("command, src", [
     pytest.param("convert", "./k3-missing", id="convert-src-missing-dot-path"),
     pytest.param("convert", "data/k3/v1", id="convert-src-missing-nested-path"),
