@@ -32,6 +32,9 @@ setup(
         "safetensors",
         "tokenizers",
         "huggingface_hub",
+        # the image processor (kimik3 tiny writes its config; the chat and the processor use it): transformers'
+        # image-processor classes are placeholders without Pillow
+        "pillow",
     ],
     extras_require={"test": ["pytest", "pytest-xdist", "peft>=0.19.1", "pillow"], "train": ["peft>=0.19.1"], "gpu": ["fla-core>=0.5.2"],
                     "vision": ["pillow"]},

@@ -2,11 +2,15 @@
 fine-tuned model (`save_pretrained` / `push_to_hub`). One template, filled here from the folder's own config."""
 
 import json
+import re
+import struct
 from pathlib import Path
 from string import Template
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "model_card_template.md"
 RELEASE_REPO = "moonshotai/Kimi-K3"
+# Weights derived from Kimi K3's are under its license, wherever they were converted or trained
+RELEASE_LICENSE_LINK = f"https://huggingface.co/{RELEASE_REPO}/blob/main/LICENSE"
 RELEASE_SHAPE = (93, 896)  # (layers, routed experts) of the release
 # The first line after the metadata of every card written here. A README without it was written by someone else and
 # is never replaced; deleting the line is how a user keeps an edited card.
@@ -36,14 +40,37 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _metadata(base_model, relation, pipeline_tag: str, experts_format: str) -> str:
+_HUB_CACHE_FOLDER = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
+
+
+def hub_repo_id(source) -> str | None:
+    """The Hub repo a source names, or None: `org/name` as transformers and `kimik3 convert` read it (not a local
+    path, conversion_kimi_k3.looks_like_local_path), or a Hub cache snapshot folder (`.../models--org--name/
+    snapshots/<rev>`). A local folder is never a `base_model`: the Hub resolves that field as a repo id."""
+    if source is None:
+        return None
+    text = str(source)
+    cached = _HUB_CACHE_FOLDER.search(text.replace("\\", "/"))
+    if cached:
+        return f"{cached['org']}/{cached['name']}"
+    from kimik3.modeling.conversion_kimi_k3 import looks_like_local_path
+
+    if "/" not in text or looks_like_local_path(text) or Path(text).exists():
+        return None
+    return text
+
+
+def _metadata(base_model, relation, derived: bool, pipeline_tag: str, experts_format: str) -> str:
     from huggingface_hub import ModelCardData
 
-    derived = base_model is not None
+    if base_model is None:
+        relation = None  # a relation names how this folder relates to its base
     data = ModelCardData(
-        # a folder with no base is our own (random or trained from scratch) weights: the package's license
+        # weights derived from the release's are under its license (linked: `other` alone names none); our own
+        # weights (random, or trained from scratch) are under the package's
         license="other" if derived else "apache-2.0",
         license_name="kimi-k3" if derived else None,
+        license_link=RELEASE_LICENSE_LINK if derived else None,
         library_name="transformers",
         pipeline_tag=pipeline_tag,
         base_model=base_model,
@@ -59,6 +86,13 @@ def _gib(n: int) -> str:
 
 def _decimal_bytes(n: int) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.2f} MB"
+
+
+def _layer_list(indices: list[int]) -> str:
+    """Layer indices as the table reads them: "layer 0", "layers 0, 1", "no layer"."""
+    if not indices:
+        return "no layer"
+    return f"layer{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
 
 
 def _architecture_rows(text) -> str:
@@ -78,7 +112,7 @@ def _architecture_rows(text) -> str:
         ("MLA", mla),
         ("MoE", f"{text.num_experts} routed experts, top-{text.num_experts_per_token}, {text.num_shared_experts} "
                 f"shared; latent width {text.latent_size}, expert width {text.moe_intermediate_size}"),
-        ("dense MLP layers", f"{', '.join(map(str, dense)) or 'none'} (width {text.intermediate_size})"),
+        ("dense MLP instead of MoE", _layer_list(dense) + (f" (width {text.intermediate_size})" if dense else "")),
         ("routed experts stored as", experts),
         ("Block Attention Residuals", f"block size {text.attn_res_block_size}" if text.attn_res_block_size else "off"),
         ("max positions", f"{text.max_position_embeddings:,}"),
@@ -186,11 +220,14 @@ def _command_line_options(options: dict) -> str:
 
 def build_model_card(config, *, title: str, summary: str, base_model: str | None = None,
                      relation: str | None = None, provenance: dict | None = None, vision: bool = False,
-                     sliced: bool = False, repo_id: str = "path/to/this/folder") -> str:
-    """The card of one folder, from its config (object or config.json dict)."""
+                     sliced: bool = False, repo_id: str = "path/to/this/folder", derived: bool | None = None) -> str:
+    """The card of one folder, from its config (object or config.json dict). `base_model` is a Hub repo id or None;
+    `derived`: the weights come from Kimi K3's (default: when there is a base)."""
     text = _text_config(config)
+    derived = base_model is not None if derived is None else derived
     return render_model_card(
-        metadata=_metadata(base_model, relation, "image-text-to-text" if vision else "text-generation",
+        # both tags are tasks whose pipeline loads the folder by name (`auto_map` names the Auto class of each)
+        metadata=_metadata(base_model, relation, derived, "image-text-to-text" if vision else "text-generation",
                            text.experts_format).strip(),
         marker=CARD_MARKER,
         title=title,
@@ -203,7 +240,7 @@ def build_model_card(config, *, title: str, summary: str, base_model: str | None
         eos_token_id=163586,
         provenance=_provenance_section(provenance),
         images=IMAGES_SECTION if vision else "",
-        limitations=_limitations(sliced, base_model is None, vision),
+        limitations=_limitations(sliced, not derived, vision),
     )
 
 
@@ -213,9 +250,6 @@ def converted_model_card(provenance: dict, config: dict) -> str:
     an uninterrupted one."""
     opts = provenance["options"]
     source = str(provenance["source"])
-    is_repo = "/" in source and not Path(source).exists()
-    # a Hub id names itself; a local folder is only called the release when it has the release's shape
-    is_release_shape = (provenance["source_num_layers"], provenance["source_num_experts"]) == RELEASE_SHAPE
     sliced = opts["num_layers"] is not None or opts["num_experts"] is not None
     vision = "vision_config" in config and not opts["text_only"] and NO_VISION_NOTE not in provenance["notes"]
     # MXFP4 kept packed is the release's quantised weights repacked; bf16 holds the same values exactly. A slice has
@@ -228,9 +262,18 @@ def converted_model_card(provenance: dict, config: dict) -> str:
     summary = (f"Converted by `kimik3 convert` (converter format {provenance['converter_version']}) from the "
                f"release-layout checkpoint `{source}`{revision}. Weights are unchanged apart from the layout"
                f"{' and the slicing' if sliced else ''}; the license of the source applies.")
-    return build_model_card(config, title=title, summary=summary,
-                            base_model=source if is_repo or not is_release_shape else RELEASE_REPO,
-                            relation=relation, provenance=provenance, vision=vision, sliced=sliced)
+    return build_model_card(config, title=title, summary=summary, base_model=_converted_base(provenance),
+                            relation=relation, provenance=provenance, vision=vision, sliced=sliced, derived=True)
+
+
+def _converted_base(provenance: dict) -> str | None:
+    """The Hub repo a conversion comes from: the source's repo id (or Hub cache folder); a local folder of the
+    release's shape is taken for a download of the release; any other local folder has no known repo."""
+    repo = hub_repo_id(provenance["source"])
+    if repo is not None:
+        return repo
+    shape = (provenance.get("source_num_layers"), provenance.get("source_num_experts"))
+    return RELEASE_REPO if shape == RELEASE_SHAPE else None
 
 
 def _read_front_matter(readme: Path) -> dict:
@@ -242,34 +285,174 @@ def _read_front_matter(readme: Path) -> dict:
         return {}
 
 
-def saved_model_card(config, name_or_path: str | None = None, vision: bool = False) -> str:
-    """The card of a folder saved from a loaded model. Its base is what it was loaded from: a Hub id, or, for a local
-    folder, that folder's own base (its card's `base_model`, or the release for a converted folder). `vision`: the
-    saved model holds the vision tower."""
+# Bytes compared per tensor (at its start, middle and end) between a saved folder and the one it was loaded from
+SAMPLE_BYTES = 64
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def _safetensors_entries(path: Path) -> dict:
+    """{tensor name: (dtype, shape, absolute begin, end)} of one safetensors file, from its header."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > 100_000_000:
+            raise ValueError(f"{path}: header length {length}")
+        header = json.loads(handle.read(length))
+    data_start = 8 + length
+    return {name: (entry["dtype"], tuple(entry["shape"]), data_start + entry["data_offsets"][0],
+                   data_start + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def _weight_files(folder: Path | str, repo_id: str | None = None) -> list[Path] | None:
+    """The safetensors files of a local folder or of a repo in the local Hub cache (never downloaded)."""
+    def local(name):
+        if repo_id is None:
+            path = Path(folder) / name
+            return path if path.is_file() else None
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, name)
+        return Path(found) if isinstance(found, str) else None
+
+    index = local(WEIGHTS_INDEX)
+    if index is not None:
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+        paths = [local(shard) for shard in shards]
+        return paths if paths and all(paths) else None
+    single = local("model.safetensors")
+    return [single] if single is not None else None
+
+
+def _sample(handle, begin: int, end: int) -> bytes:
+    chunks = []
+    for offset in sorted({begin, max(begin, (begin + end) // 2 - SAMPLE_BYTES // 2), max(begin, end - SAMPLE_BYTES)}):
+        handle.seek(offset)
+        chunks.append(handle.read(min(SAMPLE_BYTES, end - offset)))
+    return b"".join(chunks)
+
+
+def _tensor_samples(files: list[Path]) -> dict:
+    samples = {}
+    for path in files:
+        entries = _safetensors_entries(path)
+        with open(path, "rb") as handle:
+            for name, (dtype, shape, begin, end) in entries.items():
+                samples[name] = (dtype, shape, _sample(handle, begin, end))
+    return samples
+
+
+def compare_saved_weights(saved: Path, source: Path | str | None, repo_id: str | None = None) -> dict | None:
+    """How the weights just saved to `saved` relate to those of the folder (or cached Hub repo) they were loaded from:
+    each tensor's dtype, shape and three 64-byte samples (a fine-tune or a merged adapter changes nearly every element
+    of the tensors it trains). None when they cannot be compared: no source files, or the same folder.
+
+    {"outcome": "unchanged" | "changed" | "cast" | "subset", "changed": names, "cast": names, "left_out": names,
+    "added": names}; "cast" when only dtypes differ, "subset" when the saved tensors are some of the source's,
+    unchanged (e.g. saved without the vision tower)."""
+    if source is None:
+        return None
+    if repo_id is None and Path(source).resolve() == Path(saved).resolve():
+        return None
+    try:
+        source_files = _weight_files(source, repo_id)
+        saved_files = _weight_files(saved)
+        if not source_files or not saved_files:
+            return None
+        before, after = _tensor_samples(source_files), _tensor_samples(saved_files)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    common = sorted(before.keys() & after.keys())
+    changed = [n for n in common if before[n][0] == after[n][0] and before[n] != after[n]]
+    cast = [n for n in common if before[n][0] != after[n][0]]
+    left_out, added = sorted(before.keys() - after.keys()), sorted(after.keys() - before.keys())
+    if changed or added or not common:
+        outcome = "changed"
+    elif cast:
+        outcome = "cast"
+    elif left_out:
+        outcome = "subset"
+    else:
+        outcome = "unchanged"
+    return {"outcome": outcome, "changed": changed, "cast": cast, "left_out": left_out, "added": added}
+
+
+def _source_card(name_or_path: str | None) -> tuple[dict, dict | None, Path | None, str | None]:
+    """(the source's card metadata, its provenance record, its local folder, its Hub repo id) for a model loaded
+    from `name_or_path`; a Hub repo's card is read only from the local cache."""
     source = Path(name_or_path) if name_or_path else None
-    base_model, provenance = None, None
     if source is not None and source.is_dir():
+        provenance = None
         if (source / PROVENANCE_NAME).is_file():
             provenance = json.loads((source / PROVENANCE_NAME).read_text())
-        base_model = _read_front_matter(source / "README.md").get("base_model") if (source / "README.md").is_file() \
-            else None
-        if base_model is None and provenance is not None:
-            base_model = RELEASE_REPO
-    elif name_or_path and "/" in str(name_or_path):
-        base_model = str(name_or_path)
+        meta = _read_front_matter(source / "README.md") if (source / "README.md").is_file() else {}
+        return meta, provenance, source, hub_repo_id(source.resolve())
+    repo = hub_repo_id(name_or_path)
+    if repo is None:
+        return {}, None, None, None
+    from huggingface_hub import try_to_load_from_cache
+
+    readme = try_to_load_from_cache(repo, "README.md")
+    return (_read_front_matter(Path(readme)) if isinstance(readme, str) else {}), None, None, repo
+
+
+def saved_model_card(config, name_or_path: str | None = None, vision: bool = False,
+                     saved: Path | str | None = None) -> str:
+    """The card of a folder saved from a loaded model (`saved`: where its weights were just written).
+
+    Its base is a Hub repo: the source's own base (its card's `base_model`, a converted folder's source), else the
+    source itself when it is a Hub repo. The relation follows what the weights show, compared with the source's
+    (`compare_saved_weights`): changed -> `finetune`; unchanged -> the source's own relation (a re-saved conversion
+    stays `quantized`); anything else, or no source files to compare with -> no relation, and the card says so."""
+    meta, provenance, folder, repo = _source_card(name_or_path)
+    source_base = meta.get("base_model")
+    source_base = hub_repo_id(source_base) if isinstance(source_base, str) else None
+    if source_base is None and provenance is not None:
+        source_base = _converted_base(provenance)
+    source_relation = meta.get("base_model_relation") if source_base else None
+    if provenance is not None and source_relation is None and source_base is not None:
+        sliced_source = any(provenance.get("options", {}).get(k) is not None for k in ("num_layers", "num_experts"))
+        source_relation = None if sliced_source else "quantized"
+    # weights from Kimi K3's: a conversion, a card under the release's license, or a Hub repo of this architecture
+    derived = provenance is not None or meta.get("license") == "other" or source_base is not None or \
+        (repo is not None and folder is None)
+    comparison = None
+    if saved is not None and (folder is not None or repo is not None):
+        comparison = compare_saved_weights(Path(saved), folder if folder is not None else repo,
+                                           repo_id=repo if folder is None else None)
+    outcome = comparison["outcome"] if comparison else None
+    loaded = f"`{name_or_path}`"
     text = _text_config(config)
-    if base_model is not None:
-        title = "Kimi K3, fine-tuned"
-        summary = (f"Saved from a Kimi K3 model loaded from `{name_or_path}` (base: `{base_model}`), e.g. after "
-                   "fine-tuning with `Trainer`. The license of the base model applies.")
-    else:
+    if not derived:
+        base_model, relation = None, None
         title = "Kimi K3 architecture (own weights)"
         summary = ("A model with the Kimi K3 architecture whose weights do not come from a known base (a random "
                    "initialisation such as `kimik3 tiny`, or a model trained from scratch).")
+        if outcome == "changed":
+            summary += f" Saved from {loaded} after its weights changed (e.g. training)."
+    elif outcome == "changed":
+        base_model, relation = repo if folder is None else (source_base or repo), "finetune"
+        count = len(comparison["changed"]) + len(comparison["added"])
+        title = "Kimi K3, fine-tuned"
+        summary = (f"Saved from a Kimi K3 model loaded from {loaded}; {count} of its tensors differ from that "
+                   "checkpoint's (e.g. after fine-tuning). The license of the base model applies.")
+    elif outcome == "unchanged":
+        base_model, relation = (source_base, source_relation) if source_base else (repo, None)
+        title = "Kimi K3 (saved again, weights unchanged)"
+        summary = (f"Saved from a Kimi K3 model loaded from {loaded}, with the same weights (every tensor's dtype, "
+                   "shape and sampled bytes equal that checkpoint's). The license of the base model applies.")
+    else:
+        base_model, relation = source_base or repo, None
+        what = None if comparison is None else {
+            "cast": f"in another dtype ({len(comparison['cast'])} tensors) than",
+            "subset": f"without {len(comparison['left_out'])} of the tensors of"}.get(outcome)
+        title = "Kimi K3 (saved from a loaded model)"
+        summary = (f"Saved from a Kimi K3 model loaded from {loaded}" + (
+            f", {what} that checkpoint, otherwise unchanged." if what else
+            "; its weights could not be compared with that checkpoint's (its files are not on this machine), so "
+            "this card does not say whether they were changed.") + " The license of the base model applies.")
     sliced = (len(text.layer_types), text.num_experts) != RELEASE_SHAPE
-    return build_model_card(config, title=title, summary=summary, base_model=base_model,
-                            relation="finetune" if base_model else None, provenance=provenance, vision=vision,
-                            sliced=sliced)
+    return build_model_card(config, title=title, summary=summary, base_model=base_model, relation=relation,
+                            provenance=provenance, vision=vision, sliced=sliced, derived=derived)
 
 
 def write_model_card(directory, card: str) -> bool:

@@ -30,5 +30,6 @@ def save_with_code(model, directory: str | Path) -> Path:
     directory = Path(directory)
     model.save_pretrained(directory)
     for path in remote_code_files():
-        shutil.copy2(path, directory / path.name)
+        # a new file of the folder, with the normal mode (copy2 would carry the installed file's mode and times)
+        shutil.copyfile(path, directory / path.name)
     return directory

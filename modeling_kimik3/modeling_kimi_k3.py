@@ -21,6 +21,7 @@ Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importab
 import contextlib
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -907,8 +908,10 @@ def _is_a_log_unpadding(conversion) -> bool:
         type(op).__name__ == "UnpadHeads" for op in getattr(conversion, "operations", ()))
 
 
-# `auto_map` of a folder whose config.json is our text config, and of one holding the release's composite schema (the
-# release maps AutoModel to the top-level class too). `kimik3.remote_code` re-exports both.
+# `auto_map` of a folder whose config.json is our text config, and of one holding the release's composite schema.
+# AutoModel is the base model, as transformers' own models: for the composite one KimiK3MultimodalModel (the
+# release's file maps AutoModel to the top-level class, which has the head). AutoModelForImageTextToText is what
+# pipeline("image-text-to-text") loads. `kimik3.remote_code` re-exports both.
 TEXT_AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
     "AutoModel": "modeling_kimi_k3.KimiK3Model",
@@ -916,8 +919,9 @@ TEXT_AUTO_MAP = {
 }
 COMPOSITE_AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3Config",
-    "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+    "AutoModel": "modeling_kimi_k3.KimiK3MultimodalModel",
     "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+    "AutoModelForImageTextToText": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
 }
 
 
@@ -926,10 +930,41 @@ COMPOSITE_AUTO_MAP = {
 PROCESSOR_CODE_FILES = ("processing_kimi_k3.py", "image_processing_kimi_k3.py")
 
 
+def normal_file_mode() -> int:
+    """The mode a plain `open(path, "w")` gives a new file: 0o666 less the process's umask (read from /proc where it
+    can be, since os.umask can only be read by setting it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _give_weights_the_normal_mode(directory: Path) -> None:
+    """safetensors writes its files with mode 0600 (a private temporary file renamed); the weights a save writes get
+    the mode of every other file of the folder."""
+    index = directory / "model.safetensors.index.json"
+    names = {"model.safetensors"}
+    if index.is_file():
+        names |= set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+    mode = normal_file_mode()
+    for name in sorted(names):
+        path = directory / name
+        if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o777) != mode:
+            os.chmod(path, mode)
+
+
 def _write_remote_code(model: PreTrainedModel, directory: Path) -> None:
     """Copies this file and the files it imports (found next to it: the installed package or a model folder's
-    copy), sets the full `auto_map`, and writes the model card when `kimik3.hub_card` is installed."""
+    copy), sets the full `auto_map`, gives the weights the normal file mode, and writes the model card when
+    `kimik3.hub_card` is installed."""
     from transformers.dynamic_module_utils import get_relative_import_files
+
+    _give_weights_the_normal_mode(directory)
 
     here = Path(__file__).resolve()
     # The processors are not imported by the model, but a model folder carries them (AutoProcessor from the folder):
@@ -952,10 +987,15 @@ def _write_remote_code(model: PreTrainedModel, directory: Path) -> None:
     except ImportError:  # the card needs the package; remote code must not
         return
     write_model_card(directory, saved_model_card(model.config, model.config.name_or_path,
-                                                 vision=getattr(model, "vision_tower", None) is not None))
+                                                 vision=getattr(model, "vision_tower", None) is not None,
+                                                 saved=directory))
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
+    # The base model of a folder saved with the head (AutoModel on a KimiK3ForCausalLM folder): the head is not part
+    # of it and is left out, as transformers' base models leave out their heads
+    _keys_to_ignore_on_load_unexpected = KimiK3PreTrainedModel._keys_to_ignore_on_load_unexpected + [r"^lm_head\."]
+
     def __init__(self, config: KimiK3TextConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -1501,11 +1541,120 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
 
 
+@dataclass
+class KimiK3MultimodalModelOutputWithPast(MoeModelOutputWithPast):
+    """`attention_mask`: after a forward with images, the padding mask of the merged sequence (as
+    KimiK3MultimodalOutputWithPast)."""
+
+    attention_mask: torch.Tensor | None = None
+
+
+class _KimiK3TextBackbone(nn.Module):
+    """`language_model` of the multimodal base model: the text model under `model`, so that its parameters keep the
+    names of the composite checkpoint (`language_model.model.*`) without the head (`language_model.lm_head.weight`)."""
+
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__()
+        self.model = KimiK3Model(config)
+
+
+class KimiK3MultimodalModel(KimiK3PreTrainedModel):
+    """The base model of a composite folder (what AutoModel loads there, as LlavaModel is to
+    LlavaForConditionalGeneration): the vision tower, the projector and the text model without its head; its output
+    is the text model's last hidden state over the merged sequence. Images and loading options as
+    KimiK3ForConditionalGeneration, whose checkpoint it reads (the head is left out)."""
+
+    config_class = KimiK3Config
+    base_model_prefix = ""
+    _tied_weights_keys = {}
+    _no_split_modules = ["KimiK3DecoderLayer", "KimiK3VisionEncoderLayer"]
+    _keys_to_ignore_on_load_unexpected = KimiK3PreTrainedModel._keys_to_ignore_on_load_unexpected + [
+        r"^language_model\.lm_head\."]
+
+    def __init__(self, config: KimiK3Config, vision: bool | None = None):
+        super().__init__(config)
+        self.language_model = _KimiK3TextBackbone(config.text_config)
+        # as the composite model: the text model's input checks know the media placeholder
+        self.language_model.model.media_placeholder_token_id = config.media_placeholder_token_id
+        vision_config = config.vision_config
+        with_tower = getattr(vision_config, "describes_tower", False) if vision is None else vision
+        if with_tower and not getattr(vision_config, "describes_tower", False):
+            raise ValueError("Kimi K3 config, key `vision_config`: vision=True but it describes no vision tower")
+        self.vision_tower = KimiK3VisionTower(vision_config) if with_tower else None
+        self.mm_projector = KimiK3PatchMergerProjector(vision_config) if with_tower else None
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
+        """As KimiK3ForConditionalGeneration.from_pretrained (the `vision` option included)."""
+        if vision is None:
+            names = _checkpoint_tensor_names(pretrained_model_name_or_path, kwargs)
+            vision = names is None or any(name.startswith(VISION_PREFIXES) for name in names)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, KimiK3VisionRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, KimiK3VisionPositionEmbedding):
+            module.weight.normal_()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.language_model.model.set_input_embeddings(value)
+
+    # the image path is the top-level class's, unchanged (the same checks and the same splice)
+    get_image_features = KimiK3ForConditionalGeneration.get_image_features
+    _merge_images = KimiK3ForConditionalGeneration._merge_images
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, cache=None, pixel_values=None, grid_thws=None,
+                **kwargs) -> KimiK3MultimodalModelOutputWithPast:
+        cache = _given_cache(cache, past_key_values)
+        merged_mask = None
+        if pixel_values is not None:
+            if inputs_embeds is not None:
+                raise ValueError("pass images with input_ids, not inputs_embeds: the media placeholders in input_ids "
+                                 "mark where the images go")
+            inputs_embeds, merged_mask, _ = self._merge_images(input_ids, pixel_values, grid_thws, attention_mask,
+                                                               None, cache)
+            input_ids, attention_mask, position_ids = None, merged_mask, None
+        elif grid_thws is not None:
+            raise ValueError("grid_thws was given without pixel_values")
+        outputs = self.language_model.model(input_ids=input_ids, attention_mask=attention_mask,
+                                            position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
+                                            use_cache=use_cache, **kwargs)
+        return KimiK3MultimodalModelOutputWithPast(**outputs, attention_mask=merged_mask)
+
+
+def _register_auto_classes() -> None:
+    """Our classes in transformers' Auto mappings (keyed by our config classes, so nothing resolves to them without
+    our config): a pipeline given the model object checks its class against these mappings, and says that a model
+    it does not find there is "not supported"."""
+    import transformers
+
+    for auto_name, config_class, model_class in (
+        ("AutoModel", KimiK3TextConfig, KimiK3Model),
+        ("AutoModelForCausalLM", KimiK3TextConfig, KimiK3ForCausalLM),
+        ("AutoModel", KimiK3Config, KimiK3MultimodalModel),
+        ("AutoModelForCausalLM", KimiK3Config, KimiK3ForConditionalGeneration),
+        ("AutoModelForImageTextToText", KimiK3Config, KimiK3ForConditionalGeneration),
+    ):
+        auto_class = getattr(transformers, auto_name, None)
+        if auto_class is not None:
+            auto_class.register(config_class, model_class, exist_ok=True)
+
+
 register_release_conversions()
+_register_auto_classes()
 
 __all__ = [
     "KimiK3PreTrainedModel",
     "KimiK3Model",
     "KimiK3ForCausalLM",
     "KimiK3ForConditionalGeneration",
+    "KimiK3MultimodalModel",
 ]

@@ -45,8 +45,15 @@ def test_converted_card_metadata_and_tables_come_from_the_folder(converted):
     text_config = load_text_config(whole / "config.json")
     assert meta["library_name"] == "transformers" and "custom_code" in meta["tags"] and "mxfp4" in meta["tags"]
     assert meta["pipeline_tag"] == "image-text-to-text" and "vision_config" in config  # vision tensors carried
-    assert meta["base_model"] == str(release.path) and meta["base_model_relation"] == "quantized"
+    # a local folder (not of the release's shape) names no Hub repo: no base_model, no relation; still the release's
+    # license, linked
+    assert "base_model" not in meta and "base_model_relation" not in meta
+    assert meta["license"] == "other" and meta["license_name"] == "kimi-k3"
+    assert meta["license_link"] == "https://huggingface.co/moonshotai/Kimi-K3/blob/main/LICENSE"
     num_mla = text_config.layer_types.count("full_attention")
+    dense = [str(i) for i, t in enumerate(text_config.mlp_layer_types) if t == "dense"]
+    assert dense and f"| dense MLP instead of MoE | layer{'s' if len(dense) > 1 else ''} {', '.join(dense)} (width " \
+        in text  # layer indices, not read as a count
     assert f"| layers | {len(text_config.layer_types)} ({len(text_config.layer_types) - num_mla} KDA, " in text
     assert f"{text_config.num_experts} routed experts, top-{text_config.num_experts_per_token}" in text
     assert f"| {text_config.max_position_embeddings:,} |" in text  # cache table ends at the folder's own context
@@ -67,9 +74,35 @@ def test_converted_card_metadata_and_tables_come_from_the_folder(converted):
     assert "This folder holds no vision weights: inputs are text only" in text and "## Images" not in text
 
 
-def test_save_pretrained_keeps_a_users_readme_and_replaces_ours(converted, tmp_path):
+@pytest.mark.parametrize("source, base", [
+    pytest.param("/data/k3-small", None, id="card-base-local-absolute-path"),
+    pytest.param("rel", None, id="card-base-local-relative-name"),
+    pytest.param("./org/name", None, id="card-base-dot-slash-path"),
+    pytest.param("someone/k3-release", "someone/k3-release", id="card-base-hub-repo-id"),
+    pytest.param("/home/u/.cache/huggingface/hub/models--moonshotai--Kimi-K3/snapshots/0123abcd", "moonshotai/Kimi-K3",
+                 id="card-base-hub-cache-snapshot"),
+    pytest.param("/data/k3-full", "moonshotai/Kimi-K3", id="card-base-local-folder-of-the-release-shape"),
+])
+def test_converted_card_base_model_is_only_ever_a_hub_repo_id(converted, source, base):
+    whole = converted[1]
+    provenance = {**json.loads((whole / "kimik3_conversion.json").read_text()), "source": source}
+    if source.endswith("k3-full"):
+        provenance.update(source_num_layers=93, source_num_experts=896)
+    meta = ModelCard(converted_model_card(provenance, json.loads((whole / "config.json").read_text()))).data.to_dict()
+    assert meta.get("base_model") == base
+    assert meta.get("base_model_relation") == ("quantized" if base else None)
+    assert meta["license_link"].endswith("moonshotai/Kimi-K3/blob/main/LICENSE")
+
+
+def test_save_pretrained_card_says_what_was_done_and_keeps_a_users_readme(converted, tmp_path, monkeypatch):
+    """A re-save of unchanged weights is not called fine-tuned: the card compares the saved tensors with the folder
+    the model came from (dtype, shape, sampled bytes) and keeps that folder's base and relation; changed weights are
+    a fine-tune of that base. Here the fixture's shape stands for the release's, so the converted folder's base is
+    the release."""
+    import kimik3.hub_card as hub_card
     from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
 
+    monkeypatch.setattr(hub_card, "RELEASE_SHAPE", (4, 8))
     model = KimiK3ForConditionalGeneration.from_pretrained(converted[1])
     (tmp_path / "README.md").write_text("# my notes\n")
     model.save_pretrained(tmp_path)
@@ -78,9 +111,38 @@ def test_save_pretrained_keeps_a_users_readme_and_replaces_ours(converted, tmp_p
     (tmp_path / "README.md").write_text(f"---\nlicense: mit\n---\n{CARD_MARKER}\nold card\n")
     model.save_pretrained(tmp_path)
     text, meta = _card(tmp_path)
-    assert "old card" not in text and meta["base_model_relation"] == "finetune"
-    assert meta["base_model"] == str(converted[0].path)  # the converted folder's own base
+    assert "old card" not in text and "fine-tuned" not in text
+    assert meta["base_model"] == "moonshotai/Kimi-K3" and meta["base_model_relation"] == "quantized"
+    assert "# Kimi K3 (saved again, weights unchanged)" in text
     assert meta["pipeline_tag"] == "image-text-to-text" and "## Images" in text  # the model holds the tower
+
+    with torch.no_grad():  # one optimizer-like in-place update of one tensor
+        model.language_model.model.layers[1].self_attn.q_proj.weight.mul_(1.01)
+    model.save_pretrained(tmp_path / "tuned")
+    text, meta = _card(tmp_path / "tuned")
+    assert meta["base_model"] == "moonshotai/Kimi-K3" and meta["base_model_relation"] == "finetune"
+    assert "# Kimi K3, fine-tuned" in text and "1 of its tensors differ" in text
+
+    # saved again from the fine-tuned folder, unchanged: still a fine-tune of the release (the folder's card says so)
+    KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "tuned").save_pretrained(tmp_path / "again")
+    meta = _card(tmp_path / "again")[1]
+    assert meta["base_model"] == "moonshotai/Kimi-K3" and meta["base_model_relation"] == "finetune"
+
+
+@pytest.mark.parametrize("card_base, base", [
+    pytest.param("rel", None, id="saved-card-base-local-path-dropped"),
+    pytest.param("someone/k3", "someone/k3", id="saved-card-base-hub-repo-kept"),
+])
+def test_saved_card_base_model_from_the_sources_card_is_a_hub_repo_id(converted, tmp_path, card_base, base):
+    """A folder whose card names a local path as its base (written before this rule) does not pass it on."""
+    from kimik3.hub_card import saved_model_card
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "README.md").write_text(f"---\nlicense: other\nbase_model: {card_base}\n---\n# a card\n")
+    meta = ModelCard(saved_model_card(load_text_config(converted[2] / "config.json"), str(source))).data.to_dict()
+    assert meta.get("base_model") == base and "base_model_relation" not in meta  # nothing to compare with
+    assert meta["license"] == "other"
 
 
 def _k3_tokenizer(tmp_path):
@@ -171,7 +233,9 @@ def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub
     pushed = repos["someone/k3-finetune"]
     assert set(pushed) == model_files | tokenizer_files
     card = pushed["README.md"].decode()  # the tokenizer's push kept the model's card
-    assert is_kimik3_card(card) and ModelCard(card).data.base_model_relation == "finetune"
+    # pushed as loaded: not a fine-tune; the converted fixture folder names no Hub repo, so no base either
+    assert is_kimik3_card(card) and "base_model_relation" not in ModelCard(card).data.to_dict()
+    assert "# Kimi K3 (saved again, weights unchanged)" in card and ModelCard(card).data.license_link
     config = json.loads(pushed["config.json"])
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForConditionalGeneration"
     package_code = {p.name: p.read_bytes() for p in remote_code_files()}

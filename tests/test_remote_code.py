@@ -52,6 +52,10 @@ def folders(tmp_path_factory):
     release = released_config_dict()
     release["text_config"] = {**release["text_config"], **tiny_text_config_dict(num_hidden_layers=4)}
     release["text_config"].pop("quantization_config")
+    # the release's token ids (163584...) lie outside the tiny vocabulary (128), which the config refuses
+    small_ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    release["text_config"].update(small_ids)
+    release.update(small_ids, media_placeholder_token_id=100)
     torch.manual_seed(0)
     composite_model = KimiK3ForConditionalGeneration(KimiK3Config(**release)).eval()
     composite = tmp_path_factory.mktemp("composite_remote")
@@ -131,3 +135,23 @@ def test_demo_runs_and_cache_matches_analytic(capsys):
     assert main(["demo", "--new-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert "trust_remote_code" in out and "MISMATCH" not in out and out.count(" ok") == 4
+
+
+def test_every_file_of_a_folder_gets_the_mode_of_a_normal_file_write(folders, tmp_path):
+    """safetensors writes its files 0600 and shutil.copy2 would carry the installed code's mode: `kimik3 tiny` and
+    save_pretrained leave every file with the mode `open(path, "w")` gives (0666 less the umask)."""
+    import os
+
+    from kimik3.modeling.modeling_kimi_k3 import normal_file_mode
+
+    tiny = folders["tiny"][0]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tiny.iterdir()}
+    assert set(modes.values()) == {normal_file_mode()}, modes
+    before = os.umask(0o002)
+    try:
+        assert normal_file_mode() == 0o664
+        save_with_code(folders["tiny"][1], tmp_path)
+    finally:
+        os.umask(before)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == 0o664 and set(modes.values()) == {0o664}, modes
