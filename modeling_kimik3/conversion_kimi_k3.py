@@ -45,7 +45,7 @@ from transformers.core_model_loading import (
     WeightRenaming,
 )
 
-from .ops_kimi_k3 import dequantize_mxfp4, quantize_mxfp4
+from .ops_kimi_k3 import _E2M1_VALUES, MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 
 
 try:  # transformers 5.0-5.24
@@ -100,6 +100,73 @@ def _check_expert_count(found: int, config, fused_name: str, part: str, suffix: 
               f"num_experts={expected} (a missing or extra per-expert tensor)")
 
 
+def _first_overflowing_byte(limit: float) -> int:
+    """The smallest E8M0 byte whose group can decode past `limit` (the largest code, 6.0, times 2^(byte - 127))."""
+    byte = 0
+    while byte < E8M0_INF and 6.0 * 2.0 ** (byte - 127) <= limit:
+        byte += 1
+    return byte
+
+
+def mxfp4_overflow(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """The first MXFP4 group that decodes to a non-finite value in `dtype`: (index into `scale`, its byte, the signed
+    code that overflows), or None. A valid scale byte can still overflow: 0xFE with code 6.0 is 1.5 x 2^129, inf in
+    bf16 and f32 (the decode multiplies in f32), and fp16 overflows from byte 0x8D on. Only groups whose byte is high
+    enough for the largest code to overflow are decoded here, so a finite checkpoint costs one comparison per scale
+    byte. packed u8 [..., N, K/2], scale u8 [..., N, K/32]."""
+    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+    low = _first_overflowing_byte(limit)
+    if scale.numel() == 0 or int(scale.max()) < low:  # a reduction, no mask: the usual case
+        return None
+    risky = scale >= low
+    where = risky.nonzero()
+    groups = packed.reshape(*scale.shape, MXFP4_GROUP_SIZE // 2)[risky]  # [n, 16] bytes, two codes each
+    codes = torch.stack([groups & 0xF, groups >> 4], dim=-1).reshape(groups.shape[0], -1).long()
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float64, device=codes.device)
+    values = table[codes]  # [n, 32] signed code values
+    largest = values.abs().argmax(dim=-1, keepdim=True)
+    code = values.gather(-1, largest).squeeze(-1)
+    bytes_ = scale[risky].long()
+    over = (code.abs() * torch.pow(2.0, (bytes_ - 127).double()) > limit) | (bytes_ == E8M0_INF)
+    if not bool(over.any()):
+        return None
+    first = int(over.nonzero()[0, 0])
+    return [int(i) for i in where[first]], int(bytes_[first]), float(code[first])
+
+
+def mxfp4_overflow_message(index, byte: int, code: float, dtype: torch.dtype) -> str:
+    result = "nan" if byte == E8M0_INF and code == 0 else ("-inf" if code < 0 else "inf")
+    return (f"E8M0 scale byte 0x{byte:02X} at {list(index)} with code {code} gives {result} in "
+            f"{str(dtype).removeprefix('torch.')}: a valid scale byte, but the weight it scales does not fit the "
+            "dtype; refusing non-finite weights")
+
+
+def check_packed_experts(model) -> None:
+    """Kept-packed MXFP4 experts are dequantised to the compute dtype at every forward: each group must decode to
+    finite values in it (the floating dtype of the model's parameters), checked once at load. Errors name the release
+    tensor and our fused one."""
+    for name, module in model.named_modules():
+        if not getattr(module, "packed", False):
+            continue
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+        for fused in EXPERT_PARTS:
+            packed, scale = getattr(module, f"{fused}_packed", None), getattr(module, f"{fused}_scale", None)
+            if packed is None or scale is None or packed.device.type == "meta" or scale.dim() != 3:
+                continue
+            found = mxfp4_overflow(packed, scale, dtype)
+            if found is None:
+                continue
+            (expert, row, group), byte, code = found
+            parts = EXPERT_PARTS[fused]
+            part_rows = scale.shape[1] // len(parts)
+            part = parts[row // part_rows]
+            ours = f"{name}.{fused}_scale"
+            raise KimiK3LoadError(
+                f"`{_release_expert_name(ours, expert, part, 'weight_scale')}` (our `{ours}`): "
+                + mxfp4_overflow_message([expert, row, group], byte, code, dtype)
+            )
+
+
 class DequantizeMxfp4Experts(ConversionOps):
     """Per-expert MXFP4 parts (sources: packed, scale of each part in turn) -> one fused dense tensor [E, rows, K] in
     the parameter's dtype, exact (E2M1 x 2^k is representable in bf16/f32). Fills the output an expert at a time, so
@@ -129,6 +196,10 @@ class DequantizeMxfp4Experts(ConversionOps):
                 if bool((scale == E8M0_INF).any()):
                     _fail(f"`{_release_expert_name(fused, expert, part, 'weight_scale')}` has the E8M0 byte 255 "
                           "(2^128 = inf): non-finite weights")
+                overflow = mxfp4_overflow(codes, scale, dtype)
+                if overflow is not None:
+                    _fail(f"`{_release_expert_name(fused, expert, part, 'weight_scale')}`: "
+                          + mxfp4_overflow_message(*overflow, dtype))
                 values = dequantize_mxfp4(codes, scale, dtype)
                 out[expert, row:row + values.shape[0]] = values
                 row += values.shape[0]
@@ -421,6 +492,7 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     if problems:
         raise KimiK3LoadError(f"{pretrained}: " + "; ".join(problems))
     _check_finite(model)
+    check_packed_experts(model)
     generation_config = getattr(model, "generation_config", None)
     if getattr(model, "_weight_conversions", None) and generation_config is not None \
             and generation_config.max_length == model.config.get_text_config().max_position_embeddings:
@@ -879,7 +951,10 @@ __all__ = [
     "UnpadHeads",
     "check_folder",
     "check_pretrained_folder",
+    "check_packed_experts",
     "check_release_load",
+    "mxfp4_overflow",
+    "mxfp4_overflow_message",
     "checked_pretrained_folder",
     "named_file",
     "read_safetensors_header",
