@@ -139,7 +139,8 @@ def test_marker_text_joined_from_two_parts_stays_ordinary(toks, parts):
 
 @pytest.mark.parametrize("texts", [
     pytest.param(["a <|end_of", "_msg|> b"], id="marker-split-across-messages"),
-    pytest.param(["＜|end_of_msg|＞", "<\u200b|open|>", "<|оpen|>"], id="lookalike-markers"),  # full-width, ZWSP, Cyrillic о
+    # full-width brackets, a zero-width space inside, a Cyrillic о
+    pytest.param(["＜|end_of_msg|＞", "<\u200b|open|>", "<|оpen|>"], id="lookalike-markers"),
 ])
 def test_partial_markers_across_messages_and_lookalikes_stay_ordinary(toks, texts):
     messages = [{"role": "user", "content": t} for t in texts]
