@@ -95,6 +95,25 @@ def test_stdin_loop_keeps_the_history_and_echoes_each_reply_as_the_template_expe
     assert capsys.readouterr().out.count("[response] Hi") == 2
 
 
+def test_terminal_session_reads_turns_with_input_until_eof(session, folder, monkeypatch, capsys):
+    turns = iter(["hello", "  ", "bye"])
+
+    def typed(prompt):
+        print(prompt, end="")
+        try:
+            return next(turns)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr("builtins.input", typed)
+    assert main(["chat", str(folder)]) == 0
+    assert len(session.calls) == 2
+    captured = capsys.readouterr()
+    assert "type a message (one line a turn), /exit or Ctrl-D to end" in captured.err
+    assert captured.out.count("> ") == 4 and captured.out.count("[response] Hi") == 2
+
+
 def test_prompt_is_one_turn_with_the_tools_and_effort_in_its_prompt(session, folder, files, monkeypatch):
     _stdin(monkeypatch, b"must not be read\n")
     assert main(["chat", str(folder), "--prompt", "Weather in Paris?", "--tools", str(files / "tools.json"),
@@ -213,7 +232,8 @@ def _no_network(monkeypatch):
     pytest.param("notes.txt", "notes.txt: not an image file", id="image-source-not-an-image"),
     pytest.param("cut.png", "cut.png: cannot read the image", id="image-source-truncated"),
     pytest.param(".", "is a folder, not an image file", id="image-source-folder"),
-    pytest.param("file://server/share/cat.png", "a file:// URL on host 'server'", id="image-source-file-url-other-host"),
+    pytest.param("file://server/share/cat.png", "a file:// URL on host 'server'",
+                 id="image-source-file-url-other-host"),
 ])
 def test_bad_image_sources_are_named_and_never_fetched(vision_chat, files, monkeypatch, source, message):
     _no_network(monkeypatch)
@@ -281,6 +301,18 @@ def test_conversation_outgrowing_the_model_ends_with_exit_2(session, folder, mon
     assert len(session.calls) == 1
     assert ("kimik3 chat: error: the prompt is 5,000 tokens, but the model's max_position_embeddings is 4,096: no "
             "room for a reply; shorten the prompt (or start a new conversation)") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("room", [pytest.param(3, id="chat-reply-shortened-to-fit")])
+def test_reply_is_shortened_to_fit_max_position_embeddings_with_a_note(session, loaded, folder, monkeypatch, capsys,
+                                                                      room):
+    _, model = loaded
+    prompt = encode_chat(session.tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    monkeypatch.setattr(model.config, "max_position_embeddings", len(prompt) + room)
+    assert main(["chat", str(folder), "--prompt", "hi", "--max-new-tokens", "10"]) == 0
+    assert session.calls[0]["max_new_tokens"] == room
+    assert (f"kimik3 chat: note: the reply is limited to {room} tokens: the prompt is {len(prompt)} tokens of the "
+            f"model's max_position_embeddings {len(prompt) + room}") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("make, message", [
