@@ -94,6 +94,8 @@ def test_jinja_template_and_python_renderer_agree(loaded, slow, name, add_genera
                                          **options)
     assert text == render_text(messages, add_generation_prompt=add_generation_prompt, **options)
     python_ids = encode_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, **options)
+    # no marker text in these messages: the segment-wise ids are those of the flat text with its specials parsed
+    assert python_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     for tok in (tokenizer, slow):
         ids = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
                                       add_generation_prompt=add_generation_prompt, **options)["input_ids"]
