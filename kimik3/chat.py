@@ -1,11 +1,13 @@
 """`kimik3 chat DIR`: a conversation -> the chat template -> `generate` (stopping at `<|end_of_msg|>`) -> text streamed
 through `TextStreamer`, then the reply parsed into reasoning / response / tool calls and echoed back into the
-conversation as the template renders an earlier assistant turn (reasoning kept, docs/architecture.md, chat format).
+conversation as the template renders an earlier assistant turn (its reasoning kept: kimik3/chat_format.py).
 
-A long prompt is prefilled through the cache in chunks (`prefill_chunk_size` tokens): a fresh prefill runs the MLA
-layers' attention over the whole prompt at once, whose scores (heads x T x T, materialised on CPU) grow with the
-square of the prompt; over a cache each chunk expands the cached latents block by block instead (bounded by
-chunk x `mla_prefill_block_size`)."""
+A long prompt is prefilled through the cache in chunks (`prefill_chunk_size` tokens). In one forward the MLA layers'
+expanded attention runs over the whole prompt: on CPU, SDPA's math kernel materialises f32 [heads, T, T] scores and
+their softmax, memory that grows with the square of the prompt (the tiny model: 0.7 GB at 4K tokens, 2.6 GB at 8K,
+so tens of GB at a 100 KB prompt). A chunk continuing a cache instead attends to the cached latents expanded block
+by block (`mla_prefill_block_size`, merged by log-sum-exp: docs/architecture.md, Gated NoPE MLA), so the workspace is
+bounded by chunk x block whatever the prompt's length."""
 
 import json
 import sys

@@ -6,6 +6,7 @@ images by path". The CLI runs in-process on one tiny folder; the loop tests scri
 
 import io
 import json
+import os
 import re
 import socket
 import sys
@@ -234,11 +235,16 @@ def _no_network(monkeypatch):
     pytest.param(".", "is a folder, not an image file", id="image-source-folder"),
     pytest.param("file://server/share/cat.png", "a file:// URL on host 'server'",
                  id="image-source-file-url-other-host"),
+    pytest.param("fifo", "fifo: is not a regular file", id="image-source-fifo"),
+    pytest.param("data:image/png,rawbytes", "data URL 'data:image/png': only base64 data URLs are read",
+                 id="image-source-data-url-not-base64"),
 ])
 def test_bad_image_sources_are_named_and_never_fetched(vision_chat, files, monkeypatch, source, message):
     _no_network(monkeypatch)
     _, _, processor = vision_chat
-    source = source if "://" in source else str(files / source)
+    if source == "fifo" and not (files / "fifo").exists():
+        os.mkfifo(files / "fifo")  # opening it would block until a writer comes: it must be refused unopened
+    source = source if ":" in source else str(files / source)
     conversation = [{"role": "user", "content": [{"type": "image", "url": source}, {"type": "text", "text": "?"}]}]
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         processor.apply_chat_template(conversation, tokenize=True, return_dict=True, add_generation_prompt=True)
