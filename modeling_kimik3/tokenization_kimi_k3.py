@@ -415,6 +415,7 @@ class ChatTagging:
         self._marker_re = re.compile("|".join(re.escape(m) for m in self.markers)) if self.markers else None
         self._tagged_re = re.compile(re.escape(self.start) + "(.*?)" + re.escape(self.end), re.S)
         self._templates: dict[str, str] = {}
+        self._variables: dict[tuple, list[str]] = {}
 
     def tag(self, text: str) -> str:
         if self._marker_re is None:
@@ -431,8 +432,10 @@ class ChatTagging:
         template. Values the caller passes are conversation data and stay as they are."""
         import re
 
-        return {key: self.tag(value) for key, value in special_tokens_map.items()
-                if isinstance(value, str) and key not in given and re.search(rf"\b{key}\b", template)}
+        names = tuple(key for key, value in special_tokens_map.items() if isinstance(value, str))
+        if (template, names) not in self._variables:
+            self._variables[template, names] = [key for key in names if re.search(rf"\b{key}\b", template)]
+        return {key: self.tag(special_tokens_map[key]) for key in self._variables[template, names] if key not in given}
 
     def split(self, tagged: str, plain: str) -> list[tuple[str, bool]]:
         """(text, is_template_marker) pieces of a tagged rendering, checked against the plain one."""
@@ -499,21 +502,24 @@ class ChatNormalizingMixin:
     def encode_chat_pieces(self, pieces) -> list[int]:
         """Ids of (text, is_template_marker) pieces: a template marker that is a token is that token; the text
         between two of them is one piece of ordinary text (control-token spellings in it stay text)."""
-        ids, text = [], []
         vocab = self.added_tokens_encoder
-
-        def flush():
-            if text:
-                ids.extend(self.encode("".join(text), add_special_tokens=False, split_special_tokens=True))
-                text.clear()
-
+        layout, texts, text = [], [], []  # layout: a token id, or None for the next encoded text
         for piece, is_marker in pieces:
             if is_marker and piece in vocab:
-                flush()
-                ids.append(vocab[piece])
+                if text:
+                    layout.append(None)
+                    texts.append("".join(text))
+                    text = []
+                layout.append(vocab[piece])
             else:
                 text.append(piece)
-        flush()
+        if text:
+            layout.append(None)
+            texts.append("".join(text))
+        encoded = iter(self(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"] if texts else [])
+        ids = []
+        for item in layout:
+            ids.extend(next(encoded) if item is None else [item])
         return ids
 
     def chat_batch_encoding(self, ids, is_batched, padding=False, truncation=False, max_length=None,
