@@ -37,7 +37,7 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_k3 import KimiK3Cache, conv_windows_after, kda_decay, kda_recurrence
-from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load, checked_pretrained_folder, register_release_conversions
 from .ops_kimi_k3 import (
@@ -868,6 +868,21 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             # A draft model's cache is cropped back to the accepted tokens after every verification
             model_kwargs[CACHE_FIELD].activate_past_recording()
 
+    def _validate_generated_length(self, generation_config, input_ids_length, *args, **kwargs):
+        """Refused at the call, before the prefill: a generation that would run past max_position_embeddings (the
+        length the model was trained to and the config promises; `max_length` counts the prompt,
+        `max_new_tokens` is added to it), and special token ids outside the vocabulary."""
+        super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
+        text = self.config.get_text_config()
+        limit = text.max_position_embeddings
+        total = generation_config.max_length + getattr(self, "_image_rows_added", 0)
+        if total > limit:
+            asked = (f"max_new_tokens={generation_config.max_new_tokens} after a prompt of {input_ids_length} tokens"
+                     if generation_config.max_new_tokens is not None else f"max_length={generation_config.max_length}")
+            raise ValueError(f"generate({asked}) would run to {total} tokens, past max_position_embeddings={limit}; "
+                             f"ask for at most {max(0, limit - input_ids_length)} new tokens")
+        check_token_ids(generation_config, self.get_input_embeddings().num_embeddings, "generation_config.")
+
     def create_masks_for_generate(self, config=None, attention_mask=None, **kwargs):
         """generate() asks for fixed-shape masks when the cache is static: the prefill keeps its 2-D padding mask
         (the cache records it), decode steps need none (the cache's key_valid mask is the mask)."""
@@ -1006,6 +1021,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
             self.output_attn_res_proj = KimiK3AttnResProjection(config.hidden_size)
         self.norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
+        # `<|media_pad|>` marks where an image goes: without pixel_values its embedding is not an image. A text config
+        # may name it (`media_placeholder_token_id`); the composite model sets it from its own config.
+        self.media_placeholder_token_id = getattr(config, "media_placeholder_token_id", None)
         self.post_init()
 
     # hidden_states[-1] stays the last layer's output: the final norm reads an AttnRes mix of all blocks, not it
@@ -1095,11 +1113,14 @@ class KimiK3Model(KimiK3PreTrainedModel):
 
     def _check_model_inputs(self, input_ids, inputs_embeds, attention_mask, cache) -> None:
         """Reject inputs that would otherwise fail deep inside a layer with an unrelated message, or silently give
-        wrong outputs. Shape checks cost nothing (under torch.compile they are decided at trace time); the value
-        checks read the inputs once and are skipped while compiling, so the static decode step stays one graph
-        with no host synchronisation."""
+        wrong outputs. Shape, dtype and cache-config checks cost nothing (under torch.compile they are decided at trace
+        time); the value checks read the inputs once, in a single host read, and are skipped while compiling, so the
+        static decode step stays one graph with no host synchronisation."""
         if input_ids is not None and input_ids.dim() != 2:
             raise ValueError(f"input_ids must be 2-D [batch, length]; got shape {tuple(input_ids.shape)}")
+        if input_ids is not None and input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must hold integer token ids (torch.long or torch.int32); got dtype "
+                             f"{input_ids.dtype} (shape {tuple(input_ids.shape)})")
         hidden_size = self.config.hidden_size
         if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size):
             raise ValueError(
@@ -1112,6 +1133,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
             raise ValueError(
                 f"{name} has shape {tuple(inputs.shape)}: Kimi K3 needs at least one sequence of at least one token"
             )
+        if cache is not None:
+            self._check_cache_config(cache)
         has_past = cache is not None and cache.has_previous_state()
         if has_past and not torch.compiler.is_compiling() and cache.batch_size != batch:
             raise ValueError(
@@ -1138,28 +1161,96 @@ class KimiK3Model(KimiK3PreTrainedModel):
                     )
         if torch.compiler.is_compiling():
             return
+        # Every value check below is one flag (or the id range) in a single host read per forward: [low id, high id,
+        # mask values other than 0/1, rows without a real token, media placeholders, non-finite real embeddings].
+        flags = []
         if input_ids is not None:
-            # One min/max per forward (one host sync in eager): an id outside the table is an opaque IndexError on
-            # CPU and a device-side assert that ends the CUDA context on GPU.
+            flags += [input_ids.min().long(), input_ids.max().long()]
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            # a padding mask says which tokens are real: 0.5 or 2.0 (or NaN) is neither, and `.bool()` would read
+            # them as real
+            flags.append(((attention_mask != 0) & (attention_mask != 1)).any().long())
+        if attention_mask is not None:
+            # a row with no real token (in the cached part or the new one) has no defined output: every MLA query
+            # would attend to nothing
+            flags.append((~attention_mask.bool().any(dim=1)).any().long())
+        placeholder = self.media_placeholder_token_id
+        if input_ids is not None and placeholder is not None:
+            flags.append((input_ids == placeholder).any().long())
+        non_finite = None
+        if inputs_embeds is not None:
+            # Real (unmasked) positions of user-given embeddings must be finite; padded ones may hold anything, they
+            # are replaced by zeros before the first layer.
+            non_finite = ~torch.isfinite(inputs_embeds).all(dim=-1)
+            if attention_mask is not None:
+                non_finite &= attention_mask[:, -seq_len:].bool()
+            flags.append(non_finite.any().long())
+        if not flags:
+            return
+        values = torch.stack(flags).tolist()
+        if input_ids is not None:
+            (low, high), values = values[:2], values[2:]
             vocab_size = self.embed_tokens.num_embeddings
-            low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
             if low < 0 or high >= vocab_size:
+                # without it: an opaque IndexError on CPU and a device-side assert that ends the CUDA context on GPU
                 raise ValueError(
                     f"input_ids (shape {tuple(input_ids.shape)}) hold ids from {low} to {high}, outside the "
                     f"vocabulary [0, vocab_size={vocab_size})"
                 )
-            return
-        # Real (unmasked) positions of user-given embeddings must be finite; padded ones may hold anything, they are
-        # replaced by zeros before the first layer.
-        non_finite = ~torch.isfinite(inputs_embeds).all(dim=-1)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            bad_values, values = values[0], values[1:]
+            if bad_values:
+                seen = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+                raise ValueError(
+                    f"attention_mask (shape {tuple(attention_mask.shape)}, dtype {attention_mask.dtype}) must hold "
+                    f"only 0 (padding) and 1 (a real token); it holds {seen[0].item()!r} ({seen.numel()} such "
+                    "entries)"
+                )
         if attention_mask is not None:
-            non_finite &= attention_mask[:, -seq_len:].bool()
-        if bool(non_finite.any()):
+            empty_rows, values = values[0], values[1:]
+            if empty_rows:
+                rows = (~attention_mask.bool().any(dim=1)).nonzero()[:, 0].tolist()
+                raise ValueError(
+                    f"attention_mask (shape {tuple(attention_mask.shape)}) has no real token in batch row(s) {rows}: "
+                    "a sequence of padding only has no defined output; leave such rows out of the batch"
+                )
+        if input_ids is not None and placeholder is not None:
+            media, values = values[0], values[1:]
+            if media:
+                row, position = (input_ids == placeholder).nonzero()[0].tolist()
+                raise ValueError(
+                    f"input_ids hold the media placeholder `<|media_pad|>` (id {placeholder}) at batch {row}, "
+                    f"position {position}, but no pixel_values were given: the image it marks is missing (pass "
+                    "the image processor's pixel_values and grid_thws to the model with a vision tower)"
+                )
+        if non_finite is not None and values[0]:
             row, position = non_finite.nonzero()[0].tolist()
             raise ValueError(
                 f"inputs_embeds (shape {tuple(inputs_embeds.shape)}) has non-finite values at a real (unmasked) "
                 f"token: batch {row}, position {position} ({int(non_finite.sum())} such tokens in all)"
             )
+
+    # What a cache's layers hold follows from these settings of the config it was made for: another config's cache
+    # has layers of other kinds, counts or widths, and would be read at the wrong shapes (or silently misread).
+    _CACHE_SETTINGS = ("layer_types", "kv_lora_rank", "qk_rope_head_dim", "linear_num_heads", "linear_head_dim",
+                       "linear_conv_kernel_size")
+
+    def _check_cache_config(self, cache) -> None:
+        made_for = getattr(cache, "_text_config", None)
+        if made_for is None or made_for is self.config:
+            return
+        different = [key for key in self._CACHE_SETTINGS if getattr(made_for, key) != getattr(self.config, key)]
+        if different:
+            def shown(config, key):
+                value = getattr(config, key)
+                if key == "layer_types":
+                    return f"{len(value)} layers, MLA at {[i for i, kind in enumerate(value) if kind == 'full_attention']}"
+                return value
+
+            details = ", ".join(f"{key} {shown(made_for, key)} (this model: {shown(self.config, key)})"
+                                for key in different)
+            raise ValueError(f"The cache was made for a model of another config: {details}; make the cache with "
+                             "this model's config (KimiK3Cache(model.config)) or let the model create it")
 
     @staticmethod
     def _token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
@@ -1221,6 +1312,23 @@ class KimiK3Model(KimiK3PreTrainedModel):
         return mask | ~mask.any(dim=-1, keepdim=True)
 
 
+def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Labels are ids of the vocabulary or `ignore_index` (-100); anything else makes cross-entropy raise an opaque
+    IndexError on CPU (a device-side assert on GPU). One host read, only when labels are given (skipped while
+    compiling)."""
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(f"labels must hold integer token ids; got dtype {labels.dtype} (shape {tuple(labels.shape)})")
+    if torch.compiler.is_compiling() or labels.numel() == 0:
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        row, *rest = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"labels (shape {tuple(labels.shape)}) hold {labels[bad][0].item()} at {[row, *rest]}: labels must be "
+            f"ids in [0, vocab_size={vocab_size}) or {ignore_index} (ignored)"
+        )
+
+
 class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -1261,6 +1369,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
+            _check_labels(labels, self.config.vocab_size, getattr(self.config, "ignore_index", -100))
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return MoeCausalLMOutputWithPast(
             loss=loss,
@@ -1405,6 +1514,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     def __init__(self, config: KimiK3Config, vision: bool | None = None):
         super().__init__(config)
         self.language_model = KimiK3ForCausalLM(config.text_config)
+        self.language_model.model.media_placeholder_token_id = config.media_placeholder_token_id
         vision_config = config.vision_config
         with_tower = getattr(vision_config, "describes_tower", False) if vision is None else vision
         if with_tower and not getattr(vision_config, "describes_tower", False):

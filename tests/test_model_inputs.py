@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from k3_test_utils import cache_of
+from kimik3.configuration import tiny_text_config_dict
 from kimik3.tiny import build_tiny_model
 from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
+from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
 
 VOCAB, HIDDEN, PAD = 128, 64, 0
 
@@ -19,6 +21,12 @@ def model():
 
 def _ids(batch, length, seed=1):
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _config(**layer_lists) -> KimiK3TextConfig:
+    cfg = tiny_text_config_dict()
+    cfg["linear_attn_config"].update(layer_lists)
+    return KimiK3TextConfig(**cfg)
 
 
 def _filled_cache(model, batch, length):
@@ -70,6 +78,35 @@ BAD_INPUTS = [
                                                                                   torch.tensor(float("inf"))),
                             "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])},
                  r"batch 1, position 3 \(1 such tokens", id="inf-real-embeds"),
+]
+
+BAD_INPUTS += [
+    pytest.param(lambda m: {"input_ids": _ids(1, 3), "past_key_values": KimiK3Cache(
+        KimiK3TextConfig(**tiny_text_config_dict(num_hidden_layers=2)))},
+                 r"The cache was made for a model of another config: layer_types 2 layers, MLA at \[1\] \(this "
+                 r"model: 4 layers, MLA at \[3\]\)", id="cache-other-config-layers"),
+    pytest.param(lambda m: {"input_ids": _ids(1, 3), "past_key_values": KimiK3Cache(
+        KimiK3TextConfig(**{**tiny_text_config_dict(), "kv_lora_rank": 16}))},
+                 r"another config: kv_lora_rank 16 \(this model: 32\)", id="cache-other-config-width"),
+    pytest.param(lambda m: {"input_ids": _ids(1, 3), "past_key_values": KimiK3Cache(_config(kda_layers=[1, 2, 4],
+                                                                                         full_attn_layers=[3]))},
+                 r"another config: layer_types 4 layers, MLA at \[2\] \(this model: 4 layers, MLA at \[3\]\)", id="cache-other-layer-kinds"),
+    pytest.param(lambda m: {"input_ids": _ids(2, 3), "attention_mask": torch.tensor([[1, 1, 1], [0, 0, 0]])},
+                 r"attention_mask \(shape \(2, 3\)\) has no real token in batch row\(s\) \[1\]",
+                 id="mask-row-all-zero"),
+    pytest.param(lambda m: {"input_ids": _ids(1, 3), "attention_mask": torch.tensor([[1.0, 0.5, 1.0]])},
+                 r"attention_mask \(shape \(1, 3\), dtype torch.float32\) must hold only 0 \(padding\) and 1 "
+                 r"\(a real token\); it holds 0.5 \(1 such entries\)", id="mask-float-half"),
+    pytest.param(lambda m: {"input_ids": _ids(1, 3), "attention_mask": torch.tensor([[2.0, 2.0, 1.0]])},
+                 r"it holds 2.0 \(2 such entries\)", id="mask-float-two"),
+    pytest.param(lambda m: {"input_ids": _ids(1, 3), "attention_mask": torch.tensor([[1.0, float("nan"), 1.0]])},
+                 r"must hold only 0 \(padding\) and 1 .*it holds nan", id="mask-float-nan"),
+    pytest.param(lambda m: {"input_ids": _ids(1, 3), "attention_mask": torch.tensor([[1, -1, 1]])},
+                 r"it holds -1 \(1 such entries\)", id="mask-int-minus-one"),
+    pytest.param(lambda m: {"input_ids": _ids(1, 3).float()},
+                 r"input_ids must hold integer token ids \(torch.long or torch.int32\); got dtype torch.float32",
+                 id="ids-float"),
+    pytest.param(lambda m: {"input_ids": _ids(1, 3) > 5}, r"got dtype torch.bool", id="ids-bool"),
 ]
 
 
@@ -213,3 +250,116 @@ def test_kda_layer_selects_padding_itself(model, value, side):
     assert torch.isfinite(ref[mask]).all() and torch.equal(out[mask], ref[mask])
     assert torch.isfinite(ref_state).all() and torch.equal(state, ref_state)
     assert all(torch.equal(a, b) for a, b in zip(conv, ref_conv))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Good neighbours of the value checks: accepted, with the outputs of the plain inputs.
+
+@pytest.mark.parametrize("mask", [
+    pytest.param(lambda m: m.bool(), id="mask-bool"),
+    pytest.param(lambda m: m.float(), id="mask-float-zeros-and-ones"),
+    pytest.param(lambda m: m.int(), id="mask-int32"),
+])
+def test_masks_of_other_dtypes_holding_0_and_1_are_accepted(model, mask):
+    ids = _ids(2, 5)
+    plain = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        expected = model(ids, attention_mask=plain).logits
+        got = model(ids, attention_mask=mask(plain)).logits
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("case", [pytest.param("same", id="cache-of-an-equal-config"),
+                                  pytest.param("int32", id="ids-int32")])
+def test_an_equal_config_cache_and_int32_ids_are_accepted(model, case):
+    ids = _ids(1, 4)
+    with torch.no_grad():
+        expected = model(ids).logits
+        if case == "same":  # a copy of the config (a cache made from a reloaded config.json)
+            got = model(ids, past_key_values=KimiK3Cache(KimiK3TextConfig(**model.config.to_dict()))).logits
+        else:
+            got = model(ids.int()).logits
+    assert torch.equal(got, expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Labels, media placeholders without images, generate's length and its token ids.
+
+@pytest.mark.parametrize("labels, message", [
+    pytest.param(torch.tensor([[5, VOCAB, -100]]), r"labels \(shape \(1, 3\)\) hold 128 at \[0, 1\]: labels must be ids "
+                 r"in \[0, vocab_size=128\) or -100 \(ignored\)", id="labels-out-of-vocab"),
+    pytest.param(torch.tensor([[5, -5, -100]]), r"hold -5 at \[0, 1\]", id="labels-negative-not-ignore-index"),
+    pytest.param(torch.tensor([[5.0, 6.0, 7.0]]), r"labels must hold integer token ids; got dtype torch.float32",
+                 id="labels-float"),
+])
+def test_bad_labels_are_a_value_error(model, labels, message):
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        model(_ids(1, 3), labels=labels)
+
+
+@pytest.mark.parametrize("case", [pytest.param("ignored", id="labels-ignore-index-accepted")])
+def test_labels_with_the_ignore_index_give_a_loss(model, case):
+    with torch.no_grad():
+        out = model(_ids(1, 3), labels=torch.tensor([[-100, 5, VOCAB - 1]]))
+    assert torch.isfinite(out.loss)
+
+
+MEDIA_PAD = 7
+
+
+@pytest.mark.parametrize("case", [pytest.param("text", id="media-pad-without-pixels-text-model")])
+def test_media_placeholder_without_pixel_values_text_model(model, case):
+    """A text config that names `media_placeholder_token_id`: the placeholder marks an image that is not there."""
+    ids = torch.tensor([[5, 9, MEDIA_PAD, 11]])
+    model.model.media_placeholder_token_id = MEDIA_PAD
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match=r"input_ids hold the media placeholder `<\|media_pad\|>` "
+                                                              r"\(id 7\) at batch 0, position 2, but no pixel_values"):
+            model(ids)
+        with torch.no_grad():
+            model(_ids(1, 4).clamp(min=MEDIA_PAD + 1))  # other ids are fine
+    finally:
+        model.model.media_placeholder_token_id = None
+
+
+@pytest.mark.parametrize("case", [pytest.param("composite", id="media-pad-without-pixels-composite")])
+def test_media_placeholder_without_pixel_values_composite_model(case):
+    from kimik3.convert import testing
+    from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+
+    config = KimiK3Config(**testing.tiny_release_config(num_layers=1, num_experts=2))
+    composite = KimiK3ForConditionalGeneration(config, vision=False).eval()
+    placeholder = config.media_placeholder_token_id
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"media placeholder `<\|media_pad\|>` \(id {placeholder}\) "
+                                                          r"at batch 0, position 1, but no pixel_values"):
+        composite(torch.tensor([[5, placeholder, 6]]))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    pytest.param({"max_new_tokens": 10**9}, r"generate\(max_new_tokens=1000000000 after a prompt of 5 tokens\) would "
+                 r"run to 1000000005 tokens, past max_position_embeddings=8; ask for at most 3 new tokens",
+                 id="generate-max-new-tokens-1e9"),
+    pytest.param({"max_new_tokens": 4}, r"would run to 9 tokens, past max_position_embeddings=8",
+                 id="generate-one-token-past-the-limit"),
+    pytest.param({"max_length": 9}, r"generate\(max_length=9\) would run to 9 tokens", id="generate-max-length"),
+    pytest.param({"max_new_tokens": 1, "eos_token_id": VOCAB + 5}, r"key `generation_config.eos_token_id`: 133 must "
+                 r"be a token id or a list of token ids in \[0, vocab_size=128\)", id="generate-eos-id-out-of-vocab"),
+    pytest.param({"max_new_tokens": 1, "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])},
+                 r"has no real token in batch row\(s\) \[1\]", id="generate-mask-row-all-zero"),
+])
+def test_generate_refuses_at_the_call(model, kwargs, message):
+    """Refused before the prefill runs (the cache stays empty); max_position_embeddings lowered to 8 for the test."""
+    ids = _ids(2, 5)
+    saved = model.config.max_position_embeddings
+    model.config.max_position_embeddings = 8
+    cache = KimiK3Cache(model.config)
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match=message):
+            model.generate(ids, do_sample=False, past_key_values=cache, **kwargs)
+        assert cache.get_seq_length() == 0
+        # the neighbour: up to the limit is fine
+        out = model.generate(ids, do_sample=False, max_new_tokens=3)
+        assert out.shape == (2, 8)
+    finally:
+        model.config.max_position_embeddings = saved
