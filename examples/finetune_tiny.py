@@ -8,7 +8,9 @@
     python examples/finetune_tiny.py --bf16 --gradient-checkpointing
     python examples/finetune_tiny.py --report                 # the figures of docs/training.md
 
-`--model DIR` uses an existing model folder (e.g. one written by `kimik3 tiny DIR`); without it a tiny model is
+`--model DIR` uses an existing model folder (e.g. one written by `kimik3 tiny DIR`: the outputs then carry its
+tokenizer and processor files, so `kimik3 chat OUTPUT/merged` and AutoTokenizer / AutoProcessor work on them);
+without it a tiny model that reads ASCII codes as token ids (vocab 128, no tokenizer) is
 written first (to OUTPUT/base with `--output`, so a saved LoRA adapter names a base model that still exists; else to
 a temporary folder that is removed at the end). Everything loads through `AutoModelForCausalLM.from_pretrained(...,
 trust_remote_code=True)`, as a user of the Hub checkpoint would.
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from kimik3.training import checkpointing_arguments, enable_checkpointing
+from kimik3.training import carry_tokenizer_files, checkpointing_arguments, enable_checkpointing
 from kimik3.training.data import ascii_encode, blocks, documents, load_text
 from kimik3.training.memory import ActivationMeter
 from kimik3.training.quantile_balancing import ExpertLoadCallback, QuantileBalancingCallback
@@ -117,9 +119,13 @@ def train(model_dir, steps=40, lora=False, balancing=False, packing=False, bf16=
     }
     if output:
         trainer.save_model(output)  # a LoRA run saves the adapter only
+        outputs = [Path(output)]
         if lora:
             merged = model.merge_and_unload()
             merged.save_pretrained(Path(output) / "merged")
+            outputs.append(Path(output) / "merged")
+        for folder in outputs:  # the base folder's tokenizer and processor (none for the ASCII model)
+            carry_tokenizer_files(model_dir, folder)
     return result, model
 
 

@@ -61,7 +61,8 @@ def cmd_tiny(args) -> int:
 
     try:
         with progress_bars_off():
-            model, kept = write_tiny_folder(args.directory, args.layers, seed=args.seed, overwrite=args.overwrite)
+            model, kept = write_tiny_folder(args.directory, args.layers, seed=args.seed, overwrite=args.overwrite,
+                                            vision=args.vision)
     except TinyFolderError as exc:
         print(f"kimik3 tiny: error: {exc}", file=sys.stderr)
         return 2
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="decoder layers, on the release's schedule (every 4th is MLA; default 4)")
     p.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty folder")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    p.add_argument("--vision", action="store_true",
+                   help="the composite model with a small vision tower (images through AutoProcessor)")
     p.set_defaults(fn=cmd_tiny)
 
     p = sub.add_parser("memory", help="cache memory table: K3 vs all-MLA vs expanded K/V; with --plan, whether the "

@@ -49,6 +49,32 @@ def build_tiny_model(seed: int = 0, num_hidden_layers: int = 4, **overrides):
     return model.eval()
 
 
+def build_tiny_vision_model(seed: int = 0, num_hidden_layers: int = 4, **overrides):
+    """`build_tiny_model`'s text model (the same weights) as the `language_model` of a KimiK3ForConditionalGeneration
+    with a small random vision tower and projector of the release's design (the sizes of
+    `kimik3.convert.testing.TINY_VISION`, 14-pixel patches as the processor cuts them). Images are marked by
+    `media_placeholder_token_id`: the tiny tokenizer's `<|media_pad|>` when the overrides give its vocabulary."""
+    import torch
+
+    from kimik3.configuration import released_config_dict
+    from kimik3.convert.testing import TINY_VISION
+    from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+
+    text = build_tiny_model(seed=seed, num_hidden_layers=num_hidden_layers, **overrides)
+    raw = released_config_dict()
+    raw.pop("auto_map", None)  # save_pretrained writes ours
+    raw["text_config"] = text.config.to_dict()
+    raw["vision_config"].update(TINY_VISION, patch_size=14, text_hidden_size=text.config.hidden_size)
+    ids = {k: getattr(text.config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    # <|media_pad|> is the 22nd reserved special after the ranks (163605 = 163584 + 21 in the release)
+    raw.update(ids, media_placeholder_token_id=text.config.vocab_size - 256 + 21)
+    torch.manual_seed(seed + 1)
+    model = KimiK3ForConditionalGeneration(KimiK3Config(**raw))
+    model.language_model.load_state_dict(text.state_dict())
+    return model.eval()
+
+
 def packed_mxfp4_copy(dense_model):
     """The same model with its routed experts packed as MXFP4 (the release format), quantised from the dense ones
     (the GPU tests' and diagnostics' packed model)."""
@@ -96,12 +122,15 @@ def check_tiny_directory(directory: Path, overwrite: bool) -> list[str]:
     return others
 
 
-def write_tiny_folder(directory: str | Path, num_hidden_layers: int = 4, seed: int = 0, overwrite: bool = False):
-    """Checks the folder (TinyFolderError), then writes the tiny model with its remote code.
+def write_tiny_folder(directory: str | Path, num_hidden_layers: int = 4, seed: int = 0, overwrite: bool = False,
+                      vision: bool = False):
+    """Checks the folder (TinyFolderError), then writes the tiny model with its remote code, tokenizer and processor
+    config; `vision=True` writes the composite model with a vision tower (`build_tiny_vision_model`).
     Returns (model, names of the other files kept in the folder)."""
     directory = Path(directory)
     kept = check_tiny_directory(directory, overwrite)
-    model = build_tiny_model(seed=seed, num_hidden_layers=num_hidden_layers, **tiny_tokenizer_overrides())
+    build = build_tiny_vision_model if vision else build_tiny_model
+    model = build(seed=seed, num_hidden_layers=num_hidden_layers, **tiny_tokenizer_overrides())
     ids = special_token_ids(TINY_NUM_RANKS)
     model.generation_config.update(**ids)  # generation stops at <|end_of_msg|>, as the release's does
     save_with_code(model, directory)
@@ -112,8 +141,8 @@ def write_tiny_folder(directory: str | Path, num_hidden_layers: int = 4, seed: i
 
 def write_processor_config(directory: Path) -> Path:
     """processor_config.json (release image settings, auto_map) so `AutoProcessor.from_pretrained(folder,
-    trust_remote_code=True)` gives the K3 processor over the folder's tokenizer. The tiny model is text-only: the
-    processor serves its prompts, and images for a composite model built on the same tokenizer."""
+    trust_remote_code=True)` gives the K3 processor over the folder's tokenizer: prompts for the text model, and
+    images too for the model with a vision tower (`kimik3 tiny --vision`)."""
     from kimik3.modeling.processing_kimi_k3 import KimiK3Processor
     from kimik3.modeling.tokenization_kimi_k3 import KimiK3TokenizerFast
 

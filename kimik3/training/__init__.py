@@ -4,6 +4,7 @@ The model-independent parts import nothing from the model; see docs/training.md.
 """
 
 from .checkpointing import checkpointing_arguments, enable_checkpointing
+from .outputs import carry_tokenizer_files
 from .quantile_balancing import (
     ExpertLoadCallback,
     ExpertLoadMonitor,
@@ -16,6 +17,7 @@ from .quantile_balancing import (
 )
 
 __all__ = [
+    "carry_tokenizer_files",
     "checkpointing_arguments",
     "enable_checkpointing",
     "ExpertLoadCallback",
