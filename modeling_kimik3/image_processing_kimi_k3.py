@@ -125,6 +125,53 @@ def flatten_transparency(image, background: dict | None):
     return Image.fromarray(mixed.astype(np.uint8))
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_whole(value) -> bool:
+    return _whole(value) and value > 0
+
+
+def _merge_kernel_ok(value) -> bool:
+    sides = [value] if _whole(value) else value
+    return isinstance(sides, (list, tuple)) and len(sides) in (1, 2) and all(_positive_whole(v) for v in sides) \
+        and len(set(sides)) == 1  # the release's merge is square (2x2); resize_plan reads one side
+
+
+def _three_numbers(value, positive: bool = False) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 3 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 or not positive)
+        for v in value)
+
+
+# What each size setting must be: resize_plan divides by patch_size and merge_kernel_size and scales by the limits
+_MEDIA_PROC_CHECKS = {
+    "patch_size": (_positive_whole, "a positive whole number of pixels"),
+    "merge_kernel_size": (_merge_kernel_ok, "a positive whole number or a list of two equal ones (the release: 2)"),
+    "in_patch_limit": (_positive_whole, "a positive whole number of patches"),
+    "patch_limit_on_one_side": (_positive_whole, "a positive whole number of patches"),
+    "fixed_output_tokens": (lambda v: v is None or _positive_whole(v), "null or a positive whole number"),
+    "image_mean": (_three_numbers, "a list of three finite numbers (R, G, B)"),
+    "image_std": (lambda v: _three_numbers(v, positive=True), "a list of three finite positive numbers (R, G, B)"),
+}
+
+
+def media_proc_problem(cfg: dict) -> str | None:
+    """What is wrong with the size and normalisation settings of a `media_proc_cfg`, naming the key."""
+    for key, (supported, what) in _MEDIA_PROC_CHECKS.items():
+        if key in cfg and not supported(cfg[key]):
+            return f"{key} = {cfg[key]!r}: expected {what}"
+    return None
+
+
+def check_image_size(width, height, what: str) -> None:
+    """An image has at least one pixel on each side (a 0 x N image would divide by zero in resize_plan)."""
+    if not (_positive_whole(width) and _positive_whole(height)):
+        raise ValueError(f"Kimi K3 image processor: {what} is {width!r}x{height!r} pixels: an image needs at least "
+                         "one pixel on each side")
+
+
 def resize_plan(width: int, height: int, cfg: dict) -> dict:
     """Target size, right/bottom padding and token count of one image (the release's rule, integer-exact)."""
     patch, merge = cfg["patch_size"], _merge(cfg)
@@ -262,7 +309,7 @@ class KimiK3ImageProcessor(BaseImageProcessor):
         super().__init__(**kwargs)
         cfg = dict(DEFAULT_MEDIA_PROC_CFG)
         cfg.update(media_proc_cfg or {})
-        problem = transparent_bg_problem(cfg["transparent_bg_config"])
+        problem = media_proc_problem(cfg) or transparent_bg_problem(cfg["transparent_bg_config"])
         if problem is not None:
             raise ValueError(f"Kimi K3 image processor: media_proc_cfg.{problem}")
         if cfg["transparent_bg_fill_stage"] not in TRANSPARENT_BG_FILL_STAGES:
@@ -274,6 +321,7 @@ class KimiK3ImageProcessor(BaseImageProcessor):
 
     def num_image_tokens(self, width: int, height: int) -> int:
         """Rows an image of this size (before resizing) becomes in the language model."""
+        check_image_size(width, height, "the image size")
         return resize_plan(width, height, self.media_proc_cfg)["num_tokens"]
 
     @staticmethod
@@ -311,7 +359,8 @@ class KimiK3ImageProcessor(BaseImageProcessor):
             return BatchFeature(data={}, tensor_type=return_tensors)
         patch = self.media_proc_cfg["patch_size"]
         patches, grids = [], []
-        for image in images:
+        for index, image in enumerate(images):
+            check_image_size(image.width, image.height, f"image {index}")
             pixels = self._pixels(image)
             rows, cols = pixels.shape[0] // patch, pixels.shape[1] // patch
             # [rows, p, cols, p, c] -> [rows, cols, c, p, p]: patches row-major, each channel-first

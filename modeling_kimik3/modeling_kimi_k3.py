@@ -1244,7 +1244,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
             def shown(config, key):
                 value = getattr(config, key)
                 if key == "layer_types":
-                    return f"{len(value)} layers, MLA at {[i for i, kind in enumerate(value) if kind == 'full_attention']}"
+                    mla = [i for i, kind in enumerate(value) if kind == "full_attention"]
+                    return f"{len(value)} layers, MLA at {mla}"
                 return value
 
             details = ", ".join(f"{key} {shown(made_for, key)} (this model: {shown(self.config, key)})"

@@ -302,6 +302,10 @@ def check_image_inputs(pixel_values: torch.Tensor, grid_thws, patch_size: int, k
     if grid.dim() != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
         raise ValueError(f"grid_thws must be [images, 3] (frames, patch rows, patch columns); got shape "
                          f"{tuple(grid.shape)}")
+    if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool:
+        # int() would truncate 2.5 rows to 2 silently
+        raise ValueError(f"grid_thws must hold whole numbers (frames, patch rows, patch columns); got dtype "
+                         f"{grid.dtype}")
     triples = [tuple(int(v) for v in row) for row in grid.tolist()]
     kh, kw = kernel
     for index, (frames, rows, cols) in enumerate(triples):

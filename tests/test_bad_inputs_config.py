@@ -104,7 +104,8 @@ BAD_RELEASE = [
                  r"'nvfp4-pack-quantized' is not a format Kimi K3 decodes \(only 'mxfp4-pack-quantized'\)",
                  id="quant-format-unknown"),
     pytest.param(release(lambda c: c["text_config"]["quantization_config"].update(quant_method="gptq")),
-                 "text_config.quantization_config.quant_method", r"'gptq': Kimi K3 reads only", id="quant-method-other"),
+                 "text_config.quantization_config.quant_method", r"'gptq': Kimi K3 reads only",
+                 id="quant-method-other"),
 ]
 
 
@@ -260,3 +261,46 @@ def test_kept_packed_convert_then_load_and_export_refuse_it(overflowing_release,
         kc.export(packed, tmp_path / "exported", progress=False)
     assert not (tmp_path / "exported" / "config.json").exists()
     shutil.rmtree(packed)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The image processor's settings (preprocessor_config.json `media_proc_cfg`): sizes it divides by or scales with.
+
+@pytest.mark.parametrize("setting, message", [
+    pytest.param({"patch_size": 0}, r"patch_size = 0: expected a positive whole number of pixels",
+                 id="processor-patch-size-zero"),
+    pytest.param({"patch_size": -14}, r"patch_size = -14: expected a positive whole number",
+                 id="processor-patch-size-negative"),
+    pytest.param({"patch_size": 14.0}, r"patch_size = 14.0: expected a positive whole number",
+                 id="processor-patch-size-float"),
+    pytest.param({"merge_kernel_size": 0}, r"merge_kernel_size = 0: expected a positive whole number or a list of two "
+                 r"equal ones", id="processor-merge-kernel-zero"),
+    pytest.param({"merge_kernel_size": [2, 3]}, r"merge_kernel_size = \[2, 3\]",
+                 id="processor-merge-kernel-not-square"),
+    pytest.param({"merge_kernel_size": "2"}, r"merge_kernel_size = '2'", id="processor-merge-kernel-str"),
+    pytest.param({"in_patch_limit": 0}, r"in_patch_limit = 0: expected a positive whole number of patches",
+                 id="processor-in-patch-limit-zero"),
+    pytest.param({"patch_limit_on_one_side": -1}, r"patch_limit_on_one_side = -1", id="processor-side-limit-negative"),
+    pytest.param({"fixed_output_tokens": 0}, r"fixed_output_tokens = 0: expected null or a positive whole number",
+                 id="processor-fixed-output-tokens-zero"),
+    pytest.param({"image_std": [0.5, 0.0, 0.5]}, r"image_std = \[0.5, 0.0, 0.5\]: expected a list of three finite "
+                 r"positive numbers", id="processor-image-std-zero"),
+    pytest.param({"image_mean": [0.5, float("nan"), 0.5]}, r"image_mean = \[0.5, nan, 0.5\]",
+                 id="processor-image-mean-nan"),
+])
+def test_bad_image_processor_setting_names_the_key(setting, message):
+    from kimik3.modeling.image_processing_kimi_k3 import KimiK3ImageProcessor
+
+    with pytest.raises(ValueError, match=rf"^Kimi K3 image processor: media_proc_cfg\.{message}"):
+        KimiK3ImageProcessor(media_proc_cfg=setting)
+
+
+@pytest.mark.parametrize("setting", [pytest.param({"merge_kernel_size": [2, 2], "patch_size": 4},
+                                                  id="processor-square-kernel-list-accepted")])
+def test_a_square_kernel_list_is_accepted(setting):
+    from PIL import Image
+
+    from kimik3.modeling.image_processing_kimi_k3 import KimiK3ImageProcessor
+
+    out = KimiK3ImageProcessor(media_proc_cfg=setting).preprocess([Image.new("RGB", (9, 5))])
+    assert out["grid_thws"].tolist() == [[1, 2, 4]]  # padded to multiples of 8: 16 x 8 pixels

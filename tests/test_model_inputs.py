@@ -90,7 +90,8 @@ BAD_INPUTS += [
                  r"another config: kv_lora_rank 16 \(this model: 32\)", id="cache-other-config-width"),
     pytest.param(lambda m: {"input_ids": _ids(1, 3), "past_key_values": KimiK3Cache(_config(kda_layers=[1, 2, 4],
                                                                                          full_attn_layers=[3]))},
-                 r"another config: layer_types 4 layers, MLA at \[2\] \(this model: 4 layers, MLA at \[3\]\)", id="cache-other-layer-kinds"),
+                 r"another config: layer_types 4 layers, MLA at \[2\] \(this model: 4 layers, MLA at \[3\]\)",
+                 id="cache-other-layer-kinds"),
     pytest.param(lambda m: {"input_ids": _ids(2, 3), "attention_mask": torch.tensor([[1, 1, 1], [0, 0, 0]])},
                  r"attention_mask \(shape \(2, 3\)\) has no real token in batch row\(s\) \[1\]",
                  id="mask-row-all-zero"),
@@ -286,8 +287,8 @@ def test_an_equal_config_cache_and_int32_ids_are_accepted(model, case):
 # Labels, media placeholders without images, generate's length and its token ids.
 
 @pytest.mark.parametrize("labels, message", [
-    pytest.param(torch.tensor([[5, VOCAB, -100]]), r"labels \(shape \(1, 3\)\) hold 128 at \[0, 1\]: labels must be ids "
-                 r"in \[0, vocab_size=128\) or -100 \(ignored\)", id="labels-out-of-vocab"),
+    pytest.param(torch.tensor([[5, VOCAB, -100]]), r"labels \(shape \(1, 3\)\) hold 128 at \[0, 1\]: labels must "
+                 r"be ids in \[0, vocab_size=128\) or -100 \(ignored\)", id="labels-out-of-vocab"),
     pytest.param(torch.tensor([[5, -5, -100]]), r"hold -5 at \[0, 1\]", id="labels-negative-not-ignore-index"),
     pytest.param(torch.tensor([[5.0, 6.0, 7.0]]), r"labels must hold integer token ids; got dtype torch.float32",
                  id="labels-float"),
@@ -363,3 +364,43 @@ def test_generate_refuses_at_the_call(model, kwargs, message):
         assert out.shape == (2, 8)
     finally:
         model.config.max_position_embeddings = saved
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Images: sizes the image processor cannot cut into patches, and grids that are not whole numbers.
+
+@pytest.mark.parametrize("size", [pytest.param((0, 0), id="image-0x0"), pytest.param((0, 9), id="image-0xN"),
+                                  pytest.param((9, 0), id="image-Nx0")])
+def test_an_image_without_pixels_is_refused_naming_its_index(size):
+    from PIL import Image
+
+    from kimik3.modeling.image_processing_kimi_k3 import KimiK3ImageProcessor
+
+    processor = KimiK3ImageProcessor()
+    with pytest.raises(ValueError, match=rf"^Kimi K3 image processor: image 1 is {size[0]}x{size[1]} pixels: an image "
+                                         r"needs at least one pixel on each side"):
+        processor.preprocess([Image.new("RGB", (28, 28)), Image.new("RGB", size)])
+    with pytest.raises(ValueError, match=rf"the image size is {size[0]}x{size[1]} pixels"):
+        processor.num_image_tokens(*size)
+
+
+@pytest.mark.parametrize("case", [pytest.param("1x1", id="image-1x1-accepted")])
+def test_a_one_pixel_image_is_padded_to_one_token(case):
+    from PIL import Image
+
+    from kimik3.modeling.image_processing_kimi_k3 import KimiK3ImageProcessor
+
+    processor = KimiK3ImageProcessor()
+    out = processor.preprocess([Image.new("RGB", (1, 1))])
+    assert out["grid_thws"].tolist() == [[1, 2, 2]] and processor.num_image_tokens(1, 1) == 1
+
+
+@pytest.mark.parametrize("grid", [pytest.param([[1, 2.5, 4]], id="grid-thws-float"),
+                                  pytest.param([[True, True, True]], id="grid-thws-bool")])
+def test_grid_thws_of_non_whole_numbers_is_refused(grid):
+    from kimik3.modeling.vision_kimi_k3 import check_image_inputs
+
+    pixels = torch.zeros(8, 3, 4, 4)
+    with pytest.raises(ValueError, match=r"grid_thws must hold whole numbers \(frames, patch rows, patch columns\); "
+                                         r"got dtype torch\.(float32|bool)"):
+        check_image_inputs(pixels, torch.tensor(grid), 4, (2, 2))
