@@ -345,7 +345,8 @@ def _tensor_samples(files: list[Path]) -> dict:
 def compare_saved_weights(saved: Path, source: Path | str | None, repo_id: str | None = None) -> dict | None:
     """How the weights just saved to `saved` relate to those of the folder (or cached Hub repo) they were loaded from:
     each tensor's dtype, shape and three 64-byte samples (a fine-tune or a merged adapter changes nearly every element
-    of the tensors it trains). None when they cannot be compared: no source files, or the same folder.
+    of the tensors it trains). None when they cannot be compared: no source files, the same folder, or no tensor
+    name in common (another layout).
 
     {"outcome": "unchanged" | "changed" | "cast" | "subset", "changed": names, "cast": names, "left_out": names,
     "added": names}; "cast" when only dtypes differ, "subset" when the saved tensors are some of the source's,
@@ -363,10 +364,12 @@ def compare_saved_weights(saved: Path, source: Path | str | None, repo_id: str |
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
     common = sorted(before.keys() & after.keys())
+    if not common:  # another layout (e.g. the text model saved alone from a composite folder): nothing to compare
+        return None
     changed = [n for n in common if before[n][0] == after[n][0] and before[n] != after[n]]
     cast = [n for n in common if before[n][0] != after[n][0]]
     left_out, added = sorted(before.keys() - after.keys()), sorted(after.keys() - before.keys())
-    if changed or added or not common:
+    if changed or added:
         outcome = "changed"
     elif cast:
         outcome = "cast"

@@ -276,3 +276,32 @@ def test_push_keeps_a_users_card_on_the_hub(converted, fake_hub):
     KimiK3ForCausalLM.from_pretrained(converted[2]).push_to_hub("someone/k3", tags=["extra"])
     card = repos["someone/k3"]["README.md"].decode()
     assert "written by hand" in card and not is_kimik3_card(card) and "extra" in ModelCard(card).data.tags
+
+
+def test_compare_saved_weights_tells_unchanged_changed_cast_subset_and_incomparable(tmp_path):
+    from safetensors.torch import save_file
+
+    from kimik3.hub_card import compare_saved_weights
+
+    weights = {"a.weight": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "b.bias": torch.ones(3)}
+
+    def folder(name, tensors):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        return tmp_path / name
+
+    source = folder("source", weights)
+    middle = weights["a.weight"].clone()
+    middle[32, 0] += 1  # one element in the middle sample
+    cases = {
+        "unchanged": folder("same", {k: v.clone() for k, v in weights.items()}),
+        "changed": folder("tuned", {**weights, "a.weight": middle}),
+        "cast": folder("cast", {k: v.to(torch.bfloat16) for k, v in weights.items()}),
+        "subset": folder("subset", {"b.bias": weights["b.bias"]}),
+    }
+    for outcome, saved in cases.items():
+        assert compare_saved_weights(saved, source)["outcome"] == outcome, outcome
+    assert compare_saved_weights(cases["changed"], source)["changed"] == ["a.weight"]
+    assert compare_saved_weights(folder("other", {"model.a.weight": weights["a.weight"]}), source) is None
+    assert compare_saved_weights(source, source) is None
+    assert compare_saved_weights(source, tmp_path / "absent") is None
