@@ -233,6 +233,14 @@ def generation_config_bytes(src: Path, config) -> tuple[bytes, str | None]:
             values = json.loads(original)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ConversionError(f"{path}: not valid JSON ({exc})") from None
+        if isinstance(values, dict):
+            # its token ids end and pad what generate() writes: ids outside the vocabulary are refused as in config.json
+            from kimik3.modeling.configuration_kimi_k3 import check_token_ids
+
+            try:
+                check_token_ids(values, text.vocab_size)
+            except ValueError as exc:
+                raise ConversionError(f"{path}: {exc}") from None
         max_length = values.get("max_length") if isinstance(values, dict) else None
         if isinstance(max_length, int) and max_length >= text.max_position_embeddings:
             del values["max_length"]

@@ -304,3 +304,18 @@ def test_a_square_kernel_list_is_accepted(setting):
 
     out = KimiK3ImageProcessor(media_proc_cfg=setting).preprocess([Image.new("RGB", (9, 5))])
     assert out["grid_thws"].tolist() == [[1, 2, 4]]  # padded to multiples of 8: 16 x 8 pixels
+
+
+@pytest.mark.parametrize("values, message", [
+    pytest.param({"eos_token_id": [163586, 163840]}, r"key `eos_token_id`: the list \[163586, 163840\] must hold token "
+                 r"ids in \[0, vocab_size=163840\)", id="generation-config-eos-list-out-of-vocab"),
+    pytest.param({"pad_token_id": -1}, r"key `pad_token_id`: -1 must be a token id",
+                 id="generation-config-pad-negative"),
+])
+def test_the_converter_refuses_generation_config_token_ids_outside_the_vocabulary(tmp_path, values, message):
+    from kimik3.convert import files
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_length": 1048576, **values}))
+    config = KimiK3Config(**released_config_dict())
+    with pytest.raises(ConversionError, match=rf"^{tmp_path}/generation_config.json: Kimi K3 config, {message}"):
+        files.generation_config_bytes(tmp_path, config)
