@@ -35,7 +35,7 @@ from .converter import open_source
 from .errors import ConversionError, shard_error
 from .files import PROVENANCE_NAME
 from .mxfp4 import dequantize_mxfp4
-from .plan import ConvertOptions, RunContext, build_convert_plan, build_export_plan, materialise
+from .plan import ConvertOptions, RunContext, _fused_rows, build_convert_plan, build_export_plan, materialise
 from .safetensors_io import E8M0
 from .schedule import layer_map as make_layer_map
 
@@ -62,6 +62,28 @@ class LibraryReader:
                 self._handle, self._shard = safe_open(str(path), "pt"), shard
             return self._handle.get_tensor(name).clone()
         except Exception as exc:  # SafetensorError, OSError, missing key: name the file, do not guess
+            raise shard_error(path, f"the safetensors library cannot read it: {exc}", name) from None
+
+    def read_index(self, name: str, index: int) -> torch.Tensor:
+        """`tensor[index]` alone (one expert of a fused [E, ...] tensor), without reading the rest."""
+        self.read_shape(name)
+        try:
+            return self._handle.get_slice(name)[index].clone()
+        except Exception as exc:
+            raise shard_error(self.ckpt.shard_path(self._shard), f"the safetensors library cannot read it: {exc}",
+                              name) from None
+
+    def read_shape(self, name: str) -> list[int]:
+        from safetensors import safe_open
+
+        shard = self.ckpt.shard_of(name)
+        path = self.ckpt.shard_path(shard)
+        try:
+            if shard != self._shard:
+                self._handle, self._shard = None, None
+                self._handle, self._shard = safe_open(str(path), "pt"), shard
+            return list(self._handle.get_slice(name).get_shape())
+        except Exception as exc:
             raise shard_error(path, f"the safetensors library cannot read it: {exc}", name) from None
 
     def close(self) -> None:
@@ -221,26 +243,48 @@ def _forms(names: list[str]) -> list[str]:
     return [next((s for s in _PACKED_SUFFIXES if n.endswith(s)), "") for n in names]
 
 
-def _read_ours(ckpt, reader, names: list[str]) -> torch.Tensor:
+def _dense_of(names: list[str], raw: list[torch.Tensor]) -> torch.Tensor:
     """One compared tensor of our layout: dense as stored, or the packed pair dequantised (exact in f32)."""
-    if len(names) == 1 and not names[0].endswith(_PACKED_SUFFIXES):
-        return reader(names[0])
-    packed = next(n for n in names if n.endswith("_packed"))
-    scale = next(n for n in names if n.endswith("_scale"))
-    return dequantize_mxfp4(reader(packed), reader(scale), torch.float32)
+    if _forms(names) == [""]:
+        return raw[0]
+    parts = dict(zip(_forms(names), raw))
+    return dequantize_mxfp4(parts["_packed"], parts["_scale"], torch.float32)
+
+
+def _compare_values(key: str, names_a, raw_a, names_b, raw_b, heads: int):
+    """"bytes" (the same bytes, packed experts: codes and scales), "values" (equal values, other bytes) or what
+    differs."""
+    if _forms(names_a) == _forms(names_b) and all(_same_bits(a, b) for a, b in zip(raw_a, raw_b)):
+        return "bytes"
+    a, b = _dense_of(names_a, raw_a), _dense_of(names_b, raw_b)
+    if _is_a_log(key):
+        diff = _compare_a_log(a.float(), b.float(), heads)
+    elif not (a.dtype.is_floating_point and b.dtype.is_floating_point):
+        diff = f"{a.dtype} {list(a.shape)} vs {b.dtype} {list(b.shape)}"
+    else:
+        # exact in float64 for every floating dtype a checkpoint holds (bf16, f16, f32)
+        diff = None if a.shape == b.shape and torch.equal(a.double(), b.double()) else _max_diff(a, b)
+    return "values" if diff is None else diff
+
+
+def _is_fused_experts(key: str) -> bool:
+    return key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
 
 
 def compare_our_layouts(first, second) -> dict:
     """Two of our folders (a conversion and a fine-tune or save_pretrained of it, dense and packed experts), name by
     name: bytes-equal tensors (packed experts: codes and scales), and tensors equal in value with other bytes
-    (packed vs dense experts, another dtype, A_log padded to another length)."""
+    (packed vs dense experts, another dtype, A_log padded to another length). Fused experts are read an expert at a
+    time (a whole K3 layer's would be tens of GB in f32)."""
     lib = LibraryReader(first)
     strip = first.composite != second.composite
     groups_a, groups_b = _our_groups(first, strip and first.composite), _our_groups(second, strip and second.composite)
     heads = nm.dims(first.text_config)["H"]
 
-    def read_b(name):
-        return second.reader(name).read(name, E8M0 if name.endswith("_scale") else None)
+    def read_b(name, expert=None):
+        if expert is None:
+            return second.reader(name).read(name, E8M0 if name.endswith("_scale") else None)
+        return _fused_rows(second, name, expert, (0, second.entry(name).shape[1]))
 
     mismatches, bytes_equal, values_equal = [], 0, 0
     for key in sorted(set(groups_a) | set(groups_b)):
@@ -250,24 +294,26 @@ def compare_our_layouts(first, second) -> dict:
             shown = (names_b or names_a)[0]
             mismatches.append({"tensor": shown, "source": shown, "max_abs_diff": f"missing in the {side}"})
             continue
-        raw_a, raw_b = [lib.read(n) for n in names_a], [read_b(n) for n in names_b]
-        if _forms(names_a) == _forms(names_b) and all(_same_bits(a, b) for a, b in zip(raw_a, raw_b)):
-            bytes_equal += 1
-            continue
-        a = _read_ours(first, dict(zip(names_a, raw_a)).__getitem__, names_a)
-        b = _read_ours(second, dict(zip(names_b, raw_b)).__getitem__, names_b)
-        if _is_a_log(key):
-            diff = _compare_a_log(a.float(), b.float(), heads)
-        elif a.shape == b.shape and (a.dtype.is_floating_point == b.dtype.is_floating_point):
-            # exact in float64 for every floating dtype a checkpoint holds (bf16, f16, f32)
-            diff = None if torch.equal(a.double(), b.double()) else _max_diff(a, b)
+        experts = [lib.read_shape(names_a[0])[0], second.entry(names_b[0]).shape[0]] if _is_fused_experts(key) \
+            else None
+        if experts is None:
+            outcome = _compare_values(key, names_a, [lib.read(n) for n in names_a], names_b,
+                                      [read_b(n) for n in names_b], heads)
+        elif experts[0] != experts[1]:
+            outcome = f"{experts[0]} vs {experts[1]} experts"
         else:
-            diff = _max_diff(a, b) if a.dtype.is_floating_point and b.dtype.is_floating_point else \
-                f"{a.dtype} {list(a.shape)} vs {b.dtype} {list(b.shape)}"
-        if diff is None:
+            outcomes = [_compare_values(key, names_a, [lib.read_index(n, e) for n in names_a], names_b,
+                                        [read_b(n, e) for n in names_b], heads) for e in range(experts[0])]
+            differ = [o for o in outcomes if o not in ("bytes", "values")]
+            outcome = differ[0] if differ else "values" if "values" in outcomes else "bytes"
+            if differ and all(isinstance(o, float) for o in differ):
+                outcome = max(differ)
+        if outcome == "bytes":
+            bytes_equal += 1
+        elif outcome == "values":
             values_equal += 1
         else:
-            mismatches.append({"tensor": names_b[0], "source": names_a[0], "max_abs_diff": diff})
+            mismatches.append({"tensor": names_b[0], "source": names_a[0], "max_abs_diff": outcome})
     lib.close()
     return {"compared": len(set(groups_a) | set(groups_b)), "bytes_equal": bytes_equal,
             "values_equal_bytes_differ": values_equal, "mismatches": mismatches,

@@ -355,6 +355,8 @@ def _copy_with(folder: Path, dst: Path, name: str, edit) -> Path:
 
 @pytest.mark.parametrize("first, second, name", [
     ("converted", "saved", "language_model.model.layers.2.self_attn.A_log"),  # ours vs ours, after un-padding
+    ("converted", "saved", "language_model.model.layers.1.mlp.experts.down_proj"),  # compared expert by expert
+    ("converted", "converted_mx", "language_model.model.layers.3.mlp.experts.gate_up_proj_packed"),  # vs dense
     ("converted_mx", "exported", "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_packed"),
     ("release", "exported", "language_model.model.layers.0.self_attn.A_log"),
 ])
