@@ -409,6 +409,12 @@ def verify(src, converted, *, logits: str = "auto", max_logits_params: float = 2
     with Checkpoint(converted) as second, open_source(src, revision, 64 * 2**20) as first:
         release = [is_release_layout(first), is_release_layout(second)]
         report = {"layouts": ["release" if r else "ours" for r in release]}
+        layers = [c.text_config.num_hidden_layers for c in (first, second)]
+        if release[0] == release[1] and layers[0] != layers[1]:
+            # a sliced conversion is compared with its release source, which the layer map of its record relates
+            raise ConversionError(f"{converted}: {layers[1]} layers, {src}: {layers[0]}; two folders of one layout are "
+                                  "compared layer by layer, so they must have the same layers (compare a "
+                                  "`--num-layers` conversion with the release it was converted from)")
         if all(release):
             report["tensors"] = compare_release_layouts(first, second)
             report["logits"] = {"skipped": "both folders are in the release layout (compared tensor by tensor)"}

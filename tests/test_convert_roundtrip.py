@@ -375,6 +375,16 @@ def test_verify_still_reports_a_real_difference(first, second, name, release, co
     assert f"MISMATCH {name}" in out
 
 
+def test_verify_refuses_two_folders_of_one_layout_with_other_layers(release, converted, tmp_path, capsys):
+    sliced = tmp_path / "sliced"
+    kc.convert(release.path, sliced, num_layers=2, progress=False)
+    assert kc.run_verify([str(release.path), str(sliced), "--logits", "never"]) == 0  # the layer map relates them
+    capsys.readouterr()
+    assert kc.run_verify([str(converted), str(sliced)]) == 2
+    err = capsys.readouterr().err
+    assert f"kimik3 verify: error: {sliced}: 2 layers, {converted}: {NUM_LAYERS}; two folders of one layout" in err
+
+
 def test_save_pretrained_then_reload_gives_bit_equal_logits_and_keeps_our_a_log(converted, saved):
     """save_pretrained of a model loaded from our layout writes our layout: A_log at its live [H] (the release's
     [128] padding only for a model loaded from the release, docs/design.md); every tensor keeps its value and the
