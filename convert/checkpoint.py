@@ -121,11 +121,14 @@ class Checkpoint:
             if not isinstance(weight_map, dict):
                 raise ConversionError(f"{index_path}: not a safetensors index (needs a `weight_map` object mapping "
                                       "tensor names to shard file names)")
+            checked = set()
             for tensor, shard in weight_map.items():
                 if not isinstance(shard, str):
                     raise ConversionError(f"{index_path}, tensor `{tensor}`: weight_map values must be shard file "
                                           f"names (strings), got {shard!r}")
-                check_shard_name(shard, index_path, tensor)
+                if shard not in checked:  # each name once (thousands of tensors a shard)
+                    check_shard_name(shard, index_path, tensor)
+                    checked.add(shard)
             return index_path, raw, dict(weight_map)
         single = self.root / SINGLE_FILE_NAME
         if os.path.lexists(single):

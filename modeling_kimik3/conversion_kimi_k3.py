@@ -29,6 +29,7 @@ Conversions are reversed by `save_pretrained`, which thus writes a release-loade
 import contextlib
 import contextvars
 import copy
+import gc
 import json
 import math
 import os
@@ -515,7 +516,7 @@ _REPO_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_][\w.-]*(?<![.-])(/[A-Za-z0-9_
 # A code reference in auto_map: `module.Class` where module.py sits in the folder
 _CODE_REFERENCE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
 # The layers of a checkpoint's text model, in the release's and our names (composite or text-only)
-_LAYER_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.")
+_LAYER_NAMES = re.compile(r"(?m)^(?:[^\n]*\.)?layers\.(\d+)\.")
 _VISION_NAMES = ("vision_tower.", "mm_projector.")
 # safetensors' dtypes and their element sizes (the converter passes the subset it can read)
 SAFETENSORS_ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
@@ -611,8 +612,6 @@ def read_json(path, data: bytes | None = None, *, error=load_error, what: str | 
     except RecursionError:
         raise error(path, f"{prefix}nested too deeply to parse (JSON arrays or objects inside each other beyond "
                     "Python's recursion limit; a real file nests a few levels)") from None
-    except _DuplicateKey:
-        raise
     except ValueError as exc:  # JSONDecodeError and rejected constants
         raise error(path, f"{prefix}not JSON ({exc})") from None
 
@@ -620,36 +619,48 @@ def read_json(path, data: bytes | None = None, *, error=load_error, what: str | 
 # --- the safetensors header, as strict as the format --------------------------------------------------------------
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _object_without_duplicates(pairs):
-    # json.loads keeps the last of two equal keys; in a header that silently replaces one tensor by another
-    obj = {}
-    for key, value in pairs:
-        if key in obj:
-            raise _DuplicateKey(key)
-        obj[key] = value
+def _unique_keys(path, pairs: tuple, tensor, error) -> dict:
+    """A JSON object read as a tuple of (key, value) pairs (see `read_safetensors_header`) as a dict, refusing a key
+    given twice: json.loads would keep the last, which in a header silently replaces one tensor by another."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                if tensor is None:
+                    raise error(path, "corrupted safetensors header: the key appears twice in the header (which one "
+                                "is meant is ambiguous)", key)
+                raise error(path, f"corrupted safetensors header: its entry has the key {key!r} twice", tensor)
+            seen.add(key)
     return obj
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def _counts(values) -> bool:
+    """A JSON list of non-negative whole numbers (`type() is int`: not a bool, not a float). Written as a loop: a
+    release header has half a million entries and this runs for each."""
+    if type(values) is not list:
+        return False
+    for value in values:
+        if type(value) is not int or value < 0:
+            return False
+    return True
+
+
+_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 
 
 def _parse_entry(path, name, raw, data_start: int, data_size: int, itemsizes, error):
     bad = lambda message: error(path, f"corrupted safetensors header: {message}", name)  # noqa: E731
-    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
+    if type(raw) is tuple:
+        raw = _unique_keys(path, raw, name, error)
+    if type(raw) is not dict or raw.keys() != _ENTRY_KEYS:
         raise bad(f"an entry needs exactly dtype, shape and data_offsets, found {raw!r}")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(dtype, str) or dtype not in itemsizes:
         raise bad(f"unknown dtype {dtype!r} (known: {', '.join(itemsizes)})")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    if not _counts(shape):
         raise bad(f"bad shape {shape!r} (a list of non-negative integers)")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+    if not _counts(offsets) or len(offsets) != 2:
         raise bad(f"bad data_offsets {offsets!r} (two non-negative integers)")
     if offsets[0] > offsets[1]:
         raise bad(f"data_offsets {offsets} end before they begin")
@@ -722,15 +733,16 @@ def read_safetensors_header(path, *, error=load_error, itemsizes=SAFETENSORS_ITE
             raise error(path, f"truncated or corrupted safetensors header: it claims {header_len} header bytes "
                         f"({limit}), the file has {size} bytes in total")
         raw = handle.read(header_len)
-    try:
-        header = read_json(path, raw, error=error, what="corrupted safetensors header", strict=True,
-                           object_pairs_hook=_object_without_duplicates)
-    except _DuplicateKey as exc:
-        raise error(path, "corrupted safetensors header: the key appears twice in the header (which one is meant is "
-                    "ambiguous)", exc.key) from None
-    if not isinstance(header, dict):
+    # objects as tuples of pairs (a C call per object, where a Python hook per object took seconds on a release
+    # header of thousands of entries), arrays stay lists: duplicates are then found per object, as dicts are made
+    header = read_json(path, raw, error=error, what="corrupted safetensors header", strict=True,
+                       object_pairs_hook=tuple)
+    if type(header) is not tuple:
         raise error(path, f"corrupted safetensors header: not a JSON object (found {type(header).__name__})")
+    header = _unique_keys(path, header, None, error)
     metadata = header.pop("__metadata__", None)
+    if type(metadata) is tuple:
+        metadata = _unique_keys(path, metadata, "__metadata__", error)
     if metadata is not None and (not isinstance(metadata, dict) or not all(isinstance(v, str) for v in
                                                                            metadata.values())):
         raise error(path, f"corrupted safetensors header: __metadata__ must map strings to strings, found "
@@ -785,11 +797,8 @@ def check_layer_count(config: dict, weight_map: dict, config_path, index_path, e
     count = text.get("num_hidden_layers")
     if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
         return
-    held = set()
-    for tensor in weight_map:
-        match = None if tensor.startswith(_VISION_NAMES) else _LAYER_NAME.match(tensor)
-        if match:
-            held.add(int(match.group(1)))
+    names = "\n".join(tensor for tensor in weight_map if not tensor.startswith(_VISION_NAMES))
+    held = {int(layer) for layer in set(_LAYER_NAMES.findall(names))}
     if not held:
         return  # names of another kind (no `layers.N.`): nothing to count
     missing = next((layer for layer in range(count) if layer not in held), None)
@@ -834,6 +843,19 @@ def _index_name(variant: str | None) -> tuple[str, str]:
     return "model.safetensors.index.json", "model.safetensors"
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off while a folder's headers are parsed: the half million small objects of a
+    release's headers would trigger a full collection again and again, which halved the check's time when paused."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def check_folder(folder, *, variant: str | None = None, complete: bool = True, error=load_error) -> None:
     """The checks `from_pretrained` runs on a local folder before transformers reads it: config.json, the index and
     every shard it names stay in the folder, parse (the shard headers strictly, read-only, so it is cheap), and every
@@ -861,21 +883,24 @@ def check_folder(folder, *, variant: str | None = None, complete: bool = True, e
                         "shard file names)")
         first_tensor = {}
         for tensor, shard in weight_map.items():
-            check_file_name(shard, index_path, what="shard", suffix=".safetensors", tensor=tensor, error=error)
-            first_tensor.setdefault(shard, tensor)
+            if type(shard) is not str or shard not in first_tensor:  # each name once (thousands of tensors a shard)
+                check_file_name(shard, index_path, what="shard", suffix=".safetensors", tensor=tensor, error=error)
+                first_tensor[shard] = tensor
     elif os.path.lexists(single_path):
         index_path, weight_map, first_tensor = single_path, None, {single_name: None}
     else:
         return
     headers = {}
-    for shard, tensor in first_tensor.items():
-        path = os.path.join(folder, shard)
-        if not os.path.lexists(path) and not complete:
-            continue
-        check_inside(folder, path, error=error)
-        if not os.path.exists(path):
-            raise error(path, "shard file is missing" + (f" (the index names it for `{tensor}`)" if tensor else ""))
-        headers[shard] = (path, read_safetensors_header(path, error=error)[0])
+    with _collector_paused():
+        for shard, tensor in first_tensor.items():
+            path = os.path.join(folder, shard)
+            if not os.path.lexists(path) and not complete:
+                continue
+            check_inside(folder, path, error=error)
+            if not os.path.exists(path):
+                raise error(path, "shard file is missing" + (f" (the index names it for `{tensor}`)" if tensor else
+                                                             ""))
+            headers[shard] = (path, read_safetensors_header(path, error=error)[0])
     if weight_map is None:
         weight_map = {tensor: single_name for tensor in headers[single_name][1]}
     else:
