@@ -358,10 +358,11 @@ def release_conversions(experts_format: str = "dense") -> list:
 
 
 def register_release_conversions(experts_format: str = "dense") -> None:
-    """Registers the transforms for `KimiK3ForCausalLM` (and so for the composite model's `language_model`)."""
+    """Registers the transforms for `KimiK3ForCausalLM` (and so for the composite model's `language_model`) and for
+    `KimiK3TextBackbone` (the multimodal base model's `language_model`: the same tensors without the head)."""
     if register_checkpoint_conversion_mapping is not None:
-        register_checkpoint_conversion_mapping("KimiK3ForCausalLM", release_conversions(experts_format),
-                                               overwrite=True)
+        for class_name in ("KimiK3ForCausalLM", "KimiK3TextBackbone"):
+            register_checkpoint_conversion_mapping(class_name, release_conversions(experts_format), overwrite=True)
 
 
 # ------------------------------------------------------------------------------------------------------------------

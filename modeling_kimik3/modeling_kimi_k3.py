@@ -1660,13 +1660,19 @@ class KimiK3MultimodalModelOutputWithPast(MoeModelOutputWithPast):
     attention_mask: torch.Tensor | None = None
 
 
-class _KimiK3TextBackbone(nn.Module):
+class KimiK3TextBackbone(KimiK3PreTrainedModel):
     """`language_model` of the multimodal base model: the text model under `model`, so that its parameters keep the
-    names of the composite checkpoint (`language_model.model.*`) without the head (`language_model.lm_head.weight`)."""
+    names of the composite checkpoint (`language_model.model.*`) without the head (`language_model.lm_head.weight`).
+    A model class of its own, so that the release-layout conversions apply to it as to KimiK3ForCausalLM
+    (conversion_kimi_k3.register_release_conversions)."""
 
     def __init__(self, config: KimiK3TextConfig):
-        super().__init__()
+        super().__init__(config)
         self.model = KimiK3Model(config)
+        self.post_init()
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
 
 class KimiK3MultimodalModel(KimiK3PreTrainedModel):
@@ -1684,7 +1690,7 @@ class KimiK3MultimodalModel(KimiK3PreTrainedModel):
 
     def __init__(self, config: KimiK3Config, vision: bool | None = None):
         super().__init__(config)
-        self.language_model = _KimiK3TextBackbone(config.text_config)
+        self.language_model = KimiK3TextBackbone(config.text_config)
         # as the composite model: the text model's input checks know the media placeholder
         self.language_model.model.media_placeholder_token_id = config.media_placeholder_token_id
         vision_config = config.vision_config

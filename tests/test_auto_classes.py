@@ -165,6 +165,31 @@ def test_auto_model_is_the_base_model_and_the_head_is_left_out(folders):
     assert config["auto_map"]["AutoModelForImageTextToText"] == "modeling_kimi_k3.KimiK3ForConditionalGeneration"
 
 
+def test_auto_model_reads_a_release_layout_folder_with_our_code(tmp_path):
+    """A release-layout folder holding our code and auto_map (the Hub-repo case): AutoModel's base model goes through
+    the same release conversions as the composite model's text model (fused, dequantised experts, A_log un-padded)."""
+    import shutil
+
+    from transformers import AutoModel
+
+    from kimik3.convert.testing import write_release_checkpoint
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.remote_code import COMPOSITE_AUTO_MAP, remote_code_files
+
+    release = write_release_checkpoint(tmp_path / "release", seed=1, num_layers=2, num_experts=2)
+    for path in remote_code_files():
+        shutil.copyfile(path, release.path / path.name)
+    (release.path / "config.json").write_text(json.dumps(dict(release.config, auto_map=COMPOSITE_AUTO_MAP)))
+    with no_warnings():
+        base = AutoModel.from_pretrained(release.path, trust_remote_code=True)
+    assert type(base).__name__ == "KimiK3MultimodalModel"
+    full = KimiK3ForConditionalGeneration.from_pretrained(release.path).state_dict()
+    loaded = base.state_dict()
+    assert set(loaded) == set(full) - {"language_model.lm_head.weight"}
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, full[name]), name
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Pipelines
 
