@@ -4,6 +4,7 @@ AutoTokenizer and AutoProcessor (trust_remote_code) and run a chat turn; the vis
 processor and tower. (A converted release: tests/test_convert_roundtrip.py.)"""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ def _folder(kind, tiny_folders, request) -> Path:
     return tiny_folders / kind.removeprefix("tiny-")
 
 
-@pytest.mark.parametrize("kind", ["tiny-text", "tiny-vision", "lora-adapter", "lora-merged"])
+@pytest.mark.parametrize("kind", ["tiny-text", "lora-adapter", "lora-merged"])  # tiny --vision: below
 def test_each_folder_loads_its_tokenizer_and_processor(kind, tiny_folders, request):
     folder = _folder(kind, tiny_folders, request)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
@@ -57,12 +58,9 @@ def test_each_folder_loads_its_tokenizer_and_processor(kind, tiny_folders, reque
     assert "Which river is longest?" in tokenizer.decode(ids)
     if kind == "lora-adapter":  # no model weights here: the adapter names its base
         assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
-    if kind != "lora-merged":  # the tiny folders' models: test_tiny_vision_folder_..., tests/test_chat_cli.py
-        return
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
-    assert model.config.get_text_config().vocab_size == VOCAB
-    out = model.generate(torch.tensor([ids]), max_new_tokens=2, do_sample=False)
-    assert out.shape == (1, len(ids) + 2)
+    else:  # the vocabulary the weights were trained on
+        config = json.loads((folder / "config.json").read_text())
+        assert config["vocab_size"] == VOCAB and config["eos_token_id"] == tokenizer.eos_token_id
 
 
 def test_tiny_vision_folder_runs_an_image_through_processor_and_tower(tiny_folders):
@@ -70,6 +68,8 @@ def test_tiny_vision_folder_runs_an_image_through_processor_and_tower(tiny_folde
 
     folder = tiny_folders / "vision"
     processor = transformers.AutoProcessor.from_pretrained(folder, trust_remote_code=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    assert type(tokenizer).__name__ == "KimiK3TokenizerFast" and len(tokenizer) == len(processor.tokenizer) == VOCAB
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
     assert type(model).__name__ == "KimiK3ForConditionalGeneration" and model.vision_tower is not None
     assert model.config.media_placeholder_token_id == processor.tokenizer.convert_tokens_to_ids("<|media_pad|>")
