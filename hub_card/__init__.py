@@ -141,9 +141,10 @@ IMAGES_SECTION = """
 `KimiK3ForConditionalGeneration` (what `AutoModelForCausalLM` and `AutoModelForImageTextToText` load here, and so
 `pipeline("image-text-to-text", model=repo, trust_remote_code=True)`; `AutoModel` gives the base model without the
 head, `KimiK3MultimodalModel`) reads images: the MoonViT-3d tower and the patch-merger projector turn an image into
-one row per 2x2 block of 14-pixel patches, spliced in at its `<|media_pad|>` tokens. `KimiK3Processor` (`processing_kimi_k3.py`, named by `processor_config.json`, which holds the
-release's image settings) resizes, normalises and cuts the images with the release's rules and writes one
-`<|media_pad|>` per row; its outputs go straight to `generate`:
+one row per 2x2 block of 14-pixel patches, spliced in at its `<|media_pad|>` tokens. `KimiK3Processor`
+(`processing_kimi_k3.py`, named by `processor_config.json`, which holds the release's image settings) resizes,
+normalises and cuts the images with the release's rules and writes one `<|media_pad|>` per row; its outputs go
+straight to `generate`:
 
 ```python
 from PIL import Image

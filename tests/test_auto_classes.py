@@ -86,7 +86,8 @@ def no_warnings(allowed: tuple[str, ...] = ()):
 
 def _install_requires() -> set[str]:
     tree = ast.parse((REPO / "setup.py").read_text())
-    call = next(node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    call = next(node for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
     requires = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "install_requires"))
     return {r.split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip().lower() for r in requires}
 
