@@ -11,10 +11,12 @@ from pathlib import Path
 
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from kimik3.modeling.conversion_kimi_k3 import (
+    DuplicateKeyError,
     check_file_name,
     check_inside as _check_inside,
     check_layer_count,
     check_shards_against_index,
+    dict_without_duplicate_keys,
     open_regular_file as _open_regular_file,
 )
 
@@ -57,12 +59,18 @@ def read_source_file(root: Path, path: Path) -> bytes:
         return handle.read()
 
 
+def _duplicate_key_error(path: Path, exc) -> ConversionError:
+    return ConversionError(f"{path}: the key `{exc.key}` appears twice (which value is meant is ambiguous)")
+
+
 def load_config_dict(root: Path) -> dict:
     path = root / "config.json"
     if not os.path.lexists(path):
         raise ConversionError(f"{path}: config.json is missing")
     try:
-        raw = json.loads(read_source_file(root, path).decode("utf-8"))
+        raw = json.loads(read_source_file(root, path).decode("utf-8"), object_pairs_hook=dict_without_duplicate_keys)
+    except DuplicateKeyError as exc:
+        raise _duplicate_key_error(path, exc) from None
     except UnicodeDecodeError as exc:
         raise ConversionError(f"{path}: not UTF-8 text ({exc})") from None
     except json.JSONDecodeError as exc:
@@ -110,7 +118,9 @@ class Checkpoint:
         if os.path.lexists(index_path):
             raw = read_source_file(self.root, index_path)
             try:
-                index = json.loads(raw.decode("utf-8"))
+                index = json.loads(raw.decode("utf-8"), object_pairs_hook=dict_without_duplicate_keys)
+            except DuplicateKeyError as exc:
+                raise _duplicate_key_error(index_path, exc) from None
             except UnicodeDecodeError as exc:
                 raise ConversionError(f"{index_path}: not a safetensors index (not UTF-8 text: {exc})") from None
             except json.JSONDecodeError as exc:

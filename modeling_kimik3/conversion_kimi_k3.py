@@ -613,8 +613,29 @@ def read_json(path, data: bytes | None = None, *, error=load_error, what: str | 
     except RecursionError:
         raise error(path, f"{prefix}nested too deeply to parse (JSON arrays or objects inside each other beyond "
                     "Python's recursion limit; a real file nests a few levels)") from None
+    except DuplicateKeyError as exc:
+        raise error(path, f"{prefix}the key `{exc.key}` appears twice (which value is meant is ambiguous)") from None
     except ValueError as exc:  # JSONDecodeError and rejected constants
         raise error(path, f"{prefix}not JSON ({exc})") from None
+
+
+class DuplicateKeyError(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def dict_without_duplicate_keys(pairs) -> dict:
+    """json's object_pairs_hook for config.json and the index: json.loads keeps the last of two equal keys, so a key
+    given twice (`num_hidden_layers`, a tensor of weight_map) would be read as whichever came last."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(key)
+            seen.add(key)
+    return obj
 
 
 # --- the safetensors header, as strict as the format --------------------------------------------------------------
@@ -866,7 +887,7 @@ def check_folder(folder, *, variant: str | None = None, complete: bool = True, e
     config, config_path = None, os.path.join(folder, "config.json")
     if os.path.lexists(config_path):
         check_inside(folder, config_path, error=error)
-        config = read_json(config_path, error=error)
+        config = read_json(config_path, error=error, object_pairs_hook=dict_without_duplicate_keys)
         if not isinstance(config, dict):
             raise error(config_path, f"must hold a JSON object, not a {type(config).__name__}")
         check_auto_map(folder, config, config_path, error)
@@ -877,7 +898,7 @@ def check_folder(folder, *, variant: str | None = None, complete: bool = True, e
     index_path, single_path = os.path.join(folder, index_name), os.path.join(folder, single_name)
     if os.path.lexists(index_path):
         check_inside(folder, index_path, error=error)
-        index = read_json(index_path, error=error)
+        index = read_json(index_path, error=error, object_pairs_hook=dict_without_duplicate_keys)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise error(index_path, "not a safetensors index (needs a `weight_map` object mapping tensor names to "

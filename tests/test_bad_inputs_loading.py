@@ -112,6 +112,14 @@ def second_copy_of_q(root):
     return {}
 
 
+def set_weight_map_text(root, change):
+    """The weight_map as JSON text, edited as text (to write what json.dumps cannot, a key twice)."""
+    index = json.loads((root / INDEX).read_text())
+    text = change(json.dumps(index["weight_map"]))
+    (root / INDEX).write_text('{"metadata": %s, "weight_map": %s}' % (json.dumps(index.get("metadata", {})), text))
+    return {}
+
+
 def q_named_in_another_shard(root):
     home = weight_map(root)[Q]
     other = next(s for s in sorted(set(weight_map(root).values())) if s != home)
@@ -208,6 +216,12 @@ LOADING_CASES = [
     pytest.param("release", q_unlisted, [Q, "the index", "missing from the index"], id="load-tensor-not-in-index"),
     pytest.param("converted", q_named_in_another_shard, [Q, "the index names this tensor but the shard's header lacks it",
                                                          "(it is in "], id="load-tensor-in-the-wrong-shard"),
+    pytest.param("converted", lambda r: set_weight_map_text(r, lambda text: text.replace(
+                     "{", '{"' + Q + '": "elsewhere.safetensors", ', 1)),
+                 [INDEX, f"the key `{Q}` appears twice"], id="load-index-duplicate-tensor"),
+    pytest.param("release", set_config(lambda c: c["text_config"].update(
+                     auto_map={"AutoModel": "../modeling_kimi_linear.KimiLinearModel"})),
+                 ["auto_map.AutoModel = '../modeling_kimi_linear.KimiLinearModel'"], id="load-text-auto-map-parent-path"),
     pytest.param("release", nested_json("config.json"), ["config.json", "nested too deeply"],
                  id="load-config-deeply-nested"),
     pytest.param("converted", nested_json(INDEX), [INDEX, "nested too deeply"], id="load-index-deeply-nested"),

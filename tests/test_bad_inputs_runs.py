@@ -168,6 +168,11 @@ def set_in_config(path, key, value):
                  ["lm_head.weight", "strings", "3"], id="index-weight-map-value-int"),
     pytest.param("config.json", lambda p: p.write_text("[" * 100_000 + "]" * 100_000), ["nested too deeply"],
                  id="config-deeply-nested"),
+    pytest.param("config.json", lambda p: p.write_text(p.read_text()[:-1].rstrip() + ', "text_config": {}}'),
+                 ["the key `text_config` appears twice"], id="config-duplicate-key"),
+    pytest.param(INDEX, lambda p: p.write_text('{"weight_map": {"lm_head.weight": "a.safetensors", '
+                                               '"lm_head.weight": "b.safetensors"}}'),
+                 ["the key `lm_head.weight` appears twice"], id="index-duplicate-tensor"),
     pytest.param(INDEX, lambda p: p.write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}"),
                  ["nested too deeply"], id="index-deeply-nested"),
 ])
@@ -265,6 +270,7 @@ def test_a_source_file_that_is_a_fifo_is_refused_without_waiting(release, tmp_pa
     pytest.param("convert", "./k3-missing", id="convert-src-missing-dot-path"),
     pytest.param("convert", "data/k3/v1", id="convert-src-missing-nested-path"),
     pytest.param("convert", "models/k3", id="convert-src-missing-under-local-folder"),
+    pytest.param("convert", "C:\\models\\k3", id="convert-src-missing-windows-path"),
     pytest.param("verify", "models/k3", id="verify-src-missing-path"),
     pytest.param("export", "./k3-missing", id="export-src-missing-path"),
 ])
