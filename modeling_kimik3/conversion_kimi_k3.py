@@ -582,15 +582,6 @@ def check_inside(folder, path, *, error=load_error) -> None:
                 "cache snapshot's links into its own blobs/ are the one exception)")
 
 
-def named_file(folder, name, named_by, *, what: str = "file", suffix: str = "", tensor: str | None = None,
-               error=load_error):
-    """The path of a file that `named_by` names in `folder`, after both checks above."""
-    check_file_name(name, named_by, what=what, suffix=suffix, tensor=tensor, error=error)
-    path = os.path.join(folder, name)
-    check_inside(folder, path, error=error)
-    return path
-
-
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -1003,7 +994,6 @@ __all__ = [
     "mxfp4_overflow",
     "mxfp4_overflow_message",
     "checked_pretrained_folder",
-    "named_file",
     "read_safetensors_header",
     "register_release_conversions",
     "release_conversions",
