@@ -1174,7 +1174,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
             # a row with no real token (in the cached part or the new one) has no defined output: every MLA query
             # would attend to nothing
             flags.append((~attention_mask.bool().any(dim=1)).any().long())
-        placeholder = self.media_placeholder_token_id
+        # only a prompt marks images: a decode step's ids are generated tokens (a model may emit the placeholder's id;
+        # images are read in the prefill only)
+        placeholder = None if has_past else self.media_placeholder_token_id
         if input_ids is not None and placeholder is not None:
             flags.append((input_ids == placeholder).any().long())
         non_finite = None

@@ -319,6 +319,9 @@ def test_media_placeholder_without_pixel_values_text_model(model, case):
             model(ids)
         with torch.no_grad():
             model(_ids(1, 4).clamp(min=MEDIA_PAD + 1))  # other ids are fine
+            # a decode step's ids are generated tokens: the placeholder's id continuing a cache is not an image
+            cache = cache_of(model(_ids(1, 4).clamp(min=MEDIA_PAD + 1), use_cache=True))
+            model(torch.tensor([[MEDIA_PAD]]), past_key_values=cache)
     finally:
         model.model.media_placeholder_token_id = None
 
