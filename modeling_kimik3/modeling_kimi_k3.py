@@ -875,7 +875,10 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
         text = self.config.get_text_config()
         limit = text.max_position_embeddings
-        total = generation_config.max_length + getattr(self, "_image_rows_added", 0)
+        total = generation_config.max_length
+        if generation_config.max_new_tokens is not None:
+            # images given as one `<|media_pad|>` each lengthen the prompt the new tokens follow
+            total += getattr(self, "_image_rows_added", 0)
         if total > limit:
             asked = (f"max_new_tokens={generation_config.max_new_tokens} after a prompt of {input_ids_length} tokens"
                      if generation_config.max_new_tokens is not None else f"max_length={generation_config.max_length}")
