@@ -946,9 +946,15 @@ def check_pretrained_folder(pretrained, kwargs) -> None:
     if not isinstance(pretrained, (str, os.PathLike)) or _FOLDER_CHECKED.get() == (os.fspath(pretrained),):
         return
     text, complete = os.fspath(pretrained), True
+    for key in ("variant", "gguf_file"):  # each becomes part of a file name in the folder
+        value = kwargs.get(key)
+        if value is not None and (not isinstance(value, str) or not value or any(c in value for c in "/\\:\x00")
+                                  or ".." in value):
+            raise load_error(text, f"refusing {key}={value!r}: it names a file of the folder, so it must be a plain "
+                             "name (no path separators, no `..`)")
     if os.path.isdir(text):
         folder = text
-        subfolder = kwargs.get("subfolder") or ""
+        subfolder = (kwargs.get("subfolder") or "").rstrip("/")
         if subfolder:
             parts = subfolder.replace("\\", "/").split("/")
             if subfolder.startswith("/") or any(p in ("", "..") or ":" in p or "\x00" in p for p in parts):

@@ -84,6 +84,12 @@ def moved_out(name):
     return damage
 
 
+def make_dangling(root, name):
+    (root / name).unlink()
+    (root / name).symlink_to(root / "gone.safetensors")
+    return {}
+
+
 def set_config(change):
     def damage(root):
         config = json.loads((root / "config.json").read_text())
@@ -203,6 +209,12 @@ LOADING_CASES = [
     pytest.param("converted", moved_out("modeling_kimi_k3.py"), ["modeling_kimi_k3.py", OUTSIDE],
                  id="load-code-file-symlink-out"),
     pytest.param("converted", subfolder_linked_out, ["text", OUTSIDE], id="load-subfolder-symlink-out"),
+    pytest.param("converted", lambda r: {"subfolder": "../k3"}, ["refusing subfolder '../k3'"],
+                 id="load-subfolder-parent-path"),
+    pytest.param("converted", lambda r: {"variant": "../../x"}, ["refusing variant='../../x'", "plain name"],
+                 id="load-variant-path"),
+    pytest.param("release", lambda r: make_dangling(r, weight_map(r)[Q]), ["shard file is missing (the index names it"],
+                 id="load-shard-dangling-symlink"),
     pytest.param("converted", set_config(lambda c: c["auto_map"].update(AutoConfig="../evil.KimiK3Config")),
                  ["config.json", "auto_map.AutoConfig = '../evil.KimiK3Config'", "`module.Class`"],
                  id="load-auto-map-parent-path"),
