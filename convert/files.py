@@ -58,13 +58,14 @@ def read_provenance(root: Path) -> dict:
 
 def tokenizer_files(src: Path) -> list[Path]:
     """The side files copied verbatim; one that is a symlink to a file outside the folder is refused (its contents
-    would be copied from elsewhere), as from_pretrained refuses one."""
+    would be copied from elsewhere), as from_pretrained refuses one, and so is one that is not a regular file (it was
+    left out silently)."""
     found = []
     for path in sorted(src.iterdir()):
-        if path.is_file() and path.name not in RELEASE_MODEL_CODE:
+        if not path.is_dir() and path.name not in RELEASE_MODEL_CODE:
             if any(fnmatch.fnmatch(path.name, pattern) for pattern in TOKENIZER_PATTERNS):
                 check_inside(src, path)
-                found.append(path)
+                found.append(path)  # a FIFO or a dangling link is refused when it is read (read_source_file)
     return found
 
 
@@ -75,7 +76,7 @@ def converted_tokenizer_files(src: Path, processor_config: bytes | None = None) 
     record: {"replaced": {name: original text}, "added": [names]}."""
     out, changes = [], {"replaced": {}, "added": []}
     for path in tokenizer_files(src):
-        data = path.read_bytes()
+        data = read_source_file(src, path)
         if path.name == PROCESSOR_CONFIG_NAME and processor_config is not None:
             changes["replaced"][path.name] = _text(path, data)
             continue
@@ -216,7 +217,7 @@ def release_tokenizer_files(converted: Path) -> list[tuple[str, bytes]]:
         if path.name in changes["added"]:
             continue
         original = changes["replaced"].get(path.name)
-        out.append((path.name, original.encode("utf-8") if original is not None else path.read_bytes()))
+        out.append((path.name, original.encode("utf-8") if original is not None else read_source_file(converted, path)))
     return out
 
 

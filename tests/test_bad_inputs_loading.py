@@ -180,7 +180,8 @@ def replaced_by(make, name_of):
 OUTSIDE = "is a symlink to"
 REFUSED_SHARD = "refusing shard name"
 LOADING_CASES = [
-    pytest.param("release", shard_named_elsewhere(lambda r, s: ("../outside.safetensors", r.parent / "outside.safetensors")),
+    pytest.param("release", shard_named_elsewhere(lambda r, s: ("../outside.safetensors",
+                                                                r.parent / "outside.safetensors")),
                  [INDEX, REFUSED_SHARD, "'../outside.safetensors'"], id="load-release-shard-parent-path"),
     pytest.param("converted", shard_named_elsewhere(lambda r, s: ("../outside.safetensors",
                                                                   r.parent / "outside.safetensors")),
@@ -226,20 +227,23 @@ LOADING_CASES = [
     pytest.param("converted", second_copy_of_q, [Q, "is also in", "must come from one shard"],
                  id="load-converted-tensor-in-two-shards"),
     pytest.param("release", q_unlisted, [Q, "the index", "missing from the index"], id="load-tensor-not-in-index"),
-    pytest.param("converted", q_named_in_another_shard, [Q, "the index names this tensor but the shard's header lacks it",
-                                                         "(it is in "], id="load-tensor-in-the-wrong-shard"),
+    pytest.param("converted", q_named_in_another_shard,
+                 [Q, "the index names this tensor but the shard's header lacks it", "(it is in "],
+                 id="load-tensor-in-the-wrong-shard"),
     pytest.param("converted", lambda r: set_weight_map_text(r, lambda text: text.replace(
                      "{", '{"' + Q + '": "elsewhere.safetensors", ', 1)),
                  [INDEX, f"the key `{Q}` appears twice"], id="load-index-duplicate-tensor"),
     pytest.param("release", set_config(lambda c: c["text_config"].update(
                      auto_map={"AutoModel": "../modeling_kimi_linear.KimiLinearModel"})),
-                 ["auto_map.AutoModel = '../modeling_kimi_linear.KimiLinearModel'"], id="load-text-auto-map-parent-path"),
+                 ["auto_map.AutoModel = '../modeling_kimi_linear.KimiLinearModel'"],
+                 id="load-text-auto-map-parent-path"),
     pytest.param("release", nested_json("config.json"), ["config.json", "nested too deeply"],
                  id="load-config-deeply-nested"),
     pytest.param("converted", nested_json(INDEX), [INDEX, "nested too deeply"], id="load-index-deeply-nested"),
     pytest.param("release", nested_header, ["corrupted safetensors header", "nested too deeply"],
                  id="load-header-deeply-nested"),
-    pytest.param("release", overlapping_offsets, ["safetensors, tensor `", "overlaps", Q, K], id="load-release-overlap-offsets"),
+    pytest.param("release", overlapping_offsets, ["safetensors, tensor `", "overlaps", Q, K],
+                 id="load-release-overlap-offsets"),
     pytest.param("release", replaced_by(os.mkfifo, lambda r: weight_map(r)[Q]), ["is a FIFO, not a shard file"],
                  id="load-shard-is-fifo"),
     pytest.param("converted", replaced_by(os.mkfifo, lambda r: "config.json"),

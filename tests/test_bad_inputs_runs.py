@@ -192,7 +192,8 @@ def test_bad_source_files_are_named(release, tmp_path, name, damage, fragments):
 
 
 @pytest.mark.parametrize("count, fragments", [
-    pytest.param(10**9, ["`text_config.num_hidden_layers` = 1,000,000,000", "layers 0..3 (4 layer(s)), none of layer 4"],
+    pytest.param(10**9, ["`text_config.num_hidden_layers` = 1,000,000,000",
+                         "layers 0..3 (4 layer(s)), none of layer 4"],
                  id="num-hidden-layers-huge"),
     pytest.param(5, ["`text_config.num_hidden_layers` = 5", "none of layer 4"], id="num-hidden-layers-one-more"),
 ])
@@ -242,6 +243,7 @@ def test_a_source_file_linked_out_of_the_folder_is_refused(release, tmp_path, na
     pytest.param("config.json", "config.json", id="config-is-fifo"),
     pytest.param(INDEX, INDEX, id="index-is-fifo"),
     pytest.param("generation_config.json", "generation_config.json", id="generation-config-is-fifo"),
+    pytest.param("tokenizer_config.json", "tokenizer_config.json", id="side-file-is-fifo"),
 ])
 def test_a_source_file_that_is_a_fifo_is_refused_without_waiting(release, tmp_path, name, kind):
     """Reading a FIFO waits for a writer forever: the file is opened non-blocking and refused (the test gives up
