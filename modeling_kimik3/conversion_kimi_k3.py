@@ -29,6 +29,7 @@ Conversions are reversed by `save_pretrained`, which thus writes a release-loade
 import contextlib
 import contextvars
 import copy
+import functools
 import gc
 import json
 import math
@@ -101,6 +102,7 @@ def _check_expert_count(found: int, config, fused_name: str, part: str, suffix: 
               f"num_experts={expected} (a missing or extra per-expert tensor)")
 
 
+@functools.lru_cache(maxsize=None)
 def _first_overflowing_byte(limit: float) -> int:
     """The smallest E8M0 byte whose group can decode past `limit` (the largest code, 6.0, times 2^(byte - 127))."""
     byte = 0
@@ -146,10 +148,10 @@ def check_packed_experts(model) -> None:
     """Kept-packed MXFP4 experts are dequantised to the compute dtype at every forward: each group must decode to
     finite values in it (the floating dtype of the model's parameters), checked once at load. Errors name the release
     tensor and our fused one."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
     for name, module in model.named_modules():
         if not getattr(module, "packed", False):
             continue
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
         for fused in EXPERT_PARTS:
             packed, scale = getattr(module, f"{fused}_packed", None), getattr(module, f"{fused}_scale", None)
             if packed is None or scale is None or packed.device.type == "meta" or scale.dim() != 3:
