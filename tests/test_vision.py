@@ -592,13 +592,11 @@ def test_the_cards_image_example_runs(processor, vl_model, tiny_folder, tmp_path
 
 @pytest.fixture(scope="module")
 def converted_release(tmp_path_factory):
-    """A release-layout checkpoint (a loadable tiktoken.model in place of the fixture's placeholder), converted."""
+    """A release-layout checkpoint (with the fixture's working tokenizer), converted."""
     import kimik3.convert as kc
-    from kimik3.tokenizer_files import ranks_file_text, train_ranks
 
     root = tmp_path_factory.mktemp("release_vision")
     fx = testing.write_release_checkpoint(root / "rel", num_layers=2, num_experts=2, return_dense=False)
-    (fx.path / "tiktoken.model").write_text(ranks_file_text(train_ranks(256)))
     kc.convert(fx.path, root / "out", progress=False)
     return fx.path, root / "out"
 
