@@ -5,7 +5,7 @@ first with every fast path off, then with all on, then with each fast op turned 
 (`KIMIK3_REFERENCE_ONLY` set to that op's name). It prints, per configuration, the largest logit difference chunked vs one-shot and the
 one-shot difference against the all-reference run, and writes them as JSON to $OUT (or the working directory).
 
-    python benchmarks/diagnose_chunked_prefill.py
+    python benchmarks/diagnostics/diagnose_chunked_prefill.py
 """
 
 import json

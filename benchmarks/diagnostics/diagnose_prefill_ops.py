@@ -21,7 +21,7 @@ the working directory); arguments pick parts (default: all).
 
 * `attn_res` (branch wip/attn-res-fused): the fused residual add + AttnRes mix + RMSNorm against the three ops.
 
-    python benchmarks/diagnose_prefill_ops.py [experts] [gather] [conv] [kda] [attn_res]
+    python benchmarks/diagnostics/diagnose_prefill_ops.py [experts] [gather] [conv] [kda] [attn_res]
 """
 
 import json
@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from _k3bench_utils import event_us
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
+from _k3bench_utils import event_us  # noqa: E402
 from kimik3.kernels import moe, triton_ops
 from kimik3.modeling import ops_kimi_k3 as ops
 

@@ -7,7 +7,7 @@ memory-bound ops (copies, fills, adds, gathers) by op and input shapes.
 
 Prints and writes JSON (to $OUT or the working directory).
 
-    python benchmarks/diagnose_prefill_gaps.py
+    python benchmarks/diagnostics/diagnose_prefill_gaps.py
 """
 
 import collections
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for bench_k3
 from bench_k3 import K, K3Driver, build, k3_config, prefill, random_ids  # noqa: E402
 
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM  # noqa: E402

@@ -3,7 +3,7 @@
 loaded twice with from_pretrained, once over cuda:0/cuda:1 and once on cuda:0 alone, each decoder layer's 8K-token
 prefill timed with synchronising forward hooks, plus the top CUDA kernels of the pipeline run.
 
-    python benchmarks/diagnose_pipeline_prefill.py --workdir /tmp/k3_128 --out /tmp/pipeline_diag.json
+    python benchmarks/diagnostics/diagnose_pipeline_prefill.py --workdir /tmp/k3_128 --out /tmp/pipeline_diag.json
 """
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/, for bench_parallel
 sys.path.insert(0, str(HERE))
 
 import bench_parallel  # noqa: E402

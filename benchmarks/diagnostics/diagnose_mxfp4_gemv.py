@@ -10,18 +10,20 @@ benchmark model's shapes (64 experts, N 6144, K 3584; 16 routed rows, one per ex
 
 Prints and writes JSON (to $OUT or the working directory): microseconds and effective TB/s of the packed bytes.
 
-    python benchmarks/diagnose_mxfp4_gemv.py
+    python benchmarks/diagnostics/diagnose_mxfp4_gemv.py
 """
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from _k3bench_utils import event_us
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
+from _k3bench_utils import event_us  # noqa: E402
 from kimik3.kernels import triton_ops
 from kimik3.kernels.triton_ops import _e2m1_word_ptx
 

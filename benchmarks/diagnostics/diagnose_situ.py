@@ -10,18 +10,20 @@ experts: 8192 x 6144; layer 0's dense MLP: 8192 x 33792), bf16, release betas (4
 Each form's bf16 output is compared with the PyTorch reference (fraction of bit-equal elements). Prints and writes
 JSON (to $OUT or the working directory).
 
-    python benchmarks/diagnose_situ.py
+    python benchmarks/diagnostics/diagnose_situ.py
 """
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from _k3bench_utils import event_us
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
+from _k3bench_utils import event_us  # noqa: E402
 from kimik3.kernels import triton_ops
 from kimik3.kernels.triton_ops import _tanh
 from kimik3.modeling import ops_kimi_k3 as ops

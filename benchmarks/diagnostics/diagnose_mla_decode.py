@@ -10,8 +10,8 @@ one sequence) and a span of the context, keeps an online softmax and an f32 [row
 kernel merges the spans by their log-sum-exp. Masked keys get a finite -1e30 score (a row with no valid key then
 averages all keys, as the reference's finfo.min fill does), keys past the buffer -inf.
 
-    python benchmarks/diagnose_mla_decode.py                 # H200: correctness and timings, JSON to $OUT
-    TRITON_INTERPRET=1 python benchmarks/diagnose_mla_decode.py --check-only   # CPU: correctness at small sizes
+    python benchmarks/diagnostics/diagnose_mla_decode.py                 # H200: correctness and timings, JSON to $OUT
+    TRITON_INTERPRET=1 python benchmarks/diagnostics/diagnose_mla_decode.py --check-only   # CPU: correctness at small sizes
 
 Status (session 11, H200 runs 24-25, docs/benchmarks.md): correct on the GPU, but slower than the cuBLAS GEMMs at
 every size (b=8 64K: best of 60 configs 658 us against 476 us for the compiled reference; b=1 64K: 111 against 72):
@@ -23,13 +23,15 @@ current one (`kimik3.kernels.mla`, the same unmasked call) as `fast_twin_unmaske
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from _k3bench_utils import event_us, graph_us
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
+from _k3bench_utils import event_us, graph_us  # noqa: E402
 from kimik3.modeling import ops_kimi_k3 as ops
 
 @triton.jit

@@ -9,7 +9,7 @@ every op, and per position the eager forward's nearest router tie and whether it
 routes some token apart from the f32 model; each variant with the static cache (compiled) and the dynamic one
 (eager decode).
 
-    python benchmarks/diagnose_compiled_decode_error.py --experts mxfp4 --batch 1 "" chunk_kda attn_res_mix_norm
+    python benchmarks/diagnostics/diagnose_compiled_decode_error.py --experts mxfp4 --batch 1 "" chunk_kda attn_res_mix_norm
 
 On CPU (reference ops, compiled by inductor for CPU with --compile-on-cpu) it runs the same steps without CUDA graphs.
 Prints and writes JSON (to $OUT or the working directory).
