@@ -47,6 +47,7 @@ from transformers.core_model_loading import (
     WeightRenaming,
 )
 
+from .configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, check_experts_format
 from .ops_kimi_k3 import _E2M1_VALUES, MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 
 
@@ -335,7 +336,7 @@ def _fused_target(name: str) -> str:
     return f"(?<!shared_)experts.{name}(?![_a-z])"
 
 
-def release_conversions(experts_format: str = "dense") -> list:
+def release_conversions(experts_format: str = DEFAULT_EXPERTS_FORMAT) -> list:
     """The transforms from the release layout to ours, relative to the text model (`KimiK3ForCausalLM`).
     `experts_format` picks what MXFP4 experts become: "dense" (dequantised) or "mxfp4" (kept packed)."""
     conversions = [
@@ -359,7 +360,7 @@ def release_conversions(experts_format: str = "dense") -> list:
     return conversions
 
 
-def register_release_conversions(experts_format: str = "dense") -> None:
+def register_release_conversions(experts_format: str = DEFAULT_EXPERTS_FORMAT) -> None:
     """Registers the transforms for `KimiK3ForCausalLM` (and so for the composite model's `language_model`) and for
     `KimiK3TextBackbone` (the multimodal base model's `language_model`: the same tensors without the head)."""
     if register_checkpoint_conversion_mapping is not None:
@@ -401,9 +402,8 @@ def _resolve_config(model_class, pretrained, kwargs, experts_format):
     release_quantization = getattr(config.get_text_config(), "quantization_config", None)
     if experts_format is None and release_quantization is None:
         return config.get_text_config().experts_format, None
-    if experts_format not in (None, "dense", "mxfp4"):
-        raise ValueError(f"experts_format={experts_format!r}: choose 'dense' (dequantised bf16) or 'mxfp4' (kept "
-                         "packed)")
+    if experts_format is not None:
+        check_experts_format(experts_format)
     config = copy.deepcopy(config)
     text = config.get_text_config()
     if experts_format is not None:
@@ -871,7 +871,37 @@ def _collector_paused():
             gc.enable()
 
 
-def check_folder(folder, *, variant: str | None = None, complete: bool = True, error=load_error) -> None:
+def _weights_files(folder, config: dict | None, config_path, variant: str | None, use_safetensors, error):
+    """The index and single-file names transformers would read the weights from, as it picks them: config.json's
+    `transformers_weights` names the file outright (an index or a shard); otherwise `model.safetensors` wins over
+    the index, so a folder holding both has two sources for its weights and is refused. A pickled checkpoint
+    (`pytorch_model.bin`, chosen with use_safetensors=False or when no safetensors weights exist) is refused: it
+    would be unpickled."""
+    explicit = config.get("transformers_weights") if isinstance(config, dict) else None
+    if explicit is not None:
+        check_file_name(explicit, config_path, what="`transformers_weights` file", error=error)
+        if explicit.endswith(".safetensors.index.json"):
+            return explicit, None
+        if not explicit.endswith(".safetensors"):
+            raise error(config_path, f"key `transformers_weights` = {explicit!r}: a `*.safetensors` file or a "
+                        "`*.safetensors.index.json` index of the folder")
+        return None, explicit
+    index_name, single_name = _index_name(variant)
+    pickled = [name for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+               if os.path.lexists(os.path.join(folder, name))]
+    has_safetensors = any(os.path.lexists(os.path.join(folder, n)) for n in (index_name, single_name))
+    if pickled and (use_safetensors is False or not has_safetensors):
+        raise error(os.path.join(folder, pickled[0]), "a pickled checkpoint is never loaded (unpickling a file can "
+                    "run code): Kimi K3 folders hold safetensors weights; convert it to safetensors"
+                    + (" (use_safetensors=False asks for it)" if use_safetensors is False else ""))
+    if os.path.lexists(os.path.join(folder, index_name)) and os.path.lexists(os.path.join(folder, single_name)):
+        raise error(folder, f"holds both {single_name} and {index_name}: two sources for the weights (transformers "
+                    f"would read {single_name} and ignore the index); remove the one that does not belong")
+    return index_name, single_name
+
+
+def check_folder(folder, *, variant: str | None = None, complete: bool = True, error=load_error,
+                 use_safetensors=None) -> None:
     """The checks `from_pretrained` runs on a local folder before transformers reads it: config.json, the index and
     every shard it names stay in the folder, parse (the shard headers strictly, read-only, so it is cheap), and every
     tensor comes from one place; config.json's layer count matches the tensors and its auto_map names code in the
@@ -887,9 +917,10 @@ def check_folder(folder, *, variant: str | None = None, complete: bool = True, e
     for name in ("generation_config.json",):
         if os.path.lexists(os.path.join(folder, name)):
             check_inside(folder, os.path.join(folder, name), error=error)
-    index_name, single_name = _index_name(variant)
-    index_path, single_path = os.path.join(folder, index_name), os.path.join(folder, single_name)
-    if os.path.lexists(index_path):
+    index_name, single_name = _weights_files(folder, config, config_path, variant, use_safetensors, error)
+    index_path = os.path.join(folder, index_name) if index_name else None
+    single_path = os.path.join(folder, single_name) if single_name else None
+    if index_path is not None and os.path.lexists(index_path):
         check_inside(folder, index_path, error=error)
         index = read_json(index_path, error=error, object_pairs_hook=dict_without_duplicate_keys)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -901,7 +932,7 @@ def check_folder(folder, *, variant: str | None = None, complete: bool = True, e
             if type(shard) is not str or shard not in first_tensor:  # each name once (thousands of tensors a shard)
                 check_file_name(shard, index_path, what="shard", suffix=".safetensors", tensor=tensor, error=error)
                 first_tensor[shard] = tensor
-    elif os.path.lexists(single_path):
+    elif single_path is not None and os.path.lexists(single_path):
         index_path, weight_map, first_tensor = single_path, None, {single_name: None}
     else:
         return
@@ -973,7 +1004,8 @@ def check_pretrained_folder(pretrained, kwargs) -> None:
         folder, complete = _hub_snapshot(text, kwargs), False
         if folder is None:
             return
-    check_folder(folder, variant=kwargs.get("variant"), complete=complete)
+    check_folder(folder, variant=kwargs.get("variant"), complete=complete,
+                 use_safetensors=kwargs.get("use_safetensors"))
 
 
 @contextlib.contextmanager

@@ -471,11 +471,42 @@ def _named_defaults(kwargs, specials_by_token, source):
         check_named_special(source, key, kwargs[key], specials_by_token)
 
 
+# the files a tokenizer folder may hold besides `vocab_files_names` (transformers reads each when it is there)
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json",
+                        "chat_template.jinja", "chat_template.json")
+
+
+def check_tokenizer_files(folder, subfolder, vocab_files_names: dict) -> None:
+    """A local folder's tokenizer files must resolve inside it (the rule of docs/bad_inputs.md, "Loading a folder"):
+    a symlink out of the folder would read another file's text as the vocabulary or the chat template. A Hub cache
+    snapshot's links into its own blobs/ are allowed. Repo ids and files are left to transformers."""
+    if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
+        return
+    root = os.path.realpath(os.path.join(folder, subfolder or ""))
+    snapshots, repo = os.path.dirname(root), os.path.dirname(os.path.dirname(root))
+    blobs = (os.path.join(repo, "blobs") if os.path.basename(snapshots) == "snapshots"
+             and os.path.basename(repo).startswith(("models--", "datasets--", "spaces--")) else None)
+    for name in (*vocab_files_names.values(), *TOKENIZER_SIDE_FILES):
+        path = os.path.join(folder, subfolder or "", name)
+        real = os.path.realpath(path)
+        if not os.path.lexists(path) or any(real.startswith(inside.rstrip(os.sep) + os.sep) or real == inside
+                                             for inside in (root, blobs) if inside):
+            continue
+        raise TokenizerFileError(f"{path}: is a symlink to {real}, outside the folder {folder}: a folder's files "
+                                 "must be in it (a Hub cache snapshot's links into its own blobs/ are the one "
+                                 "exception)")
+
+
 class ChatNormalizingMixin:
     """`apply_chat_template` checks and normalises the conversation first (tool arguments parsed from JSON strings),
     so the Jinja template renders what the encoder renders, and encodes message text as ordinary text.
     `save_pretrained` (and so `push_to_hub`) writes this file and the `auto_map` naming it, so the folder loads with
     trust_remote_code whether the tokenizer came from the installed package or from a folder."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        check_tokenizer_files(pretrained_model_name_or_path, kwargs.get("subfolder"), cls.vocab_files_names)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         saved = super().save_pretrained(save_directory, *args, **kwargs)

@@ -177,6 +177,39 @@ def replaced_by(make, name_of):
     return damage
 
 
+def single_file_beside_index(root, outside: bool):
+    """model.safetensors next to the index (transformers reads it first and ignores the index): a copy of the
+    first shard, in the folder or linked from outside it."""
+    shard = root / sorted(set(weight_map(root).values()))[0]
+    target = root.parent.parent / "elsewhere" / "model.safetensors" if outside else root / "model.safetensors"
+    shutil.copyfile(shard, target)
+    if outside:
+        (root / "model.safetensors").symlink_to(target)
+    return {}
+
+
+def weights_named_by_config(root):
+    """config.json's `transformers_weights` names another index of the folder, which names a shard outside it."""
+    index = json.loads((root / INDEX).read_text())
+    shard = index["weight_map"][Q]
+    shutil.copyfile(root / shard, root.parent / "outside.safetensors")
+    index["weight_map"] = {t: "../outside.safetensors" if s == shard else s for t, s in index["weight_map"].items()}
+    (root / "other.safetensors.index.json").write_text(json.dumps(index))
+    return set_config(lambda c: c.update(transformers_weights="other.safetensors.index.json"))(root)
+
+
+def pickled_checkpoint(root, keep_safetensors: bool):
+    """pytorch_model.bin (a pickle; its content does not matter, it is never opened), alone or next to the
+    safetensors weights with use_safetensors=False."""
+    (root / "pytorch_model.bin").write_bytes(b"not opened")
+    if keep_safetensors:
+        return {"use_safetensors": False}
+    for shard in set(weight_map(root).values()):
+        (root / shard).unlink()
+    (root / INDEX).unlink()
+    return {}
+
+
 OUTSIDE = "is a symlink to"
 REFUSED_SHARD = "refusing shard name"
 LOADING_CASES = [
@@ -253,6 +286,23 @@ LOADING_CASES = [
     pytest.param("release", set_config(lambda c: c["text_config"].update(num_hidden_layers=10**9)),
                  ["config.json", "`text_config.num_hidden_layers` = 1,000,000,000", "layers 0..1", "none of layer 2"],
                  id="load-num-hidden-layers-huge"),
+    pytest.param("converted", lambda r: single_file_beside_index(r, outside=True),
+                 ["holds both model.safetensors and model.safetensors.index.json", "two sources"],
+                 id="load-single-file-symlink-out-beside-index"),
+    pytest.param("release", lambda r: single_file_beside_index(r, outside=False),
+                 ["holds both model.safetensors and model.safetensors.index.json"],
+                 id="load-single-file-beside-index"),
+    pytest.param("converted", weights_named_by_config, ["other.safetensors.index.json", REFUSED_SHARD,
+                                                        "'../outside.safetensors'"],
+                 id="load-transformers-weights-other-index"),
+    pytest.param("converted", set_config(lambda c: c.update(transformers_weights="sub/x.safetensors")),
+                 ["config.json", "refusing `transformers_weights` file name 'sub/x.safetensors'"],
+                 id="load-transformers-weights-path"),
+    pytest.param("converted", lambda r: pickled_checkpoint(r, keep_safetensors=False),
+                 ["pytorch_model.bin: a pickled checkpoint is never loaded"], id="load-pickle-only"),
+    pytest.param("converted", lambda r: pickled_checkpoint(r, keep_safetensors=True),
+                 ["pytorch_model.bin: a pickled checkpoint is never loaded", "use_safetensors=False"],
+                 id="load-pickle-use-safetensors-false"),
 ]
 
 
@@ -374,3 +424,35 @@ def test_the_text_class_loads_a_release_folder(pristine, fmt):
     assert model.config.experts_format == (fmt or "dense")
     experts = model.model.layers[1].mlp.experts
     assert hasattr(experts, "gate_up_proj_packed") == (fmt == "mxfp4")
+
+
+@pytest.mark.parametrize("name", [pytest.param("tiktoken.model", id="load-tokenizer-vocab-symlink-out"),
+                                  pytest.param("tokenizer_config.json", id="load-tokenizer-config-symlink-out"),
+                                  pytest.param("chat_template.jinja", id="load-chat-template-symlink-out")])
+def test_a_tokenizer_file_linked_out_of_the_folder_is_refused(pristine_converted, tmp_path, name):
+    """Both tokenizer classes check a local folder's files before transformers reads them: a ranks file or chat
+    template linked from elsewhere would be read as the folder's own."""
+    from kimik3.modeling.tokenization_kimi_k3 import KimiK3Tokenizer, KimiK3TokenizerFast, TokenizerFileError
+
+    root = tmp_path / "k3"
+    root.mkdir()
+    for kept in ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(pristine_converted / kept, root / kept)
+    (tmp_path / "elsewhere").mkdir()
+    shutil.move(root / name, tmp_path / "elsewhere" / name)
+    (root / name).symlink_to(tmp_path / "elsewhere" / name)
+    for cls in (KimiK3TokenizerFast, KimiK3Tokenizer):
+        with pytest.raises(TokenizerFileError, match=re.escape(f"{root / name}: is a symlink to ") + ".*outside the"):
+            cls.from_pretrained(root)
+
+
+@pytest.mark.parametrize("folder", [pytest.param("release", id="load-shard-hardlink-accepted")], indirect=True)
+def test_a_hardlinked_shard_is_a_file_of_the_folder(folder):
+    """A hard link is a name in the folder like any other (making it needed write access to the folder), so a shard
+    hard-linked to a file elsewhere loads; the weights are that file's, which is this file's."""
+    shard = weight_map(folder)[Q]
+    outside = folder.parent.parent / "elsewhere" / shard
+    shutil.move(folder / shard, outside)
+    os.link(outside, folder / shard)
+    model = KimiK3ForConditionalGeneration.from_pretrained(folder)
+    assert torch.equal(model.state_dict()[Q].float(), load_file(str(outside))[Q].float())
