@@ -28,7 +28,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on this H200 kind (kernels_perf.md 6)
+# measured device-to-device copy on this H200 kind (docs/benchmarks.md, Machine, versions and model)
+HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 790e12  # measured 8192^3 bf16 GEMM on this H200 kind
 
 

@@ -896,7 +896,7 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--skip", default="", help="comma list of section prefixes to skip")
     parser.add_argument("--only", default="", help="comma list of section prefixes to run (builds run as needed)")
-    parser.add_argument("--prefill-1m-budget-s", type=float, default=240.0)  # warm 1M: ~154 s (session 16)
+    parser.add_argument("--prefill-1m-budget-s", type=float, default=240.0)  # warm 1M: ~155 s (docs/benchmarks.md)
     parser.add_argument("--chunk-1m", type=int, default=32 * K)
     parser.add_argument("--kernel-table-top", type=int, default=KERNEL_TABLE_TOP,
                         help="kernels listed per profiled decode step (all of them: a large number)")
@@ -950,8 +950,8 @@ def main():
         drv, stats = holder["driver"], holder["stats"]
         set_reference(False)
         sec("fast.prefill_8k", lambda: measure_prefill(drv, stats, 8 * K, repeats=5), 20)
-        # the same prefill with session 11's one-pass twins back on their references, one more op each time, and
-        # with session 13's router twin on its reference
+        # the same prefill with the one-pass norm and gate twins back on their references, one more op each time,
+        # and with the router's upcast twin on its reference (what each twin gains, in the same process)
         for tag, names in (("rms_norm", "rms_norm"), ("norms", "rms_norm,gated_rms_norm"),
                            ("norms_gate", "rms_norm,gated_rms_norm,kda_gate"), ("router", "router_logits")):
             sec(f"fast_reference_{tag}.prefill_8k", lambda n=names: with_reference_ops(
@@ -1049,7 +1049,7 @@ def main():
             total, chunk = 1024 * K, args.chunk_1m
             progress = []
             # warm-up on a throwaway cache: the first chunks compile and autotune the Triton kernels (84 s of the
-            # first chunk on a fresh machine, run 4 of session 16), which is not the prefill's own time
+            # first chunk on a fresh machine: docs/benchmarks_history.md), which is not the prefill's own time
             t0 = time.perf_counter()
             with torch.inference_mode():
                 warm_cache = drv.new_cache()

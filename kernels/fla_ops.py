@@ -66,8 +66,8 @@ def chunk_kda(
     elif use_gate_in_kernel:
         # fla's gate kernel reads A_log[h] for the heads present, so the release's zero-padded [128] A_log is passed
         # as its first H entries. K3's lower-bounded gate (-5 <= lb < 0) runs fla's safe_gate path: the decay bound
-        # keeps the diagonal tiles' exponentials in f32 range, so they go through tensor-core dots (k3_math 3; the
-        # official code's setting)
+        # keeps the diagonal tiles' exponentials in f32 range, so they go through tensor-core dots
+        # (docs/architecture.md, Chunked KDA; the official code's setting)
         gate = dict(use_gate_in_kernel=True, A_log=A_log[: g.shape[-2]], dt_bias=dt_bias, lower_bound=lower_bound,
                     safe_gate=lower_bound is not None and -5 <= lower_bound < 0)
     o, final = _fla_chunk_kda(

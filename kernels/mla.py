@@ -19,7 +19,8 @@ All H heads (times S query rows) of a sequence form the M dimension of one GEMM 
 (MQA). The reference rounds where this does: scores in the cache dtype, times the scale (rounded again), masked with
 the dtype's lowest value, softmax in f32, probabilities rounded to the cache dtype, PV accumulated by cuBLAS. Eager,
 it replaces the reference's five elementwise passes over the scores; in a compiled static-cache step it is one graph
-node and costs the same GPU time as inductor's fusion of the reference (docs/benchmarks.md, session 11).
+node and costs the same GPU time as inductor's fusion of the reference (docs/benchmarks.md, MLA decode op and static
+buffers).
 """
 
 import torch

@@ -37,8 +37,8 @@ FEW_ROWS_PER_EXPERT = 4
 # The packed MXFP4 experts' three paths, by routed rows per expert on average: up to MXFP4_GEMV_ROWS_PER_EXPERT the
 # GEMV kernel (each routed row reads its expert's packed bytes), up to MXFP4_TILE_ROWS_PER_EXPERT the tile kernel
 # (one decode of each tile per 16 rows of an expert), beyond that the stack dequantised once and the grouped GEMMs
-# (prefill). On the H200 (docs/benchmarks.md, session 10) the GEMV's matmuls take 0.14 ms against the tiles' 0.38 ms
-# at 1 row per expert, and 1.01 ms against 1.19 ms at 2 (8 tokens x top-16 over 64 experts), though a second row
+# (prefill). On the H200 (docs/benchmarks.md, Packed MXFP4 GEMV) the GEMV's matmuls take 0.14 ms against the tiles' 0.38
+# ms at 1 row per expert, and 1.01 ms against 1.19 ms at 2 (8 tokens x top-16 over 64 experts), though a second row
 # re-reads its expert: the GEMV stops at 2.
 MXFP4_GEMV_ROWS_PER_EXPERT = 2
 MXFP4_TILE_ROWS_PER_EXPERT = 16

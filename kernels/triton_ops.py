@@ -94,7 +94,7 @@ def _situ_fwd_kernel(
     HAS_B2: tl.constexpr, SIGMOID_POW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Arithmetic, not bytes, bounded the first form of this kernel (five divisions and three exps per element: 10.5
-    # ms of an 8K prefill, docs/benchmarks.md session 12). Here the two tanh and the sigmoid are ratios, the sigmoid's
+    # ms of an 8K prefill, docs/benchmarks.md, SiTU kernel). Here the two tanh and the sigmoid are ratios, the sigmoid's
     # exp is the gate tanh's squared when beta1 = 4 (the release), the betas are reciprocals (exact for 4; within an
     # f32 ulp for 25), and one division finishes the product. f32 error: a few ulps, far below the bf16 output's.
     row = tl.program_id(0).to(tl.int64)
@@ -326,7 +326,7 @@ def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_
 # Router logits: the reference's SGEMM on the same f32 values (bit-identical logits), with the activations' upcast as
 # one vectorised pass (PyTorch's casting copy moved ~1.9 TB/s on the 8K prefill's [8192, 7168]). Faster forms of the
 # product itself were not f32-accurate: a tensor-core GEMM written as f32 ~25x, a Triton f32 dot ~9x farther from the
-# float64 logits than the SGEMM at the max (docs/benchmarks.md, session 13).
+# float64 logits than the SGEMM at the max (docs/benchmarks.md, Router upcast).
 
 
 @triton.jit
@@ -597,7 +597,7 @@ def block_attn_res_mix(
 
 # candidates, row width: a row's candidates held in registers, each read once. One banked block + the prefix only:
 # at 4 candidates the kernel ran slower than the separate twins (H200: 394-412 us against 315-398 us at 8192 x
-# 7168, diagnose_prefill_ops attn_res), at 2 faster (170-189 against 192-275 us)
+# 7168, benchmarks/diagnostics/diagnose_prefill_ops.py attn_res), at 2 faster (170-189 against 192-275 us)
 _ATTN_RES_ON_CHIP_MAX = (2, 8192)
 
 
@@ -746,7 +746,7 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, pos: torch.Tens
 
 # --------------------------------------------------------------------------------------------------------------
 # Row gather out[i] = x[index[i]]: the routed experts' expert-sorted copy of the activations (8K prefill: 131072 rows
-# of 7 KB from 8192), where index_select wrote ~2.1 TB/s (docs/benchmarks.md, session 13)
+# of 7 KB from 8192), where index_select wrote ~2.2 TB/s (docs/benchmarks.md, Row gather and prefill conv)
 
 
 @triton.jit
@@ -839,7 +839,7 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
 # --------------------------------------------------------------------------------------------------------------
 # Causal conv1d over a prefill chunk: one program per (token block, channel block, sequence) reads its K shifted input
 # tiles (the K - 1 rows before the block from x or the cached window) and writes the outputs. fla's kernel moved
-# ~2.2 TB/s on the 8K prefill's [8192, 12288] projections (docs/benchmarks.md, session 13).
+# ~2.2 TB/s on the 8K prefill's [8192, 12288] projections (docs/benchmarks.md, Row gather and prefill conv).
 
 CONV_PREFILL_BLOCKS = (16, 128, 4)  # BLOCK_T, BLOCK_C, num_warps
 
@@ -1201,11 +1201,11 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 # two rows per expert that still beats the tile kernel, which decodes each tile once for 16 rows (measured on the
 # H200: kernels/moe.py, MXFP4_GEMV_ROWS_PER_EXPERT).
 #
-# What bounds it (benchmarks/diagnose_mxfp4_gemv.py, docs/benchmarks.md session 10): loading the words alone runs
-# at 3.0-3.7 TB/s, loading and decoding them at 2.2-3.1, and x fetched as eight strided scalars per word dragged
-# the whole kernel to 1.4; x is therefore one 16-byte load per word. On NVIDIA GPUs a word is decoded two codes per
-# 32-bit operation: a code's magnitude bits placed at bits 9-11 of an f16 (exponent low bits + top mantissa bit)
-# and its sign at bit 15 make the f16 2^-14 times the E2M1 value, denormal codes included, so four shift/mask
+# What bounds it (benchmarks/diagnostics/diagnose_mxfp4_gemv.py, docs/benchmarks.md, Packed MXFP4 GEMV): loading the
+# words alone runs at 3.0-3.7 TB/s, loading and decoding them at 2.2-3.1, and x fetched as eight strided scalars per
+# word dragged the whole kernel to 1.4; x is therefore one 16-byte load per word. On NVIDIA GPUs a word is decoded two
+# codes per 32-bit operation: a code's magnitude bits placed at bits 9-11 of an f16 (exponent low bits + top mantissa
+# bit) and its sign at bit 15 make the f16 2^-14 times the E2M1 value, denormal codes included, so four shift/mask
 # steps decode the word into four f16 pairs and eight exact conversions give f32 (1.5 -> 2.0 TB/s against the
 # portable decode). The portable decode (the interpreter, other backends) builds the same 2^-14-scaled values one
 # code at a time; both are exact, and the 2^14 goes back into the group's scale.
@@ -1287,7 +1287,7 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
             # [BLOCK_N, GROUPS, 4 words, 8 codes]: join puts its pair last, so the last join is the fastest index
             # (code i = 4a + 2b + c). Code i of word q multiplies element 8q + i of x, loaded as one 16-byte vector
-            # per word (eight strided loads per word cost more than the decode: docs/benchmarks.md, session 10).
+            # per word (eight strided loads per word cost more than the decode: docs/benchmarks.md, Packed MXFP4 GEMV).
             # Products of 2^-14-scaled E2M1 values with 16-bit x are exact in f32; the group's power-of-two scale
             # (times 2^14) multiplies its 32-term sum
             codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),

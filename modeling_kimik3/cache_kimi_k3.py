@@ -113,7 +113,7 @@ class KimiK3LatentLayer:
 # A static cache's buffers hold a whole number of these many tokens (the extra rows stay invalid in the key mask):
 # the decode step's GEMMs over the whole buffer then have 16-byte-aligned leading dimensions. With an odd length
 # (e.g. 64K context + 49) cuBLAS falls back to its unaligned kernels, about 4x slower there (docs/benchmarks.md,
-# session 11).
+# MLA decode op and static buffers).
 STATIC_BUFFER_TOKENS_MULTIPLE = 64
 
 

@@ -16,8 +16,9 @@
 Only the two sequence mixers need other ranks' tokens; Block Attention Residuals, the MoE and every norm are
 per-token and run on the local segment as they are.
 
-* KDA, by state composition (k3_math.md 3). The recurrence is affine in the state, S_t = A_t S_{t-1} + beta_t k_t v_t^T
-  with A_t = (I - beta_t k_t k_t^T) Diag(alpha_t), so a segment maps any incoming state S to T_seg S + F_seg, where
+* KDA, by state composition (docs/architecture.md, Chunked KDA). The recurrence is affine in the state,
+  S_t = A_t S_{t-1} + beta_t k_t v_t^T with A_t = (I - beta_t k_t k_t^T) Diag(alpha_t), so a segment maps any
+  incoming state S to T_seg S + F_seg, where
   the *transition* T_seg [H, K, K] is the ordered product of the per-chunk maps of the WY/UT form
   (`ops.kda_segment_transition`) and F_seg [H, K, V] the segment's final state from zero. Each rank runs its segment
   from a zero state (outputs O_0 and F_seg), all ranks exchange (T_seg, F_seg), and a prefix scan of those gives each

@@ -13,7 +13,7 @@
 # limitations under the License.
 """Loading the release checkpoint as it is on disk, through transformers' own loading machinery.
 
-The release differs from our layout in four ways (k3_checkpoint.md 2.2-2.4), each a transform below:
+The release differs from our layout in four ways (docs/architecture.md, The release's files), each a transform below:
   * the MoE block is `block_sparse_moe` (ours `mlp`; the dense layer is `mlp` in both);
   * routed experts are per-expert `experts.{E}.w1/w3/w2` (ours fused: gate_up_proj [E, 2I, Dl] = w1 rows then w3
     rows, down_proj [E, Dl, I] = w2), stored MXFP4 (`weight_packed` + `weight_scale`) or plain bf16 (`weight`);
@@ -265,8 +265,8 @@ class RejectInfiniteScales(ConversionOps):
 
 
 class UnpadHeads(ConversionOps):
-    """A_log: the release stores [128] for 96 heads, the tail exactly +0.0 (k3_checkpoint.md 2.4). Any length >= H is
-    accepted; a non-zero tail would mean a per-channel reading of the tensor, an error."""
+    """A_log: the release stores [128] for 96 heads, the tail exactly +0.0 (docs/architecture.md, Release traps). Any
+    length >= H is accepted; a non-zero tail would mean a per-channel reading of the tensor, an error."""
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, config=None, full_layer_name=None, **kwargs):

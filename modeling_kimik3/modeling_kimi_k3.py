@@ -13,7 +13,7 @@
 # limitations under the License.
 """PyTorch Kimi K3 text model: Kimi Delta Attention + gated NoPE-MLA, Block Attention Residuals, Stable LatentMoE.
 
-Numerics follow k3_math.md (section numbers in comments): bf16 weights and activations, f32 islands for the KDA
+Numerics follow docs/architecture.md (comments name its sections): bf16 weights and activations, f32 islands for the KDA
 gate/beta/L2 norm/state/output norm, the router, SiTU, the MoE combine, AttnRes and every RMS statistic.
 Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importable and the tensors are on CUDA.
 """
@@ -108,7 +108,7 @@ class KimiK3RMSNorm(nn.Module):
 
 
 def glu_activation(config: KimiK3TextConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiTU-GLU for K3 (6.3), SwiGLU for Kimi-Linear-style configs."""
+    """SiTU-GLU for K3 (docs/architecture.md, Stable LatentMoE), SwiGLU for Kimi-Linear-style configs."""
     if config.hidden_act == "silu":
         return F.silu(gate) * up
     situ = fast_or_reference("situ_glu", gate)
@@ -348,7 +348,8 @@ class KimiK3MLAAttention(nn.Module):
     """Multi-head latent attention without positional encoding, with a sigmoid output gate (K3).
 
     Prefill expands the cached latents through kv_b_proj and runs the configured attention implementation;
-    decode (one new token on a cache) runs the absorbed form on the latents directly (4.3).
+    decode (one new token on a cache) runs the absorbed form on the latents directly (docs/architecture.md, Gated NoPE
+    MLA).
     """
 
     def __init__(self, config: KimiK3TextConfig, layer_idx: int):
@@ -452,7 +453,7 @@ class KimiK3MLAAttention(nn.Module):
         k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # Keys assembled token-major, as the projection wrote them, by two strided copies, and handed over as a
         # [B, H, T, D] view: torch.cat of the head-major strided / broadcast views took its generic path, twice the
-        # time of these copies (0.77 against 0.38 ms a layer at 8K on an H200: docs/benchmarks.md, session 12)
+        # time of these copies (0.77 against 0.38 ms a layer at 8K on an H200: docs/benchmarks.md, MLA key assembly)
         dtype = torch.promote_types(kv.dtype, k_pe.dtype)
         key = kv.new_empty(batch, kv_len, kv.shape[2], self.qk_head_dim, dtype=dtype)
         key[..., : self.qk_nope_head_dim] = k_nope
@@ -482,7 +483,7 @@ class KimiK3MLAAttention(nn.Module):
 
     def _absorbed_attention(self, query, latents, attention_mask):
         # score = (W_UK^T q_nope) . c + q_pe . k_pe ; out = W_UV (sum p c): the same numbers as the expanded form,
-        # without expanding a single cached token (4.3). Softmax in f32.
+        # without expanding a single cached token (docs/architecture.md, Gated NoPE MLA). Softmax in f32.
         with _onloaded(self.kv_b_proj):
             w_uk, w_uv = self._kv_b_weight()
         q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -499,7 +500,7 @@ class KimiK3MLAAttention(nn.Module):
 
 
 class KimiK3MoEGate(nn.Module):
-    """Sigmoid router in f32 with a selection-only correction bias (6.2)."""
+    """Sigmoid router in f32 with a selection-only correction bias (docs/architecture.md, Stable LatentMoE)."""
 
     def __init__(self, config: KimiK3TextConfig):
         super().__init__()
@@ -572,7 +573,8 @@ class KimiK3Experts(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor):
-        """hidden_states [N, Dl]; returns dtype( sum_e w_e * f32(dtype(expert_e(x))) ) (6.4).
+        """hidden_states [N, Dl]; returns dtype( sum_e w_e * f32(dtype(expert_e(x))) ) (docs/architecture.md, Stable
+        LatentMoE).
 
         Under expert parallelism (this rank holds `num_experts` of `config.num_experts`) only the routes to local
         experts are computed, and the f32 partial sum is returned: the ranks' parts are added by the plan's
@@ -589,7 +591,8 @@ class KimiK3Experts(nn.Module):
     def _local_routes(self, hidden_states, top_indices, top_weights):
         # Routes to other ranks' experts carry the sentinel id `num_experts` (weight 0). Each local route runs once
         # as a top-1 route of unit weight, so the expert output is the same bf16 value as on one device; the routing
-        # weights are applied here, in f32 (6.4). One host sync (the number of local routes), like the eager loop.
+        # weights are applied here, in f32 (docs/architecture.md, Stable LatentMoE). One host sync (the number of local
+        # routes), like the eager loop.
         token_of, slot = (top_indices < self.num_experts).nonzero(as_tuple=True)
         partial = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
         if token_of.numel() == 0:
@@ -616,7 +619,7 @@ class KimiK3Experts(nn.Module):
 
 class KimiK3SparseMoeBlock(nn.Module):
     """Stable LatentMoE: router and shared experts on the full width; routed experts in the latent width, combined
-    in f32, RMS-normalised, projected back up (6.4)."""
+    in f32, RMS-normalised, projected back up (docs/architecture.md, Stable LatentMoE)."""
 
     def __init__(self, config: KimiK3TextConfig):
         super().__init__()
@@ -661,7 +664,8 @@ class KimiK3AttnResProjection(nn.Linear):
 
 
 def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    """Mix [b_0, ..., b_{n-1}, P] with the pseudo-query w = norm.weight * proj.weight (5.1)."""
+    """Mix [b_0, ..., b_{n-1}, P] with the pseudo-query w = norm.weight * proj.weight (docs/architecture.md, Block
+    Attention Residuals)."""
     # Under a device_map the banked blocks come from the layers that made them: bring them to P's device.
     candidates = [block.to(candidates[-1].device) for block in candidates]
     mix = fast_or_reference("block_attn_res_mix", *candidates)
@@ -671,9 +675,10 @@ def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.L
 
 def attn_res_mix_and_norm(blocks: list[torch.Tensor], prefix: torch.Tensor | None, delta: torch.Tensor | None,
                           norm: KimiK3RMSNorm, proj: nn.Linear, out_norm: KimiK3RMSNorm):
-    """P = prefix + delta (either may be None), the mix of [b_0, ..., b_{n-1}, P] (5.1) and `out_norm` of it, as one
-    op: in eager inference with one banked block, one kernel instead of three (add, mix, norm) that each read and
-    write [B, T, D], the mix never stored. Elsewhere its reference runs the three. Returns (P, out_norm(mix))."""
+    """P = prefix + delta (either may be None), the mix of [b_0, ..., b_{n-1}, P] (docs/architecture.md, Block Attention
+    Residuals) and `out_norm` of it, as one op: in eager inference with one banked block, one kernel instead of three
+    (add, mix, norm) that each read and write [B, T, D], the mix never stored. Elsewhere its reference runs the three.
+    Returns (P, out_norm(mix))."""
     device = (prefix if prefix is not None else delta).device
     blocks = [block.to(device) for block in blocks]  # banked on the layers that made them, as in `attn_res_mix`
     with _onloaded(norm, proj, out_norm):
@@ -705,9 +710,10 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             self.mlp_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp_res_proj = KimiK3AttnResProjection(config.hidden_size)
             if layer_idx == 0:
-                # The release ships layer 0's attention-side pseudo-query, but the spec skips that mix (5.2). Kept
-                # under its release name as a buffer: it loads and saves, and no optimizer or DDP (with
-                # find_unused_parameters=False) waits for a gradient that never comes.
+                # The release ships layer 0's attention-side pseudo-query, but the model never uses that mix
+                # (docs/architecture.md, Block Attention Residuals). Kept under its release name as a buffer: it loads
+                # and saves, and no optimizer or DDP (with find_unused_parameters=False) waits for a gradient that never
+                # comes.
                 for module in (self.self_attention_res_norm, self.self_attention_res_proj):
                     weight = module.weight
                     del module.weight
@@ -778,7 +784,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     # transformers' assisted and prompt-lookup decoding may verify and reject draft tokens.
     _is_stateful = False
     _can_compile_fullgraph = False
-    # The release stores these in F32; loading in bf16 must not round them (8.12).
+    # The release stores these in F32; loading in bf16 must not round them (docs/architecture.md, dtype islands).
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
                                     "e_score_correction_bias"]
     _keys_to_ignore_on_load_unexpected = [r"vision_tower\.", r"mm_projector\."]
@@ -1089,8 +1095,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
 
         if token_mask is not None:
             # Padded positions hold whatever the pad embedding row or the caller put there, NaN included. Select zeros
-            # there (as the release's multimodal merge does, k3_math 7), so every later op reads finite values and a
-            # padded key's exactly-zero attention weight times its value stays exactly zero.
+            # there (as the release's multimodal merge does: docs/architecture.md, Image rows in the token sequence), so
+            # every later op reads finite values and a padded key's exactly-zero attention weight times its value stays
+            # exactly zero.
             inputs_embeds = inputs_embeds.masked_fill(~token_mask.unsqueeze(-1), 0.0)
         hidden_states, banked = inputs_embeds, ()
         for layer in self.layers[: self.config.num_hidden_layers]:
@@ -1406,7 +1413,8 @@ def _placeholder_runs(input_ids: torch.Tensor, placeholder_id: int) -> list[tupl
 
 def merge_image_features(input_ids, inputs_embeds, image_features, placeholder_id, pad_token_id, attention_mask=None,
                          labels=None, ignore_index=-100):
-    """Splices image rows into the token embeddings at the media placeholders (k3_math 7, the release's merge).
+    """Splices image rows into the token embeddings at the media placeholders (the release's merge:
+    docs/architecture.md, Image rows in the token sequence).
 
     Image k (in reading order) takes the k-th run of placeholder tokens: a single `<|media_pad|>` (the release's
     prompt form) is replaced by the image's n_k rows, which lengthens the row; a run of exactly n_k placeholders

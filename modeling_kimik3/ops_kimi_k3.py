@@ -16,8 +16,8 @@
 Every op the model may run fast has its reference here and one `FastOp` entry in `FAST_OPS` (the last section):
 the reference and the conditions under which the installed `kimik3.kernels` may replace it. The model asks
 `fast_or_reference(name, *tensors)` and calls what it gets; both have the same signature and contract. Names and
-signatures mirror fla-core where a kernel exists (`chunk_kda`, `fused_recurrent_kda`). Section numbers refer to
-k3_math.md.
+signatures mirror fla-core where a kernel exists (`chunk_kda`, `fused_recurrent_kda`). Comments name
+the sections of docs/architecture.md they follow.
 """
 
 import contextlib
@@ -37,8 +37,8 @@ logger = logging.get_logger(__name__)
 
 
 def f32_island(fn):
-    """Run `fn` with autocast off: its f32 arithmetic is part of the spec (k3_math.md 10), and a bf16 autocast
-    region around the model must not downcast its matmuls."""
+    """Run `fn` with autocast off: its f32 arithmetic is part of the spec (docs/architecture.md, dtype islands), and a
+    bf16 autocast region around the model must not downcast its matmuls."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -54,7 +54,7 @@ def f32_island(fn):
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    # fla's l2norm: eps is added to the sum of squares, inside the sqrt (2.2 step 3)
+    # fla's l2norm: eps is added to the sum of squares, inside the sqrt (docs/architecture.md, Kimi Delta Attention)
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
@@ -299,7 +299,8 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 @f32_island
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fla FusedRMSNormGated(activation='sigmoid'): RMS over the last dim, weight, sigmoid gate; all f32 (2.2.8)."""
+    """fla FusedRMSNormGated(activation='sigmoid'): RMS over the last dim, weight, sigmoid gate; all f32
+    (docs/architecture.md, Kimi Delta Attention)."""
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
     return (y * torch.sigmoid(gate.float())).to(x.dtype)
@@ -352,7 +353,7 @@ def mla_decode(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Block Attention Residuals (5.1)
+# Block Attention Residuals (docs/architecture.md, Block Attention Residuals)
 
 
 @f32_island
@@ -381,7 +382,8 @@ def attn_res_mix_norm(
     out_norm_weight: torch.Tensor,
     out_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's residual add, AttnRes mix and the RMSNorm after it (5.1, 7), as one op.
+    """A decoder layer's residual add, AttnRes mix and the RMSNorm after it (docs/architecture.md, Block Attention
+    Residuals), as one op.
 
     new_prefix = prefix + delta (the one given when the other is None: that tensor itself), mix =
     block_attn_res_mix([*blocks, new_prefix], res_norm_weight, res_proj_weight, res_eps); returns
@@ -398,7 +400,7 @@ def attn_res_mix_norm(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# SiTU (6.3)
+# SiTU (docs/architecture.md, Stable LatentMoE)
 
 
 @f32_island
@@ -416,7 +418,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_be
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Router (6.2) and routed experts (6.4)
+# Router and routed experts (docs/architecture.md, Stable LatentMoE)
 
 
 def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -531,7 +533,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     # 2^(scale - 127) assembled from its f32 bits: exact on every device, where CUDA's exp2 is off in the last bits
-    # at the denormal 2^-127 (byte 0). Byte 255 gives inf, as compressed-tensors does (k3_checkpoint.md 2.3).
+    # at the denormal 2^-127 (byte 0). Byte 255 gives inf, as compressed-tensors does (docs/architecture.md, The
+    # release's files).
     exponent_bits = torch.where(scale == 0, 1 << 22, scale.to(torch.int32) << 23)
     return exponent_bits.view(torch.float32)
 

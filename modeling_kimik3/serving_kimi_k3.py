@@ -14,10 +14,10 @@
 """Serving helpers around `generate()`: prompt caches with KDA state snapshots, a block-hash prefix store, and a
 draft model sliced from the target for speculative decoding.
 
-Prefix reuse (k3_math serving notes, the report's scheme): a prompt is cut into 512-token blocks; each block's hash
-is chained with its predecessor's, so one hash names a whole prefix. A stored prompt cache can be reused up to the
-longest prefix the new prompt shares with it; the KDA states there come from the cache's snapshots (or a replay from
-the nearest one below), the MLA latents are cut there.
+Prefix reuse (docs/design.md, Going back: crop, prefix reuse, speculative decoding): a prompt is cut into 512-token
+blocks; each block's hash is chained with its predecessor's, so one hash names a whole prefix. A stored prompt cache can
+be reused up to the longest prefix the new prompt shares with it; the KDA states there come from the cache's snapshots
+(or a replay from the nearest one below), the MLA latents are cut there.
 """
 
 import hashlib

@@ -3,20 +3,20 @@ prototype, not the product; issue 16: "the MLA latent read at 64K").
 
 In a static-cache decode step the absorbed MLA attention runs `ops_kimi_k3.mla_decode` with the cache's key-valid
 mask over the whole static buffer: a bf16 score GEMM [B, 96 heads, T], scale, mask and an f32 softmax (fused by
-inductor), then the probabilities times the latents, a second read of the cache. Session 10's H200 run put the
-64K step 0.41 ms (b=1) and 2.26 ms (b=8) above the 4K step, against 0.03 / 0.28 ms of extra latent bytes at the HBM
-roofline. The kernel here reads each latent once: every program takes a block of query rows (heads x new tokens of
-one sequence) and a span of the context, keeps an online softmax and an f32 [rows, 512] accumulator, and a second
-kernel merges the spans by their log-sum-exp. Masked keys get a finite -1e30 score (a row with no valid key then
+inductor), then the probabilities times the latents, a second read of the cache. An H200 run (before the aligned static
+buffers) put the 64K step 0.41 ms (b=1) and 2.26 ms (b=8) above the 4K step, against 0.03 / 0.28 ms of extra latent
+bytes at the HBM roofline. The kernel here reads each latent once: every program takes a block of query rows (heads x
+new tokens of one sequence) and a span of the context, keeps an online softmax and an f32 [rows, 512] accumulator, and a
+second kernel merges the spans by their log-sum-exp. Masked keys get a finite -1e30 score (a row with no valid key then
 averages all keys, as the reference's finfo.min fill does), keys past the buffer -inf.
 
     python benchmarks/diagnostics/diagnose_mla_decode.py                 # H200: correctness and timings, JSON to $OUT
-    TRITON_INTERPRET=1 python benchmarks/diagnostics/diagnose_mla_decode.py --check-only   # CPU: correctness at small sizes
+    TRITON_INTERPRET=1 python benchmarks/diagnostics/diagnose_mla_decode.py --check-only  # CPU: small sizes
 
-Status (session 11, H200 runs 24-25, docs/benchmarks.md): correct on the GPU, but slower than the cuBLAS GEMMs at
-every size (b=8 64K: best of 60 configs 658 us against 476 us for the compiled reference; b=1 64K: 111 against 72):
-not adopted. The 64K step's extra time came from unaligned static buffers instead (fixed in the cache). Runs 24-25
-timed the model's earlier fast twin (f32 scores, no mask) as `cublas_twin_unmasked`; the script now times the
+Status (H200; docs/benchmarks.md, MLA decode op and static buffers): correct on the GPU, but slower than the cuBLAS
+GEMMs at every size (b=8 64K: best of 60 configs 658 us against 476 us for the compiled reference; b=1 64K: 111 against
+72): not adopted. The 64K step's extra time came from unaligned static buffers instead (fixed in the cache). The H200
+runs timed the model's earlier fast twin (f32 scores, no mask) as `cublas_twin_unmasked`; the script now times the
 current one (`kimik3.kernels.mla`, the same unmasked call) as `fast_twin_unmasked`.
 """
 

@@ -71,7 +71,7 @@ def main():
     scale = torch.randint(110, 122, (experts, n, k // 32), dtype=torch.uint8, device=dev)
     words = packed.view(torch.int32)
     xs = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-    xs32 = xs.float()  # the same values as f32: does converting x in every program cost? (session 12: no)
+    xs32 = xs.float()  # the same values as f32: does converting x in every program cost? (measured: no)
     ends = torch.cat([torch.arange(1, rows + 1), torch.full((experts - rows,), rows)]).to(dev, torch.int32)
     out = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
     out32 = torch.empty(rows, n, device=dev, dtype=torch.float32)

@@ -83,7 +83,7 @@ def stream_gaps(drv, ids, top=25):
 def elementwise_sites(drv, ids, ops=("aten::copy_", "aten::fill_", "aten::add", "aten::mul", "aten::index_select",
                                       "aten::cat", "aten::zero_", "aten::to", "aten::_to_copy")):
     """GPU time of the memory-bound PyTorch ops of one prefill, by op and input shapes (the shapes tell the call
-    sites apart; the profiler's Python stacks came back empty here on the H200, run 32)."""
+    sites apart; the profiler's Python stacks came back empty here on the H200)."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode():

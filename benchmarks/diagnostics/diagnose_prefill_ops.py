@@ -1,22 +1,22 @@
 """Memory- and FMA-bound ops of an 8K prefill of the benchmark model on the GPU (a diagnostic, not a test; CUDA
-events, bf16), each form against what the model ran before session 13:
+events, bf16), each form against what the model ran before its own twin:
 
 * `experts`: the routed experts' two grouped GEMMs (8192 tokens x top-16 of 64 experts, latent 3584, width 3072) by
   `grouped_mm` (what the model runs), by one cuBLAS mm per expert (group sizes known on the host), and one dense mm
   of the same rows (the ceiling of a GEMM this size); gate_up also as two grouped GEMMs over the weight's gate and up
   halves. TFLOP/s of the useful work. (The transposed form, out^T = W x^T with the rows as the 2-D operand's ragged
-  N, was tried in run 37: grouped_mm asserts on the device unless every group's size is a multiple of 8.)
+  N, was tried: grouped_mm asserts on the device unless every group's size is a multiple of 8.)
 * `gather`: the experts' expert-sorted copy of the activations (131072 rows of 3584 from 8192): `index_select`
   against `triton_ops.gather_rows` at several (rows, columns) per program; TB/s of the bytes written and read once.
 * `conv`: the KDA short conv (+ SiLU) of one [8192, 12288] projection, no cached window: fla-core's Triton kernel
   (through `fla_ops`, as before) against `triton_ops.causal_conv1d_prefill` at several (BLOCK_T, BLOCK_C, warps);
   TB/s of x read once and y written; the largest difference from the reference.
 
-Session 13's runs 35-36 also timed router forms here (a tensor-core GEMM written as f32, a Triton f32 dot): both
-rejected for accuracy (docs/benchmarks.md), their JSON kept in benchmarks/results. Prints and writes JSON (to $OUT or
+Router forms were also timed here once (a tensor-core GEMM written as f32, a Triton f32 dot): both rejected for
+accuracy (docs/benchmarks.md, Router upcast), their JSON kept in benchmarks/results. Prints and writes JSON (to $OUT or
 the working directory); arguments pick parts (default: all).
 
-* `kda` (session 14): one KDA layer's gate + chunked recurrence, the decay computed before fla's chunk_kda against
+* `kda`: one KDA layer's gate + chunked recurrence, the decay computed before fla's chunk_kda against
   inside it (with and without fla's safe_gate); microseconds and the error against an f32 run.
 
 * `attn_res` (branch wip/attn-res-fused): the fused residual add + AttnRes mix + RMSNorm against the three ops.
@@ -121,8 +121,8 @@ def conv(results):
 
 def kda(results):
     """One KDA layer's decay and chunked recurrence at the K3 shape (8192 tokens, 96 heads of 128): our Triton gate
-    + fla's chunk_kda on the precomputed decay (what the model ran before session 14) against fla computing the
-    decay inside its chunk cumsum, with and without its safe_gate diagonal tiles; each output's error against the
+    + fla's chunk_kda on the precomputed decay (what the model ran before the gate moved into fla) against fla computing
+    the decay inside its chunk cumsum, with and without its safe_gate diagonal tiles; each output's error against the
     reference ops (f32 chunked math) on the same inputs."""
     from kimik3.kernels import fla_ops
 

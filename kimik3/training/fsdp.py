@@ -13,11 +13,11 @@
 # limitations under the License.
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) for Kimi K3, by hand or through Trainer / accelerate.
 
-K3 keeps f32 islands next to bf16 weights (k3_math.md 10: `A_log`, `dt_bias`, the short-conv weights, `o_norm`),
-and one FSDP2 parameter group all-gathers and reduce-scatters a single dtype. So a decoder layer is sharded as one
-group per dtype region: the KDA attention (its f32 `A_log`, `dt_bias`, convs and `o_norm`) is an f32 group, its bf16
-projections one group each, the rest of the layer one bf16 group. No mixed-precision policy casts the parameters,
-since that would round the f32 islands. The router bias `e_score_correction_bias` is a buffer:
+K3 keeps f32 islands next to bf16 weights (docs/architecture.md, dtype islands: `A_log`, `dt_bias`, the short-conv
+weights, `o_norm`), and one FSDP2 parameter group all-gathers and reduce-scatters a single dtype. So a decoder layer is
+sharded as one group per dtype region: the KDA attention (its f32 `A_log`, `dt_bias`, convs and `o_norm`) is an f32
+group, its bf16 projections one group each, the rest of the layer one bf16 group. No mixed-precision policy casts the
+parameters, since that would round the f32 islands. The router bias `e_score_correction_bias` is a buffer:
 FSDP leaves it whole on every rank, and Quantile Balancing (`kimik3.training.QuantileBalancer`) all-reduces its
 histograms over the data-parallel ranks before each update, so every rank writes the same bias.
 

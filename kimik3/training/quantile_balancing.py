@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Quantile Balancing of the MoE router bias (k3_math.md section 6.5; router contract in docs/design.md).
+"""Quantile Balancing of the MoE router bias (docs/architecture.md, Quantile Balancing; router contract in
+docs/design.md).
 
 During training the gate routes on ``s + b`` (``s = sigmoid(router_logits)``, ``b = e_score_correction_bias``) with
 top-(k+1): the first k experts are the routes, the (k+1)-th biased score is the token's cutoff ``alpha_i``. The
