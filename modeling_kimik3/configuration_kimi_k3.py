@@ -112,7 +112,7 @@ _VISION_MODEL_TYPES = ("", "kimik3_vision")
 MAX_HIDDEN_LAYERS = 4096
 # `dtype` / `torch_dtype` name a torch floating dtype; transformers turns the string into `getattr(torch, name)`.
 _DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
-# The release's experts format (k3_checkpoint.md 1.4); the experts are always decoded as MXFP4 groups of 32.
+# The release's experts format (docs/architecture.md, The release's files); the experts are always decoded as MXFP4 groups of 32.
 _QUANT_METHOD = "compressed-tensors"
 _QUANT_FORMAT = "mxfp4-pack-quantized"
 _QUANT_GROUP_SIZE = 32
@@ -354,7 +354,7 @@ class KimiK3TextConfig(PretrainedConfig):
         topk_group: int = 1,
         use_grouped_topk: bool = True,
         topk_method: str = "noaux_tc",
-        # Quantile Balancing (training only, k3_math.md 6.5)
+        # Quantile Balancing (training only, docs/architecture.md)
         quantile_balancing: bool = False,
         quantile_balancing_bins: int = 512,
         num_nextn_predict_layers: int = 0,
