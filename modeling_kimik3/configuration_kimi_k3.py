@@ -112,7 +112,8 @@ _VISION_MODEL_TYPES = ("", "kimik3_vision")
 MAX_HIDDEN_LAYERS = 4096
 # `dtype` / `torch_dtype` name a torch floating dtype; transformers turns the string into `getattr(torch, name)`.
 _DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
-# The release's experts format (docs/architecture.md, The release's files); the experts are always decoded as MXFP4 groups of 32.
+# The release's experts format (docs/architecture.md, The release's files); the experts are always decoded as MXFP4
+# groups of 32.
 _QUANT_METHOD = "compressed-tensors"
 _QUANT_FORMAT = "mxfp4-pack-quantized"
 _QUANT_GROUP_SIZE = 32
