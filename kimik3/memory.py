@@ -188,7 +188,8 @@ DTYPE_BYTES = {"bf16": 2, "f32": 4, "u8": 1}
 MXFP4_GROUP = 32  # values per E8M0 scale byte: 4 bits + 8/32 bits = 4.25 bits per value
 KIB_TOKENS = {"K": 2**10, "M": 2**20}
 # The release's index `metadata.total_size` (docs/architecture.md, The release's files), and what of it is not the
-# text model we build: the vision tower and projector (shards 96 and 95), and A_log's zero padding (96 real heads stored as 128, F32).
+# text model we build: the vision tower and projector (shards 96 and 95), and A_log's zero padding (96 real heads
+# stored as 128, F32).
 RELEASE_TOTAL_SIZE = 1_560_860_324_864
 RELEASE_VISION_BYTES = 802_428_928 + 92_289_024
 RELEASE_A_LOG_PADDING_BYTES = 69 * (128 - 96) * 4
