@@ -7,11 +7,8 @@ import sys
 
 from kimik3.cli import positive_int
 
-from .converter import EXPERTS_FORMATS
+from .converter import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
 from .errors import ConversionError
-
-# --experts-dtype (deprecated) value -> --experts-format value
-_OLD_EXPERTS_DTYPES = {"bf16": "dense", "mxfp4": "mxfp4"}
 
 
 def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
@@ -21,11 +18,9 @@ def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
     p.add_argument("dst", help="output folder (created; resumed if it holds an unfinished run of the same job)")
     p.add_argument("--revision", help="Hub revision (commit) when SRC is a repo id; pin one")
     p.add_argument("--text-only", action="store_true", help="write KimiK3ForCausalLM alone (no vision tensors)")
-    p.add_argument("--experts-format", choices=EXPERTS_FORMATS, default=None,
-                   help="the config's experts_format: dense (default) dequantises the routed experts to bf16 "
-                   "(exact); mxfp4 keeps them packed")
-    # the old spelling, still accepted so existing commands keep working
-    p.add_argument("--experts-dtype", choices=tuple(_OLD_EXPERTS_DTYPES), help=argparse.SUPPRESS)
+    p.add_argument("--experts-format", choices=EXPERTS_FORMATS, default=DEFAULT_EXPERTS_FORMAT,
+                   help="the config's experts_format, one of %(choices)s (default %(default)s): dense dequantises the "
+                   "routed experts to bf16 (exact); mxfp4 keeps them packed")
     p.add_argument("--num-layers", type=positive_int, help="keep a prefix of N layers (re-scheduled to end with MLA)")
     p.add_argument("--num-experts", type=positive_int,
                    help="keep the first E experts with their router rows and biases")
@@ -92,23 +87,11 @@ def _report_writes(prog: str, dst, summary: dict) -> bool:
     return summary.get("already_done", False)
 
 
-def experts_format_of(args) -> str:
-    """--experts-format, or the deprecated --experts-dtype translated (a usage error when the two disagree)."""
-    old = _OLD_EXPERTS_DTYPES.get(args.experts_dtype)
-    if old is not None:
-        print("kimik3 convert: note: --experts-dtype is deprecated; use --experts-format "
-              f"{old}", file=sys.stderr)
-        if args.experts_format not in (None, old):
-            raise ConversionError(f"--experts-dtype {args.experts_dtype} and --experts-format {args.experts_format} "
-                                  "disagree; pass --experts-format alone")
-    return args.experts_format or old or "dense"
-
-
 def _do_convert(args) -> int:
     from .converter import convert
 
     summary = convert(
-        args.src, args.dst, text_only=args.text_only, experts_format=experts_format_of(args),
+        args.src, args.dst, text_only=args.text_only, experts_format=args.experts_format,
         num_layers=args.num_layers,
         num_experts=args.num_experts, allow_unknown=args.allow_unknown, max_shard_size=args.max_shard_size,
         overwrite=args.overwrite, progress=not args.quiet, revision=args.revision, threads=args.threads,

@@ -4,6 +4,7 @@ from pathlib import Path
 
 from transformers.utils.hub import convert_file_size_to_int
 from kimik3.hub_card import converted_model_card
+from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
 from kimik3.modeling.conversion_kimi_k3 import looks_like_local_path
 
 from . import files
@@ -14,8 +15,6 @@ from .plan import ConvertOptions, RunContext, build_convert_plan
 from .schedule import output_config_dict
 
 CONVERTER_VERSION = "1"
-# The runtime config's `experts_format` values: bf16 experts dequantised exactly, or kept packed
-EXPERTS_FORMATS = ("dense", "mxfp4")
 
 
 def parse_size(value) -> int:
@@ -81,7 +80,7 @@ def convert(
     dst,
     *,
     text_only: bool = False,
-    experts_format: str = "dense",
+    experts_format: str = DEFAULT_EXPERTS_FORMAT,
     num_layers: int | None = None,
     num_experts: int | None = None,
     allow_unknown: bool = False,
@@ -94,7 +93,7 @@ def convert(
 ) -> dict:
     """Converts a release-layout checkpoint (folder or Hub id) into our layout in `dst`. Returns a summary dict."""
     if experts_format not in EXPERTS_FORMATS:
-        raise ConversionError(f"--experts-format {experts_format!r}: choose dense or mxfp4")
+        raise ConversionError(f"--experts-format {experts_format!r}: choose {' or '.join(EXPERTS_FORMATS)}")
     check_threads(threads)
     options = ConvertOptions(
         text_only=text_only,

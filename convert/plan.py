@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
+from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, RELEASE_EXPERTS_FORMAT
 
 from . import files
 from . import name_map as nm
@@ -224,7 +225,7 @@ def export_expert_part(ckpt, ours: str, stored_format: str, expert: int, rows, s
 @dataclass
 class ConvertOptions:
     text_only: bool = False
-    experts_format: str = "dense"  # "dense" | "mxfp4", as the runtime config names it
+    experts_format: str = DEFAULT_EXPERTS_FORMAT  # one of configuration_kimi_k3.EXPERTS_FORMATS
     num_layers: int | None = None
     num_experts: int | None = None
     allow_unknown: bool = False
@@ -528,7 +529,7 @@ def _a_log_length(recorded, layer: int, default: int, ckpt) -> int:
     return recorded[str(layer)]
 
 
-def build_export_plan(ckpt, context: RunContext, experts_format: str = "mxfp4",
+def build_export_plan(ckpt, context: RunContext, experts_format: str = RELEASE_EXPERTS_FORMAT,
                       allow_unknown: bool = False) -> ExportPlan:
     """experts_format: "mxfp4" (the release layout: re-quantised, or split when kept packed) or "dense" (per-expert bf16
     `.weight`; what `verify` compares against the source)."""

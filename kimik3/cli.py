@@ -52,7 +52,7 @@ def context_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_dtype", "context")
+PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context")
 
 
 def cmd_tiny(args) -> int:
@@ -123,7 +123,7 @@ def _memory_plan(args, config, usage_error) -> int:
         return usage_error(f"argument --context: {context:,} tokens is more than the model's "
                            f"max_position_embeddings ({config.max_position_embeddings:,})")
     gpu_memory, unit = args.gpu_mem
-    plan = device_plan(config, args.gpus, gpu_memory, context, args.batch, args.experts_dtype or "mxfp4")
+    plan = device_plan(config, args.gpus, gpu_memory, context, args.batch, args.experts_format)
     if args.json:  # nothing but the JSON, so it can be piped
         print(json.dumps(plan))
     else:
@@ -135,6 +135,29 @@ def cmd_demo(args) -> int:
     from kimik3.demo import run_demo
 
     return 0 if run_demo(args.new_tokens) else 1
+
+
+class RemoteCodeConstant:
+    """A constant of the remote code (`kimik3.modeling.<module>.<name>`), read when first used: as argparse
+    `choices` (a tuple) or in a help text through `%(...)s` (a string). Importing the remote code loads transformers,
+    and the parser stays quick to build."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def value(self):
+        import importlib
+
+        return getattr(importlib.import_module(f"kimik3.modeling.{self.module}"), self.name)
+
+    def __contains__(self, item) -> bool:
+        return item in self.value()
+
+    def __iter__(self):
+        return iter(self.value())
+
+    def __str__(self) -> str:
+        return str(self.value())
 
 
 class TemplateReasoningEfforts:
@@ -226,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=positive_int, help="with --plan: number of devices")
     p.add_argument("--gpu-mem", type=gpu_memory_size,
                    help="with --plan: memory per device, e.g. 141GB (10^9 bytes) or 141GiB (2^30 bytes)")
-    p.add_argument("--experts-dtype", choices=("mxfp4", "bf16"),
-                   help="with --plan: routed experts packed MXFP4 (the release's format; default) or bf16")
+    experts = p.add_argument(
+        "--experts-format", choices=RemoteCodeConstant("configuration_kimi_k3", "EXPERTS_FORMATS"),
+        help="with --plan: how the routed experts are stored, one of %(choices)s, as the config's experts_format "
+             "(mxfp4: packed, 4.25 bits per value; dense: bf16); default %(release_format)s, the release's own")
+    experts.release_format = RemoteCodeConstant("configuration_kimi_k3", "RELEASE_EXPERTS_FORMAT")  # for the help
     p.add_argument("--context", type=context_tokens,
                    help="with --plan: tokens per sequence, e.g. 131072, 128K or 1M (K = 1024; default: the model's "
                         "max_position_embeddings)")

@@ -112,6 +112,23 @@ _VISION_MODEL_TYPES = ("", "kimik3_vision")
 MAX_HIDDEN_LAYERS = 4096
 # `dtype` / `torch_dtype` name a torch floating dtype; transformers turns the string into `getattr(torch, name)`.
 _DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
+# How the routed experts are stored, the one vocabulary of the config key `experts_format`, the load option of the
+# same name, `kimik3 convert --experts-format` and `kimik3 memory --experts-format`: "dense" (bf16, dequantised
+# exactly from the release) or "mxfp4" (kept packed: 4-bit codes and one E8M0 scale byte per 32 values). Our configs
+# and conversions default to dense; the release itself ships mxfp4 (what `kimik3 memory --plan` and export assume).
+EXPERTS_FORMATS = ("dense", "mxfp4")
+DEFAULT_EXPERTS_FORMAT = "dense"
+RELEASE_EXPERTS_FORMAT = "mxfp4"
+
+
+def check_experts_format(value, what: str = "experts_format") -> str:
+    """`value` if it is one of EXPERTS_FORMATS, else a ValueError naming `what` and the allowed values."""
+    if not isinstance(value, str) or value not in EXPERTS_FORMATS:
+        allowed = " or ".join(repr(name) for name in EXPERTS_FORMATS)
+        raise ValueError(f"{what}={value!r}: choose {allowed} (dense: bf16 experts; mxfp4: packed MXFP4 experts)")
+    return value
+
+
 # The release's experts format (docs/architecture.md, The release's files); the experts are always decoded as MXFP4
 # groups of 32.
 _QUANT_METHOD = "compressed-tensors"
@@ -345,7 +362,7 @@ class KimiK3TextConfig(PretrainedConfig):
         moe_intermediate_size: int = 3072,
         routed_expert_hidden_size: int | None = None,
         latent_moe_use_norm: bool = False,
-        experts_format: str = "dense",
+        experts_format: str = DEFAULT_EXPERTS_FORMAT,
         first_k_dense_replace: int = 1,
         moe_layer_freq: int = 1,
         moe_renormalize: bool = True,
@@ -567,8 +584,9 @@ class KimiK3TextConfig(PretrainedConfig):
                 raise _config_error(
                     "moe_router_activation_func", f"only 'sigmoid' is supported, got {self.moe_router_activation_func!r}"
                 )
-        if self.experts_format not in ("dense", "mxfp4"):
-            raise _config_error("experts_format", f"must be 'dense' or 'mxfp4', got {self.experts_format!r}")
+        if self.experts_format not in EXPERTS_FORMATS:
+            allowed = " or ".join(repr(name) for name in EXPERTS_FORMATS)
+            raise _config_error("experts_format", f"must be {allowed}, got {self.experts_format!r}")
         if self.experts_format == "mxfp4" and self.num_experts:
             for key in ("moe_intermediate_size", "latent_size"):
                 if getattr(self, key) % 32:

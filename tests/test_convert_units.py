@@ -233,16 +233,14 @@ def test_release_config_round_trips_through_our_config_and_export():
     assert exported == RELEASED_CONFIG_PATH.read_text()
 
 
-def test_experts_format_flag_and_its_deprecated_spelling():
+def test_experts_format_flag_reads_the_configs_vocabulary():
     from kimik3.convert import cli
+    from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
 
     parse = cli._convert_parser().parse_args
-    assert cli.experts_format_of(parse(["src", "dst"])) == "dense"
-    assert cli.experts_format_of(parse(["src", "dst", "--experts-format", "mxfp4"])) == "mxfp4"
-    assert cli.experts_format_of(parse(["src", "dst", "--experts-dtype", "bf16"])) == "dense"
-    assert cli.experts_format_of(parse(["src", "dst", "--experts-dtype", "mxfp4"])) == "mxfp4"
-    with pytest.raises(ConversionError, match="disagree"):
-        cli.experts_format_of(parse(["src", "dst", "--experts-dtype", "bf16", "--experts-format", "mxfp4"]))
+    assert parse(["src", "dst"]).experts_format == DEFAULT_EXPERTS_FORMAT == "dense"
+    for value in EXPERTS_FORMATS:
+        assert parse(["src", "dst", "--experts-format", value]).experts_format == value
     assert "--experts-dtype" not in cli._convert_parser().format_help()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "bad_inputs.md"
-CASE_FILES = ["test_bad_inputs_reading.py", "test_bad_inputs_runs.py", "test_model_inputs.py",
+CASE_FILES = ["test_bad_inputs_reading.py", "test_bad_inputs_runs.py", "test_model_inputs.py", "test_vocabulary.py",
               "test_bad_inputs_loading.py", "test_bad_inputs_chat.py", "test_bad_inputs_config.py", "test_chat_cli.py",
               "test_hub_card.py"]
 

@@ -41,7 +41,7 @@ def loaded_tiny(request, tmp_path_factory):
 
 def test_weight_bytes_equal_the_loaded_models_tensors(loaded_tiny):
     experts_format, model = loaded_tiny
-    units = dict(weight_units(model.config, "mxfp4" if experts_format == "mxfp4" else "bf16"))
+    units = dict(weight_units(model.config, experts_format))
     # same tensors, same shapes, same dtypes, unit by unit
     state = model.state_dict()
     predicted = {name: spec for tensors in units.values() for name, spec in tensors.items()}
@@ -67,8 +67,9 @@ def test_release_weights_match_the_index_total_size():
     assert total == RELEASE_TOTAL_SIZE - RELEASE_VISION_BYTES - RELEASE_A_LOG_PADDING_BYTES
     experts = sum(unit_bytes({k: v for k, v in t.items() if ".experts." in k}) for _, t in units)
     assert experts == 82_432 * 17_547_264 == 1_446_456_066_048
-    # bf16 experts: 2 bytes per value instead of 0.53125
-    assert sum(unit_bytes(t) for _, t in weight_units(config, "bf16")) - total == experts * (2 / 0.53125 - 1)
+    # dense (bf16) experts: 2 bytes per value instead of 0.53125; the default is the release's own format
+    assert sum(unit_bytes(t) for _, t in weight_units(config, "dense")) - total == experts * (2 / 0.53125 - 1)
+    assert weight_units(config) == units
 
 
 @pytest.mark.parametrize("text,expected", [("141GB", 141 * 10**9), ("141GiB", 141 * 2**30), ("141gib", 141 * 2**30),
@@ -114,7 +115,7 @@ def test_plan_cli_prints_units_and_verdicts(capsys, tmp_path):
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(build_tiny_model(num_hidden_layers=4).config.to_dict()))
     assert main(["memory", "--plan", "--gpus", "2", "--gpu-mem", "1GiB", "--config", str(config_path),
-                 "--experts-dtype", "bf16", "--context", "4K"]) == 0
+                 "--experts-format", "dense", "--context", "4K"]) == 0
     out = capsys.readouterr().out
     assert "FITS on 2 x 1.00 GiB" in out and "4 layers (3 KDA, 1 MLA)" in out and "4,096 tokens" in out
 
@@ -126,7 +127,8 @@ def test_plan_cli_prints_units_and_verdicts(capsys, tmp_path):
     (["--plan", "--gpus", "8", "--gpu-mem", "141GB", "--context", "1.5M"], "argument --context: '1.5M' is not"),
     (["--plan", "--gpus", "8", "--gpu-mem", "141GB", "--context", "2M"], "argument --context: 2,097,152 tokens is "
                                                                           "more than the model's"),
-    (["--plan", "--gpus", "8", "--gpu-mem", "141GB", "--experts-dtype", "fp8"], "argument --experts-dtype"),
+    (["--plan", "--gpus", "8", "--gpu-mem", "141GB", "--experts-format", "fp8"], "argument --experts-format: "
+                                                                                  "invalid choice: 'fp8'"),
     (["--plan", "--gpus", "8"], "argument --plan: needs --gpu-mem"),
     (["--plan", "--gpu-mem", "141GB"], "argument --plan: needs --gpus"),
     (["--gpus", "8"], "argument --gpus: only with --plan"),
