@@ -290,12 +290,20 @@ def _layer_tensors(text, index: int, experts_format: str) -> dict[str, tuple[tup
     return tensors
 
 
-def weight_units(config, experts_format: str = "mxfp4") -> list[tuple[str, dict[str, tuple[tuple[int, ...], str]]]]:
+def _experts_format(experts_format: str | None) -> str:
+    """The config's vocabulary (configuration_kimi_k3.EXPERTS_FORMATS); None is the release's own format."""
+    from kimik3.modeling.configuration_kimi_k3 import RELEASE_EXPERTS_FORMAT, check_experts_format
+
+    return RELEASE_EXPERTS_FORMAT if experts_format is None else check_experts_format(experts_format)
+
+
+def weight_units(config, experts_format: str | None = None
+                 ) -> list[tuple[str, dict[str, tuple[tuple[int, ...], str]]]]:
     """The text model's stored tensors, from the config alone, grouped in placement order: `embed`, `layers.0` ...,
     `head` (output AttnRes mix, final norm, lm_head). Each tensor is (shape, dtype) as it loads in bf16: the release's
-    F32 tensors stay F32, packed MXFP4 experts are uint8 codes (two per byte) plus one E8M0 byte per 32 values."""
-    if experts_format not in ("mxfp4", "bf16", "dense"):
-        raise ValueError(f"experts format {experts_format!r}: choose mxfp4 or bf16")
+    F32 tensors stay F32, packed MXFP4 experts are uint8 codes (two per byte) plus one E8M0 byte per 32 values.
+    `experts_format`: "mxfp4" (packed) or "dense" (bf16); None, the release's (mxfp4)."""
+    experts_format = _experts_format(experts_format)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden, vocab = text.hidden_size, text.vocab_size
     units = [("embed", {"model.embed_tokens.weight": ((vocab, hidden), "bf16")})]
@@ -316,7 +324,7 @@ def unit_bytes(tensors: dict[str, tuple[tuple[int, ...], str]]) -> int:
     return sum(tensor_bytes(shape, dtype) for shape, dtype in tensors.values())
 
 
-def weight_bytes(config, experts_format: str = "mxfp4") -> int:
+def weight_bytes(config, experts_format: str | None = None) -> int:
     return sum(unit_bytes(tensors) for _, tensors in weight_units(config, experts_format))
 
 
@@ -395,10 +403,12 @@ def _balanced_split(loads: list[int], devices: int) -> list[list[int]]:
 
 
 def device_plan(config, gpus: int, gpu_memory: int, context: int, batch_size: int = 1,
-                experts_format: str = "mxfp4") -> dict:
+                experts_format: str | None = None) -> dict:
     """Whole decoder layers per device in order (device_map with `no_split_module_classes=["KimiK3DecoderLayer"]`):
     embeddings with the first layers, the head with the last; each layer's cache on its layer's device. Balanced so
-    the fullest device is as empty as possible. Activations and the CUDA context are not counted."""
+    the fullest device is as empty as possible. Activations and the CUDA context are not counted. `experts_format`
+    as in `weight_units` (None: the release's mxfp4)."""
+    experts_format = _experts_format(experts_format)
     units = weight_units(config, experts_format)
     names = [name for name, _ in units]
     weights = [unit_bytes(tensors) for _, tensors in units]
@@ -416,7 +426,7 @@ def device_plan(config, gpus: int, gpu_memory: int, context: int, batch_size: in
         "gpu_memory": gpu_memory,
         "context": context,
         "batch": batch_size,
-        "experts_format": "mxfp4" if experts_format == "mxfp4" else "bf16",
+        "experts_format": experts_format,
         "weights": sum(weights),
         "cache": sum(caches),
         "devices": devices,
@@ -441,7 +451,7 @@ def format_device_plan(plan: dict, config, unit: str = "GB") -> str:
     fmt = lambda n: f"{n / scale:,.2f} {unit}"  # noqa: E731
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     experts = ("MXFP4 (4.25 bits per value: 4-bit codes + one E8M0 scale byte per 32)"
-               if plan["experts_format"] == "mxfp4" else "bf16")
+               if plan["experts_format"] == "mxfp4" else "dense bf16")
     lines = [
         f"Kimi K3 text model, {describe_layers(text)}, {text.num_experts} routed experts per MoE layer as {experts}; "
         "other weights bf16, the release's F32 tensors F32",
