@@ -90,7 +90,7 @@ def test_absorbed_decode_equals_expanded_attention():
 def test_prefill_keys_are_head_views_of_token_major_storage():
     """Each head's key is [k_nope | the shared k_pe], handed to attention as a [B, H, T, D] view of token-major
     storage, the projection's own order (the head-major concatenation took twice as long on an H200:
-    docs/benchmarks.md, session 12)."""
+    docs/benchmarks.md, MLA key assembly)."""
     model = build_tiny_model(num_hidden_layers=4)
     mla = model.model.layers[3].self_attn
     nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
