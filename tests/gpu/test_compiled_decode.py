@@ -37,8 +37,8 @@ def assert_compiling_keeps_decode_accuracy(model, gold_model, out):
     the f32 model, the compiled steps must be as close to it as the same decode uncompiled, and within the bf16
     noise of the teacher-forced forward. (The uncompiled decode is the baseline, not that forward: at a sensitive
     position the recurrent step and fla's chunked prefill round apart. On the H200 (docs/benchmarks_history.md,
-    session 16) the uncompiled decode, like the pure-PyTorch chunked KDA forward, was 0.050 from the f32 model where fla's
-    prefill was 0.024: 0.14-0.15 at one position where fla's was 0.03.)"""
+    session 16) the uncompiled decode, like the pure-PyTorch chunked KDA forward, was 0.050 from the f32 model where
+    fla's prefill was 0.024: 0.14-0.15 at one position where fla's was 0.03.)"""
     decoded = torch.stack(out.logits, dim=1).float()  # [B, 10, V]: the prefill's last logits, then 9 compiled steps
     uncompiled = uncompiled_decode_logits(model, out.sequences)
     with torch.no_grad():
