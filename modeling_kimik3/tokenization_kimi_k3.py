@@ -147,7 +147,11 @@ def resolve_specials(num_ranks: int, added_tokens_decoder: dict | None, source: 
 
 def check_token_ids(ids, vocab_size: int) -> list[int]:
     """Ids to decode as ints, each in 0..vocab_size-1: an id outside the vocabulary is an error naming it (the fast
-    backend would drop it silently, or overflow on a negative one)."""
+    backend would drop it silently, or overflow on a negative one). An id must be a whole number: int() would read 1.5
+    or True as an id."""
+    for i in ids:
+        if isinstance(i, bool) or not hasattr(type(i), "__index__"):
+            raise ValueError(f"token ids must be whole numbers, got {i!r} ({type(i).__name__})")
     ids = [int(i) for i in ids]
     for i in ids:
         if not 0 <= i < vocab_size:
@@ -296,6 +300,10 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant", "tool")
 PART_TYPES = ("text", "image", "image_url")
 
 
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def normalize_tool_call(call, where: str = "tool_calls[0]") -> dict:
     """An OpenAI-style call with its `arguments` as typed values: a JSON-object string is parsed (as the encoder does;
     a Jinja template cannot parse JSON), keys deep-sorted. A string that is not a JSON object stays a string and is
@@ -314,22 +322,54 @@ def normalize_tool_call(call, where: str = "tool_calls[0]") -> dict:
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise ChatMessageError(f"{field}.name: a tool call needs the tool's name (a non-empty string), got {name!r}")
+    check_text(name, f"{field}.name")
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+        try:  # NaN / Infinity are not JSON: such a string stays a string
+            parsed = json.loads(arguments, parse_constant=_not_json) if arguments.strip() else {}
+        except ValueError:
             parsed = None
+        except RecursionError:
+            raise ChatMessageError(f"{field}.arguments: the JSON string is nested too deeply to parse (a real call "
+                                   "nests a few levels)") from None
         if isinstance(parsed, dict):
             arguments = parsed
     elif arguments is not None and not isinstance(arguments, dict):
         raise ChatMessageError(f"{field}.arguments must be a mapping or a JSON string, not "
                                f"{type(arguments).__name__} ({arguments!r:.80})")
+    if arguments is not None:
+        check_arguments(arguments, field)
     if isinstance(arguments, dict):
-        arguments = deep_sorted(arguments)
+        try:
+            arguments = deep_sorted(arguments)
+        except RecursionError:
+            raise ChatMessageError(f"{field}.arguments are nested too deeply (a real call nests a few levels)") from None
     function["arguments"] = arguments if arguments is not None else {}
     call["function"] = function
     return call
+
+
+def check_text(text: str, where: str) -> None:
+    """Text the encoder can encode: a lone surrogate (`"\ud800"`, what a bad decode leaves) has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ChatMessageError(f"{where} is not valid Unicode text: {exc.reason} ({text[exc.start]!r} at offset "
+                               f"{exc.start})") from None
+
+
+def check_arguments(arguments, field: str) -> None:
+    """Typed tool-call arguments must be JSON values, as the encoder writes them: no NaN or infinity, no sets or
+    other objects, no nesting beyond the parser (a RecursionError), no text without a UTF-8 form."""
+    try:
+        check_text(json.dumps(arguments, allow_nan=False, ensure_ascii=False), f"{field}.arguments")
+    except RecursionError:
+        raise ChatMessageError(f"{field}.arguments are nested too deeply (a real call nests a few levels)") from None
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ChatMessageError):
+            raise
+        raise ChatMessageError(f"{field}.arguments must be JSON values (strings, numbers, booleans, null, lists, "
+                               f"mappings with string keys): {exc}") from None
 
 
 def check_content(content, where: str, optional: bool) -> None:
@@ -340,6 +380,7 @@ def check_content(content, where: str, optional: bool) -> None:
             raise ChatMessageError(f"{where} is missing: this message needs content (a string or a list of parts)")
         return
     if isinstance(content, str):
+        check_text(content, where)
         return
     if not isinstance(content, (list, tuple)):
         raise ChatMessageError(f"{where} must be a string or a list of parts, not {type(content).__name__} "
@@ -353,6 +394,8 @@ def check_content(content, where: str, optional: bool) -> None:
         if kind == "text" and not isinstance(part.get("text"), str):
             raise ChatMessageError(f"{where}[{index}].text: a text part needs a string `text`, got "
                                    f"{type(part.get('text')).__name__}")
+        if kind == "text":
+            check_text(part["text"], f"{where}[{index}].text")
 
 
 def normalize_conversation(messages, where: str = "messages") -> list[dict]:
@@ -374,6 +417,8 @@ def normalize_conversation(messages, where: str = "messages") -> list[dict]:
         for key in ("reasoning_content", "reasoning", "name"):
             if message.get(key) is not None and not isinstance(message[key], str):
                 raise ChatMessageError(f"{here}.{key} must be a string, not {type(message[key]).__name__}")
+            if message.get(key) is not None:
+                check_text(message[key], f"{here}.{key}")
         calls = message.get("tool_calls")
         if calls:
             if not isinstance(calls, (list, tuple)):
@@ -386,6 +431,9 @@ def normalize_conversation(messages, where: str = "messages") -> list[dict]:
 
 def normalize_conversations(conversation):
     """`normalize_conversation` for one conversation or a batch of them (anything else passes as it is)."""
+    if isinstance(conversation, (list, tuple)) and (not conversation or any(
+            isinstance(c, (list, tuple)) and not c for c in conversation)):
+        raise ChatMessageError("the conversation is empty: give at least one message")
     if isinstance(conversation, (list, tuple)) and conversation and isinstance(conversation[0], (list, tuple)):
         return [normalize_conversation(list(c), f"conversation {i}: messages") for i, c in enumerate(conversation)]
     if isinstance(conversation, (list, tuple)) and conversation and not hasattr(conversation[0], "messages"):
@@ -507,6 +555,13 @@ class ChatNormalizingMixin:
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         check_tokenizer_files(pretrained_model_name_or_path, kwargs.get("subfolder"), cls.vocab_files_names)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
+        """As transformers', with each id checked as `decode` checks it (the fast backend gave None for an id past
+        the vocabulary and an OverflowError for a negative one, the slow class '[UNK]')."""
+        if isinstance(ids, (list, tuple, int)):
+            check_token_ids([ids] if isinstance(ids, int) else ids, len(self))
+        return super().convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         saved = super().save_pretrained(save_directory, *args, **kwargs)

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 from kimik3.chat_format import encode_chat, render_segments
 from kimik3.modeling.processing_kimi_k3 import KimiK3Processor
@@ -194,6 +195,7 @@ def test_processor_chat_keeps_typed_markers_and_placeholders_text(processor, typ
     pytest.param([10**12], id="decode-huge-id"),
 ])
 def test_decode_of_an_id_outside_the_vocabulary_names_it(toks, ids):
+    """decode, batch_decode and convert_ids_to_tokens (the fast backend gave None for 768, the slow class '[UNK]')."""
     bad = next(i for i in ids if not 0 <= i < N + 256)
     for tok in toks:
         with pytest.raises(ValueError, match=rf"token id {bad} is outside the vocabulary: ids are 0\.\.767 "
@@ -201,6 +203,44 @@ def test_decode_of_an_id_outside_the_vocabulary_names_it(toks, ids):
             tok.decode(ids)
         with pytest.raises(ValueError, match=rf"token id {bad} is outside"):
             tok.decode([[1, 2], ids])  # a batch: each row is checked
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the vocabulary"):
+            tok.convert_ids_to_tokens(ids)
+
+
+@pytest.mark.parametrize("ids, shown", [
+    pytest.param([5, 1.5], r"1\.5 \(float\)", id="decode-float-id"),
+    pytest.param(torch.tensor([5.0, 7.0]), r"5\.0 \(float\)", id="decode-float-tensor"),
+    pytest.param([True], r"True \(bool\)", id="decode-bool-id"),
+    pytest.param([None], r"None \(NoneType\)", id="decode-none-id"),
+])
+def test_decode_of_an_id_that_is_not_a_whole_number_names_it(toks, ids, shown):
+    """int() read 1.5 as 1 and True as 1: a float or bool id is refused."""
+    for tok in toks:
+        with pytest.raises(ValueError, match=r"token ids must be whole numbers, got " + shown):
+            tok.decode(ids)
+
+
+@pytest.mark.parametrize("conversation", [pytest.param([], id="conversation-empty"),
+                                          pytest.param([[{"role": "user", "content": "hi"}], []],
+                                                       id="conversation-empty-in-batch")])
+def test_an_empty_conversation_is_refused(toks, processor, conversation):
+    """The processor failed with an IndexError; the tokenizer with transformers' ValueError (kept as a ValueError)."""
+    for encode in (toks[0].apply_chat_template, toks[1].apply_chat_template, processor.apply_chat_template):
+        with pytest.raises(ValueError, match="the conversation is empty: give at least one message"):
+            encode(conversation, tokenize=True)
+
+
+@pytest.mark.parametrize("arguments", [pytest.param('{"x": NaN}', id="json-string-arguments-nan-stays-text")])
+def test_a_json_string_with_nan_is_not_json_and_stays_text(toks, arguments):
+    """NaN is not JSON: the string is not parsed into a value the encoder would write as `NaN`; it is rendered as
+    the text it is, like any string that is not a JSON object."""
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "function": {"name": "f", "arguments": arguments}}]}]
+    for tok in toks:
+        text = tok.apply_chat_template(messages, tokenize=False)
+        assert arguments in text
+        assert tok.decode(tok.apply_chat_template(messages)["input_ids"]) == text
+        assert tok.apply_chat_template(messages)["input_ids"] == encode_chat(tok, messages)
 
 
 @pytest.mark.parametrize("text", [pytest.param(
@@ -222,6 +262,9 @@ def _bad(content=None, **message):
 
 
 CALL_NO_NAME = {"id": "c", "function": {"arguments": {}}}
+DEEP = []
+for _ in range(5000):  # lists inside lists, beyond Python's recursion limit (built without recursion)
+    DEEP = [DEEP]
 BAD_MESSAGES = [
     pytest.param(_bad(5), r"messages\[1\]\.content must be a string or a list of parts, not int", id="content-int"),
     pytest.param(_bad({"text": "hi"}), r"messages\[1\]\.content must be a string or a list of parts, not dict",
@@ -254,6 +297,30 @@ BAD_MESSAGES = [
     pytest.param(_bad("hi", role="robot"), r"messages\[1\]\.role is 'robot'", id="role-unknown"),
     pytest.param(_bad("a", role="assistant", reasoning_content=["r"]),
                  r"messages\[1\]\.reasoning_content must be a string, not list", id="reasoning-not-a-string"),
+    pytest.param(_bad("a\ud800b"), r"messages\[1\]\.content is not valid Unicode text: surrogates not allowed "
+                 r"\('\\ud800' at offset 1\)", id="content-lone-surrogate"),
+    pytest.param(_bad([{"type": "text", "text": "\udfff"}]), r"messages\[1\]\.content\[0\]\.text is not valid "
+                 "Unicode", id="text-part-lone-surrogate"),
+    pytest.param(_bad(None, role="assistant", tool_calls=[{"function": {"name": "f\ud800", "arguments": {}}}]),
+                 r"messages\[1\]\.tool_calls\[0\]\.function\.name is not valid Unicode", id="tool-name-lone-surrogate"),
+    pytest.param(_bad(None, role="assistant", tool_calls=[{"function": {"name": "f", "arguments": {"x": "\ud800"}}}]),
+                 r"messages\[1\]\.tool_calls\[0\]\.function\.arguments is not valid Unicode",
+                 id="tool-arguments-lone-surrogate"),
+    pytest.param(_bad(None, role="assistant", tool_calls=[{"function": {"name": "f", "arguments": {
+                     "x": float("nan")}}}]),
+                 r"messages\[1\]\.tool_calls\[0\]\.function\.arguments must be JSON values .*Out of range float",
+                 id="tool-arguments-nan"),
+    pytest.param(_bad(None, role="assistant", tool_calls=[{"function": {"name": "f", "arguments": {"x": {1, 2}}}}]),
+                 r"arguments must be JSON values .*set is not JSON serializable", id="tool-arguments-set"),
+    pytest.param(_bad(None, role="assistant", tool_calls=[{"function": {"name": "f", "arguments": {"x": 10**5000}}}]),
+                 r"arguments must be JSON values .*Exceeds the limit", id="tool-arguments-huge-int"),
+    pytest.param(_bad(None, role="assistant", tool_calls=[{"function": {"name": "f", "arguments": {"x": DEEP}}}]),
+                 r"messages\[1\]\.tool_calls\[0\]\.function\.arguments are nested too deeply",
+                 id="tool-arguments-deeply-nested"),
+    pytest.param(_bad(None, role="assistant", tool_calls=[{"function": {"name": "f", "arguments": '{"x": ' + "[" *
+                                                                         100_000 + "]" * 100_000 + "}"}}]),
+                 r"function\.arguments: the JSON string is nested too deeply to parse",
+                 id="tool-arguments-json-string-deeply-nested"),
 ]
 
 
