@@ -2,7 +2,8 @@
 benchmark model (routed experts: 8192 tokens x top-16 rows of the fused [gate | up] output, intermediate 3072; shared
 experts: 8192 x 6144; layer 0's dense MLP: 8192 x 33792), bf16, release betas (4, 25), timed by CUDA events for
 
-* `session11`: the kernel's first form (a division per tanh / sigmoid / beta, three exps; copied here),
+* `session11` (the JSON key the kept results use): the kernel's first form (a division per tanh / sigmoid / beta,
+  three exps; copied here),
 * `current`: `triton_ops._situ_fwd_kernel` (ratios, one division, the sigmoid's exp from the gate tanh's),
   at several (BLOCK, num_warps),
 * `add`: torch.add(gate, up) into the output, the same bytes moved: the bandwidth floor.
@@ -33,7 +34,7 @@ CONFIGS = [(512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
 
 
 @triton.jit
-def _situ_session11_kernel(a_ptr, u_ptr, o_ptr, n_cols, stride_a, stride_u, stride_o, b1, b2, BLOCK: tl.constexpr):
+def _situ_first_form_kernel(a_ptr, u_ptr, o_ptr, n_cols, stride_a, stride_u, stride_o, b1, b2, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -61,7 +62,7 @@ def main():
                         "bit_equal": round(float((out == ref).float().mean()), 6)}
 
         def old():
-            _situ_session11_kernel[(rows, triton.cdiv(n, 1024))](gate, up, out, n, gate.stride(0), up.stride(0),
+            _situ_first_form_kernel[(rows, triton.cdiv(n, 1024))](gate, up, out, n, gate.stride(0), up.stride(0),
                                                                  out.stride(0), b1, b2, BLOCK=1024, num_warps=4)
         record("session11", event_us(old, 20))
         for block, warps in CONFIGS:
