@@ -220,10 +220,11 @@ def _check_dtype(kwargs: dict) -> None:
 
     for key in ("dtype", "torch_dtype"):
         value = kwargs.get(key)
-        if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+        # the model runs in these four only (a float8 dtype is floating but has no matmul or norm kernels)
+        allowed = tuple(getattr(torch, name) for name in _DTYPE_NAMES)
+        if value is None or value in allowed:
             continue
-        named = getattr(torch, value, None) if isinstance(value, str) and not value.startswith("_") else None
-        if not (isinstance(named, torch.dtype) and named.is_floating_point):
+        if not (isinstance(value, str) and value in _DTYPE_NAMES):
             raise _config_error(key, f"{value!r} is not a floating dtype (expected one of {list(_DTYPE_NAMES)})")
 
 
@@ -276,7 +277,13 @@ def _check_quantization_config(quant) -> None:
             raise _config_error(where, f"must be a JSON object, got {group!r:.80}")
         formats.append((f"{where}.format", group.get("format")))
         weights = group.get("weights") or {}
-        size = weights.get("group_size") if isinstance(weights, dict) else None
+        if not isinstance(weights, dict):
+            raise _config_error(f"{where}.weights", f"must be a JSON object, got {weights!r:.80}")
+        bits = weights.get("num_bits")
+        if bits is not None and (not _is_int(bits) or bits != 4):
+            raise _config_error(f"{where}.weights.num_bits", f"{bits!r}: the experts are decoded as MXFP4, 4 bits a "
+                                "value; another width would be decoded wrongly")
+        size = weights.get("group_size")
         if size is not None and size != _QUANT_GROUP_SIZE:
             raise _config_error(f"{where}.weights.group_size",
                                 f"{size!r}: the MXFP4 experts are decoded in groups of {_QUANT_GROUP_SIZE} (the MX "
@@ -723,6 +730,10 @@ class KimiK3Config(PretrainedConfig):
         # ids given here index the text model's vocabulary (the defaults, the release's, are only checked when given:
         # a composite built around a small text config keeps them unread)
         check_token_ids(given_ids, text_config.vocab_size)
+        if media_placeholder_token_id is not None and not _is_int(media_placeholder_token_id):
+            # compared with input_ids in every prefill: a string failed there, True matched id 1
+            raise _config_error("media_placeholder_token_id", f"{media_placeholder_token_id!r} must be a token id "
+                                "(a whole number) or null")
         vision_config = _sub_config("vision_config", vision_config, KimiK3VisionConfig)
         self.text_config = text_config
         self.vision_config = vision_config

@@ -106,6 +106,21 @@ BAD_RELEASE = [
     pytest.param(release(lambda c: c["text_config"]["quantization_config"].update(quant_method="gptq")),
                  "text_config.quantization_config.quant_method", r"'gptq': Kimi K3 reads only",
                  id="quant-method-other"),
+    pytest.param(release(lambda c: _quant_group(c, num_bits=8)),
+                 "text_config.quantization_config.config_groups.group_0.weights.num_bits",
+                 r"8: the experts are decoded as MXFP4, 4 bits a value", id="quant-num-bits-8"),
+    pytest.param(release(lambda c: c["text_config"]["quantization_config"]["config_groups"]["group_0"].update(
+                     weights=5)), "text_config.quantization_config.config_groups.group_0.weights",
+                 r"must be a JSON object, got 5", id="quant-weights-not-an-object"),
+    pytest.param(release(lambda c: _quant_group(c, group_size=True)),
+                 "text_config.quantization_config.config_groups.group_0.weights.group_size",
+                 r"True: the MXFP4 experts are decoded in groups of 32", id="quant-group-size-true"),
+    pytest.param(release(lambda c: c.update(dtype="float8_e4m3fn")), "dtype",
+                 r"'float8_e4m3fn' is not a floating dtype \(expected one of \['bfloat16'", id="dtype-float8"),
+    pytest.param(release(lambda c: c.update(media_placeholder_token_id="163605")), "media_placeholder_token_id",
+                 r"'163605' must be a token id \(a whole number\) or null", id="media-placeholder-id-str"),
+    pytest.param(release(lambda c: c.update(media_placeholder_token_id=True)), "media_placeholder_token_id",
+                 r"True must be a token id", id="media-placeholder-id-bool"),
 ]
 
 
