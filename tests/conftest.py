@@ -54,10 +54,44 @@ def two_rank_runs(tmp_path_factory):
     return {"tiny_dir": tiny_dir, "parallel": parallel_out, "context_parallel": context_parallel_out}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (`--dist loadgroup`, pytest.ini) every file's tests stay on one worker, so a module-scoped
-    fixture (a tiny folder, a fresh process, a fine-tune) runs once; files marked with their own group keep it."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+# Files that share a session fixture run on one pytest-xdist worker, so the fixture runs once: the two files of the
+# one torchrun launch (`two_rank_runs`). Every other file is a group of its own.
+SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "two_rank_launch"}
+# The groups that take longest (seconds of one worker, idle 2-core machine): handed out first, so the two workers end
+# together rather than one starting a long group while the other has finished.
+GROUP_SECONDS = {"two_rank_launch": 30}
+
+
+def xdist_group_of(nodeid: str) -> str:
+    stem = Path(nodeid.split("::", 1)[0]).stem
+    return SHARED_GROUPS.get(stem, stem)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (pytest.ini) with the groups taken from the test ids: every file's tests stay on one worker, so
+    a module-scoped fixture (a tiny folder, a fresh process, a fine-tune) runs once. xdist's own loadgroup reads
+    `xdist_group` marks through a node id suffix that pytest 9 no longer carries: each test was a group of its own, and
+    a module's fixtures ran on both workers."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LongestFirst(OrderedDict):
+        def popitem(self, last=True):
+            if last or not self:
+                return super().popitem(last)
+            scope = max(self, key=lambda s: GROUP_SECONDS.get(s, 0))  # the first of the longest, else queue order
+            return scope, self.pop(scope)
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = LongestFirst()
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return FileGroupScheduling(config, log)

@@ -23,7 +23,6 @@ sys.path.insert(0, str(TESTS))
 import context_parallel_worker as worker  # noqa: E402
 
 
-pytestmark = pytest.mark.xdist_group("two_rank_launch")  # shares conftest's two_rank_runs
 
 @pytest.fixture(scope="module")
 def model():

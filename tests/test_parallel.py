@@ -19,7 +19,6 @@ sys.path.insert(0, str(TESTS.parent / "benchmarks"))
 from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
-pytestmark = pytest.mark.xdist_group("two_rank_launch")  # shares conftest's two_rank_runs
 
 @pytest.fixture(scope="module")
 def tiny_dir(two_rank_runs):
