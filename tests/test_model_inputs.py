@@ -9,6 +9,7 @@ from kimik3.configuration import tiny_text_config_dict
 from kimik3.tiny import build_tiny_model
 from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
+from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
 
 VOCAB, HIDDEN, PAD = 128, 64, 0
 
@@ -360,7 +361,7 @@ def test_generate_refuses_at_the_call(model, kwargs, message):
     cache = KimiK3Cache(model.config)
     try:
         with torch.no_grad(), pytest.raises(ValueError, match=message):
-            model.generate(ids, do_sample=False, past_key_values=cache, **kwargs)
+            model.generate(ids, do_sample=False, **{CACHE_FIELD: cache}, **kwargs)  # the installed transformers' name
         assert cache.get_seq_length() == 0
         # the neighbour: up to the limit is fine
         out = model.generate(ids, do_sample=False, max_new_tokens=3)
