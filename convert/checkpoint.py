@@ -115,6 +115,10 @@ class Checkpoint:
     # --------------------------------------------------------------------------------------------------------------
     def _load_index(self):
         index_path = self.root / INDEX_NAME
+        if os.path.lexists(index_path) and os.path.lexists(self.root / SINGLE_FILE_NAME):
+            # from_pretrained would read model.safetensors and ignore the index: which one is meant is ambiguous
+            raise ConversionError(f"{self.root}: holds both {SINGLE_FILE_NAME} and {INDEX_NAME}: two sources for the "
+                                  "weights; remove the one that does not belong")
         if os.path.lexists(index_path):
             raw = read_source_file(self.root, index_path)
             try:

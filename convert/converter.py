@@ -107,8 +107,10 @@ def convert(
         options.chunk_bytes = chunk_bytes
     dst = Path(dst)
     with open_source(src, revision, options.chunk_bytes) as ckpt:
-        if dst.resolve() == ckpt.root.resolve():
-            raise ConversionError(f"{dst}: the destination is the source folder")
+        if dst.resolve() == ckpt.root.resolve() or ckpt.root.resolve() in dst.resolve().parents:
+            # the source folder is only read: outputs inside it would be mixed into the checkpoint
+            raise ConversionError(f"{dst}: the destination is " + ("the source folder" if dst.resolve() ==
+                                  ckpt.root.resolve() else f"inside the source folder {ckpt.root}"))
         plan = build_convert_plan(ckpt, options)
         config = output_config_dict(ckpt.config, plan.text_config, text_only)
         shards = plan_shards_by_size(plan.tensors, options.max_shard_bytes)

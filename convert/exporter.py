@@ -78,8 +78,9 @@ def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_un
     dst = Path(dst)
     context = RunContext()
     with Checkpoint(src) as ckpt:
-        if dst.resolve() == ckpt.root.resolve():
-            raise ConversionError(f"{dst}: the destination is the source folder")
+        if dst.resolve() == ckpt.root.resolve() or ckpt.root.resolve() in dst.resolve().parents:
+            raise ConversionError(f"{dst}: the destination is " + ("the source folder" if dst.resolve() ==
+                                  ckpt.root.resolve() else f"inside the source folder {ckpt.root}"))
         plan = build_export_plan(ckpt, context, "mxfp4", allow_unknown)
         shards = release_shards(plan.tensors, ckpt.text_config.num_hidden_layers)
         release_config = release_config_dict(ckpt.config)

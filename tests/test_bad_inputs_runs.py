@@ -513,6 +513,45 @@ def dst_is_a_file(release, reference, tmp_path, monkeypatch, capsys):
         convert(release.path, dst)
 
 
+def dst_inside_src(release, reference, tmp_path, monkeypatch, capsys):
+    """DST inside SRC (also reached through a symlink to it): the source folder is only read, so the run is refused
+    before anything is created; convert and export alike."""
+    src = tmp_path / "k3"
+    shutil.copytree(release.path, src)
+    (tmp_path / "link").symlink_to(src)
+    for dst in (src / "out", tmp_path / "link" / "nested" / "out"):
+        with pytest.raises(ConversionError, match=re.escape(f"{dst}: the destination is inside the source folder ")):
+            convert(src, dst)
+    with pytest.raises(ConversionError, match=re.escape(f"{reference / 'sub'}: the destination is inside the "
+                                                        "source folder")):
+        kc.export(reference, reference / "sub", progress=False)
+    assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in release.path.iterdir())
+    assert not (reference / "sub").exists()
+
+
+def dst_symlink_to_elsewhere(release, reference, tmp_path, monkeypatch, capsys):
+    """DST a symlink to an empty folder elsewhere: the user named it, so the conversion is written there."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "real")
+    convert(release.path, tmp_path / "out")
+    assert contents(tmp_path / "real").keys() == contents(reference).keys()
+    assert contents(tmp_path / "real")[INDEX] == contents(reference)[INDEX]
+
+
+def single_file_beside_index(release, reference, tmp_path, monkeypatch, capsys):
+    """model.safetensors next to the index (from_pretrained would read it and ignore the index): refused naming
+    SRC before any shard is read."""
+    src = tmp_path / "k3"
+    src.mkdir()
+    for keep in ("config.json", INDEX):
+        shutil.copy(release.path / keep, src / keep)
+    (src / "model.safetensors").write_bytes(b"never read")
+    with pytest.raises(ConversionError, match=re.escape(f"{src}: holds both model.safetensors and {INDEX}: two "
+                                                        "sources for the weights")):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def disk_full_upfront(release, reference, tmp_path, monkeypatch, capsys):
     """Too little free space is found before the first byte, naming the folder and the bytes needed."""
     dst = tmp_path / "out"
@@ -624,6 +663,9 @@ RUN_CASES = [
     pytest.param(disk_full_in_the_last_bytes, id="disk-full-in-the-last-bytes"),
     pytest.param(file_size_limit, id="file-size-limit"),
     pytest.param(ctrl_c_during_convert, id="ctrl-c-exit-130-resumes"),
+    pytest.param(dst_inside_src, id="dst-inside-src"),
+    pytest.param(dst_symlink_to_elsewhere, id="dst-symlink-to-elsewhere-accepted"),
+    pytest.param(single_file_beside_index, id="src-single-file-beside-index"),
 ]
 
 
