@@ -5,6 +5,8 @@ import json
 import math
 from pathlib import Path
 
+from kimik3.modeling.processing_kimi_k3 import PROCESSOR_CONFIG_NAME
+from kimik3.modeling.tokenization_kimi_k3 import AUTO_TOKENIZER
 from kimik3.remote_code import remote_code_files  # noqa: F401  (the converter copies these into every folder)
 
 from .checkpoint import check_inside, read_source_file
@@ -34,12 +36,11 @@ PROVENANCE_NAME = "kimik3_conversion.json"
 # reading the release's tiktoken.model and tokenizer_config.json; only the config's auto_map changes, and our chat
 # template is added where the release ships none. The release's tokenizer code stays (inert: auto_map no longer names
 # it), and the conversion record keeps what changed, so `kimik3 export` writes the release's files back byte for byte.
-OUR_AUTO_TOKENIZER = ["tokenization_kimi_k3.KimiK3Tokenizer", "tokenization_kimi_k3.KimiK3TokenizerFast"]
+OUR_AUTO_TOKENIZER = AUTO_TOKENIZER  # the entry the tokenizer's own save_pretrained writes
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 # A converted folder with the vision tower also gets our processor_config.json (AutoProcessor -> our KimiK3Processor,
 # its image settings from the release's preprocessor_config.json, which stays as it is); export leaves it out.
 PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
-PROCESSOR_CONFIG_NAME = "processor_config.json"
 
 
 def read_provenance(root: Path) -> dict:

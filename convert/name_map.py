@@ -1,7 +1,10 @@
 """The declarative name map between the release checkpoint and our transformers layout.
 
 Everything the converter knows about names lives in the two tables below; the engines (`plan.py`) only evaluate
-them. A rule gives the release name pattern, our name pattern, the release dtype and shape (in config symbols), the
+them. How release names become ours (the text prefix, the MoE block's rename, the expert parts and their storage
+suffixes, A_log's padding) is the release name map of the remote code (`modeling_kimik3/conversion_kimi_k3.py`),
+from which the loader's transforms are built too: the rules of the MoE block and the experts below are generated
+from it, so `convert` and `from_pretrained` name every release tensor alike. A rule gives the release name pattern, our name pattern, the release dtype and shape (in config symbols), the
 condition under which the tensor exists, and the named transform. The same rows drive `convert` (release -> ours),
 `export` (ours -> release) and `verify`.
 
@@ -19,6 +22,16 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterator
+
+from kimik3.modeling.conversion_kimi_k3 import (
+    EXPERT_PARTS,
+    MOE_CHILD_PREFIXES,
+    OUR_MOE_BLOCK,
+    OUR_PACKED_SUFFIXES,
+    RELEASE_A_LOG_LENGTH,
+    RELEASE_EXPERT_SUFFIXES,
+    RELEASE_MOE_BLOCK,
+)
 
 # ------------------------------------------------------------------------------------------------------------------
 # Conditions: a rule exists only where all of its conditions hold. Layer conditions read the layer's types; feature
@@ -74,15 +87,15 @@ class ExpertRule:
     ours: str
     parts: tuple[str, ...]
     part_shape: tuple[str, str]  # logical [out, in] of one part, in symbols
-    release: str = "model.layers.{L}.block_sparse_moe.experts.{E}.{W}"
+    release: str = "model.layers.{L}." + RELEASE_MOE_BLOCK + ".experts.{E}.{W}"
     when: tuple[str, ...] = ("sparse",)
 
 
-# Release layer prefix and ours (the only layer-level rename is block_sparse_moe -> mlp).
+# Release layer prefix and ours (the only layer-level rename is the MoE block's, block_sparse_moe -> mlp).
 _LY = "model.layers.{L}."
 _ATT = _LY + "self_attn."
-_MOE = _LY + "block_sparse_moe."
-_MLP = _LY + "mlp."
+_MOE = _LY + RELEASE_MOE_BLOCK + "."
+_MLP = _LY + OUR_MOE_BLOCK + "."
 
 
 def _same(name, shape, dtype="BF16", when=(), transform="copy", scope="text"):
@@ -90,6 +103,9 @@ def _same(name, shape, dtype="BF16", when=(), transform="copy", scope="text"):
 
 
 def _moe(suffix, shape, dtype="BF16", when=("sparse",), transform="copy"):
+    if not suffix.startswith(MOE_CHILD_PREFIXES):  # the loader would not rename it: the two would disagree
+        raise AssertionError(f"{RELEASE_MOE_BLOCK}.{suffix}: not a child of the MoE block in the release name map "
+                             f"(conversion_kimi_k3.MOE_CHILD_PREFIXES = {MOE_CHILD_PREFIXES})")
     return TensorRule(_MOE + suffix, _MLP + suffix, shape, dtype, when, transform)
 
 
@@ -163,16 +179,16 @@ TENSOR_RULES: tuple[TensorRule, ...] = (
     _same("mm_projector.post_norm.weight", ("VT",), scope="vision"),
 )
 
-EXPERT_RULES: tuple[ExpertRule, ...] = (
-    # gate_up_proj [E, 2I, DL]: rows [0:I] = w1 (gate), rows [I:2I] = w3 (up)
-    ExpertRule(_MLP + "experts.gate_up_proj", ("w1", "w3"), ("I", "DL")),
-    # down_proj [E, DL, I] = w2
-    ExpertRule(_MLP + "experts.down_proj", ("w2",), ("DL", "I")),
+# The logical [out, in] of one part of each fused expert tensor: gate_up_proj [E, 2I, DL] (rows [0:I] = w1, the gate;
+# rows [I:2I] = w3, the up projection), down_proj [E, DL, I] = w2. Which parts, in which order: EXPERT_PARTS.
+_EXPERT_PART_SHAPES = {"gate_up_proj": ("I", "DL"), "down_proj": ("DL", "I")}
+EXPERT_RULES: tuple[ExpertRule, ...] = tuple(
+    ExpertRule(_MLP + "experts." + fused, parts, _EXPERT_PART_SHAPES[fused]) for fused, parts in EXPERT_PARTS.items()
 )
 
 # Release suffixes of one expert part, by storage format.
-PACKED_SUFFIXES = ("weight_packed", "weight_scale")
-PLAIN_SUFFIXES = ("weight",)
+PACKED_SUFFIXES = RELEASE_EXPERT_SUFFIXES["mxfp4"]
+PLAIN_SUFFIXES = RELEASE_EXPERT_SUFFIXES["dense"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -187,7 +203,7 @@ def dims(text_config, vision_config=None) -> dict[str, int]:
         "H": c.linear_num_heads,
         "Dk": c.linear_head_dim,
         "K": c.linear_conv_kernel_size,
-        "A": max(128, c.linear_num_heads),
+        "A": max(RELEASE_A_LOG_LENGTH, c.linear_num_heads),
         "HM": c.num_attention_heads,
         "QL": c.q_lora_rank or 0,
         "KVL": c.kv_lora_rank,
@@ -247,13 +263,19 @@ _INDEX = r"(?P<{}>0|[1-9][0-9]*)"
 _GROUPS = {"L": _INDEX.format("L"), "E": _INDEX.format("E"), "B": _INDEX.format("B")}
 _RELEASE_TENSOR_RE = [(_compile(r.release, _GROUPS), r) for r in TENSOR_RULES]
 _OURS_TENSOR_RE = [(_compile(r.ours, _GROUPS), r) for r in TENSOR_RULES]
+def _alternatives(names) -> str:
+    return "|".join(re.escape(name) for name in names)
+
+
 _RELEASE_EXPERT_RE = re.compile(
-    r"model\.layers\." + _INDEX.format("L") + r"\.block_sparse_moe\.experts\." + _INDEX.format("E")
-    + r"\.(?P<W>w[0-9]+)\.(?P<Q>weight|weight_packed|weight_scale)\Z"
+    r"model\.layers\." + _INDEX.format("L") + re.escape(f".{RELEASE_MOE_BLOCK}.experts.") + _INDEX.format("E")
+    + r"\.(?P<W>" + _alternatives(sorted({p for parts in EXPERT_PARTS.values() for p in parts})) + r")\."
+    + "(?P<Q>" + _alternatives(PLAIN_SUFFIXES + PACKED_SUFFIXES) + r")\Z"
 )
 # our fused names, plain or with the `_packed` / `_scale` suffix of kept-MXFP4 experts
 _OURS_EXPERT_RE = [
-    (re.compile(_compile(r.ours, _GROUPS).pattern.removesuffix(r"\Z") + r"(?P<Q>|_packed|_scale)\Z"), r)
+    (re.compile(_compile(r.ours, _GROUPS).pattern.removesuffix(r"\Z")
+                + "(?P<Q>|" + _alternatives(OUR_PACKED_SUFFIXES[s] for s in PACKED_SUFFIXES) + r")\Z"), r)
     for r in EXPERT_RULES
 ]
 _LAYER_RE = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.")

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, RELEASE_EXPERTS_FORMAT
+from kimik3.modeling.conversion_kimi_k3 import RELEASE_TEXT_PREFIX
 
 from . import files
 from . import name_map as nm
@@ -23,7 +24,7 @@ from .errors import ConversionError, shard_error
 from .mxfp4 import MXFP4_GROUP_SIZE, check_finite_decode, dequantize_into, packed_shapes, quantize_rows
 from .safetensors_io import DEFAULT_CHUNK_BYTES, DTYPES, E8M0, OutSpec, itemsize
 
-TEXT_PREFIX = "language_model."
+TEXT_PREFIX = RELEASE_TEXT_PREFIX  # the release name map's (our composite model nests its text model alike)
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 

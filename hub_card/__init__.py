@@ -16,7 +16,6 @@ RELEASE_SHAPE = (93, 896)  # (layers, routed experts) of the release
 # is never replaced; deleting the line is how a user keeps an edited card.
 CARD_MARKER = ("<!-- kimik3-model-card: written by kimik3.hub_card; delete this line to keep your edits when the "
                "model is saved again -->")
-PROVENANCE_NAME = "kimik3_conversion.json"
 RELEASE_TAGS = ["kimi_k3", "moe", "hybrid-attention", "linear-attention", "kda", "mla", "custom_code"]
 CACHE_CONTEXTS = (4096, 32768, 131072, 1048576)
 NO_VISION_NOTE = "the source has no vision tensors; none are written"
@@ -189,6 +188,8 @@ def _limitations(sliced: bool, random_weights: bool, vision: bool) -> str:
 
 
 def _provenance_section(provenance: dict | None) -> str:
+    from kimik3.convert.files import PROVENANCE_NAME
+
     if not provenance:
         return ""
     opts = provenance.get("options", {})
@@ -384,6 +385,8 @@ def compare_saved_weights(saved: Path, source: Path | str | None, repo_id: str |
 def _source_card(name_or_path: str | None) -> tuple[dict, dict | None, Path | None, str | None]:
     """(the source's card metadata, its provenance record, its local folder, its Hub repo id) for a model loaded
     from `name_or_path`; a Hub repo's card is read only from the local cache."""
+    from kimik3.convert.files import PROVENANCE_NAME  # the converter's record (imported here: convert imports us)
+
     source = Path(name_or_path) if name_or_path else None
     if source is not None and source.is_dir():
         provenance = None

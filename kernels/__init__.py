@@ -17,8 +17,9 @@ The model's remote code declares every op once (`FAST_OPS` in `modeling_kimik3/o
 reference and when a fast twin may replace it: CUDA tensors, 16-bit dtypes, no autograd, under torch.compile) and
 decides there. This package only provides the twins: `load(name)` returns the fast implementation of op `name`, with
 the reference's signature and contract, or None when its optional dependencies (fla-core, Triton, torch grouped_mm)
-do not import. `KERNELS_API_VERSION` is the interface version; the remote code uses these twins only when it
-matches the version it was written against.
+do not import. `KERNELS_API_VERSION` is the interface version, the installed remote code's own
+(`ops_kimi_k3.KERNELS_API_VERSION`, read from there: one number, one changelog); a model folder's copy of the remote
+code uses these twins only when it matches the version that copy was written against.
 
 The twins that launch their own kernels and run in the decode step (situ_glu, block_attn_res_mix,
 fused_recurrent_kda, causal_conv1d, mla_decode, the bf16 experts' few-rows grouped matmul, the packed-MXFP4 matmul
@@ -43,12 +44,6 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 | moe_experts_mxfp4 | Triton grouped matmul dequantising packed tiles in registers; decode: Triton GEMV | activations only |
 | mxfp4_dequant | own Triton (bit-exact) | no |
 """
-
-# The interface the remote code checks (its own copy is `ops_kimi_k3.KERNELS_API_VERSION`): `load(name)` below and
-# the contracts of the references it stands in for. Bump both together when either changes.
-# 2: `traceable_forward` twins run as custom ops; 3: mla_decode takes masks (a custom op); 4: chunk_kda takes the raw
-# decay logits with `use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`; 5: causal_conv1d takes `l2norm_head_dim`
-KERNELS_API_VERSION = 5
 
 __all__ = ["KERNELS_API_VERSION", "OP_NAMES", "available_ops", "load"]
 
@@ -132,6 +127,17 @@ def load(name: str):
             _cache[name] = None
             _errors[name] = f"{type(exc).__name__}: {exc}"
     return _cache[name]
+
+
+def __getattr__(name: str):
+    """`KERNELS_API_VERSION`: the interface these twins implement is the one the installed package's remote code
+    declares (`load(name)` and the contracts of the references they stand in for). Read when asked, not at import:
+    that module imports this package while it initialises, and finds the number already defined."""
+    if name == "KERNELS_API_VERSION":
+        from kimik3.modeling.ops_kimi_k3 import KERNELS_API_VERSION
+
+        return KERNELS_API_VERSION
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def available_ops() -> dict:

@@ -1,16 +1,12 @@
 """What a model folder needs to run as remote code: the flat `.py` files of `kimik3.modeling` and the `auto_map`
-naming our classes in them. The one home of both facts: `kimik3 tiny`, the demo and the converter import them."""
+naming our classes in them. `kimik3 tiny`, the demo and the converter import both from here."""
 
 import shutil
 from pathlib import Path
 
-# The `auto_map`s live next to the code that writes them on save_pretrained (remote code cannot import this package).
-from kimik3.modeling.modeling_kimi_k3 import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP  # noqa: E402
-
-
-def auto_map_for(config) -> dict:
-    """The `auto_map` for one of our configs: composite when it nests a text config."""
-    return dict(COMPOSITE_AUTO_MAP if hasattr(config, "text_config") else TEXT_AUTO_MAP)
+# The `auto_map`s are defined next to the code that writes them on save_pretrained (remote code cannot import this
+# package); re-exported here.
+from kimik3.modeling.modeling_kimi_k3 import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP, auto_map_for  # noqa: F401
 
 
 def modeling_dir() -> Path:

@@ -56,13 +56,28 @@ try:  # transformers 5.0-5.24
 except ImportError:  # pragma: no cover - a transformers without checkpoint conversion mappings
     register_checkpoint_conversion_mapping = None
 
-# Fused expert tensors and the release parts stacked into them (rows: parts in this order).
+# ------------------------------------------------------------------------------------------------------------------
+# The release name map: the one table of how the release's tensor names become ours. The transforms below are built
+# from it, and so are the converter's rules (`convert/name_map.py` imports these names and generates its rules of the
+# MoE block, the experts and A_log from them).
+
+# The composite release nests the text model under this prefix (our composite model too; a text-only model drops it).
+RELEASE_TEXT_PREFIX = "language_model."
+# The MoE block: the release's `block_sparse_moe.<child>` is our `mlp.<child>` for exactly these children (the dense
+# layer's `mlp.gate_proj` etc. is `mlp` in both and must not match).
+RELEASE_MOE_BLOCK, OUR_MOE_BLOCK = "block_sparse_moe", "mlp"
+MOE_CHILD_PREFIXES = ("gate.", "experts.", "routed_expert_", "shared_experts.")
+# Fused expert tensors and the release parts stacked into them (rows: parts in this order). The release holds one
+# tensor per expert and part, `<block>.experts.{E}.{part}.<suffix>`, with these suffixes by experts format; a fused
+# tensor kept packed is our `<fused>` + the suffix of each packed part.
 EXPERT_PARTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
-# Children of the release's `block_sparse_moe` (ours `mlp`); the dense layer's `mlp.gate_proj` etc. must not match.
-# `[.]`, not `\.`: transformers 5.17 unescapes `\.` inside the group when it reverses the pattern for save_pretrained.
-MOE_CHILDREN = r"(gate[.]|experts[.]|routed_expert_|shared_experts[.])"
+RELEASE_EXPERT_SUFFIXES = {"dense": ("weight",), "mxfp4": ("weight_packed", "weight_scale")}
+OUR_PACKED_SUFFIXES = {"weight_packed": "_packed", "weight_scale": "_scale"}
 # The release stores A_log zero-padded to this many heads (96 real); save pads back to max(this, heads).
 RELEASE_A_LOG_LENGTH = 128
+# The children as one regex group. `[.]`, not `\.`: transformers 5.17 unescapes `\.` inside the group when it
+# reverses the pattern for save_pretrained.
+MOE_CHILDREN = "(" + "|".join(child.replace(".", "[.]") for child in MOE_CHILD_PREFIXES) + ")"
 # E8M0 byte 255 decodes to 2^128 (inf): never a real scale.
 E8M0_INF = 255
 
@@ -86,8 +101,8 @@ def _tensors(values) -> list[torch.Tensor]:
 
 def _release_expert_name(fused_name: str, expert, part: str, suffix: str) -> str:
     """Our fused name (`...mlp.experts.gate_up_proj`) -> one release tensor (`...block_sparse_moe.experts.3.w1.weight`)."""
-    prefix = fused_name.rsplit("mlp.experts.", 1)[0]
-    return f"{prefix}block_sparse_moe.experts.{expert}.{part}.{suffix}"
+    prefix = fused_name.rsplit(f"{OUR_MOE_BLOCK}.experts.", 1)[0]
+    return f"{prefix}{RELEASE_MOE_BLOCK}.experts.{expert}.{part}.{suffix}"
 
 
 def _as_codes(tensor: torch.Tensor) -> torch.Tensor:
@@ -340,22 +355,23 @@ def release_conversions(experts_format: str = DEFAULT_EXPERTS_FORMAT) -> list:
     """The transforms from the release layout to ours, relative to the text model (`KimiK3ForCausalLM`).
     `experts_format` picks what MXFP4 experts become: "dense" (dequantised) or "mxfp4" (kept packed)."""
     conversions = [
-        WeightRenaming(r"^language_model\.", ""),
-        WeightRenaming(r"block_sparse_moe\." + MOE_CHILDREN, r"mlp.\1"),
+        WeightRenaming("^" + re.escape(RELEASE_TEXT_PREFIX), ""),
+        WeightRenaming(re.escape(RELEASE_MOE_BLOCK + ".") + MOE_CHILDREN, OUR_MOE_BLOCK + r".\1"),
         WeightConverter("self_attn.A_log", "self_attn.A_log", [UnpadHeads()]),
     ]
+    (plain,), packed = RELEASE_EXPERT_SUFFIXES["dense"], RELEASE_EXPERT_SUFFIXES["mxfp4"]
     for fused, parts in EXPERT_PARTS.items():
         merge = [MergeModulelist(dim=0)] + ([Concatenate(dim=1)] if len(parts) > 1 else [])
         # plain bf16 experts (a dense export, or a Kimi-Linear style checkpoint)
-        conversions.append(WeightConverter(_expert_sources(parts, "weight"), _fused_target(fused), merge))
+        conversions.append(WeightConverter(_expert_sources(parts, plain), _fused_target(fused), merge))
         if experts_format == "mxfp4":
-            conversions.append(WeightConverter(_expert_sources(parts, "weight_packed"), _fused_target(f"{fused}_packed"),
-                                               copy.deepcopy(merge)))
-            conversions.append(WeightConverter(_expert_sources(parts, "weight_scale"), _fused_target(f"{fused}_scale"),
-                                               copy.deepcopy(merge) + [RejectInfiniteScales()]))
+            for suffix in packed:  # codes, then scales (whose infinite bytes are refused)
+                checks = [RejectInfiniteScales()] if suffix == "weight_scale" else []
+                conversions.append(WeightConverter(_expert_sources(parts, suffix),
+                                                   _fused_target(fused + OUR_PACKED_SUFFIXES[suffix]),
+                                                   copy.deepcopy(merge) + checks))
         else:
-            sources = [s for part in parts for s in _expert_sources((part,), "weight_packed")
-                       + _expert_sources((part,), "weight_scale")]
+            sources = [s for part in parts for suffix in packed for s in _expert_sources((part,), suffix)]
             conversions.append(WeightConverter(sources, _fused_target(fused), [DequantizeMxfp4Experts()]))
     return conversions
 
@@ -374,7 +390,7 @@ def register_release_conversions(experts_format: str = DEFAULT_EXPERTS_FORMAT) -
 
 def release_name(our_name: str) -> str:
     """The release name of one of our tensor names, for messages (fused experts keep their fused name)."""
-    return re.sub(r"\.mlp\." + MOE_CHILDREN, r".block_sparse_moe.\1", our_name)
+    return re.sub(re.escape(f".{OUR_MOE_BLOCK}.") + MOE_CHILDREN, f".{RELEASE_MOE_BLOCK}." + r"\1", our_name)
 
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies",

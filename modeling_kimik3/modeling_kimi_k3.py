@@ -935,7 +935,7 @@ def _is_a_log_unpadding(conversion) -> bool:
 # `auto_map` of a folder whose config.json is our text config, and of one holding the release's composite schema.
 # AutoModel is the base model, as transformers' own models: for the composite one KimiK3MultimodalModel (the
 # release's file maps AutoModel to the top-level class, which has the head). AutoModelForImageTextToText is what
-# pipeline("image-text-to-text") loads. `kimik3.remote_code` re-exports both.
+# pipeline("image-text-to-text") loads. `kimik3.remote_code` re-exports both and `auto_map_for`.
 TEXT_AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
     "AutoModel": "modeling_kimi_k3.KimiK3Model",
@@ -949,9 +949,34 @@ COMPOSITE_AUTO_MAP = {
 }
 
 
-# processing_kimi_k3.PROCESSOR_CODE_FILES less the tokenizer's code file, which the tokenizer's own save_pretrained
-# writes (a model folder without a tokenizer holds no tokenizer code)
-PROCESSOR_CODE_FILES = ("processing_kimi_k3.py", "image_processing_kimi_k3.py")
+def auto_map_for(config) -> dict:
+    """The `auto_map` of one of our configs (a config object or its config.json dict): composite when it nests a
+    text config."""
+    composite = "text_config" in config if isinstance(config, dict) else hasattr(config, "text_config")
+    return dict(COMPOSITE_AUTO_MAP if composite else TEXT_AUTO_MAP)
+
+
+# A model folder also carries the processor's code (AutoProcessor from the folder): the processor's file and the
+# files it imports, read from its import statements as transformers reads the model's own (the processor's list,
+# processing_kimi_k3.PROCESSOR_CODE_FILES, is made the same way), less the tokenizer's code file, which the
+# tokenizer's own save_pretrained writes (a model folder without a tokenizer holds no tokenizer code).
+PROCESSOR_CODE_FILE = "processing_kimi_k3.py"
+TOKENIZER_CODE_FILE = "tokenization_kimi_k3.py"
+
+
+def _processor_code_files(sources: list[Path]) -> list[Path]:
+    """The processor's code files in the first of `sources` that holds its file, less the tokenizer's."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    for folder in sources:
+        processing = folder / PROCESSOR_CODE_FILE
+        if processing.is_file():
+            try:
+                imported = [Path(name) for name in get_relative_import_files(str(processing))]
+            except OSError:  # a folder lacking a file the processor imports: copy the ones it has
+                imported = []
+            return [path for path in [processing, *imported] if path.name != TOKENIZER_CODE_FILE and path.is_file()]
+    return []
 
 
 def normal_file_mode() -> int:
@@ -994,17 +1019,13 @@ def _write_remote_code(model: PreTrainedModel, directory: Path) -> None:
     # The processors are not imported by the model, but a model folder carries them (AutoProcessor from the folder):
     # from next to this file, else (remote code, whose module cache holds only the model's imports) from the folder
     # the model was loaded from.
-    sources = [here.parent, Path(str(getattr(model.config, "name_or_path", "") or "."))]
-    processors = []
-    for name in PROCESSOR_CODE_FILES:
-        found = [folder / name for folder in sources if (folder / name).is_file()]
-        processors += found[:1]
+    processors = _processor_code_files([here.parent, Path(str(getattr(model.config, "name_or_path", "") or "."))])
     for path in [here, *map(Path, get_relative_import_files(str(here))), *processors]:
         if path.resolve() != (directory / path.name).resolve():
             shutil.copyfile(path, directory / path.name)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["auto_map"] = dict(COMPOSITE_AUTO_MAP if "text_config" in config else TEXT_AUTO_MAP)
+    config["auto_map"] = auto_map_for(config)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     try:
         from kimik3.hub_card import saved_model_card, write_model_card

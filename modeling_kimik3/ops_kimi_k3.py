@@ -573,7 +573,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # imported only if present) provides faster twins with the same contracts, loaded by name.
 
 # The `kimik3.kernels` interface this file is written against: `load(name)` returns the fast twin of FAST_OPS[name]
-# (or None), with the reference's signature and contract. Bump it on both sides when that changes.
+# (or None), with the reference's signature and contract. Its one definition: the installed kimik3.kernels reports
+# the installed package's copy of this number, and a model folder's copy of this file compares it with its own.
+# Defined before `_import_kernels()` runs below, which the kernels package's own reading of it relies on.
 # 2: the twins of `traceable_forward` ops run as torch.library custom ops; 3: the mla_decode twin takes masks (an
 # older install's refuses them) and runs as a custom op; 4: chunk_kda takes the raw decay logits and the gate's
 # parameters (`use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`); 5: causal_conv1d takes `l2norm_head_dim`

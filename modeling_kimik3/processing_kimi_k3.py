@@ -27,6 +27,7 @@ import shutil
 from contextvars import ContextVar
 from pathlib import Path
 
+from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
@@ -37,10 +38,12 @@ from .tokenization_kimi_k3 import normalize_conversations
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 MEDIA_PAD = "<|media_pad|>"
 PROCESSOR_CONFIG_NAME = "processor_config.json"
-# The code files a processor folder needs (relative imports only between them), and the auto_map naming its classes:
-# at the top of processor_config.json for AutoProcessor, inside its nested `image_processor` for AutoImageProcessor
-# (which reads only that part of the file).
-PROCESSOR_CODE_FILES = ("processing_kimi_k3.py", "image_processing_kimi_k3.py", "tokenization_kimi_k3.py")
+# The code files a processor folder needs: this file and the ones it imports (relative imports only between them),
+# read from its import statements as transformers reads them when it loads the class, so no list is kept by hand.
+# And the auto_map naming its classes: at the top of processor_config.json for AutoProcessor, inside its nested
+# `image_processor` for AutoImageProcessor (which reads only that part of the file).
+PROCESSOR_CODE_FILES = (Path(__file__).name,
+                        *sorted(Path(name).name for name in get_relative_import_files(str(Path(__file__).resolve()))))
 PROCESSOR_AUTO_MAP = {"AutoProcessor": "processing_kimi_k3.KimiK3Processor",
                       "AutoImageProcessor": "image_processing_kimi_k3.KimiK3ImageProcessor"}
 # Keyword arguments ProcessorMixin.apply_chat_template passes for media loading that the tokenizer must not see

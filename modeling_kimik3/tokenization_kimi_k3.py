@@ -26,6 +26,9 @@ from pathlib import Path
 from transformers import AddedToken, PreTrainedTokenizer, PreTrainedTokenizerFast
 
 VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
+# tokenizer_config.json's `auto_map` entry for these classes (slow, fast), named after this file: what save_pretrained
+# writes, and `kimik3 convert` for a converted folder's tokenizer.
+AUTO_TOKENIZER = (f"{Path(__file__).stem}.KimiK3Tokenizer", f"{Path(__file__).stem}.KimiK3TokenizerFast")
 NUM_RESERVED_SPECIAL = 256
 
 # The Kimi pre-tokenizer: Han runs alone; letter runs exclude Han through class intersections (`&&`).
@@ -572,8 +575,7 @@ class ChatNormalizingMixin:
             shutil.copyfile(here, directory / here.name)
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8"))
-        config["auto_map"] = {**config.get("auto_map", {}),
-                              "AutoTokenizer": [f"{here.stem}.KimiK3Tokenizer", f"{here.stem}.KimiK3TokenizerFast"]}
+        config["auto_map"] = {**config.get("auto_map", {}), "AutoTokenizer": list(AUTO_TOKENIZER)}
         config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         return tuple(saved) + (str(directory / here.name),)
 

@@ -216,10 +216,13 @@ def test_available_ops_reports_reasons():
 # ------------------------------------------------------------------------------------- remote code vs kimik3.kernels
 
 
-def test_interface_versions_agree():
-    # the two single sources of truth: bumping one side without the other fails here
-    assert isinstance(kernels.KERNELS_API_VERSION, int)
-    assert kernels.KERNELS_API_VERSION == ops.KERNELS_API_VERSION
+def test_the_kernels_report_the_remote_codes_interface_version():
+    # one definition: the installed package's ops module declares it, kimik3.kernels reads it from there
+    assert isinstance(ops.KERNELS_API_VERSION, int)
+    assert "KERNELS_API_VERSION" not in vars(kernels) and kernels.KERNELS_API_VERSION is ops.KERNELS_API_VERSION
+    assert ops._import_kernels() is kernels  # the handshake of the installed code with itself
+    with pytest.raises(AttributeError, match="no attribute 'NO_SUCH_NAME'"):
+        kernels.NO_SUCH_NAME
 
 
 def _fake_kernels(version):

@@ -254,7 +254,8 @@ def test_experts_format_option_is_checked(release):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# One home for the name facts: the registered transforms rename every release pattern as the name map does
+# One table of names (conversion_kimi_k3's release name map), two users: the loader's registered transforms and the
+# converter's rules (convert/name_map.py, generated from it) map every release pattern to the same name
 
 
 def test_transforms_agree_with_the_name_map_on_all_release_patterns():

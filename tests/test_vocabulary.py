@@ -100,3 +100,94 @@ def test_every_flag_and_api_reads_the_one_constant(monkeypatch, capsys):
     assert device_plan(config, 8, 141 * 10**9, 4096)["experts_format"] == "dense"
     with pytest.raises(ValueError, match="choose 'dense' or 'mxfp4' or 'fp8'"):
         weight_units(config, "bf16")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One fact, one place
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+SHIPPED = [path for folder in ("modeling_kimik3", "convert", "kimik3", "kernels", "hub_card", "configuration")
+           for path in sorted((REPO / folder).rglob("*.py"))]
+
+
+def _module_constants(path):
+    """(name, value node) of each module-level assignment of one shipped file."""
+    import ast
+
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) and node.value is not None else []
+        for target in targets:
+            for name in ([target] if isinstance(target, ast.Name) else getattr(target, "elts", [])):
+                if isinstance(name, ast.Name):
+                    yield name.id, node.value
+
+
+def _string_literals(path):
+    """Every string constant of one file that is not a docstring."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {id(body[0].value) for body in [tree.body] + [n.body for n in ast.walk(tree) if isinstance(
+        n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))] if body and isinstance(body[0], ast.Expr)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docstrings]
+
+
+def test_each_shared_fact_is_defined_once():
+    """Each of these names is given a value in one shipped module; any other module imports it (an alias such as
+    `OUR_AUTO_TOKENIZER = AUTO_TOKENIZER` is an import, not a second value). The values themselves appear once."""
+    import ast
+
+    facts = ("EXPERTS_FORMATS", "DEFAULT_EXPERTS_FORMAT", "RELEASE_EXPERTS_FORMAT", "PROVENANCE_NAME",
+             "PROCESSOR_CODE_FILES", "PROCESSOR_CONFIG_NAME", "KERNELS_API_VERSION", "TEXT_AUTO_MAP",
+             "COMPOSITE_AUTO_MAP", "PROCESSOR_AUTO_MAP", "AUTO_TOKENIZER", "OUR_AUTO_TOKENIZER", "EXPERT_PARTS",
+             "RELEASE_A_LOG_LENGTH", "TEXT_PREFIX", "RELEASE_TEXT_PREFIX")
+    defined = {name: [] for name in facts}
+    for path in SHIPPED:
+        for name, value in _module_constants(path):
+            if name in defined and not isinstance(value, (ast.Name, ast.Attribute)):
+                defined[name].append(path.relative_to(REPO).as_posix())
+    assert {name: where for name, where in defined.items() if len(where) > 1} == {}
+    assert all(defined[name] for name in ("EXPERTS_FORMATS", "PROVENANCE_NAME", "KERNELS_API_VERSION",
+                                          "PROCESSOR_CODE_FILES", "TEXT_AUTO_MAP", "EXPERT_PARTS"))
+    for value in ("kimik3_conversion.json", "modeling_kimi_k3.KimiK3MultimodalModel"):
+        holders = [p.relative_to(REPO).as_posix() for p in SHIPPED if value in _string_literals(p)]
+        assert len(holders) == 1, (value, holders)
+
+
+def test_the_release_name_map_is_one_table():
+    """The converter's rules of the MoE block and the experts are generated from the remote code's release name map
+    (conversion_kimi_k3), from which the loader's transforms are built: name_map.py spells none of its names, and
+    both sides agree on every rule. (tests/test_release_loading.py runs both on the release's 60 name patterns.)"""
+    from kimik3.convert import name_map as nm
+    from kimik3.modeling import conversion_kimi_k3 as names
+
+    literals = _string_literals(REPO / "convert" / "name_map.py")
+    spelled = [s for s in literals if any(word in s for word in ("block_sparse_moe", "weight_packed", "weight_scale",
+                                                                 "language_model"))
+               or s in ("w1", "w2", "w3", "mlp.", "gate_up_proj_packed")]
+    assert spelled == []
+    assert [(rule.ours.rsplit(".", 1)[-1], rule.parts) for rule in nm.EXPERT_RULES] == list(names.EXPERT_PARTS.items())
+    assert (nm.PLAIN_SUFFIXES, nm.PACKED_SUFFIXES) == (names.RELEASE_EXPERT_SUFFIXES["dense"],
+                                                       names.RELEASE_EXPERT_SUFFIXES["mxfp4"])
+    for rule in nm.TENSOR_RULES:
+        if rule.scope == "text":  # the loader's release name of each of our names is the rule's release name
+            assert names.release_name(rule.ours) == rule.release, rule
+    # a rule under the MoE block that the loader would not rename is refused when the table is built
+    with pytest.raises(AssertionError, match=r"block_sparse_moe.router.weight: not a child of the MoE block"):
+        nm._moe("router.weight", ("E", "D"))
+
+
+def test_processor_code_files_are_the_processors_imports():
+    """One list, made from processing_kimi_k3's own imports: a processor folder gets all of them, a model folder
+    the same less the tokenizer's file (the tokenizer's save writes it)."""
+    from kimik3.modeling import modeling_kimi_k3 as modeling
+    from kimik3.modeling.processing_kimi_k3 import PROCESSOR_CODE_FILES
+    from kimik3.remote_code import modeling_dir
+
+    assert PROCESSOR_CODE_FILES == ("processing_kimi_k3.py", "image_processing_kimi_k3.py", "tokenization_kimi_k3.py")
+    model_copies = [p.name for p in modeling._processor_code_files([REPO / "no-such-folder", modeling_dir()])]
+    assert sorted(model_copies) == sorted(set(PROCESSOR_CODE_FILES) - {modeling.TOKENIZER_CODE_FILE})
+    assert modeling.auto_map_for({"text_config": {}}) == modeling.COMPOSITE_AUTO_MAP
+    assert modeling.auto_map_for({}) == modeling.TEXT_AUTO_MAP
