@@ -234,23 +234,27 @@ def _token_id_problem(key: str, value, vocab_size: int) -> str | None:
 
     if value is None:
         return None
-    if key == "eos_token_id" and isinstance(value, (list, tuple)):
+    if key in _ID_LIST_KEYS and isinstance(value, (list, tuple)):
         wrong = [token for token in value if bad(token)]
         if not value or wrong:
             return (f"the list {list(value)!r} must hold token ids in [0, vocab_size={vocab_size})"
                     + (f"; {wrong!r} are not" if wrong else ""))
         return None
     if bad(value):
-        kind = "a token id or a list of token ids" if key == "eos_token_id" else "a token id"
+        kind = "a token id or a list of token ids" if key in _ID_LIST_KEYS else "a token id"
         return f"{value!r} must be {kind} in [0, vocab_size={vocab_size}) or null"
     return None
 
 
+_ID_LIST_KEYS = ("eos_token_id", "forced_eos_token_id")
+
+
 def check_token_ids(values, vocab_size: int, prefix: str = "") -> None:
-    """`pad/bos/eos_token_id` of a config or a generation config (a dict or an object): each null, or an id inside
-    the vocabulary (eos also a non-empty list of them). An id outside it would index past the embedding table."""
+    """`pad/bos/eos_token_id` of a config or a generation config (a dict or an object), and a generation config's
+    `forced_bos/forced_eos_token_id`: each null, or an id inside the vocabulary (eos and forced eos also a non-empty
+    list of them). An id outside it would index past the embedding table or the logits (an IndexError in generate)."""
     get = values.get if isinstance(values, dict) else lambda key: getattr(values, key, None)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "forced_bos_token_id", "forced_eos_token_id"):
         problem = _token_id_problem(key, get(key), vocab_size)
         if problem is not None:
             raise _config_error(prefix + key, problem)

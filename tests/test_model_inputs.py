@@ -352,6 +352,11 @@ def test_media_placeholder_without_pixel_values_composite_model(case):
                  r"be a token id or a list of token ids in \[0, vocab_size=128\)", id="generate-eos-id-out-of-vocab"),
     pytest.param({"max_new_tokens": 1, "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])},
                  r"has no real token in batch row\(s\) \[1\]", id="generate-mask-row-all-zero"),
+    pytest.param({"max_new_tokens": 1, "forced_eos_token_id": VOCAB + 5}, r"key `generation_config.forced_eos_token_id"
+                 r"`: 133 must be a token id or a list of token ids in \[0, vocab_size=128\)",
+                 id="generate-forced-eos-id-out-of-vocab"),
+    pytest.param({"max_new_tokens": 1, "forced_bos_token_id": -1}, r"key `generation_config.forced_bos_token_id`: -1 "
+                 r"must be a token id", id="generate-forced-bos-id-negative"),
 ])
 def test_generate_refuses_at_the_call(model, kwargs, message):
     """Refused before the prefill runs (the cache stays empty); max_position_embeddings lowered to 8 for the test."""
