@@ -878,6 +878,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         """Refused at the call, before the prefill: a generation that would run past max_position_embeddings (the
         length the model was trained to and the config promises; `max_length` counts the prompt,
         `max_new_tokens` is added to it), and special token ids outside the vocabulary."""
+        for key in ("max_new_tokens", "max_length"):
+            value = getattr(generation_config, key, None)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                # range() and the length checks took 2.5 as 3 steps and True as 1
+                raise ValueError(f"generate({key}={value!r}): a whole number of tokens")
         super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
         text = self.config.get_text_config()
         limit = text.max_position_embeddings
@@ -1147,6 +1152,15 @@ class KimiK3Model(KimiK3PreTrainedModel):
         wrong outputs. Shape, dtype and cache-config checks cost nothing (under torch.compile they are decided at trace
         time); the value checks read the inputs once, in a single host read, and are skipped while compiling, so the
         static decode step stays one graph with no host synchronisation."""
+        for key, value in (("input_ids", input_ids), ("inputs_embeds", inputs_embeds),
+                           ("attention_mask", attention_mask)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ValueError(f"{key} must be a torch.Tensor, got {type(value).__name__} (a tokenizer gives "
+                                 "tensors with return_tensors='pt')")
+        if inputs_embeds is not None and inputs_embeds.dtype != self.embed_tokens.weight.dtype:
+            # an integer tensor was taken as embeddings silently, another float dtype failed in the first matmul
+            raise ValueError(f"inputs_embeds must have the model's dtype {self.embed_tokens.weight.dtype}; got "
+                             f"{inputs_embeds.dtype} (shape {tuple(inputs_embeds.shape)})")
         if input_ids is not None and input_ids.dim() != 2:
             raise ValueError(f"input_ids must be 2-D [batch, length]; got shape {tuple(input_ids.shape)}")
         if input_ids is not None and input_ids.dtype not in (torch.int64, torch.int32):

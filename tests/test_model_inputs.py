@@ -109,6 +109,14 @@ BAD_INPUTS += [
                  r"input_ids must hold integer token ids \(torch.long or torch.int32\); got dtype torch.float32",
                  id="ids-float"),
     pytest.param(lambda m: {"input_ids": _ids(1, 3) > 5}, r"got dtype torch.bool", id="ids-bool"),
+    pytest.param(lambda m: {"input_ids": [[1, 2, 3]]}, r"input_ids must be a torch.Tensor, got list",
+                 id="ids-a-list"),
+    pytest.param(lambda m: {"input_ids": _ids(1, 3), "attention_mask": [[1, 1, 1]]},
+                 r"attention_mask must be a torch.Tensor, got list", id="mask-a-list"),
+    pytest.param(lambda m: {"inputs_embeds": torch.ones(1, 3, HIDDEN, dtype=torch.long)},
+                 r"inputs_embeds must have the model's dtype torch.float32; got torch.int64", id="embeds-int64"),
+    pytest.param(lambda m: {"inputs_embeds": torch.ones(1, 3, HIDDEN, dtype=torch.float64)},
+                 r"inputs_embeds must have the model's dtype torch.float32; got torch.float64", id="embeds-float64"),
 ]
 
 
@@ -355,6 +363,10 @@ def test_media_placeholder_without_pixel_values_composite_model(case):
     pytest.param({"max_new_tokens": 1, "forced_eos_token_id": VOCAB + 5}, r"key `generation_config.forced_eos_token_id"
                  r"`: 133 must be a token id or a list of token ids in \[0, vocab_size=128\)",
                  id="generate-forced-eos-id-out-of-vocab"),
+    pytest.param({"max_new_tokens": 2.5}, r"generate\(max_new_tokens=2.5\): a whole number of tokens",
+                 id="generate-max-new-tokens-float"),
+    pytest.param({"max_new_tokens": True}, r"generate\(max_new_tokens=True\): a whole number",
+                 id="generate-max-new-tokens-bool"),
     pytest.param({"max_new_tokens": 1, "forced_bos_token_id": -1}, r"key `generation_config.forced_bos_token_id`: -1 "
                  r"must be a token id", id="generate-forced-bos-id-negative"),
 ])
