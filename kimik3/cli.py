@@ -139,8 +139,8 @@ def cmd_demo(args) -> int:
 
 class RemoteCodeConstant:
     """A constant of the remote code (`kimik3.modeling.<module>.<name>`), read when first used: as argparse
-    `choices` (a tuple) or in a help text through `%(...)s` (a string). Importing the remote code loads transformers,
-    and the parser stays quick to build."""
+    `choices` (a tuple) or in a help text through `%(...)s` (a string). Importing the remote code loads transformers;
+    give the option a `metavar`, or argparse lists the choices (and imports) while the parser is built."""
 
     def __init__(self, module: str, name: str):
         self.module, self.name = module, name
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-mem", type=gpu_memory_size,
                    help="with --plan: memory per device, e.g. 141GB (10^9 bytes) or 141GiB (2^30 bytes)")
     experts = p.add_argument(
-        "--experts-format", choices=RemoteCodeConstant("configuration_kimi_k3", "EXPERTS_FORMATS"),
+        "--experts-format", choices=RemoteCodeConstant("configuration_kimi_k3", "EXPERTS_FORMATS"), metavar="FORMAT",
         help="with --plan: how the routed experts are stored, one of %(choices)s, as the config's experts_format "
              "(mxfp4: packed, 4.25 bits per value; dense: bf16); default %(release_format)s, the release's own")
     experts.release_format = RemoteCodeConstant("configuration_kimi_k3", "RELEASE_EXPERTS_FORMAT")  # for the help

@@ -23,7 +23,8 @@ The release differs from our layout in four ways (docs/architecture.md, The rele
 The transforms are registered for `KimiK3ForCausalLM` (5.17+ applies no library mapping to custom code, so this is
 the only one applied); the composite class reaches it as its `language_model` sub-model, scoped to that prefix.
 Conversions are reversed by `save_pretrained`, which thus writes a release-loaded model back in the release layout.
-`tests/test_release_loading.py` proves that these rules name every release tensor as `convert/name_map.py` does.
+The names come from one table, the release name map below, from which `convert/name_map.py` generates the
+converter's rules as well; `tests/test_release_loading.py` runs both on every release tensor name pattern.
 """
 
 import contextlib
