@@ -73,8 +73,8 @@ def xdist_group_of(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup` (pytest.ini) with the groups taken from the test ids: every file's tests stay on one worker, so
-    a module-scoped fixture (a tiny folder, a fresh process, a fine-tune) runs once. xdist's own loadgroup reads
+    """`--dist loadgroup` (pytest.ini) with the groups taken from the test ids: every file's tests stay on one worker,
+    so a module-scoped fixture (a tiny folder, a fresh process, a fine-tune) runs once. xdist's own loadgroup reads
     `xdist_group` marks through a node id suffix that pytest 9 no longer carries: each test was a group of its own, and
     a module's fixtures ran on both workers."""
     if config.getvalue("dist") != "loadgroup":
