@@ -29,6 +29,8 @@ PLAN = ["memory", "--plan", "--gpus", "8", "--gpu-mem", "141GB"]
     pytest.param(["convert", "src", "dst", "--experts-format", "bf16"], "kimik3 convert: error: argument "
                  "--experts-format: invalid choice: 'bf16' (choose from 'dense', 'mxfp4')",
                  id="convert-experts-format-bf16"),
+    pytest.param(["convert", "src", "dst", "--experts-format", "MXFP4"], "kimik3 convert: error: argument "
+                 "--experts-format: invalid choice: 'MXFP4'", id="convert-experts-format-uppercase"),
 ])
 def test_expert_format_flags_refuse_other_names(capsys, argv, message):
     assert main(argv) == 2
@@ -52,10 +54,10 @@ def _plan_api():
     device_plan(load_text_config(None), 8, 141 * 10**9, 4096, experts_format="bf16")
 
 
-def _load_option(folder):
+def _load_option(folder, value="bf16"):
     from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 
-    KimiK3ForCausalLM.from_pretrained(folder, experts_format="bf16")
+    KimiK3ForCausalLM.from_pretrained(folder, experts_format=value)
 
 
 @pytest.mark.parametrize("call,error,message", [
@@ -65,6 +67,11 @@ def _load_option(folder):
                  id="plan-api-experts-format-bf16"),
     pytest.param(_load_option, ValueError, r"experts_format='bf16': choose 'dense' or 'mxfp4'",
                  id="load-experts-format-bf16"),
+    pytest.param(lambda folder: _load_option(folder, ["mxfp4"]), ValueError,
+                 r"experts_format=\['mxfp4'\]: choose 'dense' or 'mxfp4'", id="load-experts-format-not-a-string"),
+    pytest.param(lambda folder: KimiK3TextConfig(**{**tiny_text_config_dict(), "experts_format": None}),
+                 ValueError, r"key `experts_format`: must be 'dense' or 'mxfp4', got None",
+                 id="config-experts-format-null"),
     pytest.param(lambda folder: KimiK3TextConfig(**{**tiny_text_config_dict(), "experts_format": "bf16"}),
                  ValueError, r"key `experts_format`: must be 'dense' or 'mxfp4', got 'bf16'",
                  id="config-experts-format-bf16"),
