@@ -11,11 +11,11 @@ import shutil
 from pathlib import Path
 
 # The tokenizer, chat and processor files a model folder of this project holds (kimik3 tiny, kimik3 convert), with
-# the code files they name in auto_map. The model code itself is the weights' saver's business.
+# the code files they name in auto_map: the release's tokenizer code here, ours the processor's PROCESSOR_CODE_FILES
+# (its tokenizer's file included), read when files are carried. The model code itself is the weights' saver's business.
 CARRIED_PATTERNS = (
     "tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template*", "tokenization_kimi_k3.py", "tokenization_kimi.py", "encoding_k3.py",
-    "processor_config.json", "preprocessor_config.json", "processing_kimi_k3.py", "image_processing_kimi_k3.py",
+    "chat_template*", "tokenization_kimi.py", "encoding_k3.py", "processor_config.json", "preprocessor_config.json",
 )
 
 
@@ -26,9 +26,12 @@ def carry_tokenizer_files(source, output) -> list[str]:
     source, output = Path(source), Path(output)
     if not (source / "tokenizer_config.json").is_file():
         return []
+    from kimik3.modeling.processing_kimi_k3 import PROCESSOR_CODE_FILES  # the model's code: only when copying
+
+    patterns = CARRIED_PATTERNS + PROCESSOR_CODE_FILES
     copied = []
     for path in sorted(source.iterdir()):
-        if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in CARRIED_PATTERNS):
+        if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns):
             target = output / path.name
             if not target.exists():
                 shutil.copyfile(path, target)
