@@ -10,6 +10,7 @@ import torch
 from kimik3.chat_format import encode_chat
 from kimik3.cli import main
 from kimik3.configuration import released_config_dict, tiny_text_config_dict
+from kimik3.convert.testing import TINY_VISION
 from kimik3.memory import load_text_config, memory_table
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.remote_code import save_with_code
@@ -52,6 +53,9 @@ def folders(tmp_path_factory):
     release = released_config_dict()
     release["text_config"] = {**release["text_config"], **tiny_text_config_dict(num_hidden_layers=4)}
     release["text_config"].pop("quantization_config")
+    # the vision tower at the converter fixture's sizes, its keys the release's: at the release's sizes (~450M
+    # parameters) building, saving and loading it in the fresh process was most of this file's time
+    release["vision_config"].update(TINY_VISION, text_hidden_size=release["text_config"]["hidden_size"])
     # the release's token ids (163584...) lie outside the tiny vocabulary (128), which the config refuses
     small_ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     release["text_config"].update(small_ids)
