@@ -2,7 +2,10 @@
 the load option, `kimik3 convert` and `kimik3 memory` alike, read from one constant of the remote code; a value of
 another vocabulary (the removed `--experts-dtype`, `bf16`) is refused naming the option."""
 
+import ast
+import functools
 import json
+import re
 
 import pytest
 
@@ -117,11 +120,19 @@ SHIPPED = [path for folder in ("modeling_kimik3", "convert", "kimik3", "kernels"
            for path in sorted((REPO / folder).rglob("*.py"))]
 
 
+@functools.lru_cache(maxsize=None)
+def _text(path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path):
+    return ast.parse(_text(path))
+
+
 def _module_constants(path):
     """(name, value node) of each module-level assignment of one shipped file."""
-    import ast
-
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+    for node in _tree(path).body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, ast.AnnAssign) and node.value is not None else []
         for target in targets:
@@ -130,28 +141,27 @@ def _module_constants(path):
                     yield name.id, node.value
 
 
-def _string_literals(path):
+@functools.lru_cache(maxsize=None)
+def _string_literals(path) -> frozenset:
     """Every string constant of one file that is not a docstring."""
-    import ast
-
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = _tree(path)
     docstrings = {id(body[0].value) for body in [tree.body] + [n.body for n in ast.walk(tree) if isinstance(
         n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))] if body and isinstance(body[0], ast.Expr)}
-    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and id(n) not in docstrings]
+    return frozenset(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                     and id(n) not in docstrings)
 
 
 def test_each_shared_fact_is_defined_once():
     """Each of these names is given a value in one shipped module; any other module imports it (an alias such as
-    `OUR_AUTO_TOKENIZER = AUTO_TOKENIZER` is an import, not a second value). The values themselves appear once."""
-    import ast
-
+    `OUR_AUTO_TOKENIZER = AUTO_TOKENIZER` is an import, not a second value). The values themselves appear once.
+    Only the files whose text holds a name or value are parsed."""
     facts = ("EXPERTS_FORMATS", "DEFAULT_EXPERTS_FORMAT", "RELEASE_EXPERTS_FORMAT", "PROVENANCE_NAME",
              "PROCESSOR_CODE_FILES", "PROCESSOR_CONFIG_NAME", "KERNELS_API_VERSION", "TEXT_AUTO_MAP",
              "COMPOSITE_AUTO_MAP", "PROCESSOR_AUTO_MAP", "AUTO_TOKENIZER", "OUR_AUTO_TOKENIZER", "EXPERT_PARTS",
              "RELEASE_A_LOG_LENGTH", "TEXT_PREFIX", "RELEASE_TEXT_PREFIX")
     defined = {name: [] for name in facts}
-    for path in SHIPPED:
+    assigning = re.compile(r"^(" + "|".join(facts) + r")\b", flags=re.MULTILINE)
+    for path in [p for p in SHIPPED if assigning.search(_text(p))]:
         for name, value in _module_constants(path):
             if name in defined and not isinstance(value, (ast.Name, ast.Attribute)):
                 defined[name].append(path.relative_to(REPO).as_posix())
@@ -159,10 +169,12 @@ def test_each_shared_fact_is_defined_once():
     assert all(defined[name] for name in ("EXPERTS_FORMATS", "PROVENANCE_NAME", "KERNELS_API_VERSION",
                                           "PROCESSOR_CODE_FILES", "TEXT_AUTO_MAP", "EXPERT_PARTS"))
     for value in ("kimik3_conversion.json", "modeling_kimi_k3.KimiK3MultimodalModel"):
-        holders = [p.relative_to(REPO).as_posix() for p in SHIPPED if value in _string_literals(p)]
+        holders = [p.relative_to(REPO).as_posix() for p in SHIPPED
+                   if value in _text(p) and value in _string_literals(p)]
         assert len(holders) == 1, (value, holders)
     # the processor's code files are read from its imports: no shipped file lists them by hand
-    assert [p.name for p in SHIPPED if "image_processing_kimi_k3.py" in _string_literals(p)] == []
+    listed = "image_processing_kimi_k3.py"
+    assert [p.name for p in SHIPPED if listed in _text(p) and listed in _string_literals(p)] == []
 
 
 def test_the_release_name_map_is_one_table():
@@ -173,9 +185,9 @@ def test_the_release_name_map_is_one_table():
     from kimik3.modeling import conversion_kimi_k3 as names
 
     literals = _string_literals(REPO / "convert" / "name_map.py")
-    spelled = [s for s in literals if any(word in s for word in ("block_sparse_moe", "weight_packed", "weight_scale",
-                                                                 "language_model"))
-               or s in ("w1", "w2", "w3", "mlp.", "gate_up_proj_packed")]
+    words = ("block_sparse_moe", "weight_packed", "weight_scale", "language_model")
+    spelled = [s for s in sorted(literals)
+               if any(word in s for word in words) or s in ("w1", "w2", "w3", "mlp.", "gate_up_proj_packed")]
     assert spelled == []
     assert [(rule.ours.rsplit(".", 1)[-1], rule.parts) for rule in nm.EXPERT_RULES] == list(names.EXPERT_PARTS.items())
     assert (nm.PLAIN_SUFFIXES, nm.PACKED_SUFFIXES) == (names.RELEASE_EXPERT_SUFFIXES["dense"],
