@@ -54,15 +54,74 @@ def two_rank_runs(tmp_path_factory):
     return {"tiny_dir": tiny_dir, "parallel": parallel_out, "context_parallel": context_parallel_out}
 
 
+FRESH_SERVER = r"""
+import contextlib, io, json, sys, traceback
+sys.modules["kimik3"] = None  # never imported here: the folders' flat files must be enough
+for line in sys.stdin:
+    code, argv = json.loads(line)
+    sys.argv, out = ["-c", *argv], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "<fresh>", "exec"), {"__name__": "__main__"})
+        reply = {"rc": 0, "stdout": out.getvalue(), "error": ""}
+    except SystemExit as exit:  # sys.exit(code) as in a process of its own
+        code = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
+        reply = {"rc": code, "stdout": out.getvalue(), "error": "" if code == 0 else str(exit.code)}
+    except BaseException:
+        reply = {"rc": 1, "stdout": out.getvalue(), "error": traceback.format_exc()}
+    sys.__stdout__.write("\x00" + json.dumps(reply) + "\n")
+    sys.__stdout__.flush()
+"""
+
+
+@pytest.fixture(scope="session")
+def fresh_python(tmp_path_factory):
+    """`fresh_python(code, *argv)` runs a script as `python -c code *argv` would, in ONE Python process per test
+    session started for it (torch and transformers imported once for test_remote_code.py and test_hub_card.py), where
+    the installed kimik3 package is never imported and cannot be. Returns (returncode, stdout, error text)."""
+    import json
+    import select
+    import subprocess
+
+    log = tmp_path_factory.mktemp("fresh_python") / "stderr.txt"
+    with open(log, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-c", FRESH_SERVER], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+    def run(code: str, *argv: str, timeout: float = 300):
+        process.stdin.write(json.dumps([code, list(argv)]) + "\n")
+        process.stdin.flush()
+        while True:
+            if not select.select([process.stdout], [], [], timeout)[0]:
+                return 124, "", f"no answer in {timeout} s\n" + log.read_text()[-3000:]
+            line = process.stdout.readline()
+            if not line:
+                return process.wait(), "", log.read_text()[-3000:]
+            if "\x00" in line:  # the reply; output written past sys.stdout (C code, fd 1) came before it
+                reply = json.loads(line.split("\x00", 1)[1])
+                error = reply["error"] + log.read_text()[-3000:] if reply["rc"] else ""
+                return reply["rc"], reply["stdout"], error
+
+    yield run
+    process.stdin.close()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 # Files that share a session fixture run on one pytest-xdist worker, so the fixture runs once: the two files of the
-# one torchrun launch (`two_rank_runs`). Every other file is a group of its own.
-SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "two_rank_launch"}
+# one torchrun launch (`two_rank_runs`), the two of the one fresh interpreter (`fresh_python`). Every other file is a
+# group of its own.
+SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "two_rank_launch",
+                 "test_remote_code": "fresh_interpreter", "test_hub_card": "fresh_interpreter"}
 # The groups that take longest, handed out first (longest first), so the two workers end together rather than one
 # starting a long group while the other has finished; the rest go in xdist's order (most tests first). Seconds of
 # one worker summed from `--durations=0` of one whole-suite run (a loaded 2-core machine: only the order matters).
-GROUP_SECONDS = {"test_quantile_balancing_model": 53, "test_training": 47, "test_remote_code": 44,
+GROUP_SECONDS = {"test_quantile_balancing_model": 53, "test_training": 47, "fresh_interpreter": 64,
                  "test_release_loading": 40, "test_convert_memory": 40, "test_static_cache": 38, "two_rank_launch": 38,
-                 "test_hub_card": 30, "test_convert_roundtrip": 20, "test_convert_resume": 18, "test_training_lora": 17,
+                 "test_convert_roundtrip": 20, "test_convert_resume": 18, "test_training_lora": 17,
                  "test_bad_inputs_runs": 16, "test_auto_classes": 15, "test_quiet_paths": 12}
 
 

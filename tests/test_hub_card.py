@@ -2,8 +2,6 @@
 commit operations intercepted, no network) giving folders that a fresh process loads with trust_remote_code."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -213,7 +211,7 @@ print(json.dumps(out))
 """
 
 
-def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub, tmp_path):
+def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub, tmp_path, fresh_python):
     from transformers import AutoModelForCausalLM
 
     from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
@@ -253,10 +251,9 @@ def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub
     assert CODE_FILES | {"README.md", "config.json"} <= {p.name for p in resaved.iterdir()}
     assert json.loads((resaved / "config.json").read_text())["auto_map"] == config["auto_map"]
 
-    result = subprocess.run([sys.executable, "-c", FRESH, json.dumps(ids.tolist()), str(hub_copy), str(resaved)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    returncode, stdout, error = fresh_python(FRESH, json.dumps(ids.tolist()), str(hub_copy), str(resaved))
+    assert returncode == 0, error
+    loaded = json.loads(stdout.strip().splitlines()[-1])
     with torch.no_grad():
         expected = model(ids).logits[0, -1, :8].float()
     for directory in (hub_copy, resaved):

@@ -1,8 +1,6 @@
 """The remote-code path: a saved folder loads with trust_remote_code in a fresh process, from flat files only."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -70,13 +68,13 @@ def folders(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fresh(folders):
-    """One fresh process (one import of torch and transformers) loads every folder with trust_remote_code."""
+def fresh(folders, fresh_python):
+    """The fresh process (conftest's `fresh_python`: kimik3 never imported) loads every folder with
+    trust_remote_code."""
     jobs = [[str(directory), ids.tolist()] for directory, _, ids in folders.values()]
-    result = subprocess.run([sys.executable, "-c", FRESH, json.dumps(jobs)], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return dict(zip(folders, json.loads(result.stdout.strip().splitlines()[-1])))
+    returncode, stdout, error = fresh_python(FRESH, json.dumps(jobs))
+    assert returncode == 0, error
+    return dict(zip(folders, json.loads(stdout.strip().splitlines()[-1])))
 
 
 def test_tiny_folder_round_trips_in_a_fresh_process(folders, fresh):
