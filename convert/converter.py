@@ -9,7 +9,7 @@ from kimik3.modeling.conversion_kimi_k3 import looks_like_local_path
 
 from . import files
 from .checkpoint import Checkpoint
-from .engine import check_threads, plan_shards_by_size, write_checkpoint
+from .engine import check_paths, check_threads, plan_shards_by_size, write_checkpoint
 from .errors import ConversionError
 from .plan import ConvertOptions, RunContext, build_convert_plan
 from .schedule import output_config_dict
@@ -95,6 +95,7 @@ def convert(
     if experts_format not in EXPERTS_FORMATS:
         raise ConversionError(f"--experts-format {experts_format!r}: choose {' or '.join(EXPERTS_FORMATS)}")
     check_threads(threads)
+    check_paths(src, dst)
     options = ConvertOptions(
         text_only=text_only,
         experts_format=experts_format,

@@ -153,9 +153,33 @@ def progress_bar(label: str, total: int, done: int, enabled: bool) -> ByteProgre
                         disable=not enabled, file=sys.stderr)
 
 
+# OpenMP allocates a stack per thread up front: --threads 10^9 aborted the process (libgomp: out of memory)
+MAX_THREADS = 1024
+
+
 def check_threads(threads) -> None:
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise ConversionError(f"--threads {threads!r}: must be a whole number >= 1 (leave it out for torch's default)")
+    if threads is not None and threads > MAX_THREADS:
+        raise ConversionError(f"--threads {threads}: at most {MAX_THREADS} (this machine has {os.cpu_count()} CPUs; "
+                              "leave it out for torch's default)")
+
+
+def check_paths(src, dst) -> None:
+    """SRC and DST as the user gave them: an empty path would be the working folder, a NUL byte or a symlink loop
+    would fail later in the OS with no path named."""
+    for what, path in (("source", src), ("destination", dst)):
+        text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+        if text is None:
+            continue
+        if not text:
+            raise ConversionError(f"the {what} is an empty path: name a folder (`.` for the working folder)")
+        if "\x00" in text:
+            raise ConversionError(f"{text!r}: the {what} path holds a NUL byte")
+        try:
+            Path(text).resolve()
+        except RuntimeError:  # pathlib's "Symlink loop"
+            raise ConversionError(f"{text}: the {what} is a symlink loop (it never resolves to a folder)") from None
 
 
 @contextmanager

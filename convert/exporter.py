@@ -20,7 +20,7 @@ from pathlib import Path
 from . import files
 from .checkpoint import RELEASE_TOTAL_DIGITS, Checkpoint, check_inside, shard_file_name
 from .converter import CONVERTER_VERSION
-from .engine import ShardPlan, write_checkpoint
+from .engine import ShardPlan, check_paths, check_threads, write_checkpoint
 from .errors import ConversionError
 from .plan import RunContext, build_export_plan
 from .schedule import release_config_dict
@@ -75,6 +75,8 @@ def summarise_error(stats: dict) -> dict:
 
 def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_unknown: bool = False,
            threads: int | None = None) -> dict:
+    check_threads(threads)
+    check_paths(src, dst)
     dst = Path(dst)
     context = RunContext()
     with Checkpoint(src) as ckpt:

@@ -301,6 +301,7 @@ def test_a_missing_local_source_is_not_looked_up_on_the_hub(reference, tmp_path,
     pytest.param(["--num-layers", "0"], "argument --num-layers: 0 must be at least 1", id="num-layers-zero"),
     pytest.param(["--num-experts", "-2"], "argument --num-experts: -2 must be at least 1", id="num-experts-negative"),
     pytest.param(["--max-shard-size", "0"], "cannot read size '0' as a positive size", id="max-shard-size-zero"),
+    pytest.param(["--threads", "1000000000"], "--threads 1000000000: at most 1024", id="threads-huge"),
 ])
 def test_bad_cli_arguments_exit_two(release, tmp_path, capsys, args, fragment):
     dst = tmp_path / "out"
@@ -674,3 +675,17 @@ def test_runs_and_destination_folders(scenario, release, reference, tmp_path, mo
     """Each scenario above asserts its own outcome (the error and its wording, what is or is not left in the
     destination); this only runs them with the shared fixtures."""
     scenario(release, reference, tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("make, fragment", [
+    pytest.param(lambda t: (t / "loop").symlink_to(t / "loop") or t / "loop",
+                 "the destination is a symlink loop (it never resolves to a folder)", id="dst-symlink-loop"),
+    pytest.param(lambda t: str(t / "o\x00x"), "the destination path holds a NUL byte", id="dst-nul-byte"),
+    pytest.param(lambda t: "", "the destination is an empty path: name a folder", id="dst-empty-path"),
+])
+def test_a_destination_path_the_os_cannot_use_is_named(release, tmp_path, capsys, make, fragment):
+    """A symlink loop was a RuntimeError traceback, a NUL byte a ValueError; an empty DST was the working folder."""
+    dst = make(tmp_path)
+    assert kc.run_convert([str(release.path), str(dst), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "kimik3 convert: error: " in err and fragment in err and "Traceback" not in err, err
