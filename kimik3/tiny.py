@@ -26,10 +26,22 @@ class TinyFolderError(ValueError):
     pass
 
 
+def check_tiny_layers(num_hidden_layers) -> None:
+    """The config's own bound, checked before the layer schedule is laid out: `--layers 1000000000` built lists of
+    10^9 layers and never finished."""
+    from kimik3.modeling.configuration_kimi_k3 import MAX_HIDDEN_LAYERS
+
+    if isinstance(num_hidden_layers, int) and num_hidden_layers > MAX_HIDDEN_LAYERS:
+        raise TinyFolderError(f"--layers {num_hidden_layers}: at most {MAX_HIDDEN_LAYERS} (the layers a Kimi K3 "
+                              "config may have; the release has 93)")
+
+
 def build_tiny_model(seed: int = 0, num_hidden_layers: int = 4, **overrides):
     """A small random K3 model with every mechanism on; pseudo-queries get random values (zeros would hide
     AttnRes bugs: uniform mixing)."""
     import torch
+
+    check_tiny_layers(num_hidden_layers)
 
     from kimik3.configuration import tiny_text_config_dict
     from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
@@ -128,6 +140,7 @@ def write_tiny_folder(directory: str | Path, num_hidden_layers: int = 4, seed: i
     config; `vision=True` writes the composite model with a vision tower (`build_tiny_vision_model`).
     Returns (model, names of the other files kept in the folder)."""
     directory = Path(directory)
+    check_tiny_layers(num_hidden_layers)
     kept = check_tiny_directory(directory, overwrite)
     build = build_tiny_vision_model if vision else build_tiny_model
     model = build(seed=seed, num_hidden_layers=num_hidden_layers, **tiny_tokenizer_overrides())

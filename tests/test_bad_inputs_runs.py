@@ -689,3 +689,17 @@ def test_a_destination_path_the_os_cannot_use_is_named(release, tmp_path, capsys
     assert kc.run_convert([str(release.path), str(dst), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "kimik3 convert: error: " in err and fragment in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("layers", [pytest.param("1000000000", id="tiny-layers-huge")])
+def test_tiny_refuses_more_layers_than_a_config_may_have_at_once(tmp_path, capsys, layers):
+    """The layer schedule of 10^9 layers was laid out before the config's bound was checked: it never finished."""
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(rc=kimik3_main(["tiny", str(tmp_path / "t"), "--layers",
+                                                                            layers])), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "kimik3 tiny hangs"
+    assert outcome["rc"] == 2
+    assert f"kimik3 tiny: error: --layers {layers}: at most 4096" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
