@@ -32,7 +32,7 @@ from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
 from .image_processing_kimi_k3 import KimiK3ImageProcessor, _as_pil
-from .tokenization_kimi_k3 import normalize_conversations
+from .tokenization_kimi_k3 import check_tokenizer_files, normalize_conversations
 
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
@@ -72,6 +72,14 @@ class KimiK3Processor(ProcessorMixin):
         if chat_template is None and tokenizer is not None:
             chat_template = getattr(tokenizer, "chat_template", None)
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        # the processor's own files resolve inside a local folder, as the tokenizer's do (docs/bad_inputs.md,
+        # "Loading a folder"); the tokenizer checks its files when it loads
+        check_tokenizer_files(pretrained_model_name_or_path, kwargs.get("subfolder"),
+                              {"processor": "processor_config.json", "image": "preprocessor_config.json"})
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def image_prompt(self, width: int, height: int, expand_media_pad: bool = True) -> str:
         prompt = self.image_processor.image_prompt(width, height)

@@ -456,3 +456,19 @@ def test_a_hardlinked_shard_is_a_file_of_the_folder(folder):
     os.link(outside, folder / shard)
     model = KimiK3ForConditionalGeneration.from_pretrained(folder)
     assert torch.equal(model.state_dict()[Q].float(), load_file(str(outside))[Q].float())
+
+
+@pytest.mark.parametrize("name", [pytest.param("preprocessor_config.json", id="load-processor-config-symlink-out")])
+def test_a_processor_file_linked_out_of_the_folder_is_refused(pristine_converted, tmp_path, name):
+    """KimiK3Processor.from_pretrained (what AutoProcessor runs, in the folder's copy of the code) checks its own
+    files before transformers reads them, as the tokenizer does."""
+    from kimik3.modeling.processing_kimi_k3 import KimiK3Processor
+    from kimik3.modeling.tokenization_kimi_k3 import TokenizerFileError
+
+    root = tmp_path / "k3"
+    root.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copyfile(pristine_converted / name, tmp_path / "elsewhere" / name)
+    (root / name).symlink_to(tmp_path / "elsewhere" / name)
+    with pytest.raises(TokenizerFileError, match=re.escape(f"{root / name}: is a symlink to ") + ".*outside the"):
+        KimiK3Processor.from_pretrained(root)
