@@ -1012,6 +1012,9 @@ def check_pretrained_folder(pretrained, kwargs) -> None:
                                  "absolute path)")
             folder = os.path.join(text, subfolder)
             check_inside(text, folder)
+        gguf = kwargs.get("gguf_file")
+        if gguf and os.path.lexists(os.path.join(folder, gguf)):  # transformers reads it from the folder
+            check_inside(folder, os.path.join(folder, gguf))
     elif os.path.exists(text):
         return  # a file: transformers says what it makes of it
     elif looks_like_local_path(text):

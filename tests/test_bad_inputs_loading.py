@@ -198,6 +198,13 @@ def weights_named_by_config(root):
     return set_config(lambda c: c.update(transformers_weights="other.safetensors.index.json"))(root)
 
 
+def gguf_linked_out(root):
+    """gguf_file="model.gguf", a plain name, but the file a symlink to one outside the folder."""
+    (root.parent.parent / "elsewhere" / "model.gguf").write_bytes(b"GGUF")
+    (root / "model.gguf").symlink_to(root.parent.parent / "elsewhere" / "model.gguf")
+    return {"gguf_file": "model.gguf"}
+
+
 def pickled_checkpoint(root, keep_safetensors: bool):
     """pytorch_model.bin (a pickle; its content does not matter, it is never opened), alone or next to the
     safetensors weights with use_safetensors=False."""
@@ -298,6 +305,8 @@ LOADING_CASES = [
     pytest.param("converted", set_config(lambda c: c.update(transformers_weights="sub/x.safetensors")),
                  ["config.json", "refusing `transformers_weights` file name 'sub/x.safetensors'"],
                  id="load-transformers-weights-path"),
+    pytest.param("converted", gguf_linked_out, ["model.gguf", OUTSIDE, "outside the folder"],
+                 id="load-gguf-file-symlink-out"),
     pytest.param("converted", lambda r: pickled_checkpoint(r, keep_safetensors=False),
                  ["pytorch_model.bin: a pickled checkpoint is never loaded"], id="load-pickle-only"),
     pytest.param("converted", lambda r: pickled_checkpoint(r, keep_safetensors=True),
