@@ -119,10 +119,10 @@ SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "t
 # The groups that take longest, handed out first (longest first), so the two workers end together rather than one
 # starting a long group while the other has finished; the rest go in xdist's order (most tests first). Seconds of
 # one worker summed from `--durations=0` of one whole-suite run (a loaded 2-core machine: only the order matters).
-GROUP_SECONDS = {"test_quantile_balancing_model": 53, "test_training": 47, "fresh_interpreter": 64,
-                 "test_release_loading": 40, "test_convert_memory": 40, "test_static_cache": 38, "two_rank_launch": 38,
-                 "test_convert_roundtrip": 20, "test_convert_resume": 18, "test_training_lora": 17,
-                 "test_bad_inputs_runs": 16, "test_auto_classes": 15, "test_quiet_paths": 12}
+GROUP_SECONDS = {"test_training": 25, "two_rank_launch": 24, "test_static_cache": 19,
+                 "test_quantile_balancing_model": 18, "test_convert_memory": 18, "test_release_loading": 17,
+                 "fresh_interpreter": 13, "test_training_lora": 12, "test_convert_resume": 12,
+                 "test_convert_roundtrip": 11, "test_vision": 6, "test_speculative": 6, "test_bad_inputs_runs": 5}
 
 
 def xdist_group_of(nodeid: str) -> str:
