@@ -455,6 +455,14 @@ def normalize_conversations(conversation):
 _TAG_OPEN, _TAG_CLOSE = "\ue000", "\ue001"
 
 
+# Tokenizer options that change what an encoding returns and that the chat path's piece-wise encoding cannot honour.
+UNSUPPORTED_CHAT_ENCODING_OPTIONS = frozenset({
+    "stride", "return_overflowing_tokens", "return_offsets_mapping", "return_special_tokens_mask", "return_length",
+    "return_token_type_ids", "is_split_into_words", "split_special_tokens", "text_pair", "text_target",
+    "text_pair_target", "add_prefix_space",
+})
+
+
 class ChatTagging:
     def __init__(self, markers, extra_markers=()):
         import re
@@ -618,8 +626,12 @@ class ChatNormalizingMixin:
         pad_options = {k: options.pop(k) for k in ("pad_to_multiple_of", "padding_side", "return_attention_mask")
                        if k in options}
         options.pop("add_special_tokens", None)  # a chat never gets BOS/EOS added around the template's own
-        if options:
-            raise ValueError(f"tokenizer_kwargs {sorted(options)}: not supported by the K3 chat encoding (it takes "
+        # Encoding options this piece-wise encoding does not implement are refused rather than silently not applied;
+        # any other key is dropped, as `tokenizer(text, **kwargs)` drops keys it does not know (pipelines of some
+        # transformers versions hand generation options such as `do_sample` to the processor along this path).
+        unsupported = sorted(set(options) & UNSUPPORTED_CHAT_ENCODING_OPTIONS)
+        if unsupported:
+            raise ValueError(f"tokenizer_kwargs {unsupported}: not supported by the K3 chat encoding (it takes "
                              "truncation_side, padding_side, pad_to_multiple_of, return_attention_mask)")
         if truncation not in (False, None, "do_not_truncate"):
             limit = max_length if max_length is not None else self.model_max_length
