@@ -1545,6 +1545,27 @@ def _checkpoint_tensor_names(pretrained, kwargs) -> list[str] | None:
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
+def _vision_option(pretrained, kwargs, vision: bool | None) -> bool:
+    """`from_pretrained`'s `vision`: as given, else whether the checkpoint holds vision tensors (True when its names
+    cannot be read without loading it)."""
+    if vision is not None:
+        return vision
+    names = _checkpoint_tensor_names(pretrained, kwargs)
+    return names is None or any(name.startswith(VISION_PREFIXES) for name in names)
+
+
+def _add_vision_parts(model: nn.Module, config, vision: bool | None) -> None:
+    """The tower and projector of the composite model and its base model (None without a tower), and the media
+    placeholder id the text model's input checks look for."""
+    model.language_model.model.media_placeholder_token_id = config.media_placeholder_token_id
+    vision_config = config.vision_config
+    with_tower = getattr(vision_config, "describes_tower", False) if vision is None else vision
+    if with_tower and not getattr(vision_config, "describes_tower", False):
+        raise ValueError("Kimi K3 config, key `vision_config`: vision=True but it describes no vision tower")
+    model.vision_tower = KimiK3VisionTower(vision_config) if with_tower else None
+    model.mm_projector = KimiK3PatchMergerProjector(vision_config) if with_tower else None
+
+
 class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     """The release's top-level class (`KimiK3Config`): `language_model` is a `KimiK3ForCausalLM` (parameter names
     `language_model.model.*` / `language_model.lm_head.weight`, as the release), `vision_tower` the MoonViT-3d tower
@@ -1563,13 +1584,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     def __init__(self, config: KimiK3Config, vision: bool | None = None):
         super().__init__(config)
         self.language_model = KimiK3ForCausalLM(config.text_config)
-        self.language_model.model.media_placeholder_token_id = config.media_placeholder_token_id
-        vision_config = config.vision_config
-        with_tower = getattr(vision_config, "describes_tower", False) if vision is None else vision
-        if with_tower and not getattr(vision_config, "describes_tower", False):
-            raise ValueError("Kimi K3 config, key `vision_config`: vision=True but it describes no vision tower")
-        self.vision_tower = KimiK3VisionTower(vision_config) if with_tower else None
-        self.mm_projector = KimiK3PatchMergerProjector(vision_config) if with_tower else None
+        _add_vision_parts(self, config, vision)
         self.post_init()
 
     @classmethod
@@ -1578,9 +1593,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         `vision=False`, and required with `vision=True`."""
         # the folder's files are checked before anything here or in transformers reads them (conversion_kimi_k3.py)
         with checked_pretrained_folder(pretrained_model_name_or_path, kwargs):
-            if vision is None:
-                names = _checkpoint_tensor_names(pretrained_model_name_or_path, kwargs)
-                vision = names is None or any(name.startswith(VISION_PREFIXES) for name in names)
+            vision = _vision_option(pretrained_model_name_or_path, kwargs, vision)
             model = super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
         # transformers also hands the load options __init__ takes to the generation config; `vision` is not one of its
         # settings (it would be saved in generation_config.json)
@@ -1739,23 +1752,16 @@ class KimiK3MultimodalModel(KimiK3PreTrainedModel):
     def __init__(self, config: KimiK3Config, vision: bool | None = None):
         super().__init__(config)
         self.language_model = KimiK3TextBackbone(config.text_config)
-        # as the composite model: the text model's input checks know the media placeholder
-        self.language_model.model.media_placeholder_token_id = config.media_placeholder_token_id
-        vision_config = config.vision_config
-        with_tower = getattr(vision_config, "describes_tower", False) if vision is None else vision
-        if with_tower and not getattr(vision_config, "describes_tower", False):
-            raise ValueError("Kimi K3 config, key `vision_config`: vision=True but it describes no vision tower")
-        self.vision_tower = KimiK3VisionTower(vision_config) if with_tower else None
-        self.mm_projector = KimiK3PatchMergerProjector(vision_config) if with_tower else None
+        _add_vision_parts(self, config, vision)
         self.post_init()
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
         """As KimiK3ForConditionalGeneration.from_pretrained (the `vision` option included)."""
-        if vision is None:
-            names = _checkpoint_tensor_names(pretrained_model_name_or_path, kwargs)
-            vision = names is None or any(name.startswith(VISION_PREFIXES) for name in names)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
+        # the folder's files are checked before the index is read for the vision tensors (conversion_kimi_k3.py)
+        with checked_pretrained_folder(pretrained_model_name_or_path, kwargs):
+            vision = _vision_option(pretrained_model_name_or_path, kwargs, vision)
+            return super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

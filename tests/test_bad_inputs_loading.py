@@ -336,6 +336,22 @@ def test_a_folder_naming_files_it_must_not_is_refused_before_reading(folder, dam
         assert fragment in str(error), str(error)
 
 
+@pytest.mark.parametrize("folder", [pytest.param("release", id="load-base-multimodal-index-symlink-out")],
+                         indirect=True)
+def test_the_multimodal_base_model_checks_before_it_reads_the_index(folder, monkeypatch):
+    """KimiK3MultimodalModel (what AutoModel gives for a composite folder) reads the index to decide on the vision
+    tower: the folder is checked first, so an index linked out of the folder is refused before it is read."""
+    from kimik3.modeling import modeling_kimi_k3 as mk
+
+    read = []
+    real = mk._checkpoint_tensor_names
+    monkeypatch.setattr(mk, "_checkpoint_tensor_names", lambda *a, **k: read.append(a) or real(*a, **k))
+    moved_out(INDEX)(folder)
+    with pytest.raises(ck.KimiK3LoadError, match="outside the folder"):
+        mk.KimiK3MultimodalModel.from_pretrained(folder)
+    assert read == []
+
+
 @pytest.mark.parametrize("folder", [pytest.param("converted", id="load-auto-remote-code-shard-parent-path")],
                          indirect=True)
 def test_the_remote_code_copy_checks_too(folder):
