@@ -51,7 +51,9 @@ class LibraryReader:
         self.ckpt = ckpt
         self._shard, self._handle = None, None
 
-    def read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, get):
+        """`get(handle)` on the safetensors library's handle of the shard holding `name` (kept open across reads of
+        one shard); any failure names the file and the tensor."""
         from safetensors import safe_open
 
         shard = self.ckpt.shard_of(name)
@@ -60,31 +62,19 @@ class LibraryReader:
             if shard != self._shard:
                 self._handle, self._shard = None, None
                 self._handle, self._shard = safe_open(str(path), "pt"), shard
-            return self._handle.get_tensor(name).clone()
+            return get(self._handle)
         except Exception as exc:  # SafetensorError, OSError, missing key: name the file, do not guess
             raise shard_error(path, f"the safetensors library cannot read it: {exc}", name) from None
 
+    def read(self, name: str) -> torch.Tensor:
+        return self._read(name, lambda handle: handle.get_tensor(name).clone())
+
     def read_index(self, name: str, index: int) -> torch.Tensor:
         """`tensor[index]` alone (one expert of a fused [E, ...] tensor), without reading the rest."""
-        self.read_shape(name)
-        try:
-            return self._handle.get_slice(name)[index].clone()
-        except Exception as exc:
-            raise shard_error(self.ckpt.shard_path(self._shard), f"the safetensors library cannot read it: {exc}",
-                              name) from None
+        return self._read(name, lambda handle: handle.get_slice(name)[index].clone())
 
     def read_shape(self, name: str) -> list[int]:
-        from safetensors import safe_open
-
-        shard = self.ckpt.shard_of(name)
-        path = self.ckpt.shard_path(shard)
-        try:
-            if shard != self._shard:
-                self._handle, self._shard = None, None
-                self._handle, self._shard = safe_open(str(path), "pt"), shard
-            return list(self._handle.get_slice(name).get_shape())
-        except Exception as exc:
-            raise shard_error(path, f"the safetensors library cannot read it: {exc}", name) from None
+        return self._read(name, lambda handle: list(handle.get_slice(name).get_shape()))
 
     def close(self) -> None:
         self._handle, self._shard = None, None
