@@ -191,6 +191,24 @@ def test_bad_source_files_are_named(release, tmp_path, name, damage, fragments):
     assert not (tmp_path / "out").exists()
 
 
+def convert_error_or_hang(src, dst, seconds: float = 60) -> str | None:
+    """The ConversionError message of convert(src, dst), run in a thread so that a hang fails the test after
+    `seconds` instead of stopping the suite (a FIFO blocks a reader; a config of 10^9 layers never finished)."""
+    outcome = {}
+
+    def run():
+        try:
+            convert(src, dst)
+        except ConversionError as exc:
+            outcome["error"] = str(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), "convert hangs"
+    return outcome.get("error")
+
+
 @pytest.mark.parametrize("count, fragments", [
     pytest.param(10**9, ["`text_config.num_hidden_layers` = 1,000,000,000",
                          "layers 0..3 (4 layer(s)), none of layer 4"],
@@ -202,21 +220,10 @@ def test_a_layer_count_the_tensors_do_not_have_is_refused_at_once(release, tmp_p
     src = tmp_path / "src"
     shutil.copytree(release.path, src)
     set_in_config(src / "config.json", "num_hidden_layers", count)
-    outcome = {}
-
-    def run():
-        try:
-            convert(src, tmp_path / "out")
-        except ConversionError as exc:
-            outcome["error"] = str(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(60)
-    assert not worker.is_alive(), "convert hangs"
-    assert outcome["error"].startswith(f"{src / 'config.json'}: key "), outcome
+    error = convert_error_or_hang(src, tmp_path / "out")
+    assert error is not None and error.startswith(f"{src / 'config.json'}: key "), error
     for fragment in fragments + [str(src / INDEX)]:
-        assert fragment in outcome["error"], outcome["error"]
+        assert fragment in error, error
     assert not (tmp_path / "out").exists()
 
 
@@ -252,19 +259,8 @@ def test_a_source_file_that_is_a_fifo_is_refused_without_waiting(release, tmp_pa
     shutil.copytree(release.path, src)
     (src / name).unlink()
     os.mkfifo(src / name)
-    outcome = {}
-
-    def run():
-        try:
-            convert(src, tmp_path / "out")
-        except ConversionError as exc:
-            outcome["error"] = str(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(60)
-    assert not worker.is_alive(), "convert hangs"
-    assert outcome["error"] == f"{src / name}: is a FIFO, not a {kind} file (a regular file)"
+    error = convert_error_or_hang(src, tmp_path / "out")
+    assert error == f"{src / name}: is a FIFO, not a {kind} file (a regular file)"
     assert not (tmp_path / "out").exists()
 
 
