@@ -398,7 +398,7 @@ def compiled_call_breakdown(model, inputs, calls=20):
         return None
     from torch._dynamo.utils import counters
 
-    from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
+    from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
 
     position = inputs[CACHE_FIELD].position  # the static cache's write position (a device tensor)
     graphs_before = counters["stats"].get("unique_graphs", 0)
@@ -477,7 +477,7 @@ def measure_generate_decode(model, stats, batch, context, compiled, new_tokens=4
     the GPU kernel table of 5 steady steps (torch.profiler around those steps only)."""
     from torch._dynamo.utils import counters
 
-    from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
+    from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
 
     torch._dynamo.reset()  # each configuration compiles its own static-shape graph
     counters.clear()

@@ -19,7 +19,7 @@ def run_demo(new_tokens: int = 12, say=print) -> bool:
     from kimik3.convert.converter import convert
     from kimik3.convert.testing import write_release_checkpoint
     from kimik3.modeling.cache_kimi_k3 import analytic_cache_bytes
-    from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
+    from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
 
     with tempfile.TemporaryDirectory() as tmp, progress_bars_off():
         model_dir = Path(tmp) / "model"

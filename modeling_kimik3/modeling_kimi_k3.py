@@ -36,15 +36,19 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .cache_kimi_k3 import KimiK3Cache, conv_windows_after, kda_decay, kda_recurrence
+from .cache_kimi_k3 import KimiK3Cache
+from .compat_kimi_k3 import CACHE_FIELD, given_cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load, checked_pretrained_folder, register_release_conversions
 from .ops_kimi_k3 import (
     MXFP4_GROUP_SIZE,
+    conv_windows_after,
     dequantize_mxfp4,
     fast_or_reference,
     has_fast_twin,
+    kda_decay,
+    kda_recurrence,
     routed_experts,
     sdpa_backend_order,
 )
@@ -61,16 +65,6 @@ from .serving_kimi_k3 import KimiK3PrefixStore, build_prompt_cache, slice_draft_
 
 
 logger = logging.get_logger(__name__)
-
-# transformers 5.24 renamed the cache argument and output field from `past_key_values` to `cache` (5.17 uses the
-# old name). Forward accepts both; outputs and generate() use whichever this transformers expects.
-CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _given_cache(cache, past_key_values):
-    """The cache a caller passed, under either name."""
-    return cache if cache is not None else past_key_values
-
 
 @contextlib.contextmanager
 def _onloaded(*modules: nn.Module):
@@ -900,7 +894,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     def create_masks_for_generate(self, config=None, attention_mask=None, **kwargs):
         """generate() asks for fixed-shape masks when the cache is static: the prefill keeps its 2-D padding mask
         (the cache records it), decode steps need none (the cache's key_valid mask is the mask)."""
-        cache = _given_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
+        cache = given_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
         if cache is not None and cache.has_previous_state():
             return None
         return attention_mask
@@ -1074,7 +1068,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         cache: KimiK3Cache | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
-        cache = _given_cache(cache, past_key_values)
+        cache = given_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -1407,7 +1401,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=_given_cache(cache, past_key_values),
+            cache=given_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -1653,7 +1647,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, pixel_values=None,
                 grid_thws=None, **kwargs) -> KimiK3MultimodalOutputWithPast:
-        cache = _given_cache(cache, past_key_values)
+        cache = given_cache(cache, past_key_values)
         merged_mask = None
         if pixel_values is not None:
             if inputs_embeds is not None:
@@ -1784,7 +1778,7 @@ class KimiK3MultimodalModel(KimiK3PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, cache=None, pixel_values=None, grid_thws=None,
                 **kwargs) -> KimiK3MultimodalModelOutputWithPast:
-        cache = _given_cache(cache, past_key_values)
+        cache = given_cache(cache, past_key_values)
         merged_mask = None
         if pixel_values is not None:
             if inputs_embeds is not None:

@@ -739,3 +739,47 @@ def _load_traced_twins() -> None:
     for name, op in FAST_OPS.items():
         if op.traceable or op.traceable_forward:
             _KERNELS.load(name)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# KDA recurrence: which kernel a forward of these tokens runs
+
+
+def conv_windows_after(pre_conv: tuple[torch.Tensor, ...], base_windows: tuple[torch.Tensor, ...] | None,
+                       kernel_size: int) -> tuple[torch.Tensor, ...]:
+    """The q/k/v conv windows (the last K - 1 pre-conv inputs, as the cache stores them) after the tokens of
+    `pre_conv` ([B, T, C] each), continuing `base_windows` (None: the start of the sequence)."""
+    windows = []
+    for index, x in enumerate(pre_conv):
+        x_t = x.transpose(1, 2)
+        base = (x_t.new_zeros(*x_t.shape[:2], kernel_size - 1) if base_windows is None
+                else base_windows[index].to(x_t.dtype))
+        window = torch.cat([base, x_t], dim=-1)
+        windows.append(window[..., window.shape[-1] - (kernel_size - 1):])
+    return tuple(windows)
+
+
+def kda_decay(decay_logits, A_log, dt_bias, lower_bound):
+    """The KDA log-decay g from its logits, through the gate's fast twin where it may run."""
+    return fast_or_reference("kda_gate", decay_logits, A_log, dt_bias)(decay_logits, A_log, dt_bias, lower_bound)
+
+
+def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, chunk_size: int, decode_step: bool,
+                   gate: tuple | None = None, qk_normalized: bool = False):
+    """The delta rule over these tokens, with the kernel of the forward they belong to: a one-token forward that
+    continues a state is a decode step (fused recurrent form), anything else the chunked form. A rollback replay
+    and a forward split at snapshot positions pick by the same rule, so they compute what that forward computes.
+    With `gate` = (A_log, dt_bias, lower_bound), `g` holds the raw decay logits: the chunked form computes the
+    decay inside its kernel (`use_gate_in_kernel`), the recurrent form gets it from `kda_gate` first.
+    `qk_normalized`: q and k come L2-normalised from the conv (`l2norm_head_dim`), so the kernel skips its own."""
+    if decode_step and initial_state is not None:
+        kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
+        if gate is not None:
+            g = kda_decay(g, *gate)
+    else:
+        kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": chunk_size}
+        if gate is not None:
+            A_log, dt_bias, lower_bound = gate
+            extra.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    return kda_fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=not qk_normalized, **extra)

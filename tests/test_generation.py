@@ -16,7 +16,8 @@ from kimik3.modeling.cache_kimi_k3 import (
     analytic_cache_bytes,
 )
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
-from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD, KimiK3ForCausalLM
+from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
+from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 
 
 @pytest.fixture(scope="module")

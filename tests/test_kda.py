@@ -66,7 +66,7 @@ def test_gate_in_kernel_is_the_gate_applied_first():
     """chunk_kda's `use_gate_in_kernel` contract (the model's prefill path): raw logits plus the gate's parameters
     give exactly what the precomputed decay gives, gradients included (A_log padded to 128 as released), and
     `kda_recurrence` applies the same gate before a decode step's recurrent form."""
-    from kimik3.modeling.cache_kimi_k3 import kda_recurrence
+    from kimik3.modeling.ops_kimi_k3 import kda_recurrence
 
     q, k, v, _, beta, state = _inputs(1, 37, 2, 8, 8)
     raw = torch.randn(1, 37, 2, 8) * 2

@@ -9,7 +9,7 @@ from kimik3.configuration import tiny_text_config_dict
 from kimik3.tiny import build_tiny_model
 from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
 from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
-from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
+from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
 
 VOCAB, HIDDEN, PAD = 128, 64, 0
 

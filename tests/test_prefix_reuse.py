@@ -9,7 +9,7 @@ from k3_test_utils import cache_of
 from kimik3.memory import load_text_config, snapshot_memory
 from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, snapshot_bytes
 from kimik3.modeling.serving_kimi_k3 import KimiK3PrefixStore, block_hashes, build_prompt_cache
-from kimik3.modeling.modeling_kimi_k3 import CACHE_FIELD
+from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
 from kimik3.tiny import build_tiny_model
 
 INTERVAL = 8  # tokens between snapshots in these tests (the release default is 40 blocks of 512)

@@ -1,0 +1,28 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Differences between the transformers versions this code supports (5.17 through the newest 5.x), in one place.
+
+The model files ask this module instead of naming a version: each bridge says which versions differ and how.
+"""
+
+from transformers.modeling_outputs import MoeModelOutputWithPast
+
+# transformers 5.24 renamed the cache argument and output field from `past_key_values` to `cache` (5.17 uses the
+# old name). Forward accepts both; outputs and generate() use whichever this transformers expects.
+CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def given_cache(cache, past_key_values):
+    """The cache a caller passed, under either name."""
+    return cache if cache is not None else past_key_values
