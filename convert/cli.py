@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from kimik3.cli import positive_int
+from kimik3.arguments import positive_int
 
 from .converter import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
 from .errors import ConversionError
