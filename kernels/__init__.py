@@ -134,7 +134,7 @@ def __getattr__(name: str):
     declares (`load(name)` and the contracts of the references they stand in for). Read when asked, not at import:
     that module imports this package while it initialises, and finds the number already defined."""
     if name == "KERNELS_API_VERSION":
-        from kimik3.modeling.ops_kimi_k3 import KERNELS_API_VERSION
+        from kimik3.modeling.dispatch_kimi_k3 import KERNELS_API_VERSION
 
         return KERNELS_API_VERSION
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,7 +46,8 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from .ops_kimi_k3 import conv_windows_after, kda_recurrence
+from .dispatch_kimi_k3 import kda_recurrence
+from .ops_kimi_k3 import conv_windows_after
 
 # The report's serving granularity: prompts are hashed in 512-token blocks, and a KDA state snapshot is kept every
 # few dozen blocks (about 50 snapshots over a 1M-token context).

@@ -41,17 +41,15 @@ from .compat_kimi_k3 import CACHE_FIELD, given_cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load, checked_pretrained_folder, register_release_conversions
-from .ops_kimi_k3 import (
-    MXFP4_GROUP_SIZE,
-    conv_windows_after,
-    dequantize_mxfp4,
+from .dispatch_kimi_k3 import (
+    conv_normalizes_qk,
+    decay_in_chunk_kernel,
     fast_or_reference,
-    has_fast_twin,
     kda_decay,
     kda_recurrence,
-    routed_experts,
     sdpa_backend_order,
 )
+from .ops_kimi_k3 import MXFP4_GROUP_SIZE, conv_windows_after, dequantize_mxfp4, routed_experts
 from .parallel_kimi_k3 import local_shard
 from .vision_kimi_k3 import (
     KimiK3PatchMergerProjector,
@@ -220,15 +218,8 @@ class KimiK3DeltaAttention(nn.Module):
                 (q, k, v), self.conv_size - 1, self.layer_idx
             )
         recording = cache is not None and cache.records_step()
-        # Where fla's chunked form runs after the fast conv, q and k leave the conv L2-normalised (fla rounds them
-        # to their dtype after its own normalisation pass, which reads and writes both again): not for a decode step
-        # (recurrent form), a rollback record (it replays un-normalised inputs), the context-parallel split or
-        # autograd, and never on the reference path, which normalises in f32 inside its recurrence
-        qk_normalized = (
-            context_parallel is None and not recording and not (seq_len == 1 and recurrent_state is not None)
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-            and has_fast_twin("causal_conv1d", q) and has_fast_twin("chunk_kda", q)
-        )
+        qk_normalized = conv_normalizes_qk(q, k, recurrent_state, decode_step=seq_len == 1, recording=recording,
+                                           context_parallel=context_parallel is not None)
         conv_fn = fast_or_reference("causal_conv1d", q)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         l2norm_head_dims = (self.head_dim, self.head_dim, 0) if qk_normalized else (0, 0, 0)
@@ -241,16 +232,12 @@ class KimiK3DeltaAttention(nn.Module):
 
         decay_logits = self.f_b_proj(self.f_a_proj(hidden_states)).view(heads_shape)
         A_log, dt_bias = local_shard(self.A_log), local_shard(self.dt_bias)
-        # Inference: K3's bounded decay is computed inside the chunked kernel's cumsum (one pass over the logits
-        # instead of a gate pass writing f32 decays and a cumsum pass re-reading them), where nothing else needs the
-        # decay: a padding mask overwrites it per token, a rollback record and the context-parallel split keep it
-        decay_gate = None
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in (decay_logits, A_log, dt_bias))
-        if (self.lower_bound is not None and token_mask is None and context_parallel is None and not recording
-                and not training):
+        if decay_in_chunk_kernel(decay_logits, A_log, dt_bias, lower_bound=self.lower_bound,
+                                 padded=token_mask is not None, recording=recording,
+                                 context_parallel=context_parallel is not None):
             g, decay_gate = decay_logits, (A_log, dt_bias, self.lower_bound)
         else:
-            g = kda_decay(decay_logits, A_log, dt_bias, self.lower_bound)
+            g, decay_gate = kda_decay(decay_logits, A_log, dt_bias, self.lower_bound), None
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
         if token_mask is not None:
             # A padded step must be the identity on the state: the decay is not 1 on zero input, so set g = 0 and

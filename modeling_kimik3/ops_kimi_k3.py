@@ -11,29 +11,23 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Pure-PyTorch reference ops of Kimi K3 and the declaration of their optional fast twins.
+"""Pure-PyTorch reference ops of Kimi K3: the maths of the model, and the truth its fast twins are checked against.
 
-Every op the model may run fast has its reference here and one `FastOp` entry in `FAST_OPS` (the last section):
-the reference and the conditions under which the installed `kimik3.kernels` may replace it. The model asks
-`fast_or_reference(name, *tensors)` and calls what it gets; both have the same signature and contract. Names and
-signatures mirror fla-core where a kernel exists (`chunk_kda`, `fused_recurrent_kda`). Comments name
-the sections of docs/architecture.md they follow.
+Every op that may run fast is declared once, at its reference, with `@fast_op(...)` (dispatch_kimi_k3.py): the
+conditions under which the installed `kimik3.kernels` may replace it. The model asks `fast_or_reference(name,
+*tensors)` there and calls what it gets; both have the same signature and contract. Names and signatures mirror
+fla-core where a kernel exists (`chunk_kda`, `fused_recurrent_kda`). Comments name the sections of
+docs/architecture.md they follow.
 """
 
-import contextlib
 import functools
-import importlib
 import math
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.utils import logging
 
-
-logger = logging.get_logger(__name__)
+from .dispatch_kimi_k3 import fast_op, fast_or_reference
 
 
 def f32_island(fn):
@@ -58,6 +52,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+@fast_op(forward_only=True)
 @f32_island
 def kda_gate(
     z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
@@ -75,6 +70,7 @@ def kda_gate(
     return lower_bound * torch.sigmoid(a * z)
 
 
+@fast_op(traceable_forward=True)
 @f32_island
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None, l2norm_head_dim: int = 0
@@ -110,6 +106,20 @@ def l2norm_heads(y: torch.Tensor, head_dim: int) -> torch.Tensor:
     return l2norm(heads).flatten(-2).to(y.dtype)
 
 
+def conv_windows_after(pre_conv: tuple[torch.Tensor, ...], base_windows: tuple[torch.Tensor, ...] | None,
+                       kernel_size: int) -> tuple[torch.Tensor, ...]:
+    """The q/k/v conv windows (the last K - 1 pre-conv inputs, as the cache stores them) after the tokens of
+    `pre_conv` ([B, T, C] each), continuing `base_windows` (None: the start of the sequence)."""
+    windows = []
+    for index, x in enumerate(pre_conv):
+        x_t = x.transpose(1, 2)
+        base = (x_t.new_zeros(*x_t.shape[:2], kernel_size - 1) if base_windows is None
+                else base_windows[index].to(x_t.dtype))
+        window = torch.cat([base, x_t], dim=-1)
+        windows.append(window[..., window.shape[-1] - (kernel_size - 1):])
+    return tuple(windows)
+
+
 def _prepare_qk(q, k, scale, use_qk_l2norm_in_kernel):
     q, k = q.float(), k.float()
     if use_qk_l2norm_in_kernel:
@@ -119,6 +129,7 @@ def _prepare_qk(q, k, scale, use_qk_l2norm_in_kernel):
     return q * scale, k
 
 
+@fast_op(forward_only=True, traceable_forward=True)
 @f32_island
 def fused_recurrent_kda(
     q: torch.Tensor,
@@ -170,6 +181,7 @@ def _chunk_kda_step(q, k, v, g, beta, state, causal_incl, causal_strict, eye):
     return out, state
 
 
+@fast_op()
 @f32_island
 def chunk_kda(
     q: torch.Tensor,
@@ -288,6 +300,8 @@ def kda_segment_transition(
     return transition.contiguous()
 
 
+# eager only: under compile inductor fuses the reference's six ops into one kernel itself
+@fast_op(half_only=True, one_dtype=True, forward_only=True)
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """KimiRMSNorm (7): statistics in f32, cast back to the input dtype, then times the weight (in the weight and
     input dtypes' promoted type: a bf16 weight times bf16 gives a bf16 product)."""
@@ -297,6 +311,7 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return weight * hidden.to(input_dtype)
 
 
+@fast_op(forward_only=True)
 @f32_island
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fla FusedRMSNormGated(activation='sigmoid'): RMS over the last dim, weight, sigmoid gate; all f32
@@ -310,6 +325,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 # MLA attention forms: one key block with its log-sum-exp (blockwise prefill over a long cache), absorbed decode
 
 
+@fast_op(half_only=True, forward_only=True)
 @f32_island
 def attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool
@@ -325,6 +341,7 @@ def attention_with_lse(
     return torch.exp(scores - lse.unsqueeze(-1)) @ value.float(), lse
 
 
+@fast_op(forward_only=True, traceable_forward=True)
 def mla_decode(
     q_lat: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -356,6 +373,7 @@ def mla_decode(
 # Block Attention Residuals (docs/architecture.md, Block Attention Residuals)
 
 
+@fast_op(one_dtype=True, traceable_forward=True)
 @f32_island
 def block_attn_res_mix(
     candidates: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
@@ -372,6 +390,9 @@ def block_attn_res_mix(
     return (weights.unsqueeze(-1) * values).sum(dim=0).to(candidates[-1].dtype)
 
 
+# eager only, forward only (the prefill's and decode's eager layers): one pass instead of the add, the mix and the
+# norm; its reference runs those three through their own fast paths (the mix's autograd, the compiled graphs)
+@fast_op(half_only=True, one_dtype=True, forward_only=True)
 def attn_res_mix_norm(
     blocks: list[torch.Tensor],
     prefix: torch.Tensor | None,
@@ -403,6 +424,7 @@ def attn_res_mix_norm(
 # SiTU (docs/architecture.md, Stable LatentMoE)
 
 
+@fast_op(traceable_forward=True)
 @f32_island
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU: [b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(u/b2)] in f32, cast back to the input dtype.
@@ -421,6 +443,8 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_be
 # Router and routed experts (docs/architecture.md, Stable LatentMoE)
 
 
+# eager only (the compiled decode step keeps tracing the reference, as measured)
+@fast_op(half_only=True, forward_only=True)
 def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """f32 router logits x @ W^T of both operands upcast (8.1: bf16 logits change the selected set for a few % of
     tokens), autocast off: an SGEMM. hidden_states [..., D], weight [E, D] -> [..., E] f32."""
@@ -468,6 +492,7 @@ def _gathered_experts(hidden_states, top_indices, top_weights, gate_up_proj, dow
     return combined.to(hidden_states.dtype)
 
 
+@fast_op(half_only=True, traceable=True)
 def moe_experts(
     x: torch.Tensor,
     top_indices: torch.Tensor,
@@ -487,6 +512,8 @@ def moe_experts(
     return routed_experts(x, top_indices, top_weights, gate_up_proj, down_proj, situ)
 
 
+# torch ops around the packed grouped matmul (a custom op)
+@fast_op(half_only=True, traceable_forward=True)
 def moe_experts_mxfp4(
     x: torch.Tensor,
     top_indices: torch.Tensor,
@@ -514,6 +541,7 @@ MXFP4_GROUP_SIZE = 32
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+@fast_op("mxfp4_dequant", forward_only=True, traceable_forward=True)
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """packed: uint8 [..., N, K/2]; scale: uint8 [..., N, K/32] -> [..., N, K] in `dtype` (exact for bf16/f32)."""
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
@@ -567,219 +595,3 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.contiguous(), scale.contiguous()
 
-
-# --------------------------------------------------------------------------------------------------------------
-# Fast paths: one declaration per op. The references above are the truth; `kimik3.kernels` (installed separately,
-# imported only if present) provides faster twins with the same contracts, loaded by name.
-
-# The `kimik3.kernels` interface this file is written against: `load(name)` returns the fast twin of FAST_OPS[name]
-# (or None), with the reference's signature and contract. Its one definition: the installed kimik3.kernels reports
-# the installed package's copy of this number, and a model folder's copy of this file compares it with its own.
-# Defined before `_import_kernels()` runs below, which the kernels package's own reading of it relies on.
-# 2: the twins of `traceable_forward` ops run as torch.library custom ops; 3: the mla_decode twin takes masks (an
-# older install's refuses them) and runs as a custom op; 4: chunk_kda takes the raw decay logits and the gate's
-# parameters (`use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`); 5: causal_conv1d takes `l2norm_head_dim`
-KERNELS_API_VERSION = 5
-# "1" (or "all"): every op runs its reference; a comma list of op names: those ops do; unset or "0": none.
-REFERENCE_ONLY_ENV = "KIMIK3_REFERENCE_ONLY"
-
-
-@dataclass(frozen=True)
-class FastOp:
-    """Where the fast twin of `reference` may run instead of it."""
-
-    reference: Callable
-    cuda_only: bool = True  # a CUDA kernel: every tensor asked about must be on CUDA
-    half_only: bool = False  # built on 16-bit-only kernels (flash attention, grouped GEMM): fp16/bf16 tensors only
-    one_dtype: bool = False  # reads every tensor through one element type: all of one dtype
-    forward_only: bool = False  # no backward: the reference while autograd records for any tensor asked about
-    # made only of torch ops, so torch.compile traces it into the graph (autograd included)
-    traceable: bool = False
-    # launches its own kernels as torch.library custom ops (`torch.ops.kimik3.*`, with fake implementations, no
-    # autograd formula): torch.compile keeps each as one node of the graph (a CUDA graph captures it) while no
-    # gradient is recorded. Under compile the other ops, and these with autograd on, trace their references.
-    traceable_forward: bool = False
-
-
-# Under compile: the ops of the compiled (static-cache) decode step stay fast; chunk_kda and attention_with_lse run in
-# prefill, and inductor fuses the norms' and the KDA gate's references itself.
-FAST_OPS = {
-    "chunk_kda": FastOp(chunk_kda),
-    "fused_recurrent_kda": FastOp(fused_recurrent_kda, forward_only=True, traceable_forward=True),
-    "causal_conv1d": FastOp(causal_conv1d, traceable_forward=True),
-    "attention_with_lse": FastOp(attention_with_lse, half_only=True, forward_only=True),
-    "mla_decode": FastOp(mla_decode, forward_only=True, traceable_forward=True),
-    "block_attn_res_mix": FastOp(block_attn_res_mix, one_dtype=True, traceable_forward=True),
-    # eager only, forward only (the prefill's and decode's eager layers): one pass instead of the add, the mix and the
-    # norm; its reference runs those three through their own fast paths (the mix's autograd, the compiled graphs)
-    "attn_res_mix_norm": FastOp(attn_res_mix_norm, half_only=True, one_dtype=True, forward_only=True),
-    # eager only: under compile inductor fuses the reference's six ops into one kernel itself
-    "rms_norm": FastOp(rms_norm, half_only=True, one_dtype=True, forward_only=True),
-    "gated_rms_norm": FastOp(gated_rms_norm, forward_only=True),
-    "kda_gate": FastOp(kda_gate, forward_only=True),
-    "situ_glu": FastOp(situ_glu, traceable_forward=True),
-    # eager only (the compiled decode step keeps tracing the reference, as measured)
-    "router_logits": FastOp(router_logits, half_only=True, forward_only=True),
-    "moe_experts": FastOp(moe_experts, half_only=True, traceable=True),
-    # torch ops around the packed grouped matmul (a custom op)
-    "moe_experts_mxfp4": FastOp(moe_experts_mxfp4, half_only=True, traceable_forward=True),
-    "mxfp4_dequant": FastOp(dequantize_mxfp4, forward_only=True, traceable_forward=True),
-}
-
-
-def _import_kernels():
-    """The installed `kimik3.kernels` if its interface is the one this file expects, else None (the references).
-
-    Not installed (a model folder run without the package) is the normal case and silent; an install that fails to
-    import or has another interface version gets one warning."""
-    try:
-        kernels = importlib.import_module("kimik3.kernels")
-    except ImportError:
-        return None
-    except Exception as exc:  # a broken install must not stop the model: it still has its references
-        logger.warning(f"kimik3.kernels failed to import ({type(exc).__name__}: {exc}); the model runs its "
-                       "pure-PyTorch reference ops")
-        return None
-    version = getattr(kernels, "KERNELS_API_VERSION", None)
-    if version != KERNELS_API_VERSION:
-        logger.warning(
-            f"the installed kimik3.kernels has interface version {version}, this model code expects "
-            f"{KERNELS_API_VERSION}; the model runs its pure-PyTorch reference ops. Install the kimik3 version this "
-            "model folder was saved with (or re-save the folder with the installed one) to use the fast kernels."
-        )
-        return None
-    return kernels
-
-
-_KERNELS = _import_kernels()
-
-
-def _forced_references() -> frozenset:
-    raw = os.environ.get(REFERENCE_ONLY_ENV, "").strip().lower()
-    if raw in ("", "0", "false", "no"):
-        return frozenset()
-    if raw in ("1", "all", "true", "yes"):
-        return frozenset(FAST_OPS)
-    names = frozenset(x.strip() for x in raw.split(",") if x.strip())
-    unknown = sorted(names - set(FAST_OPS))
-    if unknown:
-        raise ValueError(f"{REFERENCE_ONLY_ENV}={raw!r}: unknown op name(s) {unknown}; use 1 (every op) or a comma "
-                         f"list of {sorted(FAST_OPS)}")
-    return names
-
-
-def fast_path_allowed(name: str, *tensors: torch.Tensor | None) -> bool:
-    """Whether FAST_OPS[name]'s declaration lets its fast twin run on these tensors (None entries are skipped; at
-    least one tensor is needed). The one place where these rules live."""
-    op = FAST_OPS[name]
-    if name in _forced_references():
-        return False
-    if torch.compiler.is_compiling() and not (op.traceable or op.traceable_forward and not torch.is_grad_enabled()):
-        return False
-    present = [t for t in tensors if t is not None]
-    if not present or not all(isinstance(t, torch.Tensor) for t in present):
-        return False
-    if op.cuda_only and any(t.device.type != "cuda" for t in present):
-        return False
-    if op.half_only and any(t.dtype not in (torch.float16, torch.bfloat16) for t in present):
-        return False
-    if op.one_dtype and any(t.dtype != present[0].dtype for t in present):
-        return False
-    if op.forward_only and torch.is_grad_enabled() and any(t.requires_grad for t in present):
-        return False
-    return True
-
-
-def sdpa_backend_order(query: torch.Tensor, attn_implementation: str | None, masked: bool = False):
-    """The context the expanded MLA attention runs SDPA in: cuDNN's fused attention first, on CUDA without autograd.
-    MLA's q/k and v head dims differ (192 and 128), which rules out flash, and the memory-efficient kernel is 4x
-    slower than cuDNN on an H200 (docs/benchmarks.md). A no-op with an attention mask (padding: measured on neither
-    backend here), for other attention implementations, off CUDA, under torch.compile, while autograd records, when
-    attention_with_lse is forced to its reference, and on a torch without backend priorities."""
-    if (masked or attn_implementation != "sdpa" or query.device.type != "cuda" or torch.compiler.is_compiling()
-            or torch.is_grad_enabled() and query.requires_grad or "attention_with_lse" in _forced_references()):
-        return contextlib.nullcontext()
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
-        return sdpa_kernel(order, set_priority=True)
-    except (ImportError, AttributeError, TypeError):
-        return contextlib.nullcontext()
-
-
-def fast_or_reference(name: str, *tensors: torch.Tensor | None) -> Callable:
-    """The function to call for op `name` on these tensors: its fast twin from `kimik3.kernels` when that is
-    installed (with a matching interface), loads (its optional dependencies import) and `fast_path_allowed`, else
-    its reference. Both take the same arguments and keep the same contract."""
-    reference = FAST_OPS[name].reference
-    if _KERNELS is None or not fast_path_allowed(name, *tensors):
-        return reference
-    if not _traced_twins_loaded and not torch.compiler.is_compiling():
-        _load_traced_twins()
-    fast = _KERNELS.load(name)
-    return reference if fast is None else fast
-
-
-def has_fast_twin(name: str, *tensors: torch.Tensor | None) -> bool:
-    """Whether `fast_or_reference(name, *tensors)` gives the fast twin (for a choice that only pays on it)."""
-    return fast_or_reference(name, *tensors) is not FAST_OPS[name].reference
-
-
-_traced_twins_loaded = False
-
-
-def _load_traced_twins() -> None:
-    """Load, eagerly and once, every twin a compiled graph may ask for: a twin's first load imports its module, and
-    an import inside a trace is a graph break (a compiled decode step's `fused_recurrent_kda` is first needed there,
-    after an eager prefill that never asked for it)."""
-    global _traced_twins_loaded
-    _traced_twins_loaded = True
-    for name, op in FAST_OPS.items():
-        if op.traceable or op.traceable_forward:
-            _KERNELS.load(name)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# KDA recurrence: which kernel a forward of these tokens runs
-
-
-def conv_windows_after(pre_conv: tuple[torch.Tensor, ...], base_windows: tuple[torch.Tensor, ...] | None,
-                       kernel_size: int) -> tuple[torch.Tensor, ...]:
-    """The q/k/v conv windows (the last K - 1 pre-conv inputs, as the cache stores them) after the tokens of
-    `pre_conv` ([B, T, C] each), continuing `base_windows` (None: the start of the sequence)."""
-    windows = []
-    for index, x in enumerate(pre_conv):
-        x_t = x.transpose(1, 2)
-        base = (x_t.new_zeros(*x_t.shape[:2], kernel_size - 1) if base_windows is None
-                else base_windows[index].to(x_t.dtype))
-        window = torch.cat([base, x_t], dim=-1)
-        windows.append(window[..., window.shape[-1] - (kernel_size - 1):])
-    return tuple(windows)
-
-
-def kda_decay(decay_logits, A_log, dt_bias, lower_bound):
-    """The KDA log-decay g from its logits, through the gate's fast twin where it may run."""
-    return fast_or_reference("kda_gate", decay_logits, A_log, dt_bias)(decay_logits, A_log, dt_bias, lower_bound)
-
-
-def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, chunk_size: int, decode_step: bool,
-                   gate: tuple | None = None, qk_normalized: bool = False):
-    """The delta rule over these tokens, with the kernel of the forward they belong to: a one-token forward that
-    continues a state is a decode step (fused recurrent form), anything else the chunked form. A rollback replay
-    and a forward split at snapshot positions pick by the same rule, so they compute what that forward computes.
-    With `gate` = (A_log, dt_bias, lower_bound), `g` holds the raw decay logits: the chunked form computes the
-    decay inside its kernel (`use_gate_in_kernel`), the recurrent form gets it from `kda_gate` first.
-    `qk_normalized`: q and k come L2-normalised from the conv (`l2norm_head_dim`), so the kernel skips its own."""
-    if decode_step and initial_state is not None:
-        kda_fn, extra = fast_or_reference("fused_recurrent_kda", q), {}
-        if gate is not None:
-            g = kda_decay(g, *gate)
-    else:
-        kda_fn, extra = fast_or_reference("chunk_kda", q), {"chunk_size": chunk_size}
-        if gate is not None:
-            A_log, dt_bias, lower_bound = gate
-            extra.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
-    return kda_fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=not qk_normalized, **extra)

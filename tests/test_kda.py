@@ -66,7 +66,7 @@ def test_gate_in_kernel_is_the_gate_applied_first():
     """chunk_kda's `use_gate_in_kernel` contract (the model's prefill path): raw logits plus the gate's parameters
     give exactly what the precomputed decay gives, gradients included (A_log padded to 128 as released), and
     `kda_recurrence` applies the same gate before a decode step's recurrent form."""
-    from kimik3.modeling.ops_kimi_k3 import kda_recurrence
+    from kimik3.modeling.dispatch_kimi_k3 import kda_recurrence
 
     q, k, v, _, beta, state = _inputs(1, 37, 2, 8, 8)
     raw = torch.randn(1, 37, 2, 8) * 2
@@ -154,6 +154,7 @@ def test_qk_normalised_in_the_conv_is_the_recurrence_normalising_them(monkeypatc
     exactly those of the unfolded path (the same f32 l2norm on the same values). A decode step keeps the recurrent
     form's own normalisation. Channels that are not whole heads are refused."""
     from kimik3.modeling import cache_kimi_k3, modeling_kimi_k3 as modeling
+    from kimik3.modeling import dispatch_kimi_k3 as dispatch
     from kimik3.modeling import ops_kimi_k3 as ops
     from kimik3.tiny import build_tiny_model
 
@@ -163,8 +164,8 @@ def test_qk_normalised_in_the_conv_is_the_recurrence_normalising_them(monkeypatc
         plain = model(ids, use_cache=False).logits
         seen_conv, seen_kda = [], []
         conv, recurrence = ops.causal_conv1d, cache_kimi_k3.kda_recurrence
-        monkeypatch.setattr(modeling, "has_fast_twin", lambda name, *t: True)
-        monkeypatch.setitem(ops.FAST_OPS, "causal_conv1d", ops.FastOp(
+        monkeypatch.setattr(dispatch, "has_fast_twin", lambda name, *t: True)
+        monkeypatch.setitem(dispatch.FAST_OPS, "causal_conv1d", dispatch.FastOp(
             lambda *a: seen_conv.append(a[3]) or conv(*a), traceable_forward=True))
         monkeypatch.setattr(modeling, "kda_recurrence",
                             lambda *a, **k: seen_kda.append(k.get("qk_normalized")) or recurrence(*a, **k))

@@ -1,6 +1,7 @@
-"""CPU tests of the fast-path declarations (`ops_kimi_k3.FAST_OPS`, `fast_or_reference`) and of `kimik3.kernels`:
-the model never gets a fast twin for CPU tensors (even when fla/Triton import), each declared constraint and the one
-switch work, an incompatible `kimik3.kernels` falls back to the references with one warning, and the references
+"""CPU tests of the fast-path dispatch (`dispatch_kimi_k3`: the `@fast_op` declarations in `FAST_OPS`,
+`fast_or_reference`, the KDA layer's predicates) and of `kimik3.kernels`: the model never gets a fast twin for CPU
+tensors (even when fla/Triton import), each declared constraint and the one switch work, the kernels are imported on
+first need only, an incompatible `kimik3.kernels` falls back to the references with one warning, and the references
 agree with independent formulas."""
 
 import dataclasses
@@ -22,6 +23,7 @@ from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 kernels = importlib.import_module("kimik3.kernels")
 importlib.import_module("kimik3.kernels.custom_ops")  # registers torch.ops.kimik3.* for the tests that call them
 ops = importlib.import_module("kimik3.modeling.ops_kimi_k3")
+dispatch = importlib.import_module("kimik3.modeling.dispatch_kimi_k3")
 
 
 class FakeCuda(torch.Tensor):
@@ -39,22 +41,22 @@ def fake_cuda(*shape, dtype=torch.float32, requires_grad=False):
 @pytest.fixture
 def fake_fast_ops(monkeypatch):
     """Pretend an installed kimik3.kernels loads every fast twin (as when fla and Triton import on a CPU box)."""
-    twins = {name: (lambda *a, _n=name, **k: _n) for name in ops.FAST_OPS}
-    monkeypatch.setattr(ops, "_KERNELS", types.SimpleNamespace(load=twins.get))
-    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV, raising=False)
+    twins = {name: (lambda *a, _n=name, **k: _n) for name in dispatch.FAST_OPS}
+    monkeypatch.setattr(dispatch, "_KERNELS", types.SimpleNamespace(load=twins.get))
+    monkeypatch.delenv(dispatch.REFERENCE_ONLY_ENV, raising=False)
     return twins
 
 
 def is_reference(name, fn):
-    return fn is ops.FAST_OPS[name].reference
+    return fn is dispatch.FAST_OPS[name].reference
 
 
 def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
     """One table on each side, the same names; each phase of a tiny model (prefill, chunked prefill continuing a
     cache, one-token decode; bf16-stored and MXFP4-packed experts) asks for exactly the ops of its mechanism, and
     every op but mxfp4_dequant (kept for the benchmark, which measures it) is asked for by one of them."""
-    assert set(ops.FAST_OPS) == set(kernels.OP_NAMES)
-    for name, op in ops.FAST_OPS.items():
+    assert set(dispatch.FAST_OPS) == set(kernels.OP_NAMES)
+    for name, op in dispatch.FAST_OPS.items():
         assert callable(op.reference) and op.reference.__module__ == ops.__name__, name
 
     asked = []
@@ -76,16 +78,17 @@ def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
 
     every_layer = {"attn_res_mix_norm", "block_attn_res_mix", "causal_conv1d", "situ_glu", "router_logits",
                    "moe_experts", "rms_norm", "gated_rms_norm"}
-    # a fresh prefill attends through the attention interface; continuing a cache merges key blocks by their LSE;
-    # one token steps the KDA recurrence (its decay from kda_gate: the chunked form computes it inside chunk_kda)
-    # and attends in the absorbed latent form
-    expected = {"prefill": every_layer | {"chunk_kda"},
+    # a fresh prefill attends through the attention interface (whose SDPA asks for cuDNN first where
+    # attention_with_lse's cuDNN twin may run: `sdpa_backend_order` reads that declaration); continuing a cache
+    # merges key blocks by their LSE; one token steps the KDA recurrence (its decay from kda_gate: the chunked form
+    # computes it inside chunk_kda) and attends in the absorbed latent form
+    expected = {"prefill": every_layer | {"chunk_kda", "attention_with_lse"},
                 "chunked prefill": every_layer | {"chunk_kda", "attention_with_lse"},
                 "decode": every_layer | {"fused_recurrent_kda", "kda_gate", "mla_decode"}}
     ids = torch.randint(3, 128, (1, 9))
     seen = set()
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ops, "FAST_OPS", Recording(ops.FAST_OPS))
+        mp.setattr(dispatch, "FAST_OPS", Recording(dispatch.FAST_OPS))
         packed = KimiK3ForCausalLM(KimiK3TextConfig(**tiny_text_config_dict(num_hidden_layers=4),
                                                      experts_format="mxfp4"))
         for model, experts in ((build_tiny_model(num_hidden_layers=4), set()), (packed, {"moe_experts_mxfp4"})):
@@ -96,24 +99,24 @@ def test_every_declared_op_has_a_loader_and_the_model_asks_for_them():
             phases = {"prefill": prefill, "chunked prefill": chunked, "decode": decode}
             assert phases == {phase: ops_ | experts for phase, ops_ in expected.items()}, experts
             seen |= prefill | chunked | decode
-    assert seen == set(ops.FAST_OPS) - {"mxfp4_dequant"}
+    assert seen == set(dispatch.FAST_OPS) - {"mxfp4_dequant"}
 
 
 def test_cpu_tensors_never_get_a_fast_twin(fake_fast_ops):
     x = torch.randn(2, 3, dtype=torch.bfloat16)
-    for name in ops.FAST_OPS:
-        assert is_reference(name, ops.fast_or_reference(name, x))
-        assert is_reference(name, ops.fast_or_reference(name, x, None, x))
-        assert not ops.fast_path_allowed(name, x)
+    for name in dispatch.FAST_OPS:
+        assert is_reference(name, dispatch.fast_or_reference(name, x))
+        assert is_reference(name, dispatch.fast_or_reference(name, x, None, x))
+        assert not dispatch.fast_path_allowed(name, x)
     meta = torch.empty(2, 3, device="meta")
-    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", meta))
+    assert is_reference("situ_glu", dispatch.fast_or_reference("situ_glu", meta))
 
 
 def test_no_tensor_and_unknown_names(fake_fast_ops):
-    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu"))
-    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", None))
+    assert is_reference("situ_glu", dispatch.fast_or_reference("situ_glu"))
+    assert is_reference("situ_glu", dispatch.fast_or_reference("situ_glu", None))
     with pytest.raises(KeyError):
-        ops.fast_or_reference("no_such_op", fake_cuda(1))
+        dispatch.fast_or_reference("no_such_op", fake_cuda(1))
     # an older install asked for an op it lacks: None, and the model keeps its reference
     assert kernels.load("no_such_op") is None
 
@@ -121,58 +124,60 @@ def test_no_tensor_and_unknown_names(fake_fast_ops):
 def test_each_declared_constraint(fake_fast_ops, monkeypatch):
     """With the device test satisfied the twin is returned, except where a declared constraint says otherwise."""
     x = fake_cuda(2, 3)
-    assert ops.fast_or_reference("situ_glu", x)() == "situ_glu"
-    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", x, torch.randn(2)))  # one real CPU tensor
+    assert dispatch.fast_or_reference("situ_glu", x)() == "situ_glu"
+    assert is_reference("situ_glu", dispatch.fast_or_reference("situ_glu", x, torch.randn(2)))  # one real CPU tensor
     # forward_only: the reference while autograd records
     y = fake_cuda(2, 3, requires_grad=True)
-    assert is_reference("fused_recurrent_kda", ops.fast_or_reference("fused_recurrent_kda", y))
-    assert is_reference("attention_with_lse", ops.fast_or_reference("attention_with_lse", y.bfloat16()))
+    assert is_reference("fused_recurrent_kda", dispatch.fast_or_reference("fused_recurrent_kda", y))
+    assert is_reference("attention_with_lse", dispatch.fast_or_reference("attention_with_lse", y.bfloat16()))
     with torch.no_grad():
-        assert ops.fast_or_reference("fused_recurrent_kda", y)() == "fused_recurrent_kda"
-    assert ops.fast_or_reference("chunk_kda", y)() == "chunk_kda"  # has a backward
+        assert dispatch.fast_or_reference("fused_recurrent_kda", y)() == "fused_recurrent_kda"
+    assert dispatch.fast_or_reference("chunk_kda", y)() == "chunk_kda"  # has a backward
     # half_only: f32 keeps the reference, bf16/fp16 take the twin
     for name in ("attention_with_lse", "moe_experts", "moe_experts_mxfp4"):
-        assert is_reference(name, ops.fast_or_reference(name, x)), name
-        assert ops.fast_or_reference(name, fake_cuda(2, 3, dtype=torch.bfloat16))() == name
-        assert ops.fast_or_reference(name, fake_cuda(2, 3, dtype=torch.float16))() == name
-    assert ops.fast_or_reference("mla_decode", x)() == "mla_decode"  # f32 is fine there
-    assert is_reference("mla_decode", ops.fast_or_reference("mla_decode", y, x))  # forward only
+        assert is_reference(name, dispatch.fast_or_reference(name, x)), name
+        assert dispatch.fast_or_reference(name, fake_cuda(2, 3, dtype=torch.bfloat16))() == name
+        assert dispatch.fast_or_reference(name, fake_cuda(2, 3, dtype=torch.float16))() == name
+    assert dispatch.fast_or_reference("mla_decode", x)() == "mla_decode"  # f32 is fine there
+    assert is_reference("mla_decode", dispatch.fast_or_reference("mla_decode", y, x))  # forward only
     # rms_norm: bf16/fp16 with a weight of the same dtype and no autograd (eager prefill and decode)
     h = fake_cuda(2, 3, dtype=torch.bfloat16)
-    assert ops.fast_or_reference("rms_norm", h, fake_cuda(3, dtype=torch.bfloat16))() == "rms_norm"
-    assert is_reference("rms_norm", ops.fast_or_reference("rms_norm", h, fake_cuda(3)))  # f32 weight promotes
-    assert is_reference("rms_norm", ops.fast_or_reference("rms_norm", x, fake_cuda(3)))
-    assert is_reference("rms_norm", ops.fast_or_reference("rms_norm", y.bfloat16(), fake_cuda(3, dtype=torch.bfloat16)))
+    assert dispatch.fast_or_reference("rms_norm", h, fake_cuda(3, dtype=torch.bfloat16))() == "rms_norm"
+    assert is_reference("rms_norm", dispatch.fast_or_reference("rms_norm", h, fake_cuda(3)))  # f32 weight promotes
+    assert is_reference("rms_norm", dispatch.fast_or_reference("rms_norm", x, fake_cuda(3)))
+    trained_bf16, bf16_weight = y.bfloat16(), fake_cuda(3, dtype=torch.bfloat16)
+    assert is_reference("rms_norm", dispatch.fast_or_reference("rms_norm", trained_bf16, bf16_weight))
     # gated_rms_norm: any float dtypes (bf16 rows and gate, the f32 weight), no autograd
-    assert ops.fast_or_reference("gated_rms_norm", h, h, fake_cuda(3))() == "gated_rms_norm"
-    assert is_reference("gated_rms_norm", ops.fast_or_reference("gated_rms_norm", h, h, fake_cuda(3, requires_grad=True)))
-    assert ops.fast_or_reference("kda_gate", h, fake_cuda(3), fake_cuda(3))() == "kda_gate"
-    assert is_reference("kda_gate", ops.fast_or_reference("kda_gate", h, fake_cuda(3, requires_grad=True), fake_cuda(3)))
+    assert dispatch.fast_or_reference("gated_rms_norm", h, h, fake_cuda(3))() == "gated_rms_norm"
+    trained_weight = fake_cuda(3, requires_grad=True)
+    assert is_reference("gated_rms_norm", dispatch.fast_or_reference("gated_rms_norm", h, h, trained_weight))
+    assert dispatch.fast_or_reference("kda_gate", h, fake_cuda(3), fake_cuda(3))() == "kda_gate"
+    assert is_reference("kda_gate", dispatch.fast_or_reference("kda_gate", h, trained_weight, fake_cuda(3)))
     # one_dtype: AttnRes candidates of mixed dtypes keep the reference
     b = fake_cuda(2, 3, dtype=torch.bfloat16)
-    assert ops.fast_or_reference("block_attn_res_mix", b, b)() == "block_attn_res_mix"
-    assert is_reference("block_attn_res_mix", ops.fast_or_reference("block_attn_res_mix", b, x))
+    assert dispatch.fast_or_reference("block_attn_res_mix", b, b)() == "block_attn_res_mix"
+    assert is_reference("block_attn_res_mix", dispatch.fast_or_reference("block_attn_res_mix", b, x))
     # attn_res_mix_norm: 16-bit rows and weights all of one dtype (an f32 weight is legal for the module: the
     # reference), no autograd; the model asks with every tensor it reads, None for a missing prefix or delta
     w, proj = fake_cuda(3, dtype=torch.bfloat16), fake_cuda(1, 3, dtype=torch.bfloat16)
-    assert ops.fast_or_reference("attn_res_mix_norm", b, b, None, w, proj, w)() == "attn_res_mix_norm"
-    assert ops.fast_or_reference("attn_res_mix_norm", None, b, w, proj, w)() == "attn_res_mix_norm"
+    assert dispatch.fast_or_reference("attn_res_mix_norm", b, b, None, w, proj, w)() == "attn_res_mix_norm"
+    assert dispatch.fast_or_reference("attn_res_mix_norm", None, b, w, proj, w)() == "attn_res_mix_norm"
     for args in ((b, b, None, w, proj, fake_cuda(3)), (x, x, None, fake_cuda(3), fake_cuda(1, 3), fake_cuda(3)),
                  (b, b, b, w, proj, torch.randn(3, dtype=torch.bfloat16)),
                  (b, b, b, w, fake_cuda(1, 3, dtype=torch.bfloat16, requires_grad=True), w)):
-        assert is_reference("attn_res_mix_norm", ops.fast_or_reference("attn_res_mix_norm", *args))
+        assert is_reference("attn_res_mix_norm", dispatch.fast_or_reference("attn_res_mix_norm", *args))
     # under torch.compile: the grouped-GEMM experts (torch ops) stay fast with or without autograd; the twins made of
     # custom ops (the compiled decode step's kernels) only while no gradient is recorded; the others never
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    for name, op in ops.FAST_OPS.items():
+    for name, op in dispatch.FAST_OPS.items():
         with torch.no_grad():
-            fn = ops.fast_or_reference(name, b)
+            fn = dispatch.fast_or_reference(name, b)
             assert (fn() == name) if op.traceable or op.traceable_forward else is_reference(name, fn), name
         with torch.enable_grad():
-            fn = ops.fast_or_reference(name, b)
+            fn = dispatch.fast_or_reference(name, b)
             assert (fn() == name) if op.traceable else is_reference(name, fn), name
-    assert [name for name, op in ops.FAST_OPS.items() if op.traceable] == ["moe_experts"]
-    assert {name for name, op in ops.FAST_OPS.items() if op.traceable_forward} == {
+    assert [name for name, op in dispatch.FAST_OPS.items() if op.traceable] == ["moe_experts"]
+    assert {name for name, op in dispatch.FAST_OPS.items() if op.traceable_forward} == {
         "fused_recurrent_kda", "causal_conv1d", "block_attn_res_mix", "situ_glu", "moe_experts_mxfp4", "mxfp4_dequant",
         "mla_decode"}
 
@@ -181,17 +186,17 @@ def test_one_switch_forces_references(fake_fast_ops, monkeypatch):
     x = fake_cuda(2, 3, dtype=torch.bfloat16)
     for value in ("1", "all", " ALL "):
         monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", value)
-        assert all(is_reference(name, ops.fast_or_reference(name, x)) for name in ops.FAST_OPS)
+        assert all(is_reference(name, dispatch.fast_or_reference(name, x)) for name in dispatch.FAST_OPS)
     monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "situ_glu, moe_experts")
-    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", x))
-    assert is_reference("moe_experts", ops.fast_or_reference("moe_experts", x))
-    assert ops.fast_or_reference("chunk_kda", x)() == "chunk_kda"
+    assert is_reference("situ_glu", dispatch.fast_or_reference("situ_glu", x))
+    assert is_reference("moe_experts", dispatch.fast_or_reference("moe_experts", x))
+    assert dispatch.fast_or_reference("chunk_kda", x)() == "chunk_kda"
     for value in ("0", ""):
         monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", value)
-        assert ops.fast_or_reference("situ_glu", x)() == "situ_glu"
+        assert dispatch.fast_or_reference("situ_glu", x)() == "situ_glu"
     monkeypatch.setenv("KIMIK3_REFERENCE_ONLY", "situ_glu,moe_expert")
     with pytest.raises(ValueError, match=r"KIMIK3_REFERENCE_ONLY.*'moe_expert'"):
-        ops.fast_or_reference("situ_glu", x)
+        dispatch.fast_or_reference("situ_glu", x)
 
 
 def test_kernels_module_without_dependencies_keeps_the_reference(monkeypatch):
@@ -199,11 +204,11 @@ def test_kernels_module_without_dependencies_keeps_the_reference(monkeypatch):
     monkeypatch.setattr(kernels, "_cache", {})
     monkeypatch.setattr(kernels, "_errors", {})
     monkeypatch.setitem(kernels._LOADERS, "situ_glu", lambda: importlib.import_module("no_such_triton"))
-    monkeypatch.setattr(ops, "_KERNELS", kernels)
-    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "_KERNELS", kernels)
+    monkeypatch.delenv(dispatch.REFERENCE_ONLY_ENV, raising=False)
     assert kernels.load("situ_glu") is None
     assert "no_such_triton" in kernels.available_ops()["situ_glu"]
-    assert is_reference("situ_glu", ops.fast_or_reference("situ_glu", fake_cuda(2)))
+    assert is_reference("situ_glu", dispatch.fast_or_reference("situ_glu", fake_cuda(2)))
 
 
 def test_available_ops_reports_reasons():
@@ -217,10 +222,10 @@ def test_available_ops_reports_reasons():
 
 
 def test_the_kernels_report_the_remote_codes_interface_version():
-    # one definition: the installed package's ops module declares it, kimik3.kernels reads it from there
-    assert isinstance(ops.KERNELS_API_VERSION, int)
-    assert "KERNELS_API_VERSION" not in vars(kernels) and kernels.KERNELS_API_VERSION is ops.KERNELS_API_VERSION
-    assert ops._import_kernels() is kernels  # the handshake of the installed code with itself
+    # one definition: the installed package's dispatch module declares it, kimik3.kernels reads it from there
+    assert isinstance(dispatch.KERNELS_API_VERSION, int)
+    assert "KERNELS_API_VERSION" not in vars(kernels) and kernels.KERNELS_API_VERSION is dispatch.KERNELS_API_VERSION
+    assert dispatch._import_kernels() is kernels  # the handshake of the installed code with itself
     with pytest.raises(AttributeError, match="no attribute 'NO_SUCH_NAME'"):
         kernels.NO_SUCH_NAME
 
@@ -233,39 +238,41 @@ def _fake_kernels(version):
 
 
 def test_incompatible_or_broken_kernels_fall_back_with_one_warning(monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "kimik3.kernels", _fake_kernels(ops.KERNELS_API_VERSION + 1))
+    monkeypatch.setitem(sys.modules, "kimik3.kernels", _fake_kernels(dispatch.KERNELS_API_VERSION + 1))
     with caplog.at_level(logging.WARNING):
-        assert ops._import_kernels() is None
+        assert dispatch._import_kernels() is None
     warnings = [r for r in caplog.records if "kimik3.kernels" in r.getMessage()]
     assert len(warnings) == 1 and "interface version" in warnings[0].getMessage()
     caplog.clear()
     del sys.modules["kimik3.kernels"].KERNELS_API_VERSION  # an install from before the versioned interface
     with caplog.at_level(logging.WARNING):
-        assert ops._import_kernels() is None
+        assert dispatch._import_kernels() is None
     assert len(caplog.records) == 1
     caplog.clear()
-    compatible = _fake_kernels(ops.KERNELS_API_VERSION)
+    compatible = _fake_kernels(dispatch.KERNELS_API_VERSION)
     monkeypatch.setitem(sys.modules, "kimik3.kernels", compatible)
     with caplog.at_level(logging.WARNING):
-        assert ops._import_kernels() is compatible
+        assert dispatch._import_kernels() is compatible
     assert not caplog.records
     monkeypatch.setitem(sys.modules, "kimik3.kernels", None)  # not installed: silent
     with caplog.at_level(logging.WARNING):
-        assert ops._import_kernels() is None
+        assert dispatch._import_kernels() is None
     assert not caplog.records
 
     def broken_install(name):
         raise AttributeError("module 'triton' has no attribute 'jit'")
 
-    monkeypatch.setattr(ops.importlib, "import_module", broken_install)
+    monkeypatch.setattr(dispatch.importlib, "import_module", broken_install)
     with caplog.at_level(logging.WARNING):
-        assert ops._import_kernels() is None
+        assert dispatch._import_kernels() is None
     assert len(caplog.records) == 1 and "AttributeError" in caplog.records[0].getMessage()
 
 
-def test_model_folder_code_with_incompatible_installed_kernels(tmp_path, monkeypatch, caplog):
-    """The remote-code files copied flat into a folder, imported as transformers imports them, next to an installed
-    kimik3.kernels of another interface version: one warning at import, and the references run even for CUDA."""
+@pytest.fixture
+def folder_code(tmp_path, monkeypatch):
+    """`folder_code()`: the remote-code files copied flat into a folder and imported as transformers imports them
+    (the kimik3.kernels the test put in sys.modules next to them); returns (its modeling module, its dispatch
+    module). Its modules leave sys.modules at the end of the test."""
     folder = tmp_path / "k3_folder_code"
     folder.mkdir()
     for path in importlib.import_module("kimik3.modeling").__path__:
@@ -273,20 +280,73 @@ def test_model_folder_code_with_incompatible_installed_kernels(tmp_path, monkeyp
             shutil.copy(source, folder / source.name)
     (folder / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(sys.modules, "kimik3.kernels", _fake_kernels(ops.KERNELS_API_VERSION + 1))
-    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV, raising=False)
-    with caplog.at_level(logging.WARNING):
+    monkeypatch.delenv(dispatch.REFERENCE_ONLY_ENV, raising=False)
+
+    def imported():
         modeling = importlib.import_module("k3_folder_code.modeling_kimi_k3")
-    folder_ops = sys.modules["k3_folder_code.ops_kimi_k3"]
-    try:
-        assert folder_ops is not ops and folder_ops._KERNELS is None
-        assert len([r for r in caplog.records if "interface version" in r.getMessage()]) == 1
+        return modeling, sys.modules["k3_folder_code.dispatch_kimi_k3"]
+
+    yield imported
+    for name in [n for n in sys.modules if n == "k3_folder_code" or n.startswith("k3_folder_code.")]:
+        del sys.modules[name]
+
+
+def test_model_folder_code_with_incompatible_installed_kernels(folder_code, monkeypatch, caplog):
+    """A model folder's copy of the remote code next to an installed kimik3.kernels of another interface version:
+    nothing at import, one warning at the first call that may use a twin, and the references run even for CUDA."""
+    monkeypatch.setitem(sys.modules, "kimik3.kernels", _fake_kernels(dispatch.KERNELS_API_VERSION + 1))
+    with caplog.at_level(logging.WARNING):
+        modeling, folder_dispatch = folder_code()
+        assert folder_dispatch is not dispatch and folder_dispatch._KERNELS is folder_dispatch._NOT_IMPORTED
+        assert not [r for r in caplog.records if "interface version" in r.getMessage()]
         x = fake_cuda(2, 3, dtype=torch.bfloat16)
-        assert folder_ops.fast_or_reference("situ_glu", x) is folder_ops.situ_glu
-        assert modeling.fast_or_reference is folder_ops.fast_or_reference
-    finally:
-        for name in [n for n in sys.modules if n.startswith("k3_folder_code")]:
-            monkeypatch.delitem(sys.modules, name)
+        folder_ops = sys.modules["k3_folder_code.ops_kimi_k3"]
+        for _ in range(2):
+            assert folder_dispatch.fast_or_reference("situ_glu", x) is folder_ops.situ_glu
+    assert folder_dispatch._KERNELS is None
+    assert len([r for r in caplog.records if "interface version" in r.getMessage()]) == 1
+    assert modeling.fast_or_reference is folder_dispatch.fast_or_reference
+
+
+class _ObservedKernels(types.ModuleType):
+    """A compatible kimik3.kernels that records the remote code's handshake (its read of the interface version) and
+    every twin asked for."""
+
+    def __init__(self):
+        super().__init__("kimik3.kernels")
+        self.asked = []
+
+    def __getattr__(self, name):
+        if name != "KERNELS_API_VERSION":
+            raise AttributeError(name)
+        self.asked.append("handshake")
+        return dispatch.KERNELS_API_VERSION
+
+    def load(self, name):
+        self.asked.append(name)
+        return lambda *a, **k: "fast"
+
+
+def test_the_kernels_are_imported_on_first_need_only(folder_code, monkeypatch):
+    """Importing the remote code, building a model and running it on CPU never touches kimik3.kernels (every CPU
+    decision is the reference's, settled by the declarations); the first call that may use a twin imports it once."""
+    observed = _ObservedKernels()
+    monkeypatch.setitem(sys.modules, "kimik3.kernels", observed)
+    modeling, folder_dispatch = folder_code()
+    assert observed.asked == [] and folder_dispatch._KERNELS is folder_dispatch._NOT_IMPORTED
+    config = sys.modules["k3_folder_code.configuration_kimi_k3"].KimiK3TextConfig(
+        **tiny_text_config_dict(num_hidden_layers=4))
+    with torch.no_grad():
+        out = modeling.KimiK3ForCausalLM(config)(torch.randint(3, 128, (1, 5)), use_cache=True)
+    assert out.logits.isfinite().all()
+    assert observed.asked == [] and folder_dispatch._KERNELS is folder_dispatch._NOT_IMPORTED
+    x = fake_cuda(2, 3, dtype=torch.bfloat16)
+    assert folder_dispatch.fast_or_reference("situ_glu", x)() == "fast"
+    assert folder_dispatch._KERNELS is observed and observed.asked[0] == "handshake"
+    assert observed.asked[-1] == "situ_glu" and observed.asked.count("handshake") == 1
+    asked = len(observed.asked)
+    assert folder_dispatch.fast_or_reference("situ_glu", x)() == "fast"
+    assert observed.asked[asked:] == ["situ_glu"]
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -381,8 +441,8 @@ def test_reference_mla_decode_matches_expanded_attention():
 
 
 def test_reference_mxfp4_dequant_is_the_models():
-    assert ops.FAST_OPS["mxfp4_dequant"].reference is ops.dequantize_mxfp4
-    assert ops.FAST_OPS["moe_experts"].reference is ops.moe_experts
+    assert dispatch.FAST_OPS["mxfp4_dequant"].reference is ops.dequantize_mxfp4
+    assert dispatch.FAST_OPS["moe_experts"].reference is ops.moe_experts
 
 
 def test_flash_attention_with_lse_adapter_matches_reference_on_cpu_op():
@@ -395,7 +455,7 @@ def test_flash_attention_with_lse_adapter_matches_reference_on_cpu_op():
         ref_out, ref_lse = ops.attention_with_lse(q, k, v, 0.2, causal)
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
-    assert is_reference("attention_with_lse", ops.fast_or_reference("attention_with_lse", q))
+    assert is_reference("attention_with_lse", dispatch.fast_or_reference("attention_with_lse", q))
 
 
 def test_attention_with_lse_falls_back_to_flash_where_cudnn_refuses(monkeypatch):
@@ -633,25 +693,25 @@ def test_sdpa_backend_order_asks_for_cudnn_only_for_cuda_inference_with_sdpa(mon
     its reference; every other case gets no context at all (SDPA's own choice)."""
     import contextlib
 
-    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV, raising=False)
+    monkeypatch.delenv(dispatch.REFERENCE_ONLY_ENV, raising=False)
     query = fake_cuda(1, 2, 4, 8, dtype=torch.bfloat16)
 
     def asks_cudnn(q, implementation="sdpa"):
-        return not isinstance(ops.sdpa_backend_order(q, implementation), contextlib.nullcontext)
+        return not isinstance(dispatch.sdpa_backend_order(q, implementation), contextlib.nullcontext)
 
     assert asks_cudnn(query)
-    assert isinstance(ops.sdpa_backend_order(query, "sdpa", masked=True), contextlib.nullcontext)  # padding
+    assert isinstance(dispatch.sdpa_backend_order(query, "sdpa", masked=True), contextlib.nullcontext)  # padding
     assert not asks_cudnn(query, "eager") and not asks_cudnn(query, "flash_attention_2")
     assert not asks_cudnn(query.as_subclass(torch.Tensor))  # CPU
     trained = fake_cuda(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
     assert not asks_cudnn(trained)
     with torch.no_grad():
         assert asks_cudnn(trained)
-    monkeypatch.setenv(ops.REFERENCE_ONLY_ENV, "attention_with_lse")
+    monkeypatch.setenv(dispatch.REFERENCE_ONLY_ENV, "attention_with_lse")
     assert not asks_cudnn(query)
-    monkeypatch.setenv(ops.REFERENCE_ONLY_ENV, "1")
+    monkeypatch.setenv(dispatch.REFERENCE_ONLY_ENV, "1")
     assert not asks_cudnn(query)
-    monkeypatch.delenv(ops.REFERENCE_ONLY_ENV)
+    monkeypatch.delenv(dispatch.REFERENCE_ONLY_ENV)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not asks_cudnn(query)
 
@@ -728,28 +788,112 @@ def test_twins_a_compiled_graph_asks_for_load_on_the_first_eager_fast_call(fake_
     compiled decode step's fused_recurrent_kda would otherwise be loaded for the first time inside the trace); a CPU
     decision loads nothing, one under compile only the twin it asks for."""
     loaded = []
-    monkeypatch.setattr(ops, "_KERNELS", types.SimpleNamespace(load=lambda n: loaded.append(n) or fake_fast_ops[n]))
-    monkeypatch.setattr(ops, "_traced_twins_loaded", False)
-    ops.fast_or_reference("situ_glu", torch.randn(2, 3))
+    monkeypatch.setattr(dispatch, "_KERNELS",
+                        types.SimpleNamespace(load=lambda n: loaded.append(n) or fake_fast_ops[n]))
+    monkeypatch.setattr(dispatch, "_traced_twins_loaded", False)
+    dispatch.fast_or_reference("situ_glu", torch.randn(2, 3))
     assert loaded == []
     with pytest.MonkeyPatch.context() as compiling:
         compiling.setattr(torch.compiler, "is_compiling", lambda: True)
         with torch.no_grad():
-            assert ops.fast_or_reference("situ_glu", fake_cuda(2, 3))() == "situ_glu"
+            assert dispatch.fast_or_reference("situ_glu", fake_cuda(2, 3))() == "situ_glu"
     assert loaded == ["situ_glu"]
     loaded.clear()
-    assert ops.fast_or_reference("rms_norm", fake_cuda(2, 3, dtype=torch.bfloat16))() == "rms_norm"
-    traced = {n for n, op in ops.FAST_OPS.items() if op.traceable or op.traceable_forward}
+    assert dispatch.fast_or_reference("rms_norm", fake_cuda(2, 3, dtype=torch.bfloat16))() == "rms_norm"
+    traced = {n for n, op in dispatch.FAST_OPS.items() if op.traceable or op.traceable_forward}
     assert {"fused_recurrent_kda", "causal_conv1d", "mla_decode"} <= traced
     assert set(loaded) == traced | {"rms_norm"} and loaded[-1] == "rms_norm"
     loaded.clear()
-    ops.fast_or_reference("rms_norm", fake_cuda(2, 3, dtype=torch.bfloat16))
+    dispatch.fast_or_reference("rms_norm", fake_cuda(2, 3, dtype=torch.bfloat16))
     assert loaded == ["rms_norm"]
 
 
 def test_has_fast_twin_is_what_fast_or_reference_gives(fake_fast_ops, monkeypatch):
     b = fake_cuda(2, 3, dtype=torch.bfloat16)
-    assert ops.has_fast_twin("chunk_kda", b) and ops.has_fast_twin("causal_conv1d", b)
-    assert not ops.has_fast_twin("chunk_kda", torch.randn(2, 3))  # CPU
-    monkeypatch.setenv(ops.REFERENCE_ONLY_ENV, "chunk_kda")
-    assert not ops.has_fast_twin("chunk_kda", b) and ops.has_fast_twin("causal_conv1d", b)
+    assert dispatch.has_fast_twin("chunk_kda", b) and dispatch.has_fast_twin("causal_conv1d", b)
+    assert not dispatch.has_fast_twin("chunk_kda", torch.randn(2, 3))  # CPU
+    monkeypatch.setenv(dispatch.REFERENCE_ONLY_ENV, "chunk_kda")
+    assert not dispatch.has_fast_twin("chunk_kda", b) and dispatch.has_fast_twin("causal_conv1d", b)
+
+
+# ------------------------------------------------------------------------------- the KDA layer's predicates
+
+
+def test_conv_normalizes_qk_only_before_the_fast_chunked_form(fake_fast_ops, monkeypatch):
+    """The q/k norm folds into the conv exactly where both fast twins run the chunked form of an inference forward:
+    never on CPU (the references), for a decode step, a recorded step, the context-parallel split, while autograd
+    records through q or k, or with either op forced to its reference; a one-token forward of a new sequence is a
+    chunked one."""
+    q, k, state = fake_cuda(1, 4, 8, dtype=torch.bfloat16), fake_cuda(1, 4, 8, dtype=torch.bfloat16), fake_cuda(1)
+
+    def folds(q=q, k=k, state=state, decode_step=False, recording=False, context_parallel=False):
+        return dispatch.conv_normalizes_qk(q, k, state, decode_step=decode_step, recording=recording,
+                                           context_parallel=context_parallel)
+
+    assert folds() and folds(state=None) and folds(decode_step=True, state=None)
+    assert not folds(decode_step=True)
+    assert not folds(recording=True) and not folds(context_parallel=True)
+    assert not folds(q=torch.randn(1, 4, 8, dtype=torch.bfloat16), k=torch.randn(1, 4, 8, dtype=torch.bfloat16))
+    trained = fake_cuda(1, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert not folds(q=trained) and not folds(k=trained)
+    with torch.no_grad():
+        assert folds(q=trained, k=trained)
+    for forced in ("causal_conv1d", "chunk_kda"):
+        monkeypatch.setenv(dispatch.REFERENCE_ONLY_ENV, forced)
+        assert not folds(), forced
+
+
+def test_decay_in_chunk_kernel_only_where_nothing_else_needs_the_decay():
+    """K3's lower-bounded gate moves into the chunked kernel for an unpadded, unrecorded, unsplit forward without
+    autograd through the logits or the gate's parameters, on any device (the reference computes it the same way)."""
+    logits, A_log, dt_bias = torch.randn(1, 4, 2, 8), torch.randn(2), torch.randn(16)
+
+    def moves(logits=logits, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, padded=False, recording=False,
+              context_parallel=False):
+        return dispatch.decay_in_chunk_kernel(logits, A_log, dt_bias, lower_bound=lower_bound, padded=padded,
+                                              recording=recording, context_parallel=context_parallel)
+
+    assert moves()
+    assert not moves(lower_bound=None)  # Kimi Linear's softplus gate
+    assert not moves(padded=True) and not moves(recording=True) and not moves(context_parallel=True)
+    for trained in ({"logits": logits.clone().requires_grad_()}, {"A_log": A_log.clone().requires_grad_()},
+                    {"dt_bias": dt_bias.clone().requires_grad_()}):
+        assert not moves(**trained), trained
+        with torch.no_grad():
+            assert moves(**trained), trained
+
+
+def test_kda_recurrence_runs_the_recurrent_form_for_a_decode_step_only(fake_fast_ops):
+    """One token continuing a state: the fused recurrent form (its decay from the gate's op first); one token of a
+    new sequence, or more tokens: the chunked form, which takes the gate itself."""
+    q = fake_cuda(1, 1, 2, 8, dtype=torch.bfloat16)
+    state, gate = fake_cuda(1, 2, 8, 8), (fake_cuda(2), fake_cuda(16), -5.0)
+    args = (q, q, q, q, fake_cuda(1, 1, 2))
+    assert dispatch.kda_recurrence(*args, state, True, 64, decode_step=True) == "fused_recurrent_kda"
+    assert dispatch.kda_recurrence(*args, None, True, 64, decode_step=True) == "chunk_kda"
+    assert dispatch.kda_recurrence(*args, state, True, 64, decode_step=False, gate=gate) == "chunk_kda"
+    calls = []
+    fake_fast_ops["kda_gate"] = lambda *a: calls.append("kda_gate") or "decay"
+    fake_fast_ops["fused_recurrent_kda"] = lambda q, k, v, g, *a, **kw: calls.append(g) or "fused_recurrent_kda"
+    with torch.no_grad():
+        assert dispatch.kda_recurrence(*args, state, True, 64, decode_step=True, gate=gate) == "fused_recurrent_kda"
+    assert calls == ["kda_gate", "decay"]
+
+
+def test_fast_op_declares_each_op_once():
+    """`@fast_op` fills FAST_OPS with the reference itself; a second reference under a declared name is refused
+    (one declaration per op), the same function declared again (a reloaded module) is not."""
+    assert dispatch.FAST_OPS["situ_glu"].reference is ops.situ_glu
+    assert dispatch.FAST_OPS["situ_glu"] == dispatch.FastOp(ops.situ_glu, traceable_forward=True)
+
+    def situ_glu(gate, up, beta, linear_beta):
+        return gate
+
+    with pytest.raises(ValueError, match="'situ_glu' is declared twice"):
+        dispatch.fast_op()(situ_glu)
+    with pytest.raises(ValueError, match="'mxfp4_dequant' is declared twice"):
+        dispatch.fast_op("mxfp4_dequant")(situ_glu)
+    assert dispatch.FAST_OPS["situ_glu"].reference is ops.situ_glu
+    declared = dict(dispatch.FAST_OPS)
+    assert dispatch.fast_op(traceable_forward=True)(ops.situ_glu) is ops.situ_glu
+    assert dispatch.FAST_OPS == declared

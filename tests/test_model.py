@@ -208,15 +208,15 @@ def test_blockwise_chunked_prefill_over_many_key_blocks_equals_full_forward(monk
     several blocks, and the result must be the one-shot forward."""
     import dataclasses
 
-    import kimik3.modeling.ops_kimi_k3 as ops
+    import kimik3.modeling.dispatch_kimi_k3 as dispatch
 
     model = build_tiny_model(num_hidden_layers=4)
     model.config.mla_prefill_block_size = 3
     ids = torch.randint(3, 128, (2, 26))
     calls = []
-    op = ops.FAST_OPS["attention_with_lse"]
+    op = dispatch.FAST_OPS["attention_with_lse"]
     spy = dataclasses.replace(op, reference=lambda *a: calls.append(a[1].shape[2]) or op.reference(*a))
-    monkeypatch.setitem(ops.FAST_OPS, "attention_with_lse", spy)
+    monkeypatch.setitem(dispatch.FAST_OPS, "attention_with_lse", spy)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :7], use_cache=True)

@@ -57,10 +57,12 @@ def test_compiled_decode_keeps_the_grouped_gemm_experts(monkeypatch):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import kimik3.modeling.ops_kimi_k3 as ops
+    import kimik3.modeling.dispatch_kimi_k3 as dispatch
 
-    assert ops._KERNELS is not None and ops._KERNELS.load("moe_experts") is not None
-    monkeypatch.setitem(ops.FAST_OPS, "moe_experts", dataclasses.replace(ops.FAST_OPS["moe_experts"], cuda_only=False))
+    kernels = dispatch.installed_kernels()
+    assert kernels is not None and kernels.load("moe_experts") is not None
+    monkeypatch.setitem(dispatch.FAST_OPS, "moe_experts",
+                        dataclasses.replace(dispatch.FAST_OPS["moe_experts"], cuda_only=False))
     graphs = []
 
     def recording_backend(graph_module, example_inputs):

@@ -15,6 +15,10 @@ def load_ops():
     return importlib.import_module("kimik3.modeling.ops_kimi_k3")
 
 
+def load_dispatch():
+    return importlib.import_module("kimik3.modeling.dispatch_kimi_k3")
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in f64 (0 when both are 0)."""
     a, e = actual.double(), expected.double()

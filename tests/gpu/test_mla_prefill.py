@@ -74,7 +74,7 @@ def test_expanded_prefill_attention_prefers_cudnn(monkeypatch):
     choice): cuDNN may not add more than bf16 noise."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kimik3.modeling import ops_kimi_k3
+    from kimik3.modeling import dispatch_kimi_k3
     from kimik3.tiny import build_tiny_model
 
     model = build_tiny_model(num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64).cuda()
@@ -86,7 +86,7 @@ def test_expanded_prefill_attention_prefers_cudnn(monkeypatch):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             logits = model(ids, use_cache=False).logits.float()
         names = {e.key for e in prof.key_averages()}
-        monkeypatch.setattr(ops_kimi_k3, "_forced_references", lambda: frozenset({"attention_with_lse"}))
+        monkeypatch.setattr(dispatch_kimi_k3, "_forced_references", lambda: frozenset({"attention_with_lse"}))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             default_logits = model(ids, use_cache=False).logits.float()
         default_names = {e.key for e in prof.key_averages()}

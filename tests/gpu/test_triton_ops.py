@@ -10,12 +10,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from gpu_helpers import (  # noqa: E402
-    load_fast, load_kernels, load_ops, max_rel, reference_only, rel_err, tiny_prefill_errors_fast_and_reference_kda,
+    load_dispatch, load_fast, load_kernels, load_ops, max_rel, reference_only, rel_err,
+    tiny_prefill_errors_fast_and_reference_kda,
 )
 from k3_test_utils import TopLevelOps, grouped_product_f64  # noqa: E402
 
 kernels = load_kernels()
 ops = load_ops()
+dispatch = load_dispatch()
 
 DEV = "cuda"
 
@@ -204,12 +206,13 @@ def test_attn_res_mix_norm_refuses_what_it_cannot_compute():
         fast([x], x, x.clone().requires_grad_(True), w, proj, 1e-5, w, 1e-6)
     # what the twin refuses the declaration keeps on the reference: an f32 norm weight (legal for the module),
     # autograd, f32 rows
-    assert ops.fast_or_reference("attn_res_mix_norm", x, x, None, w, proj, w) is kernels.load("attn_res_mix_norm")
-    assert ops.fast_or_reference("attn_res_mix_norm", x, x, None, w, proj, w.float()) is ops.attn_res_mix_norm
-    assert ops.fast_or_reference("attn_res_mix_norm", x.float(), None, x.float(), w.float(), proj.float(),
-                                 w.float()) is ops.attn_res_mix_norm
-    assert ops.fast_or_reference("attn_res_mix_norm", x, x.clone().requires_grad_(True), w, proj,
-                                 w) is ops.attn_res_mix_norm
+    fused = kernels.load("attn_res_mix_norm")
+    assert dispatch.fast_or_reference("attn_res_mix_norm", x, x, None, w, proj, w) is fused
+    assert dispatch.fast_or_reference("attn_res_mix_norm", x, x, None, w, proj, w.float()) is ops.attn_res_mix_norm
+    assert dispatch.fast_or_reference("attn_res_mix_norm", x.float(), None, x.float(), w.float(), proj.float(),
+                                      w.float()) is ops.attn_res_mix_norm
+    assert dispatch.fast_or_reference("attn_res_mix_norm", x, x.clone().requires_grad_(True), w, proj,
+                                      w) is ops.attn_res_mix_norm
 
 
 def test_model_logits_with_and_without_the_fused_attn_res_op(monkeypatch):
@@ -762,12 +765,12 @@ def test_dispatch_on_cuda():
                  "router_logits"):
         assert available[name] is True, (name, available[name])
     for name in ("situ_glu", "block_attn_res_mix", "mla_decode", "mxfp4_dequant"):
-        assert ops.fast_or_reference(name, x) is kernels.load(name), name
-    assert ops.fast_or_reference("moe_experts", x) is ops.moe_experts  # f32: half-only
-    assert ops.fast_or_reference("moe_experts", x.bfloat16()) is kernels.load("moe_experts")
-    assert ops.fast_or_reference("router_logits", x) is ops.router_logits  # f32 activations: nothing to upcast
-    assert ops.fast_or_reference("router_logits", x.bfloat16()) is kernels.load("router_logits")
-    assert ops.fast_or_reference("situ_glu", x, torch.randn(4, 8)) is ops.situ_glu  # one CPU tensor: reference
+        assert dispatch.fast_or_reference(name, x) is kernels.load(name), name
+    assert dispatch.fast_or_reference("moe_experts", x) is ops.moe_experts  # f32: half-only
+    assert dispatch.fast_or_reference("moe_experts", x.bfloat16()) is kernels.load("moe_experts")
+    assert dispatch.fast_or_reference("router_logits", x) is ops.router_logits  # f32 activations: nothing to upcast
+    assert dispatch.fast_or_reference("router_logits", x.bfloat16()) is kernels.load("router_logits")
+    assert dispatch.fast_or_reference("situ_glu", x, torch.randn(4, 8)) is ops.situ_glu  # one CPU tensor: reference
     with reference_only():
-        assert ops.fast_or_reference("situ_glu", x) is ops.situ_glu
-    assert ops.fast_or_reference("situ_glu", x) is kernels.load("situ_glu")
+        assert dispatch.fast_or_reference("situ_glu", x) is ops.situ_glu
+    assert dispatch.fast_or_reference("situ_glu", x) is kernels.load("situ_glu")
