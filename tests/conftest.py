@@ -31,11 +31,33 @@ def _deterministic():
     yield
 
 
+def _two_rank_entry(rank: int, world_size: int, port: int, argv: list[str]) -> None:
+    """One rank of `two_rank_runs`, in a process forked from the test worker: torchrun's environment, then the
+    worker's own `main`, as `torchrun --standalone --nproc-per-node 2 tests/two_rank_worker.py ...` would run it."""
+    import warnings
+
+    import two_rank_worker
+
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    # a forked rank cannot use the parent's OpenMP thread pool (test_quantile_balancing.py's forked ranks hung)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    two_rank_worker.main(argv)
+
+
 @pytest.fixture(scope="session")
 def two_rank_runs(tmp_path_factory):
-    """One torchrun launch of 2 gloo ranks for test_parallel.py and test_context_parallel.py (tests/two_rank_worker.py):
-    the tiny model folder the parallel plans load, and the two output folders the workers wrote."""
-    import subprocess
+    """One launch of 2 gloo ranks for test_parallel.py and test_context_parallel.py (tests/two_rank_worker.py):
+    the tiny model folder the parallel plans load, and the two output folders the workers wrote. The ranks are forked
+    from this process, not started by torchrun: two fresh interpreters importing torch and transformers (and the
+    launcher's own) were most of the launch's time; the GPU tests launch the same workers with torchrun."""
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+    import two_rank_worker  # noqa: F401  (imported once here, before the fork, not in each rank)
 
     from kimik3.tiny import write_tiny_folder
     from parallel_worker import MODES
@@ -45,12 +67,17 @@ def two_rank_runs(tmp_path_factory):
     write_tiny_folder(tiny_dir)
     parallel_out.mkdir()
     context_parallel_out.mkdir()
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(tests / "two_rank_worker.py"), str(tiny_dir), str(parallel_out), str(context_parallel_out), *MODES]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    with socket.socket() as probe:  # a free port for rank 0's rendezvous store, as torchrun --standalone picks one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [str(tiny_dir), str(parallel_out), str(context_parallel_out), *MODES]
+    ranks = mp.start_processes(_two_rank_entry, args=(2, port, argv), nprocs=2, join=False, start_method="fork")
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=1):  # a rank that raised fails here, with its traceback
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two ranks did not finish within 300 s")
     return {"tiny_dir": tiny_dir, "parallel": parallel_out, "context_parallel": context_parallel_out}
 
 
@@ -112,7 +139,7 @@ def fresh_python(tmp_path_factory):
 
 
 # Files that share a session fixture run on one pytest-xdist worker, so the fixture runs once: the two files of the
-# one torchrun launch (`two_rank_runs`), the two of the one fresh interpreter (`fresh_python`). Every other file is a
+# one launch of two ranks (`two_rank_runs`), the two of the one fresh interpreter (`fresh_python`). Every other file is a
 # group of its own.
 SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "two_rank_launch",
                  "test_remote_code": "fresh_interpreter", "test_hub_card": "fresh_interpreter"}
