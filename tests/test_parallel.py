@@ -38,7 +38,7 @@ def reference(tiny_dir):
 
 @pytest.fixture(scope="module")
 def parallel_runs(two_rank_runs):
-    """The 2 gloo ranks' results of every mode in turn (the shared torchrun launch, conftest.py): {mode: [per rank]}."""
+    """The 2 gloo ranks' results of every mode in turn (the shared two-rank launch, conftest.py): {mode: [per rank]}."""
     out_dir = two_rank_runs["parallel"]
     runs = {}
     for mode in MODES:

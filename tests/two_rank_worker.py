@@ -1,7 +1,8 @@
-"""What the CPU suite runs under one torchrun launch of 2 gloo ranks (one start of two processes instead of one per
-test file): the tensor/expert-parallel plans of tests/parallel_worker.py, then the context-parallel and FSDP2 checks
-of tests/context_parallel_worker.py. The conftest fixture `two_rank_runs` launches it; each worker also runs alone
-(the GPU tests launch them with NCCL).
+"""What the CPU suite runs in one launch of 2 gloo ranks (one start of two processes instead of one per test file):
+the tensor/expert-parallel plans of tests/parallel_worker.py, then the context-parallel and FSDP2 checks of
+tests/context_parallel_worker.py. The conftest fixture `two_rank_runs` forks the two ranks and calls `main` in each,
+with torchrun's environment; it also runs under torchrun, as below, and each worker runs alone (the GPU tests launch
+them with NCCL).
 
     torchrun --standalone --nproc-per-node 2 tests/two_rank_worker.py MODEL_DIR PARALLEL_OUT CONTEXT_PARALLEL_OUT MODE...
 """
