@@ -718,7 +718,7 @@ def section_moe_kernels():
     packed_args = (packed[0][0], packed[0][1], packed[1][0], packed[1][1], 4.0, 25.0)
     bytes_per_expert = sum(t[0].numel() + t[1].numel() for t in packed) // 64
     fast_mxfp4, fast_bf16 = kk.load("moe_experts_mxfp4"), kk.load("moe_experts")
-    from kimik3.kernels.moe import moe_experts_mxfp4_dequantised
+    from kimik3.kernels.mxfp4 import moe_experts_mxfp4_dequantised
 
     for n in (1, 8, 8 * K):
         x = torch.randn(n, 3584, device=DEV, dtype=bf)
@@ -853,24 +853,24 @@ def without_few_rows_kernel(fn):
 def with_mxfp4_kernel(kernel, fn):
     """fn() with the packed routed experts' matmuls on `kernel` ("gemv" or "tiles") up to the tile kernel's limit of
     rows per expert (the dequantised stack beyond, as always)."""
-    from kimik3.kernels import moe
+    from kimik3.kernels import mxfp4
 
-    return _with_setting(moe, "MXFP4_GEMV_ROWS_PER_EXPERT",
-                         {"gemv": moe.MXFP4_TILE_ROWS_PER_EXPERT, "tiles": 0}[kernel], fn)
+    return _with_setting(mxfp4, "MXFP4_GEMV_ROWS_PER_EXPERT",
+                         {"gemv": mxfp4.MXFP4_TILE_ROWS_PER_EXPERT, "tiles": 0}[kernel], fn)
 
 
 def without_conv_step_kernel(fn):
     """fn() with every KDA conv on fla's kernels (pad, conv, final window, slice), the one-launch step kernel off."""
-    from kimik3.kernels import triton_ops
+    from kimik3.kernels import conv
 
-    return _with_setting(triton_ops, "CONV_STEP_MAX_TOKENS", 0, fn)
+    return _with_setting(conv, "CONV_STEP_MAX_TOKENS", 0, fn)
 
 
 def without_ptx_decode(fn):
     """fn() with the packed GEMV decoding one code at a time (its f16-pair PTX decode off)."""
-    from kimik3.kernels import triton_ops
+    from kimik3.kernels import mxfp4
 
-    return _with_setting(triton_ops, "MXFP4_PTX_DECODE", False, fn)
+    return _with_setting(mxfp4, "MXFP4_PTX_DECODE", False, fn)
 
 
 def with_reference_ops(names: str, fn):

@@ -13,18 +13,21 @@
 # limitations under the License.
 """Optional fast twins of Kimi K3's reference ops (`kimik3.kernels`).
 
-The model's remote code declares every op once (`FAST_OPS` in `modeling_kimik3/ops_kimi_k3.py`: its pure-PyTorch
+The model's remote code declares every op once (`FAST_OPS` in `modeling_kimik3/dispatch_kimi_k3.py`: its pure-PyTorch
 reference and when a fast twin may replace it: CUDA tensors, 16-bit dtypes, no autograd, under torch.compile) and
-decides there. This package only provides the twins: `load(name)` returns the fast implementation of op `name`, with
+decides there; a twin never decides again what its declaration says. This package only provides the twins: `load(name)` returns the fast implementation of op `name`, with
 the reference's signature and contract, or None when its optional dependencies (fla-core, Triton, torch grouped_mm)
 do not import. `KERNELS_API_VERSION` is the interface version, the installed remote code's own
-(`ops_kimi_k3.KERNELS_API_VERSION`, read from there: one number, one changelog); a model folder's copy of the remote
+(`dispatch_kimi_k3.KERNELS_API_VERSION`, read from there: one number, one changelog); a model folder's copy of the remote
 code uses these twins only when it matches the version that copy was written against.
 
-The twins that launch their own kernels and run in the decode step (situ_glu, block_attn_res_mix,
-fused_recurrent_kda, causal_conv1d, mla_decode, the bf16 experts' few-rows grouped matmul, the packed-MXFP4 matmul
-and dequantisation) run them, when no gradient is recorded, as `torch.library` custom ops `torch.ops.kimik3.*` with fake
-implementations (custom_ops.py, registered on any machine), so a compiled decode step keeps them inside its one graph.
+One file per mechanism (`MECHANISMS`), each holding its kernels, its custom ops with their fakes, its launch rules
+and its twins, registered by name where they are defined (`_base.twin`); `_base` is the ground floor they share and
+imports nothing else of the package. Every file imports on any machine (Triton and fla are imported where a kernel
+launches or a twin loads), so the twins that launch their own kernels and run in the decode step (situ_glu,
+block_attn_res_mix, fused_recurrent_kda, causal_conv1d, mla_decode, the bf16 experts' few-rows grouped matmul, the
+packed-MXFP4 matmul and dequantisation) register their `torch.library` custom ops `torch.ops.kimik3.*` with fake
+implementations on a CPU machine too; a compiled decode step keeps them inside its one graph.
 
 | name | fast twin | autograd |
 |---|---|---|
@@ -45,84 +48,33 @@ implementations (custom_ops.py, registered on any machine), so a compiled decode
 | mxfp4_dequant | own Triton (bit-exact) | no |
 """
 
-__all__ = ["KERNELS_API_VERSION", "OP_NAMES", "available_ops", "load"]
+__all__ = ["KERNELS_API_VERSION", "MECHANISMS", "OP_NAMES", "available_ops", "load"]
 
+import importlib
 
-def _load_fla(attr):
-    def load():
-        from . import fla_ops
-
-        return getattr(fla_ops, attr)
-
-    return load
-
-
-def _load_triton(attr):
-    def load():
-        from . import triton_ops
-
-        return getattr(triton_ops, attr)
-
-    return load
-
-
-def _load_moe():
-    from . import moe
-
-    moe._grouped_mm_fn()  # raises ImportError without grouped_mm
-    return moe.moe_experts
-
-
-def _load_moe_mxfp4():
-    from . import moe, triton_ops  # noqa: F401  (needs Triton for the packed matmul)
-
-    moe._grouped_mm_fn()
-    return moe.moe_experts_mxfp4
-
-
-def _load_mla_prefill():
-    from . import mla_prefill
-
-    return mla_prefill.attention_with_lse
-
-
-def _load_mla():
-    from . import mla, triton_ops  # noqa: F401  (the softmax between the GEMMs is a Triton kernel)
-
-    return mla.mla_decode
-
-
-_LOADERS = {
-    "chunk_kda": _load_fla("chunk_kda"),
-    "fused_recurrent_kda": _load_fla("fused_recurrent_kda"),
-    "causal_conv1d": _load_fla("causal_conv1d"),
-    "attention_with_lse": _load_mla_prefill,
-    "mla_decode": _load_mla,
-    "block_attn_res_mix": _load_triton("block_attn_res_mix"),
-    "attn_res_mix_norm": _load_triton("attn_res_mix_norm"),
-    "situ_glu": _load_triton("situ_glu"),
-    "rms_norm": _load_triton("rms_norm"),
-    "gated_rms_norm": _load_triton("gated_rms_norm"),
-    "kda_gate": _load_triton("kda_gate"),
-    "router_logits": _load_triton("router_logits"),
-    "moe_experts": _load_moe,
-    "moe_experts_mxfp4": _load_moe_mxfp4,
-    "mxfp4_dequant": _load_triton("mxfp4_dequant"),
-}
-OP_NAMES = tuple(_LOADERS)
+# the files of this package that register fast twins, in the order `OP_NAMES` lists their ops
+MECHANISMS = ("kda", "conv", "mla", "attn_res", "situ", "norms", "moe", "mxfp4")
 
 _cache: dict = {}
 _errors: dict = {}
 
 
+def _twins() -> dict:
+    """{op name: its registered `_base.Twin`}: every mechanism file imported (once), each registering its own."""
+    for mechanism in MECHANISMS:
+        importlib.import_module(f"{__name__}.{mechanism}")
+    return importlib.import_module(f"{__name__}._base").TWINS
+
+
 def load(name: str):
     """The fast implementation of op `name`, or None when its dependencies do not import or the name is unknown
     (a newer model code asking for an op this install lacks keeps its reference). Imported once, then cached."""
-    if name not in _LOADERS:
-        return None
     if name not in _cache:
+        twins = _twins()
+        if name not in twins:
+            return None
         try:
-            _cache[name] = _LOADERS[name]()
+            _cache[name] = twins[name].load()
         except Exception as exc:  # ImportError, or a broken install: the model keeps the reference
             _cache[name] = None
             _errors[name] = f"{type(exc).__name__}: {exc}"
@@ -130,9 +82,12 @@ def load(name: str):
 
 
 def __getattr__(name: str):
-    """`KERNELS_API_VERSION`: the interface these twins implement is the one the installed package's remote code
-    declares (`load(name)` and the contracts of the references they stand in for). Read when asked, not at import:
-    that module imports this package while it initialises, and finds the number already defined."""
+    """`OP_NAMES`: the ops with a registered twin. `KERNELS_API_VERSION`: the interface these twins implement is the
+    one the installed package's remote code declares (`load(name)` and the contracts of the references they stand in
+    for), read from its one definition. Both read when asked, not at import, which imports nothing of the model's
+    code (the mechanism files import its references)."""
+    if name == "OP_NAMES":
+        return tuple(_twins())
     if name == "KERNELS_API_VERSION":
         from kimik3.modeling.dispatch_kimi_k3 import KERNELS_API_VERSION
 
@@ -142,4 +97,4 @@ def __getattr__(name: str):
 
 def available_ops() -> dict:
     """{name: True or the reason the fast implementation is unavailable}. Imports the optional dependencies."""
-    return {name: (True if load(name) is not None else _errors.get(name, "unavailable")) for name in OP_NAMES}
+    return {name: (True if load(name) is not None else _errors.get(name, "unavailable")) for name in _twins()}

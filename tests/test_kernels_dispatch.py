@@ -21,7 +21,8 @@ from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 
 kernels = importlib.import_module("kimik3.kernels")
-importlib.import_module("kimik3.kernels.custom_ops")  # registers torch.ops.kimik3.* for the tests that call them
+for _mechanism in kernels.MECHANISMS:  # each file registers its torch.ops.kimik3.* ops, which the tests call
+    importlib.import_module(f"{kernels.__name__}.{_mechanism}")
 ops = importlib.import_module("kimik3.modeling.ops_kimi_k3")
 dispatch = importlib.import_module("kimik3.modeling.dispatch_kimi_k3")
 
@@ -203,7 +204,8 @@ def test_kernels_module_without_dependencies_keeps_the_reference(monkeypatch):
     """A twin whose dependencies do not import is None from `load`, with the reason in `available_ops`."""
     monkeypatch.setattr(kernels, "_cache", {})
     monkeypatch.setattr(kernels, "_errors", {})
-    monkeypatch.setitem(kernels._LOADERS, "situ_glu", lambda: importlib.import_module("no_such_triton"))
+    twins = importlib.import_module(kernels.__name__ + "._base").TWINS
+    monkeypatch.setitem(twins, "situ_glu", dataclasses.replace(twins["situ_glu"], needs=("no_such_triton",)))
     monkeypatch.setattr(dispatch, "_KERNELS", kernels)
     monkeypatch.delenv(dispatch.REFERENCE_ONLY_ENV, raising=False)
     assert kernels.load("situ_glu") is None
@@ -423,15 +425,14 @@ def test_reference_mla_decode_matches_expanded_attention():
     keep = (torch.arange(seq_len) < torch.tensor([10, 4])[:, None])[:, None, None, :]
     o_masked, _ = ops.mla_decode(q_lat, latents, scale, rank, keep)
     torch.testing.assert_close(o_masked[1:], ops.mla_decode(q_lat[1:], latents[1:, :4], scale, rank)[0])
-    # the fast twin is one custom op (its CPU implementation is this reference): no probabilities, masks taken, and
-    # no backward (the model runs the reference while autograd records)
+    # the fast twin is one custom op (its CPU implementation is this reference): no probabilities, masks taken; it
+    # has no backward, and its declaration keeps it out while autograd records (the twin does not ask again)
     from kimik3.kernels.mla import mla_decode as fast_mla_decode
 
     fast_out, fast_probs = fast_mla_decode(q_lat, latents, scale, rank)
     assert fast_probs is None and torch.equal(fast_out, o_lat)
     assert torch.equal(fast_mla_decode(q_lat, latents, scale, rank, keep)[0], o_masked)
-    with pytest.raises(ValueError, match="no backward"):
-        fast_mla_decode(q_lat.requires_grad_(), latents, scale, rank)
+    assert ops.FAST_OPS["mla_decode"].forward_only
     # a mask that does not broadcast over [B, H, S, T] is refused by the CUDA implementation, naming its shape
     from kimik3.kernels.mla import mla_decode_cuda
 
@@ -447,7 +448,7 @@ def test_reference_mxfp4_dequant_is_the_models():
 
 def test_flash_attention_with_lse_adapter_matches_reference_on_cpu_op():
     """The CUDA fast path's adapter logic (V padding, LSE shape), exercised with the CPU flavour of the same op."""
-    from kimik3.kernels.mla_prefill import attention_with_lse as flash_lse
+    from kimik3.kernels.mla import attention_with_lse as flash_lse
 
     q, k, v = torch.randn(2, 3, 6, 24), torch.randn(2, 3, 6, 24), torch.randn(2, 3, 6, 16)
     for causal in (False, True):
@@ -461,8 +462,8 @@ def test_flash_attention_with_lse_adapter_matches_reference_on_cpu_op():
 def test_attention_with_lse_falls_back_to_flash_where_cudnn_refuses(monkeypatch):
     """cuDNN first on CUDA; where it raises for some (device, dtype, head dims), flash, and cuDNN is not asked again
     for those; other head dims still ask cuDNN."""
-    mla_prefill = importlib.import_module(kernels.__name__ + ".mla_prefill")
-    monkeypatch.setattr(mla_prefill, "_CUDNN_REFUSED", set())
+    mla = importlib.import_module(kernels.__name__ + ".mla")
+    monkeypatch.setattr(mla, "_CUDNN_REFUSED", set())
     calls = []
 
     def cudnn(q, k, v, scale, causal):
@@ -473,23 +474,23 @@ def test_attention_with_lse_falls_back_to_flash_where_cudnn_refuses(monkeypatch)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return "cudnn result"
 
-    monkeypatch.setattr(mla_prefill, "_cudnn", cudnn)
-    monkeypatch.setattr(mla_prefill, "_flash", lambda q, k, v, scale, causal: calls.append(("flash",)) or "flash")
+    monkeypatch.setattr(mla, "_cudnn", cudnn)
+    monkeypatch.setattr(mla, "_flash", lambda q, k, v, scale, causal: calls.append(("flash",)) or "flash")
     q, v = fake_cuda(1, 2, 4, 24, dtype=torch.bfloat16), fake_cuda(1, 2, 4, 16, dtype=torch.bfloat16)
-    assert mla_prefill.attention_backend(q, v) == "cudnn"
-    assert mla_prefill.attention_with_lse(q, q, v, 0.2, True) == "flash"
+    assert mla.attention_backend(q, v) == "cudnn"
+    assert mla.attention_with_lse(q, q, v, 0.2, True) == "flash"
     assert calls == [("cudnn", 24, 16), ("flash",)]
-    assert mla_prefill.attention_backend(q, v) == "flash"
-    assert mla_prefill.attention_with_lse(q, q, v, 0.2, False) == "flash" and calls[-1] == ("flash",)
+    assert mla.attention_backend(q, v) == "flash"
+    assert mla.attention_with_lse(q, q, v, 0.2, False) == "flash" and calls[-1] == ("flash",)
     assert len(calls) == 3  # no second cuDNN attempt
     q32 = fake_cuda(1, 2, 4, 32, dtype=torch.bfloat16)
-    assert mla_prefill.attention_with_lse(q32, q32, v, 0.2, True) == "cudnn result"
+    assert mla.attention_with_lse(q32, q32, v, 0.2, True) == "cudnn result"
     # out of memory is no refusal: it reaches the caller and cuDNN stays the choice
     long = fake_cuda(1, 2, 5, 32, dtype=torch.bfloat16)
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        mla_prefill.attention_with_lse(long, long, v, 0.2, False)
-    assert mla_prefill.attention_backend(q32, v) == "cudnn"
-    assert mla_prefill.attention_backend(q.as_subclass(torch.Tensor), v) == "flash"  # off CUDA: the flash CPU op
+        mla.attention_with_lse(long, long, v, 0.2, False)
+    assert mla.attention_backend(q32, v) == "cudnn"
+    assert mla.attention_backend(q.as_subclass(torch.Tensor), v) == "flash"  # off CUDA: the flash CPU op
 
 
 # ------------------------------------------------------------------------ custom ops (torch.compile keeps the kernels)
@@ -497,7 +498,7 @@ def test_attention_with_lse_falls_back_to_flash_where_cudnn_refuses(monkeypatch)
 
 def _custom_op_cases():
     """Inputs for every `torch.ops.kimik3.*` op: decode-step shapes, strided views where the model passes them."""
-    custom_ops = importlib.import_module(kernels.__name__ + ".custom_ops")
+    registered = importlib.import_module(kernels.__name__ + "._base").CUSTOM_OPS
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape, dtype=torch.float32):
@@ -525,7 +526,7 @@ def _custom_op_cases():
                         torch.tensor([0, 1, 3, 4], dtype=torch.int32)),
                        (randn(2, 64), packed, scale, torch.tensor([0, 0, 0, 2], dtype=torch.int32))],
     }
-    assert set(cases) == set(custom_ops.OPS)
+    assert set(cases) == set(registered)
     return cases
 
 
@@ -557,14 +558,14 @@ def test_custom_ops_run_the_references_off_cuda():
 
 def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
     """A decode-like step calling every custom op (and the experts' routing around the grouped matmuls, as
-    kernels/moe.py runs it: the packed experts' and, as on CUDA, the bf16 experts' few-rows one) compiles with
+    kernels/moe.py and mxfp4.py run it: the packed experts' and, as on CUDA, the bf16 experts' few-rows one) compiles with
     fullgraph=True into one graph that keeps each op as a node, and computes what it computes eagerly."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     moe = importlib.import_module(kernels.__name__ + ".moe")
     monkeypatch.setattr(moe, "_few_rows_kernel_runs_on", lambda x: True)  # the CUDA decision, on CPU tensors
-    _packed_kernels_as_custom_ops(monkeypatch, moe)
+    mxfp4 = importlib.import_module(kernels.__name__ + ".mxfp4")
     cases = _custom_op_cases()
     x, idx, w, gate_up, down = _moe_case(n=1, k=3, e=4, width=64, inter=32)  # 3 rows, 4 experts: GEMV
     (gu_packed, gu_scale), (d_packed, d_scale) = ops.quantize_mxfp4(gate_up), ops.quantize_mxfp4(down)
@@ -584,7 +585,7 @@ def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
         mixed = torch.ops.kimik3.block_attn_res_mix(*mix_args)
         attended = torch.ops.kimik3.mla_decode(*cases["mla_decode"][0])
         dense = torch.ops.kimik3.mxfp4_dequant(gu_packed, gu_scale, torch.bfloat16)
-        packed = moe.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)  # GEMV size
+        packed = mxfp4.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)  # GEMV size
         plain = moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
         return routed, h, o, state, y, new_conv, mixed, attended, dense, packed, plain
 
@@ -651,7 +652,7 @@ def test_moe_experts_few_rows_decision():
     x = fake_cuda(2, 8, dtype=torch.bfloat16)
     gate_up, down = fake_cuda(64, 12, 8, dtype=torch.bfloat16), fake_cuda(64, 8, 6, dtype=torch.bfloat16)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe, "_triton_ops", types.SimpleNamespace())  # as where Triton imports
+        mp.setattr(moe, "HAS_TRITON", True)  # as where Triton imports
         assert moe._use_few_rows_kernel(x, gate_up, down, 32)
         assert not moe._use_few_rows_kernel(x, gate_up, down, 257)  # prefill
         assert not moe._use_few_rows_kernel(x.as_subclass(torch.Tensor), gate_up, down, 32)  # CPU
@@ -662,7 +663,7 @@ def test_moe_experts_few_rows_decision():
         sharded = fake_cuda(64, 12, 8, dtype=torch.bfloat16)
         sharded.to_local = lambda: gate_up  # as a tensor-parallel DTensor: grouped_mm keeps its sharding rules
         assert not moe._use_few_rows_kernel(x, sharded, down, 32)
-        mp.setattr(moe, "_triton_ops", None)  # no Triton: the op would have no CUDA kernel
+        mp.setattr(moe, "HAS_TRITON", False)  # no Triton: the op would have no CUDA kernel
         assert not moe._use_few_rows_kernel(x, gate_up, down, 32)
 
 
@@ -719,14 +720,6 @@ def test_sdpa_backend_order_asks_for_cudnn_only_for_cuda_inference_with_sdpa(mon
 # --------------------------------------------------------------------- packed MXFP4 experts: GEMV, tiles, dequantised
 
 
-def _packed_kernels_as_custom_ops(monkeypatch, moe):
-    """moe_experts_mxfp4's Triton entry points as on a CUDA machine without autograd: the custom ops, which off CUDA
-    run their references (so the dispatch and the routing around the ops run on CPU)."""
-    monkeypatch.setattr(moe, "_triton_ops", types.SimpleNamespace(
-        mxfp4_gemv=torch.ops.kimik3.mxfp4_gemv, mxfp4_grouped_matmul=torch.ops.kimik3.mxfp4_grouped_matmul,
-        mxfp4_dequant=torch.ops.kimik3.mxfp4_dequant))
-
-
 @pytest.mark.parametrize("counts", [[0, 1, 0, 3, 2], [1, 0, 0, 0, 0], [0, 0, 0, 0, 2], [0, 0, 0, 0, 0]])
 def test_mxfp4_gemv_reference_is_the_product_of_the_dequantised_experts(counts):
     """The GEMV op's CPU implementation (the reference of its Triton kernel, shared with the tile op): each group of
@@ -752,25 +745,24 @@ def test_mxfp4_gemv_reference_is_the_product_of_the_dequantised_experts(counts):
 def test_mxfp4_experts_path_decision():
     """GEMV up to MXFP4_GEMV_ROWS_PER_EXPERT routed rows per expert on average, the tile kernel up to
     MXFP4_TILE_ROWS_PER_EXPERT, the dequantised stack and grouped GEMMs beyond."""
-    moe = importlib.import_module(kernels.__name__ + ".moe")
-    assert (moe.MXFP4_GEMV_ROWS_PER_EXPERT, moe.MXFP4_TILE_ROWS_PER_EXPERT) == (2, 16)
+    mxfp4 = importlib.import_module(kernels.__name__ + ".mxfp4")
+    assert (mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT, mxfp4.MXFP4_TILE_ROWS_PER_EXPERT) == (2, 16)
     # the benchmark model: 64 experts, top-16: decode at batch 1..8 is GEMV, 9..64 tokens tiles, more dequantised
-    assert moe.mxfp4_experts_path(1 * 16, 64) == "gemv" and moe.mxfp4_experts_path(8 * 16, 64) == "gemv"
-    assert moe.mxfp4_experts_path(9 * 16, 64) == "tiles" and moe.mxfp4_experts_path(16 * 16, 64) == "tiles"
-    assert moe.mxfp4_experts_path(64 * 16, 64) == "tiles"
-    assert moe.mxfp4_experts_path(65 * 16, 64) == "dequantised"
-    assert moe.mxfp4_experts_path(0, 64) == "gemv"
+    assert mxfp4.mxfp4_experts_path(1 * 16, 64) == "gemv" and mxfp4.mxfp4_experts_path(8 * 16, 64) == "gemv"
+    assert mxfp4.mxfp4_experts_path(9 * 16, 64) == "tiles" and mxfp4.mxfp4_experts_path(16 * 16, 64) == "tiles"
+    assert mxfp4.mxfp4_experts_path(64 * 16, 64) == "tiles"
+    assert mxfp4.mxfp4_experts_path(65 * 16, 64) == "dequantised"
+    assert mxfp4.mxfp4_experts_path(0, 64) == "gemv"
     with pytest.MonkeyPatch.context() as mp:  # the constants are the switch the benchmark flips
-        mp.setattr(moe, "MXFP4_GEMV_ROWS_PER_EXPERT", 0)
-        assert moe.mxfp4_experts_path(16, 64) == "tiles"
+        mp.setattr(mxfp4, "MXFP4_GEMV_ROWS_PER_EXPERT", 0)
+        assert mxfp4.mxfp4_experts_path(16, 64) == "tiles"
 
 
-def test_moe_experts_mxfp4_runs_each_path_by_rows_per_expert(monkeypatch):
-    """`moe_experts_mxfp4` (its Triton entry points standing in as the custom ops) runs the GEMV op at decode sizes,
+def test_moe_experts_mxfp4_runs_each_path_by_rows_per_expert():
+    """`moe_experts_mxfp4` (without autograd its Triton entry points are custom ops) runs the GEMV op at decode sizes,
     the tile op at a few rows per expert and the dequantised stack through grouped_mm beyond; every path computes
     the reference packed experts."""
-    moe = importlib.import_module(kernels.__name__ + ".moe")
-    _packed_kernels_as_custom_ops(monkeypatch, moe)
+    mxfp4 = importlib.import_module(kernels.__name__ + ".mxfp4")
     gemv, tiles = "kimik3.mxfp4_gemv", "kimik3.mxfp4_grouped_matmul"
     dequant, grouped = "kimik3.mxfp4_dequant", "aten._grouped_mm"
     e, k = 6, 3  # GEMV up to 12 routed rows (4 tokens), tiles up to 96 (32 tokens)
@@ -778,7 +770,7 @@ def test_moe_experts_mxfp4_runs_each_path_by_rows_per_expert(monkeypatch):
         x, idx, w, gate_up, down = _moe_case(n=n, k=k, e=e)
         args = (*ops.quantize_mxfp4(gate_up), *ops.quantize_mxfp4(down), 4.0, 25.0)
         with torch.no_grad(), TopLevelOps() as seen:
-            out = moe.moe_experts_mxfp4(x, idx, w, *args)
+            out = mxfp4.moe_experts_mxfp4(x, idx, w, *args)
         assert seen.names & {gemv, tiles, dequant, grouped} == expected, (n, seen.names)
         torch.testing.assert_close(out, ops.moe_experts_mxfp4(x, idx, w, *args), rtol=1e-2, atol=1e-2)
 

@@ -1,7 +1,7 @@
 """Where the packed MXFP4 GEMV's time goes (a diagnostic, not a test): the gate_up matmul of one decode token on the
 benchmark model's shapes (64 experts, N 6144, K 3584; 16 routed rows, one per expert), timed per tile config for
 
-* `gemv_ptx` / `gemv_portable`: the product kernel (`triton_ops._mxfp4_gemv_kernel`) with each decode,
+* `gemv_ptx` / `gemv_portable`: the product kernel (`mxfp4._mxfp4_gemv_kernel`) with each decode,
 * `gemv_ptx_x_f32`: the same with x handed over as f32 (the cast not timed),
 * `probe_load`: the same tiles loaded and summed as integers (what streaming the words alone costs),
 * `probe_decode`: loaded and decoded (f16-pair PTX) but not multiplied by x,
@@ -24,8 +24,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
 from _k3bench_utils import event_us  # noqa: E402
-from kimik3.kernels import triton_ops
-from kimik3.kernels.triton_ops import _e2m1_word_ptx
+from kimik3.kernels import mxfp4
+from kimik3.kernels.mxfp4 import _e2m1_word_ptx
 
 CONFIGS = [(8, 64, 2), (8, 128, 4), (16, 32, 2), (16, 64, 2), (16, 64, 4), (16, 128, 4), (16, 256, 8), (32, 32, 4),
            (32, 64, 4), (64, 32, 4)]
@@ -78,15 +78,15 @@ def main():
     read = rows * n * (k // 2 + k // 32)
     results = {"shape": {"experts": experts, "rows": rows, "n": n, "k": k, "packed_bytes_read": read},
                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    ref = triton_ops._mxfp4_gemv_fwd(xs, packed, scale, ends).float()
-    results["autotuned_us"] = round(event_us(lambda: triton_ops._mxfp4_gemv_fwd(xs, packed, scale, ends), 50), 1)
+    ref = mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends).float()
+    results["autotuned_us"] = round(event_us(lambda: mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends), 50), 1)
     for bn, bkw, warps in CONFIGS:
         tag = f"n{bn}_kw{bkw}_w{warps}"
         grid = (rows, triton.cdiv(n, bn))
         row = {}
         for name, ptx, x in (("gemv_ptx", True, xs), ("gemv_ptx_x_f32", True, xs32), ("gemv_portable", False, xs)):
             def call(ptx=ptx, x=x):
-                triton_ops._mxfp4_gemv_kernel.fn[grid](x, words, scale, out, ends, n, kw, experts, E_PAD=64,
+                mxfp4._mxfp4_gemv_kernel.fn[grid](x, words, scale, out, ends, n, kw, experts, E_PAD=64,
                                                        BLOCK_N=bn, BLOCK_KW=bkw, PTX_DECODE=ptx, num_warps=warps)
             row[name] = event_us(call, 50)
             assert torch.allclose(out.float(), ref, rtol=2e-2, atol=1e-2), (tag, name)

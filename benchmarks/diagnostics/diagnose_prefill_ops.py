@@ -7,9 +7,9 @@ events, bf16), each form against what the model ran before its own twin:
   halves. TFLOP/s of the useful work. (The transposed form, out^T = W x^T with the rows as the 2-D operand's ragged
   N, was tried: grouped_mm asserts on the device unless every group's size is a multiple of 8.)
 * `gather`: the experts' expert-sorted copy of the activations (131072 rows of 3584 from 8192): `index_select`
-  against `triton_ops.gather_rows` at several (rows, columns) per program; TB/s of the bytes written and read once.
+  against `moe.gather_rows` at several (rows, columns) per program; TB/s of the bytes written and read once.
 * `conv`: the KDA short conv (+ SiLU) of one [8192, 12288] projection, no cached window: fla-core's Triton kernel
-  (through `fla_ops`, as before) against `triton_ops.causal_conv1d_prefill` at several (BLOCK_T, BLOCK_C, warps);
+  (through the twin's autograd path, as before) against `conv.causal_conv1d_prefill` at several (BLOCK_T, BLOCK_C, warps);
   TB/s of x read once and y written; the largest difference from the reference.
 
 Router forms were also timed here once (a tensor-core GEMM written as f32, a Triton f32 dot): both rejected for
@@ -33,7 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
 from _k3bench_utils import event_us  # noqa: E402
-from kimik3.kernels import moe, triton_ops
+from kimik3.kernels import attn_res as attn_res_kernels
+from kimik3.kernels import moe, norms
+from kimik3.kernels.conv import _causal_conv1d_eager, causal_conv1d_prefill
+from kimik3.kernels.kda import chunk_kda, kda_gate
 from kimik3.modeling import ops_kimi_k3 as ops
 
 TOKENS, TOP_K = 8192, 16
@@ -89,7 +92,7 @@ def gather(results):
     ref = x.index_select(0, index)
     forms = {"index_select": lambda: x.index_select(0, index)}
     for blocks in GATHER_CONFIGS:
-        forms["triton_" + "_".join(map(str, blocks))] = lambda b=blocks: triton_ops.gather_rows(x, index, *b)
+        forms["triton_" + "_".join(map(str, blocks))] = lambda b=blocks: moe.gather_rows(x, index, *b)
     row = {}
     for name, fn in forms.items():
         us = event_us(fn, 20)
@@ -99,17 +102,15 @@ def gather(results):
 
 
 def conv(results):
-    from kimik3.kernels import fla_ops
-
     torch.manual_seed(0)
     x = torch.randn(1, TOKENS, 12288, device="cuda").to(torch.bfloat16)
     weight = torch.randn(12288, 1, 4, device="cuda") * 0.5
     moved = 2 * x.numel() * 2
     ref = ops.causal_conv1d(x, weight, None)[0]
-    forms = {"fla": lambda: fla_ops._causal_conv1d_eager(x, weight, None)}
+    forms = {"fla": lambda: _causal_conv1d_eager(x, weight, None)}
     for blocks in CONV_CONFIGS:
         forms["triton_" + "_".join(map(str, blocks))] = (
-            lambda b=blocks: triton_ops.causal_conv1d_prefill(x, weight, None, b))
+            lambda b=blocks: causal_conv1d_prefill(x, weight, None, b))
     row = {}
     for name, fn in forms.items():
         us = event_us(fn, 20)
@@ -124,7 +125,7 @@ def kda(results):
     + fla's chunk_kda on the precomputed decay (what the model ran before the gate moved into fla) against fla computing
     the decay inside its chunk cumsum, with and without its safe_gate diagonal tiles; each output's error against the
     reference ops (f32 chunked math) on the same inputs."""
-    from kimik3.kernels import fla_ops
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     torch.manual_seed(0)
     heads, dim = 96, 128
@@ -135,16 +136,16 @@ def kda(results):
     dt_bias = torch.randn(heads * dim, device="cuda") * 0.5
     beta = torch.sigmoid(torch.randn(1, TOKENS, heads, device="cuda"))
     lb = -5.0
-    gate_fast = triton_ops.kda_gate
+    gate_fast = kda_gate
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     def separate():
-        return fla_ops.chunk_kda(q, k, v, gate_fast(raw, A_log, dt_bias, lb), beta, **kw)
+        return chunk_kda(q, k, v, gate_fast(raw, A_log, dt_bias, lb), beta, **kw)
 
     def in_kernel(safe):
         def run():
-            return fla_ops._fla_chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True, A_log=A_log[:heads],
-                                          dt_bias=dt_bias, lower_bound=lb, safe_gate=safe, **kw)
+            return fla_chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True, A_log=A_log[:heads],
+                                 dt_bias=dt_bias, lower_bound=lb, safe_gate=safe, **kw)
         return run
 
     with torch.inference_mode():
@@ -170,7 +171,7 @@ def attn_res(results):
     rows = torch.randn(10, TOKENS, d, device="cuda").to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16)
     proj = (0.05 * torch.randn(1, d, device="cuda")).to(torch.bfloat16)
-    mix, norm = triton_ops.block_attn_res_mix, triton_ops.rms_norm
+    mix, norm = attn_res_kernels.block_attn_res_mix, norms.rms_norm
     part = {}
     for n_blocks in (1, 3, 8):
         blocks = list(rows[:n_blocks])
@@ -178,7 +179,7 @@ def attn_res(results):
             prefix = rows[8]
 
             def fused():
-                return triton_ops.attn_res_mix_norm(blocks, prefix, delta, w, proj, 1e-5, w, 1e-6)
+                return attn_res_kernels.attn_res_mix_norm(blocks, prefix, delta, w, proj, 1e-5, w, 1e-6)
 
             def separate():
                 p = prefix + delta if delta is not None else prefix

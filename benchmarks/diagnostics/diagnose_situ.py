@@ -4,7 +4,7 @@ experts: 8192 x 6144; layer 0's dense MLP: 8192 x 33792), bf16, release betas (4
 
 * `session11` (the JSON key the kept results use): the kernel's first form (a division per tanh / sigmoid / beta,
   three exps; copied here),
-* `current`: `triton_ops._situ_fwd_kernel` (ratios, one division, the sigmoid's exp from the gate tanh's),
+* `current`: `situ._situ_fwd_kernel` (ratios, one division, the sigmoid's exp from the gate tanh's),
   at several (BLOCK, num_warps),
 * `add`: torch.add(gate, up) into the output, the same bytes moved: the bandwidth floor.
 
@@ -25,8 +25,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
 from _k3bench_utils import event_us  # noqa: E402
-from kimik3.kernels import triton_ops
-from kimik3.kernels.triton_ops import _tanh
+from kimik3.kernels import situ
+from kimik3.kernels.situ import _tanh
 from kimik3.modeling import ops_kimi_k3 as ops
 
 SHAPES = {"routed": (8192 * 16, 3072), "shared": (8192, 6144), "dense": (8192, 33792)}
@@ -67,7 +67,7 @@ def main():
         record("session11", event_us(old, 20))
         for block, warps in CONFIGS:
             def new(block=block, warps=warps):
-                triton_ops._situ_fwd_kernel[(rows, triton.cdiv(n, block))](
+                situ._situ_fwd_kernel[(rows, triton.cdiv(n, block))](
                     gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), b1, 1 / b1, b2, 1 / b2,
                     HAS_B2=True, SIGMOID_POW=2, BLOCK=block, num_warps=warps)
             record(f"current_b{block}_w{warps}", event_us(new, 20))

@@ -85,7 +85,7 @@ def test_compiled_static_decode_keeps_packed_mxfp4_experts_on_the_triton_kernel(
     from torch._dynamo.utils import counters
 
     from gpu_helpers import load_fast
-    from kimik3.kernels import triton_ops
+    from kimik3.kernels import mxfp4
     from kimik3.modeling import ops_kimi_k3 as ops
     from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
 
@@ -109,7 +109,7 @@ def test_compiled_static_decode_keeps_packed_mxfp4_experts_on_the_triton_kernel(
         return reference_dequant(*args, **kwargs)
 
     for name in ("_mxfp4_grouped_matmul_fwd", "_mxfp4_gemv_fwd"):
-        monkeypatch.setattr(triton_ops, name, spy_triton(getattr(triton_ops, name)))
+        monkeypatch.setattr(mxfp4, name, spy_triton(getattr(mxfp4, name)))
     monkeypatch.setattr(ops, "dequantize_mxfp4", spy_reference)
     moe_layers = sum(1 for m in model.modules() if type(m).__name__ == "KimiK3Experts")
     with torch.no_grad():

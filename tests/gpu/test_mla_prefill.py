@@ -20,18 +20,18 @@ def test_attention_with_lse_matches_reference(causal, q_len, k_len, backend, mon
     """Both backends of the fast twin, on the model's layouts (the query a transposed view of [B, T, H, D] storage,
     the value a slice of the expanded key/value projection) and at lengths that are no multiple of a tile (a chunk
     of any length continues a cache of any length)."""
-    from kimik3.kernels import mla_prefill
+    from kimik3.kernels import mla
 
     if backend == "flash":  # as if cuDNN had refused
-        monkeypatch.setattr(mla_prefill, "_CUDNN_REFUSED", {(torch.device("cuda", torch.cuda.current_device()),
+        monkeypatch.setattr(mla, "_CUDNN_REFUSED", {(torch.device("cuda", torch.cuda.current_device()),
                                                              torch.bfloat16, 192, 128)})
     q = torch.randn(1, q_len, 96, 192, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(1, 96, k_len, 192, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, k_len, 96, 256, device="cuda", dtype=torch.bfloat16).transpose(1, 2)[..., 128:]
-    assert mla_prefill.attention_backend(q, v) == backend
+    assert mla.attention_backend(q, v) == backend
     calls = []
-    original = getattr(mla_prefill, f"_{backend}")
-    monkeypatch.setattr(mla_prefill, f"_{backend}", lambda *a: calls.append(1) or original(*a))
+    original = getattr(mla, f"_{backend}")
+    monkeypatch.setattr(mla, f"_{backend}", lambda *a: calls.append(1) or original(*a))
     fast = load_fast("attention_with_lse")
     out, lse = fast(q, k, v, 192**-0.5, causal)
     ref_out, ref_lse = ops.attention_with_lse(q, k, v, 192**-0.5, causal)

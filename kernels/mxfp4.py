@@ -1,0 +1,471 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Packed MXFP4 experts' fast twins (`ops_kimi_k3.dequantize_mxfp4`, `moe_experts_mxfp4`): E2M1 codes with an E8M0
+scale per 32 weights, decoded in registers.
+
+* `mxfp4_dequant`: MXFP4 -> bf16/f32, bit-exact with the reference (the custom op `torch.ops.kimik3.mxfp4_dequant`).
+* `mxfp4_grouped_matmul`: expert-grouped matmul over packed weights, dequantised tile by tile in registers; gradient
+  for the activations only (the custom op `torch.ops.kimik3.mxfp4_grouped_matmul` without autograd).
+* `mxfp4_gemv`: the same product for 1-2 rows per expert (decode): one routed row per program, no `tl.dot`, the
+  weights decoded and summed in registers (the custom op `torch.ops.kimik3.mxfp4_gemv` without autograd).
+* `moe_experts_mxfp4`: the routed experts (moe.py's routing) on one of three paths by routed rows per expert, the
+  launch rules `MXFP4_GEMV_ROWS_PER_EXPERT` and `MXFP4_TILE_ROWS_PER_EXPERT`.
+"""
+
+import os
+
+import torch
+from torch import Tensor
+
+from kimik3.modeling import ops_kimi_k3 as _reference
+from kimik3.modeling.ops_kimi_k3 import MXFP4_GROUP_SIZE
+
+from ._base import custom_op, needs_grad, tl, triton, twin
+from .moe import (
+    _FEW_ROWS_BLOCK_M,
+    _dot_precision,
+    _expert_row_block,
+    _grouped_matmul_reference,
+    _grouped_mm_fn,
+    _routed_experts,
+    _row_block_grid,
+    moe_experts,
+)
+
+# The packed MXFP4 experts' three paths, by routed rows per expert on average: up to MXFP4_GEMV_ROWS_PER_EXPERT the
+# GEMV kernel (each routed row reads its expert's packed bytes), up to MXFP4_TILE_ROWS_PER_EXPERT the tile kernel
+# (one decode of each tile per 16 rows of an expert), beyond that the stack dequantised once and the grouped GEMMs
+# (prefill). On the H200 (docs/benchmarks.md, Packed MXFP4 GEMV) the GEMV's matmuls take 0.14 ms against the tiles' 0.38
+# ms at 1 row per expert, and 1.01 ms against 1.19 ms at 2 (8 tokens x top-16 over 64 experts), though a second row
+# re-reads its expert: the GEMV stops at 2.
+MXFP4_GEMV_ROWS_PER_EXPERT = 2
+MXFP4_TILE_ROWS_PER_EXPERT = 16
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MXFP4 dequantisation
+
+
+@triton.jit
+def _e2m1_bits(code):
+    # The 3 magnitude bits of an E2M1 code placed at the top of an f32's exponent/mantissa field make 2^-126 times
+    # the E2M1 value (codes 0 and 1 land on the denormals 0 and 2^-127), so one exact multiply by a power of two
+    # decodes every code. Fewer instructions per weight than branching on the exponent.
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(code):
+    return _e2m1_bits(code) * 8.507059173023462e37  # 2^126: the E2M1 value
+
+
+@triton.jit
+def _e8m0(sc):
+    # 2^(sc - 127) exactly, built from its f32 bits: normal floats for sc >= 1, the denormal 2^-127 for sc == 0
+    bits = tl.where(sc == 0, 0x00400000, sc << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_dequant_kernel(p_ptr, s_ptr, o_ptr, KH, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < KH
+    byte = tl.load(p_ptr + row * KH + j, mask=m, other=0).to(tl.int32)
+    sc = tl.load(s_ptr + row * (KH // 16) + j // 16, mask=m, other=127).to(tl.int32)
+    factor = _e8m0(sc)
+    lo = _e2m1(byte & 15) * factor
+    hi = _e2m1(byte >> 4) * factor
+    out = o_ptr + row * (2 * KH) + 2 * j
+    tl.store(out, lo.to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(out + 1, hi.to(o_ptr.dtype.element_ty), mask=m)
+
+
+@twin("mxfp4_dequant", needs=("triton",))
+def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Same contract as `ops_kimi_k3.dequantize_mxfp4` (bit-exact): packed u8 [..., N, K/2], scale u8 [..., N, K/32]
+    -> [..., N, K] in dtype."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise TypeError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
+    kh = packed.shape[-1]
+    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * 16 != kh:
+        raise ValueError(f"MXFP4 shapes do not match: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}")
+    return torch.ops.kimik3.mxfp4_dequant(packed, scale, dtype)  # one node under torch.compile
+
+
+def _mxfp4_dequant_launch(packed, scale, dtype):
+    kh = packed.shape[-1]
+    p2 = packed.contiguous().view(-1, kh)
+    s2 = scale.contiguous().view(-1, kh // 16)
+    out = torch.empty(*packed.shape[:-1], 2 * kh, dtype=dtype, device=packed.device)
+    if p2.shape[0] and kh:
+        with torch.cuda.device(packed.device):  # Triton launches on the current device
+            _mxfp4_dequant_kernel[(p2.shape[0], triton.cdiv(kh, 512))](p2, s2, out, kh, BLOCK=512, num_warps=4)
+    return out
+
+
+@custom_op("mxfp4_dequant")
+def _mxfp4_dequant_op(packed: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return _reference.dequantize_mxfp4(packed, scale, dtype).contiguous()
+
+
+@_mxfp4_dequant_op.register_kernel("cuda")
+def _(packed, scale, dtype):
+    return _mxfp4_dequant_launch(packed, scale, dtype)
+
+
+@_mxfp4_dequant_op.register_fake
+def _(packed, scale, dtype):
+    return torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=dtype, device=packed.device)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grouped matmul over packed MXFP4 experts. Each weight tile is dequantised in registers inside the matmul loop, so
+# HBM traffic is the routed experts' packed bytes (4.25 bits per weight) and never a dequantised copy. The even and
+# odd input columns are two half-width dots (low nibble = even element), which needs no interleave.
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn, "BLOCK_KH": bkh}, num_warps=w, num_stages=st)
+        for bn, bkh, w, st in ((64, 64, 4, 2), (64, 64, 4, 4), (128, 32, 4, 3), (128, 64, 8, 3), (32, 64, 2, 2),
+                               (64, 128, 4, 3))
+    ],
+    key=["N", "KH", "E_PAD"],
+)
+@triton.jit
+def _mxfp4_grouped_matmul_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_PAD: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
+                                 PRECISION: tl.constexpr):
+    expert, row0, row_end = _expert_row_block(ends_ptr, E, E_PAD, BLOCK_M)
+    if expert < E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * (2 * KH)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/2] packed matrix
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, KH, BLOCK_KH):
+            j = start + tl.arange(0, BLOCK_KH)
+            jmask = j < KH
+            xmask = rmask[:, None] & jmask[None, :]
+            x_even = tl.load(x_rows + 2 * j[None, :], mask=xmask, other=0.0)
+            x_odd = tl.load(x_rows + 2 * j[None, :] + 1, mask=xmask, other=0.0)
+            wmask = cmask[:, None] & jmask[None, :]
+            byte = tl.load(p_ptr + w_rows[:, None] * KH + j[None, :], mask=wmask, other=0).to(tl.int32)
+            sc = tl.load(s_ptr + w_rows[:, None] * (KH // 16) + j[None, :] // 16, mask=wmask, other=127).to(tl.int32)
+            factor = _e8m0(sc)
+            # exact in bf16/f32: an E2M1 value times a power of two
+            w_even = (_e2m1(byte & 15) * factor).to(x_ptr.dtype.element_ty)
+            w_odd = (_e2m1(byte >> 4) * factor).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(x_even, tl.trans(w_even), acc, input_precision=PRECISION)
+            acc = tl.dot(x_odd, tl.trans(w_odd), acc, input_precision=PRECISION)
+        out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
+    """Checked, contiguous operands of the packed matmuls and their [M, N] output (unwritten)."""
+    num_rows, k = xs.shape
+    num_experts, n, kh = packed.shape
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise TypeError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
+    if kh * 2 != k or scale.shape != (num_experts, n, k // MXFP4_GROUP_SIZE) or group_ends.shape != (num_experts,):
+        raise ValueError(f"MXFP4 grouped matmul shapes do not match: x {tuple(xs.shape)}, packed "
+                         f"{tuple(packed.shape)}, scale {tuple(scale.shape)}, group_ends {tuple(group_ends.shape)}")
+    out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
+    return xs.contiguous(), packed.contiguous(), scale.contiguous(), group_ends.to(torch.int32).contiguous(), out
+
+
+def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
+    xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
+    (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
+    if num_rows == 0 or n == 0:
+        return out
+    grid = _row_block_grid(num_rows, num_experts, n)
+    with torch.cuda.device(xs.device):  # Triton launches on the current device
+        _mxfp4_grouped_matmul_kernel[grid](xs, packed, scale, out, ends, n, kh, num_experts,
+                                           E_PAD=triton.next_power_of_2(num_experts),
+                                           BLOCK_M=_FEW_ROWS_BLOCK_M, PRECISION=_dot_precision(xs.dtype))
+    return out
+
+
+class _MXFP4GroupedMatmul(torch.autograd.Function):
+    """Gradient for x only (the packed weights are frozen): dx = dout @ W per group, through a transient
+    dequantised copy and grouped_mm. `launch` is the forward kernel's launcher (tiles or GEMV)."""
+
+    @staticmethod
+    def forward(ctx, xs, packed, scale, group_ends, launch):
+        ctx.save_for_backward(packed, scale, group_ends)
+        return launch(xs, packed, scale, group_ends)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        packed, scale, group_ends = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        weight = mxfp4_dequant(packed, scale, grad_out.dtype)  # [E, N, K]
+        return _grouped_mm_fn()(grad_out, weight, offs=group_ends.to(torch.int32)), None, None, None, None
+
+
+def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                         group_ends: torch.Tensor) -> torch.Tensor:
+    """xs [M, K], its rows grouped by expert (group e is rows group_ends[e-1]:group_ends[e]); packed u8 [E, N, K/2],
+    scale u8 [E, N, K/32] -> [M, N] in xs.dtype: each group times its dequantised expert transposed, f32
+    accumulation, as `grouped_mm(xs, dequant(packed).transpose(-2, -1), offs=group_ends)`.
+
+    Built for few rows per expert: every block of 16 rows dequantises its expert's tiles again."""
+    if needs_grad(xs):
+        return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _mxfp4_grouped_matmul_fwd)
+    return torch.ops.kimik3.mxfp4_grouped_matmul(xs, packed, scale, group_ends)  # one node under compile
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Packed MXFP4 GEMV for one or two routed rows per expert (decode). A tl.dot tile has at least 16 rows, so with a
+# row or two per expert the tile kernel above wastes most of every dot and moves each decoded weight through shared
+# memory first; here a program multiplies one routed row by a BLOCK_N slice of its expert's output columns on the
+# CUDA cores: the packed bytes stream in along K as 32-bit words (4 words per scale group), each word's eight codes
+# are decoded to f32 in registers, and the sum over K is a tl.sum. Rows of one expert each read its weights; up to
+# two rows per expert that still beats the tile kernel, which decodes each tile once for 16 rows (measured on the
+# H200: kernels/moe.py, MXFP4_GEMV_ROWS_PER_EXPERT).
+#
+# What bounds it (benchmarks/diagnostics/diagnose_mxfp4_gemv.py, docs/benchmarks.md, Packed MXFP4 GEMV): loading the
+# words alone runs at 3.0-3.7 TB/s, loading and decoding them at 2.2-3.1, and x fetched as eight strided scalars per
+# word dragged the whole kernel to 1.4; x is therefore one 16-byte load per word. On NVIDIA GPUs a word is decoded two
+# codes per 32-bit operation: a code's magnitude bits placed at bits 9-11 of an f16 (exponent low bits + top mantissa
+# bit) and its sign at bit 15 make the f16 2^-14 times the E2M1 value, denormal codes included, so four shift/mask
+# steps decode the word into four f16 pairs and eight exact conversions give f32 (1.5 -> 2.0 TB/s against the
+# portable decode). The portable decode (the interpreter, other backends) builds the same 2^-14-scaled values one
+# code at a time; both are exact, and the 2^14 goes back into the group's scale.
+
+_E2M1_F16_PAIRS_PTX = tl.constexpr("""
+{
+.reg .b32 m, s, p;
+.reg .b16 lo, hi;
+shl.b32 m, $8, 9; and.b32 m, m, 0x0E000E00; shl.b32 s, $8, 12; and.b32 s, s, 0x80008000; or.b32 p, m, s;
+mov.b32 {lo, hi}, p; cvt.f32.f16 $0, lo; cvt.f32.f16 $4, hi;
+shl.b32 m, $8, 5; and.b32 m, m, 0x0E000E00; shl.b32 s, $8, 8; and.b32 s, s, 0x80008000; or.b32 p, m, s;
+mov.b32 {lo, hi}, p; cvt.f32.f16 $1, lo; cvt.f32.f16 $5, hi;
+shl.b32 m, $8, 1; and.b32 m, m, 0x0E000E00; shl.b32 s, $8, 4; and.b32 s, s, 0x80008000; or.b32 p, m, s;
+mov.b32 {lo, hi}, p; cvt.f32.f16 $2, lo; cvt.f32.f16 $6, hi;
+shr.b32 m, $8, 3; and.b32 m, m, 0x0E000E00; and.b32 s, $8, 0x80008000; or.b32 p, m, s;
+mov.b32 {lo, hi}, p; cvt.f32.f16 $3, lo; cvt.f32.f16 $7, hi;
+}
+""")  # a constexpr: jit functions read no other globals
+
+
+@triton.jit
+def _e2m1_word_ptx(word):
+    # the eight codes of a little-endian word (nibble i = element i) times 2^-14, two per f16 pair: pair p holds
+    # nibbles p and p + 4, i.e. the 16-bit halves of the word shifted alike
+    c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+        _E2M1_F16_PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+    return (c0.to(tl.float32, bitcast=True), c1.to(tl.float32, bitcast=True), c2.to(tl.float32, bitcast=True),
+            c3.to(tl.float32, bitcast=True), c4.to(tl.float32, bitcast=True), c5.to(tl.float32, bitcast=True),
+            c6.to(tl.float32, bitcast=True), c7.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e2m1_scaled(code):
+    return _e2m1_bits(code) * 5.192296858534828e33  # 2^112: the E2M1 value times 2^-14, the PTX decode's scale
+
+
+@triton.jit
+def _e2m1_word(word):
+    return (_e2m1_scaled(word), _e2m1_scaled(word >> 4), _e2m1_scaled(word >> 8), _e2m1_scaled(word >> 12),
+            _e2m1_scaled(word >> 16), _e2m1_scaled(word >> 20), _e2m1_scaled(word >> 24), _e2m1_scaled(word >> 28))
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw}, num_warps=w, num_stages=st)
+        for bn, bkw, w, st in ((8, 128, 4, 2), (16, 64, 2, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2),
+                               (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
+    ],
+    key=["N", "KW", "PTX_DECODE"],
+)
+@triton.jit
+def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr):
+    # p_ptr: the packed bytes as int32 words, KW = K/8 per row; one E8M0 scale per 4 words (K % 32 == 0), so the
+    # tile is [BLOCK_N rows, GROUPS scale groups, 4 words] and only whole groups are masked
+    GROUPS: tl.constexpr = BLOCK_KW // 4
+    # row program_id(0) and its expert: the tile kernels' row-block search with blocks of one row
+    expert, row, _ = _expert_row_block(ends_ptr, E, E_PAD, 1)
+    if expert < E:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/8] word matrix
+        p_rows = p_ptr + w_rows[:, None, None] * KW
+        s_rows = s_ptr + w_rows[:, None] * (KW // 4)
+        x_row = x_ptr + row.to(tl.int64) * (8 * KW)
+        g_idx = tl.arange(0, GROUPS)
+        q_idx = tl.arange(0, 4)
+        # one partial sum per (column, scale group) slot; reduced over the groups once at the end
+        acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        for g0 in range(0, KW // 4, GROUPS):
+            g = g0 + g_idx
+            gmask = g < KW // 4
+            q = g[:, None] * 4 + q_idx[None, :]  # word index along the row: [GROUPS, 4]
+            wmask = cmask[:, None] & gmask[None, :]
+            word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
+            if PTX_DECODE:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
+            else:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
+            # [BLOCK_N, GROUPS, 4 words, 8 codes]: join puts its pair last, so the last join is the fastest index
+            # (code i = 4a + 2b + c). Code i of word q multiplies element 8q + i of x, loaded as one 16-byte vector
+            # per word (eight strided loads per word cost more than the decode: docs/benchmarks.md, Packed MXFP4 GEMV).
+            # Products of 2^-14-scaled E2M1 values with 16-bit x are exact in f32; the group's power-of-two scale
+            # (times 2^14) multiplies its 32-term sum
+            codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                                       tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
+            xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=gmask[:, None, None],
+                         other=0.0).to(tl.float32)
+            part = tl.sum(tl.sum(codes * xv[None, :, :, :], axis=3), axis=2)
+            factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))
+            acc += (part * 16384.0) * factor
+        out = tl.sum(acc, axis=1)
+        tl.store(o_ptr + row.to(tl.int64) * N + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
+
+
+MXFP4_PTX_DECODE = True  # the f16-pair decode where it can run (off: the portable decode, for side-by-side runs)
+
+
+def _ptx_decode(device: torch.device) -> bool:
+    # the f16-pair decode is NVIDIA PTX: not for ROCm, not for the interpreter (CPU debugging)
+    return (MXFP4_PTX_DECODE and device.type == "cuda" and torch.version.hip is None
+            and os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
+    xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
+    (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
+    if num_rows == 0 or n == 0:
+        return out
+    # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
+    words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
+
+    def grid(meta):
+        return (num_rows, triton.cdiv(n, meta["BLOCK_N"]))
+
+    with torch.cuda.device(xs.device):  # Triton launches on the current device
+        _mxfp4_gemv_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
+                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device))
+    return out
+
+
+def mxfp4_gemv(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+               group_ends: torch.Tensor) -> torch.Tensor:
+    """`mxfp4_grouped_matmul` (same arguments, same numbers: f32 accumulation, one rounding to xs.dtype) as a GEMV
+    for one or two rows per expert: each routed row reads its expert's packed bytes once, with no 16-row tile.
+    Rows past group_ends[-1] are left unwritten. Without autograd recording it runs as the custom op
+    `torch.ops.kimik3.mxfp4_gemv` (one node under torch.compile); gradient for xs only."""
+    if needs_grad(xs):
+        return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _mxfp4_gemv_fwd)
+    return torch.ops.kimik3.mxfp4_gemv(xs, packed, scale, group_ends)  # one node under compile
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The custom ops of the two packed matmuls: one reference (both kernels compute it), one fake
+
+
+def _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends):
+    """Each group times its dequantised expert, f32 accumulation (the numbers of both packed Triton kernels)."""
+    return _grouped_matmul_reference(xs, _reference.dequantize_mxfp4(packed, scale, torch.float32), group_ends)
+
+
+def _mxfp4_grouped_matmul_fake(xs, packed, scale, group_ends):
+    return torch.empty(xs.shape[0], packed.shape[1], dtype=xs.dtype, device=xs.device)
+
+
+@custom_op("mxfp4_grouped_matmul")
+def _mxfp4_grouped_matmul_op(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
+    """xs [M, K] grouped by expert, packed [E, N, K/2], scale [E, N, K/32] -> [M, N]; CUDA: the tile kernel."""
+    return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
+
+
+@_mxfp4_grouped_matmul_op.register_kernel("cuda")
+def _(xs, packed, scale, group_ends):
+    return _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends)
+
+
+_mxfp4_grouped_matmul_op.register_fake(_mxfp4_grouped_matmul_fake)
+
+
+@custom_op("mxfp4_gemv")
+def _mxfp4_gemv_op(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
+    """`mxfp4_grouped_matmul` for one or two rows per expert; CUDA: the GEMV kernel (one program per routed row)."""
+    return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
+
+
+@_mxfp4_gemv_op.register_kernel("cuda")
+def _(xs, packed, scale, group_ends):
+    return _mxfp4_gemv_fwd(xs, packed, scale, group_ends)
+
+
+_mxfp4_gemv_op.register_fake(_mxfp4_grouped_matmul_fake)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Packed experts: the routing of moe.py around the packed matmuls
+
+def mxfp4_experts_path(num_routed_rows: int, num_experts: int) -> str:
+    """How the packed experts run for this many routed rows (tokens x top-k): "gemv", "tiles" or "dequantised"
+    (module constants above). A static condition on shapes, so a compiled decode step picks its path at trace time."""
+    if num_routed_rows <= MXFP4_GEMV_ROWS_PER_EXPERT * num_experts:
+        return "gemv"
+    if num_routed_rows <= MXFP4_TILE_ROWS_PER_EXPERT * num_experts:
+        return "tiles"
+    return "dequantised"
+
+
+@twin("moe_experts_mxfp4", needs=("triton",), check=_grouped_mm_fn)
+def moe_experts_mxfp4(
+    x, topk_indices, topk_weights, gate_up_packed, gate_up_scale, down_packed, down_scale, beta=None,
+    linear_beta=None,
+):
+    """Same contract as `ops_kimi_k3.moe_experts_mxfp4`; x and the routing weights get gradients, the
+    packed weights are frozen.
+
+    With few routed rows per expert (decode, small batches; `mxfp4_experts_path`), both expert matmuls read the
+    packed weights and decode them in registers: HBM traffic is the routed experts' packed bytes. At one row
+    per expert that is the Triton GEMV (one program per routed row), up to 16 the Triton grouped matmul (16-row
+    tiles). With more rows (prefill), every row block would dequantise its tiles again, so the stack is dequantised
+    once into a transient x.dtype copy and goes through the grouped GEMMs (docs/benchmarks.md)."""
+    num_experts = gate_up_packed.shape[0]
+    path = mxfp4_experts_path(x.shape[0] * topk_indices.shape[-1], num_experts)
+    if path == "dequantised":
+        return moe_experts_mxfp4_dequantised(x, topk_indices, topk_weights, gate_up_packed, gate_up_scale,
+                                             down_packed, down_scale, beta, linear_beta)
+    matmul = mxfp4_gemv if path == "gemv" else mxfp4_grouped_matmul
+    return _routed_experts(
+        x, topk_indices, topk_weights, num_experts, gate_up_packed.shape[1] // 2,
+        lambda xs, offs: matmul(xs, gate_up_packed, gate_up_scale, offs),
+        lambda act, offs: matmul(act, down_packed, down_scale, offs),
+        beta, linear_beta,
+    )
+
+
+def moe_experts_mxfp4_dequantised(
+    x, topk_indices, topk_weights, gate_up_packed, gate_up_scale, down_packed, down_scale, beta=None,
+    linear_beta=None,
+):
+    """`moe_experts_mxfp4` for many rows per expert: the packed stack dequantised once (Triton) into a transient
+    x.dtype copy, then the grouped-GEMM `moe_experts`."""
+    gate_up = mxfp4_dequant(gate_up_packed, gate_up_scale, x.dtype)
+    down = mxfp4_dequant(down_packed, down_scale, x.dtype)
+    return moe_experts(x, topk_indices, topk_weights, gate_up, down, beta, linear_beta)
