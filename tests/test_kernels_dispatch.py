@@ -432,7 +432,7 @@ def test_reference_mla_decode_matches_expanded_attention():
     fast_out, fast_probs = fast_mla_decode(q_lat, latents, scale, rank)
     assert fast_probs is None and torch.equal(fast_out, o_lat)
     assert torch.equal(fast_mla_decode(q_lat, latents, scale, rank, keep)[0], o_masked)
-    assert ops.FAST_OPS["mla_decode"].forward_only
+    assert dispatch.FAST_OPS["mla_decode"].forward_only
     # a mask that does not broadcast over [B, H, S, T] is refused by the CUDA implementation, naming its shape
     from kimik3.kernels.mla import mla_decode_cuda
 
