@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
-from kimik3.modeling.conversion_kimi_k3 import (
+from kimik3.modeling.files_kimi_k3 import (
     DuplicateKeyError,
     check_file_name,
     check_inside as _check_inside,
@@ -36,13 +36,13 @@ def shard_file_name(number: int, total: int, total_digits: int = 5) -> str:
 
 def check_shard_name(shard: str, index_path: Path, tensor: str) -> None:
     """An index may only name plain files next to it: anything else could read (or, on export, write) elsewhere. The
-    rule is the one from_pretrained applies (conversion_kimi_k3.check_file_name)."""
+    rule is the one from_pretrained applies (files_kimi_k3.check_file_name)."""
     check_file_name(shard, index_path, what="shard", suffix=".safetensors", tensor=tensor, error=shard_error)
 
 
 def check_inside(root: Path, path: Path) -> None:
     """A file of the source folder must not be a symlink to somewhere outside it (a Hub cache's links into its own
-    blobs/ excepted): conversion_kimi_k3.check_inside, the rule from_pretrained applies."""
+    blobs/ excepted): files_kimi_k3.check_inside, the rule from_pretrained applies."""
     _check_inside(root, path, error=shard_error)
 
 

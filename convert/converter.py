@@ -5,7 +5,7 @@ from pathlib import Path
 from transformers.utils.hub import convert_file_size_to_int
 from kimik3.hub_card import converted_model_card
 from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
-from kimik3.modeling.conversion_kimi_k3 import looks_like_local_path
+from kimik3.modeling.files_kimi_k3 import looks_like_local_path
 
 from . import files
 from .checkpoint import Checkpoint
@@ -48,7 +48,7 @@ def _hub_checkpoint(repo_id: str, revision: str | None, chunk_bytes: int) -> Che
 
 
 def open_source(src, revision: str | None, chunk_bytes: int) -> Checkpoint:
-    """A local folder, or a Hub repo id (`org/name`). What can only be a local path (conversion_kimi_k3.
+    """A local folder, or a Hub repo id (`org/name`). What can only be a local path (files_kimi_k3.
     looks_like_local_path: `./k3`, `/data/k3`, `a/b/c`, `models/k3` next to a `models/` folder) is never looked up on
     the Hub: a missing one is reported as missing."""
     path = Path(src)

@@ -5,7 +5,7 @@ the process's RSS until the file is closed (measured here: reading a 1 GiB shard
 `safe_open` raised RSS by 1 GiB). A release shard is 17 GB, so the bound "peak RSS independent of model size" needs
 plain positioned reads into buffers we own. The format is simple and fixed: an 8-byte little-endian header length,
 a JSON header `{name: {dtype, shape, data_offsets}}` (+ optional `__metadata__`), then the raw little-endian data.
-The header parser (conversion_kimi_k3.read_safetensors_header, which from_pretrained also runs on every shard of a
+The header parser (files_kimi_k3.read_safetensors_header, which from_pretrained also runs on every shard of a
 folder) is as strict as the format (known dtypes, shape x itemsize = offset span, no duplicate keys,
 the data section indexed fully with no overlaps, holes or trailing bytes, `__metadata__` strings only), so a
 truncated, corrupted or ambiguous shard fails with the file and tensor named instead of yielding wrong weights; tests
@@ -24,8 +24,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from kimik3.modeling.conversion_kimi_k3 import MAX_HEADER_BYTES, read_safetensors_header  # noqa: F401
-from kimik3.modeling.conversion_kimi_k3 import open_regular_file as _open_regular_file
+from kimik3.modeling.files_kimi_k3 import open_regular_file as _open_regular_file, read_safetensors_header
 
 from .errors import shard_error
 
@@ -71,13 +70,13 @@ class TensorEntry:
 
 def open_regular_file(path: Path):
     """Opens `path` for reading only if it is a regular file (a symlink to one is fine: Hub caches use them); never
-    blocks on a FIFO (conversion_kimi_k3.open_regular_file)."""
+    blocks on a FIFO (files_kimi_k3.open_regular_file)."""
     return _open_regular_file(path, shard_error)
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     """Parses and validates a shard's header as strictly as the format: returns ({name: entry}, metadata). The parser
-    is the one from_pretrained runs on every shard of a folder (conversion_kimi_k3.read_safetensors_header)."""
+    is the one from_pretrained runs on every shard of a folder (files_kimi_k3.read_safetensors_header)."""
     path = Path(path)
     entries, metadata = read_safetensors_header(path, error=shard_error, itemsizes=ITEMSIZES)
     return {name: TensorEntry(name, *entry) for name, entry in entries.items()}, metadata

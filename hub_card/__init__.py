@@ -44,7 +44,7 @@ _HUB_CACHE_FOLDER = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapsh
 
 def hub_repo_id(source) -> str | None:
     """The Hub repo a source names, or None: `org/name` as transformers and `kimik3 convert` read it (not a local
-    path, conversion_kimi_k3.looks_like_local_path), or a Hub cache snapshot folder (`.../models--org--name/
+    path, files_kimi_k3.looks_like_local_path), or a Hub cache snapshot folder (`.../models--org--name/
     snapshots/<rev>`). A local folder is never a `base_model`: the Hub resolves that field as a repo id."""
     if source is None:
         return None
@@ -52,7 +52,7 @@ def hub_repo_id(source) -> str | None:
     cached = _HUB_CACHE_FOLDER.search(text.replace("\\", "/"))
     if cached:
         return f"{cached['org']}/{cached['name']}"
-    from kimik3.modeling.conversion_kimi_k3 import looks_like_local_path
+    from kimik3.modeling.files_kimi_k3 import looks_like_local_path
 
     if "/" not in text or looks_like_local_path(text) or Path(text).exists():
         return None

@@ -21,23 +21,18 @@ The release differs from our layout in four ways (docs/architecture.md, The rele
   * `A_log` is zero-padded from H heads to 128;
   * the composite model nests the text model under `language_model.` (a text-only model strips it).
 The transforms are registered for `KimiK3ForCausalLM` (5.17+ applies no library mapping to custom code, so this is
-the only one applied); the composite class reaches it as its `language_model` sub-model, scoped to that prefix.
+the only one applied) by the first from_pretrained (`check_release_load`), not at import; the composite class
+reaches it as its `language_model` sub-model, scoped to that prefix.
 Conversions are reversed by `save_pretrained`, which thus writes a release-loaded model back in the release layout.
 The names come from one table, the release name map below, from which `convert/name_map.py` generates the
 converter's rules as well; `tests/test_release_loading.py` runs both on every release tensor name pattern.
 """
 
 import contextlib
-import contextvars
 import copy
 import functools
-import gc
-import json
-import math
 import os
 import re
-import stat
-import struct
 
 import torch
 from transformers.core_model_loading import (
@@ -49,7 +44,9 @@ from transformers.core_model_loading import (
 )
 
 from .configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, check_experts_format
+from .files_kimi_k3 import KimiK3LoadError, check_pretrained_folder
 from .ops_kimi_k3 import _E2M1_VALUES, MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
+from .parallel_kimi_k3 import register_head_shard_style
 
 
 try:  # transformers 5.0-5.24
@@ -85,10 +82,6 @@ E8M0_INF = 255
 # Errors raised by the ops during one from_pretrained: transformers records an op's exception in its load report and
 # raises a generic RuntimeError; `check_release_load` turns these into the error the user sees.
 _OP_ERRORS: list[str] = []
-
-
-class KimiK3LoadError(ValueError):
-    """A release tensor that cannot be loaded, named in the message."""
 
 
 def _fail(message: str):
@@ -379,7 +372,9 @@ def release_conversions(experts_format: str = DEFAULT_EXPERTS_FORMAT) -> list:
 
 def register_release_conversions(experts_format: str = DEFAULT_EXPERTS_FORMAT) -> None:
     """Registers the transforms for `KimiK3ForCausalLM` (and so for the composite model's `language_model`) and for
-    `KimiK3TextBackbone` (the multimodal base model's `language_model`: the same tensors without the head)."""
+    `KimiK3TextBackbone` (the multimodal base model's `language_model`: the same tensors without the head). Called by
+    each `check_release_load`, before transformers looks the mapping up, never at import: a load replaces the mapping
+    with the one of its `experts_format`, so registering again is harmless."""
     if register_checkpoint_conversion_mapping is not None:
         for class_name in ("KimiK3ForCausalLM", "KimiK3TextBackbone"):
             register_checkpoint_conversion_mapping(class_name, release_conversions(experts_format), overwrite=True)
@@ -394,6 +389,8 @@ def release_name(our_name: str) -> str:
     return re.sub(re.escape(f".{OUR_MOE_BLOCK}.") + MOE_CHILDREN, f".{RELEASE_MOE_BLOCK}." + r"\1", our_name)
 
 
+# The from_pretrained options that ask transformers for tensor (or expert) parallelism.
+_PARALLEL_KWARGS = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies",
                "trust_remote_code")
 
@@ -484,6 +481,8 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     check_pretrained_folder(pretrained, kwargs)
     fmt, release_quantization = _resolve_config(model_class, pretrained, kwargs, experts_format)
     register_release_conversions(fmt)
+    if any(kwargs.get(key) is not None for key in _PARALLEL_KWARGS):
+        register_head_shard_style()  # the TP plan's `kimi_k3_heads` style (parallel_kimi_k3.py)
     want_info = kwargs.pop("output_loading_info", False)
     user_ignores_sizes = kwargs.get("ignore_mismatched_sizes", False)
     kwargs["ignore_mismatched_sizes"] = True  # report mismatches ourselves, by release name
@@ -526,535 +525,16 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     return (model, info) if want_info else model
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Which files a folder may name, and a strict read of what it names (docs/bad_inputs.md, "Loading a folder"). One
-# rule for `kimik3 convert` / `export` / `verify` (convert/checkpoint.py imports these) and for from_pretrained, which
-# runs it before transformers reads anything. Pure Python: remote code cannot import the kimik3 package.
-
-# Names the Hub gives repo ids: `name` or `org/name`, no `--` or `..`, not starting or ending with `-` or `.`
-_REPO_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_][\w.-]*(?<![.-])(/[A-Za-z0-9_][\w.-]*(?<![.-]))?")
-# A code reference in auto_map: `module.Class` where module.py sits in the folder
-_CODE_REFERENCE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
-# The layers of a checkpoint's text model, in the release's and our names (composite or text-only)
-_LAYER_NAMES = re.compile(r"(?m)^(?:[^\n]*\.)?layers\.(\d+)\.")
-_VISION_NAMES = ("vision_tower.", "mm_projector.")
-# safetensors' dtypes and their element sizes (the converter passes the subset it can read)
-SAFETENSORS_ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-                         "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-# safetensors caps the header at 100 MB; anything larger is corruption, not a real header.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-_HUB_CACHE_KINDS = ("models--", "datasets--", "spaces--")
-
-
-def load_error(path, message: str, tensor: str | None = None) -> KimiK3LoadError:
-    """The loading side's error: `<path>[, tensor `T`]: <message>` (the converter's ConversionError reads the same)."""
-    where = f"{path}" if tensor is None else f"{path}, tensor `{tensor}`"
-    return KimiK3LoadError(f"{where}: {message}")
-
-
-def looks_like_local_path(text: str) -> bool:
-    """True when `text` can only be a local path, so a missing folder is reported as missing rather than looked up on
-    the Hub: it starts with `/`, `.` or `~`, holds a backslash or the platform's separator, more than one `/` or a
-    trailing one, is not a valid repo id at all, or is `org/name` whose `org` is a folder here (`models/k3` next to
-    a `models/` folder). A valid `org/name` with no such folder is a Hub repo id."""
-    if not text or text.startswith(("/", ".", "~")) or "\\" in text or (os.sep != "/" and os.sep in text):
-        return True
-    if text.count("/") > 1 or text.endswith("/") or not _REPO_ID.fullmatch(text):
-        return True
-    return "/" in text and os.path.isdir(text.split("/", 1)[0])
-
-
-def _hub_blobs(real_folder: str) -> str | None:
-    """The blobs/ folder of a Hub cache snapshot `.../models--o--n/snapshots/<rev>` (its files link there)."""
-    snapshots, repo = os.path.dirname(real_folder), os.path.dirname(os.path.dirname(real_folder))
-    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith(_HUB_CACHE_KINDS):
-        return os.path.join(repo, "blobs")
-    return None
-
-
-def _within(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def check_file_name(name, named_by, *, what: str = "file", suffix: str = "", tensor: str | None = None,
-                    error=load_error) -> None:
-    """A name a folder's file gives another file must be a plain file name of that folder: no path separator (`/`,
-    `\\`), no `..`, no drive or stream (`:`), no NUL, not empty."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\:\x00")
-            or ".." in name or not name.endswith(suffix)):
-        kind = f"plain `*{suffix}` file names" if suffix else "plain file names"
-        raise error(named_by, f"refusing {what} name {name!r}: {what}s must be {kind} in the checkpoint folder (no "
-                    "path separators, no `..`, no drive or absolute path)", tensor)
-
-
-def check_inside(folder, path, *, error=load_error) -> None:
-    """`path` (in `folder`) must not resolve outside it: a symlink out of the folder is refused; symlinks that stay
-    inside are fine, and so are a Hub cache snapshot's links into its own `blobs/`."""
-    real_folder = os.path.realpath(folder)
-    real = os.path.realpath(path)
-    if _within(real, real_folder):
-        return
-    blobs = _hub_blobs(real_folder)
-    if blobs is not None and _within(real, blobs):
-        return
-    raise error(path, f"is a symlink to {real}, outside the folder {folder}: a folder's files must be in it (a Hub "
-                "cache snapshot's links into its own blobs/ are the one exception)")
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def read_json(path, data: bytes | None = None, *, error=load_error, what: str | None = None, strict: bool = False,
-              object_pairs_hook=None):
-    """A JSON file's value; not UTF-8, not JSON and nesting too deep for the parser (a RecursionError, e.g.
-    `[[[[...]]]]`) are errors naming the file. `strict`: NaN / Infinity are not JSON either (the safetensors
-    header)."""
-    prefix = f"{what}: " if what else ""
-    try:
-        if data is None:
-            with open_regular_file(path, error, kind="JSON") as handle:
-                data = handle.read()
-        text = data.decode("utf-8")
-        return json.loads(text, parse_constant=_reject_constant if strict else None,
-                          object_pairs_hook=object_pairs_hook)
-    except UnicodeDecodeError as exc:
-        raise error(path, f"{prefix}not UTF-8 ({exc})") from None
-    except RecursionError:
-        raise error(path, f"{prefix}nested too deeply to parse (JSON arrays or objects inside each other beyond "
-                    "Python's recursion limit; a real file nests a few levels)") from None
-    except DuplicateKeyError as exc:
-        raise error(path, f"{prefix}the key `{exc.key}` appears twice (which value is meant is ambiguous)") from None
-    except ValueError as exc:  # JSONDecodeError and rejected constants
-        raise error(path, f"{prefix}not JSON ({exc})") from None
-
-
-class DuplicateKeyError(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def dict_without_duplicate_keys(pairs) -> dict:
-    """json's object_pairs_hook for config.json and the index: json.loads keeps the last of two equal keys, so a key
-    given twice (`num_hidden_layers`, a tensor of weight_map) would be read as whichever came last."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise DuplicateKeyError(key)
-            seen.add(key)
-    return obj
-
-
-# --- the safetensors header, as strict as the format --------------------------------------------------------------
-
-
-def _unique_keys(path, pairs: tuple, tensor, error) -> dict:
-    """A JSON object read as a tuple of (key, value) pairs (see `read_safetensors_header`) as a dict, refusing a key
-    given twice: json.loads would keep the last, which in a header silently replaces one tensor by another."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                if tensor is None:
-                    raise error(path, "corrupted safetensors header: the key appears twice in the header (which one "
-                                "is meant is ambiguous)", key)
-                raise error(path, f"corrupted safetensors header: its entry has the key {key!r} twice", tensor)
-            seen.add(key)
-    return obj
-
-
-def _counts(values) -> bool:
-    """A JSON list of non-negative whole numbers (`type() is int`: not a bool, not a float). Written as a loop: a
-    release header has half a million entries and this runs for each."""
-    if type(values) is not list:
-        return False
-    for value in values:
-        if type(value) is not int or value < 0:
-            return False
-    return True
-
-
-_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
-
-
-def _parse_entry(path, name, raw, data_start: int, data_size: int, itemsizes, error):
-    bad = lambda message: error(path, f"corrupted safetensors header: {message}", name)  # noqa: E731
-    if type(raw) is tuple:
-        raw = _unique_keys(path, raw, name, error)
-    if type(raw) is not dict or raw.keys() != _ENTRY_KEYS:
-        raise bad(f"an entry needs exactly dtype, shape and data_offsets, found {raw!r}")
-    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in itemsizes:
-        raise bad(f"unknown dtype {dtype!r} (known: {', '.join(itemsizes)})")
-    if not _counts(shape):
-        raise bad(f"bad shape {shape!r} (a list of non-negative integers)")
-    if not _counts(offsets) or len(offsets) != 2:
-        raise bad(f"bad data_offsets {offsets!r} (two non-negative integers)")
-    if offsets[0] > offsets[1]:
-        raise bad(f"data_offsets {offsets} end before they begin")
-    expected = math.prod(shape) * itemsizes[dtype]
-    if offsets[1] - offsets[0] != expected:
-        raise bad(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype} {shape} needs {expected}")
-    if offsets[1] > data_size:
-        raise error(path, f"file is truncated: the tensor's data ends at byte {data_start + offsets[1]} but the file "
-                    f"has only {data_start + data_size} bytes", name)
-    return dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1]
-
-
-def _check_layout(path, entries: dict, data_start: int, data_size: int, error) -> None:
-    """The format indexes the byte buffer fully: sorted by offset, each tensor starts where the previous one ended,
-    and the last one ends at the end of the file. Overlaps would let two names share bytes (`k_proj` reading
-    `q_proj`'s values); holes or a tail would be bytes that belong to no tensor."""
-    ordered = sorted(entries.items(), key=lambda item: (item[1][2], item[1][3]))
-    for (before, (_, _, _, before_end)), (after, (_, _, begin, end)) in zip(ordered, ordered[1:]):
-        if begin < before_end:
-            raise error(path, f"corrupted safetensors header: its data overlaps `{before}` (bytes {begin - data_start}"
-                        f"..{min(end, before_end) - data_start} of the data section belong to both)", after)
-    position = data_start
-    for name, (_, _, begin, end) in ordered:
-        if begin > position:
-            raise error(path, f"corrupted safetensors header: bytes {position - data_start}..{begin - data_start} of "
-                        "the data section before this tensor belong to no tensor (the format allows no holes)", name)
-        position = end
-    if position != data_start + data_size:
-        raise error(path, f"corrupted safetensors header: the last {data_start + data_size - position} bytes of the "
-                    "file belong to no tensor (the format allows no trailing data)")
-
-
-def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
-
-
-def open_regular_file(path, error=load_error, kind: str = "shard"):
-    """Opens `path` for reading only if it is a regular file (a symlink to one is fine: Hub caches use them).
-    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer (reading one would wait forever);
-    on a regular file it does nothing. `kind` names the file in the messages."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise error(path, f"{kind} file is missing") from None
-    except IsADirectoryError:
-        raise error(path, f"is a directory, not a {kind} file") from None
-    except OSError as exc:
-        raise error(path, f"cannot be opened for reading ({exc.strerror or exc})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        regular = "a regular `.safetensors` file" if kind == "shard" else "a regular file"
-        raise error(path, f"is {_file_kind(mode)}, not a {kind} file ({regular})")
-    return os.fdopen(fd, "rb")
-
-
-def read_safetensors_header(path, *, error=load_error, itemsizes=SAFETENSORS_ITEMSIZES):
-    """Parses and validates a shard's header as strictly as the format, reading only the header: returns
-    ({name: (dtype, shape, first byte, end byte)}, metadata); offsets are absolute file positions."""
-    with open_regular_file(path, error) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise error(path, f"file is truncated: {size} bytes, not even the 8-byte header length")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            limit = "more than the format's 100 MB limit" if header_len > MAX_HEADER_BYTES else "beyond the end"
-            raise error(path, f"truncated or corrupted safetensors header: it claims {header_len} header bytes "
-                        f"({limit}), the file has {size} bytes in total")
-        raw = handle.read(header_len)
-    # objects as tuples of pairs (a C call per object, where a Python hook per object took seconds on a release
-    # header of thousands of entries), arrays stay lists: duplicates are then found per object, as dicts are made
-    header = read_json(path, raw, error=error, what="corrupted safetensors header", strict=True,
-                       object_pairs_hook=tuple)
-    if type(header) is not tuple:
-        raise error(path, f"corrupted safetensors header: not a JSON object (found {type(header).__name__})")
-    header = _unique_keys(path, header, None, error)
-    metadata = header.pop("__metadata__", None)
-    if type(metadata) is tuple:
-        metadata = _unique_keys(path, metadata, "__metadata__", error)
-    if metadata is not None and (not isinstance(metadata, dict) or not all(isinstance(v, str) for v in
-                                                                           metadata.values())):
-        raise error(path, f"corrupted safetensors header: __metadata__ must map strings to strings, found "
-                    f"{metadata!r}"[:300])
-    data_start, data_size = 8 + header_len, size - 8 - header_len
-    entries = {name: _parse_entry(path, name, raw_entry, data_start, data_size, itemsizes, error)
-               for name, raw_entry in header.items()}
-    _check_layout(path, entries, data_start, data_size, error)
-    return entries, metadata or {}
-
-
-# --- what a folder names ------------------------------------------------------------------------------------------
-
-
-def check_shards_against_index(headers: dict, weight_map: dict, index_path, error=load_error,
-                               listed: bool = True, names_of=None) -> None:
-    """Every tensor comes from one place: a tensor in a shard's header that the index does not list, or lists in
-    another shard that holds it too (the same name in two shards), is refused naming both files; the index may not
-    name a tensor its shard lacks (`listed=False` leaves that to the reader, which refuses such a tensor when it is
-    read). `headers`: {shard name: (path, {tensor: entry})} of the shards read; `names_of(shard)`: the tensor names in
-    another shard's header (default: from `headers`)."""
-    if names_of is None:
-        names_of = lambda shard: headers[shard][1] if shard in headers else None  # noqa: E731
-    for shard, (path, entries) in headers.items():
-        for tensor in entries:
-            owner = weight_map.get(tensor)
-            if owner == shard:
-                continue
-            if owner is None:
-                raise error(path, f"the shard's header holds this tensor, but it is missing from the index "
-                            f"{index_path} (a tensor must come from one place: list it, or remove it from the shard)",
-                            tensor)
-            owner_path = os.path.join(os.path.dirname(path), owner)
-            owner_names = names_of(owner)
-            if owner_names is not None and tensor not in owner_names:
-                raise error(owner_path, f"the index names this tensor but the shard's header lacks it (it is in "
-                            f"{path})", tensor)
-            raise error(path, f"the tensor is also in {owner_path}, which the index {index_path} names for it (a "
-                        "tensor must come from one shard)", tensor)
-    for tensor, shard in weight_map.items() if listed else ():
-        if shard in headers and tensor not in headers[shard][1]:
-            raise error(headers[shard][0], "the index names this tensor but the shard's header lacks it", tensor)
-
-
-def check_layer_count(config: dict, weight_map: dict, config_path, index_path, error=load_error) -> None:
-    """config.json's layer count must match the layers whose tensors the checkpoint holds (every layer 0..L-1 has
-    some `...layers.N.` tensor): checked on the raw JSON, before a config is built, since building one for a count
-    like 10^9 would take hours. A count that is not a positive whole number is left to the config's own check (which
-    names the key), and a checkpoint without any `layers.N.` name is not counted."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    key = "text_config.num_hidden_layers" if text is not config else "num_hidden_layers"
-    count = text.get("num_hidden_layers")
-    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-        return
-    names = "\n".join(tensor for tensor in weight_map if not tensor.startswith(_VISION_NAMES))
-    held = {int(layer) for layer in set(_LAYER_NAMES.findall(names))}
-    if not held:
-        return  # names of another kind (no `layers.N.`): nothing to count
-    missing = next((layer for layer in range(count) if layer not in held), None)
-    if missing is not None:
-        found = f"layers 0..{max(held)} ({len(held)} layer(s))" if held else "no layer"
-        raise error(config_path, f"key `{key}` = {count:,}, but {index_path} holds tensors of {found}, none of layer "
-                    f"{missing}: the layer count must match the checkpoint's tensors")
-
-
-def check_auto_map(folder, config: dict, config_path, error=load_error) -> None:
-    """A local folder's auto_map (top level and text_config) may name code only as `module.Class` with module.py in
-    the folder: no path, no `..`, and no `repo--module.Class` reference to another Hub repo's code."""
-    maps = [config.get("auto_map")] + [sub.get("auto_map") for sub in (config.get("text_config"),
-                                                                        config.get("vision_config"))
-                                       if isinstance(sub, dict)]
-    for auto_map in maps:
-        if auto_map is None:
-            continue
-        if not isinstance(auto_map, dict):
-            raise error(config_path, f"auto_map must be a JSON object mapping auto classes to `module.Class`, found "
-                        f"{type(auto_map).__name__}")
-        for auto_class, references in auto_map.items():
-            for reference in references if isinstance(references, list) else [references]:
-                if reference is None:
-                    continue
-                if isinstance(reference, str) and "--" in reference:
-                    raise error(config_path, f"auto_map.{auto_class} = {reference!r} names code from another Hub "
-                                "repo (`repo--module.Class`); a local folder may only name its own files "
-                                "(`module.Class`)")
-                match = _CODE_REFERENCE.fullmatch(reference) if isinstance(reference, str) else None
-                if match is None:
-                    raise error(config_path, f"auto_map.{auto_class} = {reference!r}: code must be named as "
-                                "`module.Class`, with module.py a plain file of the folder (no path, no `..`)")
-                path = os.path.join(folder, match.group(1) + ".py")
-                if os.path.lexists(path):
-                    check_inside(folder, path, error=error)
-
-
-def _index_name(variant: str | None) -> tuple[str, str]:
-    if variant:
-        return f"model.safetensors.index.{variant}.json", f"model.{variant}.safetensors"
-    return "model.safetensors.index.json", "model.safetensors"
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """The cyclic garbage collector off while a folder's headers are parsed: the half million small objects of a
-    release's headers would trigger a full collection again and again, which halved the check's time when paused."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _weights_files(folder, config: dict | None, config_path, variant: str | None, use_safetensors, error):
-    """The index and single-file names transformers would read the weights from, as it picks them: config.json's
-    `transformers_weights` names the file outright (an index or a shard); otherwise `model.safetensors` wins over
-    the index, so a folder holding both has two sources for its weights and is refused. A pickled checkpoint
-    (`pytorch_model.bin`, chosen with use_safetensors=False or when no safetensors weights exist) is refused: it
-    would be unpickled."""
-    explicit = config.get("transformers_weights") if isinstance(config, dict) else None
-    if explicit is not None:
-        check_file_name(explicit, config_path, what="`transformers_weights` file", error=error)
-        if explicit.endswith(".safetensors.index.json"):
-            return explicit, None
-        if not explicit.endswith(".safetensors"):
-            raise error(config_path, f"key `transformers_weights` = {explicit!r}: a `*.safetensors` file or a "
-                        "`*.safetensors.index.json` index of the folder")
-        return None, explicit
-    index_name, single_name = _index_name(variant)
-    pickled = [name for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")
-               if os.path.lexists(os.path.join(folder, name))]
-    has_safetensors = any(os.path.lexists(os.path.join(folder, n)) for n in (index_name, single_name))
-    if pickled and (use_safetensors is False or not has_safetensors):
-        raise error(os.path.join(folder, pickled[0]), "a pickled checkpoint is never loaded (unpickling a file can "
-                    "run code): Kimi K3 folders hold safetensors weights; convert it to safetensors"
-                    + (" (use_safetensors=False asks for it)" if use_safetensors is False else ""))
-    if os.path.lexists(os.path.join(folder, index_name)) and os.path.lexists(os.path.join(folder, single_name)):
-        raise error(folder, f"holds both {single_name} and {index_name}: two sources for the weights (transformers "
-                    f"would read {single_name} and ignore the index); remove the one that does not belong")
-    return index_name, single_name
-
-
-def check_folder(folder, *, variant: str | None = None, complete: bool = True, error=load_error,
-                 use_safetensors=None) -> None:
-    """The checks `from_pretrained` runs on a local folder before transformers reads it: config.json, the index and
-    every shard it names stay in the folder, parse (the shard headers strictly, read-only, so it is cheap), and every
-    tensor comes from one place; config.json's layer count matches the tensors and its auto_map names code in the
-    folder. `complete=False` (a Hub cache snapshot) skips the shards not downloaded yet."""
-    folder = os.fspath(folder)
-    config, config_path = None, os.path.join(folder, "config.json")
-    if os.path.lexists(config_path):
-        check_inside(folder, config_path, error=error)
-        config = read_json(config_path, error=error, object_pairs_hook=dict_without_duplicate_keys)
-        if not isinstance(config, dict):
-            raise error(config_path, f"must hold a JSON object, not a {type(config).__name__}")
-        check_auto_map(folder, config, config_path, error)
-    for name in ("generation_config.json",):
-        if os.path.lexists(os.path.join(folder, name)):
-            check_inside(folder, os.path.join(folder, name), error=error)
-    index_name, single_name = _weights_files(folder, config, config_path, variant, use_safetensors, error)
-    index_path = os.path.join(folder, index_name) if index_name else None
-    single_path = os.path.join(folder, single_name) if single_name else None
-    if index_path is not None and os.path.lexists(index_path):
-        check_inside(folder, index_path, error=error)
-        index = read_json(index_path, error=error, object_pairs_hook=dict_without_duplicate_keys)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise error(index_path, "not a safetensors index (needs a `weight_map` object mapping tensor names to "
-                        "shard file names)")
-        first_tensor = {}
-        for tensor, shard in weight_map.items():
-            if type(shard) is not str or shard not in first_tensor:  # each name once (thousands of tensors a shard)
-                check_file_name(shard, index_path, what="shard", suffix=".safetensors", tensor=tensor, error=error)
-                first_tensor[shard] = tensor
-    elif single_path is not None and os.path.lexists(single_path):
-        index_path, weight_map, first_tensor = single_path, None, {single_name: None}
-    else:
-        return
-    headers = {}
-    with _collector_paused():
-        for shard, tensor in first_tensor.items():
-            path = os.path.join(folder, shard)
-            if not os.path.lexists(path) and not complete:
-                continue
-            check_inside(folder, path, error=error)
-            if not os.path.exists(path):
-                raise error(path, "shard file is missing" + (f" (the index names it for `{tensor}`)" if tensor else
-                                                             ""))
-            headers[shard] = (path, read_safetensors_header(path, error=error)[0])
-    if weight_map is None:
-        weight_map = {tensor: single_name for tensor in headers[single_name][1]}
-    else:
-        check_shards_against_index(headers, weight_map, index_path, error)
-    if config is not None:
-        check_layer_count(config, weight_map, config_path, index_path, error)
-
-
-def _hub_snapshot(repo_id: str, kwargs) -> str | None:
-    """The local snapshot folder of a Hub repo id when the cache already holds its config.json (no network)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - huggingface_hub is a transformers dependency
-        return None
-    name = "/".join(p for p in (kwargs.get("subfolder") or "", "config.json") if p)
-    try:
-        found = try_to_load_from_cache(repo_id, name, cache_dir=kwargs.get("cache_dir"),
-                                       revision=kwargs.get("revision"))
-    except Exception:  # an unusual id or cache: transformers reports what it finds
-        return None
-    return os.path.dirname(found) if isinstance(found, str) else None
-
-
-_FOLDER_CHECKED: contextvars.ContextVar = contextvars.ContextVar("kimik3_folder_checked", default=None)
-
-
-def check_pretrained_folder(pretrained, kwargs) -> None:
-    """from_pretrained's first step: a local folder (or the cached snapshot of a Hub repo id) is checked as above; a
-    string that can only be a local path but names no folder is an error rather than a Hub lookup."""
-    if not isinstance(pretrained, (str, os.PathLike)) or _FOLDER_CHECKED.get() == (os.fspath(pretrained),):
-        return
-    text, complete = os.fspath(pretrained), True
-    for key in ("variant", "gguf_file"):  # each becomes part of a file name in the folder
-        value = kwargs.get(key)
-        if value is not None and (not isinstance(value, str) or not value or any(c in value for c in "/\\:\x00")
-                                  or ".." in value):
-            raise load_error(text, f"refusing {key}={value!r}: it names a file of the folder, so it must be a plain "
-                             "name (no path separators, no `..`)")
-    if os.path.isdir(text):
-        folder = text
-        subfolder = (kwargs.get("subfolder") or "").rstrip("/")
-        if subfolder:
-            parts = subfolder.replace("\\", "/").split("/")
-            if subfolder.startswith("/") or any(p in ("", "..") or ":" in p or "\x00" in p for p in parts):
-                raise load_error(text, f"refusing subfolder {subfolder!r}: a path inside the folder (no `..`, no "
-                                 "absolute path)")
-            folder = os.path.join(text, subfolder)
-            check_inside(text, folder)
-        gguf = kwargs.get("gguf_file")
-        if gguf and os.path.lexists(os.path.join(folder, gguf)):  # transformers reads it from the folder
-            check_inside(folder, os.path.join(folder, gguf))
-    elif os.path.exists(text):
-        return  # a file: transformers says what it makes of it
-    elif looks_like_local_path(text):
-        raise load_error(text, "no such folder (a local path: not looked up on the Hub, which only takes repo ids "
-                         "`name` or `org/name`)")
-    else:
-        folder, complete = _hub_snapshot(text, kwargs), False
-        if folder is None:
-            return
-    check_folder(folder, variant=kwargs.get("variant"), complete=complete,
-                 use_safetensors=kwargs.get("use_safetensors"))
-
-
-@contextlib.contextmanager
-def checked_pretrained_folder(pretrained, kwargs):
-    """Runs `check_pretrained_folder` once for a whole from_pretrained (the composite class reads the index before
-    the text class's from_pretrained runs the check again)."""
-    check_pretrained_folder(pretrained, kwargs)
-    token = _FOLDER_CHECKED.set((os.fspath(pretrained),) if isinstance(pretrained, (str, os.PathLike)) else None)
-    try:
-        yield
-    finally:
-        _FOLDER_CHECKED.reset(token)
-
-
 __all__ = [
     "DequantizeMxfp4Experts",
-    "KimiK3LoadError",
     "PadHeads",
     "QuantizeMxfp4Experts",
     "RejectInfiniteScales",
     "UnpadHeads",
-    "check_folder",
-    "check_pretrained_folder",
     "check_packed_experts",
     "check_release_load",
     "mxfp4_overflow",
     "mxfp4_overflow_message",
-    "checked_pretrained_folder",
-    "read_safetensors_header",
     "register_release_conversions",
     "release_conversions",
     "release_name",

@@ -40,7 +40,8 @@ from .cache_kimi_k3 import KimiK3Cache
 from .compat_kimi_k3 import CACHE_FIELD, given_cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
-from .conversion_kimi_k3 import check_release_load, checked_pretrained_folder, register_release_conversions
+from .conversion_kimi_k3 import check_release_load
+from .files_kimi_k3 import checked_pretrained_folder
 from .dispatch_kimi_k3 import (
     conv_normalizes_qk,
     decay_in_chunk_kernel,
@@ -1800,7 +1801,6 @@ def _register_auto_classes() -> None:
             auto_class.register(config_class, model_class, exist_ok=True)
 
 
-register_release_conversions()
 _register_auto_classes()
 
 __all__ = [

@@ -17,6 +17,8 @@ KDA keeps per-head parameters that no forward of their own reads: `A_log` [H], `
 short-conv weights [H*D, 1, K] (the attention passes `conv.weight` to the conv op). transformers' `colwise` style
 shards a 3-D weight on dim 1, so these get their own parameter style, `kimi_k3_heads`: Shard(0) on the TP mesh,
 heads being the leading axis of every one of them. The attention reads this rank's slice through `local_shard`.
+The style enters transformers' registry when a load asks for tensor parallelism (`check_release_load` calls
+`register_head_shard_style`), not when this file is imported.
 """
 
 import torch
@@ -32,11 +34,14 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if to_local is None else to_local()
 
 
-def _register_head_shard_style() -> None:
+def register_head_shard_style() -> None:
+    """Adds `kimi_k3_heads` to transformers' parallel styles; a second call finds it there and does nothing."""
     try:
         from torch.distributed.tensor import Shard, distribute_tensor
         from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
     except ImportError:  # torch without distributed, or a transformers without DTensor tensor parallel
+        return
+    if HEAD_SHARD_STYLE in ALL_PARALLEL_STYLES:
         return
 
     class KimiK3HeadShard(TensorParallelLayer):
@@ -51,6 +56,3 @@ def _register_head_shard_style() -> None:
             )
 
     ALL_PARALLEL_STYLES.register(HEAD_SHARD_STYLE, KimiK3HeadShard())
-
-
-_register_head_shard_style()

@@ -1,6 +1,6 @@
 """Loading a folder with from_pretrained: which files a folder may name (docs/bad_inputs.md, "Loading a folder").
 
-Every refusal here happens in conversion_kimi_k3.check_pretrained_folder, before transformers reads a file; each damaged
+Every refusal here happens in files_kimi_k3.check_pretrained_folder, before transformers reads a file; each damaged
 folder would load (from the wrong place) or fail with another message without it, so each case checks the message."""
 
 import json
@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import kimik3.convert as kc
 from kimik3.convert import testing
-from kimik3.modeling import conversion_kimi_k3 as ck
+from kimik3.modeling import files_kimi_k3 as ck
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3ForConditionalGeneration
 
 INDEX = "model.safetensors.index.json"
@@ -355,7 +355,7 @@ def test_the_multimodal_base_model_checks_before_it_reads_the_index(folder, monk
 @pytest.mark.parametrize("folder", [pytest.param("converted", id="load-auto-remote-code-shard-parent-path")],
                          indirect=True)
 def test_the_remote_code_copy_checks_too(folder):
-    """AutoModel with trust_remote_code runs the folder's own copy of conversion_kimi_k3.py: the same rule."""
+    """AutoModel with trust_remote_code runs the folder's own copy of files_kimi_k3.py: the same rule."""
     shard_named_elsewhere(lambda r, s: ("../outside.safetensors", r.parent / "outside.safetensors"))(folder)
     with pytest.raises(ValueError, match=r"refusing shard name '\.\./outside\.safetensors'") as info:
         AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True)

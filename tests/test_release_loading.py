@@ -20,7 +20,8 @@ from kimik3.configuration import released_config_dict
 from kimik3.convert import name_map as nm
 from kimik3.convert import testing
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
-from kimik3.modeling.conversion_kimi_k3 import KimiK3LoadError, release_conversions
+from kimik3.modeling.conversion_kimi_k3 import release_conversions
+from kimik3.modeling.files_kimi_k3 import KimiK3LoadError
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3ForConditionalGeneration
 from kimik3.remote_code import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP, remote_code_files
 
@@ -117,6 +118,68 @@ def test_remote_code_folder_loads_the_release_tensors(remote_folder, converted):
     via_convert = auto.from_pretrained(str(converted["mxfp4"]), trust_remote_code=True, dtype=torch.bfloat16)
     assert_same_tensors(direct, via_convert)
     assert torch.equal(logits(direct.eval()), logits(via_convert.eval()))
+
+
+REGISTRIES = r"""
+import json, sys
+import transformers.conversion_mapping as mapping
+from transformers import AutoModelForCausalLM
+from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+folder = sys.argv[1]
+CLASSES = ("KimiK3ForCausalLM", "KimiK3TextBackbone")
+
+
+def registries():
+    # the objects themselves (compared with `is`): a registration replaces them even when the contents are equal
+    cache = mapping._checkpoint_conversion_mapping_cache or {}
+    return ({name: cache.get(name) for name in CLASSES}, set(mapping.USER_REGISTERED_MAPPINGS),
+            dict(ALL_PARALLEL_STYLES.items()))
+
+
+def unchanged(a, b, style):
+    # transformers' own modules, imported lazily by the model code, may add styles of theirs: entries present
+    # before must be the same objects, and nothing of ours may have appeared
+    return all(a[0][n] is b[0][n] for n in CLASSES) and a[1] == b[1] and style not in b[2] \
+        and all(b[2].get(k) is a[2][k] for k in a[2])
+
+
+before = registries()
+model_class = get_class_from_dynamic_module(json.load(open(folder + "/config.json"))["auto_map"]["AutoModelForCausalLM"],
+                                            folder)
+imported = registries()
+parallel = sys.modules[model_class.__module__.rsplit(".", 1)[0] + ".parallel_kimi_k3"]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+loaded = registries()
+parallel.register_head_shard_style()
+style = ALL_PARALLEL_STYLES[parallel.HEAD_SHARD_STYLE]
+parallel.register_head_shard_style()
+print(json.dumps({
+    "module": model_class.__module__,
+    "import_changed_nothing": unchanged(before, imported, parallel.HEAD_SHARD_STYLE),
+    "load_registered": [loaded[0][n] is not None and loaded[0][n] is not imported[0][n] for n in CLASSES],
+    "user_registered": sorted(set(CLASSES) & loaded[1]),
+    "load_left_tp_styles": parallel.HEAD_SHARD_STYLE not in loaded[2]
+                           and all(loaded[2].get(k) is v for k, v in imported[2].items()),
+    "style_registered_once": ALL_PARALLEL_STYLES[parallel.HEAD_SHARD_STYLE] is style,
+}))
+"""
+
+
+def test_importing_the_remote_code_registers_nothing_until_a_load_asks(remote_folder, fresh_python):
+    """Importing the code of a folder (a fresh process, the package never imported) leaves transformers' conversion
+    mapping and its tensor-parallel styles as they were; the first from_pretrained registers the release conversions
+    it needs (a release-layout folder: the load fails without them), and the head-shard style enters the styles only
+    when asked (a load with a TP plan; here by hand), once."""
+    returncode, stdout, error = fresh_python(REGISTRIES, str(remote_folder))
+    assert returncode == 0, error
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert result["module"].startswith("transformers_modules.")
+    assert result["import_changed_nothing"]
+    assert result["load_registered"] == [True, True]
+    assert result["user_registered"] == ["KimiK3ForCausalLM", "KimiK3TextBackbone"]
+    assert result["load_left_tp_styles"] and result["style_registered_once"]
 
 
 def test_text_only_release_folder(text_folder, converted):
@@ -364,5 +427,5 @@ def test_finite_check_finds_a_value_past_its_first_blocks():
         holder.weight.data.zero_()
         holder.weight.data.view(-1)[flat_index] = value
         row, col = divmod(flat_index, block + 7)
-        with pytest.raises(conversion.KimiK3LoadError, match=rf"`weight` at index \[{row}, {col}\]"):
+        with pytest.raises(KimiK3LoadError, match=rf"`weight` at index \[{row}, {col}\]"):
             conversion._check_finite(holder)
