@@ -197,9 +197,9 @@ class K3Driver:
 
     def __init__(self, model):
         self.model = model
-        from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
+        from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, KimiK3StaticCache
 
-        self.cache_cls = KimiK3Cache
+        self.cache_cls, self.static_cache_cls = KimiK3Cache, KimiK3StaticCache
 
     def new_cache(self):
         return self.cache_cls(self.model.config)
@@ -213,7 +213,8 @@ class K3Driver:
         prefill writes it (static with `max_cache_len`: latents at the head of preallocated buffers, a
         device-side position and key-validity mask, every buffer at a fixed address)."""
         cfg = self.model.config
-        cache = self.cache_cls(cfg, max_cache_len=max_cache_len)
+        cache = (self.cache_cls(cfg) if max_cache_len is None
+                 else self.static_cache_cls(cfg, max_cache_len=max_cache_len))
         cache.begin_step(batch, context, None, torch.device(DEV))
         width = cfg.linear_num_heads * cfg.linear_head_dim
         for layer, kind in enumerate(cfg.layer_types):

@@ -145,7 +145,7 @@ class VerifyCounter:
 
 
 def section_spec(model, device, context, new_tokens, draft_layers, lookup_tokens, assistant_tokens, compiled):
-    from kimik3.modeling.serving_kimi_k3 import slice_draft_model
+    from kimik3.draft import slice_draft_model
 
     vocab = model.config.vocab_size
     phrase = torch.randint(3, vocab - 1, (1, 64), device=device)
@@ -238,7 +238,8 @@ def round_costs(model, draft, context, k):
 @torch.no_grad()
 def section_snapshots(model, device, interval, measured_tokens):
     from kimik3.memory import load_text_config, snapshot_memory
-    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, rollback_bytes_per_token, snapshot_bytes
+    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, snapshot_bytes
+    from kimik3.modeling.rewind_kimi_k3 import rollback_bytes_per_token
 
     config = model.config
     dtype_bytes = torch.finfo(model.dtype).bits // 8
@@ -247,12 +248,12 @@ def section_snapshots(model, device, interval, measured_tokens):
     chunked_prefill(model, ids, cache, min(measured_tokens, 8 * K))
     cache.activate_past_recording()
     model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True, logits_to_keep=1)  # a 5-token verify step
-    recorded = cache.rollback_bytes()
+    recorded = cache.rewind.rollback_bytes()
     release = load_text_config()
     return {
         "interval_tokens": interval,
-        "bench_model": {"measured_tokens": measured_tokens, "snapshots": len(cache.snapshots),
-                        "snapshot_bytes_held": cache.snapshot_bytes_held(),
+        "bench_model": {"measured_tokens": measured_tokens, "snapshots": len(cache.rewind.snapshots),
+                        "snapshot_bytes_held": cache.rewind.snapshot_bytes_held(),
                         "bytes_per_snapshot": snapshot_bytes(config, dtype_bytes=dtype_bytes),
                         "rollback_bytes_per_verified_token": recorded["per_token"],
                         "kda_state_bytes": snapshot_bytes(config, dtype_bytes=dtype_bytes)},
@@ -271,7 +272,7 @@ def main():
     parser.add_argument("--only", default="", help="comma list of sections (ttft, spec, snapshots)")
     args = parser.parse_args()
     ensure_kimik3()
-    from kimik3.modeling.cache_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL
+    from kimik3.modeling.rewind_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL
 
     torch.manual_seed(0)
     model, device = build_models(args.quick, args.layers, args.experts)

@@ -159,7 +159,8 @@ def snapshot_memory(config, context_lengths=(131072, 1048576), every_blocks: int
                     batch_size: int = 1, dtype_bytes: int = 2) -> list[dict]:
     """Snapshot bytes: one snapshot (every KDA layer's f32 state + conv windows) and all of them over a context,
     one every `every_blocks` 512-token blocks (default: the cache's DEFAULT_SNAPSHOT_BLOCKS)."""
-    from kimik3.modeling.cache_kimi_k3 import DEFAULT_SNAPSHOT_BLOCKS, KDA_BLOCK_SIZE, snapshot_bytes
+    from kimik3.modeling.cache_kimi_k3 import snapshot_bytes
+    from kimik3.modeling.rewind_kimi_k3 import DEFAULT_SNAPSHOT_BLOCKS, KDA_BLOCK_SIZE
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     blocks = DEFAULT_SNAPSHOT_BLOCKS if every_blocks is None else every_blocks

@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .cache_kimi_k3 import KimiK3Cache
+from .cache_kimi_k3 import KimiK3Cache, KimiK3StaticCache
 from .compat_kimi_k3 import CACHE_FIELD, given_cache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
@@ -50,7 +50,7 @@ from .dispatch_kimi_k3 import (
     kda_recurrence,
     sdpa_backend_order,
 )
-from .ops_kimi_k3 import MXFP4_GROUP_SIZE, conv_windows_after, dequantize_mxfp4, routed_experts
+from .ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, routed_experts
 from .parallel_kimi_k3 import local_shard
 from .vision_kimi_k3 import (
     KimiK3PatchMergerProjector,
@@ -60,7 +60,6 @@ from .vision_kimi_k3 import (
     check_image_inputs,
 )
 # Imported so that save_pretrained ships it next to this file: prompt caches, the prefix store, draft slicing
-from .serving_kimi_k3 import KimiK3PrefixStore, build_prompt_cache, slice_draft_model  # noqa: F401
 
 
 logger = logging.get_logger(__name__)
@@ -218,7 +217,8 @@ class KimiK3DeltaAttention(nn.Module):
             (q, k, v), conv_states, sequence_conv_states = context_parallel.conv_windows(
                 (q, k, v), self.conv_size - 1, self.layer_idx
             )
-        recording = cache is not None and cache.records_step()
+        rewind = cache.rewind if cache is not None else None  # snapshots and rollback records (a growing cache)
+        recording = rewind is not None and rewind.records_step()
         qk_normalized = conv_normalizes_qk(q, k, recurrent_state, decode_step=seq_len == 1, recording=recording,
                                            context_parallel=context_parallel is not None)
         conv_fn = fast_or_reference("causal_conv1d", q)
@@ -256,10 +256,10 @@ class KimiK3DeltaAttention(nn.Module):
                 # Speculative verify/draft step: keep what a rollback replays (the recurrence inputs and the
                 # pre-conv inputs of the conv windows), so rejected tokens never cost a re-projection or a re-run
                 # of the prefix
-                cache.record_kda_step(self.layer_idx, conv_states, recurrent_state, pre_conv, (q, k, v, g, beta))
-            snapshot_offsets = cache.snapshot_offsets(seq_len) if cache is not None else []
+                rewind.record_step(self.layer_idx, conv_states, recurrent_state, pre_conv, (q, k, v, g, beta))
+            snapshot_offsets = rewind.snapshot_offsets() if rewind is not None else []
             core, final_state = self._recurrence(q, k, v, g, beta, recurrent_state, cache is not None,
-                                                 snapshot_offsets, pre_conv, conv_states, cache, decay_gate,
+                                                 snapshot_offsets, pre_conv, conv_states, rewind, decay_gate,
                                                  qk_normalized)
         if cache is not None:
             cache.update_kda_state((q_state, k_state, v_state), final_state, self.layer_idx)
@@ -271,11 +271,11 @@ class KimiK3DeltaAttention(nn.Module):
         core = self.o_norm(core, gate.view(heads_shape))
         return self.o_proj(core.reshape(batch, seq_len, -1))
 
-    def _recurrence(self, q, k, v, g, beta, state, keep_state, snapshot_offsets, pre_conv, conv_states, cache,
+    def _recurrence(self, q, k, v, g, beta, state, keep_state, snapshot_offsets, pre_conv, conv_states, rewind,
                     decay_gate=None, qk_normalized=False):
         """The delta rule over this forward's tokens. With snapshot offsets the chunked form runs segment by
-        segment, carrying the state exactly as it carries it between its own chunks, and hands the state and conv
-        windows at each offset to the cache."""
+        segment, carrying the state exactly as it carries it between its own chunks, and hands the state at each
+        offset to the cache's rewind component."""
         seq_len = q.shape[1]
         bounds = [0, *(o for o in snapshot_offsets if 0 < o < seq_len), seq_len]
         outputs = []
@@ -287,8 +287,7 @@ class KimiK3DeltaAttention(nn.Module):
             )
             outputs.append(out)
             if end in snapshot_offsets:
-                windows = conv_windows_after(tuple(x[:, :end] for x in pre_conv), conv_states, self.conv_size)
-                cache.save_snapshot(self.layer_idx, end, windows, state)
+                rewind.save_snapshot(self.layer_idx, end, pre_conv, conv_states, state)
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), state
 
 
@@ -846,7 +845,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         if implementation in (None, "dynamic", "hybrid"):
             model_kwargs[CACHE_FIELD] = KimiK3Cache(self.config)
         elif implementation == "static":
-            model_kwargs[CACHE_FIELD] = KimiK3Cache(self.config, max_cache_len=max_cache_length)
+            model_kwargs[CACHE_FIELD] = KimiK3StaticCache(self.config, max_cache_len=max_cache_length)
         else:
             raise NotImplementedError(
                 f"cache_implementation={implementation!r}: Kimi K3 uses its own hybrid cache (KimiK3Cache); use "
@@ -1069,6 +1068,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self._check_model_inputs(input_ids, inputs_embeds, attention_mask, cache)
         for key in ("output_hidden_states", "output_attentions", "output_router_logits"):
             kwargs.pop(key, None)  # recorded by capture_outputs
+        if cache is not None and cache.rewind is not None and cache.rewind.pending_tokens:
+            self._replay_pending(cache)
         context_parallel = kwargs.get("context_parallel")
         if context_parallel is not None:
             # this rank's segment of one sequence; the layers exchange states and latents with the other ranks
@@ -1094,8 +1095,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
             token_mask = self._token_mask(attention_mask, seq_len)
             if cache is not None:
                 cache.begin_step(batch, seq_len, token_mask, inputs_embeds.device)
-                if not cache.is_static:
-                    cache.bind_inputs(self, input_ids, token_mask, batch, seq_len)
+                if cache.rewind is not None:
+                    cache.rewind.keep_tokens(input_ids, token_mask, past_len)
             mla_mask = self._mla_mask(attention_mask, document_ids, batch, seq_len, past_len, inputs_embeds.device)
             document_index = self._document_index(document_ids) if document_ids is not None else None
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
@@ -1128,6 +1129,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if cache is not None:
             cache.advance(seq_len if context_parallel is None else context_parallel.total_length)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_FIELD: cache})
+
+    def _replay_pending(self, cache: KimiK3Cache) -> None:
+        """Run the tokens a crop left pending (it went back to a snapshot below its target: docs/design.md, Going
+        back) before this forward's own inputs: a prefill of them, without gradients, through the same forward."""
+        with cache.rewind.replay() as (input_ids, attention_mask), torch.no_grad():
+            self(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True)
 
     def _check_model_inputs(self, input_ids, inputs_embeds, attention_mask, cache) -> None:
         """Reject inputs that would otherwise fail deep inside a layer with an unrelated message, or silently give

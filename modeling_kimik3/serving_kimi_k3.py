@@ -11,8 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Serving helpers around `generate()`: prompt caches with KDA state snapshots, a block-hash prefix store, and a
-draft model sliced from the target for speculative decoding.
+"""Serving helpers around `generate()`: prompt caches with KDA state snapshots and a block-hash prefix store (the
+draft model for speculative decoding, sliced from the target, is the package's `kimik3.draft`).
 
 Prefix reuse (docs/design.md, Going back: crop, prefix reuse, speculative decoding): a prompt is cut into 512-token
 blocks; each block's hash is chained with its predecessor's, so one hash names a whole prefix. A stored prompt cache can
@@ -25,7 +25,8 @@ from collections import OrderedDict
 
 import torch
 
-from .cache_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL, KDA_BLOCK_SIZE, KimiK3Cache
+from .cache_kimi_k3 import KimiK3Cache
+from .rewind_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL, KDA_BLOCK_SIZE
 
 
 def block_hashes(token_ids, block_size: int = KDA_BLOCK_SIZE) -> list[bytes]:
@@ -129,7 +130,7 @@ class KimiK3PrefixStore:
         seen, total = set(), 0
         for _, cache in self._entries.values():
             tensors = [t for layer in cache.layers for t in _layer_tensors(layer)]
-            tensors += [t for states in cache.snapshots.values() for conv, state in states.values()
+            tensors += [t for states in cache.rewind.snapshots.values() for conv, state in states.values()
                         for t in (*conv, state)]
             for tensor in tensors:
                 if tensor.data_ptr() not in seen:
@@ -153,35 +154,4 @@ def _layer_tensors(layer) -> list[torch.Tensor]:
     return [] if layer.latents is None else [layer.latents]
 
 
-def slice_draft_model(model, num_layers: int):
-    """A draft for speculative decoding: the target's first `num_layers` layers, scheduled as
-    `kimik3 convert --num-layers` does (ending with an MLA layer), with the target's embeddings, final norms and
-    LM head. Its weights are copies; the target is unchanged."""
-    try:
-        from kimik3.convert.schedule import layer_map, output_text_config
-    except ImportError as exc:  # remote code without the kimik3 package
-        raise ImportError("slice_draft_model needs the kimik3 package (pip install kimik3)") from exc
-    text = model.config.get_text_config()
-    mapping, _ = layer_map(text, num_layers)
-    experts_format = getattr(text, "experts_format", "dense")
-    draft_config = output_text_config(text, mapping, None, experts_format)
-    from .modeling_kimi_k3 import KimiK3ForCausalLM
-
-    draft = KimiK3ForCausalLM(draft_config)
-    source = model.state_dict()
-    prefix = "model.layers."
-    if not any(key.startswith(prefix) for key in source):
-        source = {key.split("language_model.", 1)[-1]: value for key, value in source.items()}
-    weights = {}
-    for key in draft.state_dict():
-        if key.startswith(prefix):
-            index, rest = key[len(prefix):].split(".", 1)
-            key_in_source = f"{prefix}{mapping[int(index)]}.{rest}"
-        else:
-            key_in_source = key
-        weights[key] = source[key_in_source]
-    draft.load_state_dict(weights, strict=True)
-    return draft.to(model.device, model.dtype).eval()
-
-
-__all__ = ["KimiK3PrefixStore", "block_hashes", "build_prompt_cache", "slice_draft_model"]
+__all__ = ["KimiK3PrefixStore", "block_hashes", "build_prompt_cache"]

@@ -1,5 +1,6 @@
 """Context parallelism (KDA by state composition, MLA by latent all-gather) and FSDP2 training on 2 gloo processes
-(tests/context_parallel_worker.py under one torchrun launch), each against the single-process model in f32."""
+(tests/context_parallel_worker.py in the suite's one two-rank launch, conftest.py), each against the single-process
+model in f32."""
 
 import json
 import sys
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from k3_test_utils import cache_of
-from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
+from kimik3.modeling.cache_kimi_k3 import KimiK3StaticCache
 from kimik3.modeling.context_parallel_kimi_k3 import kda_exchange_bytes, mla_exchange_bytes_per_token
 from kimik3.modeling.ops_kimi_k3 import chunk_kda, kda_segment_transition, l2norm
 from kimik3.tiny import build_tiny_model
@@ -31,7 +32,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def runs(two_rank_runs):
-    """The 2 gloo ranks' results (the shared torchrun launch, conftest.py): [(report, tensors)] per rank."""
+    """The 2 gloo ranks' results (the shared two-rank launch, conftest.py): [(report, tensors)] per rank."""
     out_dir = two_rank_runs["context_parallel"]
     return [(json.loads((out_dir / f"rank{r}.json").read_text()), load_file(str(out_dir / f"rank{r}.safetensors")))
             for r in range(2)]
@@ -193,7 +194,7 @@ def test_context_parallel_refuses_what_it_does_not_run(model):
         cp.check_inputs(5, None, None)
     with pytest.raises(ValueError, match="unpadded"):
         cp.check_inputs(4, torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]]), None)
-    cache = KimiK3Cache(model.config, max_cache_len=16)
+    cache = KimiK3StaticCache(model.config, max_cache_len=16)
     with pytest.raises(ValueError, match="fresh prefill"):
         cp.check_inputs(4, None, cache)
     assert (cp.start, cp.end, cp.total_length) == (4, 8, 8)

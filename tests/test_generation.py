@@ -129,8 +129,11 @@ def test_cache_bytes_equal_analytic_and_mla_holds_only_the_latent(model):
 
 def test_cache_builds_one_layer_object_per_layer_type_dynamic_or_static(model):
     config = model.config
-    dynamic, static = KimiK3Cache(config), KimiK3Cache(config, max_cache_len=16)
-    assert type(static) is KimiK3StaticCache and isinstance(static, KimiK3Cache) and not dynamic.is_static
+    dynamic, static = KimiK3Cache(config), KimiK3StaticCache(config, max_cache_len=16)
+    assert isinstance(static, KimiK3Cache) and static.is_static and not dynamic.is_static
+    assert dynamic.rewind is not None and static.rewind is None  # only the growing cache can go back
+    with pytest.raises(TypeError, match=r"KimiK3StaticCache\(config, max_cache_len=N\)"):
+        KimiK3Cache(config, max_cache_len=16)  # one class per variant: no silent switch
     for layer_type, dynamic_layer, static_layer in zip(config.layer_types, dynamic.layers, static.layers):
         if layer_type == "linear_attention":
             assert type(dynamic_layer) is KimiK3KDAStateLayer and type(static_layer) is KimiK3StaticKDAStateLayer
@@ -156,7 +159,7 @@ def test_generate_cache_routes_give_the_same_tokens(model):
     greedy = dict(max_new_tokens=4, do_sample=False)
     default = model.generate(ids, **greedy)
     assert torch.equal(model.generate(ids, use_cache=False, **greedy), default)
-    for user_cache in (KimiK3Cache(model.config), KimiK3Cache(model.config, max_cache_len=16)):
+    for user_cache in (KimiK3Cache(model.config), KimiK3StaticCache(model.config, max_cache_len=16)):
         out = model.generate(ids, return_dict_in_generate=True, **greedy, **{CACHE_FIELD: user_cache})
         assert torch.equal(out.sequences, default)
         assert cache_of(out) is user_cache and user_cache.get_seq_length() == 5 + 4 - 1
@@ -179,9 +182,13 @@ def test_cache_batch_operations(model):
     torch.testing.assert_close(base.layers[layer_mla].latents[1], per_row[0].layers[layer_mla].latents[0],
                                atol=1e-5, rtol=1e-4)
     base.crop(3)  # KDA layers: the recorded token ids (reordered with the rows) replay from the empty state
+    assert base.get_seq_length() == 3 and base.rewind.pending_tokens == 3  # run by the next forward
     with torch.no_grad():
         fresh = cache_of(model(ids[[1, 0], :3], use_cache=True))
-    assert base.get_seq_length() == 3
+        following = ids[[1, 0], 3:4]
+        torch.testing.assert_close(model(following, cache=base).logits, model(following, cache=fresh).logits,
+                                   atol=1e-5, rtol=1e-4)
+    assert base.get_seq_length() == 4 and base.rewind.pending_tokens == 0
     torch.testing.assert_close(base.kda_state(layer_kda)[1], fresh.kda_state(layer_kda)[1], atol=1e-5, rtol=1e-4)
     base.reset()
     assert base.get_seq_length() == 0 and base.live_bytes()["total"] == 0

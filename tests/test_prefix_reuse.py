@@ -7,7 +7,7 @@ import torch
 
 from k3_test_utils import cache_of
 from kimik3.memory import load_text_config, snapshot_memory
-from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, snapshot_bytes
+from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, KimiK3StaticCache, snapshot_bytes
 from kimik3.modeling.serving_kimi_k3 import KimiK3PrefixStore, block_hashes, build_prompt_cache
 from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
 from kimik3.tiny import build_tiny_model
@@ -49,7 +49,7 @@ def _model_calls(model):
 
 
 def test_one_prompt_cache_serves_many_continuations_exactly(model, prefix, prompt_cache):
-    assert sorted(prompt_cache.snapshots) == [8, 16, 24]
+    assert sorted(prompt_cache.rewind.snapshots) == [8, 16, 24]
     for seed in (1, 2):
         suffix = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(seed))
         ids = torch.cat([prefix, suffix], 1)
@@ -71,10 +71,12 @@ def test_left_padded_batch_reuses_its_prompt_cache_exactly(model):
     ids, full_mask = torch.cat([prefix, suffix], 1), torch.cat([mask, torch.ones(3, 3, dtype=torch.long)], 1)
     reused = _greedy(model, ids, attention_mask=full_mask, **{CACHE_FIELD: copy.deepcopy(cache)})
     _assert_same_run(reused, _greedy(model, ids, attention_mask=full_mask))
-    # Going back inside the padded prefix replays with the recorded padding
+    # Going back inside the padded prefix replays with the recorded padding (tokens 8..11, before the next forward)
     cache.crop(11)
     with torch.no_grad():
         fresh = cache_of(model(prefix[:, :11], attention_mask=mask[:, :11], use_cache=True))
+        for following in (cache, fresh):
+            model(prefix[:, 11:12], attention_mask=mask[:, :12], past_key_values=following, use_cache=True)
     layer = model.config.kda_layer_indices[-1]
     torch.testing.assert_close(cache.kda_state(layer)[1], fresh.kda_state(layer)[1], atol=1e-6, rtol=1e-5)
 
@@ -89,24 +91,30 @@ def test_snapshots_do_not_change_the_prefill(model, prefix):
     torch.testing.assert_close(snapped.logits, plain.logits, atol=1e-5, rtol=1e-5)
     layer = model.config.kda_layer_indices[0]
     torch.testing.assert_close(cache.kda_state(layer)[1], cache_of(plain).kda_state(layer)[1], atol=1e-5, rtol=1e-5)
-    assert cache.snapshot_bytes_held() == 3 * snapshot_bytes(model.config, dtype_bytes=4)
+    assert cache.rewind.snapshot_bytes_held() == 3 * snapshot_bytes(model.config, dtype_bytes=4)
 
 
 def test_crop_works_for_every_length(model, prefix, prompt_cache):
-    """Any n: the nearest snapshot at or below n is restored and the tokens between are replayed (at a snapshot
-    nothing is replayed); the states are those of a prefill of n tokens (here: snapshots taken at every token)."""
+    """Any n: the nearest snapshot at or below n is restored and the tokens between are replayed by the next
+    forward, before its own token (at a snapshot nothing is replayed); the states are then those of a prefill of
+    n + 1 tokens (here: snapshots taken at every token)."""
     reference = build_prompt_cache(model, prefix, snapshot_interval=1)
     mla = model.config.mla_layer_indices[0]
     for n in range(1, 30):
         calls, handle = _model_calls(model)
         cache = prompt_cache.copy_prefix(n)
+        assert cache.get_seq_length() == n and calls == []  # going back runs nothing of the model
+        assert cache.rewind.pending_tokens == n % INTERVAL
+        with torch.no_grad():
+            model(prefix[:, n:n + 1], past_key_values=cache, use_cache=True)
         handle.remove()
-        assert cache.get_seq_length() == n and calls == ([n % INTERVAL] if n % INTERVAL else [])
+        # the forward of one token (its pre-hook fires first) runs the pending tokens inside, before its own
+        assert cache.get_seq_length() == n + 1 and calls == [1] + ([n % INTERVAL] if n % INTERVAL else [])
         for layer in model.config.kda_layer_indices:
-            (conv, state), (conv_ref, state_ref) = cache.kda_state(layer), reference.snapshots[n][layer]
+            (conv, state), (conv_ref, state_ref) = cache.kda_state(layer), reference.rewind.snapshots[n + 1][layer]
             torch.testing.assert_close(state, state_ref, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(conv, conv_ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(cache.layers[mla].latents, reference.layers[mla].latents[:, :n],
+        torch.testing.assert_close(cache.layers[mla].latents, reference.layers[mla].latents[:, :n + 1],
                                    atol=1e-5, rtol=1e-5)
     assert prompt_cache.get_seq_length() == 30  # copy_prefix leaves the source alone
     following = torch.randint(3, 128, (1, 1), generator=torch.Generator().manual_seed(3))
@@ -123,12 +131,12 @@ def test_snapshot_memory_stays_under_its_bound(model, prefix):
     cache = KimiK3Cache(model.config, snapshot_interval=4, max_snapshot_bytes=3 * one)
     with torch.no_grad():
         model(prefix[:, :20], past_key_values=cache, use_cache=True)  # 5 snapshots at interval 4 would not fit
-        assert sorted(cache.snapshots) == [8, 16] and cache.snapshot_interval == 8  # thinned evenly first
+        assert sorted(cache.rewind.snapshots) == [8, 16] and cache.rewind.snapshot_interval == 8  # thinned first
         model(prefix[:, 20:], past_key_values=cache, use_cache=True)  # 24 fits; 32 is beyond the tokens
-        assert sorted(cache.snapshots) == [8, 16, 24]
+        assert sorted(cache.rewind.snapshots) == [8, 16, 24]
         model(torch.cat([prefix, prefix], 1)[:, 30:], past_key_values=cache, use_cache=True)  # up to 60 tokens
-    assert sorted(cache.snapshots) == [16, 32, 48] and cache.snapshot_interval == 16
-    assert cache.snapshot_bytes_held() <= 3 * one
+    assert sorted(cache.rewind.snapshots) == [16, 32, 48] and cache.rewind.snapshot_interval == 16
+    assert cache.rewind.snapshot_bytes_held() <= 3 * one
     with pytest.raises(ValueError, match="snapshot_interval"):
         KimiK3Cache(model.config, snapshot_interval=0)
 
@@ -151,7 +159,7 @@ def test_prefix_store_returns_the_longest_reusable_prefix(model, prefix, prompt_
     assert store.lookup(torch.tensor([[4, 4, 4]])) == (0, None)
     stats = store.stats()
     assert stats["hits"] == 3 and stats["misses"] == 1 and stats["tokens_reused"] == 30 + 16 + 24
-    assert stats["bytes_held"] >= prompt_cache.live_bytes()["total"] + prompt_cache.snapshot_bytes_held()
+    assert stats["bytes_held"] >= prompt_cache.live_bytes()["total"] + prompt_cache.rewind.snapshot_bytes_held()
     with pytest.raises(ValueError, match="30 tokens"):
         store.insert(prefix[:, :10], prompt_cache)
 
@@ -166,7 +174,7 @@ def test_prefix_store_evicts_least_recently_used_past_its_bound(model, prefix, p
 
 
 def _held(cache):
-    return cache.live_bytes()["total"] + cache.snapshot_bytes_held()
+    return cache.live_bytes()["total"] + cache.rewind.snapshot_bytes_held()
 
 
 def test_kimik3_memory_reports_snapshot_memory(capsys):
@@ -197,9 +205,38 @@ def test_prefix_store_refuses_what_it_cannot_key(model, prefix, prompt_cache):
     with pytest.raises(ValueError, match=r"one prompt at a time .*got \(2, 30\)"):
         store.lookup(torch.cat([prefix, prefix]))
     with pytest.raises(TypeError, match="needs a growing KimiK3Cache"):
-        store.insert(prefix[0], KimiK3Cache(model.config, max_cache_len=64))
+        store.insert(prefix[0], KimiK3StaticCache(model.config, max_cache_len=64))
     with pytest.raises(TypeError, match="needs a growing KimiK3Cache"):
         store.insert(prefix[0], {"not": "a cache"})
     with pytest.raises(ValueError, match="block_size must be positive, got 0"):
         KimiK3PrefixStore(block_size=0)
     assert store.stats()["entries"] == 0
+
+
+def test_pending_tokens_follow_copies_and_row_reorders(model):
+    """A crop between snapshots leaves tokens for the next forward: they survive deepcopy, a second crop and a
+    reorder of the rows (their ids are reordered with them), and the forward after gives a prefill's logits."""
+    ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cache = cache_of(model(ids[:, :12], past_key_values=KimiK3Cache(model.config, snapshot_interval=8)))
+        cache.crop(11)
+        cache.crop(10)  # again while tokens are pending: still from the snapshot at 8
+        assert cache.get_seq_length() == 10 and cache.rewind.pending_tokens == 2
+        copied = copy.deepcopy(cache)
+        copied.reorder_cache(torch.tensor([1, 0]))
+        rows = ids[[1, 0]]
+        got = model(rows[:, 10:11], past_key_values=copied).logits
+        expected = model(rows[:, :11]).logits[:, -1:]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert cache.rewind.pending_tokens == 2 and copied.rewind.pending_tokens == 0  # the source is untouched
+
+
+def test_crop_needing_a_replay_of_embeddings_is_refused_at_the_crop(model, prefix):
+    cache = KimiK3Cache(model.config, snapshot_interval=INTERVAL)
+    with torch.no_grad():
+        model(inputs_embeds=model.get_input_embeddings()(prefix[:, :20]), past_key_values=cache)
+    cache.crop(16)  # at a snapshot: nothing to replay
+    assert cache.get_seq_length() == 16 and cache.rewind.pending_tokens == 0
+    with pytest.raises(NotImplementedError, match=r"crop\(12\).*nearest snapshot is at 8 .*inputs_embeds"):
+        cache.crop(12)
+    assert cache.get_seq_length() == 16  # left as it was

@@ -6,8 +6,9 @@ import torch
 
 from k3_test_utils import cache_of
 from kimik3.memory import load_text_config
-from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, rollback_bytes_per_token, snapshot_bytes
-from kimik3.modeling.serving_kimi_k3 import slice_draft_model
+from kimik3.draft import slice_draft_model
+from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, snapshot_bytes
+from kimik3.modeling.rewind_kimi_k3 import KimiK3Rewind, rollback_bytes_per_token
 from kimik3.tiny import build_tiny_model
 
 
@@ -25,7 +26,8 @@ def repetitive_prompt():
 
 @pytest.fixture
 def rollbacks_only(monkeypatch):
-    """Counts the tokens each crop removes and fails if any crop falls back to re-running the model."""
+    """Counts the tokens each crop removes and fails if any crop falls back to a snapshot (whose tokens up to the
+    target the model would run again)."""
     removed = []
     crop = KimiK3Cache.crop
 
@@ -34,11 +36,11 @@ def rollbacks_only(monkeypatch):
         crop(self, max_length)
         removed.append(before - self.get_seq_length())
 
-    def no_replay(self, target):
-        raise AssertionError(f"crop({target}) re-ran the model instead of replaying the recorded recurrence")
+    def no_replay(self, target, devices):
+        raise AssertionError(f"crop({target}) went back to a snapshot instead of replaying the recorded recurrence")
 
     monkeypatch.setattr(KimiK3Cache, "crop", counting_crop)
-    monkeypatch.setattr(KimiK3Cache, "_restore_and_replay", no_replay)
+    monkeypatch.setattr(KimiK3Rewind, "_restore_snapshot", no_replay)
     return removed
 
 
@@ -83,8 +85,9 @@ def test_rollback_is_the_state_of_the_shorter_sequence_and_small(model):
         cache = cache_of(model(prefix, use_cache=True))
         cache.activate_past_recording()
         model(block, past_key_values=cache, use_cache=True)
-        recorded = cache.rollback_bytes()
+        recorded = cache.rewind.rollback_bytes()
         cache.crop(-3)
+        assert cache.rewind.pending_tokens == 0  # rolled back at the crop: nothing left for the model to run
         shorter = cache_of(model(torch.cat([prefix, block[:, :2]], 1), use_cache=True))
         assert cache.get_seq_length() == 9
         # f32 projections of 5 + 2 rows against 9 rows (matmul batching): CPU kernels round them differently by

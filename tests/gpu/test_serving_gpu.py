@@ -59,7 +59,7 @@ def _assert_same_run(got, expected, exact_scores):
 
 
 def test_assisted_greedy_is_plain_greedy_on_cuda(model):
-    from kimik3.modeling.serving_kimi_k3 import slice_draft_model
+    from kimik3.draft import slice_draft_model
 
     phrase = torch.randint(3, 128, (1, 16), device="cuda")
     ids = torch.cat([phrase, phrase, phrase[:, :6]], 1)
@@ -84,8 +84,8 @@ def test_prompt_cache_with_cpu_snapshots_reuses_exactly_on_cuda(model):
 
     prefix = torch.randint(3, 128, (1, 200), device="cuda")
     cache = build_prompt_cache(model, prefix, snapshot_interval=64, snapshot_device="cpu")
-    assert sorted(cache.snapshots) == [64, 128, 192]
-    assert all(state.device.type == "cpu" for states in cache.snapshots.values() for _, state in states.values())
+    assert sorted(cache.rewind.snapshots) == [64, 128, 192]
+    assert all(state.device.type == "cpu" for states in cache.rewind.snapshots.values() for _, state in states.values())
     ids = torch.cat([prefix, torch.randint(3, 128, (1, 5), device="cuda")], 1)
     cold = _greedy(model, ids)
     _assert_same_run(_greedy(model, ids, past_key_values=copy.deepcopy(cache)), cold,

@@ -1,0 +1,372 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Going back to an earlier token with the KDA layers, whose recurrent state cannot be cut like the MLA latents.
+
+`KimiK3Rewind` is a component of the growing `KimiK3Cache` (`cache.rewind`; a static cache has none). The KDA layers
+hand it what they record during a forward, the cache asks it for the states of an earlier token in `crop`, and the
+model runs the tokens it leaves pending. It holds (docs/design.md, Going back):
+
+* Rollback records (speculative decoding): while past recording is on, every short forward records, per KDA layer,
+  the state it started from and the per-token inputs of the recurrence (the pre-conv q/k/v projections and the
+  post-conv q, k, v, the decay g and beta). Going back inside the recorded span rebuilds the conv windows from the
+  pre-conv inputs and replays the recurrence from the recorded state up to the kept token, at once: no projection
+  and no earlier token is recomputed, and nothing of the model runs.
+* Snapshots (prefix reuse): a prefill hands over the KDA states at every multiple of `snapshot_interval` tokens
+  (optionally kept on another device, under a byte budget: past it every other one goes and the interval doubles).
+* The token ids (and padding mask) the cache has seen. Going back anywhere else restores the nearest snapshot at or
+  below the target and leaves the tokens from there to the target pending: the next forward of the model runs them
+  first (`replay`), the same computation as a prefill of those tokens.
+
+It computes with the ops (conv windows, the recurrence) and never refers to the model or to the cache.
+"""
+
+import contextlib
+
+import torch
+
+from .dispatch_kimi_k3 import kda_recurrence
+from .ops_kimi_k3 import conv_windows_after
+
+# The report's serving granularity: prompts are hashed in 512-token blocks, and a KDA state snapshot is kept every
+# few dozen blocks (about 50 snapshots over a 1M-token context).
+KDA_BLOCK_SIZE = 512
+DEFAULT_SNAPSHOT_BLOCKS = 40
+DEFAULT_SNAPSHOT_INTERVAL = KDA_BLOCK_SIZE * DEFAULT_SNAPSHOT_BLOCKS
+# Forwards longer than this are not recorded for rollback (a verify block is a handful of tokens; a prefill's
+# per-token inputs would cost far more than its snapshots)
+DEFAULT_MAX_ROLLBACK_TOKENS = 128
+
+
+def _snapshot_copy(tensor: torch.Tensor, device) -> torch.Tensor:
+    # A copy: the live tensors may be written in place later (static buffers, fast kernels)
+    return tensor.detach().to(device, copy=True) if device is not None else tensor.detach().clone()
+
+
+class KimiK3KDARollbackRecord:
+    """What one KDA layer needs to roll back inside the recorded span: the state and conv windows it started from
+    (references: a growing cache replaces, never overwrites, its tensors) and the per-token inputs of its conv and
+    recurrence for the recorded tokens."""
+
+    def __init__(self, conv_states: tuple[torch.Tensor, ...] | None, recurrent_state: torch.Tensor | None):
+        self.base_conv_states = conv_states
+        self.base_state = recurrent_state
+        self.pre_conv: list[tuple[torch.Tensor, ...]] = []  # [B, T, C] q/k/v projections before the conv
+        self.recurrence_inputs: list[tuple[torch.Tensor, ...]] = []  # q, k, v [B, T, H, D], g [B, T, H, D], beta
+
+    def append(self, pre_conv: tuple[torch.Tensor, ...], recurrence_inputs: tuple[torch.Tensor, ...]) -> None:
+        self.pre_conv.append(tuple(pre_conv))
+        self.recurrence_inputs.append(tuple(recurrence_inputs))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(step[0].shape[1] for step in self.pre_conv)
+
+    def nbytes_per_token(self) -> int:
+        """Recorded bytes per token (all recorded tensors share the token axis, dim 1)."""
+        tokens = self.num_tokens
+        if tokens == 0:
+            return 0
+        held = sum(t.nbytes for step in (*self.pre_conv, *self.recurrence_inputs) for t in step)
+        return held // tokens
+
+    def state_after(self, num_tokens: int, conv_kernel_size: int, chunk_size: int):
+        """(conv windows, recurrent state) after the first `num_tokens` recorded tokens."""
+        if num_tokens == 0:
+            return self.base_conv_states, self.base_state
+        pre_conv = [torch.cat(parts, dim=1)[:, :num_tokens] for parts in zip(*self.pre_conv)]
+        q, k, v, g, beta = (torch.cat(parts, dim=1)[:, :num_tokens] for parts in zip(*self.recurrence_inputs))
+        conv_states = conv_windows_after(pre_conv, self.base_conv_states, conv_kernel_size)
+        _, state = kda_recurrence(q, k, v, g, beta, self.base_state, True, chunk_size, decode_step=num_tokens == 1)
+        return conv_states, state
+
+
+def rollback_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """Rollback record bytes per verified token, from the config: per KDA layer the pre-conv and post-conv q, k, v
+    (activation dtype), the f32 decay g (H x D) and the f32 beta (H). Compare with one KDA state, H x D x D f32 per
+    layer: the record is about D / (6 * dtype_bytes / 4 + 1) times smaller."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_kda = sum(t == "linear_attention" for t in text.layer_types)
+    heads, head_dim = text.linear_num_heads, text.linear_head_dim
+    per_layer = 6 * heads * head_dim * dtype_bytes + heads * head_dim * 4 + heads * 4
+    return num_kda * per_layer
+
+
+def _check_option(name: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"KimiK3Cache: {name} must be a positive integer or None, got {value!r}")
+
+
+class KimiK3Rewind:
+    """The growing cache's way back: KDA snapshots, rollback records and the token ids for replays.
+
+    `kda_layers`: the KDA layer indices (a snapshot is complete when each of them handed its state over).
+    `snapshot_bytes_per_row`: one snapshot's bytes for one sequence (conv windows counted at f32, the most they
+    hold), to keep `max_snapshot_bytes` before a forward takes its own snapshots. The other options are those of
+    `KimiK3Cache`.
+    """
+
+    def __init__(self, kda_layers: list[int], conv_kernel_size: int, chunk_size: int, snapshot_bytes_per_row: int,
+                 snapshot_interval: int | None = None, snapshot_device: str | torch.device | None = None,
+                 max_snapshot_bytes: int | None = None, max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS):
+        for name, value in (("snapshot_interval", snapshot_interval), ("max_snapshot_bytes", max_snapshot_bytes),
+                            ("max_rollback_tokens", max_rollback_tokens)):
+            _check_option(name, value)
+        self.kda_layers = list(kda_layers)
+        self.conv_kernel_size = conv_kernel_size
+        self.chunk_size = chunk_size
+        self.snapshot_bytes_per_row = snapshot_bytes_per_row
+        self.snapshot_interval = snapshot_interval
+        self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
+        self.max_snapshot_bytes = max_snapshot_bytes
+        self.max_rollback_tokens = max_rollback_tokens
+        # position -> {KDA layer -> (conv windows, f32 state)}
+        self.snapshots: dict[int, dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = {}
+        self.record_past = False
+        self._rollback: dict[int, KimiK3KDARollbackRecord] | None = None
+        self._rollback_base = 0  # position the rollback records start from
+        # Token ids (and padding mask) of every token the cache stands for; None once embeddings came in
+        self._token_ids: torch.Tensor | None = None
+        self._token_valid: torch.Tensor | None = None
+        self._replayable = True
+        self._pending_start: int | None = None  # tokens from here on are to be run by the next forward
+        # The current forward
+        self._step_start = 0
+        self._step_snapshots: list[int] = []
+        self._recording_step = False
+        self._replaying = False
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Each forward: the cache opens and closes it, the model hands over its token ids
+    def begin_step(self, position: int, batch_size: int, num_tokens: int) -> None:
+        """Before the layers run (`position` tokens cached): where this forward's snapshots fall, and whether it is
+        recorded for rollback."""
+        self._step_start = position
+        self._step_snapshots = self._snapshot_offsets(position, num_tokens)
+        if self.max_snapshot_bytes is not None:
+            # Thin before the forward, so that even its own snapshots never exceed the bound
+            per_snapshot = self.snapshot_bytes_per_row * batch_size
+            while self._step_snapshots and (
+                self.snapshot_bytes_held() + len(self._step_snapshots) * per_snapshot > self.max_snapshot_bytes
+            ):
+                self._thin_snapshots()
+                self._step_snapshots = self._snapshot_offsets(position, num_tokens)
+        self._recording_step = False
+        if not self.record_past or self._replaying:
+            return
+        recorded = position - self._rollback_base if self._rollback is not None else 0
+        if self._rollback is not None and recorded + num_tokens > self.max_rollback_tokens:
+            self._rollback = None  # too long a span: start over from here
+        if num_tokens > self.max_rollback_tokens:
+            return
+        if self._rollback is None:
+            self._rollback, self._rollback_base = {}, position
+        self._recording_step = True
+
+    def keep_tokens(self, input_ids: torch.Tensor | None, token_mask: torch.Tensor | None, past_len: int) -> None:
+        """This forward's token ids (and padding) after the `past_len` cached ones, for replays from a snapshot. A
+        forward from embeddings makes the tokens so far unreplayable."""
+        if not self._replayable or input_ids is None:
+            self._replayable, self._token_ids, self._token_valid = False, None, None
+            return
+        ids = input_ids.detach()
+        batch_size, num_tokens = ids.shape
+        self._token_ids = ids if self._token_ids is None else torch.cat([self._token_ids, ids], dim=1)
+        if token_mask is not None or self._token_valid is not None:
+            valid = torch.ones(batch_size, num_tokens, dtype=torch.bool, device=ids.device) if token_mask is None \
+                else token_mask.to(ids.device)
+            past = self._token_valid
+            if past is None:
+                past = torch.ones(batch_size, past_len, dtype=torch.bool, device=ids.device)
+            self._token_valid = torch.cat([past, valid], dim=1)
+
+    def end_step(self) -> None:
+        """After every layer wrote its state."""
+        self._recording_step = False
+        self._bound_snapshots()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # What the KDA layers hand over
+    def records_step(self) -> bool:
+        """Whether the KDA layers record this forward's inputs for rollback."""
+        return self._recording_step
+
+    def record_step(self, layer_idx: int, conv_states, recurrent_state, pre_conv, recurrence_inputs) -> None:
+        """A KDA layer's state before this forward and its per-token inputs (see `KimiK3KDARollbackRecord`)."""
+        record = self._rollback.get(layer_idx)
+        if record is None:
+            record = self._rollback[layer_idx] = KimiK3KDARollbackRecord(conv_states, recurrent_state)
+        record.append(pre_conv, recurrence_inputs)
+
+    def snapshot_offsets(self) -> list[int]:
+        """Offsets inside the current forward (1..num_tokens) after which the KDA layers hand over a snapshot."""
+        return self._step_snapshots
+
+    def save_snapshot(self, layer_idx: int, offset: int, pre_conv: tuple[torch.Tensor, ...],
+                      conv_states: tuple[torch.Tensor, ...] | None, recurrent_state: torch.Tensor) -> None:
+        """A KDA layer's state after `offset` tokens of the current forward, with its pre-conv q/k/v inputs of the
+        forward ([B, T, C]) and the conv windows it started from: the snapshot keeps the windows after `offset`."""
+        windows = conv_windows_after(tuple(x[:, :offset] for x in pre_conv), conv_states, self.conv_kernel_size)
+        device = self.snapshot_device
+        self.snapshots.setdefault(self._step_start + offset, {})[layer_idx] = (
+            tuple(_snapshot_copy(window, device) for window in windows),
+            _snapshot_copy(recurrent_state.float(), device),
+        )
+
+    def _snapshot_offsets(self, position: int, num_tokens: int) -> list[int]:
+        if self.snapshot_interval is None:
+            return []
+        interval = self.snapshot_interval
+        first = (position // interval + 1) * interval
+        return [p - position for p in range(first, position + num_tokens + 1, interval) if p not in self.snapshots]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Going back
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def forget_record(self) -> None:
+        """The live state becomes the base of any later rollback."""
+        self._rollback = None
+
+    def go_back(self, target: int, devices: dict) -> tuple[int, dict]:
+        """The way back to `target` tokens (fewer than the cache stands for): `(kept, states)`, the position the
+        cache keeps and the (conv windows, state) of each KDA layer there ((None, None): empty). Inside the recorded
+        span `kept` is the target (the recorded recurrence replayed); otherwise it is the nearest complete snapshot
+        at or below the target (copied onto `devices[layer]`), and the tokens up to the target stay pending for the
+        next forward (`replay`)."""
+        if self._rollback is not None and self._rollback_base <= target:
+            return self._replay_record(target)
+        return self._restore_snapshot(target, devices)
+
+    def _replay_record(self, target: int) -> tuple[int, dict]:
+        kept_tokens = target - self._rollback_base
+        states = {layer_idx: record.state_after(kept_tokens, self.conv_kernel_size, self.chunk_size)
+                  for layer_idx, record in self._rollback.items()}
+        self._cut(target, target)
+        return target, states
+
+    def _restore_snapshot(self, target: int, devices: dict) -> tuple[int, dict]:
+        complete = len(self.kda_layers)  # a snapshot every KDA layer handed over
+        start = max((p for p in self.snapshots if p <= target and len(self.snapshots[p]) == complete), default=0)
+        if not self.kda_layers:
+            start = target  # nothing recurrent: the cut latents are the whole state
+        if start < target and (not self._replayable or self._token_ids is None):
+            kda = self.kda_layers
+            raise NotImplementedError(
+                f"KimiK3Cache.crop({target}): KDA layers {kda[:4]}{'...' if len(kda) > 4 else ''} need a state at "
+                f"token {target}; the nearest snapshot is at {start} and it was filled from inputs_embeds (no token "
+                "ids to replay). Take snapshots at that position (snapshot_interval) or fill it from input_ids."
+            )
+        states = {}
+        for layer_idx in self.kda_layers:
+            conv_states, state = self.snapshots[start][layer_idx] if start > 0 else (None, None)
+            if state is not None:
+                device = devices[layer_idx]
+                conv_states, state = tuple(c.to(device, copy=True) for c in conv_states), state.to(device, copy=True)
+            states[layer_idx] = conv_states, state
+        self._cut(start, target)
+        return start, states
+
+    def _cut(self, kept: int, target: int) -> None:
+        """Keep the snapshots up to `kept` and the token ids up to `target` (pending from `kept` on)."""
+        self._rollback = None
+        self.snapshots = {p: states for p, states in self.snapshots.items() if p <= kept}
+        if self._token_ids is not None:
+            self._token_ids = self._token_ids[:, :target]
+        if self._token_valid is not None:
+            self._token_valid = self._token_valid[:, :target]
+        self._pending_start = kept if kept < target else None
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens the cache stands for but has not computed yet (left by going back to a snapshot)."""
+        return 0 if self._pending_start is None else self._token_ids.shape[1] - self._pending_start
+
+    @contextlib.contextmanager
+    def replay(self):
+        """While the model runs the pending tokens: yields their ids and the attention mask of the stored and pending
+        tokens (None without padding). Nothing of it is recorded for rollback, and its own token ids come back
+        through `keep_tokens`."""
+        start = self._pending_start
+        input_ids = self._token_ids[:, start:]
+        attention_mask = None if self._token_valid is None else self._token_valid.long()
+        self._token_ids = self._token_ids[:, :start]
+        self._token_valid = None if self._token_valid is None else self._token_valid[:, :start]
+        self._pending_start, self._replaying = None, True
+        try:
+            yield input_ids, attention_mask
+        finally:
+            self._replaying = False
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Following the cache
+    def copy(self) -> "KimiK3Rewind":
+        """For a new cache sharing this one's tensors: its own snapshot table, no rollback record, not recording."""
+        copy = KimiK3Rewind.__new__(KimiK3Rewind)
+        copy.__dict__.update(self.__dict__)
+        copy.snapshots = dict(self.snapshots)
+        copy._rollback, copy.record_past = None, False
+        return copy
+
+    def map_batch(self, fn) -> None:
+        """The cache's rows were reordered, repeated or selected: so are the snapshots and the token ids (pending
+        ones included); the rollback record is dropped."""
+        self.snapshots = {position: {layer: (tuple(fn(c) for c in conv), fn(state))
+                                     for layer, (conv, state) in states.items()}
+                          for position, states in self.snapshots.items()}
+        self._token_ids = None if self._token_ids is None else fn(self._token_ids)
+        self._token_valid = None if self._token_valid is None else fn(self._token_valid)
+        self._rollback = None
+
+    def reset(self) -> None:
+        self.snapshots = {}
+        self._rollback = None
+        self._token_ids, self._token_valid, self._replayable = None, None, True
+        self._pending_start = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Snapshot budget and byte reports
+    def _thin_snapshots(self) -> None:
+        """Double the interval and drop the snapshots that are off it: coverage stays even."""
+        self.snapshot_interval *= 2
+        self.snapshots = {p: states for p, states in self.snapshots.items() if p % self.snapshot_interval == 0}
+
+    def _bound_snapshots(self) -> None:
+        """Keep the snapshots under `max_snapshot_bytes`: drop every other one and double the interval."""
+        if self.max_snapshot_bytes is None:
+            return
+        while self.snapshots and self.snapshot_bytes_held() > self.max_snapshot_bytes:
+            self._thin_snapshots()
+
+    def snapshot_bytes_held(self) -> int:
+        return sum(t.nbytes for states in self.snapshots.values() for conv, state in states.values()
+                   for t in (*conv, state))
+
+    def rollback_bytes(self) -> dict[str, int]:
+        """Bytes the rollback records hold: `per_token` (recorded inputs per recorded token, all KDA layers),
+        `tokens` recorded, and `base_states` (the start states, shared with what the live cache held then)."""
+        if not self._rollback:
+            return {"per_token": 0, "tokens": 0, "base_states": 0}
+        base = sum(t.nbytes for r in self._rollback.values() if r.base_state is not None
+                   for t in (*r.base_conv_states, r.base_state))
+        return {"per_token": sum(r.nbytes_per_token() for r in self._rollback.values()),
+                "tokens": next(iter(self._rollback.values())).num_tokens, "base_states": base}
+
+
+__all__ = [
+    "DEFAULT_SNAPSHOT_INTERVAL",
+    "KDA_BLOCK_SIZE",
+    "KimiK3Rewind",
+    "rollback_bytes_per_token",
+]
