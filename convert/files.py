@@ -7,7 +7,6 @@ from pathlib import Path
 
 from kimik3.modeling.processing_kimi_k3 import PROCESSOR_CONFIG_NAME
 from kimik3.modeling.tokenization_kimi_k3 import AUTO_TOKENIZER
-from kimik3.remote_code import remote_code_files  # noqa: F401  (the converter copies these into every folder)
 
 from .checkpoint import check_inside, read_source_file
 from .errors import ConversionError

@@ -13,7 +13,7 @@ after N-1 the prefix is kept as is.
 import copy
 
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
-from kimik3.remote_code import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP
+from kimik3.modeling.saving_kimi_k3 import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP
 
 from .errors import ConversionError
 from .mxfp4 import MXFP4_GROUP_SIZE

@@ -1,5 +1,7 @@
 """The model card (README.md) of Kimi K3 folders: converted (`kimik3 convert`), sliced, and saved from a loaded or
-fine-tuned model (`save_pretrained` / `push_to_hub`). One template, filled here from the folder's own config."""
+fine-tuned model (`save_with_card` / `push_with_card`: a model's own save_pretrained and push_to_hub write no card of
+ours, since its code may run from a model folder without this package). One template, filled here from the folder's
+own config."""
 
 import json
 import re
@@ -472,6 +474,18 @@ def write_model_card(directory, card: str) -> bool:
     return True
 
 
+def save_with_card(model, directory, **save_kwargs) -> Path:
+    """`model.save_pretrained(directory, **save_kwargs)` (weights, config with `auto_map`, code) and the card of the
+    saved folder (`saved_model_card`; a README that is not ours is kept). Returns the folder."""
+    directory = Path(directory)
+    model.save_pretrained(directory, **save_kwargs)
+    if save_kwargs.get("is_main_process", True):
+        write_model_card(directory, saved_model_card(model.config, model.config.name_or_path,
+                                                     vision=getattr(model, "vision_tower", None) is not None,
+                                                     saved=directory))
+    return directory
+
+
 # The card transformers writes to a repo that has none (pushing a tokenizer first does that); it is a placeholder, not
 # a user's card, so a model push replaces it.
 LIBRARY_PLACEHOLDER = "This model card has been automatically generated."
@@ -490,8 +504,8 @@ def _hub_readme(api, repo_id: str, revision: str | None, token) -> str | None:
 def push_with_card(model, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
                    private: bool | None = None, token=None, revision: str | None = None, create_pr: bool = False,
                    max_shard_size="50GB", tags: list[str] | None = None):
-    """`model.push_to_hub` for our models: the files `save_pretrained` writes (weights, config with auto_map, code,
-    our card) in one commit. A README already on the Hub that is not ours (nor the library's placeholder) is kept;
+    """`model.push_to_hub` with our card: the files `save_with_card` writes (weights, config with auto_map, code, the
+    card) in one commit. A README already on the Hub that is not ours (nor the library's placeholder) is kept;
     `tags` are added to whichever card goes up."""
     import tempfile
 
@@ -501,7 +515,7 @@ def push_with_card(model, repo_id: str, *, commit_message: str | None = None, co
     repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
     with tempfile.TemporaryDirectory() as work_dir:
         work = Path(work_dir)
-        model.save_pretrained(work, max_shard_size=max_shard_size)
+        save_with_card(model, work, max_shard_size=max_shard_size)
         readme = work / "README.md"
         on_hub = _hub_readme(api, repo_id, revision, token)
         if on_hub is not None and not is_kimik3_card(on_hub) and LIBRARY_PLACEHOLDER not in on_hub:

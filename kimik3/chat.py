@@ -159,8 +159,11 @@ def _has_images(messages) -> bool:
                for m in messages)
 
 
-def _model_module(model):
-    return sys.modules[type(model).__module__]
+def _model_code(model, module: str):
+    """A module of the model's own code (`cache_kimi_k3`, `compat_kimi_k3`), next to its class's module: the installed
+    package's, or a model folder's copy loaded with trust_remote_code (whose cache and cache field it must use)."""
+    package = type(model).__module__.rpartition(".")[0]
+    return sys.modules[f"{package}.{module}"]
 
 
 def prefill_in_chunks(model, input_ids, chunk_size: int, image_inputs: dict | None = None, first_chunk_end: int = 0):
@@ -168,8 +171,7 @@ def prefill_in_chunks(model, input_ids, chunk_size: int, image_inputs: dict | No
     at least `first_chunk_end`: images are read in the prefill's first forward). Returns (cache, chunk lengths)."""
     import torch
 
-    module = _model_module(model)
-    cache = module.KimiK3Cache(model.config.get_text_config())
+    cache = _model_code(model, "cache_kimi_k3").KimiK3Cache(model.config.get_text_config())
     total = input_ids.shape[1] - 1  # generate() runs the last token, and returns the first new one from it
     chunks, start = [], 0
     with torch.no_grad():
@@ -226,7 +228,7 @@ def chat(tokenizer, model, prompt, max_new_tokens: int = 64, reasoning_effort: s
             positions = (input_ids[0] == media_id).nonzero()
             last_image_token = int(positions[-1]) + 1 if len(positions) else 0
         cache, chunks = prefill_in_chunks(model, input_ids, prefill_chunk_size, image_inputs, last_image_token)
-        kwargs = {_model_module(model).CACHE_FIELD: cache}
+        kwargs = {_model_code(model, "compat_kimi_k3").CACHE_FIELD: cache}
     stop = tokenizer.convert_tokens_to_ids(END_OF_MSG)
     with torch.no_grad():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,

@@ -1,12 +1,9 @@
-"""What a model folder needs to run as remote code: the flat `.py` files of `kimik3.modeling` and the `auto_map`
-naming our classes in them. `kimik3 tiny`, the demo and the converter import both from here."""
+"""What a model folder needs to run as remote code: the flat `.py` files of `kimik3.modeling` (which files, and the
+`auto_map` naming our classes in them, are the remote code's own facts: `kimik3.modeling.saving_kimi_k3`). `kimik3
+tiny`, the demo and the converter use them from here."""
 
 import shutil
 from pathlib import Path
-
-# The `auto_map`s are defined next to the code that writes them on save_pretrained (remote code cannot import this
-# package); re-exported here.
-from kimik3.modeling.modeling_kimi_k3 import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP, auto_map_for  # noqa: F401
 
 
 def modeling_dir() -> Path:
@@ -16,15 +13,20 @@ def modeling_dir() -> Path:
 
 
 def remote_code_files() -> list[Path]:
-    """The files a model folder needs to run as remote code (copied flat; relative imports only between them)."""
-    return sorted(p for p in modeling_dir().glob("*.py") if p.name != "__init__.py")
+    """The files a model folder needs to run as remote code (copied flat; relative imports only between them): what a
+    model's save carries, and the tokenizer's code file."""
+    from kimik3.modeling.saving_kimi_k3 import carried_code_files
+
+    return carried_code_files([modeling_dir()], with_tokenizer=True)
 
 
 def save_with_code(model, directory: str | Path) -> Path:
-    """save_pretrained (which writes the code files the model imports, the full auto_map and the card) plus every
-    remote-code file of the package, loadable with trust_remote_code in a fresh process."""
-    directory = Path(directory)
-    model.save_pretrained(directory)
+    """`kimik3.hub_card.save_with_card` (weights, config with the full auto_map, the code files the model's save
+    carries, the card) plus the tokenizer's code file: a folder loadable with trust_remote_code in a fresh process,
+    its code the installed package's."""
+    from kimik3.hub_card import save_with_card
+
+    directory = save_with_card(model, directory)
     for path in remote_code_files():
         # a new file of the folder, with the normal mode (copy2 would carry the installed file's mode and times)
         shutil.copyfile(path, directory / path.name)

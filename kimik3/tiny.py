@@ -71,7 +71,7 @@ def build_tiny_vision_model(seed: int = 0, num_hidden_layers: int = 4, **overrid
     from kimik3.configuration import released_config_dict
     from kimik3.convert.testing import TINY_VISION
     from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
 
     text = build_tiny_model(seed=seed, num_hidden_layers=num_hidden_layers, **overrides)
     raw = released_config_dict()

@@ -17,12 +17,29 @@ The model files ask this module instead of naming a version: each bridge says wh
 """
 
 from transformers.modeling_outputs import MoeModelOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
 
 # transformers 5.24 renamed the cache argument and output field from `past_key_values` to `cache` (5.17 uses the
 # old name). Forward accepts both; outputs and generate() use whichever this transformers expects.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+# Both names, for the lists transformers reads by argument name (accelerate's device placement skips them)
+CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
 def given_cache(cache, past_key_values):
     """The cache a caller passed, under either name."""
     return cache if cache is not None else past_key_values
+
+
+def cache_in(kwargs: dict):
+    """The cache in a dict of forward or generation keyword arguments, under either name."""
+    return given_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
+
+
+def activation_checkpointing_on(model: PreTrainedModel) -> bool:
+    """Whether activation (gradient) checkpointing is on. transformers 5.23 renamed `is_gradient_checkpointing` to
+    `is_activation_checkpointing`, and answers the old name with a FutureWarning; PEFT's get_peft_model reads the old
+    name, so our models answer it through this (same answer as transformers', no warning)."""
+    if hasattr(PreTrainedModel, "is_activation_checkpointing"):
+        return model.is_activation_checkpointing
+    return PreTrainedModel.is_gradient_checkpointing.fget(model)

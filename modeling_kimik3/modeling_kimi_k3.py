@@ -19,11 +19,7 @@ Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importab
 """
 
 import contextlib
-import json
 import math
-import os
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,8 +33,8 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_k3 import KimiK3Cache, KimiK3StaticCache
-from .compat_kimi_k3 import CACHE_FIELD, given_cache
-from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_token_ids
+from .compat_kimi_k3 import CACHE_ARGUMENTS, CACHE_FIELD, activation_checkpointing_on, cache_in, given_cache
+from .configuration_kimi_k3 import KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load
 from .files_kimi_k3 import checked_pretrained_folder
@@ -52,14 +48,7 @@ from .dispatch_kimi_k3 import (
 )
 from .ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, routed_experts
 from .parallel_kimi_k3 import local_shard
-from .vision_kimi_k3 import (
-    KimiK3PatchMergerProjector,
-    KimiK3VisionPositionEmbedding,
-    KimiK3VisionRMSNorm,
-    KimiK3VisionTower,
-    check_image_inputs,
-)
-# Imported so that save_pretrained ships it next to this file: prompt caches, the prefix store, draft slicing
+from .saving_kimi_k3 import layout_kept, register_auto_classes, write_remote_code
 
 
 logger = logging.get_logger(__name__)
@@ -756,7 +745,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["KimiK3DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values", "cache"]
+    _skip_keys_device_placement = list(CACHE_ARGUMENTS)
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -772,11 +761,9 @@ class KimiK3PreTrainedModel(PreTrainedModel):
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        # PEFT's get_peft_model reads this pre-5.23 name; 5.23+ answers it with a FutureWarning, so a plain LoRA
-        # set-up warned. Same answer as transformers' (`is_activation_checkpointing` where it exists), no warning.
-        if hasattr(PreTrainedModel, "is_activation_checkpointing"):
-            return self.is_activation_checkpointing
-        return PreTrainedModel.is_gradient_checkpointing.fget(self)
+        # the name PEFT's get_peft_model reads, answered without the newer transformers' FutureWarning
+        return activation_checkpointing_on(self)
+
     # output_hidden_states / output_attentions / output_router_logits, recorded by transformers' hooks. MLA layers
     # return their weights second (None under SDPA, then nothing is recorded); KDA layers have none.
     _can_record_outputs = {
@@ -796,6 +783,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
 
     def post_init(self):
         super().post_init()
+        register_auto_classes(self)
         # save_pretrained reverses the conversions a load applied (a release-loaded model saves the release layout);
         # a model built from a config applied none and saves our layout. from_pretrained replaces this.
         self._weight_conversions = []
@@ -881,145 +869,18 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     def create_masks_for_generate(self, config=None, attention_mask=None, **kwargs):
         """generate() asks for fixed-shape masks when the cache is static: the prefill keeps its 2-D padding mask
         (the cache records it), decode steps need none (the cache's key_valid mask is the mask)."""
-        cache = given_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
+        cache = cache_in(kwargs)
         if cache is not None and cache.has_previous_state():
             return None
         return attention_mask
 
-    # Saving: the folder must load with trust_remote_code in a fresh process, whether this class came from the
-    # installed package or from a model folder's flat files.
     def save_pretrained(self, save_directory, *args, **kwargs):
-        # One A_log rule per layout (docs/design.md, "Parameter names"): ours stores the live [H] heads, the release
-        # [128] zero-padded. The loader records the A_log un-padding as used on every load, ours too (the name is the
-        # same), so a model loaded from our layout would be saved padded; its saves keep our layout instead.
-        conversions = getattr(self, "_weight_conversions", None)
-        loaded_ours = bool(conversions) and all(_is_a_log_unpadding(c) for c in conversions)
-        if loaded_ours:
-            self._weight_conversions = []
-        try:
+        """Also writes the code files the folder needs to load with trust_remote_code in a fresh process, and the full
+        `auto_map` (saving_kimi_k3.py); a model loaded from our layout keeps it."""
+        with layout_kept(self):
             super().save_pretrained(save_directory, *args, **kwargs)
-        finally:
-            if loaded_ours:
-                self._weight_conversions = conversions
         if kwargs.get("is_main_process", True):
-            _write_remote_code(self, Path(save_directory))
-
-    def push_to_hub(self, repo_id: str, **kwargs):
-        try:
-            from kimik3.hub_card import push_with_card
-        except ImportError:  # remote code without the package: no card of ours to keep, the library's push as is
-            return super().push_to_hub(repo_id, **kwargs)
-        return push_with_card(self, repo_id, **kwargs)
-
-
-def _is_a_log_unpadding(conversion) -> bool:
-    """The A_log un-padding converter of conversion_kimi_k3.release_conversions (same source and target name)."""
-    return type(conversion).__name__ == "WeightConverter" and any(
-        type(op).__name__ == "UnpadHeads" for op in getattr(conversion, "operations", ()))
-
-
-# `auto_map` of a folder whose config.json is our text config, and of one holding the release's composite schema.
-# AutoModel is the base model, as transformers' own models: for the composite one KimiK3MultimodalModel (the
-# release's file maps AutoModel to the top-level class, which has the head). AutoModelForImageTextToText is what
-# pipeline("image-text-to-text") loads. `kimik3.remote_code` re-exports both and `auto_map_for`.
-TEXT_AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
-    "AutoModel": "modeling_kimi_k3.KimiK3Model",
-    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
-}
-COMPOSITE_AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
-    "AutoModel": "modeling_kimi_k3.KimiK3MultimodalModel",
-    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-    "AutoModelForImageTextToText": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-}
-
-
-def auto_map_for(config) -> dict:
-    """The `auto_map` of one of our configs (a config object or its config.json dict): composite when it nests a
-    text config."""
-    composite = "text_config" in config if isinstance(config, dict) else hasattr(config, "text_config")
-    return dict(COMPOSITE_AUTO_MAP if composite else TEXT_AUTO_MAP)
-
-
-# A model folder also carries the processor's code (AutoProcessor from the folder): the processor's file and the
-# files it imports, read from its import statements as transformers reads the model's own (the processor's list,
-# processing_kimi_k3.PROCESSOR_CODE_FILES, is made the same way), less the tokenizer's code file, which the
-# tokenizer's own save_pretrained writes (a model folder without a tokenizer holds no tokenizer code).
-PROCESSOR_CODE_FILE = "processing_kimi_k3.py"
-TOKENIZER_CODE_FILE = "tokenization_kimi_k3.py"
-
-
-def _processor_code_files(sources: list[Path]) -> list[Path]:
-    """The processor's code files in the first of `sources` that holds its file, less the tokenizer's."""
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    for folder in sources:
-        processing = folder / PROCESSOR_CODE_FILE
-        if processing.is_file():
-            try:
-                imported = [Path(name) for name in get_relative_import_files(str(processing))]
-            except OSError:  # a folder lacking a file the processor imports: copy the ones it has
-                imported = []
-            return [path for path in [processing, *imported] if path.name != TOKENIZER_CODE_FILE and path.is_file()]
-    return []
-
-
-def normal_file_mode() -> int:
-    """The mode a plain `open(path, "w")` gives a new file: 0o666 less the process's umask (read from /proc where it
-    can be, since os.umask can only be read by setting it)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def _give_weights_the_normal_mode(directory: Path) -> None:
-    """safetensors writes its files with mode 0600 (a private temporary file renamed); the weights a save writes get
-    the mode of every other file of the folder."""
-    index = directory / "model.safetensors.index.json"
-    names = {"model.safetensors"}
-    if index.is_file():
-        names |= set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
-    mode = normal_file_mode()
-    for name in sorted(names):
-        path = directory / name
-        if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o777) != mode:
-            os.chmod(path, mode)
-
-
-def _write_remote_code(model: PreTrainedModel, directory: Path) -> None:
-    """Copies this file and the files it imports (found next to it: the installed package or a model folder's
-    copy), sets the full `auto_map`, gives the weights the normal file mode, and writes the model card when
-    `kimik3.hub_card` is installed."""
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    _give_weights_the_normal_mode(directory)
-
-    here = Path(__file__).resolve()
-    # The processors are not imported by the model, but a model folder carries them (AutoProcessor from the folder):
-    # from next to this file, else (remote code, whose module cache holds only the model's imports) from the folder
-    # the model was loaded from.
-    processors = _processor_code_files([here.parent, Path(str(getattr(model.config, "name_or_path", "") or "."))])
-    for path in [here, *map(Path, get_relative_import_files(str(here))), *processors]:
-        if path.resolve() != (directory / path.name).resolve():
-            shutil.copyfile(path, directory / path.name)
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["auto_map"] = auto_map_for(config)
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    try:
-        from kimik3.hub_card import saved_model_card, write_model_card
-    except ImportError:  # the card needs the package; remote code must not
-        return
-    write_model_card(directory, saved_model_card(model.config, model.config.name_or_path,
-                                                 vision=getattr(model, "vision_tower", None) is not None,
-                                                 saved=directory))
+            write_remote_code(self, Path(save_directory))
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
@@ -1418,402 +1279,8 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         )
 
 
-@dataclass
-class KimiK3MultimodalOutputWithPast(MoeCausalLMOutputWithPast):
-    """`attention_mask`: after a forward with images, the padding mask of the merged sequence (each media placeholder
-    expanded to its image's rows), which the cache now holds; generate() continues from it."""
-
-    attention_mask: torch.Tensor | None = None
-
-
-def _placeholder_runs(input_ids: torch.Tensor, placeholder_id: int) -> list[tuple[int, int, int]]:
-    """(row, start, length) of every maximal run of placeholder tokens, in reading order (rows, then positions)."""
-    is_placeholder = input_ids == placeholder_id
-    starts = is_placeholder & ~F.pad(is_placeholder[:, :-1], (1, 0), value=False)
-    ends = is_placeholder & ~F.pad(is_placeholder[:, 1:], (0, 1), value=False)
-    begin, finish = starts.nonzero().tolist(), ends.nonzero().tolist()
-    return [(row, start, end - start + 1) for (row, start), (_, end) in zip(begin, finish)]
-
-
-def merge_image_features(input_ids, inputs_embeds, image_features, placeholder_id, pad_token_id, attention_mask=None,
-                         labels=None, ignore_index=-100):
-    """Splices image rows into the token embeddings at the media placeholders (the release's merge:
-    docs/architecture.md, Image rows in the token sequence).
-
-    Image k (in reading order) takes the k-th run of placeholder tokens: a single `<|media_pad|>` (the release's
-    prompt form) is replaced by the image's n_k rows, which lengthens the row; a run of exactly n_k placeholders
-    (pre-expanded prompts) is overwritten in place. Rows are re-padded to the longest merged row, on the left when the
-    batch is left-padded (its last column is all real tokens) and on the right otherwise. Embeddings of pad tokens
-    are zeroed. Returns (embeddings, attention mask, labels) of the merged sequence; image positions are attended and
-    carry `ignore_index` labels.
-    """
-    runs = _placeholder_runs(input_ids, placeholder_id)
-    if len(runs) != len(image_features):
-        raise ValueError(
-            f"input_ids hold {len(runs)} media placeholder run(s) (token {placeholder_id}, `<|media_pad|>`) but "
-            f"{len(image_features)} image(s) were given: one placeholder (or one run of one per image token) per image"
-        )
-    batch, seq_len = input_ids.shape
-    widths = torch.ones(batch, seq_len, dtype=torch.long)
-    for index, ((row, start, length), feature) in enumerate(zip(runs, image_features)):
-        if length == 1:
-            widths[row, start] = feature.shape[0]
-        elif length != feature.shape[0]:
-            raise ValueError(
-                f"image {index}: its placeholder run (row {row}, position {start}) has {length} tokens but the image "
-                f"gives {feature.shape[0]} rows; use one `<|media_pad|>` or exactly {feature.shape[0]}"
-            )
-    new_lengths = widths.sum(dim=1)
-    merged_len = int(new_lengths.max())
-    if attention_mask is not None:
-        left_padded = bool(attention_mask[:, -1].bool().all())
-    else:
-        left_padded = not bool((input_ids[:, -1] == pad_token_id).any())
-    offsets = (merged_len - new_lengths) if left_padded else torch.zeros_like(new_lengths)
-    destination = (widths.cumsum(dim=1) - widths + offsets[:, None]).to(input_ids.device)
-
-    device = inputs_embeds.device
-    embeds = inputs_embeds.new_zeros(batch, merged_len, inputs_embeds.shape[-1])
-    mask = torch.zeros(batch, merged_len, dtype=torch.long, device=device)
-    merged_labels = None if labels is None else labels.new_full((batch, merged_len), ignore_index)
-    text_rows, text_cols = (input_ids != placeholder_id).nonzero(as_tuple=True)
-    text_dest = destination[text_rows, text_cols]
-    embeds[text_rows, text_dest] = inputs_embeds[text_rows, text_cols]
-    mask[text_rows, text_dest] = 1 if attention_mask is None else attention_mask[text_rows, text_cols].long()
-    if merged_labels is not None:
-        merged_labels[text_rows, text_dest] = labels[text_rows, text_cols]
-    for (row, start, _), feature in zip(runs, image_features):
-        first = int(destination[row, start])
-        embeds[row, first:first + feature.shape[0]] = feature.to(embeds.dtype)
-        mask[row, first:first + feature.shape[0]] = 1
-    pad_rows, pad_cols = (input_ids == pad_token_id).nonzero(as_tuple=True)
-    embeds[pad_rows, destination[pad_rows, pad_cols]] = 0.0
-    return embeds, mask, merged_labels
-
-
-def image_rows_added(input_ids, grid_thws, placeholder_id, merge_kernel: tuple[int, int]) -> int:
-    """Positions the splice adds to the longest row: a single placeholder for an image of n rows adds n - 1, a
-    pre-expanded run none (what `merge_image_features` will do, computed from the inputs before the model runs)."""
-    if input_ids is None or grid_thws is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        return 0
-    grid = torch.as_tensor(grid_thws).reshape(-1, 3)
-    rows_per_image = ((grid[:, 1] // merge_kernel[0]) * (grid[:, 2] // merge_kernel[1])).tolist()
-    runs = _placeholder_runs(input_ids, placeholder_id)
-    if len(runs) != len(rows_per_image):
-        return 0  # the forward refuses the mismatch, naming it
-    added = [0] * input_ids.shape[0]
-    for (row, _, length), rows in zip(runs, rows_per_image):
-        if length == 1:
-            added[row] += rows - 1
-    return max(added)
-
-
-def _checkpoint_tensor_names(pretrained, kwargs) -> list[str] | None:
-    """Tensor names of a checkpoint (index or single file), or None when they cannot be read without loading it."""
-    from transformers.utils import cached_file
-
-    hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
-           if k in kwargs}
-    for file_name in ("model.safetensors.index.json", "model.safetensors"):
-        try:
-            path = cached_file(pretrained, file_name, _raise_exceptions_for_missing_entries=False,
-                               _raise_exceptions_for_connection_errors=False, **hub)
-        except (OSError, ValueError):
-            path = None
-        if path is None:
-            continue
-        if file_name.endswith(".json"):
-            return list(json.loads(Path(path).read_text(encoding="utf-8")).get("weight_map", {}))
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as handle:
-            return list(handle.keys())
-    return None
-
-
-VISION_PREFIXES = ("vision_tower.", "mm_projector.")
-
-
-def _vision_option(pretrained, kwargs, vision: bool | None) -> bool:
-    """`from_pretrained`'s `vision`: as given, else whether the checkpoint holds vision tensors (True when its names
-    cannot be read without loading it)."""
-    if vision is not None:
-        return vision
-    names = _checkpoint_tensor_names(pretrained, kwargs)
-    return names is None or any(name.startswith(VISION_PREFIXES) for name in names)
-
-
-def _add_vision_parts(model: nn.Module, config, vision: bool | None) -> None:
-    """The tower and projector of the composite model and its base model (None without a tower), and the media
-    placeholder id the text model's input checks look for."""
-    model.language_model.model.media_placeholder_token_id = config.media_placeholder_token_id
-    vision_config = config.vision_config
-    with_tower = getattr(vision_config, "describes_tower", False) if vision is None else vision
-    if with_tower and not getattr(vision_config, "describes_tower", False):
-        raise ValueError("Kimi K3 config, key `vision_config`: vision=True but it describes no vision tower")
-    model.vision_tower = KimiK3VisionTower(vision_config) if with_tower else None
-    model.mm_projector = KimiK3PatchMergerProjector(vision_config) if with_tower else None
-
-
-class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
-    """The release's top-level class (`KimiK3Config`): `language_model` is a `KimiK3ForCausalLM` (parameter names
-    `language_model.model.*` / `language_model.lm_head.weight`, as the release), `vision_tower` the MoonViT-3d tower
-    and `mm_projector` the patch-merger projector (vision_kimi_k3.py).
-
-    Images: `pixel_values` [patches, 3, 14, 14] and `grid_thws` [images, 3] from the image processor, and one
-    `<|media_pad|>` per image in `input_ids` (the processor writes it); the merged sequence is what the text model
-    and its cache see. The tower is built when the config describes one and the checkpoint holds its tensors
-    (`from_pretrained(..., vision=False)` skips it, e.g. to save its memory); without it images are an error."""
-
-    config_class = KimiK3Config
-    base_model_prefix = ""
-    _tied_weights_keys = {}
-    _no_split_modules = ["KimiK3DecoderLayer", "KimiK3VisionEncoderLayer"]
-
-    def __init__(self, config: KimiK3Config, vision: bool | None = None):
-        super().__init__(config)
-        self.language_model = KimiK3ForCausalLM(config.text_config)
-        _add_vision_parts(self, config, vision)
-        self.post_init()
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
-        """As the text classes; the vision tower is loaded when the checkpoint holds it (`vision=None`), skipped with
-        `vision=False`, and required with `vision=True`."""
-        # the folder's files are checked before anything here or in transformers reads them (conversion_kimi_k3.py)
-        with checked_pretrained_folder(pretrained_model_name_or_path, kwargs):
-            vision = _vision_option(pretrained_model_name_or_path, kwargs, vision)
-            model = super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
-        # transformers also hands the load options __init__ takes to the generation config; `vision` is not one of its
-        # settings (it would be saved in generation_config.json)
-        model.generation_config.__dict__.pop("vision", None)
-        return model
-
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, KimiK3VisionRMSNorm):
-            module.weight.fill_(1.0)
-        elif isinstance(module, KimiK3VisionPositionEmbedding):
-            module.weight.normal_()  # the release's initialisation of the position grid
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.language_model.get_input_embeddings()
-
-    def set_input_embeddings(self, value: nn.Module) -> None:
-        self.language_model.set_input_embeddings(value)
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.language_model.get_output_embeddings()
-
-    def get_image_features(self, pixel_values: torch.Tensor, grid_thws) -> list[torch.Tensor]:
-        """Per image [merged tokens, text hidden size]: tower, 2x2 merge, projector."""
-        if self.vision_tower is None:
-            raise ValueError(
-                "pixel_values were given but this model has no vision tower (its config describes none, its "
-                "checkpoint holds no `vision_tower.*` tensors, or it was loaded with vision=False)"
-            )
-        grid = check_image_inputs(pixel_values, grid_thws, self.vision_tower.patch_size,
-                                  self.vision_tower.merge_kernel_size)
-        weight = self.vision_tower.patch_embed.proj.weight
-        merged = self.vision_tower(pixel_values.to(device=weight.device, dtype=weight.dtype), grid)
-        return self.mm_projector(merged)
-
-    def _merge_images(self, input_ids, pixel_values, grid_thws, attention_mask, labels, cache):
-        if input_ids is None:
-            raise ValueError("pixel_values need input_ids: the media placeholder tokens mark where the images go")
-        if cache is not None and cache.has_previous_state():
-            raise ValueError("images are read in the prefill only; this cache already holds tokens (start a new one)")
-        vocab_size = self.get_input_embeddings().num_embeddings
-        if input_ids.dim() != 2 or input_ids.numel() == 0 or int(input_ids.min()) < 0 \
-                or int(input_ids.max()) >= vocab_size:
-            raise ValueError(f"input_ids (shape {tuple(input_ids.shape)}) must be a non-empty 2-D batch of ids in "
-                             f"[0, vocab_size={vocab_size})")
-        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
-                             f"{tuple(input_ids.shape)}: with images the mask covers the prompt")
-        features = self.get_image_features(pixel_values, grid_thws)
-        embeds = self.get_input_embeddings()(input_ids)
-        return merge_image_features(input_ids, embeds, features, self.config.media_placeholder_token_id,
-                                    self.config.text_config.pad_token_id, attention_mask, labels,
-                                    self.config.ignore_index)
-
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, pixel_values=None,
-                grid_thws=None, **kwargs) -> KimiK3MultimodalOutputWithPast:
-        cache = given_cache(cache, past_key_values)
-        merged_mask = None
-        if pixel_values is not None:
-            if inputs_embeds is not None:
-                raise ValueError("pass images with input_ids, not inputs_embeds: the media placeholders in input_ids "
-                                 "mark where the images go")
-            inputs_embeds, merged_mask, labels = self._merge_images(input_ids, pixel_values, grid_thws,
-                                                                    attention_mask, labels, cache)
-            # The text model is NoPE: position_ids only mark packed documents, which do not apply to a merged
-            # prompt (generate() derives them from the unmerged mask, whose length no longer fits).
-            input_ids, attention_mask, position_ids = None, merged_mask, None
-        elif grid_thws is not None:
-            raise ValueError("grid_thws was given without pixel_values")
-        outputs = self.language_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
-        return KimiK3MultimodalOutputWithPast(**outputs, attention_mask=merged_mask)
-
-    def generate(self, inputs=None, *args, **kwargs):
-        # A static cache is sized from the prompt before the prefill; images given as one `<|media_pad|>` each
-        # lengthen the merged prompt by their rows - 1, which the cache must hold too (_prepare_cache_for_generation).
-        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-        self._image_rows_added = 0 if self.vision_tower is None else image_rows_added(
-            input_ids, kwargs.get("grid_thws"), self.config.media_placeholder_token_id,
-            self.vision_tower.merge_kernel_size)
-        try:
-            return super().generate(inputs, *args, **kwargs)
-        finally:
-            self._image_rows_added = 0
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
-                                      max_cache_length) -> None:
-        max_cache_length += getattr(self, "_image_rows_added", 0)
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
-                                              max_cache_length)
-
-    def prepare_inputs_for_generation(self, *args, pixel_values=None, grid_thws=None, **kwargs):
-        """Images go into the prefill only; later steps read the cache (and the merged mask, see below)."""
-        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
-        cache = inputs.get("cache", inputs.get("past_key_values"))
-        if pixel_values is not None and (cache is None or not cache.has_previous_state()):
-            inputs["pixel_values"], inputs["grid_thws"] = pixel_values, grid_thws
-        return inputs
-
-    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
-        # After an image prefill the cache holds the merged sequence: the mask generate() extends must be its mask.
-        merged_mask = getattr(outputs, "attention_mask", None)
-        if merged_mask is not None and getattr(outputs, CACHE_FIELD, None) is not None:
-            model_kwargs["attention_mask"] = merged_mask
-        return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
-
-
-@dataclass
-class KimiK3MultimodalModelOutputWithPast(MoeModelOutputWithPast):
-    """`attention_mask`: after a forward with images, the padding mask of the merged sequence (as
-    KimiK3MultimodalOutputWithPast)."""
-
-    attention_mask: torch.Tensor | None = None
-
-
-class KimiK3TextBackbone(KimiK3PreTrainedModel):
-    """`language_model` of the multimodal base model: the text model under `model`, so that its parameters keep the
-    names of the composite checkpoint (`language_model.model.*`) without the head (`language_model.lm_head.weight`).
-    A model class of its own, so that the release-layout conversions apply to it as to KimiK3ForCausalLM
-    (conversion_kimi_k3.register_release_conversions)."""
-
-    def __init__(self, config: KimiK3TextConfig):
-        super().__init__(config)
-        self.model = KimiK3Model(config)
-        self.post_init()
-
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-
-class KimiK3MultimodalModel(KimiK3PreTrainedModel):
-    """The base model of a composite folder (what AutoModel loads there, as LlavaModel is to
-    LlavaForConditionalGeneration): the vision tower, the projector and the text model without its head; its output
-    is the text model's last hidden state over the merged sequence. Images and loading options as
-    KimiK3ForConditionalGeneration, whose checkpoint it reads (the head is left out)."""
-
-    config_class = KimiK3Config
-    base_model_prefix = ""
-    _tied_weights_keys = {}
-    _no_split_modules = ["KimiK3DecoderLayer", "KimiK3VisionEncoderLayer"]
-    _keys_to_ignore_on_load_unexpected = KimiK3PreTrainedModel._keys_to_ignore_on_load_unexpected + [
-        r"^language_model\.lm_head\."]
-
-    def __init__(self, config: KimiK3Config, vision: bool | None = None):
-        super().__init__(config)
-        self.language_model = KimiK3TextBackbone(config.text_config)
-        _add_vision_parts(self, config, vision)
-        self.post_init()
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
-        """As KimiK3ForConditionalGeneration.from_pretrained (the `vision` option included)."""
-        # the folder's files are checked before the index is read for the vision tensors (conversion_kimi_k3.py)
-        with checked_pretrained_folder(pretrained_model_name_or_path, kwargs):
-            vision = _vision_option(pretrained_model_name_or_path, kwargs, vision)
-            return super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
-
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, KimiK3VisionRMSNorm):
-            module.weight.fill_(1.0)
-        elif isinstance(module, KimiK3VisionPositionEmbedding):
-            module.weight.normal_()
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.language_model.model.get_input_embeddings()
-
-    def set_input_embeddings(self, value: nn.Module) -> None:
-        self.language_model.model.set_input_embeddings(value)
-
-    # the image path is the top-level class's, unchanged (the same checks and the same splice)
-    get_image_features = KimiK3ForConditionalGeneration.get_image_features
-    _merge_images = KimiK3ForConditionalGeneration._merge_images
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, cache=None, pixel_values=None, grid_thws=None,
-                **kwargs) -> KimiK3MultimodalModelOutputWithPast:
-        cache = given_cache(cache, past_key_values)
-        merged_mask = None
-        if pixel_values is not None:
-            if inputs_embeds is not None:
-                raise ValueError("pass images with input_ids, not inputs_embeds: the media placeholders in input_ids "
-                                 "mark where the images go")
-            inputs_embeds, merged_mask, _ = self._merge_images(input_ids, pixel_values, grid_thws, attention_mask,
-                                                               None, cache)
-            input_ids, attention_mask, position_ids = None, merged_mask, None
-        elif grid_thws is not None:
-            raise ValueError("grid_thws was given without pixel_values")
-        outputs = self.language_model.model(input_ids=input_ids, attention_mask=attention_mask,
-                                            position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
-                                            use_cache=use_cache, **kwargs)
-        return KimiK3MultimodalModelOutputWithPast(**outputs, attention_mask=merged_mask)
-
-
-def _register_auto_classes() -> None:
-    """Our classes in transformers' Auto mappings (keyed by our config classes, so nothing resolves to them without
-    our config): a pipeline given the model object checks its class against these mappings, and says that a model
-    it does not find there is "not supported"."""
-    import transformers
-
-    for auto_name, config_class, model_class in (
-        ("AutoModel", KimiK3TextConfig, KimiK3Model),
-        ("AutoModelForCausalLM", KimiK3TextConfig, KimiK3ForCausalLM),
-        ("AutoModel", KimiK3Config, KimiK3MultimodalModel),
-        ("AutoModelForCausalLM", KimiK3Config, KimiK3ForConditionalGeneration),
-        ("AutoModelForImageTextToText", KimiK3Config, KimiK3ForConditionalGeneration),
-    ):
-        auto_class = getattr(transformers, auto_name, None)
-        if auto_class is not None:
-            auto_class.register(config_class, model_class, exist_ok=True)
-
-
-_register_auto_classes()
-
 __all__ = [
     "KimiK3PreTrainedModel",
     "KimiK3Model",
     "KimiK3ForCausalLM",
-    "KimiK3ForConditionalGeneration",
-    "KimiK3MultimodalModel",
 ]

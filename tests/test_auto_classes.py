@@ -27,7 +27,7 @@ def folders(tmp_path_factory):
 
     from kimik3.convert import testing
     from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
     from kimik3.modeling.tokenization_kimi_k3 import KimiK3TokenizerFast
     from kimik3.remote_code import save_with_code
     from kimik3.tiny import TINY_NUM_RANKS, write_tiny_folder
@@ -162,8 +162,8 @@ def test_auto_model_is_the_base_model_and_the_head_is_left_out(folders):
         torch.testing.assert_close(head(out.last_hidden_state), composite(**inputs).logits, rtol=0, atol=0)
     assert out.attention_mask.shape == out.last_hidden_state.shape[:2]
     config = json.loads((folders["vision"] / "config.json").read_text())
-    assert config["auto_map"]["AutoModel"] == "modeling_kimi_k3.KimiK3MultimodalModel"
-    assert config["auto_map"]["AutoModelForImageTextToText"] == "modeling_kimi_k3.KimiK3ForConditionalGeneration"
+    assert config["auto_map"]["AutoModel"] == "multimodal_kimi_k3.KimiK3MultimodalModel"
+    assert config["auto_map"]["AutoModelForImageTextToText"] == "multimodal_kimi_k3.KimiK3ForConditionalGeneration"
 
 
 def test_auto_model_reads_a_release_layout_folder_with_our_code(tmp_path):
@@ -174,8 +174,9 @@ def test_auto_model_reads_a_release_layout_folder_with_our_code(tmp_path):
     from transformers import AutoModel
 
     from kimik3.convert.testing import write_release_checkpoint
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
-    from kimik3.remote_code import COMPOSITE_AUTO_MAP, remote_code_files
+    from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.modeling.saving_kimi_k3 import COMPOSITE_AUTO_MAP
+    from kimik3.remote_code import remote_code_files
 
     release = write_release_checkpoint(tmp_path / "release", seed=1, num_layers=2, num_experts=2)
     for path in remote_code_files():
@@ -258,15 +259,33 @@ def test_pipelines_given_the_objects_accept_our_classes(folders):
     assert isinstance(text_pipe("Hi", max_new_tokens=2, do_sample=False)[0]["generated_text"], str)
 
 
-def test_auto_mappings_hold_our_classes_only_under_our_config_classes():
-    """The registration keys on our config classes, so no other model resolves to our classes."""
+def test_auto_mappings_hold_our_classes_only_under_our_config_classes(folders):
+    """The registration keys on our config classes, so no other model resolves to our classes. It is done when a
+    class's first model is built (importing the model files changes nothing: test_model_files_do_nothing_on_import):
+    the fixture built the two classes with a head, the base models are built here."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, LlamaConfig
 
     from kimik3.modeling import modeling_kimi_k3 as m
+    from kimik3.modeling import multimodal_kimi_k3 as mm
 
+    m.KimiK3Model.from_pretrained(folders["text"])
+    mm.KimiK3MultimodalModel.from_pretrained(folders["vision"])
     assert AutoModel._model_mapping[m.KimiK3TextConfig] is m.KimiK3Model
-    assert AutoModel._model_mapping[m.KimiK3Config] is m.KimiK3MultimodalModel
+    assert AutoModel._model_mapping[mm.KimiK3Config] is mm.KimiK3MultimodalModel
     assert AutoModelForCausalLM._model_mapping[m.KimiK3TextConfig] is m.KimiK3ForCausalLM
-    assert AutoModelForImageTextToText._model_mapping[m.KimiK3Config] is m.KimiK3ForConditionalGeneration
+    assert AutoModelForCausalLM._model_mapping[mm.KimiK3Config] is mm.KimiK3ForConditionalGeneration
+    assert AutoModelForImageTextToText._model_mapping[mm.KimiK3Config] is mm.KimiK3ForConditionalGeneration
+    # the base model inside the multimodal one answers no Auto class
+    assert mm.KimiK3TextBackbone not in AutoModel._model_mapping._extra_content.values()
     assert AutoModelForCausalLM._model_mapping[LlamaConfig].__name__ == "LlamaForCausalLM"
     assert "kimik3" not in sys.modules["transformers"].CONFIG_MAPPING
+
+
+@pytest.mark.parametrize("name", ["modeling_kimi_k3.py", "multimodal_kimi_k3.py", "saving_kimi_k3.py"])
+def test_model_files_do_nothing_on_import(name):
+    """No import-time side effects: at the top level of the model and saving files, only imports, definitions and
+    assignments (the Auto registration and the release conversions run when first needed)."""
+    tree = ast.parse((REPO / "modeling_kimik3" / name).read_text(encoding="utf-8"))
+    calls = [ast.unparse(node) for node in tree.body if isinstance(node, ast.Expr)
+             and not isinstance(node.value, ast.Constant)]
+    assert calls == []

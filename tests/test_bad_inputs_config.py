@@ -18,7 +18,7 @@ from kimik3.convert.checkpoint import config_from_dict
 from kimik3.convert.errors import ConversionError
 from kimik3.convert.mxfp4 import dequantize_into
 from kimik3.modeling.files_kimi_k3 import KimiK3LoadError
-from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
 from kimik3.modeling.configuration_kimi_k3 import MAX_HIDDEN_LAYERS, KimiK3Config, KimiK3TextConfig
 
 VOCAB = 128  # the tiny text config's vocabulary

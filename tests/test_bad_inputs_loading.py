@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 import kimik3.convert as kc
 from kimik3.convert import testing
 from kimik3.modeling import files_kimi_k3 as ck
-from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3ForConditionalGeneration
+from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
 
 INDEX = "model.safetensors.index.json"
 Q = "language_model.model.layers.0.self_attn.q_proj.weight"
@@ -341,7 +342,7 @@ def test_a_folder_naming_files_it_must_not_is_refused_before_reading(folder, dam
 def test_the_multimodal_base_model_checks_before_it_reads_the_index(folder, monkeypatch):
     """KimiK3MultimodalModel (what AutoModel gives for a composite folder) reads the index to decide on the vision
     tower: the folder is checked first, so an index linked out of the folder is refused before it is read."""
-    from kimik3.modeling import modeling_kimi_k3 as mk
+    from kimik3.modeling import multimodal_kimi_k3 as mk
 
     read = []
     real = mk._checkpoint_tensor_names

@@ -176,7 +176,7 @@ def vision_chat(loaded):
     """A tiny composite model on the tiny folder's vocabulary and the K3 processor over its tokenizer."""
     from kimik3.convert import testing
     from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
     from kimik3.modeling.processing_kimi_k3 import KimiK3Processor
     from kimik3.tiny import TINY_NUM_RANKS
     from kimik3.tokenizer_files import special_token_ids

@@ -112,7 +112,7 @@ def test_converted_composite_model_gives_the_logits_of_the_dense_values(release,
     assert torch.isfinite(want).all() and want.abs().max() > 0
     assert torch.equal(got, want)
     config = json.loads((converted / "config.json").read_text())
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForConditionalGeneration"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "multimodal_kimi_k3.KimiK3ForConditionalGeneration"
     assert "quantization_config" not in config["text_config"] and config["text_config"]["experts_format"] == "dense"
     # F32 release tensors stay F32, everything else keeps its dtype, experts are bf16
     tensors = {}

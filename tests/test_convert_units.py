@@ -14,7 +14,7 @@ from kimik3.configuration import RELEASED_CONFIG_PATH, TENSOR_PATTERNS_PATH
 from kimik3.convert import mxfp4, name_map as nm, safetensors_io as sio, schedule, testing
 from kimik3.convert.errors import ConversionError
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
-from kimik3.remote_code import COMPOSITE_AUTO_MAP
+from kimik3.modeling.saving_kimi_k3 import COMPOSITE_AUTO_MAP
 
 PATTERNS = json.loads(TENSOR_PATTERNS_PATH.read_text())["patterns"]
 RELEASE_CONFIG = json.loads(RELEASED_CONFIG_PATH.read_text())

@@ -1,4 +1,4 @@
-"""The model card of converted, sliced and saved folders, and save_pretrained / push_to_hub (with huggingface_hub's
+"""The model card of converted, sliced and saved folders, and save_with_card / push_with_card (with huggingface_hub's
 commit operations intercepted, no network) giving folders that a fresh process loads with trust_remote_code."""
 
 import json
@@ -10,7 +10,7 @@ from huggingface_hub import ModelCard
 
 from kimik3.convert.converter import convert
 from kimik3.convert.testing import write_release_checkpoint
-from kimik3.hub_card import CARD_MARKER, converted_model_card, is_kimik3_card
+from kimik3.hub_card import CARD_MARKER, converted_model_card, is_kimik3_card, push_with_card, save_with_card
 from kimik3.memory import load_text_config
 from kimik3.remote_code import remote_code_files
 
@@ -98,16 +98,16 @@ def test_save_pretrained_card_says_what_was_done_and_keeps_a_users_readme(conver
     a fine-tune of that base. Here the fixture's shape stands for the release's, so the converted folder's base is
     the release."""
     import kimik3.hub_card as hub_card
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
 
     monkeypatch.setattr(hub_card, "RELEASE_SHAPE", (4, 8))
     model = KimiK3ForConditionalGeneration.from_pretrained(converted[1])
     (tmp_path / "README.md").write_text("# my notes\n")
-    model.save_pretrained(tmp_path)
+    save_with_card(model, tmp_path)
     assert (tmp_path / "README.md").read_text() == "# my notes\n"
     assert CODE_FILES <= {p.name for p in tmp_path.iterdir()}
     (tmp_path / "README.md").write_text(f"---\nlicense: mit\n---\n{CARD_MARKER}\nold card\n")
-    model.save_pretrained(tmp_path)
+    save_with_card(model, tmp_path)
     text, meta = _card(tmp_path)
     assert "old card" not in text and "fine-tuned" not in text
     assert meta["base_model"] == "moonshotai/Kimi-K3" and meta["base_model_relation"] == "quantized"
@@ -116,13 +116,13 @@ def test_save_pretrained_card_says_what_was_done_and_keeps_a_users_readme(conver
 
     with torch.no_grad():  # one optimizer-like in-place update of one tensor
         model.language_model.model.layers[1].self_attn.q_proj.weight.mul_(1.01)
-    model.save_pretrained(tmp_path / "tuned")
+    save_with_card(model, tmp_path / "tuned")
     text, meta = _card(tmp_path / "tuned")
     assert meta["base_model"] == "moonshotai/Kimi-K3" and meta["base_model_relation"] == "finetune"
     assert "# Kimi K3, fine-tuned" in text and "1 of its tensors differ" in text
 
     # saved again from the fine-tuned folder, unchanged: still a fine-tune of the release (the folder's card says so)
-    KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "tuned").save_pretrained(tmp_path / "again")
+    save_with_card(KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "tuned"), tmp_path / "again")
     meta = _card(tmp_path / "again")[1]
     assert meta["base_model"] == "moonshotai/Kimi-K3" and meta["base_model_relation"] == "finetune"
 
@@ -214,13 +214,13 @@ print(json.dumps(out))
 def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub, tmp_path, fresh_python):
     from transformers import AutoModelForCausalLM
 
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
 
     repos, commits = fake_hub
     ids = torch.randint(3, 128, (1, 6))
     # 1. the class from the installed package, pushed with a tokenizer next to it
     model = KimiK3ForConditionalGeneration.from_pretrained(converted[1]).eval()
-    model.push_to_hub("someone/k3-finetune")
+    push_with_card(model, "someone/k3-finetune")
     tokenizer = _k3_tokenizer(tmp_path)
     tokenizer.push_to_hub("someone/k3-finetune")
     model_files = {"config.json", "generation_config.json", "model.safetensors", "README.md"} | CODE_FILES
@@ -235,7 +235,7 @@ def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub
     assert is_kimik3_card(card) and "base_model_relation" not in ModelCard(card).data.to_dict()
     assert "# Kimi K3 (saved again, weights unchanged)" in card and ModelCard(card).data.license_link
     config = json.loads(pushed["config.json"])
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForConditionalGeneration"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "multimodal_kimi_k3.KimiK3ForConditionalGeneration"
     package_code = {p.name: p.read_bytes() for p in remote_code_files()}
     assert all(pushed[name] == package_code[name] for name in CODE_FILES)
     hub_copy = tmp_path / "from-hub"
@@ -247,7 +247,7 @@ def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub
     remote = AutoModelForCausalLM.from_pretrained(converted[1], trust_remote_code=True).eval()
     assert type(remote).__module__.startswith("transformers_modules.")
     resaved = tmp_path / "resaved"
-    remote.save_pretrained(resaved)
+    save_with_card(remote, resaved)
     assert CODE_FILES | {"README.md", "config.json"} <= {p.name for p in resaved.iterdir()}
     assert json.loads((resaved / "config.json").read_text())["auto_map"] == config["auto_map"]
 
@@ -270,7 +270,7 @@ def test_push_keeps_a_users_card_on_the_hub(converted, fake_hub):
 
     repos, _ = fake_hub
     repos["someone/k3"] = {"README.md": b"---\nlicense: mit\n---\n# written by hand\n"}
-    KimiK3ForCausalLM.from_pretrained(converted[2]).push_to_hub("someone/k3", tags=["extra"])
+    push_with_card(KimiK3ForCausalLM.from_pretrained(converted[2]), "someone/k3", tags=["extra"])
     card = repos["someone/k3"]["README.md"].decode()
     assert "written by hand" in card and not is_kimik3_card(card) and "extra" in ModelCard(card).data.tags
 

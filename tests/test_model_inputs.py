@@ -339,7 +339,7 @@ def test_media_placeholder_without_pixel_values_text_model(model, case):
 def test_media_placeholder_without_pixel_values_composite_model(case):
     from kimik3.convert import testing
     from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
 
     config = KimiK3Config(**testing.tiny_release_config(num_layers=1, num_experts=2))
     composite = KimiK3ForConditionalGeneration(config, vision=False).eval()

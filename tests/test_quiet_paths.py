@@ -121,7 +121,7 @@ def test_release_folder_loads_and_generates_quietly(tmp_path):
     from transformers import logging as hf_logging
 
     from kimik3.convert import testing
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
 
     release = testing.write_release_checkpoint(tmp_path / "release", num_layers=2, num_experts=4, vision=False,
                                                return_dense=False)

@@ -22,8 +22,10 @@ from kimik3.convert import testing
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.modeling.conversion_kimi_k3 import release_conversions
 from kimik3.modeling.files_kimi_k3 import KimiK3LoadError
-from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3ForConditionalGeneration
-from kimik3.remote_code import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP, remote_code_files
+from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
+from kimik3.modeling.saving_kimi_k3 import COMPOSITE_AUTO_MAP, TEXT_AUTO_MAP
+from kimik3.remote_code import remote_code_files
 
 transformers = pytest.importorskip("transformers")
 FORMATS = ("dense", "mxfp4")
@@ -146,8 +148,8 @@ def unchanged(a, b, style):
 
 
 before = registries()
-model_class = get_class_from_dynamic_module(json.load(open(folder + "/config.json"))["auto_map"]["AutoModelForCausalLM"],
-                                            folder)
+with open(folder + "/config.json") as config:
+    model_class = get_class_from_dynamic_module(json.load(config)["auto_map"]["AutoModelForCausalLM"], folder)
 imported = registries()
 parallel = sys.modules[model_class.__module__.rsplit(".", 1)[0] + ".parallel_kimi_k3"]
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
@@ -363,7 +365,7 @@ def test_transforms_agree_with_the_name_map_on_all_release_patterns():
 
 MEASURE = r"""
 import json, sys, threading, time, torch
-from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
 
 def anonymous_bytes():
     # RssAnon: the process's own memory (the checkpoint's mmap-ed file pages are page cache, counted in RssFile)

@@ -44,7 +44,7 @@ print(json.dumps(results))
 def folders(tmp_path_factory):
     """The `kimik3 tiny` folder (model + tokenizer) and a folder whose config.json has the release's top-level schema
     (auto_map names included), with the in-process models to compare against."""
-    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
 
     tiny = tmp_path_factory.mktemp("tiny_remote")
     assert main(["tiny", str(tiny), "--layers", "4", "--seed", "5"]) == 0
@@ -107,7 +107,7 @@ def test_tiny_folder_tokenizer_and_chat_template_in_a_fresh_process(folders, fre
 def test_composite_release_style_config_resolves_to_our_classes(folders, fresh):
     directory, model, ids = folders["composite"]
     saved = json.loads((directory / "config.json").read_text())
-    assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k3.KimiK3ForConditionalGeneration"
+    assert saved["auto_map"]["AutoModelForCausalLM"] == "multimodal_kimi_k3.KimiK3ForConditionalGeneration"
     assert saved["auto_map"]["AutoConfig"] == "configuration_kimi_k3.KimiK3Config"
     from safetensors import safe_open
 
@@ -144,7 +144,7 @@ def test_every_file_of_a_folder_gets_the_mode_of_a_normal_file_write(folders, tm
     save_pretrained leave every file with the mode `open(path, "w")` gives (0666 less the umask)."""
     import os
 
-    from kimik3.modeling.modeling_kimi_k3 import normal_file_mode
+    from kimik3.modeling.saving_kimi_k3 import normal_file_mode
 
     tiny = folders["tiny"][0]
     modes = {p.name: p.stat().st_mode & 0o777 for p in tiny.iterdir()}

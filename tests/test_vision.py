@@ -16,7 +16,7 @@ from PIL import Image
 from kimik3.convert import testing
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.modeling.image_processing_kimi_k3 import KimiK3ImageProcessor
-from kimik3.modeling.modeling_kimi_k3 import (
+from kimik3.modeling.multimodal_kimi_k3 import (
     KimiK3ForConditionalGeneration,
     _placeholder_runs,
     merge_image_features,

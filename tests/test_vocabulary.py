@@ -168,7 +168,7 @@ def test_each_shared_fact_is_defined_once():
     assert {name: where for name, where in defined.items() if len(where) > 1} == {}
     assert all(defined[name] for name in ("EXPERTS_FORMATS", "PROVENANCE_NAME", "KERNELS_API_VERSION",
                                           "PROCESSOR_CODE_FILES", "TEXT_AUTO_MAP", "EXPERT_PARTS"))
-    for value in ("kimik3_conversion.json", "modeling_kimi_k3.KimiK3MultimodalModel"):
+    for value in ("kimik3_conversion.json", "multimodal_kimi_k3.KimiK3MultimodalModel"):
         holders = [p.relative_to(REPO).as_posix() for p in SHIPPED
                    if value in _text(p) and value in _string_literals(p)]
         assert len(holders) == 1, (value, holders)
@@ -179,8 +179,9 @@ def test_each_shared_fact_is_defined_once():
 
 def test_the_release_name_map_is_one_table():
     """The converter's rules of the MoE block and the experts are generated from the remote code's release name map
-    (conversion_kimi_k3), from which the loader's transforms are built: name_map.py spells none of its names, and
-    both sides agree on every rule. (tests/test_release_loading.py runs both on the release's 60 name patterns.)"""
+    (conversion_kimi_k3), from which the loader's transforms are built: name_map.py spells none of its names, nor do
+    the engines that read and write expert tensors by them (plan.py, verifier.py), and both sides agree on every
+    rule. (tests/test_release_loading.py runs both on the release's 60 name patterns.)"""
     from kimik3.convert import name_map as nm
     from kimik3.modeling import conversion_kimi_k3 as names
 
@@ -189,6 +190,15 @@ def test_the_release_name_map_is_one_table():
     spelled = [s for s in sorted(literals)
                if any(word in s for word in words) or s in ("w1", "w2", "w3", "mlp.", "gate_up_proj_packed")]
     assert spelled == []
+    engine_words = words + ("_packed", "_scale", "gate_up_proj", "down_proj")
+    for engine in ("plan.py", "verifier.py"):
+        literals = _string_literals(REPO / "convert" / engine)
+        spelled = [s for s in sorted(literals) if any(word in s for word in engine_words)
+                   or s in ("w1", "w2", "w3", "weight", ".weight")]
+        assert spelled == [], engine
+    assert nm.FUSED_PACKED_SUFFIXES == tuple(names.OUR_PACKED_SUFFIXES[s]
+                                             for s in names.RELEASE_EXPERT_SUFFIXES["mxfp4"])
+    assert nm.FUSED_EXPERTS == tuple(f"{names.OUR_MOE_BLOCK}.experts.{fused}" for fused in names.EXPERT_PARTS)
     assert [(rule.ours.rsplit(".", 1)[-1], rule.parts) for rule in nm.EXPERT_RULES] == list(names.EXPERT_PARTS.items())
     assert (nm.PLAIN_SUFFIXES, nm.PACKED_SUFFIXES) == (names.RELEASE_EXPERT_SUFFIXES["dense"],
                                                        names.RELEASE_EXPERT_SUFFIXES["mxfp4"])
@@ -202,13 +212,18 @@ def test_the_release_name_map_is_one_table():
 
 def test_processor_code_files_are_the_processors_imports():
     """One list, made from processing_kimi_k3's own imports: a processor folder gets all of them, a model folder
-    the same less the tokenizer's file (the tokenizer's save writes it)."""
-    from kimik3.modeling import modeling_kimi_k3 as modeling
+    the same less the tokenizer's file (the tokenizer's save writes it). A model folder carries the whole remote code
+    but the tokenizer's file, read from the carried modules' imports (saving_kimi_k3.CARRIED_MODULES)."""
+    from kimik3.modeling import saving_kimi_k3 as saving
     from kimik3.modeling.processing_kimi_k3 import PROCESSOR_CODE_FILES
-    from kimik3.remote_code import modeling_dir
+    from kimik3.remote_code import modeling_dir, remote_code_files
 
     assert PROCESSOR_CODE_FILES == ("processing_kimi_k3.py", "image_processing_kimi_k3.py", "tokenization_kimi_k3.py")
-    model_copies = [p.name for p in modeling._processor_code_files([REPO / "no-such-folder", modeling_dir()])]
-    assert sorted(model_copies) == sorted(set(PROCESSOR_CODE_FILES) - {modeling.TOKENIZER_CODE_FILE})
-    assert modeling.auto_map_for({"text_config": {}}) == modeling.COMPOSITE_AUTO_MAP
-    assert modeling.auto_map_for({}) == modeling.TEXT_AUTO_MAP
+    model_copies = [p.name for p in saving.carried_code_files([REPO / "no-such-folder", modeling_dir()])]
+    processor_copies = set(PROCESSOR_CODE_FILES) - {saving.TOKENIZER_CODE_FILE}
+    assert processor_copies <= set(model_copies) and saving.TOKENIZER_CODE_FILE not in model_copies
+    every_file = sorted(p.name for p in modeling_dir().glob("*.py") if p.name != "__init__.py")
+    assert sorted(model_copies) == sorted(set(every_file) - {saving.TOKENIZER_CODE_FILE})
+    assert [p.name for p in remote_code_files()] == every_file
+    assert saving.auto_map_for({"text_config": {}}) == saving.COMPOSITE_AUTO_MAP
+    assert saving.auto_map_for({}) == saving.TEXT_AUTO_MAP

@@ -1,0 +1,178 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Packaging a Kimi K3 model folder: the `auto_map` naming our classes, the code files a folder carries (so that it
+loads with trust_remote_code in a fresh process, whether the saved class came from the installed package or from a
+model folder's flat files), the weights' file mode, and our classes' place in transformers' Auto mappings.
+
+This module imports no model file: it is handed the model object and finds its class's module file from it.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+# `auto_map` of a folder whose config.json is our text config, and of one holding the release's composite schema.
+# AutoModel is the base model, as transformers' own models: for the composite one KimiK3MultimodalModel (the
+# release's file maps AutoModel to the top-level class, which has the head). AutoModelForImageTextToText is what
+# pipeline("image-text-to-text") loads.
+TEXT_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
+    "AutoModel": "modeling_kimi_k3.KimiK3Model",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+}
+COMPOSITE_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModel": "multimodal_kimi_k3.KimiK3MultimodalModel",
+    "AutoModelForCausalLM": "multimodal_kimi_k3.KimiK3ForConditionalGeneration",
+    "AutoModelForImageTextToText": "multimodal_kimi_k3.KimiK3ForConditionalGeneration",
+}
+
+
+def auto_map_for(config) -> dict:
+    """The `auto_map` of one of our configs (a config object or its config.json dict): composite when it nests a
+    text config."""
+    composite = "text_config" in config if isinstance(config, dict) else hasattr(config, "text_config")
+    return dict(COMPOSITE_AUTO_MAP if composite else TEXT_AUTO_MAP)
+
+
+# The code a model folder carries: these modules and every module they import, read from their import statements as
+# transformers reads a class's module when it loads it. The two model files are what the `auto_map`s name; no model
+# class imports the serving helpers (prompt caches, the prefix store, draft slicing) or the processor (AutoProcessor
+# from the folder), so they are named here. The tokenizer's code file is left out of a model's save: the tokenizer's
+# own save_pretrained writes it (a model folder without a tokenizer holds no tokenizer code).
+CARRIED_MODULES = ("modeling_kimi_k3.py", "multimodal_kimi_k3.py", "serving_kimi_k3.py", "processing_kimi_k3.py")
+TOKENIZER_CODE_FILE = "tokenization_kimi_k3.py"
+
+
+def carried_code_files(sources: list[Path], with_tokenizer: bool = False) -> list[Path]:
+    """The code files of a model folder, each carried module (with its imports) from the first of `sources` that
+    holds it; with `with_tokenizer`, the tokenizer's code file too."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    files: dict[str, Path] = {}
+    for name in CARRIED_MODULES:
+        for folder in sources:
+            path = Path(folder) / name
+            if not path.is_file():
+                continue
+            try:
+                imported = [Path(p) for p in get_relative_import_files(str(path))]
+            except OSError:  # a folder lacking a file the module imports: copy the ones it has
+                imported = []
+            for found in (path, *imported):
+                if found.is_file():
+                    files.setdefault(found.name, found)
+            break
+    return [files[name] for name in sorted(files) if with_tokenizer or name != TOKENIZER_CODE_FILE]
+
+
+def model_code_folder(model) -> Path:
+    """The folder of the model class's module file: the installed package, or the module cache of a model folder's
+    copy (a user's subclass defined elsewhere is followed to our class it derives from)."""
+    for cls in type(model).__mro__:
+        path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if path is not None and Path(path).name in CARRIED_MODULES:
+            return Path(path).resolve().parent
+    raise TypeError(f"{type(model).__name__} is not a Kimi K3 model class")
+
+
+def normal_file_mode() -> int:
+    """The mode a plain `open(path, "w")` gives a new file: 0o666 less the process's umask (read from /proc where it
+    can be, since os.umask can only be read by setting it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_weights_the_normal_mode(directory: Path) -> None:
+    """safetensors writes its files with mode 0600 (a private temporary file renamed); the weights a save writes get
+    the mode of every other file of the folder."""
+    index = directory / "model.safetensors.index.json"
+    names = {"model.safetensors"}
+    if index.is_file():
+        names |= set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+    mode = normal_file_mode()
+    for name in sorted(names):
+        path = directory / name
+        if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o777) != mode:
+            os.chmod(path, mode)
+
+
+def write_remote_code(model, directory: Path) -> None:
+    """After save_pretrained wrote the weights and config: gives the weights the normal file mode, copies the code
+    files the folder carries and sets the full `auto_map`."""
+    give_weights_the_normal_mode(directory)
+    # From next to the model's module, else (remote code, whose module cache holds only the loaded class's imports)
+    # from the folder the model was loaded from.
+    sources = [model_code_folder(model), Path(str(getattr(model.config, "name_or_path", "") or "."))]
+    for path in carried_code_files(sources):
+        if path.resolve() != (directory / path.name).resolve():
+            shutil.copyfile(path, directory / path.name)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["auto_map"] = auto_map_for(config)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _is_a_log_unpadding(conversion) -> bool:
+    """The A_log un-padding converter of conversion_kimi_k3.release_conversions (same source and target name)."""
+    return type(conversion).__name__ == "WeightConverter" and any(
+        type(op).__name__ == "UnpadHeads" for op in getattr(conversion, "operations", ()))
+
+
+@contextlib.contextmanager
+def layout_kept(model):
+    """One A_log rule per layout (docs/design.md, "Parameter names"): ours stores the live [H] heads, the release
+    [128] zero-padded. save_pretrained reverses the conversions a load applied, and the loader records the A_log
+    un-padding as used on every load, ours too (the name is the same), so a model loaded from our layout would be
+    saved padded; inside this block its save keeps our layout instead."""
+    conversions = getattr(model, "_weight_conversions", None)
+    loaded_ours = bool(conversions) and all(_is_a_log_unpadding(c) for c in conversions)
+    if loaded_ours:
+        model._weight_conversions = []
+    try:
+        yield
+    finally:
+        if loaded_ours:
+            model._weight_conversions = conversions
+
+
+_REGISTERED: set = set()
+
+
+def register_auto_classes(model) -> None:
+    """The model's class in transformers' Auto mappings under the names our `auto_map` gives it, keyed by its config
+    class (so nothing resolves to it without our config): a pipeline given the model object checks its class against
+    these mappings, and says that a model it does not find there is "not supported". Done once per class, when its
+    first model is built."""
+    cls = type(model)
+    if cls in _REGISTERED:
+        return
+    _REGISTERED.add(cls)
+    import transformers
+
+    for auto_name, target in auto_map_for(model.config).items():
+        auto_class = getattr(transformers, auto_name, None)
+        if auto_name != "AutoConfig" and target.rpartition(".")[2] == cls.__name__ and auto_class is not None:
+            auto_class.register(cls.config_class, cls, exist_ok=True)
