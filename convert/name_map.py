@@ -182,13 +182,20 @@ TENSOR_RULES: tuple[TensorRule, ...] = (
 # The logical [out, in] of one part of each fused expert tensor: gate_up_proj [E, 2I, DL] (rows [0:I] = w1, the gate;
 # rows [I:2I] = w3, the up projection), down_proj [E, DL, I] = w2. Which parts, in which order: EXPERT_PARTS.
 _EXPERT_PART_SHAPES = {"gate_up_proj": ("I", "DL"), "down_proj": ("DL", "I")}
+if _EXPERT_PART_SHAPES.keys() != EXPERT_PARTS.keys():  # a fused tensor the two tables name differently
+    raise AssertionError(f"expert part shapes for {sorted(_EXPERT_PART_SHAPES)}, but the release name map fuses "
+                         f"{sorted(EXPERT_PARTS)} (conversion_kimi_k3.EXPERT_PARTS)")
 EXPERT_RULES: tuple[ExpertRule, ...] = tuple(
     ExpertRule(_MLP + "experts." + fused, parts, _EXPERT_PART_SHAPES[fused]) for fused, parts in EXPERT_PARTS.items()
 )
 
-# Release suffixes of one expert part, by storage format.
+# Release suffixes of one expert part, by storage format; the suffixes of our fused tensor kept packed (in the order
+# of PACKED_SUFFIXES); our fused expert tensors relative to a layer (`mlp.experts.gate_up_proj`, ...). The engines
+# (plan.py, verifier.py) spell none of these names.
 PACKED_SUFFIXES = RELEASE_EXPERT_SUFFIXES["mxfp4"]
 PLAIN_SUFFIXES = RELEASE_EXPERT_SUFFIXES["dense"]
+FUSED_PACKED_SUFFIXES = tuple(OUR_PACKED_SUFFIXES[suffix] for suffix in PACKED_SUFFIXES)
+FUSED_EXPERTS = tuple(rule.ours.removeprefix(_LY) for rule in EXPERT_RULES)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -275,7 +282,7 @@ _RELEASE_EXPERT_RE = re.compile(
 # our fused names, plain or with the `_packed` / `_scale` suffix of kept-MXFP4 experts
 _OURS_EXPERT_RE = [
     (re.compile(_compile(r.ours, _GROUPS).pattern.removesuffix(r"\Z")
-                + "(?P<Q>|" + _alternatives(OUR_PACKED_SUFFIXES[s] for s in PACKED_SUFFIXES) + r")\Z"), r)
+                + "(?P<Q>|" + _alternatives(FUSED_PACKED_SUFFIXES) + r")\Z"), r)
     for r in EXPERT_RULES
 ]
 _LAYER_RE = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.")

@@ -16,13 +16,18 @@ from typing import Callable, Iterator
 
 import torch
 from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, RELEASE_EXPERTS_FORMAT
-from kimik3.modeling.conversion_kimi_k3 import RELEASE_TEXT_PREFIX
+from kimik3.modeling.conversion_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_PREFIX
 
 from . import files
 from . import name_map as nm
 from .errors import ConversionError, shard_error
 from .mxfp4 import MXFP4_GROUP_SIZE, check_finite_decode, dequantize_into, packed_shapes, quantize_rows
 from .safetensors_io import DEFAULT_CHUNK_BYTES, DTYPES, E8M0, OutSpec, itemsize
+
+# The expert names of the release name map (name_map.py): a release part's suffixes, dense and packed, and the
+# suffixes of our fused tensor kept packed.
+(PLAIN,), (PACKED, SCALE) = nm.PLAIN_SUFFIXES, nm.PACKED_SUFFIXES
+FUSED_PACKED, FUSED_SCALE = nm.FUSED_PACKED_SUFFIXES
 
 TEXT_PREFIX = RELEASE_TEXT_PREFIX  # the release name map's (our composite model nests its text model alike)
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -177,7 +182,7 @@ def _fused_rows(ckpt, name: str, expert: int, rows: tuple[int, int]) -> torch.Te
     _, total_rows, cols = entry.shape
     row_bytes = cols * itemsize(entry.dtype)
     start = (expert * total_rows + rows[0]) * row_bytes
-    encoding = E8M0 if name.endswith("_scale") else None
+    encoding = E8M0 if name.endswith(FUSED_SCALE) else None
     data = ckpt.reader(name).read_bytes(name, start, start + (rows[1] - rows[0]) * row_bytes, encoding)
     return data.view(entry.torch_dtype).reshape(rows[1] - rows[0], cols)
 
@@ -187,12 +192,12 @@ def export_expert_part(ckpt, ours: str, stored_format: str, expert: int, rows, s
     are stored in `stored_format` ("dense" | "mxfp4")."""
 
     def where():
-        return f"{ckpt.reader(ours + '_scale').path}, tensor `{ours}_scale`"
+        return f"{ckpt.reader(ours + FUSED_SCALE).path}, tensor `{ours}{FUSED_SCALE}`"
 
     def quantized():
         if stored_format == "mxfp4":
-            packed = _fused_rows(ckpt, ours + "_packed", expert, rows)
-            scale = _fused_rows(ckpt, ours + "_scale", expert, rows)
+            packed = _fused_rows(ckpt, ours + FUSED_PACKED, expert, rows)
+            scale = _fused_rows(ckpt, ours + FUSED_SCALE, expert, rows)
             # the copied bytes are what the release's code decodes to bf16
             check_finite_decode(packed, scale, torch.bfloat16, where(), (expert,), rows[0])
             return packed, scale
@@ -203,18 +208,19 @@ def export_expert_part(ckpt, ours: str, stored_format: str, expert: int, rows, s
 
     def dense_values():
         if stored_format == "mxfp4":
-            values = torch.empty(rows[1] - rows[0], ckpt.entry(ours + "_packed").shape[-1] * 2, dtype=torch.bfloat16)
-            dequantize_into(values, _fused_rows(ckpt, ours + "_packed", expert, rows),
-                             _fused_rows(ckpt, ours + "_scale", expert, rows), where(), (expert,), rows[0])
+            values = torch.empty(rows[1] - rows[0], ckpt.entry(ours + FUSED_PACKED).shape[-1] * 2,
+                                 dtype=torch.bfloat16)
+            dequantize_into(values, _fused_rows(ckpt, ours + FUSED_PACKED, expert, rows),
+                             _fused_rows(ckpt, ours + FUSED_SCALE, expert, rows), where(), (expert,), rows[0])
             return values
         return _fused_rows(ckpt, ours, expert, rows).to(torch.bfloat16)
 
     def produce():
-        if suffix == "weight":
+        if suffix == PLAIN:
             yield cache.get((ours, expert, rows, "dense"), dense_values)
         else:
             q_packed, q_scale = cache.get((ours, expert, rows, "q"), quantized)
-            yield q_packed if suffix == "weight_packed" else q_scale
+            yield q_packed if suffix == PACKED else q_scale
 
     return produce
 
@@ -325,13 +331,13 @@ def _check_padded_heads(src, name: str, dtype: str, heads: int, usual: tuple[int
 def _source_experts_format(src, classified: Classified, layer: int, prefix: str) -> str:
     """How the source stores a layer's experts: "mxfp4" (`weight_packed` + `weight_scale`) or "dense" (`weight`)."""
     present = classified.expert_suffixes.get(layer, set())
-    packed = bool(present & {"weight_packed", "weight_scale"})
-    if packed and "weight" in present:
+    packed = bool(present & {PACKED, SCALE})
+    if packed and PLAIN in present:
         raise ConversionError(
-            f"{src.index_path}: layer {layer} mixes packed (weight_packed/weight_scale) and plain (weight) experts "
-            f"under `{prefix}model.layers.{layer}.block_sparse_moe.experts`"
+            f"{src.index_path}: layer {layer} mixes packed ({PACKED}/{SCALE}) and plain ({PLAIN}) experts "
+            f"under `{prefix}model.layers.{layer}.{RELEASE_MOE_BLOCK}.experts`"
         )
-    return "dense" if present == {"weight"} else "mxfp4"
+    return "dense" if present == {PLAIN} else "mxfp4"
 
 
 def _expert_part_sources(src, site: nm.Site, source_format: str, keep: int, symbols):
@@ -345,10 +351,10 @@ def _expert_part_sources(src, site: nm.Site, source_format: str, keep: int, symb
             base = site.release_expert(expert, part)
             why = f"expert {expert} `{part}` of MoE layer {site.release_layer}"
             if source_format == "dense":
-                _check_entry(src, base + ".weight", "BF16", logical, why)
-                per_part.append((base + ".weight",))
+                _check_entry(src, f"{base}.{PLAIN}", "BF16", logical, why)
+                per_part.append((f"{base}.{PLAIN}",))
                 continue
-            packed_name, scale_name = base + ".weight_packed", base + ".weight_scale"
+            packed_name, scale_name = f"{base}.{PACKED}", f"{base}.{SCALE}"
             for name in (packed_name, scale_name):
                 if name not in src.weight_map:
                     raise ConversionError(f"{src.index_path}: tensor `{name}` is missing from the index ({why})")
@@ -582,15 +588,15 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = RELEASE_E
     def add_experts(site: nm.Site):
         nonlocal requantised
         rule, ours, why = site.rule, site.ours, site.why
-        packed = ours + "_packed" in ckpt.weight_map
+        packed = ours + FUSED_PACKED in ckpt.weight_map
         stored_format = "mxfp4" if packed else "dense"
         requantised = requantised or (experts_format == "mxfp4" and not packed)
         if not packed and ours not in ckpt.weight_map:
-            raise ConversionError(f"{ckpt.index_path}: tensor `{ours}` (or `{ours}_packed`) is missing ({why})")
+            raise ConversionError(f"{ckpt.index_path}: tensor `{ours}` (or `{ours}{FUSED_PACKED}`) is missing ({why})")
         logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
         rows, cols = sum(s[0] for s in logical), logical[0][1]
-        expected = {ours + "_packed": (symbols["E"], rows, cols // 2),
-                    ours + "_scale": (symbols["E"], rows, cols // MXFP4_GROUP_SIZE)} if packed else \
+        expected = {ours + FUSED_PACKED: (symbols["E"], rows, cols // 2),
+                    ours + FUSED_SCALE: (symbols["E"], rows, cols // MXFP4_GROUP_SIZE)} if packed else \
             {ours: (symbols["E"], rows, cols)}
         for name, shape in expected.items():
             entry = ckpt.entry(name)
@@ -604,10 +610,10 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = RELEASE_E
                 rows_range = (row, row + out_dim)
                 row += out_dim
                 if experts_format == "dense":
-                    outputs = (("weight", "BF16", (out_dim, in_dim)),)
+                    outputs = ((PLAIN, "BF16", (out_dim, in_dim)),)
                 else:
                     packed_shape, scale_shape = packed_shapes((out_dim, in_dim))
-                    outputs = (("weight_packed", "U8", packed_shape), ("weight_scale", "U8", scale_shape))
+                    outputs = ((PACKED, "U8", packed_shape), (SCALE, "U8", scale_shape))
                 for suffix, dtype, shape in outputs:
                     produce = export_expert_part(ckpt, ours, stored_format, expert, rows_range, suffix, cache, context)
                     tensors.append(OutTensor(OutSpec(f"{site.release_expert(expert, part)}.{suffix}", dtype, shape),

@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 
 import torch
+from kimik3.modeling.conversion_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_PREFIX
 
 from . import files, name_map as nm
 from .checkpoint import Checkpoint
@@ -39,8 +40,11 @@ from .plan import ConvertOptions, RunContext, _fused_rows, build_convert_plan, b
 from .safetensors_io import E8M0
 from .schedule import layer_map as make_layer_map
 
-_LAYER_IN_NAME = re.compile(r"^(language_model\.)?(model\.layers\.)(\d+)(\..*)$")
-_MXFP4_PARTS = (".weight_packed", ".weight_scale")
+_LAYER_IN_NAME = re.compile(r"^(" + re.escape(RELEASE_TEXT_PREFIX) + r")?(model\.layers\.)(\d+)(\..*)$")
+# The expert names of the release name map (name_map.py): a release part's suffixes, dense and packed, and the
+# suffixes of our fused tensor kept packed.
+(PLAIN,), (PACKED, SCALE) = nm.PLAIN_SUFFIXES, nm.PACKED_SUFFIXES
+FUSED_PACKED, FUSED_SCALE = nm.FUSED_PACKED_SUFFIXES
 
 
 class LibraryReader:
@@ -81,11 +85,12 @@ class LibraryReader:
 
 
 def _source_value(src, lib: LibraryReader, release_name: str) -> torch.Tensor:
-    name = release_name if src.composite else release_name.removeprefix("language_model.")
+    name = release_name if src.composite else release_name.removeprefix(RELEASE_TEXT_PREFIX)
     if name in src.weight_map:
         return lib.read(name)
-    if name.endswith(".weight") and name + "_packed" in src.weight_map:
-        return dequantize_mxfp4(lib.read(name + "_packed"), lib.read(name + "_scale"))
+    base = name.removesuffix(f".{PLAIN}")
+    if base != name and f"{base}.{PACKED}" in src.weight_map:
+        return dequantize_mxfp4(lib.read(f"{base}.{PACKED}"), lib.read(f"{base}.{SCALE}"))
     raise ConversionError(f"{src.index_path}: the source has no tensor `{name}`")
 
 
@@ -135,8 +140,8 @@ def _is_a_log(name: str) -> bool:
 
 def compare_tensors(src, conv, layer_map: list[int]) -> dict:
     """A release-layout folder `src` against one of ours `conv`, in the release's naming."""
-    both_packed = any(n.endswith(".weight_packed") for n in src.weight_map) and any(
-        n.endswith("experts.gate_up_proj_packed") for n in conv.weight_map)
+    both_packed = any(n.endswith(f".{PACKED}") for n in src.weight_map) and any(
+        n.endswith(nm.FUSED_EXPERTS[0] + FUSED_PACKED) for n in conv.weight_map)
     plan = build_export_plan(conv, RunContext(), experts_format="mxfp4" if both_packed else "dense")
     heads = nm.dims(conv.text_config)["H"]
     mismatches, compared = [], 0
@@ -145,7 +150,7 @@ def compare_tensors(src, conv, layer_map: list[int]) -> dict:
         release_name = tensor.spec.name
         source_name = _to_source_name(release_name, layer_map)
         expected = _source_value(src, lib, source_name)
-        relative = release_name.removeprefix("language_model.")
+        relative = release_name.removeprefix(RELEASE_TEXT_PREFIX)
         scope = "vision" if relative.startswith(("vision_tower.", "mm_projector.")) else "text"
         match = nm.match_release(relative, conv.text_config, scope)
         if match is not None and getattr(match.rule, "transform", None) == "first_experts":
@@ -166,15 +171,15 @@ def compare_tensors(src, conv, layer_map: list[int]) -> dict:
 def is_release_layout(ckpt) -> bool:
     text = ckpt.config_dict.get("text_config")
     return (isinstance(text, dict) and "quantization_config" in text) or any(
-        ".block_sparse_moe." in name for name in ckpt.weight_map)
+        f".{RELEASE_MOE_BLOCK}." in name for name in ckpt.weight_map)
 
 
 def _tensor_group(name: str) -> tuple[str, ...]:
     """An MXFP4 expert is compared as its (packed, scale) pair: equal values can come from different bytes."""
-    for suffix in _MXFP4_PARTS:
-        if name.endswith(suffix):
+    for suffix in (PACKED, SCALE):
+        if name.endswith(f".{suffix}"):
             base = name[: -len(suffix)]
-            return tuple(base + s for s in _MXFP4_PARTS)
+            return (base + PACKED, base + SCALE)
     return (name,)
 
 
@@ -195,7 +200,7 @@ def compare_release_layouts(src, other) -> dict:
             mismatches.append({"tensor": absent[0], "source": absent[0], "max_abs_diff": f"missing in the {side}"})
             continue
         want = [lib.read(n) for n in group]
-        got = [other.reader(n).read(n, E8M0 if n.endswith("_scale") else None) for n in group]
+        got = [other.reader(n).read(n, E8M0 if n.endswith(FUSED_SCALE) else None) for n in group]
         if all(_same_bits(a, b) for a, b in zip(got, want)):
             bytes_equal += len(group)
         elif _is_a_log(name) and _compare_a_log(got[0], want[0], heads) is None:
@@ -211,18 +216,15 @@ def compare_release_layouts(src, other) -> dict:
             "mismatches": mismatches}
 
 
-_PACKED_SUFFIXES = ("_packed", "_scale")
-
-
 def _our_groups(ckpt, strip_prefix: bool) -> dict:
     """Our folder's tensors by the name they are compared under: a fused expert tensor's packed pair under the dense
     name (`...experts.gate_up_proj`), the composite prefix removed when the other folder is text-only."""
     groups: dict = {}
     for name in ckpt.weight_map:
-        key = name.removeprefix("language_model.") if strip_prefix else name
+        key = name.removeprefix(RELEASE_TEXT_PREFIX) if strip_prefix else name
         base = key
-        for suffix in _PACKED_SUFFIXES:
-            if key.endswith(("experts.gate_up_proj" + suffix, "experts.down_proj" + suffix)):
+        for suffix in nm.FUSED_PACKED_SUFFIXES:
+            if key.endswith(tuple(fused + suffix for fused in nm.FUSED_EXPERTS)):
                 base = key[: -len(suffix)]
         groups.setdefault(base, []).append(name)
     return groups
@@ -230,7 +232,7 @@ def _our_groups(ckpt, strip_prefix: bool) -> dict:
 
 def _forms(names: list[str]) -> list[str]:
     """How a compared tensor is stored: [""] dense, ["_packed", "_scale"] packed."""
-    return [next((s for s in _PACKED_SUFFIXES if n.endswith(s)), "") for n in names]
+    return [next((s for s in nm.FUSED_PACKED_SUFFIXES if n.endswith(s)), "") for n in names]
 
 
 def _dense_of(names: list[str], raw: list[torch.Tensor]) -> torch.Tensor:
@@ -238,7 +240,7 @@ def _dense_of(names: list[str], raw: list[torch.Tensor]) -> torch.Tensor:
     if _forms(names) == [""]:
         return raw[0]
     parts = dict(zip(_forms(names), raw))
-    return dequantize_mxfp4(parts["_packed"], parts["_scale"], torch.float32)
+    return dequantize_mxfp4(parts[FUSED_PACKED], parts[FUSED_SCALE], torch.float32)
 
 
 def _compare_values(key: str, names_a, raw_a, names_b, raw_b, heads: int):
@@ -258,7 +260,7 @@ def _compare_values(key: str, names_a, raw_a, names_b, raw_b, heads: int):
 
 
 def _is_fused_experts(key: str) -> bool:
-    return key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    return key.endswith(nm.FUSED_EXPERTS)
 
 
 def compare_our_layouts(first, second) -> dict:
@@ -273,7 +275,7 @@ def compare_our_layouts(first, second) -> dict:
 
     def read_b(name, expert=None):
         if expert is None:
-            return second.reader(name).read(name, E8M0 if name.endswith("_scale") else None)
+            return second.reader(name).read(name, E8M0 if name.endswith(FUSED_SCALE) else None)
         return _fused_rows(second, name, expert, (0, second.entry(name).shape[1]))
 
     mismatches, bytes_equal, values_equal = [], 0, 0
