@@ -75,9 +75,16 @@ def run_one_step(tmp_path, checkpointing, reentrant=False):
     return trainer.meters[0], capture.grads, model
 
 
+@pytest.fixture(scope="module")
+def plain_step(tmp_path_factory):
+    """The step without checkpointing, the reference of both checkpointed variants (the same run for both)."""
+    meter, grads, _ = run_one_step(tmp_path_factory.mktemp("plain"), checkpointing=False)
+    return meter, grads
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_trainer_gradient_checkpointing_saves_memory_same_gradients(tmp_path, reentrant):
-    plain, grads_plain, _ = run_one_step(tmp_path / "plain", checkpointing=False)
+def test_trainer_gradient_checkpointing_saves_memory_same_gradients(tmp_path, plain_step, reentrant):
+    plain, grads_plain = plain_step
     ckpt, grads_ckpt, model = run_one_step(tmp_path / "ckpt", checkpointing=True, reentrant=reentrant)
     layers = model.config.num_hidden_layers
     assert plain.checkpointed_calls == 0
