@@ -37,7 +37,6 @@ from .compat_kimi_k3 import CACHE_ARGUMENTS, CACHE_FIELD, activation_checkpointi
 from .configuration_kimi_k3 import KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
 from .conversion_kimi_k3 import check_release_load
-from .files_kimi_k3 import checked_pretrained_folder
 from .dispatch_kimi_k3 import (
     conv_normalizes_qk,
     decay_in_chunk_kernel,
