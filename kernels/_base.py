@@ -35,7 +35,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["CUSTOM_OPS", "HAS_TRITON", "TWINS", "Twin", "as_rows", "custom_op", "needs_grad", "tl", "triton", "twin"]
+__all__ = ["CUSTOM_OPS", "HAS_TRITON", "TWINS", "Twin", "as_rows", "custom_op", "needs_grad", "tl", "triton",
+           "twin"]
 
 NAMESPACE = "kimik3"
 

@@ -189,6 +189,7 @@ def block_attn_res_mix(
     shape, dtype = candidates[0].shape, candidates[0].dtype
     if any(c.shape != shape or c.dtype != dtype for c in candidates):
         raise ValueError("block_attn_res_mix candidates must share shape and dtype")
+    # the custom op has no autograd formula: it runs while no gradient is recorded, the autograd Function otherwise
     if not needs_grad(norm_weight, proj_weight, *candidates):
         return torch.ops.kimik3.block_attn_res_mix(candidates, norm_weight, proj_weight, float(eps))
     cands = [c if c.is_contiguous() else c.contiguous() for c in candidates]

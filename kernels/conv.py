@@ -33,6 +33,7 @@ from ._base import custom_op, needs_grad, tl, triton, twin
 
 @twin("causal_conv1d", needs=("fla.modules.causal_conv1d",))
 def causal_conv1d(x, weight, conv_state=None, l2norm_head_dim=0):
+    # the custom op (own kernels) has no autograd formula: while a gradient is recorded, fla's conv, which has one
     if needs_grad(x, weight, conv_state):
         y, state = _causal_conv1d_eager(x, weight, conv_state)
         return _reference.l2norm_heads(y, l2norm_head_dim), state

@@ -324,7 +324,7 @@ def _routed_experts(x, topk_indices, topk_weights, num_experts, inter, gate_up_m
     # Triton kernels are opaque to it). The op as a whole is declared traceable (FAST_OPS), so this inner choice is
     # the op's own; the device test is for direct callers (the CPU tests run this routing on CPU grouped_mm).
     own_kernels = HAS_TRITON and x.is_cuda and not torch.compiler.is_compiling()
-    if own_kernels and not needs_grad(x):
+    if own_kernels and not needs_grad(x):  # the Triton gather has no backward
         xs = gather_rows(x, order // k)  # [N*k, Dl], expert-sorted
     else:
         xs = x.index_select(0, order // k)

@@ -228,6 +228,7 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     accumulation, as `grouped_mm(xs, dequant(packed).transpose(-2, -1), offs=group_ends)`.
 
     Built for few rows per expert: every block of 16 rows dequantises its expert's tiles again."""
+    # the custom op has no autograd formula: it runs while no gradient is recorded, the autograd Function otherwise
     if needs_grad(xs):
         return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _mxfp4_grouped_matmul_fwd)
     return torch.ops.kimik3.mxfp4_grouped_matmul(xs, packed, scale, group_ends)  # one node under compile
@@ -240,7 +241,7 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 # CUDA cores: the packed bytes stream in along K as 32-bit words (4 words per scale group), each word's eight codes
 # are decoded to f32 in registers, and the sum over K is a tl.sum. Rows of one expert each read its weights; up to
 # two rows per expert that still beats the tile kernel, which decodes each tile once for 16 rows (measured on the
-# H200: kernels/moe.py, MXFP4_GEMV_ROWS_PER_EXPERT).
+# H200: MXFP4_GEMV_ROWS_PER_EXPERT, above).
 #
 # What bounds it (benchmarks/diagnostics/diagnose_mxfp4_gemv.py, docs/benchmarks.md, Packed MXFP4 GEMV): loading the
 # words alone runs at 3.0-3.7 TB/s, loading and decoding them at 2.2-3.1, and x fetched as eight strided scalars per
@@ -374,6 +375,7 @@ def mxfp4_gemv(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     for one or two rows per expert: each routed row reads its expert's packed bytes once, with no 16-row tile.
     Rows past group_ends[-1] are left unwritten. Without autograd recording it runs as the custom op
     `torch.ops.kimik3.mxfp4_gemv` (one node under torch.compile); gradient for xs only."""
+    # the custom op has no autograd formula: it runs while no gradient is recorded, the autograd Function otherwise
     if needs_grad(xs):
         return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _mxfp4_gemv_fwd)
     return torch.ops.kimik3.mxfp4_gemv(xs, packed, scale, group_ends)  # one node under compile

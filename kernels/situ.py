@@ -169,6 +169,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_be
         raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     b1 = 1.0 if beta is None else float(beta)
     b2 = None if linear_beta is None else float(linear_beta)
+    # the custom op has no autograd formula: it runs while no gradient is recorded, the autograd Function otherwise
     if needs_grad(gate, up):
         return _SituGLU.apply(gate, up, b1, b2)
     return torch.ops.kimik3.situ_glu(gate, up, b1, b2)  # one node under torch.compile

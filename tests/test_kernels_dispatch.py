@@ -220,6 +220,31 @@ def test_available_ops_reports_reasons():
         assert value is True or isinstance(value, str), name
 
 
+def test_each_twin_is_registered_once_by_its_mechanism_file():
+    """OP_NAMES is what the mechanism files register next to their twins (no second table): each twin is defined in
+    one of them, under its op's name, and registering a name twice is refused."""
+    base = importlib.import_module(kernels.__name__ + "._base")
+    files = {f"{kernels.__name__}.{mechanism}" for mechanism in kernels.MECHANISMS}
+    assert kernels.OP_NAMES == tuple(base.TWINS) and len(set(kernels.OP_NAMES)) == len(kernels.OP_NAMES)
+    for name, registered in base.TWINS.items():
+        assert registered.fn.__module__ in files and registered.fn.__name__ == name, name
+    with pytest.raises(ValueError, match="'situ_glu' is already registered"):
+        base.twin("situ_glu")(lambda *args: None)
+    assert base.TWINS["situ_glu"].fn.__module__ == kernels.__name__ + ".situ"
+
+
+@pytest.mark.skipif(importlib.import_module("kimik3.kernels._base").HAS_TRITON, reason="Triton imports here")
+def test_without_triton_the_kernels_import_and_refuse_to_launch():
+    """Where Triton does not import, every mechanism file still imports and registers its custom ops (the stand-ins
+    of `_base`), and launching a kernel raises ImportError instead of running anything."""
+    situ = importlib.import_module(kernels.__name__ + ".situ")
+    with pytest.raises(ImportError, match="Triton"):
+        situ._situ_fwd(torch.randn(2, 4), torch.randn(2, 4), 4.0, None, torch.float32)
+    with pytest.raises(ImportError, match="_situ_fwd_kernel needs Triton"):
+        situ._situ_fwd_kernel[(1,)]
+    assert "ModuleNotFoundError" in kernels.available_ops()["situ_glu"]
+
+
 # ------------------------------------------------------------------------------------- remote code vs kimik3.kernels
 
 

@@ -9,7 +9,7 @@ events, bf16), each form against what the model ran before its own twin:
 * `gather`: the experts' expert-sorted copy of the activations (131072 rows of 3584 from 8192): `index_select`
   against `moe.gather_rows` at several (rows, columns) per program; TB/s of the bytes written and read once.
 * `conv`: the KDA short conv (+ SiLU) of one [8192, 12288] projection, no cached window: fla-core's Triton kernel
-  (through the twin's autograd path, as before) against `conv.causal_conv1d_prefill` at several (BLOCK_T, BLOCK_C, warps);
+  (the twin's autograd path, as before) against `conv.causal_conv1d_prefill` at several (BLOCK_T, BLOCK_C, warps);
   TB/s of x read once and y written; the largest difference from the reference.
 
 Router forms were also timed here once (a tensor-core GEMM written as f32, a Triton f32 dot): both rejected for
