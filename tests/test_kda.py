@@ -153,7 +153,7 @@ def test_qk_normalised_in_the_conv_is_the_recurrence_normalising_them(monkeypatc
     k per head (`l2norm_head_dim`; not v), the chunked form skips its own normalisation, and in f32 the logits are
     exactly those of the unfolded path (the same f32 l2norm on the same values). A decode step keeps the recurrent
     form's own normalisation. Channels that are not whole heads are refused."""
-    from kimik3.modeling import cache_kimi_k3, modeling_kimi_k3 as modeling
+    from kimik3.modeling import modeling_kimi_k3 as modeling
     from kimik3.modeling import dispatch_kimi_k3 as dispatch
     from kimik3.modeling import ops_kimi_k3 as ops
     from kimik3.tiny import build_tiny_model
@@ -163,7 +163,7 @@ def test_qk_normalised_in_the_conv_is_the_recurrence_normalising_them(monkeypatc
     with torch.no_grad():
         plain = model(ids, use_cache=False).logits
         seen_conv, seen_kda = [], []
-        conv, recurrence = ops.causal_conv1d, cache_kimi_k3.kda_recurrence
+        conv, recurrence = ops.causal_conv1d, dispatch.kda_recurrence
         monkeypatch.setattr(dispatch, "has_fast_twin", lambda name, *t: True)
         monkeypatch.setitem(dispatch.FAST_OPS, "causal_conv1d", dispatch.FastOp(
             lambda *a: seen_conv.append(a[3]) or conv(*a), traceable_forward=True))
