@@ -16,8 +16,22 @@
 The model files ask this module instead of naming a version: each bridge says which versions differ and how.
 """
 
+import importlib.util
+
 from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+
+try:  # transformers 5.0 through 5.24 register weight conversions for a model class by its model type
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+except ImportError:  # pragma: no cover - a transformers without checkpoint conversion mappings
+    register_checkpoint_conversion_mapping = None
+
+# Expert parallelism: transformers >= 5.21 dispatches tokens to the ranks' experts itself (`ep_dispatch_experts`, the
+# `transformers.distributed.expert_parallel` module, `DistributedConfig(ep_size=...)`): at inference on a shared
+# batch it masks the other ranks' routes and all-reduces, in training it exchanges tokens all-to-all. 5.17 to 5.20
+# mask at the router (`ep_router`) and all-reduce the experts' outputs (`moe_tp_experts`), selected with
+# `DistributedConfig(enable_expert_parallel=True)`.
+HAS_EP_DISPATCH = importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
 
 # transformers 5.24 renamed the cache argument and output field from `past_key_values` to `cache` (5.17 uses the
 # old name). Forward accepts both; outputs and generate() use whichever this transformers expects.

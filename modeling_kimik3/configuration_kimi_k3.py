@@ -19,10 +19,11 @@ unchanged. Our own model types (`kimik3`, `kimik3_text`) cannot collide with tra
 """
 
 import copy
-import importlib.util
 import math
 
 from transformers.configuration_utils import PretrainedConfig
+
+from .compat_kimi_k3 import HAS_EP_DISPATCH
 
 
 # The release's nested text_config was written by transformers 4.56.2 (`to_dict()`): these 50 boilerplate keys are
@@ -66,13 +67,11 @@ KIMI_K3_TP_PLAN = {
     "layers.*.mlp.experts.down_proj": "rowwise",
     "layers.*.mlp.experts": "moe_tp_experts",
 }
-# Expert parallel: whole experts per rank (Shard(0)), every rank running the replicated router on the same tokens.
-# transformers >= 5.21 dispatches with `ep_dispatch_experts` (`DistributedConfig(ep_size=...)`; at inference on a
-# shared batch it masks the other ranks' routes and all-reduces, in training it exchanges tokens all-to-all); 5.17
-# to 5.20 mask at the router (`ep_router`) and all-reduce the experts' outputs (`moe_tp_experts`), selected with
-# `DistributedConfig(enable_expert_parallel=True)`. KimiK3Experts skips the masked routes either way.
+# Expert parallel: whole experts per rank (Shard(0)), every rank running the replicated router on the same tokens,
+# with the dispatch this transformers has (compat_kimi_k3.HAS_EP_DISPATCH). KimiK3Experts skips the masked routes
+# either way.
 _EXPERT_PARAMETERS = {f"layers.*.mlp.experts.{name}": "grouped_gemm" for name in ("gate_up_proj", "down_proj")}
-if importlib.util.find_spec("transformers.distributed.expert_parallel") is not None:
+if HAS_EP_DISPATCH:
     KIMI_K3_EP_PLAN = {**_EXPERT_PARAMETERS, "layers.*.mlp.experts": "ep_dispatch_experts"}
 else:
     KIMI_K3_EP_PLAN = {"layers.*.mlp.gate": "ep_router", **_EXPERT_PARAMETERS, "layers.*.mlp.experts": "moe_tp_experts"}

@@ -43,16 +43,13 @@ from transformers.core_model_loading import (
     WeightRenaming,
 )
 
+from .compat_kimi_k3 import register_checkpoint_conversion_mapping
 from .configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, check_experts_format
 from .files_kimi_k3 import KimiK3LoadError, check_pretrained_folder
 from .ops_kimi_k3 import _E2M1_VALUES, MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 from .parallel_kimi_k3 import register_head_shard_style
 
 
-try:  # transformers 5.0-5.24
-    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-except ImportError:  # pragma: no cover - a transformers without checkpoint conversion mappings
-    register_checkpoint_conversion_mapping = None
 
 # ------------------------------------------------------------------------------------------------------------------
 # The release name map: the one table of how the release's tensor names become ours. The transforms below are built
