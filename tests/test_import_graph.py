@@ -131,3 +131,26 @@ def test_remote_code_imports_nothing_of_the_package_but_the_kernels(path):
                      if (name == "kimik3" or name.startswith("kimik3.")) and not name.startswith("kimik3.modeling.")
                      and not name.startswith(REMOTE_CODE_MAY_IMPORT))
     assert reached == [], f"{path.name} imports {reached} from the installed package"
+
+
+def _design_table_order() -> list[str]:
+    """The remote-code files in the order docs/design.md's ground-floor-up table lists them."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    table = text.split("The remote code, from the ground floor up", 1)[1].split("\n\n", 2)[1]
+    order = []
+    for row in table.splitlines()[2:]:
+        first_cell = row.split("|")[1]
+        order += [name.strip("` ") for name in first_cell.split(",")]
+    return order
+
+
+def test_the_design_docs_floors_are_the_codes():
+    """docs/design.md lists every remote-code file once, from the ground floor up: each imports only files listed
+    before it."""
+    order = _design_table_order()
+    assert sorted(order) == sorted(p.name for p in REMOTE_CODE.glob("*_kimi_k3.py"))
+    graph = _graph()
+    position = {f"kimik3.modeling.{name[:-3]}": index for index, name in enumerate(order)}
+    upward = [(module, imported) for module, index in position.items() for imported in graph[module]
+              if position.get(imported, -1) >= index]
+    assert upward == [], f"files importing one listed after them in docs/design.md: {upward}"
