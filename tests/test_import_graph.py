@@ -8,16 +8,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# The installed import names of the design-card folders (setup.py's PACKAGE_DIRS)
-PACKAGES = {
-    "kimik3": "kimik3",
-    "kimik3.training": "kimik3/training",
-    "kimik3.modeling": "modeling_kimik3",
-    "kimik3.configuration": "configuration",
-    "kimik3.convert": "convert",
-    "kimik3.kernels": "kernels",
-    "kimik3.hub_card": "hub_card",
-}
+
+
+def _package_dirs() -> dict[str, str]:
+    """setup.py's PACKAGE_DIRS: the installed import name of each design-card folder."""
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PACKAGE_DIRS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py defines no PACKAGE_DIRS")
+
+
+PACKAGES = _package_dirs()
 REMOTE_CODE = ROOT / "modeling_kimik3"
 # the one door from the remote code into the package: the optional fast twins, found by name at run time
 REMOTE_CODE_MAY_IMPORT = ("kimik3.kernels",)
