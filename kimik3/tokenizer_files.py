@@ -14,6 +14,7 @@ from kimik3.modeling.tokenization_kimi_k3 import (
     build_fast_backend,
     default_specials,
     load_ranks,
+    tokenizer_code_files,
 )
 
 TOKENIZER_FILE_NAMES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "chat_template.jinja")
@@ -107,8 +108,6 @@ def write_tokenizer_folder(directory, num_ranks: int) -> list[Path]:
     num_ranks + 256) and the tokenizer's remote code. Returns the paths written."""
     import shutil
 
-    from kimik3.remote_code import modeling_dir
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ranks = train_ranks(num_ranks)
@@ -126,7 +125,7 @@ def write_tokenizer_folder(directory, num_ranks: int) -> list[Path]:
     fast_path = directory / "tokenizer.json"
     backend.save(str(fast_path))
     written.append(fast_path)
-    code_path = directory / "tokenization_kimi_k3.py"
-    shutil.copyfile(modeling_dir() / code_path.name, code_path)
-    written.append(code_path)
+    for source in tokenizer_code_files():
+        shutil.copyfile(source, directory / source.name)
+        written.append(directory / source.name)
     return written

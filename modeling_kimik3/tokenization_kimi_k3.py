@@ -24,6 +24,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from transformers import AddedToken, PreTrainedTokenizer, PreTrainedTokenizerFast
+from transformers.dynamic_module_utils import get_relative_import_files
+
+from .files_kimi_k3 import check_inside
 
 VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
 # tokenizer_config.json's `auto_map` entry for these classes (slow, fast), named after this file: what save_pretrained
@@ -535,25 +538,27 @@ TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "add
                         "chat_template.jinja", "chat_template.json")
 
 
+def tokenizer_code_files() -> list[Path]:
+    """This file and the files it imports: what a tokenizer folder carries (AutoTokenizer imports them from it)."""
+    here = Path(__file__).resolve()
+    return [here, *map(Path, get_relative_import_files(str(here)))]
+
+
 def check_tokenizer_files(folder, subfolder, vocab_files_names: dict) -> None:
-    """A local folder's tokenizer files must resolve inside it (the rule of docs/bad_inputs.md, "Loading a folder"):
-    a symlink out of the folder would read another file's text as the vocabulary or the chat template. A Hub cache
-    snapshot's links into its own blobs/ are allowed. Repo ids and files are left to transformers."""
+    """A local folder's tokenizer files must resolve inside it (the rule of docs/bad_inputs.md, "Loading a folder",
+    `files_kimi_k3.check_inside`): a symlink out of the folder would read another file's text as the vocabulary or
+    the chat template. Repo ids and files are left to transformers."""
     if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
         return
-    root = os.path.realpath(os.path.join(folder, subfolder or ""))
-    snapshots, repo = os.path.dirname(root), os.path.dirname(os.path.dirname(root))
-    blobs = (os.path.join(repo, "blobs") if os.path.basename(snapshots) == "snapshots"
-             and os.path.basename(repo).startswith(("models--", "datasets--", "spaces--")) else None)
+    root = os.path.join(folder, subfolder or "")
     for name in (*vocab_files_names.values(), *TOKENIZER_SIDE_FILES):
-        path = os.path.join(folder, subfolder or "", name)
-        real = os.path.realpath(path)
-        if not os.path.lexists(path) or any(real.startswith(inside.rstrip(os.sep) + os.sep) or real == inside
-                                             for inside in (root, blobs) if inside):
-            continue
-        raise TokenizerFileError(f"{path}: is a symlink to {real}, outside the folder {folder}: a folder's files "
-                                 "must be in it (a Hub cache snapshot's links into its own blobs/ are the one "
-                                 "exception)")
+        path = os.path.join(root, name)
+        if os.path.lexists(path):
+            check_inside(root, path, error=_tokenizer_file_error)
+
+
+def _tokenizer_file_error(path, message: str) -> TokenizerFileError:
+    return TokenizerFileError(f"{path}: {message}")
 
 
 class ChatNormalizingMixin:
@@ -579,8 +584,9 @@ class ChatNormalizingMixin:
         directory, here = Path(save_directory), Path(__file__).resolve()
         # transformers 5 saves a fast tokenizer as tokenizer.json only; the ranks file keeps the slow class loadable
         saved = tuple(saved) + tuple(p for p in self.save_vocabulary(str(directory)) if p not in saved)
-        if here != (directory / here.name).resolve():
-            shutil.copyfile(here, directory / here.name)
+        for path in tokenizer_code_files():
+            if path.resolve() != (directory / path.name).resolve():
+                shutil.copyfile(path, directory / path.name)
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8"))
         config["auto_map"] = {**config.get("auto_map", {}), "AutoTokenizer": list(AUTO_TOKENIZER)}

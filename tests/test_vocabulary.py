@@ -218,7 +218,8 @@ def test_processor_code_files_are_the_processors_imports():
     from kimik3.modeling.processing_kimi_k3 import PROCESSOR_CODE_FILES
     from kimik3.remote_code import modeling_dir, remote_code_files
 
-    assert PROCESSOR_CODE_FILES == ("processing_kimi_k3.py", "image_processing_kimi_k3.py", "tokenization_kimi_k3.py")
+    assert PROCESSOR_CODE_FILES == (
+        "processing_kimi_k3.py", "files_kimi_k3.py", "image_processing_kimi_k3.py", "tokenization_kimi_k3.py")
     model_copies = [p.name for p in saving.carried_code_files([REPO / "no-such-folder", modeling_dir()])]
     processor_copies = set(PROCESSOR_CODE_FILES) - {saving.TOKENIZER_CODE_FILE}
     assert processor_copies <= set(model_copies) and saving.TOKENIZER_CODE_FILE not in model_copies
