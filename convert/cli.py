@@ -57,6 +57,19 @@ def _verify_parser(prog: str = "kimik3 verify") -> argparse.ArgumentParser:
     return p
 
 
+def _adopt_parser(prog: str = "kimik3 adopt") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Make a folder of kilobytes that loads a release-layout folder "
+                                "(a Hub snapshot folder works) through our code with trust_remote_code: our config, "
+                                "code and tokenizer files, and symlinks to the release's index and shards (nothing "
+                                "is copied; the release folder is never written).")
+    p.add_argument("src", help="the release-layout folder (its files stay where they are)")
+    p.add_argument("dst", help="the folder to write (new, or an empty folder; outside SRC)")
+    p.add_argument("--experts-format", choices=EXPERTS_FORMATS, default=DEFAULT_EXPERTS_FORMAT,
+                   help="the config's experts_format, one of %(choices)s (default %(default)s): dense dequantises the "
+                   "routed experts to bf16 at load (exact); mxfp4 keeps them packed")
+    return p
+
+
 # The shell's code for a process stopped by SIGINT (128 + 2)
 INTERRUPTED_EXIT_CODE = 130
 
@@ -141,6 +154,22 @@ def _do_verify(args) -> int:
     else:
         print(f"logits: {'equal' if logits.get('ok') else 'DIFFERENT'} (max |diff| {logits.get('max_abs_diff')})")
     return 0 if report["ok"] else 1
+
+
+def _do_adopt(args) -> int:
+    from .adopt import adopt
+
+    summary = adopt(args.src, args.dst, experts_format=args.experts_format)
+    print(f"adopted {args.src} -> {args.dst}: {summary['links']} link(s) into {summary['record']['release']}, "
+          f"{len(summary['record']['written'])} file(s) written ({summary['bytes_written'] / 1e3:.1f} kB), experts "
+          f"{args.experts_format}")
+    for note in summary["record"]["notes"]:
+        print(f"note: {note}")
+    return 0
+
+
+def run_adopt(argv=None) -> int:
+    return _run(_adopt_parser(), argv, _do_adopt, resumable=False)
 
 
 def run_convert(argv=None) -> int:

@@ -48,6 +48,9 @@ SAFETENSORS_ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1
 # safetensors caps the header at 100 MB; anything larger is corruption, not a real header.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _HUB_CACHE_KINDS = ("models--", "datasets--", "spaces--")
+# The record of a folder written by `kimik3 adopt` (our config, code and tokenizer files, links to a release folder's
+# shards): it names the one release folder the folder's links may reach.
+ADOPTION_RECORD_NAME = "kimik3_adoption.json"
 
 
 def load_error(path, message: str, tensor: str | None = None) -> KimiK3LoadError:
@@ -91,18 +94,75 @@ def check_file_name(name, named_by, *, what: str = "file", suffix: str = "", ten
                     "path separators, no `..`, no drive or absolute path)", tensor)
 
 
-def check_inside(folder, path, *, error=load_error) -> None:
-    """`path` (in `folder`) must not resolve outside it: a symlink out of the folder is refused; symlinks that stay
-    inside are fine, and so are a Hub cache snapshot's links into its own `blobs/`."""
+def _resolves_inside(folder, path) -> bool:
+    """`path` resolves inside `folder`, or into the blobs/ of the Hub cache snapshot `folder` is."""
     real_folder = os.path.realpath(folder)
     real = os.path.realpath(path)
     if _within(real, real_folder):
-        return
+        return True
     blobs = _hub_blobs(real_folder)
-    if blobs is not None and _within(real, blobs):
+    return blobs is not None and _within(real, blobs)
+
+
+def _adoption_record(folder, error) -> tuple[str, frozenset] | None:
+    """(the release folder, the names linking into it) of an adopted folder's record (`ADOPTION_RECORD_NAME`, written
+    by `kimik3 adopt`); None when `folder` holds no record. The record grants its folder's links their one way out,
+    so it is checked before it is believed: a regular file of the folder (a symlink is refused, even one inside),
+    strict JSON, its `release` an absolute path without `..` or `.` parts (kimik3 adopt writes it resolved) naming an
+    existing directory, its `links` a list of plain file names."""
+    record = os.path.join(folder, ADOPTION_RECORD_NAME)
+    if not os.path.lexists(record):
+        return None
+    if os.path.islink(record):
+        raise error(record, "is a symlink: the record that lets an adopted folder's links reach its release folder "
+                    "must be a regular file of the folder itself")
+    value = read_json(record, error=error, object_pairs_hook=dict_without_duplicate_keys)
+    release = value.get("release") if isinstance(value, dict) else None
+    links = value.get("links") if isinstance(value, dict) else None
+    if (not isinstance(release, str) or not os.path.isabs(release) or "\x00" in release
+            or os.path.normpath(release) != release or any(p in (".", "..") for p in release.split(os.sep))):
+        raise error(record, f"key `release` = {release!r}: the release folder must be named by an absolute path "
+                    "without `..` or `.` parts (kimik3 adopt writes it resolved)")
+    if not isinstance(links, list):
+        raise error(record, "key `links` must list the file names that link into the release folder")
+    for name in links:
+        check_file_name(name, record, what="linked file", error=error)
+    if not os.path.isdir(release):
+        raise error(record, f"names the release folder {release}, which is " + (
+            "not a directory" if os.path.exists(release) else "missing") + ": the folder's links lead nowhere")
+    return release, frozenset(links)
+
+
+def _adopted_link(folder, path, error) -> bool:
+    """True for the one exception of an adopted folder (docs/bad_inputs.md, "Loading a folder"): `path` is a symlink
+    directly in `folder`, the record lists its name, and it links to the file of that same name in the release
+    folder the record names, a file that resolves inside that folder (or its Hub snapshot's blobs/). A listed link
+    whose release file is missing is an error naming both."""
+    if not os.path.islink(path) or os.path.dirname(os.path.abspath(path)) != os.path.abspath(folder):
+        return False
+    record = _adoption_record(folder, error)
+    if record is None:
+        return False
+    release, links = record
+    name = os.path.basename(path)
+    target = os.path.join(release, name)
+    if name not in links or os.readlink(path) != target:
+        return False
+    if not os.path.lexists(target):
+        raise error(path, f"links to {target}, which is missing: the release folder {release} named by "
+                    f"{ADOPTION_RECORD_NAME} lacks it (restore it there, or adopt the release again)")
+    return _resolves_inside(release, target)
+
+
+def check_inside(folder, path, *, error=load_error) -> None:
+    """`path` (in `folder`) must not resolve outside it: a symlink out of the folder is refused; symlinks that stay
+    inside are fine, and so are a Hub cache snapshot's links into its own `blobs/`, and an adopted folder's links to
+    the files of its release folder (`_adopted_link`)."""
+    if _resolves_inside(folder, path) or _adopted_link(folder, path, error):
         return
-    raise error(path, f"is a symlink to {real}, outside the folder {folder}: a folder's files must be in it (a Hub "
-                "cache snapshot's links into its own blobs/ are the one exception)")
+    raise error(path, f"is a symlink to {os.path.realpath(path)}, outside the folder {folder}: a folder's files must "
+                "be in it (a Hub cache snapshot's links into its own blobs/, and an adopted folder's links to its "
+                "release folder's files of the same names, are the exceptions)")
 
 
 def _reject_constant(name: str):
@@ -545,6 +605,7 @@ def checked_pretrained_folder(pretrained, kwargs):
 
 
 __all__ = [
+    "ADOPTION_RECORD_NAME",
     "DuplicateKeyError",
     "KimiK3LoadError",
     "check_auto_map",
