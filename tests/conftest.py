@@ -139,10 +139,11 @@ def fresh_python(tmp_path_factory):
 
 
 # Files that share a session fixture run on one pytest-xdist worker, so the fixture runs once: the two files of the
-# one launch of two ranks (`two_rank_runs`), the two of the one fresh interpreter (`fresh_python`). Every other file
+# one launch of two ranks (`two_rank_runs`), the three of the one fresh interpreter (`fresh_python`). Every other file
 # is a group of its own.
 SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "two_rank_launch",
-                 "test_remote_code": "fresh_interpreter", "test_hub_card": "fresh_interpreter"}
+                 "test_remote_code": "fresh_interpreter", "test_hub_card": "fresh_interpreter",
+                 "test_adopt": "fresh_interpreter"}
 # The groups that take longest, handed out first (longest first), so the two workers end together rather than one
 # starting a long group while the other has finished; the rest go in xdist's order (most tests first). Seconds summed
 # from `--durations=0` of the files at `-n 0` on a shared 2-core machine (only the order matters). No file is near
@@ -150,7 +151,7 @@ SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "t
 GROUP_SECONDS = {"test_release_loading": 24, "test_training": 16, "test_quantile_balancing_model": 16,
                  "test_static_cache": 13, "test_convert_memory": 12, "test_convert_roundtrip": 8,
                  "test_training_lora": 8, "test_bad_inputs_runs": 7, "test_convert_resume": 7, "two_rank_launch": 7,
-                 "fresh_interpreter": 7, "test_vision": 4, "test_speculative": 3}
+                 "fresh_interpreter": 17, "test_vision": 4, "test_speculative": 3}
 
 
 def xdist_group_of(nodeid: str) -> str:
