@@ -15,8 +15,9 @@
 
 One rule for `from_pretrained`, which runs `check_pretrained_folder` before transformers reads any file, and for
 `kimik3 convert` / `export` / `verify` (convert/checkpoint.py and convert/safetensors_io.py import these): file names
-that stay in the folder, symlinks that stay inside it, strict JSON (no key given twice), the safetensors header read
-as strictly as the format, every tensor from one shard, the layer count against the tensors, auto_map naming only
+that stay in the folder, symlinks that stay inside it (a Hub snapshot's into its blobs/, an adopted folder's to the
+release folder its record names), strict JSON (no key given twice), the safetensors header read as strictly as the
+format, every tensor from one shard, the layer count against the tensors, auto_map naming only
 the folder's own code. Pure Python and the standard library: remote code cannot import the kimik3 package.
 """
 
