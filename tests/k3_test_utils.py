@@ -29,3 +29,47 @@ def cache_of(output):
     cache = getattr(output, "cache", None)
     return cache if cache is not None else output.past_key_values
 
+
+
+def run_forked(function, *args, timeout: float = 300):
+    """`function(*args)` in a child forked from this process, which has torch, transformers and kimik3 imported
+    already: a fresh interpreter spent most of its time importing them. The child's return value travels back as
+    JSON (nothing is unpickled). Returns (exit code, value, error text): the exit code is -N when signal N ended the
+    child, and the value is None when the child died without replying."""
+    import ctypes
+    import json
+    import multiprocessing
+    import traceback
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child():
+        receive.close()
+        torch.set_num_threads(1)  # a forked child cannot use the parent's OpenMP pool
+        # memory this process freed but glibc kept goes back to the system: a measurement in the child must not be
+        # served from the parent's leftovers
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's
+        if trim is not None:
+            trim(0)
+        try:
+            reply = {"value": function(*args), "error": ""}
+        except BaseException:
+            reply = {"value": None, "error": traceback.format_exc()}
+        send.send_bytes(json.dumps(reply).encode())
+
+    process = context.Process(target=child, daemon=True)
+    process.start()
+    send.close()
+    reply = {"value": None, "error": "the child ended without a reply"}
+    if receive.poll(timeout):
+        try:
+            reply = json.loads(receive.recv_bytes())
+        except EOFError:  # it died first (a signal, os._exit)
+            pass
+    else:
+        reply["error"] = f"no reply in {timeout} s"
+        process.kill()
+    process.join(30)
+    receive.close()
+    return process.exitcode, reply["value"], reply["error"]

@@ -1,45 +1,42 @@
-"""Peak memory of a conversion is bounded by the streaming chunk, not by the model: measured in a fresh process
+"""Peak memory of a conversion is bounded by the streaming chunk, not by the model: measured in a process of its own
 with the kernel's peak-RSS counter (VmHWM, reset through /proc/self/clear_refs) on two synthetic checkpoints, the
 larger one many times the bound."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import kimik3.convert as kc
+from k3_test_utils import run_forked
 from kimik3.convert import testing
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from convert_throughput import reset_peak  # noqa: E402  (the benchmark's peak-RSS reset, used here as well)
+from convert_throughput import reset_peak, status_bytes  # noqa: E402  (the benchmark measures the same way)
 
 CHUNK = 4 * 2**20
 WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "routed_expert_hidden_size": 256,
         "intermediate_size": 256, "vocab_size": 1024}
 
-MEASURE = r"""
-import json, sys
-import kimik3.convert as kc
-
-sys.path.insert(0, sys.argv[5])
-from convert_throughput import reset_peak, status_bytes  # the benchmark measures the same way
-
-small, large, out, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-result = {}
-for experts in ("dense", "mxfp4"):
-    kc.convert(small, f"{out}/warm-{experts}", progress=False, chunk_bytes=chunk, experts_format=experts,
-               threads=1)  # imports, pools
-    for label, src in (("small", small), ("large", large)):
-        assert reset_peak()
-        base = status_bytes("VmRSS:")
-        summary = kc.convert(src, f"{out}/{experts}-{label}", progress=False, chunk_bytes=chunk,
-                             experts_format=experts, threads=1)
-        result.setdefault(experts, {})[label] = {"growth": status_bytes("VmHWM:") - base, "bytes": summary["bytes"]}
-print(json.dumps(result))
-"""
+def measure(small, large, out, chunk):
+    """Both expert formats, each warmed up on the small checkpoint (imports, pools), then the small and the large one
+    with the peak reset before each; run in a forked child (k3_test_utils.run_forked): a process of its own, which
+    gives its parent's freed memory back before measuring."""
+    result = {}
+    for experts in ("dense", "mxfp4"):
+        kc.convert(small, f"{out}/warm-{experts}", progress=False, chunk_bytes=chunk, experts_format=experts,
+                   threads=1)
+        for label, src in (("small", small), ("large", large)):
+            assert reset_peak()
+            base = status_bytes("VmRSS:")
+            summary = kc.convert(src, f"{out}/{experts}-{label}", progress=False, chunk_bytes=chunk,
+                                 experts_format=experts, threads=1)
+            result.setdefault(experts, {})[label] = {"growth": status_bytes("VmHWM:") - base,
+                                                     "bytes": summary["bytes"]}
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +50,11 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def measured_by_format(checkpoints, tmp_path_factory):
-    """Both expert formats converted in one fresh process (one import of torch)."""
-    result = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(checkpoints / "small"), str(checkpoints / "large"),
-         str(tmp_path_factory.mktemp("converted")), str(CHUNK), str(BENCHMARKS)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """Both expert formats measured in one child process."""
+    returncode, measured, error = run_forked(measure, str(checkpoints / "small"), str(checkpoints / "large"),
+                                             str(tmp_path_factory.mktemp("converted")), CHUNK)
+    assert returncode == 0 and measured is not None, error
+    return measured
 
 
 @pytest.mark.skipif(not reset_peak(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")

@@ -3,13 +3,13 @@ it, without rewriting finished shards, and the result is byte-identical to an un
 folder never looks finished."""
 
 import json
+import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
 import kimik3.convert as kc
+from k3_test_utils import run_forked
 from kimik3.convert import engine, testing
 from kimik3.convert.errors import ConversionError
 
@@ -54,23 +54,19 @@ def interrupt_after_tensors(monkeypatch, count):
     monkeypatch.setattr(engine.ShardWriter, "write_tensor", write_tensor)
 
 
-# A child process that SIGKILLs itself after N tensors: no `finally`, no atexit, nothing cleans up.
-KILL_AFTER_TENSORS = """
-import os, signal, sys
-import kimik3.convert as kc
-from kimik3.convert import engine
+def kill_after_tensors(src, dst, count):
+    """Run in a forked child: the conversion SIGKILLs its own process after `count` tensors, so no `finally`, no
+    atexit, nothing cleans up."""
+    original, written = engine.ShardWriter.write_tensor, [0]
 
-original, written, count = engine.ShardWriter.write_tensor, [0], int(sys.argv[3])
+    def write_tensor(self, *args, **kwargs):
+        if written[0] == count:
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(self, *args, **kwargs)
+        written[0] += 1
 
-def write_tensor(self, *args, **kwargs):
-    if written[0] == count:
-        os.kill(os.getpid(), signal.SIGKILL)
-    original(self, *args, **kwargs)
-    written[0] += 1
-
-engine.ShardWriter.write_tensor = write_tensor
-kc.convert(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[4], progress=False)
-"""
+    engine.ShardWriter.write_tensor = write_tensor
+    kc.convert(src, dst, max_shard_size=SHARD, progress=False)
 
 
 def stamps(folder, names):
@@ -98,9 +94,8 @@ def test_a_raised_interruption_resumes_to_identical_bytes(release, uninterrupted
 
 def test_a_hard_kill_mid_shard_resumes_to_identical_bytes(release, uninterrupted, tmp_path):
     dst = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-c", KILL_AFTER_TENSORS, str(release.path), str(dst), "45", SHARD],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == -signal.SIGKILL, result.stderr
+    returncode, _, error = run_forked(kill_after_tensors, str(release.path), str(dst), 45, timeout=120)
+    assert returncode == -signal.SIGKILL, error
     assert looks_unfinished(dst)
     assert list(dst.glob(".model-*.partial"))  # the shard being written when killed: not under its final name
     kc.convert(release.path, dst, max_shard_size=SHARD, progress=False)
