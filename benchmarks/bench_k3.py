@@ -128,9 +128,9 @@ def byte_stats(model):
     """Parameter bytes by role. 3-D `*experts*` parameters are routed experts [E, out, in]."""
     stats = {"dense_params": 0, "dense_bytes": 0, "embed_bytes": 0, "lm_head_params": 0, "lm_head_bytes": 0,
              "expert_params_per_expert": 0, "expert_bytes_per_expert": 0, "num_experts": 0, "moe_layers": set()}
-    # packed MXFP4 experts are buffers (uint8 codes + E8M0 scales): their bytes are what a decode step reads
-    packed = [(n, b) for n, b in model.named_buffers() if n.endswith(("_packed", "_scale"))]
-    for name, p in [*model.named_parameters(), *packed]:
+    # packed MXFP4 experts are parameters without gradient (uint8 codes + E8M0 scales): their bytes are what a decode
+    # step reads
+    for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
         if "embed_tokens" in name:
             stats["embed_bytes"] += nbytes
@@ -150,7 +150,7 @@ def byte_stats(model):
     if n_moe:  # per layer
         stats["expert_params_per_expert"] //= n_moe
         stats["expert_bytes_per_expert"] //= n_moe
-    stats["total_bytes"] = sum(p.numel() * p.element_size() for p in [*model.parameters(), *(b for _, b in packed)])
+    stats["total_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     return stats
 
 
@@ -1100,7 +1100,7 @@ def main():
         config.experts_format = "mxfp4"
         model = build(KimiK3ForCausalLM, config)
         with torch.no_grad():  # random valid codes; E8M0 scales 2^-9..2^-6 keep the weights at a trained size
-            for name, buffer in model.named_buffers():
+            for name, buffer in model.named_parameters():
                 if name.endswith("_packed"):
                     buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, device=buffer.device))
                 elif name.endswith("_scale"):

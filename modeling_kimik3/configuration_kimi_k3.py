@@ -47,8 +47,10 @@ _RELEASE_TEXT_BOILERPLATE = {
 # dt_bias and short-conv channels sharded alike (`kimi_k3_heads`, parallel_kimi_k3.py), so the recurrent state is
 # sharded by head too; MLA q_b/kv_b/g colwise by head with the shared latent kv_a_proj_with_mqa replicated (its k_pe
 # part bypasses kv_b, hence `mla_kv_a_proj` for its gradient). o_proj rowwise (one all-reduce per attention). The
-# dense and shared-expert MLPs colwise/rowwise; routed experts sharded along their intermediate width. The router,
-# the LatentMoE down/norm/up projections, every RMSNorm and the Block AttnRes pseudo-queries are replicated.
+# dense and shared-expert MLPs colwise/rowwise; routed experts sharded along their intermediate width, packed MXFP4
+# ones too (their codes and scales alike; down_proj in whole 32-value groups: `kimi_k3_mxfp4_rowwise`,
+# parallel_kimi_k3.py). The router, the LatentMoE down/norm/up projections, every RMSNorm and the Block AttnRes
+# pseudo-queries are replicated.
 _KDA_HEAD_PARAMETERS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 KIMI_K3_TP_PLAN = {
     **{f"layers.*.self_attn.{name}": "colwise"
@@ -65,12 +67,15 @@ KIMI_K3_TP_PLAN = {
     "layers.*.mlp.shared_experts.down_proj": "rowwise",
     "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
     "layers.*.mlp.experts.down_proj": "rowwise",
+    **{f"layers.*.mlp.experts.gate_up_proj_{part}": "packed_colwise" for part in ("packed", "scale")},
+    **{f"layers.*.mlp.experts.down_proj_{part}": "kimi_k3_mxfp4_rowwise" for part in ("packed", "scale")},
     "layers.*.mlp.experts": "moe_tp_experts",
 }
-# Expert parallel: whole experts per rank (Shard(0)), every rank running the replicated router on the same tokens,
-# with the dispatch this transformers has (compat_kimi_k3.HAS_EP_DISPATCH). KimiK3Experts skips the masked routes
-# either way.
-_EXPERT_PARAMETERS = {f"layers.*.mlp.experts.{name}": "grouped_gemm" for name in ("gate_up_proj", "down_proj")}
+# Expert parallel: whole experts per rank (Shard(0)), dense or packed (codes and scales), every rank running the
+# replicated router on the same tokens, with the dispatch this transformers has (compat_kimi_k3.HAS_EP_DISPATCH).
+# KimiK3Experts skips the masked routes either way.
+_EXPERT_PARAMETERS = {f"layers.*.mlp.experts.{name}{part}": "grouped_gemm" for name in ("gate_up_proj", "down_proj")
+                      for part in ("", "_packed", "_scale")}
 if HAS_EP_DISPATCH:
     KIMI_K3_EP_PLAN = {**_EXPERT_PARAMETERS, "layers.*.mlp.experts": "ep_dispatch_experts"}
 else:

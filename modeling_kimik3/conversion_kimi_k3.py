@@ -47,7 +47,7 @@ from .compat_kimi_k3 import register_checkpoint_conversion_mapping
 from .configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, check_experts_format
 from .files_kimi_k3 import KimiK3LoadError, check_pretrained_folder
 from .ops_kimi_k3 import _E2M1_VALUES, MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
-from .parallel_kimi_k3 import register_head_shard_style
+from .parallel_kimi_k3 import compact_local_shards, global_index, local_shard, register_shard_styles
 
 
 
@@ -154,7 +154,8 @@ def mxfp4_overflow_message(index, byte: int, code: float, dtype: torch.dtype) ->
 def check_packed_experts(model) -> None:
     """Kept-packed MXFP4 experts are dequantised to the compute dtype at every forward: each group must decode to
     finite values in it (the floating dtype of the model's parameters), checked once at load. Errors name the release
-    tensor and our fused one."""
+    tensor and our fused one. Under tensor or expert parallelism each rank checks its own share, with no collective,
+    and names the whole tensor's index."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
     for name, module in model.named_modules():
         if not getattr(module, "packed", False):
@@ -163,10 +164,11 @@ def check_packed_experts(model) -> None:
             packed, scale = getattr(module, f"{fused}_packed", None), getattr(module, f"{fused}_scale", None)
             if packed is None or scale is None or packed.device.type == "meta" or scale.dim() != 3:
                 continue
-            found = mxfp4_overflow(packed, scale, dtype)
+            found = mxfp4_overflow(local_shard(packed), local_shard(scale), dtype)
             if found is None:
                 continue
-            (expert, row, group), byte, code = found
+            local_index, byte, code = found
+            expert, row, group = global_index(scale, local_index)
             parts = EXPERT_PARTS[fused]
             part_rows = scale.shape[1] // len(parts)
             part = parts[row // part_rows]
@@ -478,8 +480,9 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     check_pretrained_folder(pretrained, kwargs)
     fmt, release_quantization = _resolve_config(model_class, pretrained, kwargs, experts_format)
     register_release_conversions(fmt)
-    if any(kwargs.get(key) is not None for key in _PARALLEL_KWARGS):
-        register_head_shard_style()  # the TP plan's `kimi_k3_heads` style (parallel_kimi_k3.py)
+    parallel = any(kwargs.get(key) is not None for key in _PARALLEL_KWARGS)
+    if parallel:
+        register_shard_styles()  # the TP plan's styles of ours (parallel_kimi_k3.py)
     want_info = kwargs.pop("output_loading_info", False)
     user_ignores_sizes = kwargs.get("ignore_mismatched_sizes", False)
     kwargs["ignore_mismatched_sizes"] = True  # report mismatches ourselves, by release name
@@ -508,6 +511,8 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
                         + ", ".join(f"`{release_name(k)}`" for k in sorted(info["unexpected_keys"])))
     if problems:
         raise KimiK3LoadError(f"{pretrained}: " + "; ".join(problems))
+    if parallel:
+        compact_local_shards(model)
     _check_finite(model)
     check_packed_experts(model)
     generation_config = getattr(model, "generation_config", None)

@@ -525,10 +525,13 @@ class KimiK3Experts(nn.Module):
         gate_up = (self.num_experts, 2 * self.intermediate_size, self.latent_size)
         down = (self.num_experts, self.latent_size, self.intermediate_size)
         if self.packed:
+            # Parameters without gradient, as transformers holds packed weights: its tensor- and expert-parallel
+            # styles shard parameters only (docs/design.md, Parallelism), and its loader reads a rank's share of each
             for name, shape in (("gate_up_proj", gate_up), ("down_proj", down)):
-                self.register_buffer(f"{name}_packed", torch.zeros(*shape[:-1], shape[-1] // 2, dtype=torch.uint8))
-                self.register_buffer(f"{name}_scale", torch.full((*shape[:-1], shape[-1] // MXFP4_GROUP_SIZE), 127,
-                                                                 dtype=torch.uint8))
+                codes = torch.zeros(*shape[:-1], shape[-1] // 2, dtype=torch.uint8)
+                scales = torch.full((*shape[:-1], shape[-1] // MXFP4_GROUP_SIZE), 127, dtype=torch.uint8)
+                setattr(self, f"{name}_packed", nn.Parameter(codes, requires_grad=False))
+                setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(gate_up))
             self.down_proj = nn.Parameter(torch.empty(down))
@@ -548,11 +551,6 @@ class KimiK3Experts(nn.Module):
         Under expert parallelism (this rank holds `num_experts` of `config.num_experts`) only the routes to local
         experts are computed, and the f32 partial sum is returned: the ranks' parts are added by the plan's
         all-reduce (or all-to-all combine) in f32, then rounded once, as on one device."""
-        if self.packed and getattr(self, "_is_hooked", False):
-            raise NotImplementedError(
-                "Tensor and expert parallelism need the experts as parameters: load with experts_format='dense' "
-                "(the packed MXFP4 buffers are not sharded)"
-            )
         if self.num_experts < self.config.num_experts:
             return self._local_routes(hidden_states, top_indices, top_weights)
         return self._routed(hidden_states, top_indices, top_weights)

@@ -1,5 +1,6 @@
 """Spreading the tiny model over devices on CPU: a device_map with CPU and disk offload, and tensor / expert parallel
-plans on 2 gloo processes (tests/parallel_worker.py under torchrun), each against the single-process model."""
+plans on 2 gloo processes (tests/parallel_worker.py, and with the experts kept packed tests/packed_parallel_worker.py,
+in the shared two-rank launch), each against the single-process model."""
 
 import json
 import os
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS.parent / "benchmarks"))
 
+from packed_parallel_worker import PACKED_OUT, forward_and_backward, packed_holdings  # noqa: E402
 from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
@@ -97,6 +99,62 @@ def test_parallel_plan_shards_and_matches_one_process(parallel_runs, reference, 
         # f32 on CPU: only the order of the all-reduced partial sums differs from one process
         torch.testing.assert_close(run["logits"], logits, rtol=1e-5, atol=1e-5)
         assert torch.equal(run["generated"], generated)
+
+
+@pytest.fixture(scope="module")
+def packed_runs(two_rank_runs):
+    """The packed model's folder, its 2 gloo ranks' results per mode and the refusal of a cut group (`cut`)."""
+    out_dir = two_rank_runs["parallel"] / PACKED_OUT
+    runs = {mode: [{**json.loads((out_dir / f"{mode}-rank{rank}.json").read_text()),
+                    **load_file(str(out_dir / f"{mode}-rank{rank}.safetensors"))} for rank in range(2)]
+            for mode in MODES}
+    cut = [json.loads((out_dir / f"cut-rank{rank}.json").read_text())["error"] for rank in range(2)]
+    return out_dir / "model", runs, cut
+
+
+@pytest.fixture(scope="module")
+def packed_reference(packed_runs):
+    """The packed model in one process (f32): its holdings, logits, greedy tokens and gradients."""
+    model = AutoModelForCausalLM.from_pretrained(packed_runs[0], trust_remote_code=True, dtype=torch.float32).eval()
+    return model.config, packed_holdings(model), forward_and_backward(model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_experts_stay_packed_sharded_and_match_one_process(packed_runs, packed_reference, mode):
+    """TP splits each expert along its intermediate width (gate_up rows, down_proj's input dim in whole MXFP4 groups),
+    EP hands each rank whole experts: every rank holds exactly half the packed bytes, in storage of its own, frozen;
+    logits, greedy tokens and the gradients through the experts (to the input embeddings, and to the replicated
+    projection feeding them) are the one process's."""
+    config, whole, reference = packed_reference
+    tp, ep = mode in ("tp", "tp_ep"), mode in ("ep", "tp_ep")
+    e = config.num_experts // 2 if ep else config.num_experts
+    i = config.moe_intermediate_size // 2 if (tp and not ep) else config.moe_intermediate_size
+    groups_of = config.moe_intermediate_size // whole["shapes"]["down_proj_scale"][-1]  # values per scale
+    latent = config.latent_size
+    want = {"gate_up_proj_packed": [e, 2 * i, latent // 2], "gate_up_proj_scale": [e, 2 * i, latent // groups_of],
+            "down_proj_packed": [e, latent, i // 2], "down_proj_scale": [e, latent, i // groups_of]}
+    assert whole["shapes"] == {"gate_up_proj_packed": [config.num_experts, 2 * config.moe_intermediate_size,
+                                                       latent // 2],
+                               "gate_up_proj_scale": [config.num_experts, 2 * config.moe_intermediate_size,
+                                                      latent // groups_of],
+                               "down_proj_packed": [config.num_experts, latent, config.moe_intermediate_size // 2],
+                               "down_proj_scale": [config.num_experts, latent, config.moe_intermediate_size
+                                                   // groups_of]}
+    for rank, run in enumerate(packed_runs[1][mode]):
+        assert run["shapes"] == want and run["num_local_experts"] == e, f"rank {rank}"
+        assert run["bytes"] == run["storage_bytes"] == whole["bytes"] // 2, f"rank {rank}"
+        assert not run["requires_grad"]
+        for name in ("logits", "grad_embeds", "grad_expert_feed"):
+            torch.testing.assert_close(run[name], reference[name], rtol=1e-5, atol=1e-5, msg=f"{name}, rank {rank}")
+        assert torch.equal(run["generated"], reference["generated"])
+
+
+def test_packed_experts_tensor_parallel_refuses_a_degree_that_cuts_an_mxfp4_group(packed_runs):
+    """The tiny model's intermediate width is one group of 32: 2 tensor-parallel ranks would cut it. The load stops
+    when the plan is applied, naming the tensor, on both ranks."""
+    for error in packed_runs[2]:
+        assert error is not None and error.startswith("`model.layers.1.mlp.experts.down_proj_packed`: its 1 MXFP4 "
+                                                      "group(s) along the input dim cannot be split over 2")
 
 
 def test_device_map_with_cpu_and_disk_offload_matches_one_device(tiny_dir, reference, tmp_path):

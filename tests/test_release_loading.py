@@ -154,9 +154,9 @@ imported = registries()
 parallel = sys.modules[model_class.__module__.rsplit(".", 1)[0] + ".parallel_kimi_k3"]
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 loaded = registries()
-parallel.register_head_shard_style()
+parallel.register_shard_styles()
 style = ALL_PARALLEL_STYLES[parallel.HEAD_SHARD_STYLE]
-parallel.register_head_shard_style()
+parallel.register_shard_styles()
 print(json.dumps({
     "module": model_class.__module__,
     "import_changed_nothing": unchanged(before, imported, parallel.HEAD_SHARD_STYLE),

@@ -1,10 +1,12 @@
 """What the CPU suite runs in one launch of 2 gloo ranks (one start of two processes instead of one per test file):
-the tensor/expert-parallel plans of tests/parallel_worker.py, then the context-parallel and FSDP2 checks of
-tests/context_parallel_worker.py. The conftest fixture `two_rank_runs` forks the two ranks and calls `main` in each,
-with torchrun's environment; it also runs under torchrun, as below, and each worker runs alone (the GPU tests launch
-them with NCCL).
+the tensor/expert-parallel plans of tests/parallel_worker.py, the same plans with the experts kept packed
+(tests/packed_parallel_worker.py), then the context-parallel and FSDP2 checks of tests/context_parallel_worker.py.
+The conftest fixture `two_rank_runs` forks the two ranks and calls `main` in each, with torchrun's environment; it
+also runs under torchrun, as below, and each worker runs alone (the GPU tests launch them with NCCL).
 
     torchrun --standalone --nproc-per-node 2 tests/two_rank_worker.py MODEL_DIR PARALLEL_OUT CONTEXT_PARALLEL_OUT MODE...
+
+The packed checks write their model and results under PARALLEL_OUT/packed (packed_parallel_worker.PACKED_OUT).
 """
 
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import context_parallel_worker
+import packed_parallel_worker
 import parallel_worker
 
 
@@ -21,6 +24,7 @@ def main(argv: list[str]) -> None:
     dist.init_process_group("gloo")
     try:
         parallel_worker.run_modes(model_dir, Path(parallel_out), modes)
+        packed_parallel_worker.run_all(model_dir, Path(parallel_out) / packed_parallel_worker.PACKED_OUT)
         context_parallel_worker.run_all(Path(context_parallel_out))
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,119 @@
+"""Helper for tests/test_parallel.py: the routed experts kept packed (MXFP4 codes + E8M0 scales) under the
+tensor- and expert-parallel plans, on the ranks of an initialised process group (gloo on CPU; the shared two-rank
+launch of tests/two_rank_worker.py, or torchrun). Rank 0 writes the packed tiny model to OUT/model
+(`write_packed_folder`); per mode every rank writes OUT/<mode>-rank<r>.json (the local shapes of
+one MoE layer's packed tensors, the packed bytes this rank holds and their storage) and .safetensors (the logits,
+greedy tokens and, after one backward through the packed experts, the gradients of the input embeddings and of the
+replicated projection that feeds the experts); `cut` records the refusal of a degree that would cut an MXFP4 group.
+
+    torchrun --standalone --nproc-per-node 2 tests/packed_parallel_worker.py DENSE_TINY_DIR OUT_DIR
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS, distributed_kwargs
+
+# 4 MXFP4 groups of 32 along the intermediate width: whole groups on 2 and on 4 tensor-parallel ranks (the tiny
+# model's 32 is one group, which the `cut` mode shows refused)
+PACKED_INTERMEDIATE_SIZE = 128
+PACKED_OUT = "packed"  # under the dense plans' output folder, in the shared launch
+PACKED_SUFFIXES = ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed", "down_proj_scale")
+GRADIENT_SEED = 0
+
+
+def write_packed_folder(directory: Path) -> Path:
+    """The tiny model at PACKED_INTERMEDIATE_SIZE with its experts packed (kimik3.tiny.packed_mxfp4_copy), saved."""
+    from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
+
+    packed_mxfp4_copy(build_tiny_model(moe_intermediate_size=PACKED_INTERMEDIATE_SIZE)).save_pretrained(directory)
+    return directory
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
+def forward_and_backward(model) -> dict[str, torch.Tensor]:
+    """Logits and greedy tokens (no grad); then one backward of a fixed random projection of the logits, from the
+    input embeddings (so the vocabulary-parallel embedding is not differentiated) through every layer."""
+    device = model.get_input_embeddings().weight.device
+    input_ids = torch.tensor(INPUT_IDS, device=device)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+        generated = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        embeds = model.get_input_embeddings()(input_ids)
+    moe_layer = model.config.mlp_layer_types.index("sparse")
+    feed = model.model.layers[moe_layer].mlp.routed_expert_down_proj.weight
+    embeds = embeds.detach().requires_grad_(True)
+    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(GRADIENT_SEED)).to(device)
+    loss = (model(inputs_embeds=embeds).logits.float() * probe).mean()  # gradients of order 1: f32 tolerances hold
+    grad_embeds, grad_feed = torch.autograd.grad(loss, [embeds, feed])
+    return {"logits": logits, "generated": generated, "grad_embeds": grad_embeds, "grad_expert_feed": local(grad_feed)}
+
+
+def packed_holdings(model) -> dict:
+    """One MoE layer's packed local shapes, and over every layer the packed bytes this rank holds (numel) and the
+    bytes of the storage behind them (a view into a full copy would show here)."""
+    moe_layer = model.config.mlp_layer_types.index("sparse")
+    experts = model.model.layers[moe_layer].mlp.experts
+    shapes = {suffix: list(local(getattr(experts, suffix)).shape) for suffix in PACKED_SUFFIXES}
+    tensors = [local(p) for n, p in model.named_parameters() if n.endswith(PACKED_SUFFIXES)]
+    return {"shapes": shapes, "num_local_experts": experts.num_experts,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "storage_bytes": sum(t.untyped_storage().nbytes() for t in tensors),
+            "requires_grad": any(p.requires_grad for n, p in model.named_parameters() if n.endswith(PACKED_SUFFIXES))}
+
+
+def run(packed_dir: str, out_dir: Path, mode: str, rank: int) -> None:
+    model = AutoModelForCausalLM.from_pretrained(packed_dir, trust_remote_code=True, dtype=torch.float32,
+                                                 **distributed_kwargs(mode)).eval()
+    (out_dir / f"{mode}-rank{rank}.json").write_text(json.dumps(packed_holdings(model)))
+    results = {name: tensor.detach().cpu().contiguous() for name, tensor in forward_and_backward(model).items()}
+    save_file(results, str(out_dir / f"{mode}-rank{rank}.safetensors"))
+
+
+def record_cut(dense_dir: str, out_dir: Path, rank: int) -> None:
+    """The tiny model's experts (one group of 32 along the intermediate width) asked packed on 2 tensor-parallel
+    ranks: refused when the plan is applied, before any weight is read."""
+    try:
+        AutoModelForCausalLM.from_pretrained(dense_dir, trust_remote_code=True, dtype=torch.float32,
+                                             experts_format="mxfp4", **distributed_kwargs("tp"))
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    (out_dir / f"cut-rank{rank}.json").write_text(json.dumps({"error": error}))
+
+
+def run_all(dense_dir: str, out_dir: Path) -> None:
+    rank = dist.get_rank()
+    packed_dir = str(out_dir / "model")
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_packed_folder(Path(packed_dir))
+    dist.barrier()
+    for mode in MODES:  # the dense plans' modes: this transformers' TP, EP and TP + EP
+        run(packed_dir, out_dir, mode, rank)
+        dist.barrier()
+    record_cut(dense_dir, out_dir, rank)
+    dist.barrier()
+
+
+def main(argv: list[str]) -> None:
+    dense_dir, out_dir = argv
+    dist.init_process_group("gloo")
+    try:
+        run_all(dense_dir, Path(out_dir))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
