@@ -48,3 +48,15 @@ def context_tokens(text: str) -> int:
         return parse_tokens(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def bandwidth(text: str) -> float:
+    """argparse type: bytes per second, '4.8TB/s' (10^12), '4300GB/s' (10^9) or a plain number of bytes/s."""
+    import re
+
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:([TG])B/s)?", text.strip(), flags=re.IGNORECASE)
+    if match is None or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a bandwidth: give a number > 0 with TB/s or GB/s, e.g. "
+                                         "4.8TB/s (4.8*10^12 bytes/s)")
+    scale = {"T": 10**12, "G": 10**9, None: 1}[match.group(2) and match.group(2).upper()]
+    return float(match.group(1)) * scale

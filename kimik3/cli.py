@@ -5,10 +5,13 @@ import argparse
 import json
 import sys
 
-from kimik3.arguments import context_tokens, gpu_memory_size, positive_int, text_config_file, token_counts
+from kimik3.arguments import bandwidth, context_tokens, gpu_memory_size, positive_int, text_config_file, token_counts
 
 
-PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context")
+PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context", "nodes", "gpus_per_node", "tp", "ep",
+                     "prefill_chunk", "hbm_bandwidth")
+# the options that ask for the per-rank plan of a parallel layout instead of the one-process layer split
+PARALLEL_PLAN_OPTIONS = ("nodes", "gpus_per_node", "tp", "ep", "prefill_chunk", "hbm_bandwidth")
 
 
 def cmd_tiny(args) -> int:
@@ -71,19 +74,57 @@ def cmd_memory(args) -> int:
 def _memory_plan(args, config, usage_error) -> int:
     from kimik3.memory import device_plan, format_device_plan
 
-    for name, example in (("gpus", "--gpus 8"), ("gpu_mem", "--gpu-mem 141GB")):
-        if getattr(args, name) is None:
-            return usage_error(f"argument --plan: needs --{name.replace('_', '-')} (e.g. {example})")
+    parallel = any(getattr(args, name) is not None for name in PARALLEL_PLAN_OPTIONS)
+    if args.gpus is not None and args.gpus_per_node is not None and args.gpus != args.gpus_per_node * (args.nodes or 1):
+        return usage_error(f"argument --gpus: {args.gpus} contradicts --nodes {args.nodes or 1} x --gpus-per-node "
+                           f"{args.gpus_per_node}; give one of them")
+    if args.gpus is not None and args.nodes is not None and args.gpus_per_node is None:
+        return usage_error("argument --gpus: with --nodes, give --gpus-per-node (--gpus is one node's count)")
+    if args.gpus is None and args.gpus_per_node is None:
+        return usage_error("argument --plan: needs --gpus (e.g. --gpus 8) or --gpus-per-node (e.g. --nodes 2 "
+                           "--gpus-per-node 8)")
+    if args.gpu_mem is None:
+        return usage_error("argument --plan: needs --gpu-mem (e.g. --gpu-mem 141GB)")
     context = args.context if args.context is not None else config.max_position_embeddings
     if context > config.max_position_embeddings:
         return usage_error(f"argument --context: {context:,} tokens is more than the model's "
                            f"max_position_embeddings ({config.max_position_embeddings:,})")
     gpu_memory, unit = args.gpu_mem
+    if parallel:
+        return _parallel_plan(args, config, context, gpu_memory, unit, usage_error)
     plan = device_plan(config, args.gpus, gpu_memory, context, args.batch, args.experts_format)
     if args.json:  # nothing but the JSON, so it can be piped
         print(json.dumps(plan))
     else:
         print(format_device_plan(plan, config, unit=unit))
+    return 0
+
+
+def _parallel_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
+    from kimik3.memory import (H200_HBM_BANDWIDTH, PlanError, check_degrees, format_parallel_plan, parallel_plan,
+                               search_degrees)
+
+    nodes = args.nodes or 1
+    per_node = args.gpus_per_node if args.gpus_per_node is not None else args.gpus
+    options = dict(batch_size=args.batch, prefill_chunk=args.prefill_chunk or 8192,
+                   experts_format=args.experts_format, hbm_bandwidth=args.hbm_bandwidth or H200_HBM_BANDWIDTH)
+    try:
+        if args.tp is not None and args.ep is not None:
+            plan, searched = parallel_plan(config, nodes, per_node, gpu_memory, args.tp, args.ep, context,
+                                           **options), None
+        else:
+            plan, candidates = search_degrees(config, nodes, per_node, gpu_memory, context, tp=args.tp, ep=args.ep,
+                                              **options)
+            if plan is None:  # every candidate refused: say why for the degree given (or tp = ep = 1)
+                check_degrees(config, nodes * per_node, args.tp or 1, args.ep or 1)
+                raise PlanError("argument --plan: no tp/ep layout of this world size passes the product rules")
+            searched = len(candidates)
+    except PlanError as exc:
+        return usage_error(str(exc))
+    if args.json:  # nothing but the JSON, so it can be piped
+        print(json.dumps(plan))
+    else:
+        print(format_parallel_plan(plan, config, unit=unit, chosen_from=searched))
     return 0
 
 
@@ -203,7 +244,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="KDA state snapshot spacing in 512-token blocks for the snapshot table (default: 40)")
     p.add_argument("--plan", action="store_true",
                    help="weights + cache per device for a layer-wise split over --gpus devices of --gpu-mem each")
-    p.add_argument("--gpus", type=positive_int, help="with --plan: number of devices")
+    p.add_argument("--gpus", type=positive_int, help="with --plan: number of devices (one node)")
+    p.add_argument("--nodes", type=positive_int,
+                   help="with --plan: nodes (with --gpus-per-node); any parallel option gives the per-rank plan")
+    p.add_argument("--gpus-per-node", type=positive_int, help="with --plan: devices a node")
+    p.add_argument("--tp", type=positive_int,
+                   help="with --plan: tensor-parallel degree (attention by head, dense MLPs by width; default: "
+                        "searched)")
+    p.add_argument("--ep", type=positive_int,
+                   help="with --plan: expert-parallel degree, ranks holding distinct whole experts, 1 or a multiple "
+                        "of --tp (default: searched)")
+    p.add_argument("--prefill-chunk", type=context_tokens,
+                   help="with --plan: prompt tokens a prefill forward, for the workspace (default 8192)")
+    p.add_argument("--hbm-bandwidth", type=bandwidth,
+                   help="with --plan: HBM bytes/s for the decode bound, e.g. 4.8TB/s (default: the H200's "
+                        "specification, 4.8 TB/s; docs/benchmarks.md measures 4.3 TB/s copies)")
     p.add_argument("--gpu-mem", type=gpu_memory_size,
                    help="with --plan: memory per device, e.g. 141GB (10^9 bytes) or 141GiB (2^30 bytes)")
     experts = p.add_argument(

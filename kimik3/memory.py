@@ -1,6 +1,7 @@
 """The cache-memory table of `kimik3 memory`: K3's hybrid cache vs the same depth all-MLA vs expanded K/V.
 (Activation memory during training is `kimik3.training.memory`.)"""
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -486,4 +487,296 @@ def format_device_plan(plan: dict, config, unit: str = "GB") -> str:
         worst = min(d["left"] for d in plan["devices"])
         lines.append(f"verdict: DOES NOT FIT on {plan['gpus']} x {fmt(plan['gpu_memory'])} (the fullest device is "
                      f"{fmt(-worst)} over); {need}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `kimik3 memory --plan --nodes N --gpus-per-node G --tp T --ep E`: per-rank bytes of a parallel layout.
+#
+# The degrees mean what transformers' DistributedConfig means by them (the API the model loads through): --tp ranks
+# split the dense tensors the model's tp_plan names (attention by head, dense and shared MLPs by width, lm_head by
+# vocabulary); --ep ranks hold distinct whole experts (the ep_plan: Shard(0) of the expert stacks). transformers
+# requires ep to be a multiple of tp (the EP group contains the TP group), and without EP the TP plan splits the
+# routed experts by their intermediate width. The ranks of one model replica are max(tp, ep); the remaining factor of
+# the world size is a pipeline split by whole decoder layers, as the one-process device_map plan splits them.
+
+H200_HBM_BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e specification (docs/benchmarks.md measures 4.3e12 copies)
+# Styles of the tp plan that split a tensor, and the dimension they split (a Linear weight is [out, in]; an expert
+# stack [E, out, in]; an embedding [vocab, hidden]): colwise splits out, rowwise in, the head style the leading (head) axis. Every other style
+# (replicated_with_grad_allreduce, mla_kv_a_proj, moe_tp_experts) leaves the tensor whole on every rank.
+TP_SPLIT_DIM = {"embedding_rowwise": 0, "embedding_colwise": -1, "colwise": -2, "packed_colwise": -2, "colwise_gather_output": -2, "rowwise": -1, "kimi_k3_heads": 0}
+
+
+class PlanError(ValueError):
+    """A parallel layout the model cannot take; the message names the option and the tensor or size at fault."""
+
+
+@functools.cache
+def _tp_styles() -> dict[str, str]:
+    """The tensor-parallel plan transformers applies to the model (its config's base plan under `model.`, the
+    head's class plan, and what this transformers adds itself: 5.24 shards the input embeddings by vocabulary),
+    read from a model built on the meta device: the patterns do not depend on the widths."""
+    import torch
+
+    from kimik3.configuration import tiny_text_config_dict
+    from kimik3.modeling.configuration_kimi_k3 import KimiK3TextConfig
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+
+    with torch.device("meta"):
+        return dict(KimiK3ForCausalLM(KimiK3TextConfig(**tiny_text_config_dict()))._tp_plan)  # cached: read-only
+
+
+def _style_of(name: str, styles: dict[str, str]) -> str | None:
+    """The tp-plan style of a stored tensor: a pattern naming the tensor itself or the module that owns it."""
+    return _style_of_layer_name(re.sub(r"\.layers\.\d+\.", ".layers.0.", name), tuple(styles.items()))
+
+
+@functools.cache
+def _style_of_layer_name(name: str, styles: tuple[tuple[str, str], ...]) -> str | None:
+    for pattern, style in styles:
+        regex = re.escape(pattern).replace(r"\*", r"\d+")
+        if re.fullmatch(regex + r"(\.[A-Za-z_]+)?", name):
+            return style
+    return None
+
+
+def _is_routed_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _shard_shape(name: str, shape: tuple[int, ...], tp: int, ep: int, styles: dict[str, str]
+                 ) -> tuple[tuple[int, ...], str | None]:
+    """(this rank's shape, the degree that split it: "tp", "ep" or None). Routed experts: by expert under EP, else by
+    width under TP (packed codes and scales split along the same axis as the weights they encode)."""
+    if _is_routed_expert(name):
+        if ep > 1:
+            return (shape[0] // ep, *shape[1:]), "ep"
+        base = name.removesuffix("_packed").removesuffix("_scale")
+        style = _style_of(base, styles)
+    else:
+        style = _style_of(name, styles)
+    if tp == 1 or style not in TP_SPLIT_DIM:
+        return shape, None
+    dim = TP_SPLIT_DIM[style] % len(shape)
+    if shape[dim] % tp:
+        raise PlanError(f"argument --tp: {tp} does not divide {name} {list(shape)} on dimension {dim} "
+                        f"({shape[dim]:,}; the tp plan splits it '{style}')")
+    return tuple(s // tp if i == dim else s for i, s in enumerate(shape)), "tp"
+
+
+def check_degrees(config, world: int, tp: int, ep: int) -> int:
+    """The layout's product rules; returns the pipeline stages (world / ranks of one replica). PlanError names the
+    option and the count it must divide."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if ep > 1 and ep % tp:
+        raise PlanError(f"argument --ep: {ep} is not a multiple of --tp {tp} (transformers' expert-parallel group "
+                        "contains the tensor-parallel group; --ep 1 splits the experts by width under --tp)")
+    group = max(tp, ep)
+    if world % group:
+        raise PlanError(f"argument --{'ep' if ep >= tp else 'tp'}: {group} ranks a model replica do not divide the "
+                        f"world size {world} (--nodes x --gpus-per-node)")
+    if text.num_experts and text.num_experts % ep:
+        raise PlanError(f"argument --ep: {ep} does not divide num_experts={text.num_experts}")
+    for key in ("num_attention_heads", "linear_num_heads"):
+        if getattr(text, key) % tp:
+            raise PlanError(f"argument --tp: {tp} does not divide {key}={getattr(text, key)} (attention is split by "
+                            "head)")
+    return world // group
+
+
+def runnable(nodes: int, world: int, tp: int, ep: int, stages: int, experts_format: str) -> str | None:
+    """None when this version runs the layout, else why not (the load refuses it, or nothing builds it)."""
+    if stages > 1 and (max(tp, ep) > 1 or nodes > 1):
+        return ("whole-layer stages across processes: K3 has no pipeline plan (its layers split inside one process "
+                "with device_map)")
+    if ep > tp > 1:
+        return ("ep > tp > 1: transformers needs fsdp_size = ep / tp and token all-to-all for it, not wired for K3")
+    if max(tp, ep) > 1 and experts_format == "mxfp4":
+        return ("packed (mxfp4) experts under tensor or expert parallelism: the load refuses them (use "
+                "--experts-format dense)")
+    return None
+
+
+def rank_weights(config, tp: int, ep: int, experts_format: str | None = None) -> list[dict]:
+    """Per placement unit (embed, layers.i, head), the bytes one rank of a replica holds: `dense_split` (tensors the
+    tp plan splits), `replicated` (whole on every rank) and `experts` (the routed experts' share)."""
+    styles = _tp_styles() if tp > 1 else {}  # one rank of TP splits nothing
+    out, seen = [], {}
+    for unit, tensors in weight_units(config, experts_format):
+        prefix = f"model.{unit}." if unit.startswith("layers.") else ""
+        # layers of one kind hold the same tensors: their split is computed once (names as of layer 0)
+        kind = tuple((f"model.layers.0.{n[len(prefix):]}" if prefix else n, shape, dtype)
+                     for n, (shape, dtype) in tensors.items())
+        if kind not in seen:
+            parts = {"dense_split": 0, "replicated": 0, "experts": 0}
+            for name, shape, dtype in kind:
+                local, split = _shard_shape(name, shape, tp, ep, styles)
+                key = "experts" if _is_routed_expert(name) else ("dense_split" if split else "replicated")
+                parts[key] += tensor_bytes(local, dtype)
+            seen[kind] = parts
+        out.append({"unit": unit, **seen[kind], "total": sum(seen[kind].values())})
+    return out
+
+
+def rank_cache(config, units: list[str], tokens: int, batch_size: int, tp: int, dtype_bytes: int = 2) -> list[int]:
+    """Cache bytes one rank holds per unit. MLA: the latent (kv_lora_rank + rope) a token, whole on every TP rank
+    (kv_a_proj_with_mqa is replicated, each rank caches what it computed). KDA: state and conv windows by head,
+    split by --tp with the heads."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    whole = unit_cache_bytes(text, units, tokens, batch_size, dtype_bytes)
+    return [c // tp if n.startswith("layers.") and text.layer_types[int(n.split(".")[1])] == "linear_attention"
+            else c for n, c in zip(units, whole)]
+
+
+def prefill_workspace(config, tp: int, ep: int, chunk: int, batch_size: int, context: int,
+                      experts_format: str) -> dict[str, int]:
+    """The largest transient of one rank while a prefill chunk of `chunk` tokens x `batch_size` runs (bf16
+    activations), term by term; an estimate from the model's widths, not a measurement:
+      stream: the residual stream, its layer input and output, and Block AttnRes's banked block sums (one
+        hidden-wide tensor per block of attn_res_block_size layers);
+      attention: the larger of MLA (this rank's queries, one expanded key/value block of mla_prefill_block_size
+        cached tokens, f32 output and log-sum-exp merge) and KDA (q/k/v/g of this rank's heads, f32 output);
+      moe: the routed tokens' copies (top-k), their gate/up and down activations at this rank's width, and, for
+        packed experts, the bf16 copy of this rank's expert stack of one layer that today's prefill decodes;
+      head: the last token's logits in f32 (generation keeps one).
+    The CUDA context, allocator fragmentation and compile graphs are not counted."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tokens = chunk * batch_size
+    hidden, bf16 = text.hidden_size, 2
+    blocks = -(-len(text.layer_types) // text.attn_res_block_size) if text.attn_res_block_size else 0
+    stream = (3 + blocks) * tokens * hidden * bf16
+    mla_heads, kda_heads = text.num_attention_heads // tp, text.linear_num_heads // tp
+    kv_block = min(text.mla_prefill_block_size, max(context - chunk, chunk)) * batch_size
+    mla = (tokens * mla_heads * text.qk_head_dim * bf16 + kv_block * mla_heads * (text.qk_head_dim + text.v_head_dim)
+           * bf16 + 2 * tokens * mla_heads * (text.v_head_dim + 1) * 4)
+    kda = tokens * kda_heads * text.linear_head_dim * (4 * bf16 + 4)
+    experts = text.num_experts // ep if ep > 1 else text.num_experts
+    width = text.moe_intermediate_size // (1 if ep > 1 else tp)
+    latent = text.latent_size
+    routed = tokens * text.num_experts_per_token
+    moe = routed * (latent + 3 * width) * bf16
+    dequantised = 3 * experts * width * latent * bf16 if experts_format == "mxfp4" else 0
+    head = batch_size * text.vocab_size * 4
+    return {"stream": stream, "attention": max(mla, kda), "moe": moe + dequantised, "head": head,
+            "total": stream + max(mla, kda) + moe + dequantised + head}
+
+
+def decode_bytes(config, weights: list[dict], units: list[str], cache: list[int], tp: int, ep: int,
+                 batch_size: int, experts_format: str | None) -> int:
+    """HBM bytes one rank reads in one decode step: its dense and replicated weights (of the embedding only the
+    batch's rows), the routed experts the step's batch x top-k routes reach (spread evenly over the experts; at most
+    all of this rank's), and its cache (KDA states read and written)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    total = 0
+    for unit, w, c in zip(units, weights, cache):
+        if unit == "embed":
+            total += batch_size * text.hidden_size * 2
+            continue
+        total += w["dense_split"] + w["replicated"]
+        if w["experts"]:
+            touched = min(text.num_experts, batch_size * text.num_experts_per_token)
+            total += w["experts"] * touched // text.num_experts
+        is_kda = unit.startswith("layers.") and text.layer_types[int(unit.split(".")[1])] == "linear_attention"
+        total += 2 * c if is_kda else c
+    return total
+
+
+def parallel_plan(config, nodes: int, gpus_per_node: int, gpu_memory: int, tp: int, ep: int, context: int,
+                  batch_size: int = 1, prefill_chunk: int = 8192, experts_format: str | None = None,
+                  hbm_bandwidth: float = H200_HBM_BANDWIDTH) -> dict:
+    """Per rank of a `nodes x gpus_per_node` world under (tp, ep) and whole-layer stages over the rest: weights
+    (split by the tp plan, experts by ep, the replicated rest), cache at `context`, the prefill chunk's workspace,
+    what is left, and the decode step's HBM bound. Raises PlanError for a layout the product rules refuse."""
+    experts_format = _experts_format(experts_format)
+    world = nodes * gpus_per_node
+    stages = check_degrees(config, world, tp, ep)
+    weights = rank_weights(config, tp, ep, experts_format)
+    units = [w["unit"] for w in weights]
+    cache = rank_cache(config, units, context, batch_size, tp)
+    workspace = prefill_workspace(config, tp, ep, min(prefill_chunk, context), batch_size, context, experts_format)
+    loads = [w["total"] + c for w, c in zip(weights, cache)]
+    parts = _balanced_split(loads, stages) if stages > 1 else [list(range(len(units)))]
+    stage_rows, step_seconds = [], 0.0
+    for part in parts:
+        w = [weights[i] for i in part]
+        c = [cache[i] for i in part]
+        held = {key: sum(x[key] for x in w) for key in ("dense_split", "replicated", "experts", "total")}
+        read = decode_bytes(config, w, [units[i] for i in part], c, tp, ep, batch_size, experts_format)
+        left = gpu_memory - held["total"] - sum(c) - workspace["total"]
+        stage_rows.append({"units": [units[i] for i in part], "weights": held, "cache": sum(c),
+                           "workspace": workspace["total"], "left": left, "decode_bytes": read,
+                           "decode_ms": read / hbm_bandwidth * 1e3})
+        step_seconds += read / hbm_bandwidth  # the stages of one token run one after another
+    for _ in range(len(parts), stages):
+        stage_rows.append({"units": [], "weights": {k: 0 for k in ("dense_split", "replicated", "experts", "total")},
+                           "cache": 0, "workspace": 0, "left": gpu_memory, "decode_bytes": 0, "decode_ms": 0.0})
+    return {"nodes": nodes, "gpus_per_node": gpus_per_node, "world": world, "tp": tp, "ep": ep, "stages": stages,
+            "ranks_per_stage": max(tp, ep), "gpu_memory": gpu_memory, "context": context, "batch": batch_size,
+            "prefill_chunk": min(prefill_chunk, context), "experts_format": experts_format,
+            "hbm_bandwidth": hbm_bandwidth, "workspace_terms": workspace, "stage_ranks": stage_rows,
+            "fits": all(s["left"] >= 0 for s in stage_rows), "decode_step_ms": step_seconds * 1e3,
+            "not_runnable": runnable(nodes, world, tp, ep, stages, experts_format)}
+
+
+def search_degrees(config, nodes: int, gpus_per_node: int, gpu_memory: int, context: int, batch_size: int = 1,
+                   prefill_chunk: int = 8192, experts_format: str | None = None,
+                   hbm_bandwidth: float = H200_HBM_BANDWIDTH, tp: int | None = None, ep: int | None = None
+                   ) -> tuple[dict | None, list[dict]]:
+    """Every (tp, ep) the product rules allow (with a given one fixed), planned; the choice: a layout this version
+    runs that fits, then one that fits (not runnable yet), then a runnable one that does not fit, each by the
+    fastest decode bound, then the smaller tp (fewer all-reduces). Returns (the chosen plan or None, all the candidates' plans)."""
+    world = nodes * gpus_per_node
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    candidates = []
+    for t in [tp] if tp is not None else divisors:
+        for e in [ep] if ep is not None else [1] + [d for d in divisors if d > 1]:
+            try:
+                candidates.append(parallel_plan(config, nodes, gpus_per_node, gpu_memory, t, e, context, batch_size,
+                                                prefill_chunk, experts_format, hbm_bandwidth))
+            except PlanError:
+                continue
+    key = lambda p: (not p["fits"], p["not_runnable"] is not None, p["decode_step_ms"], p["tp"])  # noqa: E731
+    return (min(candidates, key=key) if candidates else None), candidates
+
+
+def format_parallel_plan(plan: dict, config, unit: str = "GB", chosen_from: int | None = None) -> str:
+    scale = 10**9 if unit == "GB" else 2**30
+    fmt = lambda n: f"{n / scale:,.2f} {unit}"  # noqa: E731
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = "MXFP4 (4.25 bits per value)" if plan["experts_format"] == "mxfp4" else "dense bf16"
+    ws = plan["workspace_terms"]
+    lines = [
+        f"Kimi K3 text model, {describe_layers(text)}, {text.num_experts} routed experts per MoE layer as {experts}",
+        f"context {plan['context']:,} tokens x batch {plan['batch']} (K = 1024, M = 1024^2 tokens); prefill chunk "
+        f"{plan['prefill_chunk']:,} tokens; units: GB = 10^9 bytes, GiB = 2^30 bytes",
+        f"world {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) = {plan['world']} ranks x "
+        f"{fmt(plan['gpu_memory'])}; tp {plan['tp']}, ep {plan['ep']} ({plan['ranks_per_stage']} ranks a replica), "
+        f"{plan['stages']} whole-layer stage(s)",
+        "per rank: dense = tensors the tp plan splits, repl. = whole on every rank, experts = the routed experts' "
+        "share (by expert under ep, by width under tp alone); cache: MLA latents whole on every TP rank, KDA state "
+        "split by head",
+        f"workspace (prefill chunk, an estimate): stream {fmt(ws['stream'])}, attention {fmt(ws['attention'])}, "
+        f"MoE {fmt(ws['moe'])}" + (" (with today's bf16 copy of a layer's packed experts)"
+                                   if plan["experts_format"] == "mxfp4" else "") + f", head {fmt(ws['head'])}",
+        "",
+        f"{'stage':>5}  {'holds':<22} {'dense':>11} {'repl.':>11} {'experts':>11} {'cache':>11} {'workspace':>11} "
+        f"{'left':>11} {'decode':>10}",
+    ]
+    for index, s in enumerate(plan["stage_ranks"]):
+        w = s["weights"]
+        lines.append(f"{index:>5}  {_describe_units(s['units']) or '(unused)':<22} {fmt(w['dense_split']):>11} "
+                     f"{fmt(w['replicated']):>11} {fmt(w['experts']):>11} {fmt(s['cache']):>11} "
+                     f"{fmt(s['workspace']):>11} {fmt(s['left']):>11} {s['decode_ms']:>7.2f} ms")
+    lines.append("")
+    lines.append(f"decode step bound: {plan['decode_step_ms']:.2f} ms at batch {plan['batch']} (each rank's bytes / "
+                 f"{plan['hbm_bandwidth'] / 1e12:.2f} TB/s HBM; 4.80 = the H200's specification, stages one after "
+                 "another; communication not counted)")
+    least = min(s["left"] for s in plan["stage_ranks"])
+    verdict = (f"verdict: FITS, at least {fmt(least)} left per rank" if plan["fits"] else
+               f"verdict: DOES NOT FIT (the fullest rank is {fmt(-least)} over)")
+    lines.append(verdict + "; " + ("runnable with this version" if plan["not_runnable"] is None else
+                                   f"not runnable with this version: {plan['not_runnable']}"))
+    if chosen_from is not None:
+        lines.append(f"chosen from {chosen_from} layouts the product rules allow: one that fits first, a runnable "
+                     "one before one this version cannot run, then the fastest decode bound, then the smaller tp")
     return "\n".join(lines)

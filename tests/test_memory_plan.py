@@ -2,6 +2,7 @@
 index, the device split, the units, and bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from kimik3.memory import (
     device_plan,
     load_text_config,
     memory_table,
+    parallel_plan,
     parse_gpu_memory,
     parse_tokens,
+    search_degrees,
     unit_bytes,
     weight_units,
 )
@@ -164,3 +167,151 @@ def test_memory_table_units_state_dtype_json_and_the_quoted_figures(capsys, tmp_
     assert "KiB" in out and " 0.000 " not in out
     assert main(["memory", "--reconcile", "--config", str(config_path)]) == 2
     assert "kimik3 memory: error: argument --reconcile" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The per-rank plan of a parallel layout, against what two gloo ranks really hold
+
+
+def _rank_bytes_entry(rank: int, port: int, model_dir: str, out_dir: str, modes) -> None:
+    """One of two forked gloo ranks: load the folder under each mode's plan in bf16, run one forward with a cache,
+    and write the bytes of this rank's local parameters and buffers and of its cache."""
+    import os
+    import warnings
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from parallel_worker import INPUT_IDS, distributed_kwargs
+
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for mode in modes:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=torch.bfloat16,
+                                                         **distributed_kwargs(mode)).eval()
+            local = lambda t: getattr(t, "to_local", lambda: t)()  # noqa: E731
+            held = sum(local(t).numel() * local(t).element_size()
+                       for t in [*model.parameters(), *model.buffers()])
+            with torch.no_grad():
+                output = model(input_ids=torch.tensor(INPUT_IDS), use_cache=True)
+            cache = output.cache if hasattr(output, "cache") else output.past_key_values
+            live = cache.live_bytes()
+            (Path(out_dir) / f"{mode}-rank{rank}.json").write_text(json.dumps(
+                {"weights": held, "cache": live["mla_kv"] + live["kda_state"] + live["kda_conv"]}))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# the layouts the parallel tests run, as (tp, ep) degrees of the plan
+MODE_DEGREES = {"tp": (2, 1), "ep": (1, 2), "tp_ep": (2, 2)}
+
+
+@pytest.fixture(scope="module")
+def rank_bytes(tmp_path_factory):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from kimik3.tiny import write_tiny_folder
+    from parallel_worker import MODES
+
+    root = tmp_path_factory.mktemp("rank_bytes")
+    write_tiny_folder(root / "tiny")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # join=True: a rank that raised fails here, with its traceback
+    mp.start_processes(_rank_bytes_entry, args=(port, str(root / "tiny"), str(root), MODES), nprocs=2,
+                       start_method="fork")
+    config = load_text_config(root / "tiny" / "config.json")
+    return config, {mode: [json.loads((root / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
+                    for mode in MODES}
+
+
+def test_parallel_plan_per_rank_bytes_equal_what_two_gloo_ranks_hold(rank_bytes):
+    """Exact bytes: the plan's weights and cache per rank against the ranks' local parameters, buffers and live
+    cache after a forward of 2 sequences x 8 tokens, for every layout the parallel tests run."""
+    from parallel_worker import INPUT_IDS
+
+    config, runs = rank_bytes
+    one = parallel_plan(config, 1, 1, 10**9, 1, 1, len(INPUT_IDS[0]), batch_size=len(INPUT_IDS),
+                        experts_format="dense")
+    for mode, per_rank in runs.items():
+        tp, ep = MODE_DEGREES[mode]
+        plan = parallel_plan(config, 1, 2, 10**9, tp, ep, len(INPUT_IDS[0]), batch_size=len(INPUT_IDS),
+                             experts_format="dense")
+        assert plan["stages"] == 1 and plan["not_runnable"] is None, mode
+        rank = plan["stage_ranks"][0]
+        for run in per_rank:
+            assert (run["weights"], run["cache"]) == (rank["weights"]["total"], rank["cache"]), mode
+        # the layout really splits something: less than one process holds
+        assert rank["weights"]["total"] < one["stage_ranks"][0]["weights"]["total"], mode
+        if tp > 1:
+            assert rank["cache"] < one["stage_ranks"][0]["cache"], mode  # KDA state split by head
+
+
+def test_two_nodes_of_h200_at_1m_tokens_say_what_fits_and_how(capsys):
+    config = load_text_config(None)
+    best, candidates = search_degrees(config, 2, 8, 141 * 10**9, 2**20)
+    assert best["fits"] and (best["tp"], best["ep"], best["stages"]) == (8, 1, 2)
+    assert best["not_runnable"] and "pipeline" in best["not_runnable"]  # packed experts x 2 stages: no code yet
+    # every rank: weights + cache + workspace + left = the device
+    for s in best["stage_ranks"]:
+        assert s["weights"]["total"] + s["cache"] + s["workspace"] + s["left"] == 141 * 10**9
+    # all ranks together hold every weight byte once per replica of the dense parts
+    assert sum(s["weights"]["experts"] for s in best["stage_ranks"]) * best["ranks_per_stage"] == sum(
+        unit_bytes({k: v for k, v in t.items() if ".experts." in k}) for _, t in weight_units(config, "mxfp4"))
+    dense = search_degrees(config, 2, 8, 141 * 10**9, 2**20, experts_format="dense")[0]
+    assert not dense["fits"]  # 5.45 TB of bf16 experts do not fit 16 x 141 GB
+    assert main(["memory", "--plan", "--nodes", "2", "--gpus-per-node", "8", "--gpu-mem", "141GB", "--context",
+                 "1M"]) == 0
+    out = capsys.readouterr().out
+    assert "tp 8, ep 1 (8 ranks a replica), 2 whole-layer stage(s)" in out and "verdict: FITS" in out
+    assert f"chosen from {len(candidates)} layouts" in out and "not runnable with this version" in out
+    assert main(["memory", "--plan", "--nodes", "2", "--gpus-per-node", "8", "--gpu-mem", "141GB", "--tp", "8",
+                 "--ep", "8", "--json", "--hbm-bandwidth", "4.3TB/s"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["tp"], plan["ep"], plan["hbm_bandwidth"]) == (8, 8, 4.3e12)
+    assert plan["decode_step_ms"] == pytest.approx(sum(s["decode_bytes"] for s in plan["stage_ranks"]) / 4.3e9)
+
+
+@pytest.mark.parametrize("argv,message", [
+    pytest.param(["--tp", "3"], "argument --tp: 3 ranks a model replica do not divide the world size 8",
+                 id="memory-plan-tp-not-dividing-world"),
+    pytest.param(["--gpus-per-node", "12", "--gpus", "12", "--tp", "3", "--ep", "1"],
+                 "argument --tp: 3 does not divide ",  # the embeddings (transformers 5.24 splits them) or lm_head
+                 id="memory-plan-tp-not-dividing-vocab"),
+    pytest.param(["--tp", "8", "--ep", "7"], "argument --ep: 7 is not a multiple of --tp 8",
+                 id="memory-plan-ep-not-multiple-of-tp"),
+    pytest.param(["--gpus", "6", "--tp", "1", "--ep", "6"], "argument --ep: 6 does not divide num_experts=896",
+                 id="memory-plan-ep-not-dividing-experts"),
+    pytest.param(["--gpus", "5", "--tp", "5", "--ep", "1"], "argument --tp: 5 does not divide "
+                 "num_attention_heads=96", id="memory-plan-tp-not-dividing-heads"),
+    pytest.param(["--nodes", "0", "--gpus-per-node", "8"], "argument --nodes: 0 must be at least 1",
+                 id="memory-plan-nodes-zero"),
+    pytest.param(["--gpus-per-node", "4"], "argument --gpus: 8 contradicts --nodes 1 x --gpus-per-node 4",
+                 id="memory-plan-gpus-contradicts-per-node"),
+    pytest.param(["--nodes", "2"], "argument --gpus: with --nodes, give --gpus-per-node",
+                 id="memory-plan-gpus-with-nodes"),
+    pytest.param(["--hbm-bandwidth", "4.3TBs"], "argument --hbm-bandwidth: '4.3TBs' is not a bandwidth",
+                 id="memory-plan-bandwidth-typo"),
+    pytest.param(["--tp", "0"], "argument --tp: 0 must be at least 1", id="memory-plan-tp-zero"),
+])
+def test_parallel_plan_bad_input_exits_2_naming_the_option(capsys, argv, message):
+    base = ["memory", "--plan", "--gpu-mem", "141GB"]
+    if "--gpus" not in argv and "--gpus-per-node" not in argv:
+        base += ["--gpus", "8"]
+    elif "--gpus" not in argv:
+        base += ["--gpus", "8"] if "--nodes" not in argv else []
+    assert main([*base, *argv]) == 2
+    assert "kimik3 memory: error: " + message in capsys.readouterr().err
+
+
+def test_parallel_options_only_with_plan(capsys):
+    assert main(["memory", "--tp", "8"]) == 2
+    assert "argument --tp: only with --plan" in capsys.readouterr().err
