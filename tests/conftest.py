@@ -139,11 +139,11 @@ def fresh_python(tmp_path_factory):
 
 
 # Files that share a session fixture run on one pytest-xdist worker, so the fixture runs once: the two files of the
-# one launch of two ranks (`two_rank_runs`), the three of the one fresh interpreter (`fresh_python`). Every other file
-# is a group of its own.
+# one launch of two ranks (`two_rank_runs`), the files of the one fresh interpreter (`fresh_python`: starting it
+# imports torch and transformers, ~8 s of CPU on a 2-core machine). Every other file is a group of its own.
 SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "two_rank_launch",
                  "test_remote_code": "fresh_interpreter", "test_hub_card": "fresh_interpreter",
-                 "test_adopt": "fresh_interpreter"}
+                 "test_adopt": "fresh_interpreter", "test_release_loading": "fresh_interpreter"}
 # The groups that take longest, handed out first (longest first), so the two workers end together rather than one
 # starting a long group while the other has finished; the rest go in xdist's order (most tests first). Seconds summed
 # from `--durations=0` of the files at `-n 0` on a shared 2-core machine (only the order matters). No file is near

@@ -6,8 +6,6 @@ save_pretrained writes, release-named errors for bad inputs, the name rules agre
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import kimik3.convert as kc
+from k3_test_utils import run_forked
 from kimik3.configuration import released_config_dict
 from kimik3.convert import name_map as nm
 from kimik3.convert import testing
@@ -363,10 +362,6 @@ def test_transforms_agree_with_the_name_map_on_all_release_patterns():
 # Peak memory
 
 
-MEASURE = r"""
-import json, sys, threading, time, torch
-from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
-
 def anonymous_bytes():
     # RssAnon: the process's own memory (the checkpoint's mmap-ed file pages are page cache, counted in RssFile)
     with open("/proc/self/status") as handle:
@@ -374,23 +369,30 @@ def anonymous_bytes():
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
 
-KimiK3ForConditionalGeneration.from_pretrained(sys.argv[2], dtype=torch.bfloat16)  # imports, warm-up
-base = anonymous_bytes()
-peak, loading = [base], [True]
 
-def sample():
-    while loading[0]:
-        peak[0] = max(peak[0], anonymous_bytes())
-        time.sleep(0.0002)
+def measure_loading(big, small):
+    """Run in a forked child (k3_test_utils.run_forked): a warm-up load, then the peak of the process's own memory
+    while loading `big`, sampled every 0.2 ms."""
+    import threading
+    import time
 
-sampler = threading.Thread(target=sample)
-sampler.start()
-model = KimiK3ForConditionalGeneration.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
-loading[0] = False
-sampler.join()
-size = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-print(json.dumps({"growth": peak[0] - base, "model": size}))
-"""
+    os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)  # transformers' default loading, not a user's choice
+    KimiK3ForConditionalGeneration.from_pretrained(small, dtype=torch.bfloat16)  # warm-up
+    base = anonymous_bytes()
+    peak, loading = [base], [True]
+
+    def sample():
+        while loading[0]:
+            peak[0] = max(peak[0], anonymous_bytes())
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    model = KimiK3ForConditionalGeneration.from_pretrained(big, dtype=torch.bfloat16)
+    loading[0] = False
+    sampler.join()
+    size = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    return {"growth": peak[0] - base, "model": size}
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads RssAnon from Linux /proc/self/status")
@@ -406,11 +408,8 @@ def test_peak_memory_while_loading_is_the_model_plus_less_than_one_layer(tmp_pat
                                            vision=False, return_dense=False, seed=4)
     small = testing.write_release_checkpoint(tmp_path / "small", num_layers=2, num_experts=4, vision=False,
                                              return_dense=False)
-    env = {key: value for key, value in os.environ.items() if key != "HF_DEACTIVATE_ASYNC_LOAD"}
-    result = subprocess.run([sys.executable, "-c", MEASURE, str(big.path), str(small.path)], capture_output=True,
-                            text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    returncode, measured, error = run_forked(measure_loading, str(big.path), str(small.path))
+    assert returncode == 0 and measured is not None, error
     layer = 64 * 3 * 256 * 256 * 2  # one layer's experts dequantised to bf16: what one layer shard becomes
     assert measured["model"] > 6 * layer, measured
     assert measured["growth"] < measured["model"] + layer, measured
