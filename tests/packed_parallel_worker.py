@@ -4,7 +4,8 @@ launch of tests/two_rank_worker.py, or torchrun). Rank 0 writes the packed tiny 
 (`write_packed_folder`); per mode every rank writes OUT/<mode>-rank<r>.json (the local shapes of
 one MoE layer's packed tensors, the packed bytes this rank holds and their storage) and .safetensors (the logits,
 greedy tokens and, after one backward through the packed experts, the gradients of the input embeddings and of the
-replicated projection that feeds the experts); `cut` records the refusal of a degree that would cut an MXFP4 group.
+replicated projection that feeds the experts), and `bad-<mode>` the load-time check of a bad scale byte on the rank
+holding it; `cut` records the refusal of a degree that would cut an MXFP4 group.
 
     torchrun --standalone --nproc-per-node 2 tests/packed_parallel_worker.py DENSE_TINY_DIR OUT_DIR
 """
@@ -92,15 +93,54 @@ def record_cut(dense_dir: str, out_dir: Path, rank: int) -> None:
     (out_dir / f"cut-rank{rank}.json").write_text(json.dumps({"error": error}))
 
 
+# An E8M0 scale byte of 0xFF (inf) in the last up (w3) row of expert 5 of the first MoE layer: on rank 1 under TP
+# (the second half of each of gate and up) and under EP (experts 4-7)
+BAD_EXPERT, BAD_SCALE = 5, "gate_up_proj_scale"
+
+
+def write_bad_scale_folder(packed_dir: Path, directory: Path) -> str:
+    """A copy of the packed folder with the bad scale byte; returns the fused tensor's name."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    shutil.copytree(packed_dir, directory)
+    weights = directory / "model.safetensors"
+    with safe_open(str(weights), "pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(weights))
+    name = next(n for n in tensors if n.endswith(f".experts.{BAD_SCALE}"))
+    tensors[name][BAD_EXPERT, -1, 0] = 0xFF
+    save_file(tensors, str(weights), metadata=metadata)
+    return name
+
+
+def record_bad_scale(bad_dir: str, out_dir: Path, mode: str, rank: int) -> None:
+    """The load-time check of the packed groups on each rank's share: the rank holding the bad byte refuses, naming
+    the whole tensor's index; the other loads."""
+    try:
+        AutoModelForCausalLM.from_pretrained(bad_dir, trust_remote_code=True, dtype=torch.float32,
+                                             **distributed_kwargs(mode))
+        error = None
+    except Exception as exc:  # KimiK3LoadError, from the folder's own copy of the code
+        error = f"{type(exc).__name__}: {exc}"
+    (out_dir / f"bad-{mode}-rank{rank}.json").write_text(json.dumps({"error": error}))
+
+
 def run_all(dense_dir: str, out_dir: Path) -> None:
     rank = dist.get_rank()
     packed_dir = str(out_dir / "model")
+    bad_dir = str(out_dir / "bad_scale")
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_packed_folder(Path(packed_dir))
+        write_bad_scale_folder(Path(packed_dir), Path(bad_dir))
     dist.barrier()
     for mode in MODES:  # the dense plans' modes: this transformers' TP, EP and TP + EP
         run(packed_dir, out_dir, mode, rank)
+        dist.barrier()
+        record_bad_scale(bad_dir, out_dir, mode, rank)
         dist.barrier()
     record_cut(dense_dir, out_dir, rank)
     dist.barrier()

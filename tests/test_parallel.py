@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS.parent / "benchmarks"))
 
-from packed_parallel_worker import PACKED_OUT, forward_and_backward, packed_holdings  # noqa: E402
+from packed_parallel_worker import BAD_EXPERT, BAD_SCALE, PACKED_OUT, forward_and_backward, packed_holdings  # noqa: E402
 from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
@@ -109,7 +109,9 @@ def packed_runs(two_rank_runs):
                     **load_file(str(out_dir / f"{mode}-rank{rank}.safetensors"))} for rank in range(2)]
             for mode in MODES}
     cut = [json.loads((out_dir / f"cut-rank{rank}.json").read_text())["error"] for rank in range(2)]
-    return out_dir / "model", runs, cut
+    bad = {mode: [json.loads((out_dir / f"bad-{mode}-rank{rank}.json").read_text())["error"] for rank in range(2)]
+           for mode in MODES}
+    return out_dir / "model", runs, cut, bad
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +157,23 @@ def test_packed_experts_tensor_parallel_refuses_a_degree_that_cuts_an_mxfp4_grou
     for error in packed_runs[2]:
         assert error is not None and error.startswith("`model.layers.1.mlp.experts.down_proj_packed`: its 1 MXFP4 "
                                                       "group(s) along the input dim cannot be split over 2")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_experts_bad_scale_refused_by_the_rank_holding_it_with_the_whole_tensors_index(packed_runs,
+                                                                                            packed_reference, mode):
+    """Each rank checks its own share of the packed groups at load (no collective): the byte is on rank 1 under TP (the
+    last up row, local row I - 1 of the strided gate/up split) and under EP (expert 5 = local expert 1); the message
+    gives the release tensor and the index into the whole fused tensor."""
+    config = packed_reference[0]
+    row = 2 * config.moe_intermediate_size - 1
+    layer = config.mlp_layer_types.index("sparse")
+    errors = packed_runs[3][mode]
+    assert errors[0] is None
+    assert errors[1] is not None and errors[1].startswith("KimiK3LoadError: ") and (
+        f"`model.layers.{layer}.block_sparse_moe.experts.{BAD_EXPERT}.w3.weight_scale` (our "
+        f"`model.layers.{layer}.mlp.experts.{BAD_SCALE}`): E8M0 scale byte 0xFF at [{BAD_EXPERT}, {row}, 0]"
+        in errors[1]), errors[1]
 
 
 def test_device_map_with_cpu_and_disk_offload_matches_one_device(tiny_dir, reference, tmp_path):
