@@ -45,6 +45,7 @@ from .dispatch_kimi_k3 import (
     kda_recurrence,
     sdpa_backend_order,
 )
+from .offload_kimi_k3 import check_offload_request, offload_routed_experts
 from .ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, routed_experts
 from .parallel_kimi_k3 import local_shard
 from .saving_kimi_k3 import layout_kept, register_auto_classes, write_remote_code
@@ -535,14 +536,15 @@ class KimiK3Experts(nn.Module):
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(gate_up))
             self.down_proj = nn.Parameter(torch.empty(down))
+        # a LayerOffload when the load kept the experts in host memory (`experts_offload`), else None
+        self.offload = None
 
-    def expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.packed:
-            return self.gate_up_proj, self.down_proj
-        return (
-            dequantize_mxfp4(self.gate_up_proj_packed, self.gate_up_proj_scale, dtype),
-            dequantize_mxfp4(self.down_proj_packed, self.down_proj_scale, dtype),
-        )
+    def stacks(self) -> tuple[torch.Tensor, ...]:
+        """The expert stacks [E, ...] in one order: (gate_up_proj, down_proj), or packed (gate_up codes, scales, down
+        codes, scales)."""
+        names = ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed", "down_proj_scale") if self.packed \
+            else ("gate_up_proj", "down_proj")
+        return tuple(getattr(self, name) for name in names)
 
     def forward(self, hidden_states: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor):
         """hidden_states [N, Dl]; returns dtype( sum_e w_e * f32(dtype(expert_e(x))) ) (docs/architecture.md, Stable
@@ -570,18 +572,20 @@ class KimiK3Experts(nn.Module):
         return partial.index_add(0, token_of, weighted)
 
     def _routed(self, hidden_states, top_indices, top_weights):
+        stacks = self.stacks()
+        if self.offload is not None:
+            # experts kept in host memory: the chosen ones, compacted on this device (offload_kimi_k3.py)
+            top_indices, stacks = self.offload.gather(top_indices, stacks, hidden_states.device)
         if self.config.hidden_act == "silu":
             # SwiGLU experts (Kimi-Linear-style configs): the fast experts are SiTU-only
-            gate_up, down = self.expert_weights(hidden_states.dtype)
+            gate_up, down = stacks if not self.packed else (
+                dequantize_mxfp4(stacks[0], stacks[1], hidden_states.dtype),
+                dequantize_mxfp4(stacks[2], stacks[3], hidden_states.dtype))
             return routed_experts(hidden_states, top_indices, top_weights, gate_up, down,
                                   lambda gate, up: glu_activation(self.config, gate, up))
         situ_betas = (self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
-        if self.packed:
-            experts = fast_or_reference("moe_experts_mxfp4", hidden_states)
-            return experts(hidden_states, top_indices, top_weights, self.gate_up_proj_packed, self.gate_up_proj_scale,
-                           self.down_proj_packed, self.down_proj_scale, *situ_betas)
-        experts = fast_or_reference("moe_experts", hidden_states)
-        return experts(hidden_states, top_indices, top_weights, self.gate_up_proj, self.down_proj, *situ_betas)
+        experts = fast_or_reference("moe_experts_mxfp4" if self.packed else "moe_experts", hidden_states)
+        return experts(hidden_states, top_indices, top_weights, *stacks, *situ_betas)
 
 
 class KimiK3SparseMoeBlock(nn.Module):
@@ -770,13 +774,24 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     }
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, experts_format: str | None = None, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, experts_format: str | None = None,
+                        experts_offload: str | None = None, experts_cache_bytes: int | None = None, **kwargs):
         """Also loads the release layout as it is on disk (conversion_kimi_k3.py); `experts_format="mxfp4"` keeps
         MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are errors naming the release tensor;
-        a local folder's files are checked first (conversion_kimi_k3.check_pretrained_folder)."""
+        a local folder's files are checked first (conversion_kimi_k3.check_pretrained_folder).
+
+        `experts_offload="host"` keeps the routed experts in host memory and a device cache of at most
+        `experts_cache_bytes` bytes of them, the model's `experts_cache` (docs/design.md, Routed experts off the
+        device)."""
+        check_offload_request(experts_offload, experts_cache_bytes, kwargs)
         load = super().from_pretrained
-        return check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
-                                  **kwargs)
+        loaded = check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
+                                    **kwargs)
+        if experts_offload is not None:
+            model = loaded[0] if isinstance(loaded, tuple) else loaded
+            experts = [module for module in model.modules() if isinstance(module, KimiK3Experts)]
+            model.experts_cache = offload_routed_experts(experts, experts_offload, experts_cache_bytes)
+        return loaded
 
     def post_init(self):
         super().post_init()
