@@ -778,7 +778,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                         experts_offload: str | None = None, experts_cache_bytes: int | None = None, **kwargs):
         """Also loads the release layout as it is on disk (conversion_kimi_k3.py); `experts_format="mxfp4"` keeps
         MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are errors naming the release tensor;
-        a local folder's files are checked first (conversion_kimi_k3.check_pretrained_folder).
+        a local folder's files are checked first (files_kimi_k3.check_pretrained_folder).
 
         `experts_offload="host"` keeps the routed experts in host memory and a device cache of at most
         `experts_cache_bytes` bytes of them, the model's `experts_cache` (docs/design.md, Routed experts off the

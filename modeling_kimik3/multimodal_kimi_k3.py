@@ -203,7 +203,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
         """As the text classes; the vision tower is loaded when the checkpoint holds it (`vision=None`), skipped with
         `vision=False`, and required with `vision=True`."""
-        # the folder's files are checked before anything here or in transformers reads them (conversion_kimi_k3.py)
+        # the folder's files are checked before anything here or in transformers reads them (files_kimi_k3.py)
         with checked_pretrained_folder(pretrained_model_name_or_path, kwargs):
             vision = _vision_option(pretrained_model_name_or_path, kwargs, vision)
             model = super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
@@ -370,7 +370,7 @@ class KimiK3MultimodalModel(KimiK3PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
         """As KimiK3ForConditionalGeneration.from_pretrained (the `vision` option included)."""
-        # the folder's files are checked before the index is read for the vision tensors (conversion_kimi_k3.py)
+        # the folder's files are checked before the index is read for the vision tensors (files_kimi_k3.py)
         with checked_pretrained_folder(pretrained_model_name_or_path, kwargs):
             vision = _vision_option(pretrained_model_name_or_path, kwargs, vision)
             return super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
