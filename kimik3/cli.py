@@ -9,7 +9,9 @@ from kimik3.arguments import bandwidth, context_tokens, gpu_memory_size, positiv
 
 
 PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context", "nodes", "gpus_per_node", "tp", "ep",
-                     "prefill_chunk", "hbm_bandwidth")
+                     "prefill_chunk", "hbm_bandwidth", "experts_offload", "host_mem", "experts_cache", "h2d_bandwidth")
+# the options of the offload tiers' plan, which need --experts-offload
+OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth")
 # the options that ask for the per-rank plan of a parallel layout instead of the one-process layer split
 PARALLEL_PLAN_OPTIONS = ("nodes", "gpus_per_node", "tp", "ep", "prefill_chunk", "hbm_bandwidth")
 
@@ -90,6 +92,11 @@ def _memory_plan(args, config, usage_error) -> int:
         return usage_error(f"argument --context: {context:,} tokens is more than the model's "
                            f"max_position_embeddings ({config.max_position_embeddings:,})")
     gpu_memory, unit = args.gpu_mem
+    if args.experts_offload is not None:
+        return _offload_plan(args, config, context, gpu_memory, unit, usage_error)
+    given = [name for name in OFFLOAD_PLAN_OPTIONS if getattr(args, name) is not None]
+    if given:
+        return usage_error(f"argument --{given[0].replace('_', '-')}: only with --experts-offload")
     if parallel:
         return _parallel_plan(args, config, context, gpu_memory, unit, usage_error)
     plan = device_plan(config, args.gpus, gpu_memory, context, args.batch, args.experts_format)
@@ -97,6 +104,31 @@ def _memory_plan(args, config, usage_error) -> int:
         print(json.dumps(plan))
     else:
         print(format_device_plan(plan, config, unit=unit))
+    return 0
+
+
+def _offload_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
+    from kimik3.memory import H200_HBM_BANDWIDTH, H2D_BANDWIDTH_ASSUMED, PlanError, format_offload_plan, offload_plan
+
+    # as the load refuses experts_offload with tp_plan / distributed_config: the offload keeps one device's experts
+    for name in ("tp", "ep", "nodes", "gpus_per_node", "gpus"):
+        if (getattr(args, name) or 1) > 1:
+            return usage_error(f"argument --{name.replace('_', '-')}: {getattr(args, name)} with --experts-offload: "
+                               "the offload keeps the routed experts of one GPU in its host's memory; tensor/expert "
+                               "parallelism and several devices are not supported with it (plan one GPU: --gpus 1)")
+    if args.host_mem is None:
+        return usage_error("argument --experts-offload: needs --host-mem (e.g. --host-mem 1500GB)")
+    try:
+        plan = offload_plan(config, gpu_memory, args.host_mem[0], context, args.batch, args.prefill_chunk or 8192,
+                            args.experts_format, args.experts_cache and args.experts_cache[0],
+                            args.h2d_bandwidth or H2D_BANDWIDTH_ASSUMED, args.hbm_bandwidth or H200_HBM_BANDWIDTH,
+                            mode=args.experts_offload)
+    except PlanError as exc:
+        return usage_error(str(exc))
+    if args.json:  # nothing but the JSON, so it can be piped
+        print(json.dumps(plan))
+    else:
+        print(format_offload_plan(plan, config, unit=unit))
     return 0
 
 
@@ -266,6 +298,18 @@ def main(argv: list[str] | None = None) -> int:
         help="with --plan: how the routed experts are stored, one of %(choices)s, as the config's experts_format "
              "(mxfp4: packed, 4.25 bits per value; dense: bf16); default %(release_format)s, the release's own")
     experts.release_format = RemoteCodeConstant("configuration_kimi_k3", "RELEASE_EXPERTS_FORMAT")  # for the help
+    p.add_argument("--experts-offload", choices=RemoteCodeConstant("offload_kimi_k3", "EXPERTS_OFFLOAD_MODES"),
+                   metavar="MODE",
+                   help="with --plan: the routed experts kept off the GPU as the load option experts_offload (host: "
+                        "in host memory), the rest on one GPU, with a device expert cache")
+    p.add_argument("--host-mem", type=gpu_memory_size,
+                   help="with --experts-offload: host memory for the routed experts, e.g. 1500GB")
+    p.add_argument("--experts-cache", type=gpu_memory_size,
+                   help="with --experts-offload: the device's expert cache (experts_cache_bytes), e.g. 10GB "
+                        "(default: what is left on the GPU after the rest)")
+    p.add_argument("--h2d-bandwidth", type=bandwidth,
+                   help="with --experts-offload: host-to-device bytes/s, e.g. 55GB/s (default: 50 GB/s, an "
+                        "assumption for PCIe 5.0 x16, not a measurement: measure yours)")
     p.add_argument("--context", type=context_tokens,
                    help="with --plan: tokens per sequence, e.g. 131072, 128K or 1M (K = 1024; default: the model's "
                         "max_position_embeddings)")

@@ -3,6 +3,7 @@
 
 import functools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -776,4 +777,181 @@ def format_parallel_plan(plan: dict, config, unit: str = "GB", chosen_from: int 
     if chosen_from is not None:
         lines.append(f"chosen from {chosen_from} layouts the product rules allow: one that fits first, a runnable "
                      "one before one this version cannot run, then the fastest decode bound, then the smaller tp")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `kimik3 memory --plan --experts-offload host`: the routed experts in host memory, the rest on one GPU, and the
+# device's expert cache (docs/design.md, Routed experts off the device) sized by what is left.
+
+# bytes/s host -> device: an ASSUMPTION, not a measurement. The H200 hangs off PCIe 5.0 x16 (64 GB/s a direction
+# before protocol overhead); pinned copies on such hosts reach about 50 GB/s. Measure yours and pass --h2d-bandwidth.
+H2D_BANDWIDTH_ASSUMED = 50e9
+H200_BF16_FLOPS = 989e12  # the H200's dense bf16 tensor-core peak (specification), for the prefill compute bound
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts one MoE layer's router chooses for `tokens` tokens under uniform routing: each token
+    picks top_k distinct of num_experts, tokens independently, so an expert is missed by all with probability
+    (1 - top_k / num_experts) ** tokens."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def expected_moved_experts(num_experts: int, top_k: int, tokens: int, cached: int) -> float:
+    """Expected experts one layer moves in a forward of `tokens` tokens when its cache holds `cached` experts: the
+    chosen ones it lacks. Under uniform routing the cache's contents (whatever its policy) are independent of this
+    forward's choice, so each chosen expert is cached with probability cached / num_experts (once the cache is
+    full: the steady state of a long decode)."""
+    cached = min(cached, num_experts)
+    return expected_distinct_experts(num_experts, top_k, tokens) * (1 - cached / num_experts)
+
+
+def _active_matmul_params(config, experts_format: str) -> tuple[int, int]:
+    """(the parameters a token multiplies by outside the routed experts, one routed expert's parameters): weight
+    matrices of the layers and lm_head, not the embedding (a lookup) nor norms and biases."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dense = 0
+    for unit, tensors in weight_units(config, "dense"):
+        for name, (shape, _) in tensors.items():
+            if unit != "embed" and len(shape) == 2 and not _is_routed_expert(name):
+                dense += shape[0] * shape[1]
+    return dense, 3 * text.moe_intermediate_size * text.latent_size
+
+
+def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_size: int = 1,
+                 prefill_chunk: int = 8192, experts_format: str | None = None, experts_cache: int | None = None,
+                 h2d_bandwidth: float = H2D_BANDWIDTH_ASSUMED, hbm_bandwidth: float = H200_HBM_BANDWIDTH,
+                 bf16_flops: float = H200_BF16_FLOPS, mode: str = "host") -> dict:
+    """One GPU with the routed experts in host memory (`from_pretrained(..., experts_offload="host",
+    experts_cache_bytes=...)`): the GPU holds every other weight, the cache at `context`, the prefill chunk's
+    workspace plus the compact stack of one layer's chosen experts (a prefill chooses up to all of them), and the
+    expert cache: `experts_cache` bytes, default all that is left. Raises PlanError for a cache the GPU cannot hold
+    or one below the load's minimum (one expert per MoE layer).
+    Decode step bound = routed bytes moved / h2d_bandwidth + the GPU's own HBM bound (no overlap counted); bytes
+    moved = MoE layers x expected_moved_experts(batch) x bytes of one expert. Prefill chunk bound: the larger of
+    its transfer (each layer's chosen experts cross once, expected_moved_experts(chunk x batch)) and its compute
+    at bf16 peak (2 x active matmul parameters a token; attention's score products not counted)."""
+    from kimik3.modeling.offload_kimi_k3 import EXPERTS_OFFLOAD_MODES
+
+    if mode not in EXPERTS_OFFLOAD_MODES:
+        raise PlanError(f"argument --experts-offload: {mode!r} is not one of {list(EXPERTS_OFFLOAD_MODES)}")
+    experts_format = _experts_format(experts_format)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    weights = rank_weights(config, 1, 1, experts_format)
+    units = [w["unit"] for w in weights]
+    moe_layers = sum(1 for w in weights if w["experts"])
+    if not moe_layers:
+        raise PlanError("argument --experts-offload: the model has no routed experts (no MoE layer)")
+    experts_bytes = sum(w["experts"] for w in weights)
+    per_expert = experts_bytes // (moe_layers * text.num_experts)
+    layer_experts = per_expert * text.num_experts
+    rest = sum(w["total"] for w in weights) - experts_bytes
+    cache = rank_cache(config, units, context, batch_size, 1)
+    chunk = min(prefill_chunk, context)
+    experts, top_k = text.num_experts, text.num_experts_per_token
+
+    def device_transient(size: int) -> tuple[int, int]:
+        """(the prefill workspace of a chunk, the compact stack of one layer's chosen experts beside it): today's
+        packed prefill dequantises the chosen experts of a layer to bf16, the U of the chunk, not all of them."""
+        ws = prefill_workspace(config, 1, 1, size, batch_size, context, experts_format)
+        chosen = min(experts, math.ceil(expected_distinct_experts(experts, top_k, size * batch_size)))
+        if experts_format == "mxfp4":
+            ws["total"] -= 3 * experts * text.moe_intermediate_size * text.latent_size * 2 * (experts - chosen) // experts
+        return ws["total"], chosen * per_expert
+
+    workspace, compact = device_transient(chunk)
+    after_weights = gpu_memory - rest
+    left = after_weights - sum(cache) - workspace - compact
+    minimum = moe_layers * per_expert
+    if experts_cache is None:
+        experts_cache = max(left, minimum)  # all that is left, at least the load's minimum (the verdict says)
+    elif experts_cache < minimum:
+        raise PlanError(f"argument --experts-cache: {experts_cache:,} bytes is less than one expert per MoE layer "
+                        f"({moe_layers} layers x {per_expert:,} bytes = {minimum:,} bytes, the load's minimum)")
+    elif experts_cache > after_weights:
+        raise PlanError(f"argument --experts-cache: {experts_cache:,} bytes is more than the GPU holds beside the "
+                        f"other weights ({max(after_weights, 0):,} of {gpu_memory:,} bytes; the other weights are "
+                        f"{rest:,})")
+    cached = min(text.num_experts, experts_cache // moe_layers // per_expert)  # the load's split: even per layer
+    decode_moved = moe_layers * expected_moved_experts(experts, top_k, batch_size, cached) * per_expert
+    gpu_read = decode_bytes(config, weights, units, cache, 1, 1, batch_size, experts_format)
+    decode_s = decode_moved / h2d_bandwidth + gpu_read / hbm_bandwidth
+    dense_params, expert_params = _active_matmul_params(config, experts_format)
+    flops_per_token = 2 * (dense_params + moe_layers * top_k * expert_params)
+
+    def prefill(size: int) -> dict:
+        moved = moe_layers * expected_moved_experts(experts, top_k, size * batch_size, cached) * per_expert
+        transfer, compute = moved / h2d_bandwidth, size * batch_size * flops_per_token / bf16_flops
+        return {"chunk": size, "moved_bytes": moved, "transfer_s": transfer, "compute_s": compute,
+                "bound_s": max(transfer, compute), "tokens_per_s": size * batch_size / max(transfer, compute)}
+
+    sizes = [2**p for p in range(9, 31) if 2**p <= context]
+    recommended = next((size for size in sizes if prefill(size)["transfer_s"] <= prefill(size)["compute_s"]), None)
+    room = after_weights - sum(cache) - experts_cache
+    largest_fitting = max((2**p for p in range(31) if 2**p <= context and sum(device_transient(2**p)) <= room),
+                          default=None)
+    return {"mode": mode, "gpu_memory": gpu_memory, "host_memory": host_memory, "context": context,
+            "batch": batch_size, "prefill_chunk": chunk, "experts_format": experts_format,
+            "h2d_bandwidth": h2d_bandwidth, "hbm_bandwidth": hbm_bandwidth, "bf16_flops": bf16_flops,
+            "moe_layers": moe_layers, "num_experts": experts, "top_k": top_k, "bytes_per_expert": per_expert,
+            "host": {"experts": experts_bytes, "left": host_memory - experts_bytes,
+                     "fits": experts_bytes <= host_memory},
+            "gpu": {"weights": rest, "cache": sum(cache), "workspace": workspace, "compact_stack": compact,
+                    "experts_cache": experts_cache, "left": left - experts_cache, "fits": left >= experts_cache},
+            "cached_per_layer": cached, "hit_rate": cached / experts,
+            "decode": {"moved_bytes": decode_moved, "gpu_bytes": gpu_read, "step_ms": decode_s * 1e3,
+                       "tokens_per_s": batch_size / decode_s},
+            "prefill": prefill(chunk),
+            "recommended_chunk": recommended,
+            "recommended": prefill(recommended) if recommended is not None else None,
+            "largest_fitting_chunk": largest_fitting,
+            "fits": experts_bytes <= host_memory and left >= experts_cache,
+            "flops_per_token": flops_per_token}
+
+
+def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
+    scale = 10**9 if unit == "GB" else 2**30
+    fmt = lambda n: f"{n / scale:,.2f} {unit}"  # noqa: E731
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    host, gpu, d, p = plan["host"], plan["gpu"], plan["decode"], plan["prefill"]
+    experts = "MXFP4 (4.25 bits per value)" if plan["experts_format"] == "mxfp4" else "dense bf16"
+    assumed = " (ASSUMED: PCIe 5.0 x16, not measured)" if plan["h2d_bandwidth"] == H2D_BANDWIDTH_ASSUMED else ""
+    e, k = plan["num_experts"], plan["top_k"]
+    lines = [
+        f"Kimi K3 text model, {describe_layers(text)}, {e} routed experts per MoE layer as {experts}, top-{k}",
+        f"routed experts in host memory (experts_offload={plan['mode']!r}), the rest on one GPU of "
+        f"{fmt(plan['gpu_memory'])}; context {plan['context']:,} tokens x batch {plan['batch']}; units: GB = 10^9 "
+        "bytes, GiB = 2^30 bytes",
+        f"host memory: routed experts {fmt(host['experts'])} of {fmt(plan['host_memory'])}: "
+        + (f"FITS, {fmt(host['left'])} left" if host["fits"] else f"DOES NOT FIT ({fmt(-host['left'])} over)"),
+        f"GPU: other weights {fmt(gpu['weights'])}, cache {fmt(gpu['cache'])}, workspace {fmt(gpu['workspace'])} "
+        f"+ compact expert stack {fmt(gpu['compact_stack'])} (prefill chunk {plan['prefill_chunk']:,}), expert "
+        f"cache {fmt(gpu['experts_cache'])}: "
+        + (f"FITS, {fmt(gpu['left'])} left" if gpu["fits"] else f"DOES NOT FIT ({fmt(-gpu['left'])} over)"),
+        f"expert cache: {plan['cached_per_layer']} of {e} experts per MoE layer ({plan['moe_layers']} layers x "
+        f"{plan['bytes_per_expert']:,} bytes an expert); expected hit rate under uniform routing "
+        f"{plan['hit_rate']:.2%} (random weights route near uniformly: the worst case for a cache)",
+        "",
+        f"expected experts moved per layer and forward of T tokens = {e} x (1 - (1 - {k}/{e})^T) (distinct chosen) "
+        f"x (1 - {plan['cached_per_layer']}/{e}) (not cached)",
+        f"decode step bound at batch {plan['batch']}: {fmt(d['moved_bytes'])} moved / "
+        f"{plan['h2d_bandwidth'] / 1e9:.1f} GB/s host->device{assumed} + {fmt(d['gpu_bytes'])} read / "
+        f"{plan['hbm_bandwidth'] / 1e12:.2f} TB/s HBM = {d['step_ms']:,.1f} ms ({d['tokens_per_s']:,.2f} tokens/s; "
+        "no overlap counted)",
+        f"prefill chunk of {p['chunk']:,} tokens: transfer {p['transfer_s']:,.2f} s ({fmt(p['moved_bytes'])}), "
+        f"compute {p['compute_s']:,.2f} s at {plan['bf16_flops'] / 1e12:,.0f} TFLOP/s bf16 peak -> "
+        f"{p['tokens_per_s']:,.0f} tokens/s at best",
+    ]
+    r = plan["recommended"]
+    if r is None:
+        lines.append(f"recommended prefill chunk: none up to {plan['context']:,} tokens has its transfer under its "
+                     "compute")
+    else:
+        lines.append(f"recommended prefill chunk: {r['chunk']:,} tokens, the smallest power of two whose transfer "
+                     f"({r['transfer_s']:,.2f} s) is under its compute ({r['compute_s']:,.2f} s): "
+                     f"{r['tokens_per_s']:,.0f} tokens/s at best")
+    fitting = plan["largest_fitting_chunk"]
+    lines.append("largest prefill chunk (a power of two) whose workspace fits beside the expert cache: "
+                 + (f"{fitting:,} tokens" if fitting is not None else "none, not even 1 token"))
+    lines.append("verdict: " + ("FITS" if plan["fits"] else "DOES NOT FIT") + " (host memory and GPU)")
     return "\n".join(lines)

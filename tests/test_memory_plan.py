@@ -315,3 +315,89 @@ def test_parallel_plan_bad_input_exits_2_naming_the_option(capsys, argv, message
 def test_parallel_options_only_with_plan(capsys):
     assert main(["memory", "--tp", "8"]) == 2
     assert "argument --tp: only with --plan" in capsys.readouterr().err
+
+
+# ----- the offload tiers: routed experts in host memory, the rest and an expert cache on one GPU -----
+
+def test_offload_plan_counts_the_loaded_experts_bytes(loaded_tiny):
+    from kimik3.memory import offload_plan
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts
+    from kimik3.modeling.offload_kimi_k3 import expert_bytes
+
+    experts_format, model = loaded_tiny
+    modules = [m for m in model.modules() if isinstance(m, KimiK3Experts)]
+    plan = offload_plan(model.config, 10**9, 10**9, 256, experts_format=experts_format)
+    assert plan["bytes_per_expert"] == expert_bytes(modules[0].stacks())
+    assert plan["host"]["experts"] == sum(t.numel() * t.element_size() for m in modules for t in m.stacks())
+    assert plan["moe_layers"] == len(modules)
+
+
+@pytest.mark.parametrize("experts,top_k,batch,cached,steps", [(8, 2, 2, 3, 600), (896, 16, 8, 100, 120)])
+def test_expected_moved_experts_equal_the_offload_caches_counters(experts, top_k, batch, cached, steps):
+    """The plan's formula against the cache's own `moves` under uniform routing (fixed seed, after the cache
+    fills); the tolerance is a few standard errors of the simulated mean."""
+    from kimik3.memory import expected_moved_experts
+    from kimik3.modeling.offload_kimi_k3 import ExpertCache
+
+    cache = ExpertCache(cached * 4, 1, 4)  # one layer, 4-byte experts: capacity `cached`
+    stacks = (torch.zeros(experts, 1),)
+    generator = torch.Generator().manual_seed(0)
+    draw = lambda: torch.stack([torch.randperm(experts, generator=generator)[:top_k]  # noqa: E731
+                                for _ in range(batch)])
+    for _ in range(20):  # fill the cache
+        cache.gather(0, draw(), stacks, torch.device("cpu"))
+    before = cache.moves
+    for _ in range(steps):
+        cache.gather(0, draw(), stacks, torch.device("cpu"))
+    assert cache.resident_bytes() <= cache.budget_bytes
+    simulated = (cache.moves - before) / steps
+    assert simulated == pytest.approx(expected_moved_experts(experts, top_k, batch, cached), rel=0.03)
+    # the cache does count: ignoring it would be off by the hit rate
+    assert simulated < 0.95 * expected_moved_experts(experts, top_k, batch, 0) or cached / experts < 0.05
+
+
+def test_release_on_one_h200_with_host_memory_says_what_fits_and_the_bounds(capsys):
+    from kimik3.memory import H2D_BANDWIDTH_ASSUMED, expected_moved_experts
+
+    base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--context",
+            "128K"]
+    assert main([*base, "--host-mem", "1500GB", "--prefill-chunk", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["host"]["fits"] and plan["host"]["experts"] == 1_446_456_066_048 and plan["fits"]
+    assert plan["gpu"]["experts_cache"] == plan["gpu"]["experts_cache"] + plan["gpu"]["left"]  # default: all left
+    moved = 92 * expected_moved_experts(896, 16, 1, plan["cached_per_layer"]) * 17_547_264
+    assert plan["decode"]["moved_bytes"] == pytest.approx(moved)
+    assert plan["decode"]["step_ms"] == pytest.approx(
+        (moved / H2D_BANDWIDTH_ASSUMED + plan["decode"]["gpu_bytes"] / 4.8e12) * 1e3)
+    # a prefill chunk of C tokens moves each layer's distinct chosen experts once: at 8K all 896 (less the cached)
+    assert main([*base, "--host-mem", "1000GB", "--batch", "8", "--experts-cache", "5GB", "--h2d-bandwidth",
+                 "25GB/s"]) == 0
+    out = capsys.readouterr().out
+    assert "host memory: routed experts 1,446.46 GB of 1,000.00 GB: DOES NOT FIT (446.46 GB over)" in out
+    assert "25.0 GB/s host->device + " in out and "ASSUMED" not in out
+    assert "expert cache: 3 of 896 experts per MoE layer" in out
+    assert "recommended prefill chunk: 65,536 tokens" in out and "verdict: DOES NOT FIT" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    pytest.param(["--experts-cache", "130GB"], "argument --experts-cache: 130,000,000,000 bytes is more than the GPU "
+                 "holds beside the other weights", id="memory-plan-offload-cache-bigger-than-gpu"),
+    pytest.param(["--experts-cache", "1GB"], "argument --experts-cache: 1,000,000,000 bytes is less than one expert "
+                 "per MoE layer (92 layers x 17,547,264 bytes", id="memory-plan-offload-cache-below-one-expert"),
+    pytest.param(["--tp", "2"], "argument --tp: 2 with --experts-offload: the offload keeps the routed experts of one "
+                 "GPU", id="memory-plan-offload-with-tp"),
+    pytest.param(["--no-offload"], "argument --host-mem: only with --experts-offload",
+                 id="memory-plan-host-mem-without-offload"),
+    pytest.param(["--no-host-mem"], "argument --experts-offload: needs --host-mem",
+                 id="memory-plan-offload-without-host-mem"),
+    pytest.param(["--h2d-bandwidth", "50GBs"], "argument --h2d-bandwidth: '50GBs' is not a bandwidth",
+                 id="memory-plan-offload-bandwidth-typo"),
+])
+def test_offload_plan_bad_input_exits_2_naming_the_option(capsys, argv, message):
+    argv = list(argv)
+    base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB"]
+    base += [] if "--no-offload" in argv else ["--experts-offload", "host"]
+    base += [] if "--no-host-mem" in argv else ["--host-mem", "1500GB"]
+    argv = [a for a in argv if a not in ("--no-offload", "--no-host-mem")]
+    assert main([*base, *argv]) == 2
+    assert "kimik3 memory: error: " + message in capsys.readouterr().err
