@@ -5,7 +5,9 @@ launch of tests/two_rank_worker.py, or torchrun). Rank 0 writes the packed tiny 
 one MoE layer's packed tensors, the packed bytes this rank holds and their storage) and .safetensors (the logits,
 greedy tokens and, after one backward through the packed experts, the gradients of the input embeddings and of the
 replicated projection that feeds the experts), and `bad-<mode>` the load-time check of a bad scale byte on the rank
-holding it; `cut` records the refusal of a degree that would cut an MXFP4 group.
+holding it; `cut` records the refusal of a degree that would cut an MXFP4 group; `adopted-<mode>` the load of a tiny
+release folder adopted with packed experts (`kimik3 adopt --experts-format mxfp4`: the release layout on disk,
+per-expert w1/w2/w3 codes and scales that the loader fuses) under the same plan, or its refusal.
 
     torchrun --standalone --nproc-per-node 2 tests/packed_parallel_worker.py DENSE_TINY_DIR OUT_DIR
 """
@@ -27,6 +29,7 @@ PACKED_INTERMEDIATE_SIZE = 128
 PACKED_OUT = "packed"  # under the dense plans' output folder, in the shared launch
 PACKED_SUFFIXES = ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed", "down_proj_scale")
 GRADIENT_SEED = 0
+ADOPTED = "release"  # the tiny release folder and its adopted folder, under the packed checks' output folder
 
 
 def write_packed_folder(directory: Path) -> Path:
@@ -128,6 +131,42 @@ def record_bad_scale(bad_dir: str, out_dir: Path, mode: str, rank: int) -> None:
     (out_dir / f"bad-{mode}-rank{rank}.json").write_text(json.dumps({"error": error}))
 
 
+def write_adopted_release(directory: Path) -> Path:
+    """A tiny text-only release folder (kimik3.convert.testing) at PACKED_INTERMEDIATE_SIZE and its adopted folder
+    with the experts kept packed; returns the adopted folder."""
+    from kimik3.convert.adopt import adopt
+    from kimik3.convert.testing import write_release_checkpoint
+
+    release = write_release_checkpoint(directory / "release", seed=3, num_layers=2, num_experts=4, vision=False,
+                                       config_overrides={"moe_intermediate_size": PACKED_INTERMEDIATE_SIZE},
+                                       return_dense=False)
+    adopt(release.path, directory / "adopted", experts_format="mxfp4")
+    return directory / "adopted"
+
+
+def adopted_results(model) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The composite model's text half: its packed holdings, and its logits and greedy tokens."""
+    input_ids = torch.tensor(INPUT_IDS, device=model.get_input_embeddings().weight.device)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+        generated = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return packed_holdings(model.language_model), {"logits": logits, "generated": generated}
+
+
+def record_adopted(adopted_dir: str, out_dir: Path, mode: str, rank: int) -> None:
+    """The adopted release folder loaded under `mode`: its results, or the load's refusal."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(adopted_dir, trust_remote_code=True, dtype=torch.float32,
+                                                     **distributed_kwargs(mode)).eval()
+    except Exception as exc:  # KimiK3LoadError, from the folder's own copy of the code
+        (out_dir / f"adopted-{mode}-rank{rank}.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        return
+    holdings, results = adopted_results(model)
+    (out_dir / f"adopted-{mode}-rank{rank}.json").write_text(json.dumps({"error": None, **holdings}))
+    save_file({name: tensor.detach().cpu().contiguous() for name, tensor in results.items()},
+              str(out_dir / f"adopted-{mode}-rank{rank}.safetensors"))
+
+
 def run_all(dense_dir: str, out_dir: Path) -> None:
     rank = dist.get_rank()
     packed_dir = str(out_dir / "model")
@@ -136,11 +175,14 @@ def run_all(dense_dir: str, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_packed_folder(Path(packed_dir))
         write_bad_scale_folder(Path(packed_dir), Path(bad_dir))
+        write_adopted_release(out_dir / ADOPTED)
     dist.barrier()
     for mode in MODES:  # the dense plans' modes: this transformers' TP, EP and TP + EP
         run(packed_dir, out_dir, mode, rank)
         dist.barrier()
         record_bad_scale(bad_dir, out_dir, mode, rank)
+        dist.barrier()
+        record_adopted(str(out_dir / ADOPTED / "adopted"), out_dir, mode, rank)
         dist.barrier()
     record_cut(dense_dir, out_dir, rank)
     dist.barrier()

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS.parent / "benchmarks"))
 
-from packed_parallel_worker import BAD_EXPERT, BAD_SCALE, PACKED_OUT, forward_and_backward, packed_holdings  # noqa: E402
+from packed_parallel_worker import (ADOPTED, BAD_EXPERT, BAD_SCALE, PACKED_OUT, adopted_results,  # noqa: E402
+                                    forward_and_backward, packed_holdings)
 from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
@@ -174,6 +175,34 @@ def test_packed_experts_bad_scale_refused_by_the_rank_holding_it_with_the_whole_
         f"`model.layers.{layer}.block_sparse_moe.experts.{BAD_EXPERT}.w3.weight_scale` (our "
         f"`model.layers.{layer}.mlp.experts.{BAD_SCALE}`): E8M0 scale byte 0xFF at [{BAD_EXPERT}, {row}, 0]"
         in errors[1]), errors[1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_adopted_release_with_packed_experts_under_expert_parallel_or_refused_under_tensor_parallel(two_rank_runs,
+                                                                                                   mode):
+    """The release layout on disk (an adopted folder's links, per-expert w1/w2/w3 codes and scales fused by the
+    loader) with experts_format="mxfp4": expert parallelism alone reads each rank's whole experts, half the packed
+    bytes, logits and greedy tokens the one process's; tensor parallelism is refused by name on every rank, as the
+    release's zero-padded A_log cannot be sliced by head on read."""
+    out_dir = two_rank_runs["parallel"] / PACKED_OUT
+    runs = [json.loads((out_dir / f"adopted-{mode}-rank{rank}.json").read_text()) for rank in range(2)]
+    if mode in ("tp", "tp_ep"):
+        for rank, run in enumerate(runs):
+            assert run["error"] is not None and run["error"].startswith("KimiK3LoadError: ") and (
+                "`language_model.model.layers.0.self_attn.A_log`: tensor-parallel loading reads this rank's slice"
+                in run["error"] and "a zero-padded A_log cannot be sliced by head" in run["error"]), f"rank {rank}"
+        return
+    model = AutoModelForCausalLM.from_pretrained(out_dir / ADOPTED / "adopted", trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    whole, reference = adopted_results(model)
+    assert whole["num_local_experts"] == 4 and whole["bytes"] > 0
+    for rank, run in enumerate(runs):
+        assert run["error"] is None and run["num_local_experts"] == 2, f"rank {rank}"
+        assert run["bytes"] == run["storage_bytes"] == whole["bytes"] // 2 and not run["requires_grad"], f"rank {rank}"
+        assert run["shapes"] == {k: [2, *v[1:]] for k, v in whole["shapes"].items()}, f"rank {rank}"
+        results = load_file(str(out_dir / f"adopted-{mode}-rank{rank}.safetensors"))
+        torch.testing.assert_close(results["logits"], reference["logits"], rtol=1e-5, atol=1e-5)
+        assert torch.equal(results["generated"], reference["generated"])
 
 
 def test_device_map_with_cpu_and_disk_offload_matches_one_device(tiny_dir, reference, tmp_path):
