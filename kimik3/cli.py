@@ -100,15 +100,11 @@ def _memory_plan(args, config, usage_error) -> int:
     if parallel:
         return _parallel_plan(args, config, context, gpu_memory, unit, usage_error)
     plan = device_plan(config, args.gpus, gpu_memory, context, args.batch, args.experts_format)
-    if args.json:  # nothing but the JSON, so it can be piped
-        print(json.dumps(plan))
-    else:
-        print(format_device_plan(plan, config, unit=unit))
-    return 0
+    return _print_plan(args, plan, lambda: format_device_plan(plan, config, unit=unit))
 
 
 def _offload_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
-    from kimik3.memory import H200_HBM_BANDWIDTH, H2D_BANDWIDTH_ASSUMED, PlanError, format_offload_plan, offload_plan
+    from kimik3.memory import PlanError, format_offload_plan, offload_plan
 
     # as the load refuses experts_offload with tp_plan / distributed_config: the offload keeps one device's experts
     for name in ("tp", "ep", "nodes", "gpus_per_node", "gpus"):
@@ -119,27 +115,22 @@ def _offload_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
     if args.host_mem is None:
         return usage_error("argument --experts-offload: needs --host-mem (e.g. --host-mem 1500GB)")
     try:
-        plan = offload_plan(config, gpu_memory, args.host_mem[0], context, args.batch, args.prefill_chunk or 8192,
-                            args.experts_format, args.experts_cache and args.experts_cache[0],
-                            args.h2d_bandwidth or H2D_BANDWIDTH_ASSUMED, args.hbm_bandwidth or H200_HBM_BANDWIDTH,
-                            mode=args.experts_offload)
+        plan = offload_plan(config, gpu_memory, args.host_mem[0], context, args.batch,
+                            experts_format=args.experts_format,
+                            experts_cache=args.experts_cache and args.experts_cache[0], mode=args.experts_offload,
+                            **_given(args, "prefill_chunk", "h2d_bandwidth", "hbm_bandwidth"))
     except PlanError as exc:
         return usage_error(str(exc))
-    if args.json:  # nothing but the JSON, so it can be piped
-        print(json.dumps(plan))
-    else:
-        print(format_offload_plan(plan, config, unit=unit))
-    return 0
+    return _print_plan(args, plan, lambda: format_offload_plan(plan, config, unit=unit))
 
 
 def _parallel_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
-    from kimik3.memory import (H200_HBM_BANDWIDTH, PlanError, check_degrees, format_parallel_plan, parallel_plan,
-                               search_degrees)
+    from kimik3.memory import PlanError, check_degrees, format_parallel_plan, parallel_plan, search_degrees
 
     nodes = args.nodes or 1
     per_node = args.gpus_per_node if args.gpus_per_node is not None else args.gpus
-    options = dict(batch_size=args.batch, prefill_chunk=args.prefill_chunk or 8192,
-                   experts_format=args.experts_format, hbm_bandwidth=args.hbm_bandwidth or H200_HBM_BANDWIDTH)
+    options = dict(batch_size=args.batch, experts_format=args.experts_format,
+                   **_given(args, "prefill_chunk", "hbm_bandwidth"))
     try:
         if args.tp is not None and args.ep is not None:
             plan, searched = parallel_plan(config, nodes, per_node, gpu_memory, args.tp, args.ep, context,
@@ -153,10 +144,19 @@ def _parallel_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
             searched = len(candidates)
     except PlanError as exc:
         return usage_error(str(exc))
+    return _print_plan(args, plan, lambda: format_parallel_plan(plan, config, unit=unit, chosen_from=searched))
+
+
+def _given(args, *names) -> dict:
+    """The plan options the user gave (the library's defaults stand for the others)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _print_plan(args, plan: dict, text) -> int:
     if args.json:  # nothing but the JSON, so it can be piped
         print(json.dumps(plan))
     else:
-        print(format_parallel_plan(plan, config, unit=unit, chosen_from=searched))
+        print(text())
     return 0
 
 

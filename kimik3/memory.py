@@ -501,6 +501,8 @@ def format_device_plan(plan: dict, config, unit: str = "GB") -> str:
 # routed experts by their intermediate width. The ranks of one model replica are max(tp, ep); the remaining factor of
 # the world size is a pipeline split by whole decoder layers, as the one-process device_map plan splits them.
 
+# the prompt tokens one prefill forward takes when a plan is not told (`--prefill-chunk`), for its workspace
+DEFAULT_PREFILL_CHUNK = 8192
 H200_HBM_BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e specification (docs/benchmarks.md measures 4.3e12 copies)
 # Styles of the tp plan that split a tensor, and the dimension they split (a Linear weight is [out, in]; an expert
 # stack [E, out, in]; an embedding [vocab, hidden]): colwise splits out, rowwise in, the head style the leading (head) axis. Every other style
@@ -680,7 +682,7 @@ def decode_bytes(config, weights: list[dict], units: list[str], cache: list[int]
 
 
 def parallel_plan(config, nodes: int, gpus_per_node: int, gpu_memory: int, tp: int, ep: int, context: int,
-                  batch_size: int = 1, prefill_chunk: int = 8192, experts_format: str | None = None,
+                  batch_size: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, experts_format: str | None = None,
                   hbm_bandwidth: float = H200_HBM_BANDWIDTH) -> dict:
     """Per rank of a `nodes x gpus_per_node` world under (tp, ep) and whole-layer stages over the rest: weights
     (split by the tp plan, experts by ep, the replicated rest), cache at `context`, the prefill chunk's workspace,
@@ -717,7 +719,7 @@ def parallel_plan(config, nodes: int, gpus_per_node: int, gpu_memory: int, tp: i
 
 
 def search_degrees(config, nodes: int, gpus_per_node: int, gpu_memory: int, context: int, batch_size: int = 1,
-                   prefill_chunk: int = 8192, experts_format: str | None = None,
+                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK, experts_format: str | None = None,
                    hbm_bandwidth: float = H200_HBM_BANDWIDTH, tp: int | None = None, ep: int | None = None
                    ) -> tuple[dict | None, list[dict]]:
     """Every (tp, ep) the product rules allow (with a given one fixed), planned; the choice: a layout this version
@@ -819,7 +821,8 @@ def _active_matmul_params(config, experts_format: str) -> tuple[int, int]:
 
 
 def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_size: int = 1,
-                 prefill_chunk: int = 8192, experts_format: str | None = None, experts_cache: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, experts_format: str | None = None,
+                 experts_cache: int | None = None,
                  h2d_bandwidth: float = H2D_BANDWIDTH_ASSUMED, hbm_bandwidth: float = H200_HBM_BANDWIDTH,
                  bf16_flops: float = H200_BF16_FLOPS, mode: str = "host") -> dict:
     """One GPU with the routed experts in host memory (`from_pretrained(..., experts_offload="host",
