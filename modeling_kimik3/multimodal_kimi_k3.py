@@ -178,24 +178,20 @@ def _add_vision_parts(model: nn.Module, config, vision: bool | None) -> None:
     model.mm_projector = KimiK3PatchMergerProjector(vision_config) if with_tower else None
 
 
-class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
-    """The release's top-level class (`KimiK3Config`): `language_model` is a `KimiK3ForCausalLM` (parameter names
-    `language_model.model.*` / `language_model.lm_head.weight`, as the release), `vision_tower` the MoonViT-3d tower
-    and `mm_projector` the patch-merger projector (vision_kimi_k3.py).
-
-    Images: `pixel_values` [patches, 3, 14, 14] and `grid_thws` [images, 3] from the image processor, and one
-    `<|media_pad|>` per image in `input_ids` (the processor writes it); the merged sequence is what the text model
-    and its cache see. The tower is built when the config describes one and the checkpoint holds its tensors
-    (`from_pretrained(..., vision=False)` skips it, e.g. to save its memory); without it images are an error."""
+class KimiK3CompositePreTrainedModel(KimiK3PreTrainedModel):
+    """What the two classes of the release's composite schema (`KimiK3Config`) share: `language_model` (of
+    `text_model_class`), the vision tower and projector when the config describes one and the checkpoint holds it,
+    the `vision` load option, and the tower's initialisation."""
 
     config_class = KimiK3Config
     base_model_prefix = ""
     _tied_weights_keys = {}
     _no_split_modules = ["KimiK3DecoderLayer", "KimiK3VisionEncoderLayer"]
+    text_model_class: type[KimiK3PreTrainedModel]
 
     def __init__(self, config: KimiK3Config, vision: bool | None = None):
         super().__init__(config)
-        self.language_model = KimiK3ForCausalLM(config.text_config)
+        self.language_model = self.text_model_class(config.text_config)
         _add_vision_parts(self, config, vision)
         self.post_init()
 
@@ -203,13 +199,16 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
         """As the text classes; the vision tower is loaded when the checkpoint holds it (`vision=None`), skipped with
         `vision=False`, and required with `vision=True`."""
-        # the folder's files are checked before anything here or in transformers reads them (files_kimi_k3.py)
+        # the folder's files are checked before anything here or in transformers reads them, the index for the
+        # vision tensors included (files_kimi_k3.py)
         with checked_pretrained_folder(pretrained_model_name_or_path, kwargs):
             vision = _vision_option(pretrained_model_name_or_path, kwargs, vision)
             model = super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
         # transformers also hands the load options __init__ takes to the generation config; `vision` is not one of its
         # settings (it would be saved in generation_config.json)
-        model.generation_config.__dict__.pop("vision", None)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.__dict__.pop("vision", None)
         return model
 
     @torch.no_grad()
@@ -225,6 +224,19 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
 
     def set_input_embeddings(self, value: nn.Module) -> None:
         self.language_model.set_input_embeddings(value)
+
+
+class KimiK3ForConditionalGeneration(KimiK3CompositePreTrainedModel, GenerationMixin):
+    """The release's top-level class (`KimiK3Config`): `language_model` is a `KimiK3ForCausalLM` (parameter names
+    `language_model.model.*` / `language_model.lm_head.weight`, as the release), `vision_tower` the MoonViT-3d tower
+    and `mm_projector` the patch-merger projector (vision_kimi_k3.py).
+
+    Images: `pixel_values` [patches, 3, 14, 14] and `grid_thws` [images, 3] from the image processor, and one
+    `<|media_pad|>` per image in `input_ids` (the processor writes it); the merged sequence is what the text model
+    and its cache see. The tower is built when the config describes one and the checkpoint holds its tensors
+    (`from_pretrained(..., vision=False)` skips it, e.g. to save its memory); without it images are an error."""
+
+    text_model_class = KimiK3ForCausalLM
 
     def get_output_embeddings(self) -> nn.Module:
         return self.language_model.get_output_embeddings()
@@ -348,46 +360,15 @@ class KimiK3TextBackbone(KimiK3PreTrainedModel):
         return self.model(*args, **kwargs)
 
 
-class KimiK3MultimodalModel(KimiK3PreTrainedModel):
+class KimiK3MultimodalModel(KimiK3CompositePreTrainedModel):
     """The base model of a composite folder (what AutoModel loads there, as LlavaModel is to
     LlavaForConditionalGeneration): the vision tower, the projector and the text model without its head; its output
     is the text model's last hidden state over the merged sequence. Images and loading options as
     KimiK3ForConditionalGeneration, whose checkpoint it reads (the head is left out)."""
 
-    config_class = KimiK3Config
-    base_model_prefix = ""
-    _tied_weights_keys = {}
-    _no_split_modules = ["KimiK3DecoderLayer", "KimiK3VisionEncoderLayer"]
+    text_model_class = KimiK3TextBackbone
     _keys_to_ignore_on_load_unexpected = KimiK3PreTrainedModel._keys_to_ignore_on_load_unexpected + [
         r"^language_model\.lm_head\."]
-
-    def __init__(self, config: KimiK3Config, vision: bool | None = None):
-        super().__init__(config)
-        self.language_model = KimiK3TextBackbone(config.text_config)
-        _add_vision_parts(self, config, vision)
-        self.post_init()
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, vision: bool | None = None, **kwargs):
-        """As KimiK3ForConditionalGeneration.from_pretrained (the `vision` option included)."""
-        # the folder's files are checked before the index is read for the vision tensors (files_kimi_k3.py)
-        with checked_pretrained_folder(pretrained_model_name_or_path, kwargs):
-            vision = _vision_option(pretrained_model_name_or_path, kwargs, vision)
-            return super().from_pretrained(pretrained_model_name_or_path, *args, vision=vision, **kwargs)
-
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, KimiK3VisionRMSNorm):
-            module.weight.fill_(1.0)
-        elif isinstance(module, KimiK3VisionPositionEmbedding):
-            module.weight.normal_()
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.language_model.model.get_input_embeddings()
-
-    def set_input_embeddings(self, value: nn.Module) -> None:
-        self.language_model.model.set_input_embeddings(value)
 
     # the image path is the top-level class's, unchanged (the same checks and the same splice)
     get_image_features = KimiK3ForConditionalGeneration.get_image_features
