@@ -47,7 +47,13 @@ from .compat_kimi_k3 import register_checkpoint_conversion_mapping
 from .configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, check_experts_format
 from .files_kimi_k3 import KimiK3LoadError, check_pretrained_folder
 from .ops_kimi_k3 import _E2M1_VALUES, MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
-from .parallel_kimi_k3 import compact_local_shards, global_index, local_shard, register_shard_styles
+from .parallel_kimi_k3 import (
+    PARALLEL_LOAD_KWARGS,
+    compact_local_shards,
+    global_index,
+    local_shard,
+    register_shard_styles,
+)
 
 
 
@@ -388,8 +394,6 @@ def release_name(our_name: str) -> str:
     return re.sub(re.escape(f".{OUR_MOE_BLOCK}.") + MOE_CHILDREN, f".{RELEASE_MOE_BLOCK}." + r"\1", our_name)
 
 
-# The from_pretrained options that ask transformers for tensor (or expert) parallelism.
-_PARALLEL_KWARGS = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies",
                "trust_remote_code")
 
@@ -480,7 +484,7 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     check_pretrained_folder(pretrained, kwargs)
     fmt, release_quantization = _resolve_config(model_class, pretrained, kwargs, experts_format)
     register_release_conversions(fmt)
-    parallel = any(kwargs.get(key) is not None for key in _PARALLEL_KWARGS)
+    parallel = any(kwargs.get(key) is not None for key in PARALLEL_LOAD_KWARGS)
     if parallel:
         register_shard_styles()  # the TP plan's styles of ours (parallel_kimi_k3.py)
     want_info = kwargs.pop("output_loading_info", False)

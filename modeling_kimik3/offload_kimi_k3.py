@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import torch
 
-from .conversion_kimi_k3 import _PARALLEL_KWARGS
+from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
 EXPERTS_OFFLOAD_MODES = ("host",)
 
@@ -29,7 +29,7 @@ def check_offload_request(experts_offload, experts_cache_bytes, load_kwargs: dic
     if experts_offload not in EXPERTS_OFFLOAD_MODES:
         raise ExpertsOffloadError(f"experts_offload={experts_offload!r}: unknown; known: {list(EXPERTS_OFFLOAD_MODES)}")
     # the offload keeps whole expert stacks on one host and one device: a load split across ranks is refused
-    for key in _PARALLEL_KWARGS:
+    for key in PARALLEL_LOAD_KWARGS:
         if load_kwargs.get(key) is not None:
             raise ExpertsOffloadError(f"experts_offload={experts_offload!r} with {key}: the offload keeps the routed "
                                       "experts of one device in its host's memory; tensor/expert parallelism is not "

@@ -34,6 +34,8 @@ from torch import nn
 
 
 HEAD_SHARD_STYLE = "kimi_k3_heads"
+# The from_pretrained options that ask transformers for tensor (or expert) parallelism.
+PARALLEL_LOAD_KWARGS = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
 MXFP4_ROWWISE_STYLE = "kimi_k3_mxfp4_rowwise"
 
 
