@@ -847,7 +847,6 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
         raise PlanError("argument --experts-offload: the model has no routed experts (no MoE layer)")
     experts_bytes = sum(w["experts"] for w in weights)
     per_expert = experts_bytes // (moe_layers * text.num_experts)
-    layer_experts = per_expert * text.num_experts
     rest = sum(w["total"] for w in weights) - experts_bytes
     cache = rank_cache(config, units, context, batch_size, 1)
     chunk = min(prefill_chunk, context)
