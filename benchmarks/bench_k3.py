@@ -860,6 +860,14 @@ def with_mxfp4_kernel(kernel, fn):
                          {"gemv": mxfp4.MXFP4_TILE_ROWS_PER_EXPERT, "tiles": 0}[kernel], fn)
 
 
+def with_mxfp4_prefill(path, fn):
+    """fn() with the packed routed experts' prefill matmuls on `path`: "gemm" (the packed grouped GEMM at any number
+    of rows per expert) or "dequantised" (chunks of experts dequantised for grouped_mm, from the tiles' limit on)."""
+    from kimik3.kernels import mxfp4
+
+    return _with_setting(mxfp4, "MXFP4_GEMM_ROWS_PER_EXPERT", {"gemm": 1 << 40, "dequantised": 0}[path], fn)
+
+
 def without_conv_step_kernel(fn):
     """fn() with every KDA conv on fla's kernels (pad, conv, final window, slice), the one-launch step kernel off."""
     from kimik3.kernels import conv
@@ -1112,6 +1120,15 @@ def main():
     sec("mxfp4.build", build_mxfp4, 30)
     if "model" in holder:
         model, stats = holder["model"], holder["stats"]
+        mxfp4_driver = K3Driver(model)
+        # prefill with the packed experts' matmuls on the default rule (mxfp4.MXFP4_GEMM_ROWS_PER_EXPERT) and, side
+        # by side, forced onto the packed grouped GEMM and onto the chunks of dequantised experts
+        for tokens in (8 * K, 32 * K):
+            sec(f"mxfp4.prefill_default_{tokens // K}k",
+                lambda t=tokens: measure_prefill(mxfp4_driver, stats, t, repeats=3 if t <= 8 * K else 2), 30)
+            for path in ("gemm", "dequantised"):
+                sec(f"mxfp4.prefill_{path}_{tokens // K}k", lambda t=tokens, p=path: with_mxfp4_prefill(
+                    p, lambda: measure_prefill(mxfp4_driver, stats, t, repeats=3 if t <= 8 * K else 2)), 30)
         for batch in (1, 8):
             sec(f"mxfp4.generate.eager.decode_b{batch}_4k",
                 lambda b=batch: measure_generate_decode(model, stats, b, 4 * K, False), 15)

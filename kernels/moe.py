@@ -175,7 +175,12 @@ def _expert_row_block(ends_ptr, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     # Row block `program_id(0)` of the expert-sorted rows, blocks never straddling two experts: found here from the
     # group ends (a prefix sum over the experts) rather than from a table built by a dozen small launches on the
     # host. Returns (expert, first row, end of the expert's rows); expert == E for the blocks past the last one.
-    blk = tl.program_id(0)
+    return _expert_row_block_of(tl.program_id(0), ends_ptr, E, E_PAD, BLOCK_M)
+
+
+@triton.jit
+def _expert_row_block_of(blk, ends_ptr, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    # `_expert_row_block` for row block `blk` (kernels that order their programs themselves)
     e_idx = tl.arange(0, E_PAD)
     emask = e_idx < E
     ends = tl.load(ends_ptr + e_idx, mask=emask, other=0)

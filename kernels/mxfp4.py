@@ -17,10 +17,14 @@ scale per 32 weights, decoded in registers.
 * `mxfp4_dequant`: MXFP4 -> bf16/f32, bit-exact with the reference (the custom op `torch.ops.kimik3.mxfp4_dequant`).
 * `mxfp4_grouped_matmul`: expert-grouped matmul over packed weights, dequantised tile by tile in registers; gradient
   for the activations only (the custom op `torch.ops.kimik3.mxfp4_grouped_matmul` without autograd).
+* `mxfp4_grouped_gemm`: the same product for many rows per expert (prefill): large row blocks, each packed tile decoded
+  once per block (the custom op `torch.ops.kimik3.mxfp4_grouped_gemm` without autograd).
 * `mxfp4_gemv`: the same product for 1-2 rows per expert (decode): one routed row per program, no `tl.dot`, the
   weights decoded and summed in registers (the custom op `torch.ops.kimik3.mxfp4_gemv` without autograd).
 * `moe_experts_mxfp4`: the routed experts (moe.py's routing) on one of three paths by routed rows per expert, the
-  launch rules `MXFP4_GEMV_ROWS_PER_EXPERT` and `MXFP4_TILE_ROWS_PER_EXPERT`.
+  launch rules `MXFP4_GEMV_ROWS_PER_EXPERT`, `MXFP4_TILE_ROWS_PER_EXPERT` and `MXFP4_GEMM_ROWS_PER_EXPERT`.
+* `mxfp4_dequantised_matmul`: the same product through chunks of experts dequantised into a bounded transient copy
+  (`MXFP4_DEQUANT_CHUNK_BYTES`) and grouped_mm: the many-rows path, and the gradient of every packed path.
 """
 
 import os
@@ -36,21 +40,27 @@ from .moe import (
     _FEW_ROWS_BLOCK_M,
     _dot_precision,
     _expert_row_block,
+    _expert_row_block_of,
     _grouped_matmul_reference,
     _grouped_mm_fn,
     _routed_experts,
     _row_block_grid,
-    moe_experts,
 )
 
-# The packed MXFP4 experts' three paths, by routed rows per expert on average: up to MXFP4_GEMV_ROWS_PER_EXPERT the
+# The packed MXFP4 experts' four paths, by routed rows per expert on average: up to MXFP4_GEMV_ROWS_PER_EXPERT the
 # GEMV kernel (each routed row reads its expert's packed bytes), up to MXFP4_TILE_ROWS_PER_EXPERT the tile kernel
-# (one decode of each tile per 16 rows of an expert), beyond that the stack dequantised once and the grouped GEMMs
-# (prefill). On the H200 (docs/benchmarks.md, Packed MXFP4 GEMV) the GEMV's matmuls take 0.14 ms against the tiles' 0.38
-# ms at 1 row per expert, and 1.01 ms against 1.19 ms at 2 (8 tokens x top-16 over 64 experts), though a second row
-# re-reads its expert: the GEMV stops at 2.
+# (one decode of each tile per 16 rows of an expert), up to MXFP4_GEMM_ROWS_PER_EXPERT the packed grouped GEMM (each
+# tile decoded once per row block of up to 256 rows), beyond that chunks of experts dequantised into a transient copy
+# of at most MXFP4_DEQUANT_CHUNK_BYTES for grouped_mm, whose GEMMs outrun the packed GEMM once an expert has many
+# rows. On the H200 (docs/benchmarks.md, Packed MXFP4 GEMV and Packed MXFP4 prefill) the GEMV's matmuls take 0.14 ms
+# against the tiles' 0.38 ms at 1 row per expert, and 1.01 ms against 1.19 ms at 2 (8 tokens x top-16 over 64
+# experts), though a second row re-reads its expert: the GEMV stops at 2. At 896 experts an 8K prefill (~146 rows
+# per expert) takes 0.225 s on the packed GEMM against 0.268 s dequantised; a 32K one (~585) 0.870 s against 0.733 s,
+# and 64 experts at 8K (2048) 0.176 s against 0.134 s.
 MXFP4_GEMV_ROWS_PER_EXPERT = 2
 MXFP4_TILE_ROWS_PER_EXPERT = 16
+MXFP4_GEMM_ROWS_PER_EXPERT = 256
+MXFP4_DEQUANT_CHUNK_BYTES = 1 << 30
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -204,8 +214,9 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
 
 
 class _MXFP4GroupedMatmul(torch.autograd.Function):
-    """Gradient for x only (the packed weights are frozen): dx = dout @ W per group, through a transient
-    dequantised copy and grouped_mm. `launch` is the forward kernel's launcher (tiles or GEMV)."""
+    """Gradient for x only (the packed weights are frozen): dx = dout @ W per group, through chunks of experts
+    dequantised into a bounded transient copy and grouped_mm (`mxfp4_dequantised_matmul`). `launch` is the forward
+    kernel's launcher (tiles, GEMV, GEMM or the dequantised chunks)."""
 
     @staticmethod
     def forward(ctx, xs, packed, scale, group_ends, launch):
@@ -217,8 +228,42 @@ class _MXFP4GroupedMatmul(torch.autograd.Function):
         packed, scale, group_ends = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        weight = mxfp4_dequant(packed, scale, grad_out.dtype)  # [E, N, K]
-        return _grouped_mm_fn()(grad_out, weight, offs=group_ends.to(torch.int32)), None, None, None, None
+        return _dequantised_chunks(grad_out, packed, scale, group_ends, transposed=False), None, None, None, None
+
+
+def _dequantised_chunks(xs, packed, scale, group_ends, transposed=True):
+    """Each group of rows times its expert dequantised to xs.dtype (transposed: as the forward, [M, K] -> [M, N];
+    else the gradient's product, [M, N] -> [M, K]), the experts taken in chunks whose copy stays within
+    MXFP4_DEQUANT_CHUNK_BYTES (one expert at least). One host read of the group ends per call (prefill and training,
+    never a compiled decode step)."""
+    num_experts, n, kh = packed.shape
+    ends = group_ends.to(torch.int32)
+    grouped_mm = _grouped_mm_fn()
+    per_expert = n * 2 * kh * xs.element_size()
+    chunk = max(1, MXFP4_DEQUANT_CHUNK_BYTES // per_expert)
+    out = xs.new_empty(xs.shape[0], n if transposed else 2 * kh)
+    bounds = [0, *ends.tolist()]
+    for first in range(0, num_experts, chunk):
+        last = min(num_experts, first + chunk)
+        row0, row1 = bounds[first], bounds[last]
+        if row1 == row0:
+            continue
+        weight = mxfp4_dequant(packed[first:last], scale[first:last], xs.dtype)
+        out[row0:row1] = grouped_mm(xs[row0:row1], weight.transpose(-2, -1) if transposed else weight,
+                                    offs=ends[first:last] - row0)
+    if bounds[-1] < xs.shape[0]:
+        out[bounds[-1]:] = 0  # rows past the last group belong to no expert
+    return out
+
+
+def mxfp4_dequantised_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                             group_ends: torch.Tensor) -> torch.Tensor:
+    """`mxfp4_grouped_matmul` (same arguments) for many rows per expert: chunks of experts dequantised into a
+    transient xs.dtype copy of at most MXFP4_DEQUANT_CHUNK_BYTES, then grouped_mm (f32 accumulation); gradient for
+    xs only."""
+    if needs_grad(xs):
+        return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _dequantised_chunks)
+    return _dequantised_chunks(xs, packed, scale, group_ends)
 
 
 def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -232,6 +277,127 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     if needs_grad(xs):
         return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _mxfp4_grouped_matmul_fwd)
     return torch.ops.kimik3.mxfp4_grouped_matmul(xs, packed, scale, group_ends)  # one node under compile
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grouped GEMM over packed MXFP4 experts for many rows per expert (prefill). At 896 experts an 8K prefill routes
+# ~146 rows to each expert: dequantising the stack first writes and reads a 59 GB bf16 copy per layer (more than the
+# GEMMs' own time, and the peak memory of two MoE layers), so here each packed weight tile is decoded in registers
+# and used by every row of a row block. The programs run in groups of GROUP_M row blocks over all column blocks, so
+# a weight tile is read from HBM about once and reused from L2 by the row blocks of its expert, and a row block's
+# rows stay in L2 across the column blocks.
+#
+# The rows come split into their even and odd columns (two contiguous [M, K/2] halves, one copy per call): the
+# low nibble of byte j is column 2j and the high nibble column 2j+1, so each half meets one nibble's [BLOCK_N,
+# BLOCK_KH] tile in a plain dot with no interleave in registers. W_IS_A puts the decoded weights on the MMA's
+# register operand (out^T = W x^T, the rows on the MMA's narrow N side, so row blocks of 32-64 waste little on the
+# last partial block of an expert); otherwise x is the A operand and the weights go through shared memory.
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_KH": bkh, "GROUP_M": 8}, num_warps=w, num_stages=st)
+        for bm, bn, bkh, w, st in ((64, 128, 32, 4, 3), (128, 128, 32, 8, 3), (256, 128, 32, 8, 2),
+                                   (256, 128, 32, 8, 3), (128, 256, 32, 8, 2), (256, 64, 32, 4, 3))
+    ],
+    key=["N", "KH", "E_PAD", "W_IS_A", "SCALE_BCAST"],
+)
+@triton.jit
+def _mxfp4_grouped_gemm_kernel(xe_ptr, xo_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M, N, KH, E, E_PAD: tl.constexpr,
+                               W_IS_A: tl.constexpr, SCALE_BCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr,
+                               BLOCK_KH: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    # an upper bound on the row blocks (each has a row, at most one per expert is partial); those past the last
+    # real block return at once
+    num_m = tl.minimum(M, tl.cdiv(M, BLOCK_M) + E)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    expert, row0, row_end = _expert_row_block_of(pid_m, ends_ptr, E, E_PAD, BLOCK_M)
+    if expert < E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/2] packed matrix
+        xe_rows = xe_ptr + rows.to(tl.int64)[:, None] * KH
+        xo_rows = xo_ptr + rows.to(tl.int64)[:, None] * KH
+        if W_IS_A:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, KH, BLOCK_KH):
+            j = start + tl.arange(0, BLOCK_KH)
+            jmask = j < KH
+            xmask = rmask[:, None] & jmask[None, :]
+            x_even = tl.load(xe_rows + j[None, :], mask=xmask, other=0.0)
+            x_odd = tl.load(xo_rows + j[None, :], mask=xmask, other=0.0)
+            wmask = cmask[:, None] & jmask[None, :]
+            byte = tl.load(p_ptr + w_rows[:, None] * KH + j[None, :], mask=wmask, other=0).to(tl.int32)
+            if SCALE_BCAST:  # one load per scale group, spread over its 16 bytes in registers
+                g = start // 16 + tl.arange(0, BLOCK_KH // 16)
+                sc = tl.load(s_ptr + w_rows[:, None] * (KH // 16) + g[None, :],
+                             mask=cmask[:, None] & (g < KH // 16)[None, :], other=127).to(tl.int32)
+                factor = tl.reshape(tl.broadcast_to(_e8m0(sc)[:, :, None], (BLOCK_N, BLOCK_KH // 16, 16)),
+                                    (BLOCK_N, BLOCK_KH))
+            else:
+                sc = tl.load(s_ptr + w_rows[:, None] * (KH // 16) + j[None, :] // 16, mask=wmask,
+                             other=127).to(tl.int32)
+                factor = _e8m0(sc)
+            # exact in bf16/f32: an E2M1 value times a power of two
+            w_even = (_e2m1(byte & 15) * factor).to(xe_ptr.dtype.element_ty)
+            w_odd = (_e2m1(byte >> 4) * factor).to(xe_ptr.dtype.element_ty)
+            if W_IS_A:
+                acc = tl.dot(w_even, tl.trans(x_even), acc, input_precision=PRECISION)
+                acc = tl.dot(w_odd, tl.trans(x_odd), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(x_even, tl.trans(w_even), acc, input_precision=PRECISION)
+                acc = tl.dot(x_odd, tl.trans(w_odd), acc, input_precision=PRECISION)
+        if W_IS_A:
+            out = o_ptr + rows.to(tl.int64)[None, :] * N + cols[:, None]
+            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
+        else:
+            out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+MXFP4_GEMM_W_IS_A = False  # which MMA operand the decoded weights are (module note above); measured, see docs
+MXFP4_GEMM_SCALE_BCAST = True  # scales loaded once per group and broadcast (else one gathered load per byte)
+
+
+def _mxfp4_grouped_gemm_fwd(xs, packed, scale, group_ends):
+    xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
+    (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
+    if num_rows == 0 or n == 0:
+        return out
+    halves = xs.view(num_rows, kh, 2)
+    x_even, x_odd = halves[..., 0].contiguous(), halves[..., 1].contiguous()
+
+    def grid(meta):
+        num_m = min(num_rows, triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts)
+        return (num_m * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    with torch.cuda.device(xs.device):  # Triton launches on the current device
+        _mxfp4_grouped_gemm_kernel[grid](x_even, x_odd, packed, scale, out, ends, num_rows, n, kh, num_experts,
+                                         E_PAD=triton.next_power_of_2(num_experts), W_IS_A=MXFP4_GEMM_W_IS_A,
+                                         SCALE_BCAST=MXFP4_GEMM_SCALE_BCAST,
+                                         PRECISION=_dot_precision(xs.dtype))
+    return out
+
+
+def mxfp4_grouped_gemm(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       group_ends: torch.Tensor) -> torch.Tensor:
+    """`mxfp4_grouped_matmul` (same arguments, same numbers: f32 accumulation, one rounding to xs.dtype) for many
+    rows per expert (prefill): row blocks of 32-128 rows, each packed tile decoded once per row block, no dequantised
+    copy of the stack. Without autograd recording it runs as the custom op `torch.ops.kimik3.mxfp4_grouped_gemm`;
+    gradient for xs only."""
+    if needs_grad(xs):
+        return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _mxfp4_grouped_gemm_fwd)
+    return torch.ops.kimik3.mxfp4_grouped_gemm(xs, packed, scale, group_ends)  # one node under compile
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -422,16 +588,33 @@ def _(xs, packed, scale, group_ends):
 _mxfp4_gemv_op.register_fake(_mxfp4_grouped_matmul_fake)
 
 
+@custom_op("mxfp4_grouped_gemm")
+def _mxfp4_grouped_gemm_op(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
+    """`mxfp4_grouped_matmul` for many rows per expert; CUDA: the prefill GEMM (packed tiles decoded per row block)."""
+    return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
+
+
+@_mxfp4_grouped_gemm_op.register_kernel("cuda")
+def _(xs, packed, scale, group_ends):
+    return _mxfp4_grouped_gemm_fwd(xs, packed, scale, group_ends)
+
+
+_mxfp4_grouped_gemm_op.register_fake(_mxfp4_grouped_matmul_fake)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Packed experts: the routing of moe.py around the packed matmuls
 
 def mxfp4_experts_path(num_routed_rows: int, num_experts: int) -> str:
-    """How the packed experts run for this many routed rows (tokens x top-k): "gemv", "tiles" or "dequantised"
-    (module constants above). A static condition on shapes, so a compiled decode step picks its path at trace time."""
+    """How the packed experts run for this many routed rows (tokens x top-k): "gemv", "tiles", "gemm" or
+    "dequantised" (module constants above). A static condition on shapes, so a compiled decode step picks its path at
+    trace time."""
     if num_routed_rows <= MXFP4_GEMV_ROWS_PER_EXPERT * num_experts:
         return "gemv"
     if num_routed_rows <= MXFP4_TILE_ROWS_PER_EXPERT * num_experts:
         return "tiles"
+    if num_routed_rows <= MXFP4_GEMM_ROWS_PER_EXPERT * num_experts:
+        return "gemm"
     return "dequantised"
 
 
@@ -446,28 +629,16 @@ def moe_experts_mxfp4(
     With few routed rows per expert (decode, small batches; `mxfp4_experts_path`), both expert matmuls read the
     packed weights and decode them in registers: HBM traffic is the routed experts' packed bytes. At one row
     per expert that is the Triton GEMV (one program per routed row), up to 16 the Triton grouped matmul (16-row
-    tiles). With more rows (prefill), every row block would dequantise its tiles again, so the stack is dequantised
-    once into a transient x.dtype copy and goes through the grouped GEMMs (docs/benchmarks.md)."""
+    tiles). With more rows (prefill), the packed grouped GEMM (row blocks of up to 256 rows, each tile decoded once
+    per block), and with many rows per expert chunks of dequantised experts through grouped_mm (never the whole
+    stack at once; docs/benchmarks.md, Packed MXFP4 prefill)."""
     num_experts = gate_up_packed.shape[0]
     path = mxfp4_experts_path(x.shape[0] * topk_indices.shape[-1], num_experts)
-    if path == "dequantised":
-        return moe_experts_mxfp4_dequantised(x, topk_indices, topk_weights, gate_up_packed, gate_up_scale,
-                                             down_packed, down_scale, beta, linear_beta)
-    matmul = mxfp4_gemv if path == "gemv" else mxfp4_grouped_matmul
+    matmul = {"gemv": mxfp4_gemv, "tiles": mxfp4_grouped_matmul, "gemm": mxfp4_grouped_gemm,
+              "dequantised": mxfp4_dequantised_matmul}[path]
     return _routed_experts(
         x, topk_indices, topk_weights, num_experts, gate_up_packed.shape[1] // 2,
         lambda xs, offs: matmul(xs, gate_up_packed, gate_up_scale, offs),
         lambda act, offs: matmul(act, down_packed, down_scale, offs),
         beta, linear_beta,
     )
-
-
-def moe_experts_mxfp4_dequantised(
-    x, topk_indices, topk_weights, gate_up_packed, gate_up_scale, down_packed, down_scale, beta=None,
-    linear_beta=None,
-):
-    """`moe_experts_mxfp4` for many rows per expert: the packed stack dequantised once (Triton) into a transient
-    x.dtype copy, then the grouped-GEMM `moe_experts`."""
-    gate_up = mxfp4_dequant(gate_up_packed, gate_up_scale, x.dtype)
-    down = mxfp4_dequant(down_packed, down_scale, x.dtype)
-    return moe_experts(x, topk_indices, topk_weights, gate_up, down, beta, linear_beta)

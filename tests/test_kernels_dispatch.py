@@ -769,14 +769,19 @@ def test_mxfp4_gemv_reference_is_the_product_of_the_dequantised_experts(counts):
 
 def test_mxfp4_experts_path_decision():
     """GEMV up to MXFP4_GEMV_ROWS_PER_EXPERT routed rows per expert on average, the tile kernel up to
-    MXFP4_TILE_ROWS_PER_EXPERT, the dequantised stack and grouped GEMMs beyond."""
+    MXFP4_TILE_ROWS_PER_EXPERT, the packed grouped GEMM beyond."""
     mxfp4 = importlib.import_module(kernels.__name__ + ".mxfp4")
-    assert (mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT, mxfp4.MXFP4_TILE_ROWS_PER_EXPERT) == (2, 16)
+    assert (mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT, mxfp4.MXFP4_TILE_ROWS_PER_EXPERT,
+            mxfp4.MXFP4_GEMM_ROWS_PER_EXPERT) == (2, 16, 256)
     # the benchmark model: 64 experts, top-16: decode at batch 1..8 is GEMV, 9..64 tokens tiles, more dequantised
     assert mxfp4.mxfp4_experts_path(1 * 16, 64) == "gemv" and mxfp4.mxfp4_experts_path(8 * 16, 64) == "gemv"
     assert mxfp4.mxfp4_experts_path(9 * 16, 64) == "tiles" and mxfp4.mxfp4_experts_path(16 * 16, 64) == "tiles"
     assert mxfp4.mxfp4_experts_path(64 * 16, 64) == "tiles"
-    assert mxfp4.mxfp4_experts_path(65 * 16, 64) == "dequantised"
+    assert mxfp4.mxfp4_experts_path(65 * 16, 64) == "gemm" and mxfp4.mxfp4_experts_path(256 * 64, 64) == "gemm"
+    assert mxfp4.mxfp4_experts_path(256 * 64 + 1, 64) == "dequantised"
+    # the release: 896 experts, an 8K prefill (~146 rows per expert) on the packed GEMM, 32K (~585) dequantised
+    assert mxfp4.mxfp4_experts_path(8192 * 16, 896) == "gemm"
+    assert mxfp4.mxfp4_experts_path(32768 * 16, 896) == "dequantised"
     assert mxfp4.mxfp4_experts_path(0, 64) == "gemv"
     with pytest.MonkeyPatch.context() as mp:  # the constants are the switch the benchmark flips
         mp.setattr(mxfp4, "MXFP4_GEMV_ROWS_PER_EXPERT", 0)
@@ -785,19 +790,49 @@ def test_mxfp4_experts_path_decision():
 
 def test_moe_experts_mxfp4_runs_each_path_by_rows_per_expert():
     """`moe_experts_mxfp4` (without autograd its Triton entry points are custom ops) runs the GEMV op at decode sizes,
-    the tile op at a few rows per expert and the dequantised stack through grouped_mm beyond; every path computes
-    the reference packed experts."""
+    the tile op at a few rows per expert and the packed grouped GEMM op beyond (or, set so, the dequantised stack
+    through grouped_mm); every path computes the reference packed experts."""
     mxfp4 = importlib.import_module(kernels.__name__ + ".mxfp4")
     gemv, tiles = "kimik3.mxfp4_gemv", "kimik3.mxfp4_grouped_matmul"
-    dequant, grouped = "kimik3.mxfp4_dequant", "aten._grouped_mm"
+    gemm, dequant, grouped = "kimik3.mxfp4_grouped_gemm", "kimik3.mxfp4_dequant", "aten._grouped_mm"
     e, k = 6, 3  # GEMV up to 12 routed rows (4 tokens), tiles up to 96 (32 tokens)
-    for n, expected in ((1, {gemv}), (4, {gemv}), (5, {tiles}), (32, {tiles}), (33, {dequant, grouped})):
+    # GEMM up to 256 rows per expert on average: from 33 tokens to 512; beyond, chunks of dequantised experts (a
+    # chunk budget of one expert's copy and a half: several chunks, one expert each)
+    for n, expected in ((1, {gemv}), (4, {gemv}), (5, {tiles}), (32, {tiles}), (33, {gemm}), (512, {gemm}),
+                        (513, {dequant, grouped})):
         x, idx, w, gate_up, down = _moe_case(n=n, k=k, e=e)
         args = (*ops.quantize_mxfp4(gate_up), *ops.quantize_mxfp4(down), 4.0, 25.0)
-        with torch.no_grad(), TopLevelOps() as seen:
+        with torch.no_grad(), TopLevelOps() as seen, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(mxfp4, "MXFP4_DEQUANT_CHUNK_BYTES", gate_up.numel() // e * 2 * 3 // 2)
             out = mxfp4.moe_experts_mxfp4(x, idx, w, *args)
-        assert seen.names & {gemv, tiles, dequant, grouped} == expected, (n, seen.names)
+        assert seen.names & {gemv, tiles, gemm, dequant, grouped} == expected, (n, seen.names)
         torch.testing.assert_close(out, ops.moe_experts_mxfp4(x, idx, w, *args), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("chunk_experts", [1, 2, 4, 6])
+def test_mxfp4_dequantised_matmul_in_chunks_matches_float64(chunk_experts, monkeypatch):
+    """The many-rows path and the gradient of every packed path: chunks of experts dequantised within the byte
+    budget (one expert, two, a chunk ending past the stack, the whole stack), empty groups, rows past the last group
+    zero; forward and dx equal the float64 products."""
+    mxfp4 = importlib.import_module(kernels.__name__ + ".mxfp4")
+    counts = torch.tensor([3, 0, 5, 1, 0, 4])
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    packed, scale = ops.quantize_mxfp4(torch.randn(6, 24, 64) * 0.3)
+    weight = ops.dequantize_mxfp4(packed, scale, torch.float64)
+    monkeypatch.setattr(mxfp4, "MXFP4_DEQUANT_CHUNK_BYTES", chunk_experts * 24 * 64 * 4)
+    xs = torch.randn(int(counts.sum()) + 2, 64, requires_grad=True)  # f32: grouped_mm has no f64
+    out = mxfp4.mxfp4_dequantised_matmul(xs, packed, scale, ends).double()
+    starts = (ends - counts).tolist()
+    ref = torch.zeros(xs.shape[0], 24, dtype=torch.float64)
+    for e, (a, b) in enumerate(zip(starts, ends.tolist())):
+        ref[a:b] = xs[a:b].detach().double() @ weight[e].T
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(out).float()
+    (dx,) = torch.autograd.grad(out, xs, dy)
+    dx_ref = torch.zeros_like(xs, dtype=torch.float64)
+    for e, (a, b) in enumerate(zip(starts, ends.tolist())):
+        dx_ref[a:b] = dy[a:b].double() @ weight[e]
+    torch.testing.assert_close(dx.double(), dx_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_twins_a_compiled_graph_asks_for_load_on_the_first_eager_fast_call(fake_fast_ops, monkeypatch):

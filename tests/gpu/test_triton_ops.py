@@ -378,6 +378,36 @@ def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, t
     assert rel_err(out, ref) < tol, rel_err(out, ref)
 
 
+@pytest.mark.parametrize("w_is_a", [True, False])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("counts", [[3, 0, 40, 1, 0, 7], [0, 0, 1, 0, 0, 0], [200, 0, 0, 0, 0, 513],
+                                    [129, 64, 0, 65, 300, 2]])
+def test_mxfp4_grouped_gemm_matches_float64(counts, dtype, tol, w_is_a, monkeypatch):
+    # the prefill GEMM (row blocks of 32-128 over all column blocks, rows split into even and odd columns): groups
+    # ending inside, at and one past a row block, empty groups, scales 0/1/200/127, N not a multiple of a column
+    # block; either MMA operand for the decoded weights
+    from kimik3.kernels import mxfp4
+
+    monkeypatch.setattr(mxfp4, "MXFP4_GEMM_W_IS_A", w_is_a)
+    counts = torch.tensor(counts, device=DEV)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    packed, scale = ops.quantize_mxfp4(torch.randn(6, 200, 512, device=DEV) * 0.05)
+    scale[0, :4, 0] = torch.tensor([0, 1, 200, 127], dtype=torch.uint8)
+    weight = ops.dequantize_mxfp4(packed, scale, torch.float32)
+    xs = torch.randn(int(counts.sum()), 512, device=DEV).to(dtype)
+    out = mxfp4.mxfp4_grouped_gemm(xs, packed, scale, ends)
+    assert out.dtype == dtype and out.shape == (xs.shape[0], 200)
+    ref = grouped_product_f64(xs, weight, ends)
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    assert max_rel(out, ref) < 5 * tol, max_rel(out, ref)
+    xs.requires_grad_(True)
+    dy = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(mxfp4.mxfp4_grouped_gemm(xs, packed, scale, ends), xs, dy)
+    starts = (ends - counts).tolist()
+    dx_ref = torch.cat([dy[a:b].double() @ weight[e].double() for e, (a, b) in enumerate(zip(starts, ends.tolist()))])
+    assert rel_err(dx, dx_ref) < tol, rel_err(dx, dx_ref)
+
+
 # --------------------------------------------------------------------------------------- few-rows grouped matmul
 
 
