@@ -544,6 +544,9 @@ def _custom_op_cases():
         "mxfp4_dequant": [(packed, scale, torch.bfloat16), (packed, scale, torch.float32)],
         "mxfp4_grouped_matmul": [(randn(7, 64, dtype=torch.bfloat16), packed, scale,
                                   torch.tensor([2, 2, 5, 7], dtype=torch.int32))],
+        "mxfp4_grouped_gemm": [(randn(9, 64, dtype=torch.bfloat16), packed, scale,
+                                torch.tensor([0, 4, 4, 9], dtype=torch.int32)),
+                               (randn(3, 64), packed, scale, torch.tensor([3, 3, 3, 3], dtype=torch.int32))],
         "mla_decode": [(randn(2, 3, 1, 24, dtype=torch.bfloat16), randn(2, 5, 24, dtype=torch.bfloat16), 0.3, 16,
                         torch.arange(5) < torch.tensor([5, 2])[:, None, None, None]),
                        (randn(1, 2, 3, 12), randn(1, 4, 12), 0.5, 8, None)],
@@ -612,7 +615,8 @@ def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
         dense = torch.ops.kimik3.mxfp4_dequant(gu_packed, gu_scale, torch.bfloat16)
         packed = mxfp4.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)  # GEMV size
         plain = moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
-        return routed, h, o, state, y, new_conv, mixed, attended, dense, packed, plain
+        prefill = torch.ops.kimik3.mxfp4_grouped_gemm(*cases["mxfp4_grouped_gemm"][0])
+        return routed, h, o, state, y, new_conv, mixed, attended, dense, prefill, packed, plain
 
     graphs = []
 
