@@ -31,12 +31,12 @@ def _deterministic():
     yield
 
 
-def _two_rank_entry(rank: int, world_size: int, port: int, argv: list[str]) -> None:
-    """One rank of `two_rank_runs`, in a process forked from the test worker: torchrun's environment, then the
-    worker's own `main`, as `torchrun --standalone --nproc-per-node 2 tests/two_rank_worker.py ...` would run it."""
+def _rank_entry(rank: int, world_size: int, port: int, worker: str, argv: list[str]) -> None:
+    """One rank of a gloo launch (`two_rank_runs`, `four_rank_runs`), in a process forked from the test worker:
+    torchrun's environment, then the worker module's own `main`, as
+    `torchrun --standalone --nproc-per-node N tests/<worker>.py ...` would run it."""
+    import importlib
     import warnings
-
-    import two_rank_worker
 
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -44,21 +44,38 @@ def _two_rank_entry(rank: int, world_size: int, port: int, argv: list[str]) -> N
     # a forked rank cannot use the parent's OpenMP thread pool (test_quantile_balancing.py's forked ranks hung)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    two_rank_worker.main(argv)
+    importlib.import_module(worker).main(argv)
+
+
+def _launch_ranks(worker: str, world_size: int, argv: list[str]) -> None:
+    """Forks `world_size` gloo ranks running `worker`'s `main(argv)` and waits for them; a rank that raised fails the
+    calling fixture with its traceback. The ranks are forked from this process, not started by torchrun: fresh
+    interpreters importing torch and transformers (and the launcher's own) were most of a launch's time; the GPU tests
+    launch the same workers with torchrun."""
+    import importlib
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    importlib.import_module(worker)  # imported once here, before the fork, not in each rank
+    with socket.socket() as probe:  # a free port for rank 0's rendezvous store, as torchrun --standalone picks one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = mp.start_processes(_rank_entry, args=(world_size, port, worker, argv), nprocs=world_size, join=False,
+                               start_method="fork")
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the {world_size} ranks of {worker} did not finish within 300 s")
 
 
 @pytest.fixture(scope="session")
 def two_rank_runs(tmp_path_factory):
     """One launch of 2 gloo ranks for test_parallel.py and test_context_parallel.py (tests/two_rank_worker.py):
-    the tiny model folder the parallel plans load, and the two output folders the workers wrote. The ranks are forked
-    from this process, not started by torchrun: two fresh interpreters importing torch and transformers (and the
-    launcher's own) were most of the launch's time; the GPU tests launch the same workers with torchrun."""
-    import socket
-    import time
-
-    import torch.multiprocessing as mp
-    import two_rank_worker  # noqa: F401  (imported once here, before the fork, not in each rank)
-
+    the tiny model folder the parallel plans load, and the two output folders the workers wrote."""
     from kimik3.tiny import write_tiny_folder
     from parallel_worker import MODES
 
@@ -67,18 +84,19 @@ def two_rank_runs(tmp_path_factory):
     write_tiny_folder(tiny_dir)
     parallel_out.mkdir()
     context_parallel_out.mkdir()
-    with socket.socket() as probe:  # a free port for rank 0's rendezvous store, as torchrun --standalone picks one
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    argv = [str(tiny_dir), str(parallel_out), str(context_parallel_out), *MODES]
-    ranks = mp.start_processes(_two_rank_entry, args=(2, port, argv), nprocs=2, join=False, start_method="fork")
-    deadline = time.monotonic() + 300
-    while not ranks.join(timeout=1):  # a rank that raised fails here, with its traceback
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail("the two ranks did not finish within 300 s")
+    _launch_ranks("two_rank_worker", 2, [str(tiny_dir), str(parallel_out), str(context_parallel_out), *MODES])
     return {"tiny_dir": tiny_dir, "parallel": parallel_out, "context_parallel": context_parallel_out}
+
+
+@pytest.fixture(scope="session")
+def four_rank_runs(two_rank_runs, tmp_path_factory):
+    """One launch of 4 gloo ranks for test_parallel.py (tests/four_rank_worker.py) on the packed tiny model the
+    two-rank launch wrote: its output folder."""
+    from packed_parallel_worker import PACKED_OUT
+
+    out_dir = tmp_path_factory.mktemp("four_rank")
+    _launch_ranks("four_rank_worker", 4, [str(two_rank_runs["parallel"] / PACKED_OUT / "model"), str(out_dir)])
+    return out_dir
 
 
 FRESH_SERVER = r"""
@@ -150,7 +168,7 @@ SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "t
 # half the suite, so the file groups stay whole: the longest bounds the wall time only when it is.
 GROUP_SECONDS = {"fresh_interpreter": 29, "test_training": 16, "test_quantile_balancing_model": 16,
                  "test_static_cache": 13, "test_convert_roundtrip": 8, "test_training_lora": 8,
-                 "test_bad_inputs_runs": 7, "test_convert_memory": 7, "two_rank_launch": 7, "test_vision": 4,
+                 "test_bad_inputs_runs": 7, "test_convert_memory": 7, "two_rank_launch": 12, "test_vision": 4,
                  "test_convert_resume": 3, "test_speculative": 3}
 
 

@@ -45,22 +45,29 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if to_local is None else to_local()
 
 
+def logits_and_greedy(model) -> dict[str, torch.Tensor]:
+    """The logits of one forward and the greedy tokens of INPUT_IDS (no grad)."""
+    input_ids = torch.tensor(INPUT_IDS, device=model.get_input_embeddings().weight.device)
+    with torch.no_grad():
+        return {"logits": model(input_ids=input_ids).logits,
+                "generated": model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)}
+
+
 def forward_and_backward(model) -> dict[str, torch.Tensor]:
     """Logits and greedy tokens (no grad); then one backward of a fixed random projection of the logits, from the
     input embeddings (so the vocabulary-parallel embedding is not differentiated) through every layer."""
     device = model.get_input_embeddings().weight.device
-    input_ids = torch.tensor(INPUT_IDS, device=device)
+    results = logits_and_greedy(model)
+    logits = results["logits"]
     with torch.no_grad():
-        logits = model(input_ids=input_ids).logits
-        generated = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        embeds = model.get_input_embeddings()(input_ids)
+        embeds = model.get_input_embeddings()(torch.tensor(INPUT_IDS, device=device))
     moe_layer = model.config.mlp_layer_types.index("sparse")
     feed = model.model.layers[moe_layer].mlp.routed_expert_down_proj.weight
     embeds = embeds.detach().requires_grad_(True)
     probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(GRADIENT_SEED)).to(device)
     loss = (model(inputs_embeds=embeds).logits.float() * probe).mean()  # gradients of order 1: f32 tolerances hold
     grad_embeds, grad_feed = torch.autograd.grad(loss, [embeds, feed])
-    return {"logits": logits, "generated": generated, "grad_embeds": grad_embeds, "grad_expert_feed": local(grad_feed)}
+    return {**results, "grad_embeds": grad_embeds, "grad_expert_feed": local(grad_feed)}
 
 
 def packed_holdings(model) -> dict:
@@ -76,11 +83,14 @@ def packed_holdings(model) -> dict:
             "requires_grad": any(p.requires_grad for n, p in model.named_parameters() if n.endswith(PACKED_SUFFIXES))}
 
 
-def run(packed_dir: str, out_dir: Path, mode: str, rank: int) -> None:
+def run(packed_dir: str, out_dir: Path, mode: str, rank: int, backward: bool = True) -> None:
+    """The packed folder under `mode` on this process group's ranks: holdings, logits, greedy tokens and (with
+    `backward`) the gradients."""
     model = AutoModelForCausalLM.from_pretrained(packed_dir, trust_remote_code=True, dtype=torch.float32,
-                                                 **distributed_kwargs(mode)).eval()
+                                                 **distributed_kwargs(mode, dist.get_world_size())).eval()
     (out_dir / f"{mode}-rank{rank}.json").write_text(json.dumps(packed_holdings(model)))
-    results = {name: tensor.detach().cpu().contiguous() for name, tensor in forward_and_backward(model).items()}
+    results = forward_and_backward(model) if backward else logits_and_greedy(model)
+    results = {name: tensor.detach().cpu().contiguous() for name, tensor in results.items()}
     save_file(results, str(out_dir / f"{mode}-rank{rank}.safetensors"))
 
 
@@ -146,11 +156,7 @@ def write_adopted_release(directory: Path) -> Path:
 
 def adopted_results(model) -> tuple[dict, dict[str, torch.Tensor]]:
     """The composite model's text half: its packed holdings, and its logits and greedy tokens."""
-    input_ids = torch.tensor(INPUT_IDS, device=model.get_input_embeddings().weight.device)
-    with torch.no_grad():
-        logits = model(input_ids=input_ids).logits
-        generated = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    return packed_holdings(model.language_model), {"logits": logits, "generated": generated}
+    return packed_holdings(model.language_model), logits_and_greedy(model)
 
 
 def record_adopted(adopted_dir: str, out_dir: Path, mode: str, rank: int) -> None:

@@ -34,20 +34,29 @@ ON_CUDA = os.environ.get("KIMIK3_PARALLEL_DEVICE") == "cuda"
 # transformers >= 5.21 combines TP with EP (ep_size == tp_size); 5.17-5.20 run EP alone (enable_expert_parallel)
 HAS_EP_DISPATCH = importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
 MODES = ("tp", "tp_ep") if HAS_EP_DISPATCH else ("tp", "ep")
+# On 4 ranks, with transformers >= 5.21, also `tp2_ep`: TP inside each pair of ranks and EP over all of them (the
+# multi-node layout, TP inside a node and EP across nodes), the dense modules' remaining factor of 2 as FSDP. A grid of
+# TP 2 x EP 2 with the experts split both ways cannot be expressed: transformers gives a module with an EP rule no TP
+# rule (its expert mesh is pp x dp_replicate x efsdp x ep, no expert-TP axis) and wants ep_size a multiple of tp_size,
+# so EP groups always contain the TP groups. 5.17-5.20 have no ep_size: EP alone (enable_expert_parallel) or TP alone.
+FOUR_RANK_MODES = (*MODES, "tp2_ep") if HAS_EP_DISPATCH else MODES
 
 
-def distributed_kwargs(mode: str) -> dict:
+def distributed_kwargs(mode: str, world_size: int = 2) -> dict:
+    """The from_pretrained options of `mode` on `world_size` ranks."""
     from transformers.distributed import DistributedConfig
 
     fields = getattr(DistributedConfig, "__dataclass_fields__", {})
     if mode == "tp":
         return {"tp_plan": "auto"}
     if mode == "ep" and "ep_size" in fields:  # transformers >= 5.21: experts only, attention replicated
-        return {"distributed_config": DistributedConfig(tp_size=2, ep_size=2, tp_plan={})}
+        return {"distributed_config": DistributedConfig(tp_size=world_size, ep_size=world_size, tp_plan={})}
     if mode == "ep":
-        return {"distributed_config": DistributedConfig(tp_size=2, enable_expert_parallel=True)}
+        return {"distributed_config": DistributedConfig(tp_size=world_size, enable_expert_parallel=True)}
     if mode == "tp_ep":
-        return {"distributed_config": DistributedConfig(tp_size=2, ep_size=2)}
+        return {"distributed_config": DistributedConfig(tp_size=world_size, ep_size=world_size)}
+    if mode == "tp2_ep":
+        return {"distributed_config": DistributedConfig(tp_size=2, ep_size=world_size, fsdp_size=world_size // 2)}
     raise ValueError(f"unknown mode {mode!r}")
 
 

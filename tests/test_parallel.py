@@ -1,6 +1,7 @@
 """Spreading the tiny model over devices on CPU: a device_map with CPU and disk offload, and tensor / expert parallel
 plans on 2 gloo processes (tests/parallel_worker.py, and with the experts kept packed tests/packed_parallel_worker.py,
-in the shared two-rank launch), each against the single-process model."""
+in the shared two-rank launch) and with the experts packed on 4 (tests/four_rank_worker.py, one launch after it), each
+against the single-process model."""
 
 import json
 import os
@@ -19,7 +20,7 @@ sys.path.insert(0, str(TESTS.parent / "benchmarks"))
 
 from packed_parallel_worker import (ADOPTED, BAD_EXPERT, BAD_SCALE, PACKED_OUT, adopted_results,  # noqa: E402
                                     forward_and_backward, packed_holdings)
-from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
+from parallel_worker import FOUR_RANK_MODES, INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
 
@@ -150,6 +151,35 @@ def test_packed_experts_stay_packed_sharded_and_match_one_process(packed_runs, p
         for name in ("logits", "grad_embeds", "grad_expert_feed"):
             torch.testing.assert_close(run[name], reference[name], rtol=1e-5, atol=1e-5, msg=f"{name}, rank {rank}")
         assert torch.equal(run["generated"], reference["generated"])
+
+
+@pytest.mark.parametrize("mode", FOUR_RANK_MODES)
+def test_packed_experts_on_four_ranks_hold_a_quarter_each_and_match_one_process(four_rank_runs, packed_reference,
+                                                                                 mode):
+    """The packed model (4 heads, 8 experts, 4 MXFP4 groups along the intermediate width: all cut 4 ways) on 4 gloo
+    ranks (tests/four_rank_worker.py): TP 4 splits each expert's width into 4 whole-group slices, EP 4 (this
+    transformers' `ep` or `tp_ep`) and `tp2_ep` (TP 2 inside each pair of ranks, EP over all 4: the multi-node
+    layout) give each rank 2 whole experts. Every rank holds exactly a quarter of the packed bytes, in storage of its
+    own, frozen; logits and greedy tokens are the one process's. A TP 2 x EP 2 grid with each expert split both by
+    expert and by width is not expressible in transformers' API (parallel_worker.FOUR_RANK_MODES says why), nor TP
+    with EP at all before 5.21."""
+    config, whole, reference = packed_reference
+    ep = mode != "tp"
+    e = config.num_experts // 4 if ep else config.num_experts
+    i = config.moe_intermediate_size if ep else config.moe_intermediate_size // 4
+    groups = whole["shapes"]["down_proj_scale"][-1]
+    latent = config.latent_size
+    want = {"gate_up_proj_packed": [e, 2 * i, latent // 2],
+            "gate_up_proj_scale": [e, 2 * i, whole["shapes"]["gate_up_proj_scale"][-1]],  # groups along the latent
+            "down_proj_packed": [e, latent, i // 2],
+            "down_proj_scale": [e, latent, groups if ep else groups // 4]}
+    for rank in range(4):
+        run = {**json.loads((four_rank_runs / f"{mode}-rank{rank}.json").read_text()),
+               **load_file(str(four_rank_runs / f"{mode}-rank{rank}.safetensors"))}
+        assert run["shapes"] == want and run["num_local_experts"] == e, f"rank {rank}"
+        assert run["bytes"] == run["storage_bytes"] == whole["bytes"] // 4 and not run["requires_grad"], f"rank {rank}"
+        torch.testing.assert_close(run["logits"], reference["logits"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+        assert torch.equal(run["generated"], reference["generated"]), f"rank {rank}"
 
 
 def test_packed_experts_tensor_parallel_refuses_a_degree_that_cuts_an_mxfp4_group(packed_runs):
