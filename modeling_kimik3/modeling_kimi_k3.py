@@ -20,7 +20,6 @@ Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importab
 
 import contextlib
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +47,7 @@ from .dispatch_kimi_k3 import (
 from .offload_kimi_k3 import check_offload_request, offload_routed_experts
 from .ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, routed_experts
 from .parallel_kimi_k3 import local_shard
-from .saving_kimi_k3 import layout_kept, register_auto_classes, write_remote_code
+from .saving_kimi_k3 import register_auto_classes, save_folder
 
 
 logger = logging.get_logger(__name__)
@@ -888,11 +887,9 @@ class KimiK3PreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Also writes the code files the folder needs to load with trust_remote_code in a fresh process, and the full
-        `auto_map` (saving_kimi_k3.py); a model loaded from our layout keeps it."""
-        with layout_kept(self):
-            super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            write_remote_code(self, Path(save_directory))
+        `auto_map`; a model loaded from our layout keeps it; a sharded model is gathered and written by rank 0 under
+        a temporary name (saving_kimi_k3.save_folder)."""
+        save_folder(self, super().save_pretrained, save_directory, *args, **kwargs)
 
 
 class KimiK3Model(KimiK3PreTrainedModel):

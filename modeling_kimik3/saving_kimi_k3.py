@@ -135,6 +135,72 @@ def write_remote_code(model, directory: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+# The temporary name a sharded model's save writes under, beside the folder asked for (a dot file: no folder listing
+# or glob of model folders takes it for one); renamed to that folder once complete.
+PARTIAL_PREFIX, PARTIAL_SUFFIX = ".", ".partial"
+# What transformers' save_pretrained writes or removes of the weights (model.safetensors, model-XXXXX-of-YYYYY...,
+# their index): a folder it replaces loses those of its files the new save does not have.
+WEIGHT_FILE_PREFIX = "model"
+
+
+def _is_sharded(model) -> bool:
+    """Whether the model holds tensor- or expert-parallel shards (DTensor parameters) in an initialised process
+    group: its save_pretrained then gathers them, collectively, on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(param, DTensor) for param in model.parameters())
+
+
+def _move_into_place(partial: Path, target: Path) -> None:
+    """The complete folder `partial` becomes `target`: renamed when `target` does not exist; else its files replace
+    theirs, config.json taken away first and put back last (a folder without config.json is no model folder), and
+    the target's weight files the new save lacks removed, as transformers' own save removes them."""
+    if not target.exists():
+        os.rename(partial, target)
+        return
+    (target / "config.json").unlink(missing_ok=True)
+    names = {path.name for path in partial.iterdir()}
+    for old in target.glob(f"{WEIGHT_FILE_PREFIX}*.safetensors*"):
+        if old.name not in names and old.is_file():
+            old.unlink()
+    for name in sorted(names - {"config.json"}) + ["config.json"]:
+        os.replace(partial / name, target / name)
+    partial.rmdir()
+
+
+def save_folder(model, save, save_directory, *args, **kwargs) -> None:
+    """`save` (transformers' save_pretrained of `model`) in our layout, the weights' file mode, the code files and the
+    full `auto_map`. A model loaded from our layout keeps it (`layout_kept`).
+
+    A sharded model (docs/design.md, Parallelism): every rank calls this, as transformers' save gathers each shard
+    with the other ranks' (one collective per tensor); rank 0 alone writes, under a temporary name beside the folder
+    asked for, renamed to it once complete, so a save that failed on any rank leaves nothing that looks finished."""
+    directory = Path(save_directory)
+    if not _is_sharded(model):
+        with layout_kept(model):
+            save(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_remote_code(model, directory)
+        return
+    import torch.distributed as dist
+
+    writer = dist.get_rank() == 0 and kwargs.get("is_main_process", True)
+    partial = directory.parent / f"{PARTIAL_PREFIX}{directory.name}{PARTIAL_SUFFIX}"
+    if writer and partial.exists():  # a save that failed before
+        shutil.rmtree(partial)
+    dist.barrier()  # no rank writes into `partial` before rank 0 has cleared it
+    with layout_kept(model):
+        save(partial, *args, **{**kwargs, "is_main_process": writer})
+    if writer:
+        write_remote_code(model, partial)
+        _move_into_place(partial, directory)
+    dist.barrier()  # every rank returns once the folder is in place
+
+
 def _is_a_log_unpadding(conversion) -> bool:
     """The A_log un-padding converter of conversion_kimi_k3.release_conversions (same source and target name)."""
     return type(conversion).__name__ == "WeightConverter" and any(

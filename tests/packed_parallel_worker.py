@@ -4,10 +4,11 @@ launch of tests/two_rank_worker.py, or torchrun). Rank 0 writes the packed tiny 
 (`write_packed_folder`); per mode every rank writes OUT/<mode>-rank<r>.json (the local shapes of
 one MoE layer's packed tensors, the packed bytes this rank holds and their storage) and .safetensors (the logits,
 greedy tokens and, after one backward through the packed experts, the gradients of the input embeddings and of the
-replicated projection that feeds the experts), and `bad-<mode>` the load-time check of a bad scale byte on the rank
-holding it; `cut` records the refusal of a degree that would cut an MXFP4 group; `adopted-<mode>` the load of a tiny
-release folder adopted with packed experts (`kimik3 adopt --experts-format mxfp4`: the release layout on disk,
-per-expert w1/w2/w3 codes and scales that the loader fuses) under the same plan, or its refusal.
+replicated projection that feeds the experts), OUT/saved-<mode> the folder the sharded model's save_pretrained
+wrote, and `bad-<mode>` the load-time check of a bad scale byte on the rank holding it; `cut` records the refusal of
+a degree that would cut an MXFP4 group; `adopted-<mode>` the load of a tiny release folder adopted with packed
+experts (`kimik3 adopt --experts-format mxfp4`: the release layout on disk, per-expert w1/w2/w3 codes and scales that
+the loader fuses) under the same plan, or its refusal.
 
     torchrun --standalone --nproc-per-node 2 tests/packed_parallel_worker.py DENSE_TINY_DIR OUT_DIR
 """
@@ -83,15 +84,18 @@ def packed_holdings(model) -> dict:
             "requires_grad": any(p.requires_grad for n, p in model.named_parameters() if n.endswith(PACKED_SUFFIXES))}
 
 
-def run(packed_dir: str, out_dir: Path, mode: str, rank: int, backward: bool = True) -> None:
-    """The packed folder under `mode` on this process group's ranks: holdings, logits, greedy tokens and (with
-    `backward`) the gradients."""
+def run(packed_dir: str, out_dir: Path, mode: str, rank: int, backward: bool = True, save: bool = False) -> None:
+    """The packed folder under `mode` on this process group's ranks: holdings, logits, greedy tokens, (with
+    `backward`) the gradients and (with `save`) the sharded model's save_pretrained, on every rank, to
+    OUT/saved-<mode>."""
     model = AutoModelForCausalLM.from_pretrained(packed_dir, trust_remote_code=True, dtype=torch.float32,
                                                  **distributed_kwargs(mode, dist.get_world_size())).eval()
     (out_dir / f"{mode}-rank{rank}.json").write_text(json.dumps(packed_holdings(model)))
     results = forward_and_backward(model) if backward else logits_and_greedy(model)
     results = {name: tensor.detach().cpu().contiguous() for name, tensor in results.items()}
     save_file(results, str(out_dir / f"{mode}-rank{rank}.safetensors"))
+    if save:
+        model.save_pretrained(out_dir / f"saved-{mode}")
 
 
 def record_cut(dense_dir: str, out_dir: Path, rank: int) -> None:
@@ -184,7 +188,7 @@ def run_all(dense_dir: str, out_dir: Path) -> None:
         write_adopted_release(out_dir / ADOPTED)
     dist.barrier()
     for mode in MODES:  # the dense plans' modes: this transformers' TP, EP and TP + EP
-        run(packed_dir, out_dir, mode, rank)
+        run(packed_dir, out_dir, mode, rank, save=True)
         dist.barrier()
         record_bad_scale(bad_dir, out_dir, mode, rank)
         dist.barrier()

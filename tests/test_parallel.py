@@ -19,7 +19,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS.parent / "benchmarks"))
 
 from packed_parallel_worker import (ADOPTED, BAD_EXPERT, BAD_SCALE, PACKED_OUT, adopted_results,  # noqa: E402
-                                    forward_and_backward, packed_holdings)
+                                    forward_and_backward, logits_and_greedy, packed_holdings)
 from parallel_worker import FOUR_RANK_MODES, INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
@@ -180,6 +180,70 @@ def test_packed_experts_on_four_ranks_hold_a_quarter_each_and_match_one_process(
         assert run["bytes"] == run["storage_bytes"] == whole["bytes"] // 4 and not run["requires_grad"], f"rank {rank}"
         torch.testing.assert_close(run["logits"], reference["logits"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
         assert torch.equal(run["generated"], reference["generated"]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_pretrained_of_the_sharded_packed_model_writes_the_whole_folder(packed_runs, packed_reference, mode):
+    """save_pretrained on both ranks of the sharded packed model: transformers gathers every shard (the other rank's
+    through the process group) and rank 0 alone writes our layout, under a temporary name renamed when complete
+    (saving_kimi_k3.save_folder). The folder holds every tensor of the one-process model, bit for bit, with its code
+    files, and loads in one process with the same logits and greedy tokens; no temporary folder is left."""
+    from kimik3.modeling.saving_kimi_k3 import PARTIAL_SUFFIX
+
+    packed_dir, (_, whole, reference) = packed_runs[0], packed_reference
+    saved = packed_dir.parent / f"saved-{mode}"
+    assert not [p.name for p in packed_dir.parent.iterdir() if p.name.endswith(PARTIAL_SUFFIX)]
+    original, written = load_file(str(packed_dir / "model.safetensors")), load_file(str(saved / "model.safetensors"))
+    assert sorted(written) == sorted(original)
+    for name, tensor in original.items():
+        assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
+    assert (saved / "modeling_kimi_k3.py").is_file() and "AutoModelForCausalLM" in json.loads(
+        (saved / "config.json").read_text())["auto_map"]
+    model = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=True, dtype=torch.float32).eval()
+    results = logits_and_greedy(model)
+    assert packed_holdings(model)["bytes"] == whole["bytes"]
+    torch.testing.assert_close(results["logits"], reference["logits"], rtol=0, atol=0)
+    assert torch.equal(results["generated"], reference["generated"])
+
+
+def test_sharded_save_that_fails_leaves_nothing_that_looks_finished_and_a_later_one_replaces_the_folder(
+        tmp_path, monkeypatch):
+    """The writing rank's side of a sharded save, in one process (rank 0 of a group stood in for): a save failing
+    half-way (another rank's gather raising) leaves the folder asked for absent, its partial files under the hidden
+    temporary name only; the next save clears those, and over an existing folder replaces its config and weights
+    (a weight shard of the old save that the new lacks removed) and keeps its other files."""
+    import functools
+
+    import torch.distributed as dist
+    from transformers import PreTrainedModel
+
+    from kimik3.modeling import saving_kimi_k3 as saving
+    from kimik3.tiny import build_tiny_model
+
+    monkeypatch.setattr(saving, "_is_sharded", lambda model: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *args: 0)
+    monkeypatch.setattr(dist, "barrier", lambda *args: None)
+    model = build_tiny_model()
+    target = tmp_path / "saved"
+    partial = tmp_path / f"{saving.PARTIAL_PREFIX}saved{saving.PARTIAL_SUFFIX}"
+
+    def failing(directory, **kwargs):
+        model.config.save_pretrained(directory)
+        raise RuntimeError("a rank's gather failed")
+
+    with pytest.raises(RuntimeError, match="gather failed"):
+        saving.save_folder(model, failing, target)
+    assert not target.exists() and (partial / "config.json").is_file()
+    target.mkdir()
+    for name in ("config.json", "model-00002-of-00002.safetensors", "tokenizer.json"):
+        (target / name).write_text("old")
+    saving.save_folder(model, functools.partial(PreTrainedModel.save_pretrained, model), target)
+    assert not partial.exists() and (target / "tokenizer.json").read_text() == "old"
+    assert not (target / "model-00002-of-00002.safetensors").exists()
+    assert json.loads((target / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"].endswith(
+        "KimiK3ForCausalLM")
+    written = load_file(str(target / "model.safetensors"))
+    assert torch.equal(written["lm_head.weight"], model.lm_head.weight.detach())
 
 
 def test_packed_experts_tensor_parallel_refuses_a_degree_that_cuts_an_mxfp4_group(packed_runs):
