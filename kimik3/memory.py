@@ -637,7 +637,7 @@ def prefill_workspace(config, tp: int, ep: int, chunk: int, batch_size: int, con
       attention: the larger of MLA (this rank's queries, one expanded key/value block of mla_prefill_block_size
         cached tokens, f32 output and log-sum-exp merge) and KDA (q/k/v/g of this rank's heads, f32 output);
       moe: the routed tokens' copies (top-k), their gate/up and down activations at this rank's width, and, for
-        packed experts, the bf16 copy of this rank's expert stack of one layer that today's prefill decodes;
+        packed experts, the packed prefill's own transient (`packed_prefill_transient`);
       head: the last token's logits in f32 (generation keeps one).
     The CUDA context, allocator fragmentation and compile graphs are not counted."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -655,10 +655,24 @@ def prefill_workspace(config, tp: int, ep: int, chunk: int, batch_size: int, con
     latent = text.latent_size
     routed = tokens * text.num_experts_per_token
     moe = routed * (latent + 3 * width) * bf16
-    dequantised = 3 * experts * width * latent * bf16 if experts_format == "mxfp4" else 0
+    packed = packed_prefill_transient(experts, width, latent, routed) if experts_format == "mxfp4" else 0
     head = batch_size * text.vocab_size * 4
-    return {"stream": stream, "attention": max(mla, kda), "moe": moe + dequantised, "head": head,
-            "total": stream + max(mla, kda) + moe + dequantised + head}
+    return {"stream": stream, "attention": max(mla, kda), "moe": moe + packed, "head": head,
+            "total": stream + max(mla, kda) + moe + packed + head}
+
+
+def packed_prefill_transient(experts: int, width: int, latent: int, routed: int) -> int:
+    """The bytes the packed experts' prefill adds for `routed` routed rows over `experts` experts of intermediate
+    `width` (kernels/mxfp4.py, `moe_experts_mxfp4`): up to MXFP4_GEMM_ROWS_PER_EXPERT rows per expert the packed
+    GEMM's even/odd split of its input rows (gate_up's is the wider), beyond it one chunk of dequantised experts
+    (at most MXFP4_DEQUANT_CHUNK_BYTES, at least one expert)."""
+    from kimik3.kernels import mxfp4
+
+    bf16 = 2
+    if routed <= mxfp4.MXFP4_GEMM_ROWS_PER_EXPERT * experts:
+        return routed * max(latent, width) * bf16
+    per_expert = 3 * width * latent * bf16  # gate_up (2 x width) and down (width), dequantised
+    return min(experts, max(1, mxfp4.MXFP4_DEQUANT_CHUNK_BYTES // (2 * width * latent * bf16))) * per_expert
 
 
 def decode_bytes(config, weights: list[dict], units: list[str], cache: list[int], tp: int, ep: int,
@@ -756,7 +770,7 @@ def format_parallel_plan(plan: dict, config, unit: str = "GB", chosen_from: int 
         "share (by expert under ep, by width under tp alone); cache: MLA latents whole on every TP rank, KDA state "
         "split by head",
         f"workspace (prefill chunk, an estimate): stream {fmt(ws['stream'])}, attention {fmt(ws['attention'])}, "
-        f"MoE {fmt(ws['moe'])}" + (" (with today's bf16 copy of a layer's packed experts)"
+        f"MoE {fmt(ws['moe'])}" + (" (with the packed prefill's own: its row split or one chunk of dequantised experts)"
                                    if plan["experts_format"] == "mxfp4" else "") + f", head {fmt(ws['head'])}",
         "",
         f"{'stage':>5}  {'holds':<22} {'dense':>11} {'repl.':>11} {'experts':>11} {'cache':>11} {'workspace':>11} "
@@ -853,12 +867,9 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
     experts, top_k = text.num_experts, text.num_experts_per_token
 
     def device_transient(size: int) -> tuple[int, int]:
-        """(the prefill workspace of a chunk, the compact stack of one layer's chosen experts beside it): today's
-        packed prefill dequantises the chosen experts of a layer to bf16, the U of the chunk, not all of them."""
+        """(the prefill workspace of a chunk, the compact stack of one layer's chosen experts beside it)."""
         ws = prefill_workspace(config, 1, 1, size, batch_size, context, experts_format)
         chosen = min(experts, math.ceil(expected_distinct_experts(experts, top_k, size * batch_size)))
-        if experts_format == "mxfp4":
-            ws["total"] -= 3 * experts * text.moe_intermediate_size * text.latent_size * 2 * (experts - chosen) // experts
         return ws["total"], chosen * per_expert
 
     workspace, compact = device_transient(chunk)

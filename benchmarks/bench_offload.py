@@ -1,0 +1,179 @@
+"""Routed experts in host memory (`experts_offload="host"`) against the same slice held on the GPU, and against
+accelerate's whole-module CPU offload of the expert modules, in one process on one GPU.
+
+The model is bench_k3's slice at K3's widths (default: 4 layers, 896 experts per MoE layer, packed MXFP4, random
+codes: the router's choices are near-uniform, the worst case for a cache of experts). For each placement:
+
+* decode: eager steps of the model's forward over its dynamic cache (greedy), batch 1 and 8 after a `--context`
+  prompt; ms per step (median of the steady steps), the expert cache's hit rate and the bytes it moved per step, and
+  the bound those bytes give at the measured host-to-device bandwidth (pinned memory);
+* prefill: `--prefill` tokens in one chunk (the experts each layer's routes choose cross once per chunk).
+
+    python benchmarks/bench_offload.py --out benchmarks/results/bench_offload.json
+
+`--cache-fraction` sets the device cache as a share of one layer's experts (default 0.25). Writes one JSON object;
+every section is also printed as it ends.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_k3  # noqa: E402
+from _k3bench_utils import ensure_kimik3, free_cuda, peak_gib, reset_peak  # noqa: E402
+
+
+def h2d_bytes_per_s(num_bytes=1 << 30, repeats=5):
+    """Pinned host -> device copy rate, the median of `repeats` copies of `num_bytes`."""
+    host = torch.empty(num_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    times = sorted(times[1:])
+    return num_bytes / times[len(times) // 2]
+
+
+def decode(model, batch, context, steps, cache_stats=None):
+    """ms per eager decode step (median of the steps after the first 2) and, with the offload, what the expert cache
+    did over the timed steps."""
+    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
+
+    ids = torch.randint(3, model.config.vocab_size - 1, (batch, context), device="cuda")
+    with torch.inference_mode():
+        cache = KimiK3Cache(model.config)
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        token = logits[:, -1:].argmax(-1)
+        times, before = [], None
+        for step in range(steps):
+            if step == 2 and cache_stats is not None:
+                before = cache_stats()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+            token = logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    steady = sorted(times[2:])
+    out = {"batch": batch, "context": context, "steps_timed": len(steady),
+           "ms_per_step": round(steady[len(steady) // 2] * 1e3, 3), "tokens_per_s": round(batch / steady[len(steady)
+                                                                                                      // 2], 2)}
+    if cache_stats is not None:
+        after = cache_stats()
+        moves, hits = after["moves"] - before["moves"], after["hits"] - before["hits"]
+        out.update(hit_rate=round(hits / max(hits + moves, 1), 4),
+                   moved_bytes_per_step=(after["moved_bytes"] - before["moved_bytes"]) // len(steady))
+    return out
+
+
+def prefill(model, tokens, repeats=2):
+    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
+
+    ids = torch.randint(3, model.config.vocab_size - 1, (1, tokens), device="cuda")
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first call warms up (Triton autotuning, allocator)
+            reset_peak()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(input_ids=ids, past_key_values=KimiK3Cache(model.config), use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    seconds = sorted(times[1:])[len(times[1:]) // 2]
+    return {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
+            "peak_mem_gib": peak_gib()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/bench_offload.json")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=896)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--prefill", default="8192,65536", help="prefill chunk sizes, comma-separated")
+    parser.add_argument("--cache-fraction", type=float, default=0.25)
+    parser.add_argument("--skip-accelerate", action="store_true")
+    args = parser.parse_args()
+    ensure_kimik3()
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
+    from kimik3.modeling.offload_kimi_k3 import expert_bytes, offload_routed_experts
+
+    results = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, "args": vars(args)}
+
+    def emit(key, value):
+        results[key] = value
+        print(json.dumps({key: value}), flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+    config = bench_k3.k3_config(args.layers, args.experts)
+    config.experts_format = "mxfp4"
+    model = bench_k3.build(KimiK3ForCausalLM, config)
+    with torch.no_grad():  # random valid codes; E8M0 scales 2^-9..2^-6 (bench_k3's packed model)
+        for name, p in model.named_parameters():
+            if name.endswith("_packed"):
+                p.copy_(torch.randint(0, 256, p.shape, dtype=torch.uint8, device=p.device))
+            elif name.endswith("_scale"):
+                p.copy_(torch.randint(118, 122, p.shape, dtype=torch.uint8, device=p.device))
+    experts = [m for m in model.modules() if isinstance(m, KimiK3Experts)]
+    per_expert = expert_bytes(experts[0].stacks())
+    emit("model", {"layers": args.layers, "experts": args.experts, "moe_layers": len(experts),
+                   "bytes_per_expert": per_expert, "routed_bytes": per_expert * args.experts * len(experts)})
+    bandwidth = h2d_bytes_per_s()
+    emit("h2d_bytes_per_s_pinned", round(bandwidth))
+
+    batches = (1, 8)
+    chunks = [int(c) for c in args.prefill.split(",") if c]
+    for batch in batches:
+        emit(f"gpu.decode_b{batch}", decode(model, batch, args.context, args.steps))
+    for tokens in chunks:
+        emit(f"gpu.prefill_{tokens}", prefill(model, tokens))
+
+    capacity = max(1, int(args.experts * args.cache_fraction))
+    cache = offload_routed_experts(experts, "host", capacity * per_expert * len(experts))
+    free_cuda()
+
+    def stats():
+        return {"moves": cache.moves, "hits": cache.hits, "moved_bytes": cache.moved_bytes}
+
+    emit("offload.cache", {"experts_per_layer": cache.capacity, "budget_bytes": cache.budget_bytes,
+                           "uniform_hit_rate": round(cache.capacity / args.experts, 4)})
+    for batch in batches:
+        row = decode(model, batch, args.context, args.steps, stats)
+        row["transfer_bound_ms"] = round(row["moved_bytes_per_step"] / bandwidth * 1e3, 3)
+        emit(f"offload.decode_b{batch}", row)
+    for tokens in chunks:
+        before = cache.moved_bytes
+        row = prefill(model, tokens, repeats=1)
+        row["moved_bytes_per_prefill"] = (cache.moved_bytes - before) // 2  # warm-up + one timed call
+        row["transfer_bound_s"] = round(row["moved_bytes_per_prefill"] / bandwidth, 3)
+        emit(f"offload.prefill_{tokens}", row)
+
+    if args.skip_accelerate:
+        return
+    try:
+        from accelerate import cpu_offload
+    except ImportError as error:
+        emit("accelerate", {"skipped": f"accelerate not importable: {error}"})
+        return
+    # the same host-resident experts under accelerate's hook: every forward of an expert module moves its whole stacks
+    cache.clear()
+    for module in experts:
+        module.offload = None
+        cpu_offload(module, execution_device=torch.device("cuda"))
+    free_cuda()
+    emit("accelerate.decode_b1", decode(model, 1, args.context, 5))
+    emit(f"accelerate.prefill_{chunks[0]}", prefill(model, chunks[0], repeats=1))
+
+
+if __name__ == "__main__":
+    main()
