@@ -19,6 +19,7 @@ Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importab
 """
 
 import contextlib
+import copy
 import math
 
 import torch
@@ -44,7 +45,7 @@ from .dispatch_kimi_k3 import (
     kda_recurrence,
     sdpa_backend_order,
 )
-from .offload_kimi_k3 import check_offload_request, offload_routed_experts
+from .offload_kimi_k3 import check_offload_request, offload_device_map, offload_routed_experts
 from .ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, routed_experts
 from .parallel_kimi_k3 import local_shard
 from .saving_kimi_k3 import register_auto_classes, save_folder
@@ -783,14 +784,37 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         `experts_cache_bytes` bytes of them, the model's `experts_cache` (docs/design.md, Routed experts off the
         device)."""
         check_offload_request(experts_offload, experts_cache_bytes, kwargs)
-        load = super().from_pretrained
+        load, offloaded = super().from_pretrained, []
+        if experts_offload is not None:
+            parent_load = load
+
+            def load(path, *load_args, **load_kwargs):
+                # the config the load uses (resolved by the release loader), its expert modules mapped to the host
+                names = cls._expert_module_names(path, load_kwargs)
+                load_kwargs["device_map"], offloaded[:] = offload_device_map(load_kwargs.get("device_map"), names)
+                return parent_load(path, *load_args, **load_kwargs)
+
         loaded = check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
                                     **kwargs)
         if experts_offload is not None:
             model = loaded[0] if isinstance(loaded, tuple) else loaded
-            experts = [module for module in model.modules() if isinstance(module, KimiK3Experts)]
-            model.experts_cache = offload_routed_experts(experts, experts_offload, experts_cache_bytes)
+            modules = dict(model.named_modules())
+            model.experts_cache = offload_routed_experts([modules[name] for name in offloaded], experts_offload,
+                                                         experts_cache_bytes)
         return loaded
+
+    @classmethod
+    def _expert_module_names(cls, path, load_kwargs) -> list[str]:
+        """The routed-expert modules' names in the model this load builds, from a skeleton on the meta device (no
+        memory, no weights read)."""
+        config = load_kwargs.get("config")
+        if config is None or isinstance(config, str):
+            hub = {key: load_kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only",
+                                                    "subfolder") if key in load_kwargs}
+            config = cls.config_class.from_pretrained(config or path, **hub)
+        with torch.device("meta"):
+            skeleton = cls(copy.deepcopy(config))
+        return [name for name, module in skeleton.named_modules() if isinstance(module, KimiK3Experts)]
 
     def post_init(self):
         super().post_init()

@@ -13,6 +13,8 @@ import torch
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
 EXPERTS_OFFLOAD_MODES = ("host",)
+# device_map strategies transformers resolves by memory; with the offload the rest of the model goes to one device
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 class ExpertsOffloadError(ValueError):
@@ -40,6 +42,43 @@ def check_offload_request(experts_offload, experts_cache_bytes, load_kwargs: dic
     if experts_cache_bytes <= 0:
         raise ExpertsOffloadError(f"experts_cache_bytes={experts_cache_bytes}: must be > 0 (at least one expert per "
                                   "MoE layer)")
+
+
+def offload_device_map(device_map, expert_modules: list[str]) -> tuple[dict | None, list[str]]:
+    """(the device_map the load is given, the expert modules to offload). The routed experts are placed in host
+    memory by the load itself (transformers' device_map), never passing through the device:
+
+    * None: the model loads on the CPU, its experts offloaded there (host and device are one);
+    * one device (a str, int or torch.device; a strategy such as "auto" means the first CUDA device, or the CPU):
+      everything on it but the expert modules, mapped to "cpu";
+    * a dict: the user's map, with "cpu" added for every expert module it does not name; an expert module it names
+      (its own key, or keys inside it) on an accelerator stays there, not offloaded (the per-layer choice); one it
+      names on "cpu" is offloaded; "disk" is accelerate's offload, refused with ours."""
+    if device_map is None:
+        return None, list(expert_modules)
+    if isinstance(device_map, dict):
+        placed = dict(device_map)
+        offloaded = []
+        for name in expert_modules:
+            named = {placed[key] for key in placed if key == name or key.startswith(name + ".")}
+            if not named:
+                placed[name] = "cpu"
+                offloaded.append(name)
+            elif "disk" in named:
+                raise ExpertsOffloadError(f"device_map puts {name} on 'disk' (accelerate's offload) with "
+                                          "experts_offload='host': map it to 'cpu' or to a device, or leave it out")
+            elif named == {"cpu"}:
+                offloaded.append(name)
+            elif "cpu" in named:
+                raise ExpertsOffloadError(f"device_map splits {name} between 'cpu' and {sorted(map(str, named))}: an "
+                                          "expert module is offloaded whole or kept on one device")
+        return placed, offloaded
+    if isinstance(device_map, str) and device_map in DEVICE_MAP_STRATEGIES:
+        device_map = 0 if torch.cuda.is_available() else "cpu"
+    if not isinstance(device_map, (str, int, torch.device)):
+        raise ExpertsOffloadError(f"device_map={device_map!r} with experts_offload: give a device, a strategy "
+                                  f"({', '.join(DEVICE_MAP_STRATEGIES)}) or a dict")
+    return {"": device_map, **dict.fromkeys(expert_modules, "cpu")}, list(expert_modules)
 
 
 def expert_bytes(stacks) -> int:
@@ -131,6 +170,12 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int) -> Expe
     cache = ExpertCache(cache_bytes, len(experts_modules), expert_bytes(experts_modules[0].stacks()))
     pin = torch.cuda.is_available()
     for layer, module in enumerate(experts_modules):
+        if hasattr(module, "_hf_hook"):
+            # a device_map with "cpu" next to a device gives the module accelerate's hook, which would move its whole
+            # stacks at every forward; detaching it puts the weights back on the CPU, where the cache reads them
+            from accelerate.hooks import remove_hook_from_module
+
+            remove_hook_from_module(module)
         for stack in module.stacks():
             host = stack.data.to("cpu")
             stack.data = host.pin_memory() if pin else host
@@ -139,5 +184,5 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int) -> Expe
     return cache
 
 
-__all__ = ["EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertsOffloadError", "LayerOffload", "check_offload_request",
-           "expert_bytes", "offload_routed_experts"]
+__all__ = ["DEVICE_MAP_STRATEGIES", "EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertsOffloadError", "LayerOffload",
+           "check_offload_request", "expert_bytes", "offload_device_map", "offload_routed_experts"]

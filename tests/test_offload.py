@@ -10,7 +10,8 @@ import torch
 
 from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
 from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
-from kimik3.modeling.offload_kimi_k3 import ExpertsOffloadError, expert_bytes, offload_routed_experts
+from kimik3.modeling.offload_kimi_k3 import (ExpertsOffloadError, expert_bytes, offload_device_map,
+                                             offload_routed_experts)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,78 @@ def test_from_pretrained_keeps_the_experts_in_host_memory(dense, folder):
     with torch.no_grad():
         assert torch.equal(model(ids).logits, dense(ids).logits)
     assert model.experts_cache.moves > 0
+
+
+NAMES = ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+
+
+def test_device_map_puts_the_experts_on_the_host_and_keeps_the_ones_the_user_names_on_a_device():
+    assert offload_device_map(None, NAMES) == (None, NAMES)  # a CPU model: its experts offloaded where they are
+    for device in ("cuda:0", 0, torch.device("cuda", 1)):
+        assert offload_device_map(device, NAMES) == ({"": device, NAMES[0]: "cpu", NAMES[1]: "cpu"}, NAMES)
+    # a strategy resolves to one device (no CUDA here: the CPU)
+    assert offload_device_map("auto", NAMES)[0] == {"": "cpu", NAMES[0]: "cpu", NAMES[1]: "cpu"}
+    # the user's dict: experts it does not name go to the host; named on a device they stay (the per-layer choice),
+    # named on "cpu" (their own key or every key inside them) they are offloaded
+    user = {"": 0, "model.layers.2": 1, NAMES[1]: 1}
+    placed, offloaded = offload_device_map(user, NAMES)
+    assert placed == {**user, NAMES[0]: "cpu"} and offloaded == [NAMES[0]] and user == {"": 0, "model.layers.2": 1,
+                                                                                         NAMES[1]: 1}
+    inside = {"": 0, NAMES[0] + ".gate_up_proj": "cpu", NAMES[0] + ".down_proj": "cpu"}
+    assert offload_device_map(inside, NAMES) == ({**inside, NAMES[1]: "cpu"}, NAMES)
+    assert offload_device_map({"": 0, "model.layers.1.mlp.experts_extra": 0}, NAMES)[1] == NAMES  # not a child
+
+
+@pytest.mark.parametrize("device_map, message", [
+    pytest.param({"": 0, NAMES[0]: "disk"}, "puts model.layers.1.mlp.experts on 'disk'", id="offload-map-disk"),
+    pytest.param({"": 0, NAMES[1] + ".gate_up_proj": "cpu", NAMES[1] + ".down_proj": 0},
+                 "splits model.layers.2.mlp.experts between 'cpu'", id="offload-map-split-expert-module"),
+    pytest.param(["cuda:0"], "give a device, a strategy", id="offload-map-not-a-map"),
+])
+def test_bad_device_maps_with_the_offload_are_refused_by_name(device_map, message):
+    with pytest.raises(ExpertsOffloadError, match=message):
+        offload_device_map(device_map, NAMES)
+
+
+def test_the_load_places_the_experts_on_the_host_through_transformers_device_map(folder, dense, monkeypatch):
+    """transformers' loader is given the map: every expert module of the model it builds on "cpu" (so it reads them
+    there, never onto the device), the rest where the user said; the offload takes those modules, and the logits
+    are the model's."""
+    from transformers import PreTrainedModel
+
+    given = []
+    original = PreTrainedModel.from_pretrained.__func__
+
+    def recording(cls, *args, **kwargs):
+        given.append(kwargs.get("device_map"))
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(recording))
+    model = KimiK3ForCausalLM.from_pretrained(folder, device_map="cpu", experts_offload="host",
+                                              experts_cache_bytes=10 ** 6)
+    names = [name for name, module in model.named_modules() if isinstance(module, KimiK3Experts)]
+    assert len(names) == 3 and given == [{"": "cpu", **dict.fromkeys(names, "cpu")}]
+    assert all(module.offload is not None for module in _experts(model))
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, dense(ids).logits)
+
+
+def test_an_accelerate_hook_on_an_expert_module_is_detached_with_its_weights_back(dense):
+    """A device_map with "cpu" beside a device gives the expert modules accelerate's offload hook (weights on meta,
+    moved whole at every forward); the offload detaches it, the stacks come back, and the logits are the model's."""
+    from accelerate import cpu_offload
+
+    model = copy.deepcopy(dense)
+    experts = _experts(model)
+    cpu_offload(experts[0], execution_device=torch.device("cpu"))
+    assert experts[0].stacks()[0].device.type == "meta"
+    one = expert_bytes(_experts(dense)[0].stacks())
+    model.experts_cache = offload_routed_experts(experts, "host", 8 * one * len(experts))
+    assert not hasattr(experts[0], "_hf_hook") and experts[0].stacks()[0].device.type == "cpu"
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, dense(ids).logits)
 
 
 @pytest.mark.parametrize("options, message", [
