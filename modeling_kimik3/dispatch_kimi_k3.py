@@ -62,6 +62,9 @@ class FastOp:
     cuda_only: bool = True  # a CUDA kernel: every tensor asked about must be on CUDA
     half_only: bool = False  # built on 16-bit-only kernels (flash attention, grouped GEMM): fp16/bf16 tensors only
     one_dtype: bool = False  # reads every tensor through one element type: all of one dtype
+    # its kernel multiplies fp32 inputs in TF32: fp32 tensors get the reference unless the user allows TF32 matmuls
+    # (torch.set_float32_matmul_precision "high"/"medium"), as PyTorch's own fp32 GEMMs do
+    tf32_dots: bool = False
     forward_only: bool = False  # no backward: the reference while autograd records for any tensor asked about
     # made only of torch ops, so torch.compile traces it into the graph (autograd included)
     traceable: bool = False
@@ -133,6 +136,9 @@ def fast_path_allowed(name: str, *tensors: torch.Tensor | None) -> bool:
     if op.half_only and any(t.dtype not in (torch.float16, torch.bfloat16) for t in present):
         return False
     if op.one_dtype and any(t.dtype != present[0].dtype for t in present):
+        return False
+    if op.tf32_dots and torch.get_float32_matmul_precision() == "highest" and any(
+            t.dtype == torch.float32 for t in present):
         return False
     if op.forward_only and _records_autograd(*present):
         return False

@@ -181,7 +181,7 @@ def _chunk_kda_step(q, k, v, g, beta, state, causal_incl, causal_strict, eye):
     return out, state
 
 
-@fast_op()
+@fast_op(tf32_dots=True)  # fla's chunk kernel multiplies fp32 in TF32 (docs/design.md, References and fast paths)
 @f32_island
 def chunk_kda(
     q: torch.Tensor,

@@ -133,7 +133,18 @@ def test_each_declared_constraint(fake_fast_ops, monkeypatch):
     assert is_reference("attention_with_lse", dispatch.fast_or_reference("attention_with_lse", y.bfloat16()))
     with torch.no_grad():
         assert dispatch.fast_or_reference("fused_recurrent_kda", y)() == "fused_recurrent_kda"
-    assert dispatch.fast_or_reference("chunk_kda", y)() == "chunk_kda"  # has a backward
+    assert dispatch.fast_or_reference("chunk_kda", y.bfloat16())() == "chunk_kda"  # has a backward
+    # tf32_dots (chunk_kda: fla's chunk kernel): fp32 keeps the reference at PyTorch's default fp32 matmul precision
+    # ("highest"), and takes the twin where the user allows TF32, as for PyTorch's own fp32 GEMMs
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert is_reference("chunk_kda", dispatch.fast_or_reference("chunk_kda", x))
+    assert is_reference("chunk_kda", dispatch.fast_or_reference("chunk_kda", b16 := x.bfloat16(), x))  # any fp32
+    for precision in ("high", "medium"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "get_float32_matmul_precision", lambda p=precision: p)
+            assert dispatch.fast_or_reference("chunk_kda", x)() == "chunk_kda", precision
+    assert dispatch.fast_or_reference("chunk_kda", b16)() == "chunk_kda"
+    assert dispatch.fast_or_reference("fused_recurrent_kda", x)() == "fused_recurrent_kda"  # not declared so
     # half_only: f32 keeps the reference, bf16/fp16 take the twin
     for name in ("attention_with_lse", "moe_experts", "moe_experts_mxfp4"):
         assert is_reference(name, dispatch.fast_or_reference(name, x)), name
