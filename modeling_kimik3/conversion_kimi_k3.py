@@ -45,12 +45,14 @@ from transformers.core_model_loading import (
 
 from .compat_kimi_k3 import register_checkpoint_conversion_mapping
 from .configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, check_experts_format
-from .files_kimi_k3 import KimiK3LoadError, check_pretrained_folder
+from .files_kimi_k3 import KimiK3LoadError, check_pretrained_folder, weight_files
 from .ops_kimi_k3 import _E2M1_VALUES, MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 from .parallel_kimi_k3 import (
     PARALLEL_LOAD_KWARGS,
     compact_local_shards,
+    gather_read_shards,
     global_index,
+    local_part,
     local_shard,
     register_shard_styles,
 )
@@ -280,22 +282,24 @@ class RejectInfiniteScales(ConversionOps):
 
 class UnpadHeads(ConversionOps):
     """A_log: the release stores [128] for 96 heads, the tail exactly +0.0 (docs/architecture.md, Release traps). Any
-    length >= H is accepted; a non-zero tail would mean a per-channel reading of the tensor, an error."""
+    length >= H is accepted; a non-zero tail would mean a per-channel reading of the tensor, an error.
+
+    Under tensor parallelism transformers' shard-on-read loader has cut the file's tensor by the parameter's
+    placements over the file's length (its [128], not the H heads), so this rank holds a share of the file, not its
+    heads: the shares are all-gathered (`gather_read_shards`, a few hundred bytes a layer) and the whole tensor is
+    checked as in one process, every rank alike, before this rank keeps its heads (docs/design.md, Parallelism)."""
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, config=None, full_layer_name=None, **kwargs):
         tensor = _tensors(next(iter(input_dict.values())))[0]
         heads = config.get_text_config().linear_num_heads
         name = full_layer_name or target_patterns[0]
-        local = _tensor_parallel_length(kwargs.get("model"), full_layer_name)
-        if local is not None:
-            # tensor parallel: the loader read this rank's slice along the heads, which is only this rank's heads when
-            # the file is unpadded
-            if tensor.dim() == 1 and tensor.shape[0] == local:
-                return {target_patterns[0]: tensor.clone()}
-            _fail(f"`{name}`: tensor-parallel loading reads this rank's slice of the {heads}-head A_log; found a slice "
-                  f"of shape {list(tensor.shape)} instead of [{local}] (a zero-padded A_log cannot be sliced by head: "
-                  "convert the release with `kimik3 convert` first)")
+        sharded = _sharded_parameter(kwargs.get("model"), full_layer_name)
+        if sharded is not None:
+            if tensor.dim() != 1:  # the same on every rank (one file), so no rank waits in the gather below
+                _fail(f"`{name}`: expected a 1-D tensor of length >= {heads} (one entry per head, zero-padded), "
+                      f"found a {tensor.dim()}-D one")
+            tensor = gather_read_shards(tensor, sharded)
         if tensor.dim() != 1 or tensor.shape[0] < heads:
             _fail(f"`{name}`: expected a 1-D tensor of length >= {heads} (one entry per head, zero-padded), found "
                   f"shape {list(tensor.shape)}")
@@ -303,23 +307,24 @@ class UnpadHeads(ConversionOps):
         if bool((tail != 0).any()) or bool(torch.signbit(tail).any()):
             _fail(f"`{name}`: entries {heads}..{tensor.shape[0] - 1} must be the +0.0 padding of a {heads}-head "
                   "A_log, found other values")
-        return {target_patterns[0]: tensor[:heads].clone()}
+        live = tensor[:heads]
+        return {target_patterns[0]: (live if sharded is None else local_part(live, sharded)).clone()}
 
     @property
     def reverse_op(self) -> ConversionOps:
         return PadHeads()
 
 
-def _tensor_parallel_length(model, name) -> int | None:
-    """The local length of a tensor-parallel (DTensor) parameter `name` of `model`; None for a plain parameter."""
+def _sharded_parameter(model, name):
+    """The parameter `name` of `model` when it is a DTensor split along its heads (tensor parallel); else None."""
     if model is None or not name:
         return None
     try:
         parameter = model.get_parameter(name)
     except AttributeError:
         return None
-    to_local = getattr(parameter, "to_local", None)
-    return None if to_local is None else to_local().shape[0]
+    placements = getattr(parameter, "placements", ())
+    return parameter if any(getattr(p, "dim", None) is not None for p in placements) else None
 
 
 class PadHeads(ConversionOps):
@@ -478,6 +483,20 @@ def _reading_in_step_with_the_conversions(enabled: bool):
         os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
 
 
+def _with_files(pretrained, kwargs, messages: list[str]) -> list[str]:
+    """The ops' messages, each naming the release tensor it begins with: the weights file holding it appended, when
+    the folder is local and its index (or single file) names the tensor (a text-only class drops the prefix)."""
+    folder = os.path.join(os.fspath(pretrained), kwargs.get("subfolder") or "") \
+        if isinstance(pretrained, (str, os.PathLike)) else None
+    files = weight_files(folder, kwargs.get("variant")) if folder is not None and os.path.isdir(folder) else {}
+    named = []
+    for message in messages:
+        tensor = re.match(r"`([^`]+)`", message)
+        shard = None if tensor is None else files.get(tensor[1], files.get(RELEASE_TEXT_PREFIX + tensor[1]))
+        named.append(message if shard is None else f"{message} (file {shard})")
+    return named
+
+
 def check_release_load(load, model_class, pretrained, *args, experts_format=None, **kwargs):
     """`from_pretrained` with the `experts_format` load option and errors that name the release tensor: a missing,
     unexpected or wrongly shaped tensor, a bad A_log padding or expert count, and any NaN/Inf."""
@@ -496,12 +515,12 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
             model, info = load(pretrained, *args, output_loading_info=True, **kwargs)
     except RuntimeError as exc:
         if _OP_ERRORS:
-            raise KimiK3LoadError(f"{pretrained}: " + "; ".join(_OP_ERRORS)) from exc
+            raise KimiK3LoadError(f"{pretrained}: " + "; ".join(_with_files(pretrained, kwargs, _OP_ERRORS))) from exc
         raise
     finally:
         errors, _OP_ERRORS[:] = list(_OP_ERRORS), []
     if errors:
-        raise KimiK3LoadError(f"{pretrained}: " + "; ".join(errors))
+        raise KimiK3LoadError(f"{pretrained}: " + "; ".join(_with_files(pretrained, kwargs, errors)))
     problems = []
     if info.get("mismatched_keys") and not user_ignores_sizes:
         problems += [f"`{release_name(k)}` has shape {list(found)}, the config needs {list(wanted)}"

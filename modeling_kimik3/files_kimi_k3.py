@@ -537,6 +537,22 @@ def check_folder(folder, *, variant: str | None = None, complete: bool = True, e
         check_layer_count(config, weight_map, config_path, index_path, error)
 
 
+def weight_files(folder, variant: str | None = None) -> dict:
+    """{tensor: the weights file of a local folder holding it} (the index's weight_map, or the single file's header),
+    for error messages; empty when the folder has neither or they do not parse."""
+    index_name, single_name = _index_name(variant)
+    index_path, single_path = os.path.join(folder, index_name), os.path.join(folder, single_name)
+    try:
+        if os.path.isfile(index_path):
+            weight_map = read_json(index_path).get("weight_map", {})
+            return weight_map if isinstance(weight_map, dict) else {}
+        if os.path.isfile(single_path):
+            return dict.fromkeys(read_safetensors_header(single_path)[0], single_name)
+    except (KimiK3LoadError, AttributeError):
+        pass
+    return {}
+
+
 def _hub_snapshot(repo_id: str, kwargs) -> str | None:
     """The local snapshot folder of a Hub repo id when the cache already holds its config.json (no network)."""
     try:
@@ -623,4 +639,5 @@ __all__ = [
     "open_regular_file",
     "read_json",
     "read_safetensors_header",
+    "weight_files",
 ]

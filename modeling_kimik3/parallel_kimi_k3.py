@@ -45,6 +45,31 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if to_local is None else to_local()
 
 
+def gather_read_shards(read: torch.Tensor, like) -> torch.Tensor:
+    """The whole 1-D checkpoint tensor of which `read` is this rank's slice as transformers' shard-on-read loader cut
+    it for the parameter `like` (a DTensor): the loader slices the file's tensor by `like`'s placements over the
+    file's own length, so from a tensor longer than the parameter (the release's zero-padded A_log) a rank reads its
+    share of the file, not its heads (docs/design.md, Parallelism). One exchange of the shares' lengths and one
+    all-gather of the shares, over `like`'s mesh: a collective, which every rank of the mesh reaches for every such
+    tensor, as every rank converts the same tensors in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements = like.device_mesh, like.placements
+    lengths = DTensor.from_local(torch.tensor([read.shape[0]], device=read.device), mesh, placements,
+                                 run_check=False).full_tensor()
+    whole = DTensor.from_local(read.contiguous(), mesh, placements, run_check=False,
+                               shape=torch.Size([int(lengths.sum())]), stride=(1,))
+    return whole.full_tensor()
+
+
+def local_part(whole: torch.Tensor, like) -> torch.Tensor:
+    """This rank's part of `whole` (the full value of the DTensor parameter `like`), as `like` places it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(whole.shape, like.device_mesh, like.placements)
+    return whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+
+
 def compact_local_shards(model: nn.Module) -> int:
     """Gives every sharded parameter whose local slice is a view into a larger tensor (transformers' loader slices a
     whole checkpoint tensor read on the host, so a CPU rank kept every expert of the tensor behind its share) a

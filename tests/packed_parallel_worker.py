@@ -177,6 +177,51 @@ def record_adopted(adopted_dir: str, out_dir: Path, mode: str, rank: int) -> Non
               str(out_dir / f"adopted-{mode}-rank{rank}.safetensors"))
 
 
+BAD_A_LOG = "bad_a_log"  # a tiny release (two KDA layers) adopted, then its A_logs damaged, under the output folder
+# Layer 0's padding holds a non-zero value at an index only rank 1 reads under TP 2; layer 1's A_log is shorter than
+# the heads (rank 1 reads nothing of it)
+BAD_A_LOG_ENTRY = 100
+
+
+def write_bad_a_log_release(directory: Path) -> Path:
+    """The adopted folder of a tiny release whose A_logs are then damaged in the release's own shards (which the
+    adopted folder links): returns the adopted folder."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from kimik3.convert.adopt import adopt
+    from kimik3.convert.testing import write_release_checkpoint
+
+    release = write_release_checkpoint(directory / "release", seed=4, num_layers=3, num_experts=4, vision=False,
+                                       config_overrides={"moe_intermediate_size": PACKED_INTERMEDIATE_SIZE},
+                                       return_dense=False)
+    adopt(release.path, directory / "adopted", experts_format="mxfp4")
+    weight_map = json.loads((release.path / "model.safetensors.index.json").read_text())["weight_map"]
+    for layer in (0, 1):
+        name = f"language_model.model.layers.{layer}.self_attn.A_log"
+        shard = release.path / weight_map[name]
+        with safe_open(str(shard), "pt") as handle:
+            metadata = handle.metadata()
+        tensors = load_file(str(shard))
+        if layer == 0:
+            tensors[name][BAD_A_LOG_ENTRY] = 0.5
+        else:
+            tensors[name] = tensors[name][:1].clone()
+        save_file(tensors, str(shard), metadata=metadata)
+    return directory / "adopted"
+
+
+def record_bad_a_log(bad_dir: str, out_dir: Path, rank: int) -> None:
+    """The damaged release under TP 2: every rank's refusal (the same as one process's)."""
+    try:
+        AutoModelForCausalLM.from_pretrained(bad_dir, trust_remote_code=True, dtype=torch.float32,
+                                             **distributed_kwargs("tp"))
+        error = None
+    except Exception as exc:  # KimiK3LoadError, from the folder's own copy of the code
+        error = f"{type(exc).__name__}: {exc}"
+    (out_dir / f"bad-a-log-rank{rank}.json").write_text(json.dumps({"error": error}))
+
+
 def run_all(dense_dir: str, out_dir: Path) -> None:
     rank = dist.get_rank()
     packed_dir = str(out_dir / "model")
@@ -186,6 +231,7 @@ def run_all(dense_dir: str, out_dir: Path) -> None:
         write_packed_folder(Path(packed_dir))
         write_bad_scale_folder(Path(packed_dir), Path(bad_dir))
         write_adopted_release(out_dir / ADOPTED)
+        write_bad_a_log_release(out_dir / BAD_A_LOG)
     dist.barrier()
     for mode in MODES:  # the dense plans' modes: this transformers' TP, EP and TP + EP
         run(packed_dir, out_dir, mode, rank, save=True)
@@ -195,6 +241,8 @@ def run_all(dense_dir: str, out_dir: Path) -> None:
         record_adopted(str(out_dir / ADOPTED / "adopted"), out_dir, mode, rank)
         dist.barrier()
     record_cut(dense_dir, out_dir, rank)
+    dist.barrier()
+    record_bad_a_log(str(out_dir / BAD_A_LOG / "adopted"), out_dir, rank)
     dist.barrier()
 
 

@@ -5,6 +5,7 @@ against the single-process model."""
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -18,8 +19,9 @@ from transformers import AutoModelForCausalLM
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS.parent / "benchmarks"))
 
-from packed_parallel_worker import (ADOPTED, BAD_EXPERT, BAD_SCALE, PACKED_OUT, adopted_results,  # noqa: E402
-                                    forward_and_backward, logits_and_greedy, packed_holdings)
+from packed_parallel_worker import (ADOPTED, BAD_A_LOG, BAD_A_LOG_ENTRY, BAD_EXPERT, BAD_SCALE,  # noqa: E402
+                                    PACKED_OUT, adopted_results, forward_and_backward, logits_and_greedy,
+                                    packed_holdings)
 from parallel_worker import FOUR_RANK_MODES, INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
@@ -272,31 +274,58 @@ def test_packed_experts_bad_scale_refused_by_the_rank_holding_it_with_the_whole_
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_adopted_release_with_packed_experts_under_expert_parallel_or_refused_under_tensor_parallel(two_rank_runs,
-                                                                                                   mode):
+def test_adopted_release_with_packed_experts_under_tensor_and_expert_parallel(two_rank_runs, mode):
     """The release layout on disk (an adopted folder's links, per-expert w1/w2/w3 codes and scales fused by the
-    loader) with experts_format="mxfp4": expert parallelism alone reads each rank's whole experts, half the packed
-    bytes, logits and greedy tokens the one process's; tensor parallelism is refused by name on every rank, as the
-    release's zero-padded A_log cannot be sliced by head on read."""
+    loader, A_log zero-padded to 128) with experts_format="mxfp4", under this transformers' TP, EP and TP + EP: each
+    rank holds half the packed bytes (its whole experts, or under TP alone half of each expert's width), frozen, with
+    the logits and greedy tokens of one process. The tiny release has 2 KDA heads: under TP rank 1's head is in the
+    half of the padded A_log that rank 0 read, so the loader's share of the file alone would give it a zero."""
     out_dir = two_rank_runs["parallel"] / PACKED_OUT
     runs = [json.loads((out_dir / f"adopted-{mode}-rank{rank}.json").read_text()) for rank in range(2)]
-    if mode in ("tp", "tp_ep"):
-        for rank, run in enumerate(runs):
-            assert run["error"] is not None and run["error"].startswith("KimiK3LoadError: ") and (
-                "`language_model.model.layers.0.self_attn.A_log`: tensor-parallel loading reads this rank's slice"
-                in run["error"] and "a zero-padded A_log cannot be sliced by head" in run["error"]), f"rank {rank}"
-        return
     model = AutoModelForCausalLM.from_pretrained(out_dir / ADOPTED / "adopted", trust_remote_code=True,
                                                  dtype=torch.float32).eval()
     whole, reference = adopted_results(model)
+    ep = mode in ("ep", "tp_ep")
     assert whole["num_local_experts"] == 4 and whole["bytes"] > 0
+    halved = {k: ([v[0] // 2, *v[1:]] if ep else [v[0], v[1] // 2, v[2]] if k.startswith("gate_up") else
+                  [*v[:2], v[2] // 2]) for k, v in whole["shapes"].items()}
     for rank, run in enumerate(runs):
-        assert run["error"] is None and run["num_local_experts"] == 2, f"rank {rank}"
+        assert run["error"] is None, f"rank {rank}: {run['error']}"
+        assert run["num_local_experts"] == (2 if ep else 4), f"rank {rank}"
         assert run["bytes"] == run["storage_bytes"] == whole["bytes"] // 2 and not run["requires_grad"], f"rank {rank}"
-        assert run["shapes"] == {k: [2, *v[1:]] for k, v in whole["shapes"].items()}, f"rank {rank}"
+        assert run["shapes"] == halved, f"rank {rank}"
         results = load_file(str(out_dir / f"adopted-{mode}-rank{rank}.safetensors"))
         torch.testing.assert_close(results["logits"], reference["logits"], rtol=1e-5, atol=1e-5)
         assert torch.equal(results["generated"], reference["generated"])
+
+
+@pytest.fixture(scope="module")
+def bad_a_log_refusals(two_rank_runs):
+    """The damaged adopted release (packed_parallel_worker.write_bad_a_log_release): its folder, the one process's
+    refusal and each TP rank's."""
+    out_dir = two_rank_runs["parallel"] / PACKED_OUT
+    bad_dir = out_dir / BAD_A_LOG / "adopted"
+    with pytest.raises(ValueError) as refused:  # KimiK3LoadError, from the folder's own copy of the code
+        AutoModelForCausalLM.from_pretrained(bad_dir, trust_remote_code=True, dtype=torch.float32)
+    ranks = [json.loads((out_dir / f"bad-a-log-rank{rank}.json").read_text())["error"] for rank in range(2)]
+    return bad_dir, f"{type(refused.value).__name__}: {refused.value}", ranks
+
+
+@pytest.mark.parametrize("layer, fragment", [
+    pytest.param(0, "entries 2..127 must be the +0.0 padding of a 2-head A_log", id="tp-a-log-nonzero-tail-one-rank"),
+    pytest.param(1, "expected a 1-D tensor of length >= 2 (one entry per head, zero-padded), found shape [1]",
+                 id="tp-a-log-shorter-than-heads"),
+])
+def test_adopted_release_with_a_bad_a_log_is_refused_under_tensor_parallel_as_in_one_process(bad_a_log_refusals,
+                                                                                           layer, fragment):
+    """A non-zero value in A_log's padding at an entry only rank 1's share of the file holds (layer 0), an A_log
+    shorter than the heads, of which rank 1 reads nothing (layer 1): under TP 2 both ranks refuse with the one
+    process's message, which names the folder, each tensor and its weights file."""
+    bad_dir, one_process, ranks = bad_a_log_refusals
+    assert one_process.startswith(f"KimiK3LoadError: {bad_dir}: ") and BAD_A_LOG_ENTRY > 64  # rank 1's half of 128
+    assert re.search(rf"`language_model\.model\.layers\.{layer}\.self_attn\.A_log`: {re.escape(fragment)}[^;]* "
+                     r"\(file model-\d+-of-\d+\.safetensors\)", one_process), one_process
+    assert ranks == [one_process, one_process]
 
 
 def test_device_map_with_cpu_and_disk_offload_matches_one_device(tiny_dir, reference, tmp_path):
