@@ -200,11 +200,14 @@ class KimiK3Cache(Cache):
     def __init__(self, config, snapshot_interval: int | None = None,
                  snapshot_device: str | torch.device | None = None, max_snapshot_bytes: int | None = None,
                  max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS, **kwargs):
-        """`snapshot_interval`: keep the KDA states at every multiple of this many tokens during a prefill (None:
-        no snapshots; the report's spacing is `DEFAULT_SNAPSHOT_INTERVAL`). `snapshot_device`: where snapshots live
-        (e.g. "cpu" to offload; default: next to the live state). `max_snapshot_bytes`: upper bound on their memory;
-        past it every other snapshot is dropped and the interval doubles. `max_rollback_tokens`: the longest span
-        that past recording (speculative decoding) keeps for rollback."""
+        """`snapshot_interval`: keep the KDA states at multiples of this many tokens, written by the prefill as it
+        passes them (None: no snapshots; `KDA_BLOCK_SIZE` for prefix-store hits at every block, the report's sparse
+        spacing is `DEFAULT_SNAPSHOT_INTERVAL`). `snapshot_device`: where snapshots live (e.g. "cpu" to offload;
+        default: next to the live state). `max_snapshot_bytes`: upper bound on their memory (at least one snapshot
+        of one sequence, `snapshot_bytes(config, dtype_bytes=4)`); under it the snapshots are kept sparse by
+        `rewind_kimi_k3.kept_snapshot_blocks` (every multiple in a dense window before the cache's end, thinner
+        geometrically further back). `max_rollback_tokens`: the longest span that past recording (speculative
+        decoding) keeps for rollback."""
         if kwargs.get("max_cache_len") is not None:
             raise TypeError(
                 f"KimiK3Cache(max_cache_len={kwargs['max_cache_len']!r}): the growing cache has no length bound; a "

@@ -22,8 +22,10 @@ model runs the tokens it leaves pending. It holds (docs/design.md, Going back):
   post-conv q, k, v, the decay g and beta). Going back inside the recorded span rebuilds the conv windows from the
   pre-conv inputs and replays the recurrence from the recorded state up to the kept token, at once: no projection
   and no earlier token is recomputed, and nothing of the model runs.
-* Snapshots (prefix reuse): a prefill hands over the KDA states at every multiple of `snapshot_interval` tokens
-  (optionally kept on another device, under a byte budget: past it every other one goes and the interval doubles).
+* Snapshots (prefix reuse): a prefill hands over the KDA states at multiples of `snapshot_interval` tokens (a
+  512-token block for the prefix store), written by the chunked form itself as it passes them (optionally kept on
+  another device). Under a byte budget they are kept sparse by `kept_snapshot_blocks`: every block end in a dense
+  window before the cache's end, geometrically thinner further back.
 * The token ids (and padding mask) the cache has seen. Going back anywhere else restores the nearest snapshot at or
   below the target and leaves the tokens from there to the target pending: the next forward of the model runs them
   first (`replay`), the same computation as a prefill of those tokens.
@@ -102,6 +104,25 @@ def rollback_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return num_kda * per_layer
 
 
+def kept_snapshot_blocks(num_blocks: int, dense_blocks: int) -> list[int]:
+    """The snapshot policy (docs/design.md, Going back): which block ends 1..num_blocks a cache of `num_blocks`
+    whole blocks keeps, with a dense window of `dense_blocks` (w >= 1) blocks. Block i, at distance d = num_blocks - i
+    from the end, is kept when i is a multiple of 2**level(d), level(d) = floor(log2(d // w + 1)): every block end
+    for d < w, every 2nd for the next 2w blocks, every 4th for the next 4w, ... (w per level: about
+    w * log2(2 * num_blocks / w) snapshots). The guarantee: a restore at block i replays no block if d < w, else
+    fewer than 2**(level(d) + 1) blocks. Monotone: a block kept at some length is kept at every shorter length from
+    i on, and with a narrower window it is kept with a wider one, so growing the cache or narrowing the window only
+    ever drops snapshots, never needs one it dropped."""
+    kept, level, near = [], 0, 0  # level L covers the distances [near, far) = [w (2**L - 1), w (2**(L+1) - 1))
+    while near < num_blocks:
+        far = near + (dense_blocks << level)
+        step = 1 << level
+        low, high = max(num_blocks - far + 1, 1), num_blocks - near  # block indices at those distances
+        kept.extend(range(-(-low // step) * step, high + 1, step))
+        near, level = far, level + 1
+    return sorted(kept)
+
+
 def _check_option(name: str, value) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"KimiK3Cache: {name} must be a positive integer or None, got {value!r}")
@@ -122,6 +143,11 @@ class KimiK3Rewind:
         for name, value in (("snapshot_interval", snapshot_interval), ("max_snapshot_bytes", max_snapshot_bytes),
                             ("max_rollback_tokens", max_rollback_tokens)):
             _check_option(name, value)
+        if max_snapshot_bytes is not None and max_snapshot_bytes < snapshot_bytes_per_row:
+            raise ValueError(
+                f"KimiK3Cache: max_snapshot_bytes={max_snapshot_bytes} holds no KDA state snapshot: one is "
+                f"{snapshot_bytes_per_row} bytes for one sequence (every KDA layer's f32 state and conv windows)"
+            )
         self.kda_layers = list(kda_layers)
         self.conv_kernel_size = conv_kernel_size
         self.chunk_size = chunk_size
@@ -132,6 +158,10 @@ class KimiK3Rewind:
         self.max_rollback_tokens = max_rollback_tokens
         # position -> {KDA layer -> (conv windows, f32 state)}
         self.snapshots: dict[int, dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = {}
+        # The policy's dense window in blocks (None: not narrowed yet); only ever narrows (see kept_snapshot_blocks)
+        self.dense_blocks: int | None = None
+        self._planned: tuple[int, int] | None = None  # (blocks, batch size) the kept set was last planned for
+        self.replayed_tokens = 0  # tokens the model ran from `replay` (pending tokens after going back)
         self.record_past = False
         self._rollback: dict[int, KimiK3KDARollbackRecord] | None = None
         self._rollback_base = 0  # position the rollback records start from
@@ -152,15 +182,11 @@ class KimiK3Rewind:
         """Before the layers run (`position` tokens cached): where this forward's snapshots fall, and whether it is
         recorded for rollback."""
         self._step_start = position
-        self._step_snapshots = self._snapshot_offsets(position, num_tokens)
-        if self.max_snapshot_bytes is not None:
-            # Thin before the forward, so that even its own snapshots never exceed the bound
-            per_snapshot = self.snapshot_bytes_per_row * batch_size
-            while self._step_snapshots and (
-                self.snapshot_bytes_held() + len(self._step_snapshots) * per_snapshot > self.max_snapshot_bytes
-            ):
-                self._thin_snapshots()
-                self._step_snapshots = self._snapshot_offsets(position, num_tokens)
+        # Plan the kept set for the length this forward reaches: drop what it no longer keeps before the layers
+        # run, and take only the kept ones the forward passes, so even its own snapshots never exceed the budget
+        wanted = self._plan(position + num_tokens, batch_size)
+        self._step_snapshots = [p - position for p in wanted if position < p <= position + num_tokens
+                                and p not in self.snapshots]
         self._recording_step = False
         if not self.record_past or self._replaying:
             return
@@ -223,12 +249,38 @@ class KimiK3Rewind:
             _snapshot_copy(recurrent_state.float(), device),
         )
 
-    def _snapshot_offsets(self, position: int, num_tokens: int) -> list[int]:
+    def _capacity(self, batch_size: int) -> int | None:
+        """Whole snapshots of `batch_size` rows that `max_snapshot_bytes` holds (None: unbounded)."""
+        if self.max_snapshot_bytes is None:
+            return None
+        return self.max_snapshot_bytes // (self.snapshot_bytes_per_row * max(batch_size, 1))
+
+    def _plan(self, end: int, batch_size: int) -> list[int]:
+        """The snapshot positions the policy keeps once the cache holds `end` tokens of `batch_size` rows; held
+        snapshots off it are dropped now. Unbounded: every multiple of the interval. Bounded to C snapshots: the
+        widest window w (never wider than before) with len(kept_snapshot_blocks(n, w)) <= C; past even w = 1, the
+        C most recent of those."""
         if self.snapshot_interval is None:
             return []
         interval = self.snapshot_interval
-        first = (position // interval + 1) * interval
-        return [p - position for p in range(first, position + num_tokens + 1, interval) if p not in self.snapshots]
+        blocks = end // interval
+        capacity = self._capacity(batch_size)
+        if capacity is None or blocks <= capacity and self.dense_blocks is None:
+            return [i * interval for i in range(1, blocks + 1)]
+        if self._planned == (blocks, batch_size):
+            return sorted(self.snapshots)  # nothing new since the last plan (e.g. decode steps inside a block)
+        widest = capacity if self.dense_blocks is None else min(self.dense_blocks, capacity)
+        low, high = 1, max(widest, 1)
+        while low < high:  # the widest window that fits (the kept count grows with the window)
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if len(kept_snapshot_blocks(blocks, middle)) <= capacity else (low, middle - 1)
+        self.dense_blocks = low
+        kept = kept_snapshot_blocks(blocks, low)
+        kept = kept[max(len(kept) - capacity, 0):] if capacity else []  # w = 1 still too many: oldest go first
+        wanted = {i * interval for i in kept}
+        self.snapshots = {p: states for p, states in self.snapshots.items() if p in wanted}
+        self._planned = (blocks, batch_size)
+        return sorted(wanted)
 
     # ------------------------------------------------------------------------------------------------------------
     # Going back
@@ -256,12 +308,22 @@ class KimiK3Rewind:
         self._cut(target, target)
         return target, states
 
-    def _restore_snapshot(self, target: int, devices: dict) -> tuple[int, dict]:
-        complete = len(self.kda_layers)  # a snapshot every KDA layer handed over
-        start = max((p for p in self.snapshots if p <= target and len(self.snapshots[p]) == complete), default=0)
+    def restore_position(self, target: int) -> int:
+        """Where going back to `target` (by a snapshot) starts: the nearest complete snapshot at or below it (0: the
+        empty state; the target itself without KDA layers). The tokens from there to the target are replayed."""
         if not self.kda_layers:
-            start = target  # nothing recurrent: the cut latents are the whole state
-        if start < target and (not self._replayable or self._token_ids is None):
+            return target  # nothing recurrent: the cut latents are the whole state
+        complete = len(self.kda_layers)  # a snapshot every KDA layer handed over
+        return max((p for p in self.snapshots if p <= target and len(self.snapshots[p]) == complete), default=0)
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the token ids of every cached token are kept (not filled from inputs_embeds)."""
+        return self._replayable and self._token_ids is not None
+
+    def _restore_snapshot(self, target: int, devices: dict) -> tuple[int, dict]:
+        start = self.restore_position(target)
+        if start < target and not self.replayable:
             kda = self.kda_layers
             raise NotImplementedError(
                 f"KimiK3Cache.crop({target}): KDA layers {kda[:4]}{'...' if len(kda) > 4 else ''} need a state at "
@@ -280,7 +342,7 @@ class KimiK3Rewind:
 
     def _cut(self, kept: int, target: int) -> None:
         """Keep the snapshots up to `kept` and the token ids up to `target` (pending from `kept` on)."""
-        self._rollback = None
+        self._rollback, self._planned = None, None
         self.snapshots = {p: states for p, states in self.snapshots.items() if p <= kept}
         if self._token_ids is not None:
             self._token_ids = self._token_ids[:, :target]
@@ -304,6 +366,7 @@ class KimiK3Rewind:
         self._token_ids = self._token_ids[:, :start]
         self._token_valid = None if self._token_valid is None else self._token_valid[:, :start]
         self._pending_start, self._replaying = None, True
+        self.replayed_tokens += input_ids.shape[1]
         try:
             yield input_ids, attention_mask
         finally:
@@ -316,7 +379,7 @@ class KimiK3Rewind:
         copy = KimiK3Rewind.__new__(KimiK3Rewind)
         copy.__dict__.update(self.__dict__)
         copy.snapshots = dict(self.snapshots)
-        copy._rollback, copy.record_past = None, False
+        copy._rollback, copy.record_past, copy.replayed_tokens = None, False, 0
         return copy
 
     def map_batch(self, fn) -> None:
@@ -328,26 +391,25 @@ class KimiK3Rewind:
         self._token_ids = None if self._token_ids is None else fn(self._token_ids)
         self._token_valid = None if self._token_valid is None else fn(self._token_valid)
         self._rollback = None
+        self._planned = None  # bytes per snapshot changed with the rows: the next forward plans again
+        self._bound_snapshots()
 
     def reset(self) -> None:
         self.snapshots = {}
+        self.dense_blocks, self._planned, self.replayed_tokens = None, None, 0
         self._rollback = None
         self._token_ids, self._token_valid, self._replayable = None, None, True
         self._pending_start = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Snapshot budget and byte reports
-    def _thin_snapshots(self) -> None:
-        """Double the interval and drop the snapshots that are off it: coverage stays even."""
-        self.snapshot_interval *= 2
-        self.snapshots = {p: states for p, states in self.snapshots.items() if p % self.snapshot_interval == 0}
-
     def _bound_snapshots(self) -> None:
-        """Keep the snapshots under `max_snapshot_bytes`: drop every other one and double the interval."""
+        """Never above `max_snapshot_bytes`, even where the plan could not see it coming (rows repeated by a batch
+        reorder, conv windows wider than counted): the oldest snapshots go first."""
         if self.max_snapshot_bytes is None:
             return
         while self.snapshots and self.snapshot_bytes_held() > self.max_snapshot_bytes:
-            self._thin_snapshots()
+            del self.snapshots[min(self.snapshots)]
 
     def snapshot_bytes_held(self) -> int:
         return sum(t.nbytes for states in self.snapshots.values() for conv, state in states.values()
@@ -368,5 +430,6 @@ __all__ = [
     "DEFAULT_SNAPSHOT_INTERVAL",
     "KDA_BLOCK_SIZE",
     "KimiK3Rewind",
+    "kept_snapshot_blocks",
     "rollback_bytes_per_token",
 ]

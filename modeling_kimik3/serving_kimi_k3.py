@@ -17,7 +17,9 @@ draft model for speculative decoding, sliced from the target, is the package's `
 Prefix reuse (docs/design.md, Going back: crop, prefix reuse, speculative decoding): a prompt is cut into 512-token
 blocks; each block's hash is chained with its predecessor's, so one hash names a whole prefix. A stored prompt cache can
 be reused up to the longest prefix the new prompt shares with it; the KDA states there come from the cache's snapshots
-(or a replay from the nearest one below), the MLA latents are cut there.
+(written by its prefill at block ends, kept sparse under its byte budget) or from a replay of the tokens after the
+nearest one below, the MLA latents are cut there. Among the stored prompts the lookup takes the one whose state is
+restored nearest the end of the shared prefix (the fewest tokens to compute).
 """
 
 import hashlib
@@ -48,7 +50,8 @@ def build_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                        max_snapshot_bytes: int | None = None) -> KimiK3Cache:
     """Prefill `input_ids` once into a cache with KDA state snapshots, for reuse by many continuations:
     `generate(prefix + suffix, cache=copy.deepcopy(cache))` (`past_key_values=` before transformers 5.24), or
-    `cache.copy_prefix(n)`."""
+    `cache.copy_prefix(n)`. For prefix-store hits at every block: `snapshot_interval=KDA_BLOCK_SIZE` with a
+    `max_snapshot_bytes` budget (KimiK3Cache)."""
     text_config = model.config.get_text_config()
     cache = KimiK3Cache(text_config, snapshot_interval=snapshot_interval, snapshot_device=snapshot_device,
                         max_snapshot_bytes=max_snapshot_bytes)
@@ -59,10 +62,15 @@ def build_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 class KimiK3PrefixStore:
     """Prompt caches keyed by chained block hashes of their token ids (batch-1 prompts).
 
-    `insert(ids, cache)` stores a cache that holds exactly `ids`; `lookup(ids)` returns `(num_tokens, cache)`: the
-    longest prefix of `ids` that a stored cache can give back (a whole stored prompt, or a block boundary inside
-    one), as a new cache the caller may extend, or `(0, None)`. At most `len(ids) - 1` tokens are reused, so a
-    forward always has a token to process. `max_bytes` bounds what the stored caches hold (least recently used out).
+    `insert(ids, cache)` stores a cache that holds exactly `ids`; `lookup(ids)` returns `(num_tokens, cache)`: a
+    prefix of `ids` that a stored cache gives back (a whole stored prompt, or a block boundary inside one), as a new
+    cache the caller may extend, or `(0, None)`. Of all stored prompts and their shared block boundaries it takes
+    the one whose KDA state is restored nearest the end (a snapshot, the stored prompt's live state, or a replay from
+    the nearest snapshot below: the fewest tokens to compute), then the longest; a cache filled from inputs_embeds
+    (no ids to replay) serves only where a state is held. At most `len(ids) - 1` tokens are reused, so a forward
+    always has a token to process. The returned cache's `rewind.pending_tokens` are those its first forward
+    replays (`stats()["tokens_replayed"]` sums them). `max_bytes` bounds what the stored caches hold (least
+    recently used out; the newest entry always stays).
     """
 
     def __init__(self, block_size: int = KDA_BLOCK_SIZE, max_bytes: int | None = None):
@@ -71,10 +79,11 @@ class KimiK3PrefixStore:
         self.block_size = block_size
         self.max_bytes = max_bytes
         self._entries: OrderedDict[bytes, tuple[torch.Tensor, KimiK3Cache]] = OrderedDict()
-        self._by_block: dict[bytes, bytes] = {}  # chained block hash -> key of the newest entry holding it
+        self._by_block: dict[bytes, set[bytes]] = {}  # chained block hash -> keys of the entries holding it
         self.hits = 0
         self.misses = 0
         self.tokens_reused = 0
+        self.tokens_replayed = 0
 
     @staticmethod
     def _ids(token_ids) -> torch.Tensor:
@@ -94,36 +103,52 @@ class KimiK3PrefixStore:
                 f"KimiK3PrefixStore.insert: the cache holds {cache.get_seq_length()} tokens of {cache.batch_size} "
                 f"sequence(s) but {ids.numel()} token ids of one prompt were given"
             )
+        interval = cache.rewind.snapshot_interval
+        if interval is not None and interval % self.block_size and self.block_size % interval:
+            # Snapshots off the block grid are never a hit's exact state: every hit would replay from below
+            raise ValueError(
+                f"KimiK3PrefixStore.insert: the cache keeps KDA snapshots every {interval} tokens, which neither "
+                f"divides nor is a multiple of the store's {self.block_size}-token blocks; build it with "
+                f"snapshot_interval={self.block_size}"
+            )
         key = hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).digest()
         self._entries[key] = (ids, cache)
         self._entries.move_to_end(key)
         for block_hash in block_hashes(ids, self.block_size):
-            self._by_block[block_hash] = key
+            self._by_block.setdefault(block_hash, set()).add(key)
         self._evict()
 
     def lookup(self, token_ids) -> tuple[int, KimiK3Cache | None]:
         ids = self._ids(token_ids)
-        best_tokens, best_key = 0, None
+        shared: dict[bytes, int] = {}  # entry -> the longest prefix of ids it can stand for
         # Whole stored prompts that the new one starts with (any length, not only block multiples)
         for key, (stored, _) in self._entries.items():
-            if best_tokens < stored.numel() < ids.numel() and torch.equal(ids[: stored.numel()], stored):
-                best_tokens, best_key = stored.numel(), key
-        # Block boundaries inside stored prompts
+            if stored.numel() < ids.numel() and torch.equal(ids[: stored.numel()], stored):
+                shared[key] = stored.numel()
+        # Block boundaries inside stored prompts (an entry holding block i holds every block before it)
         for index, block_hash in enumerate(block_hashes(ids, self.block_size)):
-            key = self._by_block.get(block_hash)
-            if key is None:
-                break
+            keys = self._by_block.get(block_hash)
             end = (index + 1) * self.block_size
-            stored = self._entries[key][0]
-            if end > best_tokens and end < ids.numel() and torch.equal(ids[:end], stored[:end]):
-                best_tokens, best_key = end, key
+            if not keys or end >= ids.numel():
+                break
+            for key in keys:
+                if end > shared.get(key, 0) and torch.equal(ids[:end], self._entries[key][0][:end]):
+                    shared[key] = end
+        best, best_key = (-1, 0), None  # (restored at, tokens): the fewest to compute, then the longest
+        for key, tokens in shared.items():
+            restored = _restored_at(self._entries[key][1], tokens)
+            if restored is not None and (restored, tokens) > best:
+                best, best_key = (restored, tokens), key
         if best_key is None:
             self.misses += 1
             return 0, None
+        restored, tokens = best
         self._entries.move_to_end(best_key)
         self.hits += 1
-        self.tokens_reused += best_tokens
-        return best_tokens, self._entries[best_key][1].copy_prefix(best_tokens)
+        self.tokens_reused += tokens
+        cache = self._entries[best_key][1].copy_prefix(tokens)
+        self.tokens_replayed += cache.rewind.pending_tokens
+        return tokens, cache
 
     def bytes_held(self) -> int:
         """MLA latents, live KDA states and snapshots of the stored caches (shared tensors counted once)."""
@@ -140,12 +165,25 @@ class KimiK3PrefixStore:
 
     def stats(self) -> dict[str, int]:
         return {"entries": len(self._entries), "hits": self.hits, "misses": self.misses,
-                "tokens_reused": self.tokens_reused, "bytes_held": self.bytes_held()}
+                "tokens_reused": self.tokens_reused, "tokens_replayed": self.tokens_replayed,
+                "bytes_held": self.bytes_held()}
 
     def _evict(self) -> None:
         while self.max_bytes is not None and len(self._entries) > 1 and self.bytes_held() > self.max_bytes:
             key, _ = self._entries.popitem(last=False)
-            self._by_block = {h: k for h, k in self._by_block.items() if k != key}
+            for block_hash in list(self._by_block):
+                self._by_block[block_hash].discard(key)
+                if not self._by_block[block_hash]:
+                    del self._by_block[block_hash]
+
+
+def _restored_at(cache: KimiK3Cache, tokens: int) -> int | None:
+    """Where `cache.copy_prefix(tokens)` restores the KDA states from (the rest is replayed by its first forward),
+    or None where it cannot (no token ids to replay)."""
+    if tokens == cache.get_seq_length():
+        return tokens - cache.rewind.pending_tokens  # the live state
+    restored = cache.rewind.restore_position(tokens)
+    return restored if restored == tokens or cache.rewind.replayable else None
 
 
 def _layer_tensors(layer) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ import torch
 from k3_test_utils import cache_of
 from kimik3.memory import load_text_config, snapshot_memory
 from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, KimiK3StaticCache, snapshot_bytes
+from kimik3.modeling.rewind_kimi_k3 import kept_snapshot_blocks
 from kimik3.modeling.serving_kimi_k3 import KimiK3PrefixStore, block_hashes, build_prompt_cache
 from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
 from kimik3.tiny import build_tiny_model
@@ -127,15 +128,18 @@ def test_crop_works_for_every_length(model, prefix, prompt_cache):
 
 
 def test_snapshot_memory_stays_under_its_bound(model, prefix):
+    """Three snapshots' worth of bytes: the policy (kept_snapshot_blocks) keeps the block ends nearest the end and
+    thins further back, planned before each forward, so its own snapshots never exceed the bound."""
     one = snapshot_bytes(model.config, dtype_bytes=4)
     cache = KimiK3Cache(model.config, snapshot_interval=4, max_snapshot_bytes=3 * one)
     with torch.no_grad():
-        model(prefix[:, :20], past_key_values=cache, use_cache=True)  # 5 snapshots at interval 4 would not fit
-        assert sorted(cache.rewind.snapshots) == [8, 16] and cache.rewind.snapshot_interval == 8  # thinned first
-        model(prefix[:, 20:], past_key_values=cache, use_cache=True)  # 24 fits; 32 is beyond the tokens
-        assert sorted(cache.rewind.snapshots) == [8, 16, 24]
-        model(torch.cat([prefix, prefix], 1)[:, 30:], past_key_values=cache, use_cache=True)  # up to 60 tokens
-    assert sorted(cache.rewind.snapshots) == [16, 32, 48] and cache.rewind.snapshot_interval == 16
+        model(prefix[:, :20], past_key_values=cache, use_cache=True)  # 5 block ends would not fit
+        assert sorted(cache.rewind.snapshots) == [8, 16, 20] and cache.rewind.dense_blocks == 2
+        model(prefix[:, 20:], past_key_values=cache, use_cache=True)  # 7 blocks: 16 stays, 8 and 20 go
+        assert sorted(cache.rewind.snapshots) == [16, 24, 28]
+        model(torch.cat([prefix, prefix], 1)[:, 30:], past_key_values=cache, use_cache=True)  # 15 blocks
+    # even a 1-block window keeps 4 there (15, 14, 12, 8): the 3 most recent
+    assert sorted(cache.rewind.snapshots) == [48, 56, 60] and cache.rewind.dense_blocks == 1
     assert cache.rewind.snapshot_bytes_held() <= 3 * one
     with pytest.raises(ValueError, match="snapshot_interval"):
         KimiK3Cache(model.config, snapshot_interval=0)
@@ -240,3 +244,145 @@ def test_crop_needing_a_replay_of_embeddings_is_refused_at_the_crop(model, prefi
     with pytest.raises(NotImplementedError, match=r"crop\(12\).*nearest snapshot is at 8 .*inputs_embeds"):
         cache.crop(12)
     assert cache.get_seq_length() == 16  # left as it was
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hits at any block boundary (docs/design.md, Going back): snapshots at block ends written by the prefill itself,
+# kept sparse under a byte budget by kept_snapshot_blocks
+
+BLOCK = 16  # the tiny model's KDA chunk size: a block end is a chunk end, as 512 is for the release's 64
+
+
+@pytest.fixture(scope="module")
+def stored():
+    return torch.randint(3, 128, (1, 5 * BLOCK + 7), generator=torch.Generator().manual_seed(11))
+
+
+@pytest.fixture(scope="module")
+def block_store(model, stored):
+    calls, handle = _model_calls(model)
+    cache = build_prompt_cache(model, stored, snapshot_interval=BLOCK)
+    handle.remove()
+    # one forward wrote every block end: nothing was replayed to get them
+    assert calls == [stored.shape[1]] and cache.rewind.replayed_tokens == 0
+    assert sorted(cache.rewind.snapshots) == [BLOCK * i for i in range(1, 6)]
+    store = KimiK3PrefixStore(block_size=BLOCK)
+    store.insert(stored, cache)
+    return store
+
+
+@pytest.mark.parametrize("shared, hit", [(BLOCK, BLOCK), (3 * BLOCK, 3 * BLOCK), (5 * BLOCK, 5 * BLOCK),
+                                         (3 * BLOCK + 9, 3 * BLOCK), (5 * BLOCK + 7, 5 * BLOCK + 7)])
+def test_block_boundary_hits_equal_a_cold_run_and_replay_less_than_a_block(model, stored, block_store, shared, hit):
+    """First block, a middle one, the last full one, a prompt diverging mid-block (hit at the boundary below) and
+    the whole stored prompt: the state comes from the snapshot written there, nothing (< a block) is replayed, and
+    greedy tokens and every step's logits equal a cold run's (atol 1e-5, the tolerance of this file's reuse tests)."""
+    tail = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(shared))
+    ids = torch.cat([stored[:, :shared], tail], 1)
+    reused, cache = block_store.lookup(ids)
+    assert reused == hit and cache.get_seq_length() == hit
+    assert cache.rewind.pending_tokens < BLOCK
+    got = _greedy(model, ids, **{CACHE_FIELD: cache})
+    assert cache.rewind.replayed_tokens < BLOCK  # counted by the rewind component as the model ran them
+    _assert_same_run(got, _greedy(model, ids))
+
+
+def _replay_bound(distance, dense):
+    """The policy's guarantee (kept_snapshot_blocks), in tokens: a hit at the block `distance` blocks before the end
+    of a cache replays nothing inside the dense window, else fewer than 2**(level + 1) blocks."""
+    level = (distance // dense + 1).bit_length() - 1
+    return 0 if level == 0 else (2 ** (level + 1) - 1) * BLOCK
+
+
+def test_policy_guarantee_and_budget_hold_as_prompts_are_inserted_and_evicted(model):
+    one = snapshot_bytes(model.config, dtype_bytes=4)
+    budget = 4 * one
+    prompts = [torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (90, 150, 135)]
+    caches, windows = [], {}
+    for ids in prompts:
+        cache = KimiK3Cache(model.config, snapshot_interval=BLOCK, max_snapshot_bytes=budget)
+        with torch.no_grad():
+            for start in range(0, ids.shape[1], 40):  # a chunked prefill: earlier forwards' snapshots get thinned
+                model(ids[:, start:start + 40], past_key_values=cache, use_cache=True)
+                assert cache.rewind.snapshot_bytes_held() <= budget and len(cache.rewind.snapshots) <= 4
+        blocks, dense = ids.shape[1] // BLOCK, cache.rewind.dense_blocks
+        assert dense >= 2  # 4 snapshots over 8-9 blocks: two dense block ends, then every 2nd, 4th
+        for b in range(1, blocks + 1):
+            assert b * BLOCK - cache.rewind.restore_position(b * BLOCK) <= _replay_bound(blocks - b, dense)
+        caches.append(cache)
+        windows[ids.shape[1]] = dense
+    store = KimiK3PrefixStore(block_size=BLOCK, max_bytes=int(2.5 * _held(caches[1])))
+    for number, (ids, cache) in enumerate(zip(prompts, caches)):
+        store.insert(ids, cache)
+        assert store.bytes_held() <= store.max_bytes
+        held = prompts[max(number - 1, 0):number + 1]  # two fit: the oldest goes
+        assert store.stats()["entries"] == len(held)
+        for other in prompts[:number + 1]:
+            blocks = other.shape[1] // BLOCK
+            for b in range(1, blocks + 1):
+                diverging = torch.cat([other[:, :b * BLOCK], torch.tensor([[1, 2]])], 1)
+                reused, hit = store.lookup(diverging)
+                if not any(p is other for p in held):
+                    assert reused == 0  # evicted: its blocks are no hit any more
+                    continue
+                assert reused == b * BLOCK
+                assert hit.rewind.pending_tokens <= _replay_bound(blocks - b, windows[other.shape[1]])
+    # a hit that the budget made replay: the replay through the model's next forward equals a cold run
+    ids = torch.cat([prompts[2][:, :3 * BLOCK], torch.tensor([[5, 6, 7]])], 1)
+    reused, cache = store.lookup(ids)
+    pending = cache.rewind.pending_tokens
+    assert reused == 3 * BLOCK and pending == 3 * BLOCK  # 4 snapshots over 8 blocks: 8, 7, 6, 4
+    _assert_same_run(_greedy(model, ids, **{CACHE_FIELD: cache}), _greedy(model, ids))
+    assert cache.rewind.replayed_tokens == pending
+
+
+def test_lookup_takes_the_stored_prompt_with_the_nearest_usable_state(model, stored, block_store):
+    """The newest entry sharing the prefix has no snapshot there (none taken; or filled from inputs_embeds, so not
+    replayable): the lookup takes the older one, whose block-end snapshot needs no replay."""
+    store = KimiK3PrefixStore(block_size=BLOCK)
+    store.insert(stored, block_store._entries[next(iter(block_store._entries))][1])
+    store.insert(stored[:, :4 * BLOCK + 3], build_prompt_cache(model, stored[:, :4 * BLOCK + 3],
+                                                               snapshot_interval=None))
+    with torch.no_grad():
+        embedded = KimiK3Cache(model.config)
+        model(inputs_embeds=model.get_input_embeddings()(stored[:, :4 * BLOCK + 1]), past_key_values=embedded)
+    store.insert(stored[:, :4 * BLOCK + 1], embedded)
+    ids = torch.cat([stored[:, :4 * BLOCK + 2], torch.tensor([[9, 9]])], 1)
+    reused, cache = store.lookup(ids)
+    assert (reused, cache.rewind.pending_tokens) == (4 * BLOCK + 1, 0)  # the embedded one's live state
+    ids = torch.cat([stored[:, :4 * BLOCK], torch.tensor([[9, 9]])], 1)
+    reused, cache = store.lookup(ids)
+    assert (reused, cache.rewind.pending_tokens) == (4 * BLOCK, 0)
+    assert store.stats()["tokens_replayed"] == 0
+
+
+def test_kept_snapshot_blocks_is_monotone_and_bounded():
+    for dense in (1, 2, 3, 8):
+        previous = set()
+        for blocks in range(1, 200):
+            kept = kept_snapshot_blocks(blocks, dense)
+            assert set(range(max(blocks - dense + 1, 1), blocks + 1)) <= set(kept)  # the dense window
+            assert set(previous) - set(kept) <= set(range(1, blocks + 1)) - set(kept)
+            # a block kept now was kept at every shorter length from it on
+            assert all(i in previous or i == blocks for i in kept)
+            assert len(kept) <= dense * (blocks // dense + 1).bit_length()
+            for i in range(1, blocks + 1):  # the replay bound
+                below = max((k for k in kept if k <= i), default=0)
+                assert i - below <= _replay_bound(blocks - i, dense) // BLOCK
+            previous = set(kept)
+        assert set(kept_snapshot_blocks(150, dense)) <= set(kept_snapshot_blocks(150, dense + 1))
+
+
+@pytest.mark.parametrize("case", [pytest.param("budget", id="snapshot-budget-below-one-state"),
+                                  pytest.param("grid", id="prefix-store-snapshots-off-the-block-grid")])
+def test_block_snapshot_options_refused_by_name(model, stored, case):
+    one = snapshot_bytes(model.config, dtype_bytes=4)
+    if case == "budget":
+        with pytest.raises(ValueError, match=f"max_snapshot_bytes={one - 1} holds no KDA state snapshot: one is "
+                                             f"{one} bytes"):
+            KimiK3Cache(model.config, snapshot_interval=BLOCK, max_snapshot_bytes=one - 1)
+        return
+    store = KimiK3PrefixStore(block_size=BLOCK)
+    with pytest.raises(ValueError, match=f"snapshots every 12 tokens.*store's {BLOCK}-token blocks"):
+        store.insert(stored[:, :24], build_prompt_cache(model, stored[:, :24], snapshot_interval=12))
+    assert store.stats()["entries"] == 0
