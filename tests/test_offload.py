@@ -239,3 +239,26 @@ def test_expert_parallel_shares_are_refused():
     share = types.SimpleNamespace(num_experts=4, config=config, stacks=lambda: (torch.zeros(4, 2),))
     with pytest.raises(ExpertsOffloadError, match="holds 4 of 8 experts per layer"):
         offload_routed_experts([share], "host", 10 ** 6)
+
+
+def test_the_release_layout_loads_with_its_experts_offloaded(tmp_path):
+    """The offload composes with the release loader: an adopted release folder (release layout on disk, packed
+    experts fused at load) loads through the Auto class with its experts on the host, with the logits of the same
+    folder loaded whole."""
+    from transformers import AutoModelForCausalLM
+
+    from kimik3.convert import testing
+    from kimik3.convert.adopt import adopt
+
+    release = testing.write_release_checkpoint(tmp_path / "release" / "k3", seed=5, num_layers=2, num_experts=4).path
+    adopt(release, tmp_path / "adopted", experts_format="mxfp4")
+    load = {"trust_remote_code": True, "dtype": torch.float32}
+    whole = AutoModelForCausalLM.from_pretrained(str(tmp_path / "adopted"), **load).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "adopted"), device_map="cpu", experts_offload="host",
+                                                 experts_cache_bytes=10 ** 6, **load).eval()
+    experts = [m for m in model.modules() if type(m).__name__ == "KimiK3Experts"]
+    assert experts and all(m.packed and m.offload is not None for m in experts)
+    ids = torch.randint(3, 100, (1, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, whole(ids).logits)
+    assert model.experts_cache.moves > 0
