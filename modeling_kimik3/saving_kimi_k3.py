@@ -57,6 +57,9 @@ def auto_map_for(config) -> dict:
 # own save_pretrained writes it (a model folder without a tokenizer holds no tokenizer code).
 CARRIED_MODULES = ("modeling_kimi_k3.py", "multimodal_kimi_k3.py", "serving_kimi_k3.py", "processing_kimi_k3.py")
 TOKENIZER_CODE_FILE = "tokenization_kimi_k3.py"
+# The decode loop goes into a folder as transformers' custom_generate/generate.py, which from_pretrained(...,
+# trust_remote_code=True) installs as the model's generate (docs/design.md, Decode loop); it imports nothing of ours.
+DECODE_LOOP_FILE, CUSTOM_GENERATE_FILE = "generate_kimi_k3.py", "custom_generate/generate.py"
 
 
 def carried_code_files(sources: list[Path], with_tokenizer: bool = False) -> list[Path]:
@@ -129,6 +132,11 @@ def write_remote_code(model, directory: Path) -> None:
     for path in carried_code_files(sources):
         if path.resolve() != (directory / path.name).resolve():
             shutil.copyfile(path, directory / path.name)
+    loop = next((Path(folder) / name for folder in sources for name in (DECODE_LOOP_FILE, CUSTOM_GENERATE_FILE)
+                 if (Path(folder) / name).is_file()), None)
+    if loop is not None and loop.resolve() != (directory / CUSTOM_GENERATE_FILE).resolve():
+        (directory / CUSTOM_GENERATE_FILE).parent.mkdir(exist_ok=True)
+        shutil.copyfile(loop, directory / CUSTOM_GENERATE_FILE)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["auto_map"] = auto_map_for(config)
@@ -168,6 +176,8 @@ def _move_into_place(partial: Path, target: Path) -> None:
         if old.name not in names and old.is_file():
             old.unlink()
     for name in sorted(names - {"config.json"}) + ["config.json"]:
+        if (partial / name).is_dir() and (target / name).is_dir():  # custom_generate/: a folder replaces a folder
+            shutil.rmtree(target / name)
         os.replace(partial / name, target / name)
     partial.rmdir()
 
