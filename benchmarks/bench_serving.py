@@ -17,6 +17,12 @@
 Side by side in one run, on the bench_k3.py model (random bf16 weights, K3's exact widths, 8 layers) on one GPU:
   ttft          time to first token for a 64K prompt whose first 60K tokens are in the prefix store (lookup, copy,
                 prefill of the 4K rest) vs a cold chunked prefill of all 64K
+  block_hit     TTFT of a 64K prompt sharing its first 119 blocks (59.5K tokens) with a stored 64K prompt, the hit at a
+                block boundary inside it: stored with KDA snapshots at every 512-token block end under a byte budget
+                (kept_snapshot_blocks), with the old 40-block spacing (whose worst case is just below 60K: 20K
+                tokens replayed), against the exact-match TTFT (the stored prompt is the shared prefix itself) and
+                cold, side by side; tokens replayed, first token and logits against cold, the snapshots' bytes and
+                what writing them costs the stored prompt's prefill
   spec          decode tokens/s at batch 1: plain compiled decode (cache_implementation="static") vs assisted
                 decoding with a 2-layer slice of the target as draft and with prompt lookup on a repetitive text,
                 with acceptance rates (drafted tokens the target accepted)
@@ -114,12 +120,76 @@ def section_ttft(model, device, prompt_len, prefix_len, chunk, interval):
 
 
 @torch.no_grad()
-def _filled(model, ids, chunk, interval):
+def _filled(model, ids, chunk, interval, max_snapshot_bytes=None):
     from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
 
-    cache = KimiK3Cache(model.config, snapshot_interval=interval)
+    cache = KimiK3Cache(model.config, snapshot_interval=interval, max_snapshot_bytes=max_snapshot_bytes)
     chunked_prefill(model, ids, cache, chunk)
     return cache
+
+
+def section_block_hit(model, device, prompt_len, shared_len, chunk, block, old_interval, budgets):
+    """Cold vs exact match vs a hit at a block boundary inside a longer stored prompt (per-block snapshots under a
+    budget, and the old sparse spacing): each stored prompt is prefilled once (timed: what the snapshots cost), each
+    reuse is a lookup, the copy and the chunked prefill of the rest (its pending replay included), timed after a
+    warm-up."""
+    from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, snapshot_bytes
+    from kimik3.modeling.serving_kimi_k3 import KimiK3PrefixStore
+
+    config = model.config
+    vocab = config.vocab_size
+    prompt = torch.randint(3, vocab - 1, (1, prompt_len), device=device)
+    other = torch.cat([prompt[:, :shared_len], torch.randint(3, vocab - 1, (1, prompt_len - shared_len),
+                                                            device=device)], 1)
+    one = snapshot_bytes(config, dtype_bytes=4)
+
+    def cold():
+        return chunked_prefill(model, prompt, KimiK3Cache(config), chunk)
+
+    cold()  # warm-up (kernels, autotune)
+    cold_s, cold_logits = _seconds(cold)
+    results = {"prompt_tokens": prompt_len, "shared_tokens": shared_len, "block_tokens": block,
+               "cold_ttft_s": round_sig(cold_s)}
+    # the first budget is "block_hit"; tighter ones show how the policy's guarantee thins
+    stores = {"exact_match": (prompt[:, :shared_len], block, None)}
+    for number, snapshots in enumerate(budgets):
+        stores["block_hit" if number == 0 else f"block_hit_{snapshots}_snapshots"] = (other, block, snapshots * one)
+    stores["block_hit_old_spacing"] = (other, old_interval, None)
+    for label, (stored, interval, max_bytes) in stores.items():
+        store = KimiK3PrefixStore(block_size=block)
+        fill_s, cache = _seconds(lambda: _filled(model, stored, chunk, interval, max_bytes))
+        store.insert(stored[0], cache)
+
+        def reuse():
+            reused, hit = store.lookup(prompt[0])
+            pending = hit.rewind.pending_tokens
+            return chunked_prefill(model, prompt[:, reused:], hit, chunk), reused, pending
+
+        reuse()
+        reuse_s, (logits, reused, pending) = _seconds(reuse)
+        boundaries = range(block, stored.shape[1] + 1, block)
+        replays = [b - cache.rewind.restore_position(b) for b in boundaries]
+        entry = {"ttft_s": round_sig(reuse_s), "reused_tokens": reused, "replayed_tokens": pending,
+                 "stored_tokens": stored.shape[1], "snapshot_interval": interval,
+                 "stored_prefill_s": round_sig(fill_s), "snapshots": len(cache.rewind.snapshots),
+                 "snapshot_bytes": cache.rewind.snapshot_bytes_held(), "max_snapshot_bytes": max_bytes,
+                 "dense_blocks": cache.rewind.dense_blocks,
+                 "replay_tokens_at_block_boundaries": {"max": max(replays), "max_last_16_blocks": max(replays[-16:]),
+                                                       "mean": round_sig(sum(replays) / len(replays))},
+                 "first_token_equal_cold": bool(torch.equal(cold_logits.argmax(-1), logits.argmax(-1))),
+                 "first_logits_max_abs_diff_cold": float((cold_logits.float() - logits.float()).abs().max())}
+        results[label] = entry
+        print(json.dumps({"block_hit." + label: entry}), file=sys.stderr, flush=True)
+        del store, cache
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    exact = results["exact_match"]["ttft_s"]
+    results["x_exact_match"] = {label: round_sig(results[label]["ttft_s"] / exact)
+                                for label in stores if label != "exact_match"}
+    results["x_exact_match"]["cold"] = round_sig(cold_s / exact)
+    # what writing per-block snapshots costs a prefill: the block-hit store's prompt against a cold prefill
+    results["snapshot_write_overhead"] = round_sig(results["block_hit"]["stored_prefill_s"] / cold_s)
+    return results
 
 
 class VerifyCounter:
@@ -269,25 +339,34 @@ def main():
     parser.add_argument("--out", help="also write the JSON line here")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--only", default="", help="comma list of sections (ttft, spec, snapshots)")
+    parser.add_argument("--only", default="", help="comma list of sections (ttft, block_hit, spec, snapshots)")
+    parser.add_argument("--budget-snapshots", default=None,
+                        help="block_hit: comma list of the stored prompt's max_snapshot_bytes, in snapshots of one "
+                             "sequence (default 64,16; --quick 6,3)")
     args = parser.parse_args()
     ensure_kimik3()
-    from kimik3.modeling.rewind_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL
+    from kimik3.modeling.rewind_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL, KDA_BLOCK_SIZE
 
     torch.manual_seed(0)
     model, device = build_models(args.quick, args.layers, args.experts)
     if args.quick:
         sizes = dict(prompt_len=160, prefix_len=128, chunk=64, interval=32, context=48, new_tokens=12,
-                     measured=96)
+                     measured=96, block=16, shared_len=7 * 16)  # the old spacing's 64: 48 tokens replayed
     else:
+        # 119 blocks shared: just below the old spacing's 61440, its worst case near 60K
         sizes = dict(prompt_len=64 * K, prefix_len=60 * K, chunk=8 * K, interval=DEFAULT_SNAPSHOT_INTERVAL,
-                     context=1024, new_tokens=128, measured=64 * K)
-    wanted = set(filter(None, args.only.split(","))) or {"ttft", "spec", "snapshots"}
+                     context=1024, new_tokens=128, measured=64 * K, block=KDA_BLOCK_SIZE,
+                     shared_len=119 * KDA_BLOCK_SIZE)
+    budgets = [int(n) for n in (args.budget_snapshots or ("6,3" if args.quick else "64,16")).split(",")]
+    wanted = set(filter(None, args.only.split(","))) or {"ttft", "block_hit", "spec", "snapshots"}
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "quick": args.quick,
                "model_layers": model.config.num_hidden_layers, "dtype": str(model.dtype)}
     sections = {
         "ttft": lambda: section_ttft(model, device, sizes["prompt_len"], sizes["prefix_len"], sizes["chunk"],
                                      sizes["interval"]),
+        "block_hit": lambda: section_block_hit(model, device, sizes["prompt_len"], sizes["shared_len"],
+                                               sizes["chunk"], sizes["block"], 4 * sizes["block"] if args.quick
+                                               else DEFAULT_SNAPSHOT_INTERVAL, budgets),
         "spec": lambda: section_spec(model, device, sizes["context"], sizes["new_tokens"], draft_layers=2,
                                      lookup_tokens=4, assistant_tokens=4, compiled=device == "cuda"),
         "snapshots": lambda: section_snapshots(model, device, sizes["interval"], sizes["measured"]),
