@@ -13,6 +13,7 @@ from kimik3.convert.testing import write_release_checkpoint
 from kimik3.hub_card import CARD_MARKER, converted_model_card, is_kimik3_card, push_with_card, save_with_card
 from kimik3.memory import load_text_config
 from kimik3.remote_code import remote_code_files
+from kimik3.modeling.saving_kimi_k3 import CUSTOM_GENERATE_FILE
 
 TOKENIZER_CODE = "tokenization_kimi_k3.py"
 # the model's save writes its import closure; the tokenizer's save adds its own file
@@ -223,7 +224,8 @@ def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub
     push_with_card(model, "someone/k3-finetune")
     tokenizer = _k3_tokenizer(tmp_path)
     tokenizer.push_to_hub("someone/k3-finetune")
-    model_files = {"config.json", "generation_config.json", "model.safetensors", "README.md"} | CODE_FILES
+    model_files = {"config.json", "generation_config.json", "model.safetensors", "README.md"} | CODE_FILES | {
+        CUSTOM_GENERATE_FILE}
     assert commits[0] == ("someone/k3-finetune", sorted(model_files))
     tokenizer_files = set(commits[1][1])
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "tiktoken.model", TOKENIZER_CODE} <= \
@@ -241,6 +243,7 @@ def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub
     hub_copy = tmp_path / "from-hub"
     hub_copy.mkdir()
     for name, data in pushed.items():
+        (hub_copy / name).parent.mkdir(exist_ok=True)  # custom_generate/generate.py
         (hub_copy / name).write_bytes(data)
 
     # 2. the class from a folder's flat files (trust_remote_code), saved again

@@ -147,7 +147,7 @@ def test_every_file_of_a_folder_gets_the_mode_of_a_normal_file_write(folders, tm
     from kimik3.modeling.saving_kimi_k3 import normal_file_mode
 
     tiny = folders["tiny"][0]
-    modes = {p.name: p.stat().st_mode & 0o777 for p in tiny.iterdir()}
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tiny.rglob("*") if p.is_file()}  # custom_generate/ too
     assert set(modes.values()) == {normal_file_mode()}, modes
     before = os.umask(0o002)
     try:
@@ -155,5 +155,5 @@ def test_every_file_of_a_folder_gets_the_mode_of_a_normal_file_write(folders, tm
         save_with_code(folders["tiny"][1], tmp_path)
     finally:
         os.umask(before)
-    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.rglob("*") if p.is_file()}  # custom_generate/ too
     assert modes["model.safetensors"] == 0o664 and set(modes.values()) == {0o664}, modes
