@@ -7,6 +7,8 @@ import importlib.util
 import math
 from pathlib import Path
 
+import types
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationMixin
@@ -216,6 +218,15 @@ def test_what_the_loop_does_not_run_goes_to_transformers_loop(model, batch, monk
     assert torch.equal(sequences, expected.sequences if kwargs.get("return_dict_in_generate") else expected)
     assert spy.steps == 0
     assert (said == []) if reason is None else (len(said) == 1 and reason in said[0]), said
+
+
+def test_on_cuda_the_loop_runs_only_when_asked(model):
+    """Until its captured blocks are measured on a GPU, a CUDA model keeps transformers' compiled loop unless the call
+    gives decode_block_steps (silently: the default is not an error)."""
+    cuda_model = types.SimpleNamespace(device=torch.device("cuda", 0), generation_config=model.generation_config)
+    assert loop.call_refusal(cuda_model, (), {"cache_implementation": "static"}) == loop.NOT_ASKED
+    assert loop.call_refusal(cuda_model, (), {"cache_implementation": "static", "decode_block_steps": 8}) is None
+    assert loop.call_refusal(model, (), {"cache_implementation": "static"}) is None  # CPU: the loop by default
 
 
 def test_bad_block_steps_are_refused(model, batch):
