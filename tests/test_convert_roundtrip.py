@@ -153,7 +153,9 @@ def test_side_files_are_copied_and_the_release_model_code_is_replaced_by_ours(re
     copied = [p for p in ours.glob("*.py") if p.name != "__init__.py"]
     assert {"configuration_kimi_k3.py", "modeling_kimi_k3.py", "ops_kimi_k3.py"} <= {p.name for p in copied}
     for path in copied:
-        assert (converted / path.name).read_bytes() == path.read_bytes()
+        if path.name == "generate_kimi_k3.py":  # the decode loop: a saved folder's custom_generate/generate.py only
+            continue
+        assert (converted / path.name).read_bytes() == path.read_bytes(), path.name
     assert not (converted / "modeling_kimi_linear.py").exists()
     card = (converted / "README.md").read_text()
     assert "converted" in card and str(release.path) in card and "dequantised" in card
