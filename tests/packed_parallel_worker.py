@@ -2,7 +2,8 @@
 tensor- and expert-parallel plans, on the ranks of an initialised process group (gloo on CPU; the shared two-rank
 launch of tests/two_rank_worker.py, or torchrun). Rank 0 writes the packed tiny model to OUT/model
 (`write_packed_folder`); per mode every rank writes OUT/<mode>-rank<r>.json (the local shapes of
-one MoE layer's packed tensors, the packed bytes this rank holds and their storage) and .safetensors (the logits,
+one MoE layer's packed tensors, the packed bytes this rank holds and their storage, and what its load read from
+the files and its peak memory growth: `load_measured`) and .safetensors (the logits,
 greedy tokens and, after one backward through the packed experts, the gradients of the input embeddings and of the
 replicated projection that feeds the experts), OUT/saved-<mode> the folder the sharded model's save_pretrained
 wrote, and `bad-<mode>` the load-time check of a bad scale byte on the rank holding it; `cut` records the refusal of
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from load_reads import counting_reads, peak_rss_growth
 from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS, distributed_kwargs
 
 # 4 MXFP4 groups of 32 along the intermediate width: whole groups on 2 and on 4 tensor-parallel ranks (the tiny
@@ -84,13 +86,31 @@ def packed_holdings(model) -> dict:
             "requires_grad": any(p.requires_grad for n, p in model.named_parameters() if n.endswith(PACKED_SUFFIXES))}
 
 
+# this process's measured loads: the first of a forked rank also pays for what it first touches of the parent's memory
+# (copy-on-write) and for transformers' lazily imported loading code
+_LOADED: list[str] = []
+
+
+def load_measured(folder: str, **kwargs):
+    """from_pretrained(folder, f32, remote code, **kwargs) and what the load cost this rank: {checkpoint tensor:
+    bytes read from the files}, the peak resident growth, and the elements this rank holds of each tensor of the
+    state dict (its local shard's), which the test compares with the one process's (load_reads.py)."""
+    first = not _LOADED
+    with counting_reads() as reads, peak_rss_growth() as peak:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32, **kwargs)
+    _LOADED.append(folder)
+    state = {name: local(tensor) for name, tensor in model.state_dict().items()}
+    return model.eval(), {"reads": reads, "rss_growth": peak["bytes"], "first_load": first,
+                          "held_numel": {name: tensor.numel() for name, tensor in state.items()},
+                          "held_bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
 def run(packed_dir: str, out_dir: Path, mode: str, rank: int, backward: bool = True, save: bool = False) -> None:
-    """The packed folder under `mode` on this process group's ranks: holdings, logits, greedy tokens, (with
-    `backward`) the gradients and (with `save`) the sharded model's save_pretrained, on every rank, to
+    """The packed folder under `mode` on this process group's ranks: holdings, what the load read, logits, greedy
+    tokens, (with `backward`) the gradients and (with `save`) the sharded model's save_pretrained, on every rank, to
     OUT/saved-<mode>."""
-    model = AutoModelForCausalLM.from_pretrained(packed_dir, trust_remote_code=True, dtype=torch.float32,
-                                                 **distributed_kwargs(mode, dist.get_world_size())).eval()
-    (out_dir / f"{mode}-rank{rank}.json").write_text(json.dumps(packed_holdings(model)))
+    model, load = load_measured(packed_dir, **distributed_kwargs(mode, dist.get_world_size()))
+    (out_dir / f"{mode}-rank{rank}.json").write_text(json.dumps({**packed_holdings(model), "load": load}))
     results = forward_and_backward(model) if backward else logits_and_greedy(model)
     results = {name: tensor.detach().cpu().contiguous() for name, tensor in results.items()}
     save_file(results, str(out_dir / f"{mode}-rank{rank}.safetensors"))
@@ -166,13 +186,12 @@ def adopted_results(model) -> tuple[dict, dict[str, torch.Tensor]]:
 def record_adopted(adopted_dir: str, out_dir: Path, mode: str, rank: int) -> None:
     """The adopted release folder loaded under `mode`: its results, or the load's refusal."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(adopted_dir, trust_remote_code=True, dtype=torch.float32,
-                                                     **distributed_kwargs(mode)).eval()
+        model, load = load_measured(adopted_dir, **distributed_kwargs(mode))
     except Exception as exc:  # KimiK3LoadError, from the folder's own copy of the code
         (out_dir / f"adopted-{mode}-rank{rank}.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         return
     holdings, results = adopted_results(model)
-    (out_dir / f"adopted-{mode}-rank{rank}.json").write_text(json.dumps({"error": None, **holdings}))
+    (out_dir / f"adopted-{mode}-rank{rank}.json").write_text(json.dumps({"error": None, **holdings, "load": load}))
     save_file({name: tensor.detach().cpu().contiguous() for name, tensor in results.items()},
               str(out_dir / f"adopted-{mode}-rank{rank}.safetensors"))
 

@@ -273,8 +273,17 @@ def test_packed_experts_bad_scale_refused_by_the_rank_holding_it_with_the_whole_
         in errors[1]), errors[1]
 
 
+@pytest.fixture(scope="module")
+def adopted_reference(two_rank_runs):
+    """The adopted release in one process (f32): its packed holdings, logits and greedy tokens, and the elements of
+    each tensor of its state dict."""
+    folder = two_rank_runs["parallel"] / PACKED_OUT / ADOPTED / "adopted"
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    return (*adopted_results(model), {name: tensor.numel() for name, tensor in model.state_dict().items()})
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_adopted_release_with_packed_experts_under_tensor_and_expert_parallel(two_rank_runs, mode):
+def test_adopted_release_with_packed_experts_under_tensor_and_expert_parallel(two_rank_runs, adopted_reference, mode):
     """The release layout on disk (an adopted folder's links, per-expert w1/w2/w3 codes and scales fused by the
     loader, A_log zero-padded to 128) with experts_format="mxfp4", under this transformers' TP, EP and TP + EP: each
     rank holds half the packed bytes (its whole experts, or under TP alone half of each expert's width), frozen, with
@@ -282,9 +291,7 @@ def test_adopted_release_with_packed_experts_under_tensor_and_expert_parallel(tw
     half of the padded A_log that rank 0 read, so the loader's share of the file alone would give it a zero."""
     out_dir = two_rank_runs["parallel"] / PACKED_OUT
     runs = [json.loads((out_dir / f"adopted-{mode}-rank{rank}.json").read_text()) for rank in range(2)]
-    model = AutoModelForCausalLM.from_pretrained(out_dir / ADOPTED / "adopted", trust_remote_code=True,
-                                                 dtype=torch.float32).eval()
-    whole, reference = adopted_results(model)
+    whole, reference = adopted_reference[:2]
     ep = mode in ("ep", "tp_ep")
     assert whole["num_local_experts"] == 4 and whole["bytes"] > 0
     halved = {k: ([v[0] // 2, *v[1:]] if ep else [v[0], v[1] // 2, v[2]] if k.startswith("gate_up") else
@@ -326,6 +333,96 @@ def test_adopted_release_with_a_bad_a_log_is_refused_under_tensor_parallel_as_in
     assert re.search(rf"`language_model\.model\.layers\.{layer}\.self_attn\.A_log`: {re.escape(fragment)}[^;]* "
                      r"\(file model-\d+-of-\d+\.safetensors\)", one_process), one_process
     assert ranks == [one_process, one_process]
+
+
+def _file_tensors(folder: Path) -> dict[str, int]:
+    """{tensor: its bytes in the folder's weights files} (the safetensors headers, through the folder's links)."""
+    from kimik3.modeling.files_kimi_k3 import read_safetensors_header
+
+    index = folder / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+        "model.safetensors"]
+    sizes = {}
+    for shard in shards:
+        for name, (_, _, first, end) in read_safetensors_header(folder / shard)[0].items():
+            sizes[name] = end - first
+    return sizes
+
+
+def _our_name(release: str) -> str:
+    """The parameter a release tensor loads into (conversion_kimi_k3's release name map): per-expert parts into the
+    fused packed tensors, the MoE block renamed; any other name is ours already."""
+    from kimik3.modeling.conversion_kimi_k3 import (EXPERT_PARTS, MOE_CHILDREN, OUR_MOE_BLOCK, OUR_PACKED_SUFFIXES,
+                                                    RELEASE_MOE_BLOCK)
+
+    expert = re.fullmatch(rf"(.*\.){RELEASE_MOE_BLOCK}\.experts\.\d+\.(\w+)\.(weight_packed|weight_scale)", release)
+    if expert:
+        fused = next(f for f, parts in EXPERT_PARTS.items() if expert[2] in parts)
+        return f"{expert[1]}{OUR_MOE_BLOCK}.experts.{fused}{OUR_PACKED_SUFFIXES[expert[3]]}"
+    return re.sub(rf"\.{RELEASE_MOE_BLOCK}\.{MOE_CHILDREN}", rf".{OUR_MOE_BLOCK}.\1", release)
+
+
+def read_against_share(folder: Path, load: dict, whole_numel: dict[str, int]) -> dict[str, tuple[int, float]]:
+    """{parameter: (bytes this rank read of the checkpoint tensors it loads from, its share of them)}: the share of a
+    tensor is its bytes in the files times the fraction of the parameter the rank holds (its local elements over the
+    one process's), so a replicated tensor is read whole, an expert stack in half on 2 ranks, whatever the layout."""
+    sizes = _file_tensors(folder)
+    assert set(load["reads"]) <= set(sizes), sorted(set(load["reads"]) - set(sizes))
+    result = {}
+    for name, size in sizes.items():
+        target = _our_name(name)
+        read, share = result.get(target, (0, 0.0))
+        result[target] = (read + load["reads"].get(name, 0),
+                          share + size * load["held_numel"][target] / whole_numel[target])
+    return result
+
+
+# The peak resident growth of a rank's load beyond the bytes it holds afterwards: a fixed overhead (the loader's
+# objects, the pages of the mmap-ed shards it touched, the op transients of one tensor), and more for the first
+# measured load of a forked rank (load_reads.py, packed_parallel_worker._LOADED). Measured: 0.4-6 MiB, 23-32 MiB
+# first (a rank holding 0.36-0.72 MB).
+RSS_SLACK, FIRST_LOAD_RSS_SLACK = 8 << 20, 48 << 20
+
+
+def _whole_numel_of_our_layout(folder: Path) -> dict[str, int]:
+    """Our layout stores every tensor of the state dict at its full shape under its own name."""
+    import math
+
+    from kimik3.modeling.files_kimi_k3 import read_safetensors_header
+
+    return {name: math.prod(shape) for name, (_, shape, _, _) in
+            read_safetensors_header(folder / "model.safetensors")[0].items()}
+
+
+@pytest.mark.parametrize("layout, mode, ranks", [*(("ours", mode, 2) for mode in MODES),
+                                                 *(("release", mode, 2) for mode in MODES),
+                                                 *(("ours", mode, 4) for mode in FOUR_RANK_MODES)])
+def test_each_rank_reads_only_its_share_of_the_checkpoint_with_bounded_memory(two_rank_runs, four_rank_runs,
+                                                                              adopted_reference, layout, mode, ranks):
+    """Counted at the slice reads of transformers' safetensors files (load_reads.py): under TP, EP, TP + EP (and on 4
+    ranks tp2_ep), in our layout and in the release layout (an adopted folder: per-expert parts fused by the loader,
+    A_log padded), each rank reads of each parameter's checkpoint tensors no more than its share (the file bytes
+    times the fraction of the parameter it holds: replicated tensors whole, each expert stack 1/N), so in total
+    exactly the dense tensors it needs and its experts' bytes, no slack; a rank reading a whole tensor and keeping a
+    part fails. Each load's peak resident growth is its held bytes plus a fixed RSS_SLACK."""
+    out_dir = two_rank_runs["parallel"] / PACKED_OUT
+    if layout == "ours":
+        folder, whole = out_dir / "model", _whole_numel_of_our_layout(out_dir / "model")
+        runs = out_dir if ranks == 2 else four_rank_runs
+        records = [json.loads((runs / f"{mode}-rank{rank}.json").read_text()) for rank in range(ranks)]
+    else:
+        folder, whole = out_dir / ADOPTED / "adopted", adopted_reference[2]
+        records = [json.loads((out_dir / f"adopted-{mode}-rank{rank}.json").read_text()) for rank in range(ranks)]
+    checkpoint = sum(_file_tensors(folder).values())
+    for rank, record in enumerate(records):
+        load = record["load"]
+        per_parameter = read_against_share(folder, load, whole)
+        over = {name: pair for name, pair in per_parameter.items() if pair[0] > pair[1]}
+        assert not over, f"rank {rank} read more than its share of: {over}"
+        read, share = sum(r for r, _ in per_parameter.values()), sum(s for _, s in per_parameter.values())
+        assert read == pytest.approx(share, abs=1) and read < checkpoint, (rank, read, share, checkpoint)
+        slack = FIRST_LOAD_RSS_SLACK if load["first_load"] else RSS_SLACK
+        assert load["rss_growth"] <= load["held_bytes"] + slack, (rank, load["rss_growth"], load["held_bytes"])
 
 
 def test_device_map_with_cpu_and_disk_offload_matches_one_device(tiny_dir, reference, tmp_path):
