@@ -166,10 +166,10 @@ SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "t
 # starting a long group while the other has finished; the rest go in xdist's order (most tests first). Seconds summed
 # from `--durations=0` of the files at `-n 0` on a shared 2-core machine (only the order matters). No file is near
 # half the suite, so the file groups stay whole: the longest bounds the wall time only when it is.
-GROUP_SECONDS = {"fresh_interpreter": 29, "test_training": 16, "test_quantile_balancing_model": 16,
-                 "test_static_cache": 13, "test_convert_roundtrip": 8, "test_training_lora": 8,
-                 "test_bad_inputs_runs": 7, "test_convert_memory": 7, "two_rank_launch": 12, "test_vision": 4,
-                 "test_convert_resume": 3, "test_speculative": 3}
+GROUP_SECONDS = {"fresh_interpreter": 29, "two_rank_launch": 23, "test_quantile_balancing_model": 24,
+                 "test_training": 16, "test_static_cache": 16, "test_decode_loop": 14, "test_convert_roundtrip": 8,
+                 "test_training_lora": 8, "test_bad_inputs_runs": 7, "test_convert_memory": 7, "test_prefix_reuse": 7,
+                 "test_vision": 4, "test_convert_resume": 3, "test_speculative": 3}
 
 
 def xdist_group_of(nodeid: str) -> str:
