@@ -190,7 +190,7 @@ def main(argv=None):
 
         torch.manual_seed(0)
         model = build_tiny_model(num_hidden_layers=2, seed=0).eval()
-        args.batches, args.contexts = args.batches or [2], args.contexts or [16, 40]
+        args.batches, args.contexts = args.batches or [2], args.contexts or [16]
         args.new_tokens, args.block_steps = args.new_tokens or 4, min(args.block_steps, 2)
     else:
         from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
