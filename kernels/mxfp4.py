@@ -548,11 +548,11 @@ def mxfp4_gemv(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The custom ops of the two packed matmuls: one reference (both kernels compute it), one fake
+# The custom ops of the three packed matmuls: one reference (every kernel computes it), one fake
 
 
 def _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends):
-    """Each group times its dequantised expert, f32 accumulation (the numbers of both packed Triton kernels)."""
+    """Each group times its dequantised expert, f32 accumulation (the numbers of the packed Triton kernels)."""
     return _grouped_matmul_reference(xs, _reference.dequantize_mxfp4(packed, scale, torch.float32), group_ends)
 
 
@@ -560,46 +560,25 @@ def _mxfp4_grouped_matmul_fake(xs, packed, scale, group_ends):
     return torch.empty(xs.shape[0], packed.shape[1], dtype=xs.dtype, device=xs.device)
 
 
-@custom_op("mxfp4_grouped_matmul")
-def _mxfp4_grouped_matmul_op(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
-    """xs [M, K] grouped by expert, packed [E, N, K/2], scale [E, N, K/32] -> [M, N]; CUDA: the tile kernel."""
-    return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
+def _packed_matmul_op(name: str, cuda_launch, doc: str):
+    """The custom op `torch.ops.kimik3.<name>` of one packed matmul kernel: xs [M, K] grouped by expert, packed
+    [E, N, K/2], scale [E, N, K/32], group_ends [E] -> [M, N]; every kernel computes the one reference."""
+
+    def reference(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
+        return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
+
+    reference.__doc__ = doc
+    op = custom_op(name)(reference)
+    op.register_kernel("cuda")(cuda_launch)
+    op.register_fake(_mxfp4_grouped_matmul_fake)
+    return op
 
 
-@_mxfp4_grouped_matmul_op.register_kernel("cuda")
-def _(xs, packed, scale, group_ends):
-    return _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends)
-
-
-_mxfp4_grouped_matmul_op.register_fake(_mxfp4_grouped_matmul_fake)
-
-
-@custom_op("mxfp4_gemv")
-def _mxfp4_gemv_op(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
-    """`mxfp4_grouped_matmul` for one or two rows per expert; CUDA: the GEMV kernel (one program per routed row)."""
-    return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
-
-
-@_mxfp4_gemv_op.register_kernel("cuda")
-def _(xs, packed, scale, group_ends):
-    return _mxfp4_gemv_fwd(xs, packed, scale, group_ends)
-
-
-_mxfp4_gemv_op.register_fake(_mxfp4_grouped_matmul_fake)
-
-
-@custom_op("mxfp4_grouped_gemm")
-def _mxfp4_grouped_gemm_op(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
-    """`mxfp4_grouped_matmul` for many rows per expert; CUDA: the prefill GEMM (packed tiles decoded per row block)."""
-    return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
-
-
-@_mxfp4_grouped_gemm_op.register_kernel("cuda")
-def _(xs, packed, scale, group_ends):
-    return _mxfp4_grouped_gemm_fwd(xs, packed, scale, group_ends)
-
-
-_mxfp4_grouped_gemm_op.register_fake(_mxfp4_grouped_matmul_fake)
+_packed_matmul_op("mxfp4_grouped_matmul", _mxfp4_grouped_matmul_fwd, "CUDA: the tile kernel (16-row tiles).")
+_packed_matmul_op("mxfp4_gemv", _mxfp4_gemv_fwd, "For one or two rows per expert; CUDA: the GEMV kernel (one "
+                  "program per routed row).")
+_packed_matmul_op("mxfp4_grouped_gemm", _mxfp4_grouped_gemm_fwd, "For many rows per expert; CUDA: the prefill GEMM "
+                  "(packed tiles decoded once per row block).")
 
 
 # --------------------------------------------------------------------------------------------------------------
