@@ -194,6 +194,8 @@ def record_adopted(adopted_dir: str, out_dir: Path, mode: str, rank: int) -> Non
     (out_dir / f"adopted-{mode}-rank{rank}.json").write_text(json.dumps({"error": None, **holdings, "load": load}))
     save_file({name: tensor.detach().cpu().contiguous() for name, tensor in results.items()},
               str(out_dir / f"adopted-{mode}-rank{rank}.safetensors"))
+    # the sharded release-loaded model's save: every rank calls it, the release layout comes out whole
+    model.save_pretrained(out_dir / f"adopted-saved-{mode}")
 
 
 BAD_A_LOG = "bad_a_log"  # a tiny release (two KDA layers) adopted, then its A_logs damaged, under the output folder

@@ -22,7 +22,7 @@ sys.path.insert(0, str(TESTS.parent / "benchmarks"))
 from packed_parallel_worker import (ADOPTED, BAD_A_LOG, BAD_A_LOG_ENTRY, BAD_EXPERT, BAD_SCALE,  # noqa: E402
                                     PACKED_OUT, adopted_results, forward_and_backward, logits_and_greedy,
                                     packed_holdings)
-from parallel_worker import FOUR_RANK_MODES, INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
+from parallel_worker import FOUR_RANK_MODES, HAS_EP_DISPATCH, INPUT_IDS, MODES, NEW_TOKENS  # noqa: E402
 
 
 
@@ -304,6 +304,39 @@ def test_adopted_release_with_packed_experts_under_tensor_and_expert_parallel(tw
         results = load_file(str(out_dir / f"adopted-{mode}-rank{rank}.safetensors"))
         torch.testing.assert_close(results["logits"], reference["logits"], rtol=1e-5, atol=1e-5)
         assert torch.equal(results["generated"], reference["generated"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sharded_release_loaded_model_saves_the_release_layout_whole(two_rank_runs, mode):
+    """save_pretrained of the adopted release loaded under this mode writes the release layout back from the ranks'
+    shards: the release's own tensor names, every tensor's values (bf16 in the release, f32 as loaded), packed
+    experts and their scales byte for byte, in a folder that one process loads."""
+    out_dir = two_rank_runs["parallel"] / PACKED_OUT
+    release = _all_tensors(out_dir / ADOPTED / "adopted")
+    saved = _all_tensors(out_dir / f"adopted-saved-{mode}")
+    assert sorted(saved) == sorted(release)
+    for name, tensor in release.items():
+        if saved[name].shape != tensor.shape:
+            # transformers 5.17-5.20's SplitModulelist squeezes every size-1 dim on save: the per-expert [rows, 1]
+            # scales come out [rows] (their load, and ours, read both); 5.21+ keep the release's shape
+            assert not HAS_EP_DISPATCH and tensor.shape[-1] == 1 and saved[name].shape == tensor.shape[:-1], name
+            saved[name] = saved[name].unsqueeze(-1)
+        if tensor.dtype == torch.uint8:
+            assert saved[name].dtype == torch.uint8 and torch.equal(saved[name], tensor), name
+        else:
+            assert torch.equal(saved[name].to(tensor.dtype), tensor), name
+    AutoModelForCausalLM.from_pretrained(out_dir / f"adopted-saved-{mode}", trust_remote_code=True,
+                                         experts_format="mxfp4")
+
+
+def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index_path = folder / "model.safetensors.index.json"
+    files = set(json.loads(index_path.read_text())["weight_map"].values()) if index_path.exists() else {
+        "model.safetensors"}
+    out = {}
+    for file in sorted(files):
+        out.update(load_file(str(folder / file)))
+    return out
 
 
 @pytest.fixture(scope="module")
