@@ -231,6 +231,12 @@ class _MXFP4GroupedMatmul(torch.autograd.Function):
         return _dequantised_chunks(grad_out, packed, scale, group_ends, transposed=False), None, None, None, None
 
 
+def dequantised_chunk_experts(n: int, k: int, itemsize: int) -> int:
+    """Experts one chunk of the dequantised path holds: copies of an [n, k] expert at `itemsize` bytes a value, as
+    many as fit MXFP4_DEQUANT_CHUNK_BYTES, one at least."""
+    return max(1, MXFP4_DEQUANT_CHUNK_BYTES // (n * k * itemsize))
+
+
 def _dequantised_chunks(xs, packed, scale, group_ends, transposed=True):
     """Each group of rows times its expert dequantised to xs.dtype (transposed: as the forward, [M, K] -> [M, N];
     else the gradient's product, [M, N] -> [M, K]), the experts taken in chunks whose copy stays within
@@ -239,8 +245,7 @@ def _dequantised_chunks(xs, packed, scale, group_ends, transposed=True):
     num_experts, n, kh = packed.shape
     ends = group_ends.to(torch.int32)
     grouped_mm = _grouped_mm_fn()
-    per_expert = n * 2 * kh * xs.element_size()
-    chunk = max(1, MXFP4_DEQUANT_CHUNK_BYTES // per_expert)
+    chunk = dequantised_chunk_experts(n, 2 * kh, xs.element_size())
     out = xs.new_empty(xs.shape[0], n if transposed else 2 * kh)
     bounds = [0, *ends.tolist()]
     for first in range(0, num_experts, chunk):

@@ -669,10 +669,10 @@ def packed_prefill_transient(experts: int, width: int, latent: int, routed: int)
     from kimik3.kernels import mxfp4
 
     bf16 = 2
-    if routed <= mxfp4.MXFP4_GEMM_ROWS_PER_EXPERT * experts:
+    if mxfp4.mxfp4_experts_path(routed, experts) != "dequantised":
         return routed * max(latent, width) * bf16
     per_expert = 3 * width * latent * bf16  # gate_up (2 x width) and down (width), dequantised
-    return min(experts, max(1, mxfp4.MXFP4_DEQUANT_CHUNK_BYTES // (2 * width * latent * bf16))) * per_expert
+    return min(experts, mxfp4.dequantised_chunk_experts(2 * width, latent, bf16)) * per_expert
 
 
 def decode_bytes(config, weights: list[dict], units: list[str], cache: list[int], tp: int, ep: int,
