@@ -153,16 +153,15 @@ def write_bad_scale_folder(packed_dir: Path, directory: Path) -> str:
     return name
 
 
-def record_bad_scale(bad_dir: str, out_dir: Path, mode: str, rank: int) -> None:
-    """The load-time check of the packed groups on each rank's share: the rank holding the bad byte refuses, naming
-    the whole tensor's index; the other loads."""
+def record_refusal(folder: str, out_path: Path, mode: str) -> None:
+    """A load of `folder` under `mode` on this rank: the error it raised (None: it loaded), as JSON at out_path."""
     try:
-        AutoModelForCausalLM.from_pretrained(bad_dir, trust_remote_code=True, dtype=torch.float32,
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32,
                                              **distributed_kwargs(mode))
         error = None
     except Exception as exc:  # KimiK3LoadError, from the folder's own copy of the code
         error = f"{type(exc).__name__}: {exc}"
-    (out_dir / f"bad-{mode}-rank{rank}.json").write_text(json.dumps({"error": error}))
+    out_path.write_text(json.dumps({"error": error}))
 
 
 def write_adopted_release(directory: Path) -> Path:
@@ -232,17 +231,6 @@ def write_bad_a_log_release(directory: Path) -> Path:
     return directory / "adopted"
 
 
-def record_bad_a_log(bad_dir: str, out_dir: Path, rank: int) -> None:
-    """The damaged release under TP 2: every rank's refusal (the same as one process's)."""
-    try:
-        AutoModelForCausalLM.from_pretrained(bad_dir, trust_remote_code=True, dtype=torch.float32,
-                                             **distributed_kwargs("tp"))
-        error = None
-    except Exception as exc:  # KimiK3LoadError, from the folder's own copy of the code
-        error = f"{type(exc).__name__}: {exc}"
-    (out_dir / f"bad-a-log-rank{rank}.json").write_text(json.dumps({"error": error}))
-
-
 def run_all(dense_dir: str, out_dir: Path) -> None:
     rank = dist.get_rank()
     packed_dir = str(out_dir / "model")
@@ -257,13 +245,16 @@ def run_all(dense_dir: str, out_dir: Path) -> None:
     for mode in MODES:  # the dense plans' modes: this transformers' TP, EP and TP + EP
         run(packed_dir, out_dir, mode, rank, save=True)
         dist.barrier()
-        record_bad_scale(bad_dir, out_dir, mode, rank)
+        # the load-time check of the packed groups on each rank's share: the rank holding the bad byte refuses,
+        # naming the whole tensor's index; the other loads
+        record_refusal(bad_dir, out_dir / f"bad-{mode}-rank{rank}.json", mode)
         dist.barrier()
         record_adopted(str(out_dir / ADOPTED / "adopted"), out_dir, mode, rank)
         dist.barrier()
     record_cut(dense_dir, out_dir, rank)
     dist.barrier()
-    record_bad_a_log(str(out_dir / BAD_A_LOG / "adopted"), out_dir, rank)
+    # the damaged release under TP 2: every rank's refusal (the same as one process's)
+    record_refusal(str(out_dir / BAD_A_LOG / "adopted"), out_dir / f"bad-a-log-rank{rank}.json", "tp")
     dist.barrier()
 
 

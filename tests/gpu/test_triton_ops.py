@@ -358,6 +358,18 @@ def test_moe_experts_mxfp4_forward_backward(num_tokens):
         assert rel_err(g, g_ref) < 2e-2, (name, rel_err(g, g_ref))
 
 
+def _packed_grouped_case(counts, n, dtype):
+    """(counts, group ends, packed, scale, the f32 dequantised experts, rows) of 6 packed experts [n, 512] with the
+    E8M0 scales 0, 1, 200 and 127 in expert 0's first group, and counts[e] rows of x for expert e."""
+    counts = torch.tensor(counts, device=DEV)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    packed, scale = ops.quantize_mxfp4(torch.randn(6, n, 512, device=DEV) * 0.05)
+    scale[0, :4, 0] = torch.tensor([0, 1, 200, 127], dtype=torch.uint8)
+    weight = ops.dequantize_mxfp4(packed, scale, torch.float32)
+    xs = torch.randn(int(counts.sum()), 512, device=DEV).to(dtype)
+    return counts, ends, packed, scale, weight, xs
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("counts", [[3, 0, 40, 1, 0, 7], [0, 0, 1, 0, 0, 0], [200, 0, 0, 0, 0, 513]])
 def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, tol):
@@ -365,12 +377,7 @@ def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, t
     # IEEE dots (no TF32)
     from kimik3.kernels.mxfp4 import mxfp4_grouped_matmul
 
-    counts = torch.tensor(counts, device=DEV)
-    ends = torch.cumsum(counts, 0).to(torch.int32)
-    packed, scale = ops.quantize_mxfp4(torch.randn(6, 192, 512, device=DEV) * 0.05)
-    scale[0, :4, 0] = torch.tensor([0, 1, 200, 127], dtype=torch.uint8)
-    weight = ops.dequantize_mxfp4(packed, scale, torch.float32)
-    xs = torch.randn(int(counts.sum()), 512, device=DEV).to(dtype)
+    counts, ends, packed, scale, weight, xs = _packed_grouped_case(counts, 192, dtype)
     out = mxfp4_grouped_matmul(xs, packed, scale, ends)
     assert out.dtype == dtype and out.shape == (xs.shape[0], 192)
     starts = (ends - counts).tolist()
@@ -389,12 +396,7 @@ def test_mxfp4_grouped_gemm_matches_float64(counts, dtype, tol, w_is_a, monkeypa
     from kimik3.kernels import mxfp4
 
     monkeypatch.setattr(mxfp4, "MXFP4_GEMM_W_IS_A", w_is_a)
-    counts = torch.tensor(counts, device=DEV)
-    ends = torch.cumsum(counts, 0).to(torch.int32)
-    packed, scale = ops.quantize_mxfp4(torch.randn(6, 200, 512, device=DEV) * 0.05)
-    scale[0, :4, 0] = torch.tensor([0, 1, 200, 127], dtype=torch.uint8)
-    weight = ops.dequantize_mxfp4(packed, scale, torch.float32)
-    xs = torch.randn(int(counts.sum()), 512, device=DEV).to(dtype)
+    counts, ends, packed, scale, weight, xs = _packed_grouped_case(counts, 200, dtype)
     out = mxfp4.mxfp4_grouped_gemm(xs, packed, scale, ends)
     assert out.dtype == dtype and out.shape == (xs.shape[0], 200)
     ref = grouped_product_f64(xs, weight, ends)
