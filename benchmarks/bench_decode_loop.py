@@ -180,6 +180,8 @@ def main(argv=None):
     parser.add_argument("--block-steps", type=int, default=None, help="the loop's steps per host read")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--experts-format", choices=("dense", "mxfp4"), default="dense",
+                        help="mxfp4: the routed experts packed as in the release (roofline: the packed bytes)")
     args = parser.parse_args(argv)
     ensure_kimik3()
     from kimik3.modeling.generate_kimi_k3 import DEFAULT_BLOCK_STEPS
@@ -195,7 +197,8 @@ def main(argv=None):
     else:
         from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 
-        model = bench_k3.build(KimiK3ForCausalLM, bench_k3.k3_config(args.layers, args.experts))
+        make = bench_k3.build_packed if args.experts_format == "mxfp4" else bench_k3.build
+        model = make(KimiK3ForCausalLM, bench_k3.k3_config(args.layers, args.experts))
         args.batches, args.contexts = args.batches or [1, 8], args.contexts or [4 * K, 64 * K]
         args.new_tokens = args.new_tokens or 48
     device = model.device
@@ -203,7 +206,8 @@ def main(argv=None):
     results = {"machine": {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
                            or "cpu", "torch": torch.__version__,
                            "transformers": __import__("transformers").__version__},
-               "new_tokens": args.new_tokens, "block_steps": args.block_steps, "decode": []}
+               "experts_format": args.experts_format, "new_tokens": args.new_tokens,
+               "block_steps": args.block_steps, "decode": []}
     for context in args.contexts:
         for batch in args.batches:
             results["decode"].append(run_configuration(model, stats, batch, context, args, device))

@@ -124,6 +124,20 @@ def build(model_cls, config):
     return model
 
 
+def build_packed(model_cls, config):
+    """The benchmark model with its routed experts packed as MXFP4 (the release format): random valid codes, E8M0
+    scales 2^-9..2^-6 so the weights have a trained size."""
+    config.experts_format = "mxfp4"
+    model = build(model_cls, config)
+    with torch.no_grad():
+        for name, buffer in model.named_parameters():
+            if name.endswith("_packed"):
+                buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, device=buffer.device))
+            elif name.endswith("_scale"):
+                buffer.copy_(torch.randint(118, 122, buffer.shape, dtype=torch.uint8, device=buffer.device))
+    return model
+
+
 def byte_stats(model):
     """Parameter bytes by role. 3-D `*experts*` parameters are routed experts [E, out, in]."""
     stats = {"dense_params": 0, "dense_bytes": 0, "embed_bytes": 0, "lm_head_params": 0, "lm_head_bytes": 0,
@@ -1104,15 +1118,7 @@ def main():
     # ---------------------------------------------------------------- packed MXFP4 experts (the release format)
     def build_mxfp4():
         t = time.perf_counter()
-        config = k3_config(args.layers, args.experts)
-        config.experts_format = "mxfp4"
-        model = build(KimiK3ForCausalLM, config)
-        with torch.no_grad():  # random valid codes; E8M0 scales 2^-9..2^-6 keep the weights at a trained size
-            for name, buffer in model.named_parameters():
-                if name.endswith("_packed"):
-                    buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, device=buffer.device))
-                elif name.endswith("_scale"):
-                    buffer.copy_(torch.randint(118, 122, buffer.shape, dtype=torch.uint8, device=buffer.device))
+        model = build_packed(KimiK3ForCausalLM, k3_config(args.layers, args.experts))
         holder["model"], holder["stats"] = model, byte_stats(model)
         return {"build_s": round(time.perf_counter() - t, 1),
                 "params_gib": round(holder["stats"]["total_bytes"] / 2**30, 2), **holder["stats"]}
