@@ -91,12 +91,16 @@ def _prompt(model, batch, context, synthetic, max_len):
     device = model.device
     if synthetic:  # the context is a cache of random state; only the last prompt token runs
         ids = torch.randint(3, model.config.vocab_size - 1, (batch, context + 1), device=device)
-        cache = bench_k3.K3Driver(model).synthetic_cache(batch, context, max_len)
         from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
 
-        return ids, {CACHE_FIELD: cache}
+        return ids, {CACHE_FIELD: bench_k3.K3Driver(model).synthetic_cache(batch, context, max_len)}
+    # an empty static cache of one length for every call: generate() would size its own to each call's
+    # max_new_tokens, and a new buffer length recompiles the step
+    from kimik3.modeling.cache_kimi_k3 import KimiK3StaticCache
+    from kimik3.modeling.compat_kimi_k3 import CACHE_FIELD
+
     ids = torch.randint(3, model.config.vocab_size - 1, (batch, context), device=device)
-    return ids, {"cache_implementation": "static"}
+    return ids, {CACHE_FIELD: KimiK3StaticCache(model.config, max_cache_len=max_len)}
 
 
 def measure_loop(model, stats, batch, context, new_tokens, block_steps, synthetic, profile):
