@@ -20,7 +20,8 @@ K3's widths, 8 layers), greedy, at each batch x context:
          sync a step): bench_k3.measure_generate_decode, its wall ms per step (median of steady steps) and its GPU
          kernel time per step (torch.profiler over 5 steps)
   loop   the same call through the decode loop: wall ms per step = the difference of two whole generate() calls of
-         n and 2n new tokens over n (prefill, capture and the first block cancel out), GPU kernel time per step from
+         n and 2n new tokens over n (prefill, capture and the first block cancel out), and as a streamer sees it
+         (BlockClock: the median time between two steady blocks' tokens over the block's steps), GPU kernel time from
          torch.profiler over whole blocks (started and stopped by a streamer at block boundaries)
 
 with the HBM roofline of the step (bench_k3.decode_roofline: weights read + cache read / 4.3 TB/s) and the ratios
@@ -86,6 +87,27 @@ class BlockProfiler:
         return bench_k3.kernel_table(self.profiler, steps=self.blocks * self.block_steps)
 
 
+class BlockClock:
+    """A streamer that notes the time of each block's tokens arriving (the loop hands a block's tokens over after its
+    one read, so consecutive arrivals are one block of steps apart): the wall time of a step as a user's streamer
+    sees it, from steady blocks only (the first two hold the warm-up steps and the capture)."""
+
+    def __init__(self, block_steps):
+        self.block_steps, self.puts, self.stamps = block_steps, 0, []
+
+    def put(self, value):
+        if self.puts >= 2 and (self.puts - 1) % self.block_steps == 0:  # the last token of a decode block
+            self.stamps.append(time.perf_counter())
+        self.puts += 1
+
+    def end(self):
+        pass
+
+    def ms_per_step(self):
+        gaps = sorted((b - a) * 1e3 / self.block_steps for a, b in zip(self.stamps[2:], self.stamps[3:]))
+        return (round(gaps[len(gaps) // 2], 3), len(gaps)) if gaps else (None, 0)
+
+
 def _prompt(model, batch, context, synthetic, max_len):
     """(input ids, generate() keyword arguments) of a greedy call at this context."""
     device = model.device
@@ -124,6 +146,9 @@ def measure_loop(model, stats, batch, context, new_tokens, block_steps, syntheti
     per_step = (long - short) / new_tokens
     row = {"block_steps": block_steps, "ms_per_step": round(per_step * 1e3, 3),
            "generate_s": [round(short, 3), round(long, 3)], "tokens_per_s": round(batch / per_step, 1)}
+    clock = BlockClock(block_steps)
+    call(2 * new_tokens, streamer=clock)
+    row["streamer_ms_per_step"], row["streamer_blocks"] = clock.ms_per_step()
     if profile and device.type == "cuda":
         profiler = BlockProfiler(block_steps, first=1, blocks=max(1, (new_tokens // block_steps) - 3))
         call(new_tokens, streamer=profiler)
@@ -169,6 +194,10 @@ def run_configuration(model, stats, batch, context, args, device):
         part["x_of_hbm_roofline"] = round(part["ms_per_step"] / roof["hbm_roofline_ms"], 3)
         if part.get("gpu_kernel_ms_per_step"):
             part["wall_x_gpu_kernel_time"] = round(part["ms_per_step"] / part["gpu_kernel_ms_per_step"], 3)
+    if loop.get("streamer_ms_per_step"):
+        loop["streamer_x_hbm_roofline"] = round(loop["streamer_ms_per_step"] / roof["hbm_roofline_ms"], 3)
+        if gpu:
+            loop["streamer_x_gpu_kernel_time"] = round(loop["streamer_ms_per_step"] / gpu, 3)
     row["loop_speedup_at_the_wall"] = round(plain_row["ms_per_step"] / loop["ms_per_step"], 3)
     free_cuda()
     return row

@@ -33,7 +33,7 @@ from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
 ENV = "KIMIK3_REFERENCE_ONLY"
 
 
-def run_variant(model, ids, variant, names):
+def run_variant(model, ids, variant, names, use_cache=False):
     if variant.startswith("only:"):
         value = ",".join(n for n in names if n != variant[5:])
     else:
@@ -44,7 +44,7 @@ def run_variant(model, ids, variant, names):
         os.environ.pop(ENV, None)
     try:
         with torch.no_grad():
-            return model(ids, use_cache=False).logits.float()
+            return model(ids, use_cache=use_cache).logits.float()
     finally:
         os.environ.pop(ENV, None)
 
@@ -55,6 +55,7 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[40, 300])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--experts", choices=("dense", "mxfp4"), default="dense")
+    parser.add_argument("--use-cache", action="store_true", help="the prefill writes a cache (as generate's does)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--variants", nargs="*", default=None, help="default: '', '1' and each op")
     parser.add_argument("--out", default=None)
@@ -78,7 +79,7 @@ def main(argv=None):
             top = gold.argmax(-1)
             for v in variants:
                 start = time.perf_counter()
-                logits = run_variant(model, ids, v, names)
+                logits = run_variant(model, ids, v, names, args.use_cache)
                 assert bool(torch.isfinite(logits).all()), f"variant {v!r}: non-finite logits"
                 row = per_variant[v]
                 error = (logits - gold).abs()
@@ -99,7 +100,7 @@ def main(argv=None):
                       "x_reference": round(mean / reference, 3) if reference else None})
         print(json.dumps(table[-1]), flush=True)
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-              "dtype": args.dtype, "experts": args.experts, "seeds": args.seeds, "lengths": args.lengths, "batch": args.batch,
+              "dtype": args.dtype, "use_cache": args.use_cache, "experts": args.experts, "seeds": args.seeds, "lengths": args.lengths, "batch": args.batch,
               "runs": len(args.seeds) * len(args.lengths), "variants": table}
     out = args.out or os.path.join(os.environ.get("OUT", "."), f"diagnose_fast_path_error_{args.dtype}_{args.experts}.json")
     with open(out, "w") as f:
