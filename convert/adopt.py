@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
 from kimik3.modeling.files_kimi_k3 import ADOPTION_RECORD_NAME
-from kimik3.remote_code import remote_code_files
+from kimik3.remote_code import remote_code_entries
 
 from . import files
 from .checkpoint import Checkpoint, read_source_file
@@ -61,7 +61,7 @@ def _side_files(ckpt: Checkpoint, plan, notes: list) -> tuple[list[tuple[str, by
     convert changes or adds (convert's record keeps the originals' text for export; here they stay in the release)."""
     out, changes = files.converted_tokenizer_files(ckpt.root, processor_config(ckpt, plan, notes))
     out.append(("generation_config.json", files.generation_config_bytes(ckpt.root, ckpt.config)[0]))
-    out += [(path.name, path.read_bytes()) for path in remote_code_files()]
+    out += [(name, path.read_bytes()) for name, path in remote_code_entries()]
     return out, {"replaced": sorted(changes["replaced"]), "added": changes["added"]}
 
 
@@ -123,8 +123,10 @@ def adopt(src, dst, *, experts_format: str = DEFAULT_EXPERTS_FORMAT) -> dict:
     temporary.mkdir()  # the mode of any new folder (mkdtemp's would be 0700)
     try:
         for name in record["links"]:
+            (temporary / name).parent.mkdir(exist_ok=True)
             os.symlink(os.path.join(root, name), temporary / name)
         for name, data in regular:
+            (temporary / name).parent.mkdir(exist_ok=True)  # custom_generate/
             (temporary / name).write_bytes(data)
         os.rename(temporary, dst)  # replaces an empty folder; a half-written one never has DST's name
     except BaseException:

@@ -6,7 +6,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from kimik3.hub_card import converted_model_card
 from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
 from kimik3.modeling.files_kimi_k3 import looks_like_local_path
-from kimik3.remote_code import remote_code_files
+from kimik3.remote_code import remote_code_entries
 
 from . import files
 from .checkpoint import Checkpoint
@@ -161,7 +161,7 @@ def convert(
         }
         def side_files():
             out = list(tokenizer_out)
-            out += [(p.name, p.read_bytes()) for p in remote_code_files()]
+            out += [(name, path.read_bytes()) for name, path in remote_code_entries()]
             out.append(("generation_config.json", generation_out))
             out.append((files.PROVENANCE_NAME, files.json_bytes(provenance)))
             out.append(("README.md", converted_model_card(provenance, config).encode()))

@@ -255,7 +255,9 @@ def _files_of(record: dict) -> set[str]:
 
 
 def _is_ours(name: str, record: dict) -> bool:
+    # a folder is ours when a file the run wrote lies in it (custom_generate/generate.py)
     return (name in (MANIFEST_NAME, RECORD_NAME) or name in _files_of(record)
+            or any(f.startswith(name + "/") for f in _files_of(record))
             or (name.startswith(".") and name.endswith(PARTIAL_SUFFIX)))
 
 
@@ -445,6 +447,7 @@ def _write_all(dst, shards, manifest, context, label, progress, threads, side_fi
             _save_manifest(dst, manifest)
             for name, data in files:
                 current = dst / name
+                current.parent.mkdir(exist_ok=True)  # custom_generate/
                 _write_atomic(current, data)
     except OSError as exc:
         if exc.errno == errno.EFBIG:

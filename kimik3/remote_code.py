@@ -20,6 +20,17 @@ def remote_code_files() -> list[Path]:
     return carried_code_files([modeling_dir()], with_tokenizer=True)
 
 
+def remote_code_entries() -> list[tuple[str, Path]]:
+    """(name inside the folder, source file) of everything a converted or adopted folder carries as code: the flat
+    files of `remote_code_files` and the decode loop as transformers' `custom_generate/generate.py`, which
+    `from_pretrained(..., trust_remote_code=True)` installs as the model's `generate` (docs/design.md, Decode
+    loop)."""
+    from kimik3.modeling.saving_kimi_k3 import CUSTOM_GENERATE_FILE, DECODE_LOOP_FILE
+
+    return [(path.name, path) for path in remote_code_files()] + [
+        (CUSTOM_GENERATE_FILE, modeling_dir() / DECODE_LOOP_FILE)]
+
+
 def save_with_code(model, directory: str | Path) -> Path:
     """`kimik3.hub_card.save_with_card` (weights, config with the full auto_map, the code files the model's save
     carries, the card) plus the tokenizer's code file: a folder loadable with trust_remote_code in a fresh process,

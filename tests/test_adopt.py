@@ -76,7 +76,7 @@ def converted_logits(release, tmp_path_factory):
 
 
 def regular_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir() if not p.is_symlink() and p.is_file())
+    return sum(p.stat().st_size for p in folder.rglob("*") if not p.is_symlink() and p.is_file())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -105,6 +105,7 @@ def test_the_adopted_folder_loads_like_the_converted_one(adopted, converted_logi
     model = transformers.AutoModelForCausalLM.from_pretrained(str(adopted[fmt]), trust_remote_code=True,
                                                               dtype=torch.float32)
     assert type(model).__module__.startswith("transformers_modules")  # the folder's code
+    assert model.generate.func.__module__.endswith("custom_generate.generate")  # and its decode loop
     packed = [n for n, _ in model.named_buffers() if n.endswith("gate_up_proj_packed")] + \
         [n for n, _ in model.named_parameters() if n.endswith("gate_up_proj_packed")]
     assert bool(packed) == (fmt == "mxfp4")

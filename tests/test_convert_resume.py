@@ -29,7 +29,7 @@ def uninterrupted(release, tmp_path_factory):
 
 
 def contents(folder):
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def looks_unfinished(folder):

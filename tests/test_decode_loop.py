@@ -220,13 +220,17 @@ def test_what_the_loop_does_not_run_goes_to_transformers_loop(model, batch, monk
     assert (said == []) if reason is None else (len(said) == 1 and reason in said[0]), said
 
 
-def test_on_cuda_the_loop_runs_only_when_asked(model):
-    """Until its captured blocks are measured on a GPU, a CUDA model keeps transformers' compiled loop unless the call
-    gives decode_block_steps (silently: the default is not an error)."""
+def test_on_cuda_greedy_runs_in_the_loop_and_sampling_only_when_asked(model):
+    """Greedy decoding in the captured blocks was measured on a GPU, sampling was not: a CUDA model takes the loop
+    for greedy calls and keeps transformers' compiled loop for sampling unless the call gives decode_block_steps
+    (silently: the default is not an error)."""
     cuda_model = types.SimpleNamespace(device=torch.device("cuda", 0), generation_config=model.generation_config)
-    assert loop.call_refusal(cuda_model, (), {"cache_implementation": "static"}) == loop.NOT_ASKED
-    assert loop.call_refusal(cuda_model, (), {"cache_implementation": "static", "decode_block_steps": 8}) is None
-    assert loop.call_refusal(model, (), {"cache_implementation": "static"}) is None  # CPU: the loop by default
+    greedy, sampled = {"cache_implementation": "static", "do_sample": False}, {"cache_implementation": "static",
+                                                                               "do_sample": True}
+    assert loop.call_refusal(cuda_model, (), greedy) is None
+    assert loop.call_refusal(cuda_model, (), sampled) == loop.NOT_ASKED
+    assert loop.call_refusal(cuda_model, (), {**sampled, "decode_block_steps": 8}) is None
+    assert loop.call_refusal(model, (), sampled) is None  # CPU: the loop by default
 
 
 def test_bad_block_steps_are_refused(model, batch):
