@@ -4,7 +4,7 @@ folder `kimik3 tiny` writes it to."""
 import fnmatch
 from pathlib import Path
 
-from kimik3.remote_code import remote_code_files, save_with_code
+from kimik3.remote_code import remote_code_entries, save_with_code
 
 from kimik3.tokenizer_files import TOKENIZER_FILE_NAMES, special_token_ids, write_tokenizer_folder
 
@@ -125,7 +125,9 @@ def check_tiny_directory(directory: Path, overwrite: bool) -> list[str]:
                               "there (other files are kept)")
     from kimik3.convert.engine import MODEL_FILE_PATTERNS
 
-    ours = set(TINY_FILES) | {p.name for p in remote_code_files()}
+    # what `kimik3 tiny` writes: its files, the card (a README that is not ours is kept, never replaced) and the code,
+    # custom_generate/ included
+    ours = set(TINY_FILES) | {"README.md"} | {name.split("/")[0] for name, _ in remote_code_entries()}
     others = sorted(p.name for p in directory.iterdir() if p.name not in ours)
     mixed = [name for name in others if any(fnmatch.fnmatch(name, pattern) for pattern in MODEL_FILE_PATTERNS)]
     if mixed:

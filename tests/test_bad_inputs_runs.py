@@ -336,6 +336,16 @@ def test_tiny_refuses_folders_it_would_mix_into(tmp_path, capsys, setup, overwri
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
+def test_tiny_overwrites_a_folder_it_wrote(tmp_path, capsys):
+    """Its own files (the card, custom_generate/ and the code included) are no foreign model files: a second
+    `kimik3 tiny --overwrite` replaces them, a user's notes stay."""
+    folder = tmp_path / "t"
+    assert kimik3_main(["tiny", str(folder)]) == 0
+    (folder / "notes.txt").write_text("mine")
+    assert kimik3_main(["tiny", str(folder), "--overwrite"]) == 0, capsys.readouterr().err
+    assert (folder / "custom_generate" / "generate.py").is_file() and (folder / "notes.txt").read_text() == "mine"
+
+
 def write_config_file(folder, name, text):
     (folder / name).write_text(text)
     return str(folder / name)
