@@ -36,7 +36,7 @@ snapshots, the token ids of replays).
 import torch
 from transformers.cache_utils import Cache
 
-from .rewind_kimi_k3 import DEFAULT_MAX_ROLLBACK_TOKENS, KimiK3Rewind
+from .rewind_kimi_k3 import DEFAULT_MAX_ROLLBACK_TOKENS, KimiK3Rewind, KimiK3StaticRollback
 
 
 def _static_address(tensor: torch.Tensor) -> torch.Tensor:
@@ -123,7 +123,7 @@ class KimiK3StaticLatentLayer(KimiK3LatentLayer):
         return buffer[:, :end]
 
     def write_step(self, latents: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """One decode token at a device-side position (no host read); returns the whole buffer."""
+        """The decode tokens at device-side positions ([T], no host read); returns the whole buffer."""
         buffer = self._buffer(latents)
         buffer.index_copy_(1, position.to(buffer.device), latents)  # the layer may sit on another device
         return buffer
@@ -407,7 +407,9 @@ class KimiK3StaticCache(KimiK3Cache):
     written in place, KDA states and conv windows are updated in place, the write position is a device tensor and
     key validity a [B, buffer length] mask (max_cache_len rounded up to 64 tokens). A one-token decode step then has
     fixed shapes and addresses and never reads a Python counter, so `generate(..., cache_implementation="static")`
-    can compile it (`torch.compile`, CUDA graphs). It cannot go back (no rewind component, `is_croppable` False)."""
+    can compile it (`torch.compile`, CUDA graphs). It cannot crop (no rewind component, `is_croppable` False); a
+    speculative round goes back inside itself (`enable_rollback`, `begin_round`, `roll_back`: docs/design.md, Going
+    back), with a fixed-shape verify step of `speculative_width` tokens."""
 
     is_static = True
 
@@ -419,6 +421,12 @@ class KimiK3StaticCache(KimiK3Cache):
         self._has_past = False  # a Python flag, so that the decode step never reads the device-side position
         self.position: torch.Tensor | None = None  # number of cached tokens, on the device
         self.key_valid: torch.Tensor | None = None  # [B, buffer length], True where a real token is cached
+        # Speculative rounds (enable_rollback): the verify width, a fixed-shape step besides one token, and the
+        # round's record; `records_rollback` is a Python flag (the compiled round reads no device value to know it)
+        self.speculative_width: int | None = None
+        self.rollback: KimiK3StaticRollback | None = None
+        self.records_rollback = False
+        self._round_start: torch.Tensor | None = None  # the position at the round's start, on the device
 
     def _new_layer(self, layer_type: str) -> KimiK3StaticLatentLayer | KimiK3StaticKDAStateLayer:
         if layer_type == "linear_attention":
@@ -430,18 +438,25 @@ class KimiK3StaticCache(KimiK3Cache):
         return self._max_cache_len
 
     def is_fixed_shape_step(self, num_tokens: int) -> bool:
-        return num_tokens == 1 and self._has_past
+        """One decode token, or a speculative verify of `speculative_width` tokens, once the cache has a past."""
+        return self._has_past and (num_tokens == 1 or num_tokens == self.speculative_width)
+
+    def _step_positions(self, num_tokens: int) -> torch.Tensor:
+        """The device-side positions a fixed-shape step writes: position .. position + T - 1."""
+        if num_tokens == 1:
+            return self.position
+        return self.position + torch.arange(num_tokens, device=self.position.device)
 
     def begin_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
                    device: torch.device) -> None:
         """Mark the new positions valid (padding stays invalid). Eager for a prefill (any length, checked against
-        `max_cache_len`), shape-static for one decode token."""
+        `max_cache_len`), shape-static for a fixed-shape step (one decode token, a verify)."""
         if self.position is None:
             self.position = _static_address(torch.zeros(1, dtype=torch.long, device=device))
             self.key_valid = _static_address(torch.zeros(batch_size, static_buffer_len(self.max_cache_len),
                                                          dtype=torch.bool, device=device))
         if self.is_fixed_shape_step(num_tokens):
-            self.key_valid.index_fill_(1, self.position, True)
+            self.key_valid.index_fill_(1, self._step_positions(num_tokens), True)
             return
         start = int(self.position.item())
         if start + num_tokens > self.max_cache_len:
@@ -454,20 +469,64 @@ class KimiK3StaticCache(KimiK3Cache):
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self._has_past
 
-    def key_valid_mask(self) -> torch.Tensor:
-        """[B, 1, 1, buffer length] attention mask of a fixed-shape decode step over the whole buffer."""
-        return self.key_valid[:, None, None, :]
+    def key_valid_mask(self, num_tokens: int = 1) -> torch.Tensor:
+        """[B, 1, T, buffer length] attention mask of a fixed-shape step over the whole buffer: the valid keys, and
+        for a verify of T tokens each query's own and earlier positions."""
+        if num_tokens == 1:
+            return self.key_valid[:, None, None, :]
+        keys = torch.arange(self.key_valid.shape[1], device=self.key_valid.device)
+        causal = keys[None, :] <= self._step_positions(num_tokens)[:, None]
+        return self.key_valid[:, None, None, :] & causal[None, None]
 
     def update_latents(self, latents: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Static decode returns the whole buffer (valid where `key_valid` says so), a prefill its filled prefix."""
+        """A fixed-shape step returns the whole buffer (valid where `key_valid` says so), a prefill its filled
+        prefix."""
         layer = self.layers[layer_idx]
         if self.is_fixed_shape_step(latents.shape[1]):
-            return layer.write_step(latents, self.position)
+            return layer.write_step(latents, self._step_positions(latents.shape[1]))
         return layer.write(latents, int(self.position.item()))
 
     def advance(self, num_tokens: int) -> None:
         self.position.add_(num_tokens)
         self._has_past = True
+        if self.records_rollback:
+            self.rollback.advance(num_tokens)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Speculative rounds (docs/design.md, Going back): no host read, fixed shapes
+    def _live_kda(self) -> dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+        return {i: (self.layers[i].conv_states, self.layers[i].recurrent_state) for i in self.kda_layer_indices}
+
+    def enable_rollback(self, width: int) -> None:
+        """After the prefill: allocate the round's record for `width` tokens (the verify width: a round's draft
+        steps and its verify each record at most that many) and make a verify of `width` tokens a fixed-shape
+        step. Recording is on from here (`records_rollback`)."""
+        if not self._has_past:
+            raise ValueError("KimiK3StaticCache.enable_rollback: the cache is empty (prefill the prompt first)")
+        self.speculative_width = width
+        self.rollback = KimiK3StaticRollback(width, self._live_kda(), _static_address)
+        self._round_start = _static_address(self.position.clone())
+        self.records_rollback = True
+
+    def end_rollback(self) -> None:
+        """Plain decode steps from here (a recorded step outside a round would write past the record)."""
+        self.records_rollback = False
+
+    def begin_round(self) -> None:
+        """The position and KDA states now are what `roll_back` returns to, plus the tokens it keeps."""
+        self.rollback.begin_round(self._live_kda())
+        self._round_start.copy_(self.position)
+
+    def roll_back(self, keep: torch.Tensor) -> None:
+        """Keep the first `keep` ([1] long, on the device) tokens of the round: the KDA states replayed from the
+        round's record, the position moved back and the key-validity mask cleared after it (the latents past it
+        are masked, and overwritten by the next step)."""
+        for layer_idx, (windows, state) in self.rollback.go_back(
+                keep, self._text_config.linear_conv_kernel_size, self._text_config.kda_chunk_size).items():
+            self.layers[layer_idx].update(windows, state)
+        self.position.copy_(self._round_start + keep.to(self.position.device))
+        keys = torch.arange(self.key_valid.shape[1], device=self.key_valid.device)
+        self.key_valid &= (keys < self.position)[None, :]
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return 0 if self.position is None else int(self.position.item())
@@ -499,6 +558,10 @@ class KimiK3StaticCache(KimiK3Cache):
         self._has_past = False
         self.position = None
         self.key_valid = None
+        self.speculative_width = None
+        self.rollback = None
+        self.records_rollback = False
+        self._round_start = None
 
 
 def analytic_cache_bytes(config, num_tokens: int, batch_size: int = 1, dtype_bytes: int = 2) -> dict[str, int]:

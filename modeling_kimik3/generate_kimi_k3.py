@@ -22,6 +22,12 @@ host looks at the stop condition every `block_steps` steps, and a streamer gets 
 and shapes transformers' loop gives them, once per block. Elsewhere the same step function runs eagerly (or
 compiled, `decode_compile=True`), `block_steps` calls per host read.
 
+Speculative decoding runs in the same loop (docs/design.md, Decode loop): with `assistant_model=draft` (a K3 model:
+its own static cache) or `prompt_lookup_num_tokens=k` (an n-gram match over the token history, on the device), a
+greedy generation on a static cache runs rounds of k proposals, one verify of k + 1 tokens on the target, greedy
+acceptance and the rollback of both caches to the kept tokens, all device-side with fixed shapes (the caches'
+`begin_round` / `roll_back`); on CUDA a round is compiled and captured like a block of steps.
+
 A model folder carries this file as `custom_generate/generate.py`: `from_pretrained(..., trust_remote_code=True)`
 installs its `generate` as the model's, which hands anything the loop does not run (beam search, assisted decoding,
 a dynamic cache, `return_dict_in_generate`, a logits processor or stopping criterion it does not know...) to
@@ -81,7 +87,33 @@ def generate(*args, model, **kwargs):
     # transformers hands a custom decoding function only the arguments its signature adds to `_sample`'s, so the
     # streamer goes under our own name (generate() would not put the prompt either: the loop does)
     streamer = kwargs.pop("streamer", None)
-    return type(model).generate(model, *args, custom_generate=decode_loop, decode_streamer=streamer, **kwargs)
+    speculation = _speculation_arguments(model, args, kwargs)
+    return type(model).generate(model, *args, custom_generate=decode_loop, decode_streamer=streamer, **speculation,
+                                **kwargs)
+
+
+# Proposals per speculative round with a draft model when the call does not say (`num_assistant_tokens`): a verify
+# of 5 tokens; transformers' own default (20, with a schedule) is for rounds whose width may change, ours is fixed
+DEFAULT_DRAFT_TOKENS = 4
+# transformers' default longest n-gram of prompt lookup (`max_matching_ngram_size`)
+DEFAULT_LOOKUP_NGRAM = 2
+# The call's speculative settings, which the loop takes under its own names (transformers' assisted loop is not run)
+SPECULATIVE_KEYS = ("assistant_model", "prompt_lookup_num_tokens", "num_assistant_tokens", "max_matching_ngram_size")
+
+
+def _speculation_arguments(model, args, kwargs) -> dict:
+    """Moves a speculative call's settings from `kwargs` to the loop's arguments (`decode_draft`,
+    `decode_proposals`, `decode_lookup_ngram`); {} for a call that is not speculative."""
+    config = _call_config(model, args, kwargs)
+    draft = kwargs.pop("assistant_model", None)
+    lookup = kwargs.pop("prompt_lookup_num_tokens", None) or config.prompt_lookup_num_tokens
+    draft_tokens = kwargs.pop("num_assistant_tokens", None)
+    ngram = kwargs.pop("max_matching_ngram_size", None) or config.max_matching_ngram_size
+    if draft is None and not lookup:
+        return {}
+    if draft is not None:
+        return {"decode_draft": draft, "decode_proposals": draft_tokens or DEFAULT_DRAFT_TOKENS}
+    return {"decode_proposals": int(lookup), "decode_lookup_ngram": int(ngram or DEFAULT_LOOKUP_NGRAM)}
 
 
 NOT_STATIC = "the cache is not static"
@@ -89,7 +121,7 @@ NOT_STATIC = "the cache is not static"
 # faster at the wall); sampling in the captured blocks was not, so on CUDA it runs in the loop when a call asks for
 # it by giving `decode_block_steps`, and transformers' compiled loop stays its default until then
 NOT_ASKED = "on CUDA sampling runs in the loop when decode_block_steps is given"
-LOOP_ARGUMENTS = ("decode_block_steps", "decode_compile", "generator")
+LOOP_ARGUMENTS = ("decode_block_steps", "decode_compile", "generator", "decode_report")
 
 
 def _kimi_cache(values):
@@ -103,13 +135,18 @@ def call_refusal(model, args, kwargs) -> str | None:
     mode and the cache kind of the generation config it would run with."""
     if kwargs.get("custom_generate") is not None:
         return "custom_generate given"
-    config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)  # generate(inputs, config)
-    config = copy.deepcopy(config if config is not None else model.generation_config)
-    config.update(**{key: value for key, value in kwargs.items() if key != "generation_config"})
+    config = _call_config(model, args, kwargs)
     given = _kimi_cache(kwargs.values())
     if not (config.cache_implementation == "static" or (given is not None and given.is_static)):
         return NOT_STATIC
     mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    if mode == GenerationMode.ASSISTED_GENERATION:
+        if config.do_sample:
+            return "speculative sampling (the loop's speculative rounds are greedy)"
+        for key in ("assistant_tokenizer", "assistant_early_exit"):
+            if kwargs.get(key) is not None or getattr(config, key, None) is not None:
+                return f"{key} given"
+        mode = GenerationMode.GREEDY_SEARCH
     if mode not in LOOP_MODES:
         return f"generation mode {mode.value}"
     if (mode == GenerationMode.SAMPLE and getattr(model, "device", torch.device("cpu")).type == "cuda"
@@ -119,6 +156,15 @@ def call_refusal(model, args, kwargs) -> str | None:
         if kwargs.get(key) or getattr(config, key, None):
             return f"{key} given"
     return None
+
+
+def _call_config(model, args, kwargs):
+    """The generation config a call would run with (its own, or the model's, updated by the call's keywords)."""
+    config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)  # generate(inputs, config)
+    config = copy.deepcopy(config if config is not None else model.generation_config)
+    config.update(**{key: value for key, value in kwargs.items()
+                     if key not in ("generation_config", "assistant_model")})
+    return config
 
 
 def loop_refusal(model, logits_processor, stopping_criteria, generation_config, model_kwargs) -> str | None:
@@ -152,13 +198,23 @@ def loop_refusal(model, logits_processor, stopping_criteria, generation_config, 
 
 def decode_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 decode_streamer=None, decode_block_steps: int | None = None, decode_compile: bool | None = None,
-                generator: torch.Generator | None = None, **model_kwargs):
+                generator: torch.Generator | None = None, decode_draft=None, decode_proposals: int | None = None,
+                decode_lookup_ngram: int | None = None, decode_report: dict | None = None, **model_kwargs):
     """The decoding function generate() calls in place of `_sample` (`custom_generate=decode_loop`), after its own
     preparation (config, special tokens, cache, processors, criteria). Extra arguments: `decode_block_steps` (steps
-    per host round trip, default `DEFAULT_BLOCK_STEPS`), `decode_compile` (compile the step; default: on CUDA unless
+    per host round trip, default `DEFAULT_BLOCK_STEPS`; speculative rounds per host round trip, default one per
+    `DEFAULT_BLOCK_STEPS` verified tokens), `decode_compile` (compile the step; default: on CUDA unless
     `disable_compile`), `generator` (the seed of the sampling noise is drawn from it, else from torch's default
-    generator: `torch.manual_seed` makes a sampled generation reproducible)."""
+    generator: `torch.manual_seed` makes a sampled generation reproducible). Speculative decoding (greedy):
+    `decode_draft` (the draft model), `decode_proposals` (tokens proposed per round), `decode_lookup_ngram` (prompt
+    lookup's longest n-gram, without a draft model); `decode_report`, a dict the loop fills with its rounds and
+    accepted tokens."""
+    speculative = decode_draft is not None or decode_proposals is not None
     mode = generation_config.get_generation_mode()
+    if speculative and mode == GenerationMode.ASSISTED_GENERATION and not generation_config.do_sample:
+        mode = GenerationMode.GREEDY_SEARCH
+    if speculative and mode != GenerationMode.GREEDY_SEARCH:
+        raise ValueError(f"decode_loop's speculative rounds are greedy, not {mode.value}")
     if mode not in LOOP_MODES:
         raise ValueError(f"decode_loop runs greedy and sampling generation, not {mode.value}; call generate() "
                          "without custom_generate")
@@ -167,6 +223,10 @@ def decode_loop(model, input_ids, logits_processor, stopping_criteria, generatio
         streamer.put(input_ids.cpu())
     reason = "synced_gpus" if synced_gpus else loop_refusal(model, logits_processor, stopping_criteria,
                                                             generation_config, model_kwargs)
+    if reason is None and speculative:
+        reason = speculation_refusal(model, decode_draft, decode_proposals, logits_processor)
+        if reason is not None:
+            raise ValueError(f"Kimi K3 speculative decoding on a static cache: {reason}")
     if reason is not None:
         logger.warning_once(f"Kimi K3 decode loop not used ({reason}): transformers' own decode loop runs")
         return type(model)._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -184,12 +244,45 @@ def decode_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     outputs = model._prefill(input_ids, generation_config, model_kwargs)  # same signature 5.17 through 5.24
     first_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
     del outputs
-    loop = DecodeLoop(model, cache, input_ids.shape, first_logits.shape[-1], logits_processor, stopping_criteria,
-                      generation_config, seed, block_steps, decode_compile)
+    if speculative:
+        if decode_block_steps is None:
+            block_steps = max(1, DEFAULT_BLOCK_STEPS // (decode_proposals + 1))
+        proposer = (ModelDraft(decode_draft, cache, input_ids, model_kwargs.get("attention_mask"))
+                    if decode_draft is not None else PromptLookup(decode_lookup_ngram or DEFAULT_LOOKUP_NGRAM))
+        loop = SpeculativeLoop(model, cache, input_ids, first_logits.shape[-1], logits_processor, stopping_criteria,
+                               generation_config, block_steps, decode_compile, proposer, decode_proposals)
+    else:
+        loop = DecodeLoop(model, cache, input_ids.shape, first_logits.shape[-1], logits_processor,
+                          stopping_criteria, generation_config, seed, block_steps, decode_compile)
     generated = loop.run(first_logits, streamer)
+    if decode_report is not None:
+        decode_report.update(loop.report())
     if streamer is not None:
         streamer.end()
     return torch.cat([input_ids, generated.to(input_ids.device)], dim=-1)
+
+
+def speculation_refusal(model, draft, proposals, logits_processor) -> str | None:
+    """Why a greedy generation cannot run speculative rounds (an error: the call asked for them), or None."""
+    if isinstance(proposals, bool) or not isinstance(proposals, int) or proposals < 1:
+        return f"{proposals!r} proposals per round (a whole number >= 1: num_assistant_tokens, " \
+               "prompt_lookup_num_tokens)"
+    for processor in logits_processor:
+        if not isinstance(processor, LENGTH_GATES):
+            return f"logits processor {type(processor).__name__} (the rounds choose by argmax and the length gates)"
+    if draft is None:
+        return None
+    if not hasattr(draft, "get_input_embeddings") or not hasattr(getattr(draft, "config", None), "layer_types"):
+        return f"the draft ({type(draft).__name__}) is not a Kimi K3 model (the round runs it on a static cache)"
+    target_vocab = model.get_input_embeddings().weight.shape[0]
+    draft_vocab = draft.get_input_embeddings().weight.shape[0]
+    if draft_vocab != target_vocab:
+        return (f"the draft's vocabulary ({draft_vocab} ids) is not the target's ({target_vocab}): its proposals "
+                "would be other tokens")
+    devices = (draft.get_input_embeddings().weight.device, model.get_input_embeddings().weight.device)
+    if devices[0] != devices[1]:
+        return f"the draft is on {devices[0]}, the target on {devices[1]} (a round runs both on one device)"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -398,3 +491,235 @@ class DecodeLoop:
             going = self._read(count, streamer, out)
             left -= count
         return torch.stack(out, dim=1)
+
+    def report(self) -> dict:
+        return {"steps": self.steps_run}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Speculative rounds (docs/design.md, Decode loop; the rollback: Going back)
+
+
+class ModelDraft:
+    """Proposals from a draft model on its own static cache (a cache of the target's kind and length, prefilled with
+    the prompt here). A round runs k + 1 one-token steps: the last feeds the k-th proposal, so the draft's cache holds
+    every token the target may keep, and the rollback to the kept ones is the cache's own."""
+
+    def __init__(self, draft, cache, input_ids, attention_mask):
+        self.model = draft
+        self.cache = type(cache)(draft.config, max_cache_len=cache.max_cache_len)
+        with torch.no_grad():
+            draft(input_ids=input_ids, attention_mask=attention_mask, cache=self.cache, use_cache=True)
+
+    def start(self, width: int) -> None:
+        self.cache.enable_rollback(width)
+
+    def stop(self) -> None:
+        self.cache.end_rollback()
+
+    def __call__(self, choice, last, length, history, gates, min_lengths, proposals: int) -> torch.Tensor:
+        self.cache.begin_round()
+        tokens, out = last, []
+        for index in range(proposals + 1):
+            logits = self.model(input_ids=tokens, cache=self.cache, use_cache=True).logits[:, -1].float()
+            if index < proposals:
+                tokens = choice(logits, tokens, length + index, None, gates, min_lengths)[:, None]
+                out.append(tokens)
+        return torch.cat(out, dim=1)
+
+    def roll_back(self, keep: torch.Tensor) -> None:
+        self.cache.roll_back(keep)
+
+
+class PromptLookup:
+    """Proposals by prompt lookup, on the device with fixed shapes: the latest earlier occurrence of the history's
+    last n tokens (n from `ngram` down to 1, the longest that occurs) and the k tokens after it. With no match the
+    proposal is whatever the history holds there: it is only rejected."""
+
+    def __init__(self, ngram: int):
+        if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 1:
+            raise ValueError(f"Kimi K3 prompt lookup: max_matching_ngram_size={ngram!r} (a whole number >= 1)")
+        self.ngram = ngram
+
+    def start(self, width: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def __call__(self, choice, last, length, history, gates, min_lengths, proposals: int) -> torch.Tensor:
+        batch, size = history.shape
+        device = history.device
+        start = torch.full((batch,), -1, dtype=torch.long, device=device)
+        found = torch.zeros(batch, dtype=torch.bool, device=device)
+        for n in range(self.ngram, 0, -1):
+            suffix = history.index_select(1, (length - n + torch.arange(n, device=device)).clamp(min=0))
+            starts = torch.arange(size - n + 1, device=device)
+            # an occurrence before the suffix itself, with a token after it
+            valid = (starts + n <= length - 1) & (length >= n)
+            hit = (history.unfold(1, n, 1) == suffix[:, None, :]).all(dim=-1) & valid[None, :]
+            latest = torch.where(hit, starts[None, :], -1).amax(dim=1)
+            use = ~found & (latest >= 0)
+            start = torch.where(use, latest + n, start)
+            found = found | use
+        index = (start[:, None] + torch.arange(proposals, device=device)[None, :]).clamp(0, size - 1)
+        return history.gather(1, index)
+
+    def roll_back(self, keep: torch.Tensor) -> None:
+        pass
+
+
+def speculative_round(model, cache, proposer, choice, last, unfinished, length, history, gates, min_lengths, eos,
+                      pad, proposals: int):
+    """One round, the unit CUDA captures: k proposals, the target's verify of [last, proposals] (k + 1 tokens, one
+    fixed-shape forward), greedy acceptance of the leading proposals the target would have chosen (the minimum over
+    the running rows), both caches rolled back to the round's kept tokens (the last one and the accepted proposals).
+    The tokens of the round are the target's choices up to the first rejection, inclusive: the accepted proposals
+    are the target's own choices. Returns (tokens [B, k + 1], running rows after each [k + 1], tokens emitted [1],
+    rows running after the round [B])."""
+    width = proposals + 1
+    cache.begin_round()
+    proposed = proposer(choice, last, length, history, gates, min_lengths, proposals)
+    logits = model(input_ids=torch.cat([last, proposed], dim=1), cache=cache, use_cache=True).logits.float()
+    batch = last.shape[0]
+    offsets = torch.arange(width, device=last.device)
+    lengths = (length + offsets).repeat(batch)  # row-major [B * (k + 1)]: the length each choice is made at
+    chosen = choice(logits.reshape(batch * width, -1), None, lengths, None, gates, min_lengths).view(batch, width)
+    agree = (proposed == chosen[:, :-1]) | ~unfinished[:, None]  # a finished row accepts anything
+    keep = agree.long().cumprod(dim=1).sum(dim=1).amin().reshape(1) + 1
+    cache.roll_back(keep)
+    proposer.roll_back(keep)
+    tokens, running = [], []
+    for index in range(width):
+        token = chosen[:, index]
+        if eos is not None:
+            token = torch.where(unfinished, token, pad)
+            emitted = offsets[index] < keep
+            unfinished = torch.where(emitted, unfinished & ~torch.isin(token, eos), unfinished)
+        tokens.append(token)
+        running.append(unfinished.sum())
+    return torch.stack(tokens, dim=1), torch.stack(running), keep, unfinished
+
+
+_COMPILED_ROUND = None
+
+
+def compiled_speculative_round():
+    """`speculative_round` compiled once per process (one graph: it must be capturable)."""
+    global _COMPILED_ROUND
+    if _COMPILED_ROUND is None:
+        _COMPILED_ROUND = torch.compile(speculative_round, fullgraph=True, dynamic=False)
+    return _COMPILED_ROUND
+
+
+class SpeculativeLoop(DecodeLoop):
+    """The decode loop with speculative rounds: `block_steps` rounds per host read, each round's tokens and counts
+    in a record the host reads once per block. A round writes up to k + 1 cache positions before its rollback, so
+    the rounds run while both caches have room for them; the last tokens are plain decode steps."""
+
+    def __init__(self, model, cache, input_ids, vocab, logits_processor, stopping_criteria, generation_config,
+                 block_steps, compiled, proposer, proposals):
+        super().__init__(model, cache, input_ids.shape, vocab, logits_processor, stopping_criteria,
+                         generation_config, None, block_steps, compiled)
+        self.proposer, self.proposals, self.width = proposer, proposals, proposals + 1
+        batch, prompt_length = input_ids.shape
+        device = self.tokens.device
+        self.prompt_length = prompt_length
+        # the token history (prompt lookup reads it): room for a whole block of rounds past max_length
+        self.history = torch.zeros(batch, stopping_criteria.max_length + block_steps * self.width, dtype=torch.long,
+                                   device=device)
+        self.history[:, :prompt_length] = input_ids.to(device)
+        self.round_record = torch.zeros(block_steps, self.width, batch + 2, dtype=torch.long, device=device)
+        self.round_fn = compiled_speculative_round() if compiled else speculative_round
+        self.round_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.rounds_run = self.accepted = 0
+
+    def round(self):
+        tokens, running, keep, unfinished = self.round_fn(
+            self.model, self.cache, self.proposer, self.choice, self.tokens, self.unfinished, self.length,
+            self.history, self.gates, self.min_lengths, self.eos, self.pad, self.proposals)
+        self.history.index_copy_(1, self.length + torch.arange(self.width, device=self.length.device), tokens)
+        self.tokens.copy_(tokens.gather(1, (keep - 1).expand(tokens.shape[0])[:, None]))
+        self.unfinished.copy_(unfinished)
+        self.length.add_(keep)
+        entry = torch.cat([tokens.T, running[:, None], keep.expand(self.width)[:, None]], dim=1)
+        self.round_record.index_copy_(0, self.row, entry[None])
+        self.row.add_(1)
+
+    def _run_rounds(self, count: int) -> None:
+        if not self.use_graph or self.rounds_run < WARM_STEPS:
+            if self.use_graph:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(count):
+                        self.round()
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                for _ in range(count):
+                    self.round()
+        else:
+            size = count if count == self.block_steps else 1
+            if size not in self.round_graphs:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(size):
+                        self.round()
+                self.round_graphs[size] = graph
+            for _ in range(count // size):
+                self.round_graphs[size].replay()
+        self.rounds_run += count
+
+    def _read_rounds(self, count: int, streamer, out: list, limit: int) -> bool:
+        """The block's rounds to the host (one copy) and the streamer, token by token, up to `limit` tokens or the
+        step where no row ran any more; whether generation goes on."""
+        entries = self.round_record[:count].tolist()
+        self.accepted += sum(entry[0][-1] - 1 for entry in entries)
+        for entry in entries:
+            for row in entry[: entry[0][-1]]:
+                if len(out) >= limit:
+                    return False
+                tokens = torch.tensor(row[:-2], dtype=torch.long)
+                out.append(tokens)
+                if streamer is not None:
+                    streamer.put(tokens)
+                if row[-2] == 0:
+                    return False
+        return len(out) < limit
+
+    @torch.no_grad()
+    def run(self, first_logits, streamer) -> torch.Tensor:
+        out: list[torch.Tensor] = []
+        self.row.zero_()
+        first = self.choice(first_logits, self.tokens, self.length, self.keys, self.gates, self.min_lengths)
+        self._record(*finish(first, self.unfinished, self.eos, self.pad))
+        self.history[:, self.prompt_length] = self.tokens[:, 0]
+        going = self._read(1, streamer, out)
+        self.cache.enable_rollback(self.width)
+        self.proposer.start(self.width)
+        # cached tokens = prompt + generated - 1 (the last token is fed by the next round); a round writes up to
+        # `width` positions past them
+        while going and len(out) < self.steps_allowed:
+            room = (self.cache.max_cache_len - (self.prompt_length + len(out) - 1)) // self.width
+            count = min(self.block_steps, room, self.steps_allowed - len(out))
+            if count < 1:
+                break
+            self.row.zero_()
+            self._run_rounds(count)
+            going = self._read_rounds(count, streamer, out, self.steps_allowed)
+        self.cache.end_rollback()
+        self.proposer.stop()
+        left = self.steps_allowed - len(out)
+        while going and left > 0:
+            count = min(self.block_steps, left)
+            self.row.zero_()
+            self._run_steps(count)
+            going = self._read(count, streamer, out)
+            left -= count
+        return torch.stack(out, dim=1)
+
+    def report(self) -> dict:
+        """Rounds run, tokens proposed and accepted (the rounds' emitted tokens less one each), plain steps."""
+        rounds = self.rounds_run
+        return {"rounds": rounds, "proposed": rounds * self.proposals, "steps": self.steps_run,
+                "accepted": self.accepted}

@@ -207,8 +207,13 @@ class KimiK3DeltaAttention(nn.Module):
                 (q, k, v), self.conv_size - 1, self.layer_idx
             )
         rewind = cache.rewind if cache is not None else None  # snapshots and rollback records (a growing cache)
-        recording = rewind is not None and rewind.records_step()
-        qk_normalized = conv_normalizes_qk(q, k, recurrent_state, decode_step=seq_len == 1, recording=recording,
+        # a static cache's speculative round records into its fixed buffers (docs/design.md, Going back)
+        static_record = cache is not None and cache.is_static and cache.records_rollback
+        recording = static_record or (rewind is not None and rewind.records_step())
+        # A fixed-shape step (one token, or a static verify of T tokens) runs the recurrent form: T tokens of it
+        # compute what T one-token decode steps compute, so speculative greedy decoding is plain greedy decoding
+        decode_step = seq_len == 1 or (cache is not None and cache.is_fixed_shape_step(seq_len))
+        qk_normalized = conv_normalizes_qk(q, k, recurrent_state, decode_step=decode_step, recording=recording,
                                            context_parallel=context_parallel is not None)
         conv_fn = fast_or_reference("causal_conv1d", q)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
@@ -241,7 +246,9 @@ class KimiK3DeltaAttention(nn.Module):
                                                      self.config.kda_chunk_size, self.layer_idx)
             q_state, k_state, v_state = sequence_conv_states
         else:
-            if recording:
+            if static_record:
+                cache.rollback.record(self.layer_idx, pre_conv, (q, k, v, g, beta))
+            elif recording:
                 # Speculative verify/draft step: keep what a rollback replays (the recurrence inputs and the
                 # pre-conv inputs of the conv windows), so rejected tokens never cost a re-projection or a re-run
                 # of the prefix
@@ -249,7 +256,7 @@ class KimiK3DeltaAttention(nn.Module):
             snapshot_offsets = rewind.snapshot_offsets() if rewind is not None else []
             core, final_state = self._recurrence(q, k, v, g, beta, recurrent_state, cache is not None,
                                                  snapshot_offsets, pre_conv, conv_states, rewind, decay_gate,
-                                                 qk_normalized)
+                                                 qk_normalized, decode_step)
         if cache is not None:
             cache.update_kda_state((q_state, k_state, v_state), final_state, self.layer_idx)
 
@@ -261,7 +268,7 @@ class KimiK3DeltaAttention(nn.Module):
         return self.o_proj(core.reshape(batch, seq_len, -1))
 
     def _recurrence(self, q, k, v, g, beta, state, keep_state, snapshot_offsets, pre_conv, conv_states, rewind,
-                    decay_gate=None, qk_normalized=False):
+                    decay_gate=None, qk_normalized=False, decode_step=False):
         """The delta rule over this forward's tokens. With snapshot offsets the chunked form runs segment by
         segment, carrying the state exactly as it carries it between its own chunks, and hands the state at each
         offset to the cache's rewind component."""
@@ -271,7 +278,7 @@ class KimiK3DeltaAttention(nn.Module):
         for start, end in zip(bounds[:-1], bounds[1:]):
             out, state = kda_recurrence(
                 q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end], state,
-                keep_state or end < seq_len, self.config.kda_chunk_size, decode_step=seq_len == 1,
+                keep_state or end < seq_len, self.config.kda_chunk_size, decode_step=decode_step,
                 gate=decay_gate, qk_normalized=qk_normalized,
             )
             outputs.append(out)
@@ -372,6 +379,9 @@ class KimiK3MLAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latents = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)
         has_past = cache is not None and cache.has_previous_state(self.layer_idx)
+        # one decode token, or a static cache's verify of T tokens (the absorbed form over the whole buffer, under
+        # the cache's causal key mask)
+        fixed_step = seq_len == 1 or (cache is not None and cache.is_fixed_shape_step(seq_len))
         if context_parallel is not None:
             # every rank's latents (576 values a token), never expanded K/V (context_parallel_kimi_k3.py)
             latents = context_parallel.gather_latents(latents, self.layer_idx)
@@ -382,7 +392,7 @@ class KimiK3MLAAttention(nn.Module):
             # earlier ranks' segments are whole past blocks, this rank's segment the causal diagonal block
             attn_output = self._blockwise_prefill_attention(query, latents[:, : context_parallel.end])
             attn_weights = None
-        elif seq_len == 1 and has_past:
+        elif fixed_step and has_past:
             attn_output, attn_weights = self._absorbed_attention(query, latents, attention_mask)
         elif has_past and attention_mask is None:
             attn_output, attn_weights = self._blockwise_prefill_attention(query, latents), None
@@ -977,10 +987,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
 
         if cache is not None and cache.is_fixed_shape_step(seq_len):
             # Static decode step: fixed shapes, no host synchronisation, no Python counter read (compilable).
-            # The new token is real; which cached keys are real is the cache's key_valid mask.
-            cache.begin_step(batch, 1, None, inputs_embeds.device)
+            # The new tokens are real; which cached keys are real is the cache's key_valid mask.
+            cache.begin_step(batch, seq_len, None, inputs_embeds.device)
             token_mask, document_index = None, None
-            mla_mask = cache.key_valid_mask()
+            mla_mask = cache.key_valid_mask(seq_len)
         else:
             past_len = cache.get_seq_length() if cache is not None else 0
             document_ids = self._document_ids(position_ids, attention_mask, past_len, kwargs)
@@ -1078,7 +1088,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             # generate() passes the mask of the whole sequence (cached + new tokens). A static decode step does not
             # read the mask (the cache's key_valid is the mask) and its cached length lives on the device, so the
             # length is checked everywhere but there.
-            static_decode = has_past and cache.is_static and seq_len == 1
+            static_decode = has_past and cache.is_static and cache.is_fixed_shape_step(seq_len)
             if not static_decode:
                 past_len = cache.get_seq_length() if has_past else 0
                 if attention_mask.shape[1] != past_len + seq_len:

@@ -426,10 +426,86 @@ class KimiK3Rewind:
                 "tokens": next(iter(self._rollback.values())).num_tokens, "base_states": base}
 
 
+class KimiK3StaticRollback:
+    """The static cache's way back inside one speculative round (docs/design.md, Going back): fixed-address
+    buffers, written and read with device-side indices only, so that a round (draft steps, the verify, the
+    acceptance and this rollback) has fixed shapes and can be captured as one CUDA graph.
+
+    `begin_round` copies every KDA layer's state and conv windows (the round's base) and restarts the record; each
+    recorded forward writes its tokens' pre-conv q/k/v and recurrence inputs q, k, v, g, beta at the record's
+    device-side slot (`record`, then `advance`); `go_back(keep)` rebuilds the state after the first `keep` recorded
+    tokens ([1] long, on the device) by replaying the recurrence over all `width` slots from the base with g = 0
+    and beta = 0 from token `keep` on (the identity update: exactly the state after `keep` tokens, with the shapes
+    of every round), and gathers the conv windows ending at token `keep` from [base window, pre-conv inputs].
+
+    `live`: per KDA layer the cache's (conv windows, f32 state) buffers, which give the record's shapes and dtypes;
+    `heads_dims`: (H, Dk, Dv)."""
+
+    def __init__(self, width: int, live: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]], mark_static):
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"KimiK3StaticCache: a speculative round of {width!r} tokens (a whole number >= 1)")
+        self.width = width
+        self.slot = mark_static(torch.zeros(1, dtype=torch.long, device=next(iter(live.values()))[1].device))
+        self.base: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        self.records: dict[int, tuple[torch.Tensor, ...]] = {}
+        for layer_idx, (windows, state) in live.items():
+            batch, heads, k_dim, v_dim = state.shape
+            self.base[layer_idx] = (tuple(mark_static(w.clone()) for w in windows), mark_static(state.clone()))
+            act = windows[0].dtype
+            shapes = [(w.shape[1], act) for w in windows]  # pre-conv q, k, v [B, W, C]
+            shapes += [((heads, k_dim), act), ((heads, k_dim), act), ((heads, v_dim), act),
+                       ((heads, k_dim), torch.float32), ((heads,), torch.float32)]  # q, k, v, g, beta
+            self.records[layer_idx] = tuple(
+                mark_static(state.new_zeros(batch, width, *((shape,) if isinstance(shape, int) else shape),
+                                            dtype=dtype))
+                for shape, dtype in shapes)
+
+    def begin_round(self, live) -> None:
+        """The live states and windows become the round's base; the record restarts at slot 0."""
+        self.slot.zero_()
+        for layer_idx, (windows, state) in live.items():
+            base_windows, base_state = self.base[layer_idx]
+            base_state.copy_(state)
+            for buffer, window in zip(base_windows, windows):
+                buffer.copy_(window)
+
+    def record(self, layer_idx: int, pre_conv: tuple[torch.Tensor, ...], recurrence_inputs: tuple[torch.Tensor, ...]):
+        """This forward's tokens (dim 1 of every tensor) at the record's slots slot .. slot + T - 1."""
+        tokens = pre_conv[0].shape[1]
+        slots = self.slot + torch.arange(tokens, device=self.slot.device)
+        for buffer, value in zip(self.records[layer_idx], (*pre_conv, *recurrence_inputs)):
+            buffer.index_copy_(1, slots.to(buffer.device), value.to(buffer.dtype))
+
+    def advance(self, num_tokens: int) -> None:
+        self.slot.add_(num_tokens)
+
+    def go_back(self, keep: torch.Tensor, conv_kernel_size: int, chunk_size: int):
+        """{KDA layer: (conv windows, f32 state)} after the first `keep` recorded tokens of the round."""
+        out = {}
+        index = torch.arange(self.width, device=keep.device)
+        for layer_idx, record in self.records.items():
+            (base_windows, base_state), (*pre_conv, q, k, v, g, beta) = self.base[layer_idx], record
+            kept = (index < keep.to(index.device)).to(g.device)
+            g = g.masked_fill(~kept[None, :, None, None], 0.0)
+            beta = beta.masked_fill(~kept[None, :, None], 0.0)
+            _, state = kda_recurrence(q, k, v, g, beta, base_state, True, chunk_size, decode_step=True)
+            window_index = (keep.to(base_state.device) + torch.arange(conv_kernel_size - 1, device=base_state.device))
+            windows = tuple(
+                torch.cat([base, x.transpose(1, 2).to(base.dtype)], dim=-1).index_select(-1, window_index.to(x.device))
+                for base, x in zip(base_windows, pre_conv))
+            out[layer_idx] = (windows, state)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for record in self.records.values() for t in record) + sum(
+            t.nbytes for windows, state in self.base.values() for t in (*windows, state))
+
+
 __all__ = [
     "DEFAULT_SNAPSHOT_INTERVAL",
     "KDA_BLOCK_SIZE",
     "KimiK3Rewind",
+    "KimiK3StaticRollback",
     "kept_snapshot_blocks",
     "rollback_bytes_per_token",
 ]
