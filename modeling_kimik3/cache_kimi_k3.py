@@ -422,7 +422,8 @@ class KimiK3StaticCache(KimiK3Cache):
         self.position: torch.Tensor | None = None  # number of cached tokens, on the device
         self.key_valid: torch.Tensor | None = None  # [B, buffer length], True where a real token is cached
         # Speculative rounds (enable_rollback): the verify width, a fixed-shape step besides one token, and the
-        # round's record; `records_rollback` is a Python flag (the compiled round reads no device value to know it)
+        # round's record; `records_rollback` (a Python flag: the compiled round reads no device value to know it) is
+        # on from `begin_round` to `roll_back`, so a forward outside a round records nothing
         self.speculative_width: int | None = None
         self.rollback: KimiK3StaticRollback | None = None
         self.records_rollback = False
@@ -500,27 +501,25 @@ class KimiK3StaticCache(KimiK3Cache):
     def enable_rollback(self, width: int) -> None:
         """After the prefill: allocate the round's record for `width` tokens (the verify width: a round's draft
         steps and its verify each record at most that many) and make a verify of `width` tokens a fixed-shape
-        step. Recording is on from here (`records_rollback`)."""
+        step."""
         if not self._has_past:
             raise ValueError("KimiK3StaticCache.enable_rollback: the cache is empty (prefill the prompt first)")
         self.speculative_width = width
         self.rollback = KimiK3StaticRollback(width, self._live_kda(), _static_address)
         self._round_start = _static_address(self.position.clone())
-        self.records_rollback = True
-
-    def end_rollback(self) -> None:
-        """Plain decode steps from here (a recorded step outside a round would write past the record)."""
-        self.records_rollback = False
 
     def begin_round(self) -> None:
-        """The position and KDA states now are what `roll_back` returns to, plus the tokens it keeps."""
+        """The position and KDA states now are what `roll_back` returns to, plus the tokens it keeps; the
+        round's forwards (at most `speculative_width` tokens in all) record until then."""
         self.rollback.begin_round(self._live_kda())
         self._round_start.copy_(self.position)
+        self.records_rollback = True
 
     def roll_back(self, keep: torch.Tensor) -> None:
         """Keep the first `keep` ([1] long, on the device) tokens of the round: the KDA states replayed from the
         round's record, the position moved back and the key-validity mask cleared after it (the latents past it
-        are masked, and overwritten by the next step)."""
+        are masked, and overwritten by the next step). The round ends: forwards record nothing until the next."""
+        self.records_rollback = False
         for layer_idx, (windows, state) in self.rollback.go_back(
                 keep, self._text_config.linear_conv_kernel_size, self._text_config.kda_chunk_size).items():
             self.layers[layer_idx].update(windows, state)

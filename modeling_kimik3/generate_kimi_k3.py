@@ -106,14 +106,15 @@ def _speculation_arguments(model, args, kwargs) -> dict:
     `decode_proposals`, `decode_lookup_ngram`); {} for a call that is not speculative."""
     config = _call_config(model, args, kwargs)
     draft = kwargs.pop("assistant_model", None)
-    lookup = kwargs.pop("prompt_lookup_num_tokens", None) or config.prompt_lookup_num_tokens
+    lookup = kwargs.pop("prompt_lookup_num_tokens", None)
+    lookup = config.prompt_lookup_num_tokens if lookup is None else lookup
     draft_tokens = kwargs.pop("num_assistant_tokens", None)
     ngram = kwargs.pop("max_matching_ngram_size", None) or config.max_matching_ngram_size
-    if draft is None and not lookup:
+    if draft is None and lookup is None:
         return {}
     if draft is not None:
         return {"decode_draft": draft, "decode_proposals": draft_tokens or DEFAULT_DRAFT_TOKENS}
-    return {"decode_proposals": int(lookup), "decode_lookup_ngram": int(ngram or DEFAULT_LOOKUP_NGRAM)}
+    return {"decode_proposals": lookup, "decode_lookup_ngram": ngram or DEFAULT_LOOKUP_NGRAM}
 
 
 NOT_STATIC = "the cache is not static"
@@ -514,9 +515,6 @@ class ModelDraft:
     def start(self, width: int) -> None:
         self.cache.enable_rollback(width)
 
-    def stop(self) -> None:
-        self.cache.end_rollback()
-
     def __call__(self, choice, last, length, history, gates, min_lengths, proposals: int) -> torch.Tensor:
         self.cache.begin_round()
         tokens, out = last, []
@@ -542,9 +540,6 @@ class PromptLookup:
         self.ngram = ngram
 
     def start(self, width: int) -> None:
-        pass
-
-    def stop(self) -> None:
         pass
 
     def __call__(self, choice, last, length, history, gates, min_lengths, proposals: int) -> torch.Tensor:
@@ -707,8 +702,6 @@ class SpeculativeLoop(DecodeLoop):
             self.row.zero_()
             self._run_rounds(count)
             going = self._read_rounds(count, streamer, out, self.steps_allowed)
-        self.cache.end_rollback()
-        self.proposer.stop()
         left = self.steps_allowed - len(out)
         while going and left > 0:
             count = min(self.block_steps, left)

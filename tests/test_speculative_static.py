@@ -1,0 +1,201 @@
+"""Speculative decoding on the static cache (modeling_kimik3/generate_kimi_k3.py, speculative rounds; the rollback:
+cache_kimi_k3.py `begin_round` / `roll_back`, rewind_kimi_k3.py `KimiK3StaticRollback`; docs/design.md, Decode loop
+and Going back): greedy speculative tokens are plain greedy tokens in fp32 with drafts that agree, disagree and
+partly agree and with prompt lookup; the acceptance the loop reports is the one the test computes from plain
+greedy runs; the rolled-back KDA states and conv windows are those of plain decoding of the kept tokens."""
+
+import pytest
+import torch
+from transformers import GenerationMixin
+from transformers.generation.streamers import BaseStreamer
+
+import kimik3.modeling.generate_kimi_k3 as loop
+from kimik3.draft import slice_draft_model
+from kimik3.modeling.cache_kimi_k3 import KimiK3StaticCache
+from kimik3.tiny import build_tiny_model
+
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model(num_hidden_layers=4, seed=3).eval()
+
+
+@pytest.fixture(scope="module")
+def drafts(model):
+    return {"agrees": model, "disagrees": build_tiny_model(num_hidden_layers=2, seed=9).eval(),
+            "slice": slice_draft_model(model, 2)}
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def expected(model, prompt):
+    return plain(model, prompt, max_new_tokens=NEW)
+
+
+def plain(model, ids, **kwargs):
+    return GenerationMixin.generate(model, ids, cache_implementation="static", do_sample=False, **kwargs)
+
+
+def speculative(model, ids, report=None, **kwargs):
+    kwargs.setdefault("eos_token_id", None)
+    return loop.generate(ids, model=model, cache_implementation="static", do_sample=False, decode_report=report,
+                         **kwargs)
+
+
+def rounds_acceptance(draft, sequence, prompt_length, rounds, proposals):
+    """The acceptance a greedy round computes, from plain greedy runs: from the last kept token on, the draft's k
+    greedy tokens against the target's, the leading matches accepted, the next round after the first rejection."""
+    accepted, last = [], prompt_length  # index of the round's last token in `sequence`
+    for _ in range(rounds):
+        proposal = plain(draft, sequence[:, : last + 1], max_new_tokens=proposals, eos_token_id=None)
+        proposal = proposal[0, last + 1:]
+        target = sequence[0, last + 1: last + 1 + proposals]
+        agree = (proposal[: len(target)] == target).long().cumprod(0).sum().item()
+        accepted.append(agree)
+        last += agree + 1
+    return accepted
+
+
+@pytest.mark.parametrize("kind", ["agrees", "disagrees", "slice"])
+def test_draft_greedy_is_plain_greedy_and_the_acceptance_is_the_computed_one(model, drafts, prompt, expected, kind):
+    report = {}
+    got = speculative(model, prompt, report, max_new_tokens=NEW, assistant_model=drafts[kind],
+                      num_assistant_tokens=3, decode_block_steps=1)
+    assert torch.equal(got, expected)
+    assert report["rounds"] >= 2 and report["proposed"] == 3 * report["rounds"]
+    # the whole plain run, long enough for every round's proposals
+    long = plain(model, prompt, max_new_tokens=NEW + 4 * report["rounds"], eos_token_id=None)
+    computed = rounds_acceptance(drafts[kind], long, prompt.shape[1], report["rounds"], 3)
+    assert report["accepted"] == sum(computed)
+    if kind == "agrees":
+        assert computed == [3] * report["rounds"]
+    elif kind == "disagrees":
+        assert sum(computed) == 0
+    else:
+        assert 0 < sum(computed) < report["proposed"]  # partial agreement: both branches of the acceptance ran
+
+
+def test_prompt_lookup_greedy_is_plain_greedy(model):
+    phrase = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    ids = torch.cat([phrase, phrase, phrase[:, :3]], dim=1)
+    report = {}
+    got = speculative(model, ids, report, max_new_tokens=NEW, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, plain(model, ids, max_new_tokens=NEW))
+    assert report["rounds"] >= 2
+
+
+def test_prompt_lookup_proposes_what_follows_the_latest_longest_match():
+    lookup = loop.PromptLookup(ngram=2)
+    #                         0  1  2  3  4  5  6  7  8  9 10 11
+    history = torch.tensor([[5, 6, 7, 1, 5, 6, 8, 2, 9, 5, 6, 0, 0, 0],   # "5 6" at 0 and 4: the latest, 4 -> 8 2 9
+                            [3, 4, 1, 2, 9, 9, 1, 3, 3, 7, 4, 0, 0, 0],   # "7 4" nowhere, "4" at 1 -> 1 2 9
+                            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 0, 0]])  # no match: any proposal
+    length = torch.tensor([11])
+    got = lookup(None, None, length, history, None, None, 3)
+    assert got[0].tolist() == [8, 2, 9]
+    assert got[1].tolist() == [1, 2, 9]
+    assert got.shape == (3, 3)
+
+
+@pytest.mark.parametrize("keep", [1, 3, 4])
+def test_rolled_back_states_are_plain_decodings_of_the_kept_tokens(model, prompt, keep):
+    new = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = KimiK3StaticCache(model.config, max_cache_len=32)
+        model(input_ids=prompt, cache=reference)
+        for index in range(keep):
+            model(input_ids=new[:, index: index + 1], cache=reference)
+        # the target's way: one verify of 4 tokens; the draft's way: 4 one-token steps; both roll back to `keep`
+        verified, stepped = (KimiK3StaticCache(model.config, max_cache_len=32) for _ in range(2))
+        for cache in (verified, stepped):
+            model(input_ids=prompt, cache=cache)
+            cache.enable_rollback(4)
+            cache.begin_round()
+        verify_logits = model(input_ids=new, cache=verified).logits
+        step_logits = torch.cat([model(input_ids=new[:, index: index + 1], cache=stepped).logits
+                                 for index in range(4)], dim=1)
+        # the verify's T tokens see what T decode steps see (the cached keys, then their own causal prefix)
+        torch.testing.assert_close(verify_logits, step_logits, atol=1e-5, rtol=0)
+        for cache in (verified, stepped):
+            cache.roll_back(torch.tensor([keep]))
+            assert cache.get_seq_length() == prompt.shape[1] + keep
+            assert cache.key_valid[0].sum().item() == prompt.shape[1] + keep
+            for layer in cache.kda_layer_indices:
+                got, want = cache.layers[layer], reference.layers[layer]
+                torch.testing.assert_close(got.recurrent_state, want.recurrent_state, atol=1e-6, rtol=0)
+                for window, expected_window in zip(got.conv_states, want.conv_states):
+                    torch.testing.assert_close(window, expected_window, atol=1e-6, rtol=0)
+        # and decoding goes on from there as from the plain cache
+        follow = new[:, :1]
+        torch.testing.assert_close(model(input_ids=follow, cache=verified).logits,
+                                   model(input_ids=follow, cache=reference).logits, atol=1e-5, rtol=0)
+
+
+def test_eos_inside_an_accepted_run_stops_where_plain_generate_stops(model, prompt, expected):
+    eos = int(expected[0, prompt.shape[1] + 6])  # inside the second round of 4 accepted tokens
+    first = (expected[0, prompt.shape[1]:] == eos).nonzero()[0].item()
+    want = plain(model, prompt, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    assert want.shape[1] == prompt.shape[1] + first + 1
+    report = {}
+    got = speculative(model, prompt, report, max_new_tokens=NEW, assistant_model=model, num_assistant_tokens=3,
+                      eos_token_id=eos, pad_token_id=0, decode_block_steps=1)
+    assert torch.equal(got, want) and report["accepted"] == 3 * report["rounds"]
+
+
+def test_a_padded_batch_accepts_the_rows_common_run(model, drafts):
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=generator) for n in (9, 4, 6)]
+    ids = torch.stack([torch.cat([torch.zeros(9 - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(9 - len(p)), torch.ones(len(p))]) for p in prompts]).long()
+    free = plain(model, ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
+    eos = int(free[1, 9 + 2])  # one row stops mid-run, the others go on
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, eos_token_id=eos, pad_token_id=0)
+    want = plain(model, ids, **kwargs)
+    for draft in (model, drafts["slice"]):
+        assert torch.equal(speculative(model, ids, assistant_model=draft, num_assistant_tokens=2, **kwargs), want)
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(value.clone())
+
+    def end(self):
+        self.calls.append("end")
+
+
+def test_a_streamer_gets_the_calls_of_transformers_loop(model, drafts, prompt):
+    theirs, mine = Recorder(), Recorder()
+    plain(model, prompt, max_new_tokens=9, streamer=theirs)
+    speculative(model, prompt, max_new_tokens=9, streamer=mine, assistant_model=drafts["slice"],
+                num_assistant_tokens=2)
+    assert len(mine.calls) == len(theirs.calls) == 1 + 9 + 1
+    for a, b in zip(mine.calls, theirs.calls):
+        assert (isinstance(a, str) and a == b == "end") or (a.shape == b.shape and torch.equal(a, b))
+
+
+def test_speculative_sampling_goes_to_transformers_saying_why(model, drafts):
+    assert loop.call_refusal(model, (), dict(cache_implementation="static", do_sample=True,
+                                             assistant_model=drafts["slice"])).startswith("speculative sampling")
+    assert loop.call_refusal(model, (), dict(cache_implementation="static", do_sample=False,
+                                             assistant_model=drafts["slice"])) is None
+    assert loop.call_refusal(model, (), dict(cache_implementation="static", prompt_lookup_num_tokens=3)) is None
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_both(model, prompt):
+    other = build_tiny_model(num_hidden_layers=2, seed=1, vocab_size=160).eval()
+    with pytest.raises(ValueError, match=r"draft's vocabulary \(160 ids\) is not the target's"):
+        speculative(model, prompt, max_new_tokens=4, assistant_model=other)
+
+
+def test_zero_proposals_are_refused(model, prompt):
+    with pytest.raises(ValueError, match=r"0 proposals per round"):
+        speculative(model, prompt, max_new_tokens=4, prompt_lookup_num_tokens=0)
