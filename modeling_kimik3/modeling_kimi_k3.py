@@ -45,7 +45,7 @@ from .dispatch_kimi_k3 import (
     kda_recurrence,
     sdpa_backend_order,
 )
-from .offload_kimi_k3 import check_offload_request, offload_device_map, offload_routed_experts
+from .offload_kimi_k3 import check_offload_request, load_with_experts_offloaded
 from .ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, routed_experts
 from .parallel_kimi_k3 import local_shard
 from .saving_kimi_k3 import register_auto_classes, save_folder
@@ -790,28 +790,22 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are errors naming the release tensor;
         a local folder's files are checked first (files_kimi_k3.check_pretrained_folder).
 
-        `experts_offload="host"` keeps the routed experts in host memory and a device cache of at most
-        `experts_cache_bytes` bytes of them, the model's `experts_cache` (docs/design.md, Routed experts off the
-        device)."""
-        check_offload_request(experts_offload, experts_cache_bytes, kwargs)
-        load, offloaded = super().from_pretrained, []
+        `experts_offload="host"` keeps the routed experts in host memory, `"disk"` maps them from the folder's shards,
+        with a device cache of at most `experts_cache_bytes` bytes of them, the model's `experts_cache`
+        (docs/design.md, Routed experts off the device)."""
+        check_offload_request(experts_offload, experts_cache_bytes, kwargs, pretrained_model_name_or_path)
+        load = super().from_pretrained
         if experts_offload is not None:
             parent_load = load
 
             def load(path, *load_args, **load_kwargs):
-                # the config the load uses (resolved by the release loader), its expert modules mapped to the host
+                # the config the load uses (resolved by the release loader), its expert modules kept off the device
                 names = cls._expert_module_names(path, load_kwargs)
-                load_kwargs["device_map"], offloaded[:] = offload_device_map(load_kwargs.get("device_map"), names)
-                return parent_load(path, *load_args, **load_kwargs)
+                return load_with_experts_offloaded(parent_load, cls, path, load_args, load_kwargs, experts_offload,
+                                                   experts_cache_bytes, names)
 
-        loaded = check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
-                                    **kwargs)
-        if experts_offload is not None:
-            model = loaded[0] if isinstance(loaded, tuple) else loaded
-            modules = dict(model.named_modules())
-            model.experts_cache = offload_routed_experts([modules[name] for name in offloaded], experts_offload,
-                                                         experts_cache_bytes)
-        return loaded
+        return check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
+                                  **kwargs)
 
     @classmethod
     def _expert_module_names(cls, path, load_kwargs) -> list[str]:
