@@ -1,18 +1,43 @@
 """Routed experts kept off the device (docs/design.md, Routed experts off the device).
 
 The load option `experts_offload="host"` keeps every MoE layer's routed-expert stacks (dense or packed MXFP4) in host
-memory, pinned where CUDA exists; everything else stays where the load put it. After a layer's router has chosen,
-`ExpertCache.gather` moves only the chosen experts that the layer's device cache does not hold and returns a compact
-stack of the chosen experts on the compute device, with the routes renumbered into it. It imports no model file: the
-model hands it its expert modules and their stacks."""
+memory, pinned where CUDA exists; `experts_offload="disk"` maps them from the folder's safetensors shards instead
+(file-backed, never read by transformers' loader: the OS pages them in from the disk when the cache asks for an
+expert). Everything else stays where the load put it. After a layer's router has chosen, `ExpertCache.gather` moves
+only the chosen experts that the layer's device cache does not hold and returns a compact stack of the chosen experts
+on the compute device, with the routes renumbered into it. It imports no model file: the model hands it its class,
+its expert modules and their stacks."""
 
+import contextlib
+import contextvars
+import os
+import re
 from collections import OrderedDict
 
 import torch
+from torch import nn
 
+from .conversion_kimi_k3 import (
+    EXPERT_PARTS,
+    OUR_PACKED_SUFFIXES,
+    RELEASE_EXPERT_SUFFIXES,
+    RELEASE_TEXT_PREFIX,
+    mxfp4_overflow,
+    mxfp4_overflow_message,
+    release_name,
+)
+from .files_kimi_k3 import (
+    _index_name,
+    check_file_name,
+    check_inside,
+    dict_without_duplicate_keys,
+    load_error,
+    read_json,
+    read_safetensors_header,
+)
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
-EXPERTS_OFFLOAD_MODES = ("host",)
+EXPERTS_OFFLOAD_MODES = ("host", "disk")
 # device_map strategies transformers resolves by memory; with the offload the rest of the model goes to one device
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -21,8 +46,9 @@ class ExpertsOffloadError(ValueError):
     pass
 
 
-def check_offload_request(experts_offload, experts_cache_bytes, load_kwargs: dict) -> None:
-    """The load options, checked before anything is read."""
+def check_offload_request(experts_offload, experts_cache_bytes, load_kwargs: dict, pretrained=None) -> None:
+    """The load options, checked before anything is read (`pretrained`: what the load is given, a local folder for
+    the disk tier)."""
     if experts_offload is None:
         if experts_cache_bytes is not None:
             raise ExpertsOffloadError(f"experts_cache_bytes={experts_cache_bytes!r} needs experts_offload (one of "
@@ -42,33 +68,46 @@ def check_offload_request(experts_offload, experts_cache_bytes, load_kwargs: dic
     if experts_cache_bytes <= 0:
         raise ExpertsOffloadError(f"experts_cache_bytes={experts_cache_bytes}: must be > 0 (at least one expert per "
                                   "MoE layer)")
+    if experts_offload == "disk":
+        if pretrained is not None:
+            _local_folder(pretrained, load_kwargs)
+        for key in ("state_dict", "gguf_file"):
+            if load_kwargs.get(key) is not None:
+                raise ExpertsOffloadError(f"experts_offload='disk' with {key}: the disk tier maps the routed experts "
+                                          "from a folder's safetensors shards")
 
 
-def offload_device_map(device_map, expert_modules: list[str]) -> tuple[dict | None, list[str]]:
-    """(the device_map the load is given, the expert modules to offload). The routed experts are placed in host
-    memory by the load itself (transformers' device_map), never passing through the device:
+def offload_device_map(device_map, expert_modules: list[str], mode: str = "host") -> tuple[dict | None, dict]:
+    """(the device_map the load is given, {expert module offloaded: its tier, "host" or "disk"}). With "host" the
+    routed experts are placed in host memory by the load itself (transformers' device_map), never passing through the
+    device; with "disk" they are left out of the load (`experts_kept_out_of_the_load`) and mapped from the shards
+    after it:
 
-    * None: the model loads on the CPU, its experts offloaded there (host and device are one);
+    * None: the model loads on the CPU, its experts offloaded (host and device are one);
     * one device (a str, int or torch.device; a strategy such as "auto" means the first CUDA device, or the CPU):
-      everything on it but the expert modules, mapped to "cpu";
-    * a dict: the user's map, with "cpu" added for every expert module it does not name; an expert module it names
-      (its own key, or keys inside it) on an accelerator stays there, not offloaded (the per-layer choice); one it
-      names on "cpu" is offloaded; "disk" is accelerate's offload, refused with ours."""
+      everything on it but the expert modules, mapped to "cpu" (host) or left out of the map (disk);
+    * a dict: the user's map; an expert module it does not name is offloaded to the mode's tier (host: "cpu" added
+      for it); one it names (its own key, or keys inside it) on an accelerator stays there, not offloaded (the
+      per-layer choice); one it names on "cpu" is kept in host memory (the host tier, with either mode); "disk" is
+      accelerate's offload, refused with ours."""
+    disk = mode == "disk"
+    unnamed = "disk" if disk else "host"
     if device_map is None:
-        return None, list(expert_modules)
+        return None, dict.fromkeys(expert_modules, unnamed)
     if isinstance(device_map, dict):
         placed = dict(device_map)
-        offloaded = []
+        offloaded = {}
         for name in expert_modules:
             named = {placed[key] for key in placed if key == name or key.startswith(name + ".")}
             if not named:
-                placed[name] = "cpu"
-                offloaded.append(name)
+                if not disk:
+                    placed[name] = "cpu"
+                offloaded[name] = unnamed
             elif "disk" in named:
                 raise ExpertsOffloadError(f"device_map puts {name} on 'disk' (accelerate's offload) with "
-                                          "experts_offload='host': map it to 'cpu' or to a device, or leave it out")
+                                          f"experts_offload={mode!r}: map it to 'cpu' or to a device, or leave it out")
             elif named == {"cpu"}:
-                offloaded.append(name)
+                offloaded[name] = "host"
             elif "cpu" in named:
                 raise ExpertsOffloadError(f"device_map splits {name} between 'cpu' and {sorted(map(str, named))}: an "
                                           "expert module is offloaded whole or kept on one device")
@@ -78,12 +117,46 @@ def offload_device_map(device_map, expert_modules: list[str]) -> tuple[dict | No
     if not isinstance(device_map, (str, int, torch.device)):
         raise ExpertsOffloadError(f"device_map={device_map!r} with experts_offload: give a device, a strategy "
                                   f"({', '.join(DEVICE_MAP_STRATEGIES)}) or a dict")
-    return {"": device_map, **dict.fromkeys(expert_modules, "cpu")}, list(expert_modules)
+    placed = {"": device_map} if disk else {"": device_map, **dict.fromkeys(expert_modules, "cpu")}
+    return placed, dict.fromkeys(expert_modules, unnamed)
 
 
 def expert_bytes(stacks) -> int:
-    """The bytes of one expert across its stacks (every stack is [E, ...])."""
+    """The bytes of one expert across its stacks (every stack is [E, ...]; meta stacks count as well)."""
     return sum(stack[0].numel() * stack.element_size() for stack in stacks)
+
+
+class ExpertParts:
+    """The experts of one layer as the release stores them, one file-backed tensor per expert and part (`experts.{E}.
+    w1/w3/w2`): `parts[i][e]` holds the parts of our stack i for expert e, their rows in the order our fused stack
+    stacks them (gate_up: w1 rows, then w3 rows). `piece` assembles one expert on the device, a copy straight from
+    the mapped bytes, as a host stack's `stack[e].to(device)`."""
+
+    def __init__(self, parts: list[list[tuple[torch.Tensor, ...]]]):
+        self.parts = parts
+        self.bytes_per_expert = sum(t.numel() * t.element_size() for stack in parts for t in stack[0])
+
+    def piece(self, expert: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        out = []
+        for stack in self.parts:
+            pieces = stack[expert]
+            whole = torch.empty((sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]), dtype=pieces[0].dtype,
+                                device=device)
+            row = 0
+            for part in pieces:
+                whole[row:row + part.shape[0]].copy_(part)
+                row += part.shape[0]
+            out.append(whole)
+        return tuple(out)
+
+
+def _piece(source, expert: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One expert of `source` (a layer's stacks, or its `ExpertParts`) copied onto `device`."""
+    if isinstance(source, ExpertParts):
+        return source.piece(expert, device)
+    non_blocking = device.type == "cuda"
+    # a copy even where host and device are one (CPU): the cache holds its own tensors, as on a GPU
+    return tuple(stack[expert].to(device, non_blocking=non_blocking, copy=True) for stack in source)
 
 
 class ExpertCache:
@@ -110,10 +183,11 @@ class ExpertCache:
     def clear(self) -> None:
         self.layers.clear()
 
-    def gather(self, layer: int, top_indices: torch.Tensor, stacks, device: torch.device):
+    def gather(self, layer: int, top_indices: torch.Tensor, source, device: torch.device):
         """(routes renumbered into the compact stacks, the compact stacks [U, ...] of the U chosen experts on
-        `device`, in ascending expert id). The renumbering keeps the experts' order, so the experts' sum runs in
-        the order it runs over the full stacks: the same result, bit for bit. One host sync (the chosen ids)."""
+        `device`, in ascending expert id). `source`: the layer's stacks [E, ...] (host memory, or mapped from the
+        shards) or its `ExpertParts`. The renumbering keeps the experts' order, so the experts' sum runs in the order
+        it runs over the full stacks: the same result, bit for bit. One host sync (the chosen ids)."""
         chosen = torch.unique(top_indices)  # sorted
         ids = chosen.tolist()
         entries = self.layers.setdefault(layer, OrderedDict())
@@ -126,14 +200,12 @@ class ExpertCache:
         for expert in ids:
             piece = entries.get(expert)
             if piece is None:
-                non_blocking = device.type == "cuda"
-                # a copy even where host and device are one (CPU): the cache holds its own tensors, as on a GPU
-                piece = tuple(stack[expert].to(device, non_blocking=non_blocking, copy=True) for stack in stacks)
+                piece = _piece(source, expert, device)
                 self.moves += 1
                 self.moved_bytes += self.bytes_per_expert
                 self._keep(entries, expert, piece, wanted)
             pieces.append(piece)
-        compact = tuple(torch.stack([piece[i] for piece in pieces]) for i in range(len(stacks)))
+        compact = tuple(torch.stack([piece[i] for piece in pieces]) for i in range(len(pieces[0])))
         return torch.searchsorted(chosen, top_indices), compact
 
     def _keep(self, entries: OrderedDict, expert: int, piece, wanted: set) -> None:
@@ -146,20 +218,26 @@ class ExpertCache:
 
 
 class LayerOffload:
-    """What one offloaded expert module holds: its layer's number in the model's cache."""
+    """What one offloaded expert module holds: its layer's number in the model's cache, and where its experts are
+    read from when not from its own stacks (`ExpertParts`, the release's per-expert tensors mapped from disk)."""
 
-    def __init__(self, cache: ExpertCache, layer: int):
+    def __init__(self, cache: ExpertCache, layer: int, parts: ExpertParts | None = None):
         self.cache = cache
         self.layer = layer
+        self.parts = parts
 
     def gather(self, top_indices, stacks, device):
-        return self.cache.gather(self.layer, top_indices, stacks, device)
+        return self.cache.gather(self.layer, top_indices, stacks if self.parts is None else self.parts, device)
 
 
-def offload_routed_experts(experts_modules, mode: str, cache_bytes: int) -> ExpertCache:
+def offload_routed_experts(experts_modules, mode: str, cache_bytes: int, mapped: dict | None = None) -> ExpertCache:
     """Moves each module's stacks (`module.stacks()`) to host memory (pinned where CUDA exists), freezes them (the
-    device's copies carry no gradient back) and gives each module its `LayerOffload`. Returns the model's cache."""
+    device's copies carry no gradient back) and gives each module its `LayerOffload`. Returns the model's cache.
+    `mapped` ({module: its ExpertParts or None}, from `map_routed_experts`): modules whose experts are mapped from
+    the shards, left where they are (a copy into pinned memory would read every byte of them); None: their own
+    stacks are the mapped tensors."""
     check_offload_request(mode, cache_bytes, {})
+    mapped = mapped or {}
     if not experts_modules:
         raise ExpertsOffloadError(f"experts_offload={mode!r}: the model has no routed experts (no MoE layer)")
     for module in experts_modules:
@@ -176,13 +254,278 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int) -> Expe
             from accelerate.hooks import remove_hook_from_module
 
             remove_hook_from_module(module)
-        for stack in module.stacks():
-            host = stack.data.to("cpu")
-            stack.data = host.pin_memory() if pin else host
-            stack.requires_grad_(False)
-        module.offload = LayerOffload(cache, layer)
+        if module not in mapped:
+            for stack in module.stacks():
+                host = stack.data.to("cpu")
+                stack.data = host.pin_memory() if pin else host
+                stack.requires_grad_(False)
+        module.offload = LayerOffload(cache, layer, mapped.get(module))
     return cache
 
 
-__all__ = ["DEVICE_MAP_STRATEGIES", "EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertsOffloadError", "LayerOffload",
-           "check_offload_request", "expert_bytes", "offload_device_map", "offload_routed_experts"]
+# --- the disk tier: the routed experts kept out of transformers' loader, then mapped from the shards -------------
+
+# The load whose model construction `experts_kept_out_of_the_load` watches, in this thread's context only.
+_UNREAD_LOAD: contextvars.ContextVar = contextvars.ContextVar("kimik3_experts_unread", default=None)
+
+
+@contextlib.contextmanager
+def experts_kept_out_of_the_load(model_class, names: list[str]):
+    """transformers' loader reads every checkpoint tensor that lands on one of the model's state_dict keys (a
+    device_map entry "meta" included) and leaves the others alone as unexpected keys. While this is open, the model
+    of `model_class` that the load builds (seen at its first submodule's registration, torch's module registration
+    hook, before its post_init) leaves the routed experts of the modules `names` out of its state_dict, so their
+    tensors are never read nor their parameters materialised (they stay on the meta device), and it ignores their
+    checkpoint keys as transformers' `_keys_to_ignore_on_load_unexpected` does, so the load reports nothing of them.
+    Same on transformers 5.17 and 5.24 (both build the model, then read `model.state_dict()`). Undone on exit."""
+    names = tuple(names)
+    patterns = {r"(^|\.)" + re.escape(name) + r"\." for name in names}
+    load = {"models": [], "handles": []}
+
+    def leave_out(module, state_dict, prefix, local_metadata):
+        for key in [key for key in state_dict if any(key.startswith(prefix + name + ".") for name in names)]:
+            del state_dict[key]
+
+    def registration(parent, name, child):
+        if _UNREAD_LOAD.get() is not load or not isinstance(parent, model_class) \
+                or any(model is parent for model in load["models"]):
+            return None
+        load["models"].append(parent)
+        load["handles"].append(parent.register_state_dict_post_hook(leave_out))
+        parent._keys_to_ignore_on_load_unexpected = set(type(parent)._keys_to_ignore_on_load_unexpected or ()) | \
+            patterns
+        return None
+
+    token = _UNREAD_LOAD.set(load)
+    hook = nn.modules.module.register_module_module_registration_hook(registration)
+    try:
+        yield load["models"]
+    finally:
+        hook.remove()
+        _UNREAD_LOAD.reset(token)
+        for handle in load["handles"]:
+            handle.remove()
+        for model in load["models"]:
+            model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) - patterns
+
+
+# safetensors dtypes of the tensors the tier maps, as torch dtypes (a stack's dtype is the model's)
+_TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BF16": torch.bfloat16, "F16": torch.float16,
+                 "F32": torch.float32, "F64": torch.float64, "I16": torch.int16, "I32": torch.int32,
+                 "I64": torch.int64}
+
+
+class ShardMapper:
+    """The weights of one local folder as its index (or single file) names them: only plain file names of the
+    folder, resolving inside it (an adopted folder's links into its release folder are the exception, as for every
+    load: files_kimi_k3.check_inside), each header read once as strictly as the format (read_safetensors_header:
+    offsets within the file, no overlap, no hole), each file mapped once, privately (a write would copy a page, the
+    file is never written) and never read here: `tensor` is a view of the mapping, file-backed, no copy."""
+
+    def __init__(self, folder: str, variant: str | None = None):
+        self.folder = folder
+        self._headers: dict[str, dict] = {}
+        self._maps: dict[str, torch.Tensor] = {}
+        index_name, single_name = _index_name(variant)
+        index_path, single_path = os.path.join(folder, index_name), os.path.join(folder, single_name)
+        if os.path.lexists(index_path):
+            check_inside(folder, index_path)
+            index = read_json(index_path, object_pairs_hook=dict_without_duplicate_keys)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise load_error(index_path, "not a safetensors index (needs a `weight_map` object mapping tensor "
+                                 "names to shard file names)")
+            self.index_path, self.weight_map = index_path, weight_map
+        elif os.path.lexists(single_path):
+            check_inside(folder, single_path)
+            self.index_path = single_path
+            self.weight_map = dict.fromkeys(self._header(single_name), single_name)
+        else:
+            raise load_error(folder, f"holds neither {index_name} nor {single_name}: experts_offload='disk' maps the "
+                             "routed experts from the folder's safetensors weights")
+
+    def _path(self, shard, tensor) -> str:
+        check_file_name(shard, self.index_path, what="shard", suffix=".safetensors", tensor=tensor)
+        path = os.path.join(self.folder, shard)
+        check_inside(self.folder, path)
+        return path
+
+    def _header(self, shard, tensor=None) -> dict:
+        if shard not in self._headers:
+            self._headers[shard] = read_safetensors_header(self._path(shard, tensor))[0]
+        return self._headers[shard]
+
+    def tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The file-backed tensor `name` of the index, which must be `dtype` and `shape` as the model holds it."""
+        shard = self.weight_map.get(name)
+        if shard is None:
+            raise load_error(self.index_path, "the index names no such tensor: the routed experts mapped from disk "
+                             "need it", name)
+        path = self._path(shard, name)
+        entry = self._header(shard, name).get(name)
+        if entry is None:
+            raise load_error(path, "the index names this tensor but the shard's header lacks it", name)
+        kind, found, begin, end = entry
+        if _TORCH_DTYPES.get(kind) != dtype:
+            raise load_error(path, f"holds {kind}, the model holds this tensor as {str(dtype).removeprefix('torch.')}: "
+                             "a mapped tensor is used as stored, without a conversion (load with the dtype the "
+                             "file holds, or use experts_offload='host', which converts)", name)
+        if tuple(found) != tuple(shape):
+            raise load_error(path, f"has shape {list(found)}, the model needs {list(shape)}", name)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if begin % itemsize:
+            raise load_error(path, f"its data starts at byte {begin}, not a multiple of its {itemsize}-byte elements: "
+                             "it cannot be mapped without a copy", name)
+        whole = self._maps.get(shard)
+        if whole is None:
+            size = os.stat(path).st_size
+            if size < end:  # the header was read moments ago: the file shrank since
+                raise load_error(path, f"file is truncated: the tensor's data ends at byte {end} but the file has "
+                                 f"only {size} bytes", name)
+            whole = self._maps[shard] = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+        return whole[begin:end].view(dtype).view(shape)
+
+    def names_under(self, prefix: str) -> set[str]:
+        return {name for name in self.weight_map if name.startswith(prefix)}
+
+
+def _stack_names(module) -> list[str]:
+    """The parameter names of `module.stacks()`, in its order."""
+    names = {id(param): name for name, param in module.named_parameters(recurse=False)}
+    return [names[id(stack)] for stack in module.stacks()]
+
+
+def _release_stack(stack_name: str) -> tuple[str, str]:
+    """Our stack name -> (the fused tensor it belongs to, the release suffix of its parts): `gate_up_proj_packed` ->
+    (`gate_up_proj`, `weight_packed`), `down_proj` -> (`down_proj`, `weight`)."""
+    for suffix, ours in OUR_PACKED_SUFFIXES.items():
+        if stack_name.endswith(ours):
+            return stack_name.removesuffix(ours), suffix
+    (plain,) = RELEASE_EXPERT_SUFFIXES["dense"]
+    return stack_name, plain
+
+
+def _check_names(shards: ShardMapper, prefix: str, expected: list[str], module_name: str, packed: bool) -> None:
+    """The index's tensors under one expert module's prefix must be exactly those the mapping reads: a missing one
+    is named, and so is one more (an extra expert, or a format the model does not hold), which transformers' loader,
+    told to ignore these keys, would not report."""
+    found = shards.names_under(prefix)
+    missing = [name for name in expected if name not in found]
+    extra = sorted(found - set(expected))
+    if missing and extra and all(name.endswith(("_packed", "_scale", ".weight_packed", ".weight_scale"))
+                                 for name in extra) and not packed:
+        raise load_error(shards.index_path, "the routed experts are stored packed (MXFP4) and experts_offload='disk' "
+                         "maps them as stored: load with experts_format='mxfp4' (dequantising them is a copy: "
+                         "experts_offload='host' does it)", extra[0])
+    if missing:
+        raise load_error(shards.index_path, f"the index lacks this tensor of the routed experts `{module_name}`, "
+                         "which experts_offload='disk' maps from the shards", missing[0])
+    if extra:
+        raise load_error(shards.index_path, f"the index names this tensor under the routed experts `{module_name}`, "
+                         f"which the model does not hold ({len(expected)} tensors expected: an extra expert, or a "
+                         "format other than the model's experts_format)", extra[0])
+
+
+def _dtype_of(model) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+
+
+def map_routed_experts(folder: str, model, names: list[str], variant: str | None = None) -> dict:
+    """Maps the routed experts of the modules `names` (left on the meta device by the load) from the folder's
+    shards; {module: ExpertParts | None}. Our layout (a fused stack a tensor, e.g. `...mlp.experts.gate_up_proj`)
+    becomes the module's parameters, file-backed; the release layout (`...block_sparse_moe.experts.{E}.w1...`,
+    through an adopted folder) is mapped a tensor per expert and part, an `ExpertParts` the cache assembles from,
+    while the module's parameters stay on the meta device. Names are looked up as the text model's and under the
+    composite model's `language_model.` prefix. Kept-packed release experts are checked for scales that decode to
+    non-finite values (as the release loader's RejectInfiniteScales and check_packed_experts)."""
+    shards = ShardMapper(folder, variant)
+    modules = dict(model.named_modules())
+    dtype = _dtype_of(model)
+    mapped = {}
+    for name in names:
+        module = modules[name]
+        stack_names = _stack_names(module)
+        stacks = dict(zip(stack_names, module.stacks()))
+        ours_prefix = next((p + name + "." for p in ("", RELEASE_TEXT_PREFIX) if shards.names_under(p + name + ".")),
+                           None)
+        release = release_name(name + ".")[:-1]  # `...mlp.experts` -> `...block_sparse_moe.experts`
+        release_prefix = next((p + release + "." for p in ("", RELEASE_TEXT_PREFIX)
+                               if shards.names_under(p + release + ".")), None)
+        if ours_prefix is not None:
+            expected = [ours_prefix + stack for stack in stack_names]
+            _check_names(shards, ours_prefix, expected, name, module.packed)
+            for stack_name, full in zip(stack_names, expected):
+                stack = stacks[stack_name]
+                mapped_stack = shards.tensor(full, stack.dtype, tuple(stack.shape))
+                module.register_parameter(stack_name, nn.Parameter(mapped_stack, requires_grad=False))
+            mapped[module] = None
+        elif release_prefix is not None:
+            parts, expected = [], []
+            for stack_name in stack_names:
+                stack = stacks[stack_name]
+                fused, suffix = _release_stack(stack_name)
+                part_names = EXPERT_PARTS[fused]
+                rows = stack.shape[1] // len(part_names)
+                experts = []
+                for expert in range(stack.shape[0]):
+                    names_e = [f"{release_prefix}{expert}.{part}.{suffix}" for part in part_names]
+                    expected += names_e
+                    experts.append(names_e)
+                parts.append((stack, rows, experts))
+            _check_names(shards, release_prefix, expected, name, module.packed)
+            source = [[tuple(shards.tensor(n, stack.dtype, (rows, *stack.shape[2:])) for n in experts_e)
+                       for experts_e in experts] for stack, rows, experts in parts]
+            if module.packed:
+                _check_release_scales(shards, source, parts, dtype)
+            mapped[module] = ExpertParts(source)
+        else:
+            raise load_error(shards.index_path, f"names no tensor of the routed experts `{name}` (neither our "
+                             f"`{name}.*` nor the release's `{release}.{{E}}.*`, bare or under `{RELEASE_TEXT_PREFIX}`"
+                             "): experts_offload='disk' maps them from the folder's shards")
+    return mapped
+
+
+def _check_release_scales(shards: ShardMapper, source, parts, dtype) -> None:
+    """Every mapped MXFP4 group must decode to finite values in the model's dtype (stacks in order: codes, scales of
+    gate_up, then of down). Reads the scales (1/16 of the codes' bytes), not the codes, unless a scale is high."""
+    for index in range(0, len(source), 2):
+        codes, scales = source[index], source[index + 1]
+        for expert, (expert_codes, expert_scales) in enumerate(zip(codes, scales)):
+            for part, (packed, scale) in enumerate(zip(expert_codes, expert_scales)):
+                found = mxfp4_overflow(packed, scale, dtype)
+                if found is not None:
+                    where, byte, code = found
+                    tensor = parts[index + 1][2][expert][part]
+                    raise load_error(os.path.join(shards.folder, shards.weight_map[tensor]),
+                                     mxfp4_overflow_message(where, byte, code, dtype), tensor)
+
+
+def _local_folder(path, load_kwargs) -> str:
+    """The local folder a disk-tier load maps from (the folder named, and its `subfolder`)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise ExpertsOffloadError(f"experts_offload='disk' with {path!r}: the disk tier maps the routed experts from "
+                                  "the shards of a local folder (download the model and name its folder)")
+    subfolder = load_kwargs.get("subfolder") or ""
+    return os.path.join(os.fspath(path), subfolder) if subfolder else os.fspath(path)
+
+
+def load_with_experts_offloaded(load, model_class, path, load_args, load_kwargs: dict, mode: str, cache_bytes: int,
+                                names: list[str]):
+    """`load(path, ...)` (transformers' from_pretrained, returning (model, loading info)) with the routed experts of
+    the modules `names` offloaded to `mode`'s tier and the model's `experts_cache` set: "host" through the device_map
+    (`offload_device_map`), "disk" kept out of the load and mapped from the folder's shards after it."""
+    folder = _local_folder(path, load_kwargs) if mode == "disk" else None  # checked before the load already
+    load_kwargs["device_map"], tiers = offload_device_map(load_kwargs.get("device_map"), names, mode)
+    on_disk = [name for name, tier in tiers.items() if tier == "disk"]
+    with experts_kept_out_of_the_load(model_class, on_disk) if on_disk else contextlib.nullcontext():
+        loaded = load(path, *load_args, **load_kwargs)
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    mapped = map_routed_experts(folder, model, on_disk, load_kwargs.get("variant")) if on_disk else {}
+    modules = dict(model.named_modules())
+    model.experts_cache = offload_routed_experts([modules[name] for name in tiers], mode, cache_bytes, mapped)
+    return loaded
+
+
+__all__ = ["DEVICE_MAP_STRATEGIES", "EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertParts", "ExpertsOffloadError",
+           "LayerOffload", "ShardMapper", "check_offload_request", "expert_bytes", "experts_kept_out_of_the_load",
+           "load_with_experts_offloaded", "map_routed_experts", "offload_device_map", "offload_routed_experts"]

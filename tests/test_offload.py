@@ -146,20 +146,32 @@ NAMES = ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
 
 
 def test_device_map_puts_the_experts_on_the_host_and_keeps_the_ones_the_user_names_on_a_device():
-    assert offload_device_map(None, NAMES) == (None, NAMES)  # a CPU model: its experts offloaded where they are
+    host = dict.fromkeys(NAMES, "host")
+    assert offload_device_map(None, NAMES) == (None, host)  # a CPU model: its experts offloaded where they are
     for device in ("cuda:0", 0, torch.device("cuda", 1)):
-        assert offload_device_map(device, NAMES) == ({"": device, NAMES[0]: "cpu", NAMES[1]: "cpu"}, NAMES)
+        assert offload_device_map(device, NAMES) == ({"": device, NAMES[0]: "cpu", NAMES[1]: "cpu"}, host)
     # a strategy resolves to one device (no CUDA here: the CPU)
     assert offload_device_map("auto", NAMES)[0] == {"": "cpu", NAMES[0]: "cpu", NAMES[1]: "cpu"}
     # the user's dict: experts it does not name go to the host; named on a device they stay (the per-layer choice),
     # named on "cpu" (their own key or every key inside them) they are offloaded
     user = {"": 0, "model.layers.2": 1, NAMES[1]: 1}
     placed, offloaded = offload_device_map(user, NAMES)
-    assert placed == {**user, NAMES[0]: "cpu"} and offloaded == [NAMES[0]] and user == {"": 0, "model.layers.2": 1,
-                                                                                         NAMES[1]: 1}
+    assert placed == {**user, NAMES[0]: "cpu"} and offloaded == {NAMES[0]: "host"} and user == {
+        "": 0, "model.layers.2": 1, NAMES[1]: 1}
     inside = {"": 0, NAMES[0] + ".gate_up_proj": "cpu", NAMES[0] + ".down_proj": "cpu"}
-    assert offload_device_map(inside, NAMES) == ({**inside, NAMES[1]: "cpu"}, NAMES)
-    assert offload_device_map({"": 0, "model.layers.1.mlp.experts_extra": 0}, NAMES)[1] == NAMES  # not a child
+    assert offload_device_map(inside, NAMES) == ({**inside, NAMES[1]: "cpu"}, host)
+    assert offload_device_map({"": 0, "model.layers.1.mlp.experts_extra": 0}, NAMES)[1] == host  # not a child
+
+
+def test_device_map_of_the_disk_tier_leaves_the_experts_out_and_keeps_the_named_ones_on_the_host_or_a_device():
+    disk = dict.fromkeys(NAMES, "disk")
+    assert offload_device_map(None, NAMES, "disk") == (None, disk)
+    assert offload_device_map(0, NAMES, "disk") == ({"": 0}, disk)  # the experts are not in the load at all
+    assert offload_device_map("auto", NAMES, "disk") == ({"": "cpu"}, disk)
+    # named on "cpu": that layer's experts in host memory (the host tier); named on a device: kept there
+    user = {"": 0, NAMES[0]: "cpu", NAMES[1] + ".gate_up_proj": 1, NAMES[1] + ".down_proj": 1}
+    assert offload_device_map(user, NAMES, "disk") == (user, {NAMES[0]: "host"})
+    assert offload_device_map({"": 0}, NAMES, "disk") == ({"": 0}, disk)
 
 
 @pytest.mark.parametrize("device_map, message", [
@@ -215,7 +227,7 @@ def test_an_accelerate_hook_on_an_expert_module_is_detached_with_its_weights_bac
 
 
 @pytest.mark.parametrize("options, message", [
-    pytest.param({"experts_offload": "gpu", "experts_cache_bytes": 10 ** 6}, "unknown; known: ['host']",
+    pytest.param({"experts_offload": "gpu", "experts_cache_bytes": 10 ** 6}, "unknown; known: ['host', 'disk']",
                  id="offload-unknown-mode"),
     pytest.param({"experts_offload": "host"}, "needs experts_cache_bytes", id="offload-no-budget"),
     pytest.param({"experts_offload": "host", "experts_cache_bytes": 0}, "must be > 0", id="offload-budget-zero"),
@@ -262,3 +274,326 @@ def test_the_release_layout_loads_with_its_experts_offloaded(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(ids).logits, whole(ids).logits)
     assert model.experts_cache.moves > 0
+
+
+# --- the disk tier (experts_offload="disk"): the routed experts never pass through transformers' loader; they are
+# mapped from the folder's shards, file-backed, and the cache gathers from the mapping --------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from kimik3.modeling.files_kimi_k3 import KimiK3LoadError  # noqa: E402
+from kimik3.modeling.offload_kimi_k3 import ShardMapper  # noqa: E402
+
+
+def _mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds `tensor`'s bytes (/proc/self/maps), None for anonymous memory: a tensor read
+    into memory, or copied, has no file behind it."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The checkpoint tensors transformers' loader reads (materialises) during a load: every safetensors slice it
+    takes is watched (5.17 and 5.24 open the shards with `safe_open` and take `get_slice` of every key)."""
+    import transformers.modeling_utils as modeling_utils
+
+    seen, real_open = [], modeling_utils.safe_open
+
+    class Slice:
+        def __init__(self, inner, name):
+            self._inner, self._name = inner, name
+
+        def __getitem__(self, index):
+            seen.append(self._name)
+            return self._inner[index]
+
+        def __getattr__(self, attr):
+            return getattr(self._inner, attr)
+
+    class Opened:
+        def __init__(self, *args, **kwargs):
+            self._inner = real_open(*args, **kwargs)
+
+        def get_slice(self, name):
+            return Slice(self._inner.get_slice(name), name)
+
+        def __getattr__(self, attr):
+            return getattr(self._inner, attr)
+
+    monkeypatch.setattr(modeling_utils, "safe_open", Opened)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def packed_folder(packed, tmp_path_factory):
+    path = tmp_path_factory.mktemp("offload_packed")
+    packed.save_pretrained(path)
+    return path
+
+
+def _check_decode_and_reused_cache(model, reference, steps=3):
+    """Prefill, decode steps and a second generate() (a cache reused across calls): logits and tokens equal."""
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want, got = reference(ids, use_cache=True), model(ids, use_cache=True)
+        assert torch.equal(got.logits, want.logits)
+        for step in range(steps):
+            token = want.logits[:, -1:].argmax(-1)
+            want = reference(token, past_key_values=want.past_key_values, use_cache=True)
+            got = model(token, past_key_values=got.past_key_values, use_cache=True)
+            assert torch.equal(got.logits, want.logits), step
+    tokens = reference.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids[:1], max_new_tokens=4, do_sample=False), tokens)
+    moves = model.experts_cache.moves
+    assert torch.equal(model.generate(ids[:1], max_new_tokens=4, do_sample=False), tokens)
+    assert moves > 0 and model.experts_cache.moves == moves  # the second call found every expert in the cache
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_disk_tier_maps_our_layout_without_the_loader_reading_an_expert(dense, packed, folder, packed_folder, fmt,
+                                                                        reads):
+    reference, path = (dense, folder) if fmt == "dense" else (packed, packed_folder)
+    model, info = KimiK3ForCausalLM.from_pretrained(path, experts_offload="disk", experts_cache_bytes=10 ** 6,
+                                                    output_loading_info=True)
+    assert reads and not [name for name in reads if ".mlp.experts." in name]  # the rest was read, no expert
+    assert not info["unexpected_keys"] and not info["missing_keys"]  # and the load reports nothing of them
+    shard = os.path.realpath(path / "model.safetensors")
+    for module in _experts(model):
+        assert module.offload.parts is None
+        for stack in module.stacks():  # the module's own stacks, file-backed: the bytes stay in the shard
+            assert _mapped_file(stack) == shard and not stack.untyped_storage().resizable()
+    _check_decode_and_reused_cache(model, reference)
+    # nothing of the load is left behind: the model's state_dict has the experts again, a new model too
+    assert sum(".mlp.experts." in key for key in model.state_dict()) == 3 * len(_experts(model)[0].stacks())
+    assert not any("experts" in pattern for pattern in model._keys_to_ignore_on_load_unexpected)
+    assert any(".mlp.experts." in key for key in KimiK3ForCausalLM(model.config).state_dict())
+
+
+@pytest.fixture(scope="module")
+def release_folders(tmp_path_factory):
+    """An adopted release folder (release layout, MXFP4 per-expert tensors, links into the release folder) and the
+    model loaded from it whole."""
+    from transformers import AutoModelForCausalLM
+
+    from kimik3.convert import testing
+    from kimik3.convert.adopt import adopt
+
+    tmp = tmp_path_factory.mktemp("offload_release")
+    release = testing.write_release_checkpoint(tmp / "release" / "k3", seed=5, num_layers=3, num_experts=4).path
+    adopt(release, tmp / "adopted", experts_format="mxfp4")
+    whole = AutoModelForCausalLM.from_pretrained(str(tmp / "adopted"), trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    return release, tmp / "adopted", whole
+
+
+def test_disk_tier_maps_the_release_layout_a_tensor_per_expert_through_an_adopted_folder(release_folders, reads):
+    from transformers import AutoModelForCausalLM
+
+    release, adopted, whole = release_folders
+    model = AutoModelForCausalLM.from_pretrained(str(adopted), experts_offload="disk", experts_cache_bytes=10 ** 6,
+                                                 trust_remote_code=True, dtype=torch.float32).eval()
+    assert reads and not [name for name in reads if ".block_sparse_moe.experts." in name]
+    experts = [m for m in model.modules() if type(m).__name__ == "KimiK3Experts"]
+    assert len(experts) == 2 and all(m.packed and m.offload.parts is not None for m in experts)
+    for module in experts:
+        assert all(stack.device.type == "meta" for stack in module.stacks())  # never materialised
+        for stack in module.offload.parts.parts:
+            for pieces in stack:
+                for piece in pieces:  # the adopted folder's link resolves into the release folder's shard
+                    where = _mapped_file(piece)
+                    assert where is not None and os.path.dirname(where) == os.path.realpath(release)
+    _check_decode_and_reused_cache(model, whole)
+
+
+def test_disk_tier_keeps_the_layers_the_device_map_names_on_the_host(dense, folder, reads):
+    model = KimiK3ForCausalLM.from_pretrained(folder, experts_offload="disk", experts_cache_bytes=10 ** 6,
+                                              device_map={"": "cpu", "model.layers.2.mlp.experts": "cpu"})
+    assert sorted({name.rsplit(".", 1)[0] for name in reads if ".mlp.experts." in name}) == [
+        "model.layers.2.mlp.experts"]  # that layer read into host memory by the loader, the others mapped
+    assert all(module.offload is not None for module in _experts(model))
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, dense(ids).logits)
+
+
+# a safetensors file written by hand, so a header can say what the format allows but our reader refuses
+def _write_safetensors(path, tensors: dict, edit=None, pad: int = 8):
+    header, blobs, offset = {}, [], 0
+    names = {torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8", torch.bfloat16: "BF16"}
+    for name, tensor in tensors.items():
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    if edit is not None:
+        edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % pad)
+    with open(path, "wb") as handle:
+        handle.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def _folder_with(tmp_path, shards: dict, weight_map=None):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for shard, tensors in shards.items():
+        _write_safetensors(folder / shard, tensors)
+    if weight_map is None:
+        weight_map = {name: shard for shard, tensors in shards.items() for name in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+STACK = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+
+
+def test_the_shard_mapper_gives_file_backed_views_of_the_bytes(tmp_path):
+    folder = _folder_with(tmp_path, {"a.safetensors": {"s": STACK, "x": torch.ones(3, dtype=torch.uint8)}})
+    mapped = ShardMapper(str(folder)).tensor("s", torch.float32, (2, 3, 4))
+    assert torch.equal(mapped, STACK) and _mapped_file(mapped) == str(folder / "a.safetensors")
+
+
+def _truncate(folder):
+    path = folder / "a.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+def _offsets_past_end(folder):
+    _write_safetensors(folder / "a.safetensors", {"s": STACK}, edit=lambda h: h["s"].update(
+        shape=[2, 3, 8], data_offsets=[0, 192]))
+
+
+def _outside(folder, name):
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"s": name}}))
+
+
+def _symlink_out(folder):
+    outside = folder.parent / "elsewhere.safetensors"
+    shutil.move(folder / "a.safetensors", outside)
+    os.symlink(outside, folder / "a.safetensors")
+
+
+def _misaligned(folder):
+    _write_safetensors(folder / "a.safetensors", {"x": torch.ones(3, dtype=torch.uint8), "s": STACK})
+    _outside(folder, "a.safetensors")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"s": "a.safetensors", "x": "a.safetensors"}}))
+
+
+def _header_lacks(folder):
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"s": "a.safetensors", "t": "a.safetensors"}}))
+
+
+@pytest.mark.parametrize("spoil, tensor, dtype, shape, message", [
+    pytest.param(_truncate, "s", torch.float32, (2, 3, 4), "file is truncated", id="disk-truncated-shard"),
+    pytest.param(_offsets_past_end, "s", torch.float32, (2, 3, 8), r"data ends at byte \d+ but the file has only \d+ bytes",
+                 id="disk-offsets-past-end"),
+    pytest.param(None, "s", torch.bfloat16, (2, 3, 4), "holds F32, the model holds this tensor as bfloat16",
+                 id="disk-wrong-dtype"),
+    pytest.param(None, "s", torch.float32, (2, 4, 3), r"has shape \[2, 3, 4\], the model needs \[2, 4, 3\]",
+                 id="disk-wrong-shape"),
+    pytest.param(lambda f: _outside(f, "../a.safetensors"), "s", torch.float32, (2, 3, 4), "refusing shard name",
+                 id="disk-shard-outside-folder"),
+    pytest.param(lambda f: _outside(f, str(f / "a.safetensors")), "s", torch.float32, (2, 3, 4),
+                 "refusing shard name", id="disk-shard-absolute-path"),
+    pytest.param(_symlink_out, "s", torch.float32, (2, 3, 4), "outside the folder", id="disk-shard-symlink-out"),
+    pytest.param(None, "t", torch.float32, (2, 3, 4), "the index names no such tensor", id="disk-tensor-not-indexed"),
+    pytest.param(_header_lacks, "t", torch.float32, (2, 3, 4), "the shard's header lacks it",
+                 id="disk-tensor-not-in-header"),
+    pytest.param(_misaligned, "s", torch.float32, (2, 3, 4), r"starts at byte \d+, not a multiple of its 4-byte",
+                 id="disk-misaligned-tensor"),
+])
+def test_the_shard_mapper_refuses_bad_shards_by_file_and_tensor(tmp_path, spoil, tensor, dtype, shape, message):
+    folder = _folder_with(tmp_path, {"a.safetensors": {"s": STACK}})
+    if spoil is not None:
+        spoil(folder)
+    with pytest.raises(KimiK3LoadError, match=message) as caught:
+        ShardMapper(str(folder)).tensor(tensor, dtype, shape)
+    assert str(folder) in str(caught.value) or str(folder.parent) in str(caught.value)
+
+
+def _without(path, name):
+    """A copy of our folder without the tensor `name` (shard and index agree, so the folder checks pass)."""
+    tensors = load_file(path / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _release_with(release_folders, tmp_path, change):
+    """A copy of the release folder, adopted, then its first MoE layer's shard changed by `change(tensors)` (adopt
+    itself refuses what the convert plan refuses; the adopted folder's links see the change)."""
+    from kimik3.convert.adopt import adopt
+
+    release = tmp_path / "release"
+    shutil.copytree(release_folders[0], release)
+    adopt(release, tmp_path / "adopted", experts_format="mxfp4")
+    index = json.loads((release / "model.safetensors.index.json").read_text())
+    prefix = "language_model.model.layers.1.block_sparse_moe.experts."
+    shard = next(s for name, s in index["weight_map"].items() if name.startswith(prefix))
+    tensors = load_file(release / shard)
+    for name in change(tensors, prefix):
+        index["weight_map"][name] = shard
+    save_file(tensors, str(release / shard), metadata={"format": "pt"})
+    (release / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tmp_path / "adopted"
+
+
+def _extra_expert(tensors, prefix):
+    added = {prefix.replace("experts.", f"experts.4.{name.split('experts.0.', 1)[1]}"): value.clone()
+             for name, value in tensors.items() if name.startswith(prefix + "0.")}
+    tensors.update(added)
+    return added
+
+
+def _infinite_scale(tensors, prefix):
+    tensors[prefix + "2.w3.weight_scale"][1, 0] = 255
+    return []
+
+
+@pytest.mark.parametrize("make, options, message", [
+    pytest.param(lambda f, r, t: (_without(f, "model.layers.2.mlp.experts.down_proj"), f)[1], {},
+                 "tensor `model.layers.2.mlp.experts.down_proj`: the index lacks this tensor",
+                 id="disk-missing-expert-tensor"),
+    pytest.param(lambda f, r, t: f, {"dtype": torch.bfloat16},
+                 "tensor `model.layers.1.mlp.experts.gate_up_proj`: holds F32, the model holds this tensor as bfloat16",
+                 id="disk-experts-dtype-differs-from-the-load"),
+    pytest.param(lambda f, r, t: r[1], {"experts_format": "dense"}, "stored packed .MXFP4. and experts_offload='disk' "
+                 "maps them as stored: load with experts_format='mxfp4'", id="disk-release-mxfp4-as-dense"),
+    pytest.param(lambda f, r, t: _release_with(r, t, _extra_expert), {},
+                 r"experts\.4\.w1\.weight_packed`: the index names this tensor under the routed experts",
+                 id="disk-release-extra-expert"),
+    pytest.param(lambda f, r, t: _release_with(r, t, _infinite_scale), {},
+                 r"experts\.2\.w3\.weight_scale`: E8M0 scale byte 0xFF", id="disk-release-infinite-scale"),
+])
+def test_the_disk_tier_refuses_folders_it_cannot_map_by_name(folder, release_folders, tmp_path, make, options,
+                                                               message):
+    ours = tmp_path / "ours"
+    shutil.copytree(folder, ours)
+    path = make(ours, release_folders, tmp_path)
+    with pytest.raises(KimiK3LoadError, match=message):
+        KimiK3ForCausalLM.from_pretrained(path, experts_offload="disk", experts_cache_bytes=10 ** 6, **options)
+
+
+@pytest.mark.parametrize("path, options, message", [
+    pytest.param("org/model", {}, "the disk tier maps the routed experts from the shards of a local folder",
+                 id="disk-not-a-local-folder"),
+    pytest.param(None, {"gguf_file": "model.gguf"}, "with gguf_file: the disk tier maps", id="disk-with-gguf"),
+])
+def test_the_disk_tier_needs_a_local_folder_of_safetensors(folder, path, options, message):
+    with pytest.raises(ExpertsOffloadError, match=message):
+        KimiK3ForCausalLM.from_pretrained(path or folder, experts_offload="disk", experts_cache_bytes=10 ** 6,
+                                          **options)
