@@ -26,6 +26,13 @@ Side by side in one run, on the bench_k3.py model (random bf16 weights, K3's exa
   spec          decode tokens/s at batch 1: plain compiled decode (cache_implementation="static") vs assisted
                 decoding with a 2-layer slice of the target as draft and with prompt lookup on a repetitive text,
                 with acceptance rates (drafted tokens the target accepted)
+  spec_static   speculative decoding on the static cache (generate_kimi_k3.py's speculative rounds, compiled and
+                captured on CUDA) against plain compiled static decode, side by side per target: the target is the
+                benchmark model with the residual outputs of its layers past a 2-layer slice's (attention o_proj,
+                the feed-forward's last projections) scaled by alpha, the draft that slice (taken before damping), so
+                that the acceptance rate, measured by the loop itself, runs from ~0 (alpha 1) towards 1 (alpha 0);
+                per alpha and batch size: tokens/s of plain, of the draft and of prompt lookup (a random target does
+                not repeat its prompt: the ~0% point), the acceptance rates and the speedups
   snapshots     bytes held by KDA state snapshots at 64K and 1M tokens for the default interval (the benchmark
                 model measured at 64K; the release's 69 KDA layers from the config), and the rollback record
                 bytes per verified token against one set of KDA states
@@ -33,6 +40,7 @@ Random weights: acceptance rates say nothing about a trained draft; tokens/s per
 
     python benchmarks/bench_serving.py                 # H200
     python benchmarks/bench_serving.py --quick         # CPU smoke test on a tiny model, seconds
+    python benchmarks/bench_serving.py --only spec_static --alphas 1,0.3,0.1,0.03,0 --batches 1,4
 
 Prints one JSON line of results (and writes it to --out when given).
 """
@@ -305,6 +313,89 @@ def round_costs(model, draft, context, k):
             "projected_by_acceptance_rate": projected}
 
 
+# Parameters whose output is a layer's residual contribution: scaling them by alpha scales what the layer adds
+DAMPED_SUFFIXES = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.shared_experts.down_proj.weight",
+                   "mlp.routed_expert_up_proj.weight")
+
+
+def damp_layers(model, kept_layers, alpha: float, originals: dict) -> int:
+    """Scale the residual outputs of every layer not in `kept_layers` by alpha (from their original weights, kept
+    in `originals` on the first call); returns the parameters scaled."""
+    scaled = 0
+    for index, layer in enumerate(model.model.layers):
+        if index in kept_layers:
+            continue
+        latent = getattr(layer.mlp, "is_latent", True)
+        for name, param in layer.named_parameters():
+            if not (name.endswith(DAMPED_SUFFIXES) or (not latent and name == "mlp.experts.down_proj")):
+                continue
+            key = (index, name)
+            if key not in originals:
+                originals[key] = param.detach().clone()
+            with torch.no_grad():
+                param.copy_(originals[key] * alpha)
+            scaled += 1
+    return scaled
+
+
+@torch.no_grad()
+def section_spec_static(model, device, context, new_tokens, draft_layers, proposals, alphas, batches, compiled,
+                        repeats=3, warm_up=True):
+    """Plain compiled static decode vs speculative rounds (a damped target and its slice; prompt lookup), see the
+    module docstring. Every timed call is one generate() of `new_tokens` tokens (no eos), after a warm-up call of
+    the same shapes (`warm_up`); the median of `repeats`."""
+    import kimik3.modeling.generate_kimi_k3 as loop
+    from kimik3.convert.schedule import layer_map
+    from kimik3.draft import slice_draft_model
+
+    kept, _ = layer_map(model.config, draft_layers)
+    draft = slice_draft_model(model, draft_layers)  # from the undamped target: its layers are never damped
+    originals: dict = {}
+    vocab = model.config.vocab_size
+    phrase = torch.randint(3, vocab - 1, (1, 64), device=device)
+    prompt = phrase.repeat(1, max(1, context // 64))
+    settings = dict(cache_implementation="static", do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                    pad_token_id=0, decode_compile=compiled)
+    results = {"context": prompt.shape[1], "new_tokens": new_tokens, "proposals": proposals,
+               "draft_layers": kept, "compiled": compiled, "rows": []}
+
+    def timed(ids, **kwargs):
+        if warm_up:  # the same shapes: compilation and capture on CUDA, the first calls' set-up on CPU
+            loop.generate(ids, model=model, **settings, **kwargs)
+        runs = []
+        for _ in range(repeats):
+            report = {}
+            seconds, out = _seconds(lambda: loop.generate(ids, model=model, decode_report=report, **settings,
+                                                          **kwargs))
+            runs.append((seconds, out, report))
+        seconds, out, report = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+        entry = {"s": round_sig(seconds), "tok_s": round_sig(ids.shape[0] * new_tokens / seconds)}
+        if report.get("rounds"):
+            entry.update(rounds=report["rounds"], acceptance_rate=round_sig(report["accepted"] / report["proposed"]),
+                         tokens_per_round=round_sig((report["accepted"] + report["rounds"]) / report["rounds"]))
+        return entry, out
+
+    for alpha in alphas:
+        results["damped_parameters"] = damp_layers(model, kept, alpha, originals)
+        for batch in batches:
+            ids = prompt.repeat(batch, 1)
+            row = {"alpha": alpha, "batch": batch}
+            row["plain"], plain_out = timed(ids)
+            for label, kwargs in (("draft", dict(assistant_model=draft, num_assistant_tokens=proposals)),
+                                  ("prompt_lookup", dict(prompt_lookup_num_tokens=proposals))):
+                row[label], out = timed(ids, **kwargs)
+                row[label]["x_plain"] = round_sig(row[label]["tok_s"] / row["plain"]["tok_s"])
+                # bf16: the verify's shapes differ from a decode step's, so a near-tie may go the other way (the
+                # fp32 CPU tests hold equality); where the first difference is says whether it is noise
+                new = out[:, prompt.shape[1]:] != plain_out[:, prompt.shape[1]:]
+                row[label]["first_different_token"] = int(new.any(dim=0).int().argmax()) if bool(new.any()) \
+                    else None
+            results["rows"].append(row)
+            print(json.dumps({"spec_static.row": row}), file=sys.stderr, flush=True)
+    damp_layers(model, kept, 1.0, originals)  # the model as it was, for the sections after this one
+    return results
+
+
 @torch.no_grad()
 def section_snapshots(model, device, interval, measured_tokens):
     from kimik3.memory import load_text_config, snapshot_memory
@@ -339,7 +430,14 @@ def main():
     parser.add_argument("--out", help="also write the JSON line here")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--only", default="", help="comma list of sections (ttft, block_hit, spec, snapshots)")
+    parser.add_argument("--only", default="",
+                        help="comma list of sections (ttft, block_hit, spec, spec_static, snapshots)")
+    parser.add_argument("--alphas", default=None,
+                        help="spec_static: comma list of the damping factors of the target's layers past the "
+                             "draft's (default 1,0.3,0.1,0.03,0; --quick 1,0)")
+    parser.add_argument("--batches", default=None, help="spec_static: comma list of batch sizes (default 1,4; "
+                                                         "--quick 1)")
+    parser.add_argument("--proposals", type=int, default=4, help="spec_static: tokens proposed per round")
     parser.add_argument("--budget-snapshots", default=None,
                         help="block_hit: comma list of the stored prompt's max_snapshot_bytes, in snapshots of one "
                              "sequence (default 64,16; --quick 6,3)")
@@ -358,7 +456,9 @@ def main():
                      context=1024, new_tokens=128, measured=64 * K, block=KDA_BLOCK_SIZE,
                      shared_len=119 * KDA_BLOCK_SIZE)
     budgets = [int(n) for n in (args.budget_snapshots or ("6,3" if args.quick else "64,16")).split(",")]
-    wanted = set(filter(None, args.only.split(","))) or {"ttft", "block_hit", "spec", "snapshots"}
+    wanted = set(filter(None, args.only.split(","))) or {"ttft", "block_hit", "spec", "spec_static", "snapshots"}
+    alphas = [float(a) for a in (args.alphas or ("1,0" if args.quick else "1,0.3,0.1,0.03,0")).split(",")]
+    batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,4")).split(",")]
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "quick": args.quick,
                "model_layers": model.config.num_hidden_layers, "dtype": str(model.dtype)}
     sections = {
@@ -369,6 +469,10 @@ def main():
                                                else DEFAULT_SNAPSHOT_INTERVAL, budgets),
         "spec": lambda: section_spec(model, device, sizes["context"], sizes["new_tokens"], draft_layers=2,
                                      lookup_tokens=4, assistant_tokens=4, compiled=device == "cuda"),
+        "spec_static": lambda: section_spec_static(model, device, sizes["context"], sizes["new_tokens"],
+                                                   draft_layers=2, proposals=args.proposals, alphas=alphas,
+                                                   batches=batches, compiled=device == "cuda",
+                                                   repeats=1 if args.quick else 3),
         "snapshots": lambda: section_snapshots(model, device, sizes["interval"], sizes["measured"]),
     }
     for name, run in sections.items():

@@ -199,3 +199,24 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both(model, prompt):
 def test_zero_proposals_are_refused(model, prompt):
     with pytest.raises(ValueError, match=r"0 proposals per round"):
         speculative(model, prompt, max_new_tokens=4, prompt_lookup_num_tokens=0)
+
+
+def test_the_benchmark_section_runs_every_target_side_by_side(model):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    result = bench.section_spec_static(model, "cpu", context=8, new_tokens=6, draft_layers=2, proposals=2,
+                                       alphas=[0.0], batches=[1], compiled=False, repeats=1, warm_up=False)
+    (row,) = result["rows"]
+    assert result["damped_parameters"] > 0
+    for label in ("draft", "prompt_lookup"):
+        assert row[label]["rounds"] >= 1 and 0 <= row[label]["acceptance_rate"] <= 1
+        assert row[label]["first_different_token"] is None  # fp32: the tokens are plain decode's
+        assert row[label]["x_plain"] > 0
+    # the damping is undone: the model's weights are as they were
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
