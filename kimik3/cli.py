@@ -9,9 +9,10 @@ from kimik3.arguments import bandwidth, context_tokens, gpu_memory_size, positiv
 
 
 PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context", "nodes", "gpus_per_node", "tp", "ep",
-                     "prefill_chunk", "hbm_bandwidth", "experts_offload", "host_mem", "experts_cache", "h2d_bandwidth")
+                     "prefill_chunk", "hbm_bandwidth", "experts_offload", "host_mem", "experts_cache", "h2d_bandwidth",
+                     "disk_bandwidth")
 # the options of the offload tiers' plan, which need --experts-offload
-OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth")
+OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth", "disk_bandwidth")
 # the options that ask for the per-rank plan of a parallel layout instead of the one-process layer split
 PARALLEL_PLAN_OPTIONS = ("nodes", "gpus_per_node", "tp", "ep", "prefill_chunk", "hbm_bandwidth")
 
@@ -112,13 +113,15 @@ def _offload_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
             return usage_error(f"argument --{name.replace('_', '-')}: {getattr(args, name)} with --experts-offload: "
                                "the offload keeps the routed experts of one GPU in its host's memory; tensor/expert "
                                "parallelism and several devices are not supported with it (plan one GPU: --gpus 1)")
-    if args.host_mem is None:
+    if args.host_mem is None and args.experts_offload != "disk":  # disk: no page cache counted without it
         return usage_error("argument --experts-offload: needs --host-mem (e.g. --host-mem 1500GB)")
+    if args.disk_bandwidth is not None and args.experts_offload != "disk":
+        return usage_error("argument --disk-bandwidth: only with --experts-offload disk")
     try:
-        plan = offload_plan(config, gpu_memory, args.host_mem[0], context, args.batch,
+        plan = offload_plan(config, gpu_memory, args.host_mem[0] if args.host_mem else 0, context, args.batch,
                             experts_format=args.experts_format,
                             experts_cache=args.experts_cache and args.experts_cache[0], mode=args.experts_offload,
-                            **_given(args, "prefill_chunk", "h2d_bandwidth", "hbm_bandwidth"))
+                            **_given(args, "prefill_chunk", "h2d_bandwidth", "hbm_bandwidth", "disk_bandwidth"))
     except PlanError as exc:
         return usage_error(str(exc))
     return _print_plan(args, plan, lambda: format_offload_plan(plan, config, unit=unit))
@@ -301,15 +304,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts-offload", choices=RemoteCodeConstant("offload_kimi_k3", "EXPERTS_OFFLOAD_MODES"),
                    metavar="MODE",
                    help="with --plan: the routed experts kept off the GPU as the load option experts_offload (host: "
-                        "in host memory), the rest on one GPU, with a device expert cache")
+                        "in host memory; disk: mapped from the shards), the rest on one GPU, with a device expert cache")
     p.add_argument("--host-mem", type=gpu_memory_size,
-                   help="with --experts-offload: host memory for the routed experts, e.g. 1500GB")
+                   help="with --experts-offload: host memory for the routed experts, e.g. 1500GB (disk: what the page "
+                        "cache may keep of them, default none)")
     p.add_argument("--experts-cache", type=gpu_memory_size,
                    help="with --experts-offload: the device's expert cache (experts_cache_bytes), e.g. 10GB "
                         "(default: what is left on the GPU after the rest)")
     p.add_argument("--h2d-bandwidth", type=bandwidth,
                    help="with --experts-offload: host-to-device bytes/s, e.g. 55GB/s (default: 50 GB/s, an "
                         "assumption for PCIe 5.0 x16, not a measurement: measure yours)")
+    p.add_argument("--disk-bandwidth", type=bandwidth,
+                   help="with --experts-offload disk: disk-to-host bytes/s, e.g. 14GB/s (default: 7 GB/s, an assumption "
+                        "for one PCIe 4.0 NVMe SSD's sequential read, not a measurement: measure yours)")
     p.add_argument("--context", type=context_tokens,
                    help="with --plan: tokens per sequence, e.g. 131072, 128K or 1M (K = 1024; default: the model's "
                         "max_position_embeddings)")

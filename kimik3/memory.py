@@ -797,12 +797,18 @@ def format_parallel_plan(plan: dict, config, unit: str = "GB", chosen_from: int 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# `kimik3 memory --plan --experts-offload host`: the routed experts in host memory, the rest on one GPU, and the
-# device's expert cache (docs/design.md, Routed experts off the device) sized by what is left.
+# `kimik3 memory --plan --experts-offload host|disk`: the routed experts in host memory (or on disk, mapped from the
+# shards, with what the page cache keeps of them), the rest on one GPU, and the device's expert cache (docs/design.md,
+# Routed experts off the device) sized by what is left.
 
 # bytes/s host -> device: an ASSUMPTION, not a measurement. The H200 hangs off PCIe 5.0 x16 (64 GB/s a direction
 # before protocol overhead); pinned copies on such hosts reach about 50 GB/s. Measure yours and pass --h2d-bandwidth.
 H2D_BANDWIDTH_ASSUMED = 50e9
+# bytes/s disk -> host for `--experts-offload disk`: an ASSUMPTION, not a measurement. One PCIe 4.0 x4 NVMe SSD's
+# rated sequential read (7 GB/s; PCIe 5.0 drives rate 12-14 GB/s, several drives in RAID 0 add up). An expert is read
+# as a few runs of megabytes (its stacks' rows, or the release's per-expert tensors), so the sequential figure is the
+# one that applies. Measure yours and pass --disk-bandwidth.
+DISK_BANDWIDTH_ASSUMED = 7e9
 H200_BF16_FLOPS = 989e12  # the H200's dense bf16 tensor-core peak (specification), for the prefill compute bound
 
 
@@ -838,7 +844,8 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, experts_format: str | None = None,
                  experts_cache: int | None = None,
                  h2d_bandwidth: float = H2D_BANDWIDTH_ASSUMED, hbm_bandwidth: float = H200_HBM_BANDWIDTH,
-                 bf16_flops: float = H200_BF16_FLOPS, mode: str = "host") -> dict:
+                 bf16_flops: float = H200_BF16_FLOPS, mode: str = "host",
+                 disk_bandwidth: float = DISK_BANDWIDTH_ASSUMED) -> dict:
     """One GPU with the routed experts in host memory (`from_pretrained(..., experts_offload="host",
     experts_cache_bytes=...)`): the GPU holds every other weight, the cache at `context`, the prefill chunk's
     workspace plus the compact stack of one layer's chosen experts (a prefill chooses up to all of them), and the
@@ -847,7 +854,12 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
     Decode step bound = routed bytes moved / h2d_bandwidth + the GPU's own HBM bound (no overlap counted); bytes
     moved = MoE layers x expected_moved_experts(batch) x bytes of one expert. Prefill chunk bound: the larger of
     its transfer (each layer's chosen experts cross once, expected_moved_experts(chunk x batch)) and its compute
-    at bf16 peak (2 x active matmul parameters a token; attention's score products not counted)."""
+    at bf16 peak (2 x active matmul parameters a token; attention's score products not counted).
+
+    mode "disk" (`experts_offload="disk"`): the experts stay in the shards, mapped; `host_memory` is what the OS page
+    cache may keep of them (0: none). A moved expert is in the page cache with probability page_cache / experts
+    (uniform routing, as for the device cache); the others are read from the disk first, so a moved byte costs
+    1 / h2d_bandwidth + (1 - that fraction) / disk_bandwidth (no overlap counted)."""
     from kimik3.modeling.offload_kimi_k3 import EXPERTS_OFFLOAD_MODES
 
     if mode not in EXPERTS_OFFLOAD_MODES:
@@ -886,15 +898,19 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
                         f"other weights ({max(after_weights, 0):,} of {gpu_memory:,} bytes; the other weights are "
                         f"{rest:,})")
     cached = min(text.num_experts, experts_cache // moe_layers // per_expert)  # the load's split: even per layer
+    disk = mode == "disk"
+    page_cache = min(host_memory, experts_bytes) if disk else 0
+    from_disk = 1 - page_cache / experts_bytes if disk else 0.0  # the share of moved bytes read from the disk
+    move_s_per_byte = 1 / h2d_bandwidth + from_disk / disk_bandwidth
     decode_moved = moe_layers * expected_moved_experts(experts, top_k, batch_size, cached) * per_expert
     gpu_read = decode_bytes(config, weights, units, cache, 1, 1, batch_size, experts_format)
-    decode_s = decode_moved / h2d_bandwidth + gpu_read / hbm_bandwidth
+    decode_s = decode_moved * move_s_per_byte + gpu_read / hbm_bandwidth
     dense_params, expert_params = _active_matmul_params(config, experts_format)
     flops_per_token = 2 * (dense_params + moe_layers * top_k * expert_params)
 
     def prefill(size: int) -> dict:
         moved = moe_layers * expected_moved_experts(experts, top_k, size * batch_size, cached) * per_expert
-        transfer, compute = moved / h2d_bandwidth, size * batch_size * flops_per_token / bf16_flops
+        transfer, compute = moved * move_s_per_byte, size * batch_size * flops_per_token / bf16_flops
         return {"chunk": size, "moved_bytes": moved, "transfer_s": transfer, "compute_s": compute,
                 "bound_s": max(transfer, compute), "tokens_per_s": size * batch_size / max(transfer, compute)}
 
@@ -903,12 +919,14 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
     room = after_weights - sum(cache) - experts_cache
     largest_fitting = max((2**p for p in range(31) if 2**p <= context and sum(device_transient(2**p)) <= room),
                           default=None)
+    host_fits = disk or experts_bytes <= host_memory  # on disk the shards hold them; the page cache is a bonus
     return {"mode": mode, "gpu_memory": gpu_memory, "host_memory": host_memory, "context": context,
             "batch": batch_size, "prefill_chunk": chunk, "experts_format": experts_format,
             "h2d_bandwidth": h2d_bandwidth, "hbm_bandwidth": hbm_bandwidth, "bf16_flops": bf16_flops,
+            "disk_bandwidth": disk_bandwidth if disk else None,
             "moe_layers": moe_layers, "num_experts": experts, "top_k": top_k, "bytes_per_expert": per_expert,
-            "host": {"experts": experts_bytes, "left": host_memory - experts_bytes,
-                     "fits": experts_bytes <= host_memory},
+            "host": {"experts": experts_bytes, "left": host_memory - (page_cache if disk else experts_bytes),
+                     "fits": host_fits, "page_cache": page_cache, "from_disk": from_disk},
             "gpu": {"weights": rest, "cache": sum(cache), "workspace": workspace, "compact_stack": compact,
                     "experts_cache": experts_cache, "left": left - experts_cache, "fits": left >= experts_cache},
             "cached_per_layer": cached, "hit_rate": cached / experts,
@@ -918,7 +936,7 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
             "recommended_chunk": recommended,
             "recommended": prefill(recommended) if recommended is not None else None,
             "largest_fitting_chunk": largest_fitting,
-            "fits": experts_bytes <= host_memory and left >= experts_cache,
+            "fits": host_fits and left >= experts_cache,
             "flops_per_token": flops_per_token}
 
 
@@ -930,13 +948,27 @@ def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
     experts = "MXFP4 (4.25 bits per value)" if plan["experts_format"] == "mxfp4" else "dense bf16"
     assumed = " (ASSUMED: PCIe 5.0 x16, not measured)" if plan["h2d_bandwidth"] == H2D_BANDWIDTH_ASSUMED else ""
     e, k = plan["num_experts"], plan["top_k"]
+    disk = plan["mode"] == "disk"
+    where = "on disk, mapped from the shards" if disk else "in host memory"
+    if disk:
+        disk_assumed = " (ASSUMED: one PCIe 4.0 NVMe SSD, sequential read, not measured)" \
+            if plan["disk_bandwidth"] == DISK_BANDWIDTH_ASSUMED else ""
+        host_line = (f"disk: routed experts {fmt(host['experts'])} stay in the shards; the page cache keeps "
+                     f"{fmt(host['page_cache'])} of them ({1 - host['from_disk']:.1%}) in {fmt(plan['host_memory'])} of "
+                     f"host memory; the rest is read at {plan['disk_bandwidth'] / 1e9:.1f} GB/s{disk_assumed}")
+        moved = lambda n: (f"{fmt(n)} moved x (1 / {plan['h2d_bandwidth'] / 1e9:.1f} GB/s host->device{assumed} "  # noqa: E731
+                           f"+ {host['from_disk']:.1%} / {plan['disk_bandwidth'] / 1e9:.1f} GB/s disk)")
+    else:
+        host_line = (f"host memory: routed experts {fmt(host['experts'])} of {fmt(plan['host_memory'])}: "
+                     + (f"FITS, {fmt(host['left'])} left" if host["fits"] else
+                        f"DOES NOT FIT ({fmt(-host['left'])} over)"))
+        moved = lambda n: f"{fmt(n)} moved / {plan['h2d_bandwidth'] / 1e9:.1f} GB/s host->device{assumed}"  # noqa: E731
     lines = [
         f"Kimi K3 text model, {describe_layers(text)}, {e} routed experts per MoE layer as {experts}, top-{k}",
-        f"routed experts in host memory (experts_offload={plan['mode']!r}), the rest on one GPU of "
+        f"routed experts {where} (experts_offload={plan['mode']!r}), the rest on one GPU of "
         f"{fmt(plan['gpu_memory'])}; context {plan['context']:,} tokens x batch {plan['batch']}; units: GB = 10^9 "
         "bytes, GiB = 2^30 bytes",
-        f"host memory: routed experts {fmt(host['experts'])} of {fmt(plan['host_memory'])}: "
-        + (f"FITS, {fmt(host['left'])} left" if host["fits"] else f"DOES NOT FIT ({fmt(-host['left'])} over)"),
+        host_line,
         f"GPU: other weights {fmt(gpu['weights'])}, cache {fmt(gpu['cache'])}, workspace {fmt(gpu['workspace'])} "
         f"+ compact expert stack {fmt(gpu['compact_stack'])} (prefill chunk {plan['prefill_chunk']:,}), expert "
         f"cache {fmt(gpu['experts_cache'])}: "
@@ -947,8 +979,7 @@ def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
         "",
         f"expected experts moved per layer and forward of T tokens = {e} x (1 - (1 - {k}/{e})^T) (distinct chosen) "
         f"x (1 - {plan['cached_per_layer']}/{e}) (not cached)",
-        f"decode step bound at batch {plan['batch']}: {fmt(d['moved_bytes'])} moved / "
-        f"{plan['h2d_bandwidth'] / 1e9:.1f} GB/s host->device{assumed} + {fmt(d['gpu_bytes'])} read / "
+        f"decode step bound at batch {plan['batch']}: {moved(d['moved_bytes'])} + {fmt(d['gpu_bytes'])} read / "
         f"{plan['hbm_bandwidth'] / 1e12:.2f} TB/s HBM = {d['step_ms']:,.1f} ms ({d['tokens_per_s']:,.2f} tokens/s; "
         "no overlap counted)",
         f"prefill chunk of {p['chunk']:,} tokens: transfer {p['transfer_s']:,.2f} s ({fmt(p['moved_bytes'])}), "
@@ -966,5 +997,6 @@ def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
     fitting = plan["largest_fitting_chunk"]
     lines.append("largest prefill chunk (a power of two) whose workspace fits beside the expert cache: "
                  + (f"{fitting:,} tokens" if fitting is not None else "none, not even 1 token"))
-    lines.append("verdict: " + ("FITS" if plan["fits"] else "DOES NOT FIT") + " (host memory and GPU)")
+    lines.append("verdict: " + ("FITS" if plan["fits"] else "DOES NOT FIT") + (" (the GPU; the experts on disk)"
+                                                                               if disk else " (host memory and GPU)"))
     return "\n".join(lines)

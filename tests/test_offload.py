@@ -597,3 +597,56 @@ def test_the_disk_tier_needs_a_local_folder_of_safetensors(folder, path, options
     with pytest.raises(ExpertsOffloadError, match=message):
         KimiK3ForCausalLM.from_pretrained(path or folder, experts_offload="disk", experts_cache_bytes=10 ** 6,
                                           **options)
+
+
+# --- `kimik3 memory --plan --experts-offload disk`: the tier in the plan -------------------------------------------
+
+def test_the_disk_plan_adds_the_disk_read_of_what_the_page_cache_lacks(dense):
+    from kimik3.memory import DISK_BANDWIDTH_ASSUMED, H2D_BANDWIDTH_ASSUMED, offload_plan
+
+    config, gpu = dense.config, 10 ** 9
+    plan = offload_plan(config, gpu, 10 ** 9, 256, mode="host")
+    small = {"experts_cache": plan["moe_layers"] * plan["bytes_per_expert"]}  # one expert a layer: experts move
+    host = offload_plan(config, gpu, 10 ** 9, 256, mode="host", **small)
+    experts = host["host"]["experts"]
+    assert host["decode"]["moved_bytes"] > 0
+    for page_cache in (0, experts // 4, experts):
+        plan = offload_plan(config, gpu, page_cache, 256, mode="disk", disk_bandwidth=2e9, **small)
+        from_disk = 1 - page_cache / experts
+        assert plan["host"]["from_disk"] == pytest.approx(from_disk) and plan["fits"]
+        moved, gpu_bytes = plan["decode"]["moved_bytes"], plan["decode"]["gpu_bytes"]
+        assert moved == host["decode"]["moved_bytes"]  # the same experts move, from farther away
+        want = moved / H2D_BANDWIDTH_ASSUMED + from_disk * moved / 2e9 + gpu_bytes / plan["hbm_bandwidth"]
+        assert plan["decode"]["step_ms"] == pytest.approx(want * 1e3)
+        p = plan["prefill"]
+        assert p["transfer_s"] == pytest.approx(p["moved_bytes"] * (1 / H2D_BANDWIDTH_ASSUMED + from_disk / 2e9))
+    # the whole set in the page cache: the host tier's bounds
+    assert offload_plan(config, gpu, experts, 256, mode="disk", **small)["decode"]["step_ms"] == pytest.approx(
+        host["decode"]["step_ms"])
+    assert offload_plan(config, gpu, 0, 256, mode="disk")["disk_bandwidth"] == DISK_BANDWIDTH_ASSUMED == 7e9
+
+
+def test_the_disk_plan_of_the_release_on_one_h200(capsys):
+    from kimik3.cli import main
+
+    base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "disk", "--context", "128K",
+            "--prefill-chunk", "2048", "--json"]
+    assert main(base + ["--host-mem", "1500GB"]) == 0
+    cached = json.loads(capsys.readouterr().out)
+    assert main(base) == 0  # no --host-mem: no page cache counted, every moved expert read from the disk
+    paged = json.loads(capsys.readouterr().out)
+    assert cached["fits"] and paged["fits"] and cached["host"]["from_disk"] == 0 and paged["host"]["from_disk"] == 1
+    assert 500 < cached["decode"]["step_ms"] < 600 and 4000 < paged["decode"]["step_ms"] < 4500
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--experts-offload", "host", "--host-mem", "1500GB", "--disk-bandwidth", "7GB/s"],
+                 "argument --disk-bandwidth: only with --experts-offload disk", id="memory-plan-disk-bandwidth-not-disk"),
+    pytest.param(["--disk-bandwidth", "7GB/s"], "argument --disk-bandwidth: only with --experts-offload",
+                 id="memory-plan-disk-bandwidth-without-offload"),
+])
+def test_the_disk_plans_bad_options_exit_2_naming_the_option(capsys, argv, message):
+    from kimik3.cli import main
+
+    assert main(["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB"] + argv) == 2
+    assert "kimik3 memory: error: " + message in capsys.readouterr().err
