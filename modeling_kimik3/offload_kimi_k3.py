@@ -412,11 +412,14 @@ def _check_names(shards: ShardMapper, prefix: str, expected: list[str], module_n
     found = shards.names_under(prefix)
     missing = [name for name in expected if name not in found]
     extra = sorted(found - set(expected))
-    if missing and extra and all(name.endswith(("_packed", "_scale", ".weight_packed", ".weight_scale"))
-                                 for name in extra) and not packed:
+    stored_packed = [name.endswith(("_packed", "_scale")) for name in extra]
+    if missing and extra and all(stored_packed) and not packed:
         raise load_error(shards.index_path, "the routed experts are stored packed (MXFP4) and experts_offload='disk' "
                          "maps them as stored: load with experts_format='mxfp4' (dequantising them is a copy: "
                          "experts_offload='host' does it)", extra[0])
+    if missing and extra and not any(stored_packed) and packed:
+        raise load_error(shards.index_path, "the routed experts are stored dense and experts_offload='disk' maps them "
+                         "as stored: load with experts_format='dense' (packing them is a conversion)", extra[0])
     if missing:
         raise load_error(shards.index_path, f"the index lacks this tensor of the routed experts `{module_name}`, "
                          "which experts_offload='disk' maps from the shards", missing[0])

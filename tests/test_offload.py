@@ -573,6 +573,9 @@ def _infinite_scale(tensors, prefix):
                  id="disk-experts-dtype-differs-from-the-load"),
     pytest.param(lambda f, r, t: r[1], {"experts_format": "dense"}, "stored packed .MXFP4. and experts_offload='disk' "
                  "maps them as stored: load with experts_format='mxfp4'", id="disk-release-mxfp4-as-dense"),
+    pytest.param(lambda f, r, t: f, {"experts_format": "mxfp4"}, "tensor `model.layers.1.mlp.experts.down_proj`: "
+                 "the routed experts are stored dense and experts_offload='disk' maps them as stored: load with "
+                 "experts_format='dense'", id="disk-dense-folder-as-mxfp4"),
     pytest.param(lambda f, r, t: _release_with(r, t, _extra_expert), {},
                  r"experts\.4\.w1\.weight_packed`: the index names this tensor under the routed experts",
                  id="disk-release-extra-expert"),
