@@ -31,8 +31,9 @@ Side by side in one run, on the bench_k3.py model (random bf16 weights, K3's exa
                 benchmark model with the residual outputs of its layers past a 2-layer slice's (attention o_proj,
                 the feed-forward's last projections) scaled by alpha, the draft that slice (taken before damping), so
                 that the acceptance rate, measured by the loop itself, runs from ~0 (alpha 1) towards 1 (alpha 0);
-                per alpha and batch size: tokens/s of plain, of the draft and of prompt lookup (a random target does
-                not repeat its prompt: the ~0% point), the acceptance rates and the speedups
+                per alpha and batch size: tokens/s of plain, of the draft (with the loop's fallback to plain blocks
+                while rounds are slower, and with rounds throughout) and of prompt lookup (a random target does not
+                repeat its prompt: the ~0% point), the acceptance rates, plain steps, fallbacks and the speedups
   snapshots     bytes held by KDA state snapshots at 64K and 1M tokens for the default interval (the benchmark
                 model measured at 64K; the release's 69 KDA layers from the config), and the rollback record
                 bytes per verified token against one set of KDA states
@@ -372,7 +373,8 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
         entry = {"s": round_sig(seconds), "tok_s": round_sig(ids.shape[0] * new_tokens / seconds)}
         if report.get("rounds"):
             entry.update(rounds=report["rounds"], acceptance_rate=round_sig(report["accepted"] / report["proposed"]),
-                         tokens_per_round=round_sig((report["accepted"] + report["rounds"]) / report["rounds"]))
+                         tokens_per_round=round_sig((report["accepted"] + report["rounds"]) / report["rounds"]),
+                         plain_steps=report["steps"], fallbacks=report["fallbacks"])
         return entry, out
 
     for alpha in alphas:
@@ -381,7 +383,11 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
             ids = prompt.repeat(batch, 1)
             row = {"alpha": alpha, "batch": batch}
             row["plain"], plain_out = timed(ids)
+            # draft: as generate() runs it (plain blocks while the rounds are slower); draft_rounds: rounds
+            # throughout, the rounds' own speed at this acceptance
             for label, kwargs in (("draft", dict(assistant_model=draft, num_assistant_tokens=proposals)),
+                                  ("draft_rounds", dict(assistant_model=draft, num_assistant_tokens=proposals,
+                                                        decode_fallback=False)),
                                   ("prompt_lookup", dict(prompt_lookup_num_tokens=proposals))):
                 row[label], out = timed(ids, **kwargs)
                 row[label]["x_plain"] = round_sig(row[label]["tok_s"] / row["plain"]["tok_s"])

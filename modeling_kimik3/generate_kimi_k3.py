@@ -35,6 +35,7 @@ transformers' own generate, saying why once. transformers loads this file alone,
 """
 
 import copy
+import time
 
 import torch
 from transformers.generation import (
@@ -122,7 +123,7 @@ NOT_STATIC = "the cache is not static"
 # faster at the wall); sampling in the captured blocks was not, so on CUDA it runs in the loop when a call asks for
 # it by giving `decode_block_steps`, and transformers' compiled loop stays its default until then
 NOT_ASKED = "on CUDA sampling runs in the loop when decode_block_steps is given"
-LOOP_ARGUMENTS = ("decode_block_steps", "decode_compile", "generator", "decode_report")
+LOOP_ARGUMENTS = ("decode_block_steps", "decode_compile", "generator", "decode_report", "decode_fallback")
 
 
 def _kimi_cache(values):
@@ -200,7 +201,8 @@ def loop_refusal(model, logits_processor, stopping_criteria, generation_config, 
 def decode_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 decode_streamer=None, decode_block_steps: int | None = None, decode_compile: bool | None = None,
                 generator: torch.Generator | None = None, decode_draft=None, decode_proposals: int | None = None,
-                decode_lookup_ngram: int | None = None, decode_report: dict | None = None, **model_kwargs):
+                decode_lookup_ngram: int | None = None, decode_fallback: bool = True, decode_report: dict | None = None,
+                **model_kwargs):
     """The decoding function generate() calls in place of `_sample` (`custom_generate=decode_loop`), after its own
     preparation (config, special tokens, cache, processors, criteria). Extra arguments: `decode_block_steps` (steps
     per host round trip, default `DEFAULT_BLOCK_STEPS`; speculative rounds per host round trip, default one per
@@ -208,8 +210,9 @@ def decode_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     `disable_compile`), `generator` (the seed of the sampling noise is drawn from it, else from torch's default
     generator: `torch.manual_seed` makes a sampled generation reproducible). Speculative decoding (greedy):
     `decode_draft` (the draft model), `decode_proposals` (tokens proposed per round), `decode_lookup_ngram` (prompt
-    lookup's longest n-gram, without a draft model); `decode_report`, a dict the loop fills with its rounds and
-    accepted tokens."""
+    lookup's longest n-gram, without a draft model), `decode_fallback` (plain steps while the rounds give fewer
+    tokens per second at the wall, with a retry now and then; False: rounds throughout); `decode_report`, a dict
+    the loop fills with its rounds, accepted tokens, plain steps and fallbacks."""
     speculative = decode_draft is not None or decode_proposals is not None
     mode = generation_config.get_generation_mode()
     if speculative and mode == GenerationMode.ASSISTED_GENERATION and not generation_config.do_sample:
@@ -251,7 +254,8 @@ def decode_loop(model, input_ids, logits_processor, stopping_criteria, generatio
         proposer = (ModelDraft(decode_draft, cache, input_ids, model_kwargs.get("attention_mask"))
                     if decode_draft is not None else PromptLookup(decode_lookup_ngram or DEFAULT_LOOKUP_NGRAM))
         loop = SpeculativeLoop(model, cache, input_ids, first_logits.shape[-1], logits_processor, stopping_criteria,
-                               generation_config, block_steps, decode_compile, proposer, decode_proposals)
+                               generation_config, block_steps, decode_compile, proposer, decode_proposals,
+                               decode_fallback)
     else:
         loop = DecodeLoop(model, cache, input_ids.shape, first_logits.shape[-1], logits_processor,
                           stopping_criteria, generation_config, seed, block_steps, decode_compile)
@@ -515,6 +519,11 @@ class ModelDraft:
     def start(self, width: int) -> None:
         self.cache.enable_rollback(width)
 
+    def catch_up(self, history: torch.Tensor, start: int, count: int) -> None:
+        """The tokens the target ran as plain steps (history positions start .. start + count - 1), in one
+        forward: only the proposals depend on them."""
+        self.model(input_ids=history[:, start: start + count], cache=self.cache, use_cache=True)
+
     def __call__(self, choice, last, length, history, gates, min_lengths, proposals: int) -> torch.Tensor:
         self.cache.begin_round()
         tokens, out = last, []
@@ -540,6 +549,9 @@ class PromptLookup:
         self.ngram = ngram
 
     def start(self, width: int) -> None:
+        pass
+
+    def catch_up(self, history: torch.Tensor, start: int, count: int) -> None:
         pass
 
     def __call__(self, choice, last, length, history, gates, min_lengths, proposals: int) -> torch.Tensor:
@@ -607,27 +619,42 @@ def compiled_speculative_round():
     return _COMPILED_ROUND
 
 
+# While the rounds are slower at the wall than plain steps (low acceptance), plain blocks run, and a round is tried
+# again after this many of them, twice as many after every try that was still slower, up to MAX_PROBE_GAP: at 0%
+# acceptance the tries cost a few percent of the plain speed at first and ever less (docs/design.md, Decode loop)
+PROBE_GAP = 4
+MAX_PROBE_GAP = 64
+
+
 class SpeculativeLoop(DecodeLoop):
-    """The decode loop with speculative rounds: `block_steps` rounds per host read, each round's tokens and counts
+    """The decode loop with speculative rounds: `block_rounds` rounds per host read, each round's tokens and counts
     in a record the host reads once per block. A round writes up to k + 1 cache positions before its rollback, so
-    the rounds run while both caches have room for them; the last tokens are plain decode steps."""
+    the rounds run while both caches have room for them; the last tokens are plain decode steps. With `fallback`,
+    the host times every block that neither compiled nor captured (the read at its end synchronises) and runs plain
+    blocks of `DEFAULT_BLOCK_STEPS` steps while they give more tokens per second than the rounds; a draft model's
+    cache catches up with the plain blocks' tokens (one forward) before the next round."""
 
     def __init__(self, model, cache, input_ids, vocab, logits_processor, stopping_criteria, generation_config,
-                 block_steps, compiled, proposer, proposals):
+                 block_rounds, compiled, proposer, proposals, fallback):
         super().__init__(model, cache, input_ids.shape, vocab, logits_processor, stopping_criteria,
-                         generation_config, None, block_steps, compiled)
+                         generation_config, None, DEFAULT_BLOCK_STEPS, compiled)
         self.proposer, self.proposals, self.width = proposer, proposals, proposals + 1
+        self.block_rounds, self.fallback = block_rounds, fallback
         batch, prompt_length = input_ids.shape
         device = self.tokens.device
         self.prompt_length = prompt_length
-        # the token history (prompt lookup reads it): room for a whole block of rounds past max_length
-        self.history = torch.zeros(batch, stopping_criteria.max_length + block_steps * self.width, dtype=torch.long,
-                                   device=device)
+        # the token history (prompt lookup and a draft's catch-up read it): room for a block of rounds past max_length
+        self.history = torch.zeros(batch, stopping_criteria.max_length + block_rounds * self.width,
+                                   dtype=torch.long, device=device)
         self.history[:, :prompt_length] = input_ids.to(device)
-        self.round_record = torch.zeros(block_steps, self.width, batch + 2, dtype=torch.long, device=device)
+        self.round_record = torch.zeros(block_rounds, self.width, batch + 2, dtype=torch.long, device=device)
         self.round_fn = compiled_speculative_round() if compiled else speculative_round
         self.round_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.rounds_run = self.accepted = 0
+        self.rounds_run = self.accepted = self.fallbacks = 0
+
+    def _record(self, next_tokens, unfinished):
+        self.history.index_copy_(1, self.length, next_tokens[:, None])
+        super()._record(next_tokens, unfinished)
 
     def round(self):
         tokens, running, keep, unfinished = self.round_fn(
@@ -641,7 +668,9 @@ class SpeculativeLoop(DecodeLoop):
         self.round_record.index_copy_(0, self.row, entry[None])
         self.row.add_(1)
 
-    def _run_rounds(self, count: int) -> None:
+    def _run_rounds(self, count: int) -> bool:
+        """Runs `count` rounds; whether they ran as they will run from now on (no compilation, no capture)."""
+        clean = self.rounds_run >= WARM_STEPS
         if not self.use_graph or self.rounds_run < WARM_STEPS:
             if self.use_graph:
                 side = torch.cuda.Stream()
@@ -654,8 +683,9 @@ class SpeculativeLoop(DecodeLoop):
                 for _ in range(count):
                     self.round()
         else:
-            size = count if count == self.block_steps else 1
+            size = count if count == self.block_rounds else 1
             if size not in self.round_graphs:
+                clean = False
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     for _ in range(size):
@@ -664,6 +694,7 @@ class SpeculativeLoop(DecodeLoop):
             for _ in range(count // size):
                 self.round_graphs[size].replay()
         self.rounds_run += count
+        return clean
 
     def _read_rounds(self, count: int, streamer, out: list, limit: int) -> bool:
         """The block's rounds to the host (one copy) and the streamer, token by token, up to `limit` tokens or the
@@ -682,26 +713,57 @@ class SpeculativeLoop(DecodeLoop):
                     return False
         return len(out) < limit
 
+    def rounds_are_slower(self, round_rate: float | None, plain_rate: float | None) -> bool:
+        """The fallback's test, on the last clean blocks' tokens per second at the wall."""
+        return round_rate is not None and plain_rate is not None and round_rate < plain_rate
+
     @torch.no_grad()
     def run(self, first_logits, streamer) -> torch.Tensor:
         out: list[torch.Tensor] = []
         self.row.zero_()
         first = self.choice(first_logits, self.tokens, self.length, self.keys, self.gates, self.min_lengths)
         self._record(*finish(first, self.unfinished, self.eos, self.pad))
-        self.history[:, self.prompt_length] = self.tokens[:, 0]
         going = self._read(1, streamer, out)
         self.cache.enable_rollback(self.width)
         self.proposer.start(self.width)
-        # cached tokens = prompt + generated - 1 (the last token is fed by the next round); a round writes up to
-        # `width` positions past them
+        rates = {"rounds": None, "plain": None}
+        plain_blocks, gap, behind = 0, PROBE_GAP, 0  # plain blocks to run; the proposer's missed tokens
         while going and len(out) < self.steps_allowed:
-            room = (self.cache.max_cache_len - (self.prompt_length + len(out) - 1)) // self.width
-            count = min(self.block_steps, room, self.steps_allowed - len(out))
-            if count < 1:
+            # cached tokens = prompt + generated - 1 (the last token is fed by the next round or step)
+            cached = self.prompt_length + len(out) - 1
+            room = (self.cache.max_cache_len - cached) // self.width
+            rounds = min(self.block_rounds, room, self.steps_allowed - len(out))
+            if rounds < 1:
                 break
-            self.row.zero_()
-            self._run_rounds(count)
-            going = self._read_rounds(count, streamer, out, self.steps_allowed)
+            before, start = len(out), time.perf_counter()
+            if plain_blocks == 0:
+                if behind:
+                    self.proposer.catch_up(self.history, cached - behind, behind)
+                    behind, start = 0, time.perf_counter()
+                self.row.zero_()
+                clean = self._run_rounds(rounds)
+                going = self._read_rounds(rounds, streamer, out, self.steps_allowed)
+                mode = "rounds"
+            else:
+                steps = min(self.block_steps, self.steps_allowed - len(out))
+                clean = self.steps_run >= WARM_STEPS and (not self.use_graph or steps in self.graphs)
+                self.row.zero_()
+                self._run_steps(steps)
+                going = self._read(steps, streamer, out)
+                behind += steps
+                plain_blocks -= 1
+                mode = "plain"
+            if clean and self.fallback:
+                rates[mode] = (len(out) - before) / max(time.perf_counter() - start, 1e-9)
+            if not self.fallback or mode == "plain":
+                continue
+            if rates["plain"] is None and clean:
+                plain_blocks = WARM_STEPS + 1  # measure plain blocks once: warm-up, capture, a clean one
+            elif self.rounds_are_slower(rates["rounds"], rates["plain"]):
+                plain_blocks, gap = gap, min(2 * gap, MAX_PROBE_GAP)
+                self.fallbacks += 1
+            elif clean:
+                gap = PROBE_GAP
         left = self.steps_allowed - len(out)
         while going and left > 0:
             count = min(self.block_steps, left)
@@ -712,7 +774,8 @@ class SpeculativeLoop(DecodeLoop):
         return torch.stack(out, dim=1)
 
     def report(self) -> dict:
-        """Rounds run, tokens proposed and accepted (the rounds' emitted tokens less one each), plain steps."""
+        """Rounds run, tokens proposed and accepted (the rounds' emitted tokens less one each), plain steps, and
+        how often the fallback switched to plain blocks."""
         rounds = self.rounds_run
         return {"rounds": rounds, "proposed": rounds * self.proposals, "steps": self.steps_run,
-                "accepted": self.accepted}
+                "accepted": self.accepted, "fallbacks": self.fallbacks}

@@ -44,6 +44,7 @@ def plain(model, ids, **kwargs):
 
 def speculative(model, ids, report=None, **kwargs):
     kwargs.setdefault("eos_token_id", None)
+    kwargs.setdefault("decode_fallback", False)  # rounds throughout: the acceptance is counted round by round
     return loop.generate(ids, model=model, cache_implementation="static", do_sample=False, decode_report=report,
                          **kwargs)
 
@@ -214,9 +215,24 @@ def test_the_benchmark_section_runs_every_target_side_by_side(model):
                                        alphas=[0.0], batches=[1], compiled=False, repeats=1, warm_up=False)
     (row,) = result["rows"]
     assert result["damped_parameters"] > 0
-    for label in ("draft", "prompt_lookup"):
+    for label in ("draft", "draft_rounds", "prompt_lookup"):
         assert row[label]["rounds"] >= 1 and 0 <= row[label]["acceptance_rate"] <= 1
         assert row[label]["first_different_token"] is None  # fp32: the tokens are plain decode's
         assert row[label]["x_plain"] > 0
     # the damping is undone: the model's weights are as they were
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_the_fallback_runs_plain_blocks_and_the_draft_catches_up_before_the_next_round(model, prompt, monkeypatch):
+    # rounds always slower at the wall: plain blocks run between the rounds' tries
+    monkeypatch.setattr(loop.SpeculativeLoop, "rounds_are_slower",
+                        lambda self, rounds, plain: rounds is not None and plain is not None)
+    monkeypatch.setattr(loop, "DEFAULT_BLOCK_STEPS", 4)  # plain blocks of 4 steps: fewer tokens to get there
+    report = {}
+    got = speculative(model, prompt, report, max_new_tokens=32, assistant_model=model, num_assistant_tokens=3,
+                      decode_block_steps=1, decode_fallback=True)
+    assert torch.equal(got, plain(model, prompt, max_new_tokens=32))
+    # three rounds (two warm-up, one timed), three plain blocks to time plain steps, a retried round, plain again
+    assert report["steps"] >= 3 * 4 and report["fallbacks"] >= 1 and report["rounds"] >= 4
+    # the draft agrees with the target: after catching up with the plain blocks it still proposes the target's tokens
+    assert report["accepted"] == report["proposed"]
