@@ -343,8 +343,10 @@ def damp_layers(model, kept_layers, alpha: float, originals: dict) -> int:
 def section_spec_static(model, device, context, new_tokens, draft_layers, proposals, alphas, batches, compiled,
                         repeats=3, warm_up=True):
     """Plain compiled static decode vs speculative rounds (a damped target and its slice; prompt lookup), see the
-    module docstring. Every timed call is one generate() of `new_tokens` tokens (no eos), after a warm-up call of
-    the same shapes (`warm_up`); the median of `repeats`."""
+    module docstring. `proposals`: the k (tokens proposed per round) to run, a list: a verify of k + 1 tokens routes
+    them to more experts than one token reads, so the best k depends on the acceptance rate. Every timed call is
+    one generate() of `new_tokens` tokens (no eos), after a warm-up call of the same shapes (`warm_up`); the median
+    of `repeats`."""
     import kimik3.modeling.generate_kimi_k3 as loop
     from kimik3.convert.schedule import layer_map
     from kimik3.draft import slice_draft_model
@@ -385,10 +387,11 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
             row["plain"], plain_out = timed(ids)
             # draft: as generate() runs it (plain blocks while the rounds are slower); draft_rounds: rounds
             # throughout, the rounds' own speed at this acceptance
-            for label, kwargs in (("draft", dict(assistant_model=draft, num_assistant_tokens=proposals)),
-                                  ("draft_rounds", dict(assistant_model=draft, num_assistant_tokens=proposals,
-                                                        decode_fallback=False)),
-                                  ("prompt_lookup", dict(prompt_lookup_num_tokens=proposals))):
+            runs = [(f"{name}_k{k}", kwargs) for k in proposals for name, kwargs in (
+                ("draft", dict(assistant_model=draft, num_assistant_tokens=k)),
+                ("draft_rounds", dict(assistant_model=draft, num_assistant_tokens=k, decode_fallback=False)),
+                ("prompt_lookup", dict(prompt_lookup_num_tokens=k)))]
+            for label, kwargs in runs:
                 row[label], out = timed(ids, **kwargs)
                 row[label]["x_plain"] = round_sig(row[label]["tok_s"] / row["plain"]["tok_s"])
                 # bf16: the verify's shapes differ from a decode step's, so a near-tie may go the other way (the
@@ -443,7 +446,8 @@ def main():
                              "draft's (default 1,0.3,0.1,0.03,0; --quick 1,0)")
     parser.add_argument("--batches", default=None, help="spec_static: comma list of batch sizes (default 1,4; "
                                                          "--quick 1)")
-    parser.add_argument("--proposals", type=int, default=4, help="spec_static: tokens proposed per round")
+    parser.add_argument("--proposals", default=None, help="spec_static: comma list of the tokens proposed per "
+                                                           "round (default 2,4; --quick 2)")
     parser.add_argument("--budget-snapshots", default=None,
                         help="block_hit: comma list of the stored prompt's max_snapshot_bytes, in snapshots of one "
                              "sequence (default 64,16; --quick 6,3)")
@@ -465,6 +469,7 @@ def main():
     wanted = set(filter(None, args.only.split(","))) or {"ttft", "block_hit", "spec", "spec_static", "snapshots"}
     alphas = [float(a) for a in (args.alphas or ("1,0" if args.quick else "1,0.3,0.1,0.03,0")).split(",")]
     batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,4")).split(",")]
+    proposals = [int(k) for k in (args.proposals or ("2" if args.quick else "2,4")).split(",")]
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "quick": args.quick,
                "model_layers": model.config.num_hidden_layers, "dtype": str(model.dtype)}
     sections = {
@@ -476,7 +481,7 @@ def main():
         "spec": lambda: section_spec(model, device, sizes["context"], sizes["new_tokens"], draft_layers=2,
                                      lookup_tokens=4, assistant_tokens=4, compiled=device == "cuda"),
         "spec_static": lambda: section_spec_static(model, device, sizes["context"], sizes["new_tokens"],
-                                                   draft_layers=2, proposals=args.proposals, alphas=alphas,
+                                                   draft_layers=2, alphas=alphas, proposals=proposals,
                                                    batches=batches, compiled=device == "cuda",
                                                    repeats=1 if args.quick else 3),
         "snapshots": lambda: section_snapshots(model, device, sizes["interval"], sizes["measured"]),

@@ -527,11 +527,13 @@ class ModelDraft:
     def __call__(self, choice, last, length, history, gates, min_lengths, proposals: int) -> torch.Tensor:
         self.cache.begin_round()
         tokens, out = last, []
-        for index in range(proposals + 1):
+        for index in range(proposals):
             logits = self.model(input_ids=tokens, cache=self.cache, use_cache=True).logits[:, -1].float()
-            if index < proposals:
-                tokens = choice(logits, tokens, length + index, None, gates, min_lengths)[:, None]
-                out.append(tokens)
+            tokens = choice(logits, tokens, length + index, None, gates, min_lengths)[:, None]
+            out.append(tokens)
+        # the k-th proposal into the cache: the decoder alone, its logits would not be read (the LM head is a large
+        # share of a small draft's step)
+        self.model.get_decoder()(input_ids=tokens, cache=self.cache, use_cache=True)
         return torch.cat(out, dim=1)
 
     def roll_back(self, keep: torch.Tensor) -> None:

@@ -211,11 +211,11 @@ def test_the_benchmark_section_runs_every_target_side_by_side(model):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     before = {name: p.clone() for name, p in model.named_parameters()}
-    result = bench.section_spec_static(model, "cpu", context=8, new_tokens=6, draft_layers=2, proposals=2,
+    result = bench.section_spec_static(model, "cpu", context=8, new_tokens=6, draft_layers=2, proposals=[2],
                                        alphas=[0.0], batches=[1], compiled=False, repeats=1, warm_up=False)
     (row,) = result["rows"]
     assert result["damped_parameters"] > 0
-    for label in ("draft", "draft_rounds", "prompt_lookup"):
+    for label in ("draft_k2", "draft_rounds_k2", "prompt_lookup_k2"):
         assert row[label]["rounds"] >= 1 and 0 <= row[label]["acceptance_rate"] <= 1
         assert row[label]["first_different_token"] is None  # fp32: the tokens are plain decode's
         assert row[label]["x_plain"] > 0
