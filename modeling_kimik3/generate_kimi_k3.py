@@ -98,13 +98,12 @@ def generate(*args, model, **kwargs):
 DEFAULT_DRAFT_TOKENS = 4
 # transformers' default longest n-gram of prompt lookup (`max_matching_ngram_size`)
 DEFAULT_LOOKUP_NGRAM = 2
-# The call's speculative settings, which the loop takes under its own names (transformers' assisted loop is not run)
-SPECULATIVE_KEYS = ("assistant_model", "prompt_lookup_num_tokens", "num_assistant_tokens", "max_matching_ngram_size")
 
 
 def _speculation_arguments(model, args, kwargs) -> dict:
-    """Moves a speculative call's settings from `kwargs` to the loop's arguments (`decode_draft`,
-    `decode_proposals`, `decode_lookup_ngram`); {} for a call that is not speculative."""
+    """Moves a speculative call's settings (`assistant_model`, `num_assistant_tokens`, `prompt_lookup_num_tokens`,
+    `max_matching_ngram_size`) from `kwargs` to the loop's arguments (`decode_draft`, `decode_proposals`,
+    `decode_lookup_ngram`): transformers' assisted loop is not run. {} for a call that is not speculative."""
     config = _call_config(model, args, kwargs)
     draft = kwargs.pop("assistant_model", None)
     lookup = kwargs.pop("prompt_lookup_num_tokens", None)
@@ -277,8 +276,12 @@ def speculation_refusal(model, draft, proposals, logits_processor) -> str | None
             return f"logits processor {type(processor).__name__} (the rounds choose by argmax and the length gates)"
     if draft is None:
         return None
-    if not hasattr(draft, "get_input_embeddings") or not hasattr(getattr(draft, "config", None), "layer_types"):
-        return f"the draft ({type(draft).__name__}) is not a Kimi K3 model (the round runs it on a static cache)"
+    config = getattr(draft, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not hasattr(draft, "get_input_embeddings") or not all(
+            hasattr(text, key) for key in ("layer_types", "kv_lora_rank", "linear_num_heads")):
+        return (f"the draft ({type(draft).__name__}) is not a Kimi K3 model (a round runs it on a Kimi K3 static "
+                "cache)")
     target_vocab = model.get_input_embeddings().weight.shape[0]
     draft_vocab = draft.get_input_embeddings().weight.shape[0]
     if draft_vocab != target_vocab:

@@ -236,3 +236,8 @@ def test_the_fallback_runs_plain_blocks_and_the_draft_catches_up_before_the_next
     assert report["steps"] >= 3 * 4 and report["fallbacks"] >= 1 and report["rounds"] >= 4
     # the draft agrees with the target: after catching up with the plain blocks it still proposes the target's tokens
     assert report["accepted"] == report["proposed"]
+
+
+def test_a_draft_that_is_not_kimi_k3_is_refused(model, prompt):
+    with pytest.raises(ValueError, match=r"the draft \(Linear\) is not a Kimi K3 model"):
+        speculative(model, prompt, max_new_tokens=4, assistant_model=torch.nn.Linear(2, 2))
