@@ -30,7 +30,8 @@ of one forward writes the same positions.
 
 The cache stores; it computes nothing. Going back to an earlier token (`crop`, `copy_prefix`), which a recurrent
 state cannot do by itself, is the growing cache's component `cache.rewind` (rewind_kimi_k3.py: rollback records,
-snapshots, the token ids of replays).
+snapshots, the token ids of replays); the static cache goes back only inside a speculative round, through its
+`rollback` (rewind_kimi_k3.py's `KimiK3StaticRollback`).
 """
 
 import torch

@@ -30,6 +30,9 @@ model runs the tokens it leaves pending. It holds (docs/design.md, Going back):
   below the target and leaves the tokens from there to the target pending: the next forward of the model runs them
   first (`replay`), the same computation as a prefill of those tokens.
 
+`KimiK3StaticRollback` is the static cache's way back inside one speculative round (`cache.rollback`): the same
+record in fixed-address buffers, written and replayed with device-side indices, so that a round is one CUDA graph.
+
 It computes with the ops (conv windows, the recurrence) and never refers to the model or to the cache.
 """
 
