@@ -51,7 +51,8 @@ def convert(src, dst, **options):
 
 
 def contents(folder):
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != engine.RECORD_NAME}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != engine.RECORD_NAME}
 
 
 def looks_unfinished(folder):
@@ -490,7 +491,8 @@ def overwrite_replaces_previous_model(release, reference, tmp_path, monkeypatch,
     assert {p.name for p in dst.glob("*.safetensors")} == set(weight_map.values()) == {
         "model-00001-of-00001.safetensors"}
     record = json.loads((dst / engine.RECORD_NAME).read_text())
-    assert {p.name for p in dst.iterdir()} == set(record["files"]) | {"notes.txt", engine.RECORD_NAME}
+    assert {str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()} == set(record["files"]) | {
+        "notes.txt", engine.RECORD_NAME}
 
 
 def overwrite_foreign_model_files(release, reference, tmp_path, monkeypatch, capsys):
