@@ -443,42 +443,52 @@ class DecodeLoop:
                                    self.keys, self.gates, self.min_lengths, self.eos, self.pad))
 
     def _run_steps(self, count: int) -> None:
-        if not self.use_graph or self.steps_run < WARM_STEPS:
-            self._eager_steps(count)
-        else:
-            # a full block is one graph; a shorter tail, replays of the one-step graph
-            size = count if count == self.block_steps else 1
-            if size not in self.graphs:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(size):
-                        self.step()
-                self.graphs[size] = graph
-            for _ in range(count // size):
-                self.graphs[size].replay()
+        self._run_units(self.step, count, self.block_steps, self.graphs, self.steps_run >= WARM_STEPS)
         self.steps_run += count
 
-    def _eager_steps(self, count: int) -> None:
+    def _run_units(self, unit, count: int, block: int, graphs: dict, warm: bool) -> bool:
+        """`count` runs of `unit` (a decode step or a speculative round): eagerly off CUDA graphs, and while not
+        `warm` on a side stream (as a capture's warm-up must be); else from CUDA graphs, a full block of `block`
+        units one graph, a shorter tail replays of the one-unit graph. Whether they ran as they will from now on
+        (warm, nothing captured)."""
         if not self.use_graph:
             for _ in range(count):
-                self.step()
-            return
-        side = torch.cuda.Stream()  # warm-up on a side stream, as a capture's warm-up must be
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(count):
-                self.step()
-        torch.cuda.current_stream().wait_stream(side)
+                unit()
+            return warm
+        if not warm:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(count):
+                    unit()
+            torch.cuda.current_stream().wait_stream(side)
+            return False
+        size = count if count == block else 1
+        clean = size in graphs
+        if not clean:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(size):
+                    unit()
+            graphs[size] = graph
+        for _ in range(count // size):
+            graphs[size].replay()
+        return clean
+
+    @staticmethod
+    def _emit(row: list, streamer, out: list) -> None:
+        """One step's tokens (a host list, one per row) to the output and the streamer."""
+        tokens = torch.tensor(row, dtype=torch.long)
+        out.append(tokens)
+        if streamer is not None:
+            streamer.put(tokens)
 
     def _read(self, count: int, streamer, out: list) -> bool:
         """The block's tokens to the host (one copy, the block's one synchronisation) and the streamer, up to the
         step where no row ran any more; whether generation goes on."""
         rows = self.record[:count].tolist()
         for row in rows:
-            tokens = torch.tensor(row[:-1], dtype=torch.long)
-            out.append(tokens)
-            if streamer is not None:
-                streamer.put(tokens)
+            self._emit(row[:-1], streamer, out)
             if row[-1] == 0:
                 return False
         return True
@@ -487,18 +497,25 @@ class DecodeLoop:
     def run(self, first_logits, streamer) -> torch.Tensor:
         """[B, n] generated tokens (host), from the prefill's last logits on."""
         out: list[torch.Tensor] = []
+        self._plain_blocks(self._first_token(first_logits, streamer, out), streamer, out)
+        return torch.stack(out, dim=1)
+
+    def _first_token(self, first_logits, streamer, out: list) -> bool:
+        """The token chosen from the prefill's logits, recorded and read; whether generation goes on."""
         self.row.zero_()
         first = self.choice(first_logits, self.tokens, self.length, self.keys, self.gates, self.min_lengths)
         self._record(*finish(first, self.unfinished, self.eos, self.pad))
-        going = self._read(1, streamer, out)
-        left = self.steps_allowed - 1
+        return self._read(1, streamer, out)
+
+    def _plain_blocks(self, going: bool, streamer, out: list) -> None:
+        """Blocks of plain steps up to the tokens allowed or the step where no row runs any more."""
+        left = self.steps_allowed - len(out)
         while going and left > 0:
             count = min(self.block_steps, left)
             self.row.zero_()
             self._run_steps(count)
             going = self._read(count, streamer, out)
             left -= count
-        return torch.stack(out, dim=1)
 
     def report(self) -> dict:
         return {"steps": self.steps_run}
@@ -675,29 +692,8 @@ class SpeculativeLoop(DecodeLoop):
 
     def _run_rounds(self, count: int) -> bool:
         """Runs `count` rounds; whether they ran as they will run from now on (no compilation, no capture)."""
-        clean = self.rounds_run >= WARM_STEPS
-        if not self.use_graph or self.rounds_run < WARM_STEPS:
-            if self.use_graph:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(count):
-                        self.round()
-                torch.cuda.current_stream().wait_stream(side)
-            else:
-                for _ in range(count):
-                    self.round()
-        else:
-            size = count if count == self.block_rounds else 1
-            if size not in self.round_graphs:
-                clean = False
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(size):
-                        self.round()
-                self.round_graphs[size] = graph
-            for _ in range(count // size):
-                self.round_graphs[size].replay()
+        clean = self._run_units(self.round, count, self.block_rounds, self.round_graphs,
+                                self.rounds_run >= WARM_STEPS)
         self.rounds_run += count
         return clean
 
@@ -710,10 +706,7 @@ class SpeculativeLoop(DecodeLoop):
             for row in entry[: entry[0][-1]]:
                 if len(out) >= limit:
                     return False
-                tokens = torch.tensor(row[:-2], dtype=torch.long)
-                out.append(tokens)
-                if streamer is not None:
-                    streamer.put(tokens)
+                self._emit(row[:-2], streamer, out)
                 if row[-2] == 0:
                     return False
         return len(out) < limit
@@ -725,10 +718,7 @@ class SpeculativeLoop(DecodeLoop):
     @torch.no_grad()
     def run(self, first_logits, streamer) -> torch.Tensor:
         out: list[torch.Tensor] = []
-        self.row.zero_()
-        first = self.choice(first_logits, self.tokens, self.length, self.keys, self.gates, self.min_lengths)
-        self._record(*finish(first, self.unfinished, self.eos, self.pad))
-        going = self._read(1, streamer, out)
+        going = self._first_token(first_logits, streamer, out)
         self.cache.enable_rollback(self.width)
         self.proposer.start(self.width)
         rates = {"rounds": None, "plain": None}
@@ -769,13 +759,7 @@ class SpeculativeLoop(DecodeLoop):
                 self.fallbacks += 1
             elif clean:
                 gap = PROBE_GAP
-        left = self.steps_allowed - len(out)
-        while going and left > 0:
-            count = min(self.block_steps, left)
-            self.row.zero_()
-            self._run_steps(count)
-            going = self._read(count, streamer, out)
-            left -= count
+        self._plain_blocks(going, streamer, out)
         return torch.stack(out, dim=1)
 
     def report(self) -> dict:
