@@ -73,3 +73,23 @@ def run_forked(function, *args, timeout: float = 300):
     process.join(30)
     receive.close()
     return process.exitcode, reply["value"], reply["error"]
+
+
+class Recorder:
+    """A streamer (transformers' put/end interface) that keeps every call: the tensors it was given, then "end"."""
+
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(value.clone())
+
+    def end(self):
+        self.calls.append("end")
+
+
+def assert_same_streamer_calls(mine: Recorder, theirs: Recorder, count: int) -> None:
+    """Both streamers got `count` calls, the same tensors (shapes and values) in the same order, then "end"."""
+    assert len(mine.calls) == len(theirs.calls) == count
+    for a, b in zip(mine.calls, theirs.calls):
+        assert (isinstance(a, str) and a == b == "end") or (a.shape == b.shape and torch.equal(a, b))

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationMixin
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.generation.streamers import BaseStreamer
 
 import kimik3.modeling.generate_kimi_k3 as loop
+from k3_test_utils import Recorder, assert_same_streamer_calls
 from kimik3.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,25 +96,12 @@ def test_eos_mid_batch_pads_finished_rows_and_stops_where_generate_stops(model, 
     assert one.shape[1] == 4 + 3 and spy.steps == 5 and spy.reads == 2
 
 
-class Recorder(BaseStreamer):
-    def __init__(self):
-        self.calls = []
-
-    def put(self, value):
-        self.calls.append(value.clone())
-
-    def end(self):
-        self.calls.append("end")
-
-
 def test_a_streamer_gets_the_calls_of_transformers_loop(model, batch):
     ids, mask = batch
     theirs, mine = Recorder(), Recorder()
     plain(model, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, streamer=theirs)
     ours(model, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, streamer=mine, decode_block_steps=4)
-    assert len(mine.calls) == len(theirs.calls) == 1 + 6 + 1
-    for a, b in zip(mine.calls, theirs.calls):
-        assert (isinstance(a, str) and a == b == "end") or (a.shape == b.shape and torch.equal(a, b))
+    assert_same_streamer_calls(mine, theirs, 1 + 6 + 1)
 
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)

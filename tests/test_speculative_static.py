@@ -7,9 +7,9 @@ greedy runs; the rolled-back KDA states and conv windows are those of plain deco
 import pytest
 import torch
 from transformers import GenerationMixin
-from transformers.generation.streamers import BaseStreamer
 
 import kimik3.modeling.generate_kimi_k3 as loop
+from k3_test_utils import Recorder, assert_same_streamer_calls
 from kimik3.draft import slice_draft_model
 from kimik3.modeling.cache_kimi_k3 import KimiK3StaticCache
 from kimik3.tiny import build_tiny_model
@@ -162,25 +162,12 @@ def test_a_padded_batch_accepts_the_rows_common_run(model, drafts):
         assert torch.equal(speculative(model, ids, assistant_model=draft, num_assistant_tokens=2, **kwargs), want)
 
 
-class Recorder(BaseStreamer):
-    def __init__(self):
-        self.calls = []
-
-    def put(self, value):
-        self.calls.append(value.clone())
-
-    def end(self):
-        self.calls.append("end")
-
-
 def test_a_streamer_gets_the_calls_of_transformers_loop(model, drafts, prompt):
     theirs, mine = Recorder(), Recorder()
     plain(model, prompt, max_new_tokens=9, streamer=theirs)
     speculative(model, prompt, max_new_tokens=9, streamer=mine, assistant_model=drafts["slice"],
                 num_assistant_tokens=2)
-    assert len(mine.calls) == len(theirs.calls) == 1 + 9 + 1
-    for a, b in zip(mine.calls, theirs.calls):
-        assert (isinstance(a, str) and a == b == "end") or (a.shape == b.shape and torch.equal(a, b))
+    assert_same_streamer_calls(mine, theirs, 1 + 9 + 1)
 
 
 def test_speculative_sampling_goes_to_transformers_saying_why(model, drafts):
