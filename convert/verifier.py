@@ -340,7 +340,14 @@ def _layer_map(release, ours, provenance: dict, provenance_path: Path) -> list[i
 def _load_ours(path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32).eval()
+    # Tensors stored in f32 are loaded as views of the mmap-ed shard, at the file's offsets (4-byte aligned), while
+    # converted (bf16) or in-memory ones get fresh 64-byte-aligned memory. CPU BLAS (MKL) sums a one- to three-row
+    # product in an order that depends on its operands' alignment, so equal values placed differently gave logits
+    # apart by ~1e-6. Every tensor in fresh memory: the logits compared are a function of the values alone.
+    for tensor in (*model.parameters(), *model.buffers()):
+        tensor.data = tensor.data.clone()
+    return model
 
 
 def _fixed_input(vocab: int, num_tokens: int) -> torch.Tensor:

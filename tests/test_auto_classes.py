@@ -141,7 +141,8 @@ def test_the_processor_needs_no_torchvision(folders):
 
 def test_auto_model_is_the_base_model_and_the_head_is_left_out(folders):
     """AutoModel on a folder saved with the head gives the base model (as a Llama folder gives LlamaModel), without a
-    warning: its last hidden state through the saved head is the full model's logits, with images too."""
+    warning: its tensors are the full model's but the head, bit for bit, and its last hidden state through the saved
+    head is the full model's logits, with images too."""
     from transformers import AutoModel, AutoProcessor
 
     text_model, composite = folders["text_model"], folders["composite"]
@@ -155,6 +156,18 @@ def test_auto_model_is_the_base_model_and_the_head_is_left_out(folders):
         assert type(base).__module__.startswith("transformers_modules.")
         assert type(base).__name__ == {"text": "KimiK3Model", "vision": "KimiK3MultimodalModel"}[kind]
         assert not any(name.endswith("lm_head.weight") for name, _ in base.named_parameters())
+        want = {name: tensor for name, tensor in (full.model if kind == "text" else full).state_dict().items()
+                if not name.endswith("lm_head.weight")}
+        got = base.state_dict()
+        assert set(got) == set(want)
+        for name, tensor in got.items():
+            assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name]), name
+        # The folder's f32 tensors load as views of the mmap-ed file (4-byte-aligned offsets), the in-memory model's
+        # are 64-byte aligned, and CPU BLAS (MKL) sums a one- to three-row product in an order that depends on its
+        # operands' alignment (the vision case's one image token through mm_projector: logits 1.9e-7 apart). In
+        # fresh memory like the full model's, the logits below depend on the values alone and must be bit-equal.
+        for tensor in (*base.parameters(), *base.buffers()):
+            tensor.data = tensor.data.clone()
         with torch.no_grad():
             torch.testing.assert_close(head(base(ids).last_hidden_state), full(ids).logits, rtol=0, atol=0)
     with torch.no_grad():  # the multimodal base model reads images as the full model does
