@@ -77,7 +77,9 @@ def build_models(quick: bool, layers: int, experts: int):
     if quick:
         from kimik3.tiny import build_tiny_model
 
-        return build_tiny_model(num_hidden_layers=6, seed=3), "cpu"
+        # one AttnRes block over all layers, as the benchmark model has: a target damped to alpha = 0 is then its
+        # slice exactly (a block boundary inside the target would bank a vector the slice never banks)
+        return build_tiny_model(num_hidden_layers=6, seed=3, attn_res_block_size=6), "cpu"
     from bench_k3 import build, k3_config
 
     from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
@@ -363,6 +365,7 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
                "draft_layers": kept, "compiled": compiled, "rows": []}
 
     def timed(ids, **kwargs):
+        start = time.perf_counter()
         if warm_up:  # the same shapes: compilation and capture on CUDA, the first calls' set-up on CPU
             loop.generate(ids, model=model, **settings, **kwargs)
         runs = []
@@ -372,7 +375,8 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
                                                           **kwargs))
             runs.append((seconds, out, report))
         seconds, out, report = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
-        entry = {"s": round_sig(seconds), "tok_s": round_sig(ids.shape[0] * new_tokens / seconds)}
+        entry = {"s": round_sig(seconds), "tok_s": round_sig(ids.shape[0] * new_tokens / seconds),
+                 "call_s": round_sig(time.perf_counter() - start)}  # warm-up (compilation) and repeats
         if report.get("rounds"):
             entry.update(rounds=report["rounds"], acceptance_rate=round_sig(report["accepted"] / report["proposed"]),
                          tokens_per_round=round_sig((report["accepted"] + report["rounds"]) / report["rounds"]),
@@ -393,6 +397,8 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
                 ("prompt_lookup", dict(prompt_lookup_num_tokens=k)))]
             for label, kwargs in runs:
                 row[label], out = timed(ids, **kwargs)
+                print(json.dumps({"spec_static.entry": {"alpha": alpha, "batch": batch, label: row[label]}}),
+                      file=sys.stderr, flush=True)  # kept if a time limit stops the run
                 row[label]["x_plain"] = round_sig(row[label]["tok_s"] / row["plain"]["tok_s"])
                 # bf16: the verify's shapes differ from a decode step's, so a near-tie may go the other way (the
                 # fp32 CPU tests hold equality); where the first difference is says whether it is noise
