@@ -117,6 +117,8 @@ def build(model_cls, config):
     finally:
         torch.set_default_dtype(previous)
     model.eval()
+    if DEV == "meta":  # shapes and dtypes only (a byte model): no values to check
+        return model
     with torch.no_grad():  # random weights; never leave uninitialised memory (NaN/inf) in a parameter
         for p in model.parameters():
             if not bool(torch.isfinite(p).all()):

@@ -34,6 +34,10 @@ Side by side in one run, on the bench_k3.py model (random bf16 weights, K3's exa
                 per alpha and batch size: tokens/s of plain, of the draft (with the loop's fallback to plain blocks
                 while rounds are slower, and with rounds throughout) and of prompt lookup (a random target does not
                 repeat its prompt: the ~0% point), the acceptance rates, plain steps, fallbacks and the speedups
+  spec_bound    the HBM-bandwidth bound of spec_static's rounds (no GPU needed: the models are built on the meta
+                device): bytes a plain step reads against a round's (k draft steps with logits, one without, the
+                target's verify of k + 1 tokens with the experts those tokens route to), so the best
+                speedup over plain decode any implementation of these rounds can reach, per k and acceptance rate
   snapshots     bytes held by KDA state snapshots at 64K and 1M tokens for the default interval (the benchmark
                 model measured at 64K; the release's 69 KDA layers from the config), and the rollback record
                 bytes per verified token against one set of KDA states
@@ -73,18 +77,26 @@ def _seconds(fn):
     return time.perf_counter() - start, result
 
 
-def build_models(quick: bool, layers: int, experts: int):
+def build_models(quick: bool, layers: int, experts: int, experts_format: str = "dense", meta: bool = False):
+    """The benchmark model on the GPU (the tiny one on the CPU with `quick`); `meta`: on the meta device, shapes
+    and dtypes only (the byte model of spec_bound)."""
     if quick:
         from kimik3.tiny import build_tiny_model
 
         # one AttnRes block over all layers, as the benchmark model has: a target damped to alpha = 0 is then its
         # slice exactly (a block boundary inside the target would bank a vector the slice never banks)
         return build_tiny_model(num_hidden_layers=6, seed=3, attn_res_block_size=6), "cpu"
-    from bench_k3 import build, k3_config
+    import bench_k3
 
     from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 
-    return build(KimiK3ForCausalLM, k3_config(layers, experts)), "cuda"
+    device = "meta" if meta else "cuda"
+    previous, bench_k3.DEV = bench_k3.DEV, device
+    try:
+        builder = bench_k3.build_packed if experts_format == "mxfp4" else bench_k3.build
+        return builder(KimiK3ForCausalLM, bench_k3.k3_config(layers, experts)), device
+    finally:
+        bench_k3.DEV = previous
 
 
 @torch.no_grad()
@@ -411,6 +423,48 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
     return results
 
 
+def section_spec_bound(model, context, draft_layers, proposals, rates=(0.0, 0.5, 0.7, 0.8, 0.9, 1.0)):
+    """The bound of a speculative round at b=1 from bytes read (bench_k3's byte model: every weight a step uses
+    once, the routed experts the tokens are expected to hit under uniform routing, the cache): a plain step reads
+    S bytes for one token; a round reads the draft's k steps with logits and one decoder-only step (the k-th proposal
+    enters the draft's cache without logits) and the target's verify,
+    whose k + 1 tokens read the experts of k + 1 rows; at acceptance rate a it yields (1 - a^(k+1)) / (1 - a)
+    tokens. Bound = tokens x S / round bytes."""
+    import types
+
+    from bench_k3 import byte_stats, decode_roofline
+
+    from kimik3.convert.schedule import layer_map
+
+    kept, _ = layer_map(model.config, draft_layers)
+    others = {f"model.layers.{index}." for index in range(model.config.num_hidden_layers) if index not in kept}
+    # the slice's parameters are the target's of the kept layers and the rest (embedding, norms, head): the same
+    # byte model without building the slice (it would copy weights, which a meta model has none of)
+    draft = types.SimpleNamespace(
+        named_parameters=lambda: ((n, p) for n, p in model.named_parameters() if not n.startswith(tuple(others))),
+        parameters=lambda: (p for n, p in model.named_parameters() if not n.startswith(tuple(others))))
+    draft_config = types.SimpleNamespace(**{**model.config.to_dict(), "layer_types": [
+        model.config.layer_types[index] for index in kept]})
+    target_stats, draft_stats = byte_stats(model), byte_stats(draft)
+    plain = decode_roofline(target_stats, model.config, 1, context)
+    draft_step = decode_roofline(draft_stats, draft_config, 1, context)["bytes_per_step"]
+    results = {"context": context, "draft_layers": draft_layers, "plain_step_bytes": plain["bytes_per_step"],
+               "draft_step_bytes": draft_step, "draft_lm_head_bytes": draft_stats["lm_head_bytes"],
+               "hbm_roofline_plain_ms": plain["hbm_roofline_ms"], "rows": []}
+    for k in proposals:
+        # the verify: the weights of a (k + 1)-row step, the cache read once (one sequence)
+        verify = decode_roofline(target_stats, model.config, k + 1, context)
+        verify_bytes = verify["weight_bytes"] + plain["cache_bytes"]
+        round_bytes = (k + 1) * draft_step - draft_stats["lm_head_bytes"] + verify_bytes
+        row = {"k": k, "verify_bytes": verify_bytes, "verify_x_plain_step": round_sig(verify_bytes / plain[
+            "bytes_per_step"]), "round_bytes": round_bytes, "bound_x_plain": {}}
+        for rate in rates:
+            tokens = k + 1 if rate == 1.0 else (1 - rate ** (k + 1)) / (1 - rate)
+            row["bound_x_plain"][str(rate)] = round_sig(tokens * plain["bytes_per_step"] / round_bytes)
+        results["rows"].append(row)
+    return results
+
+
 @torch.no_grad()
 def section_snapshots(model, device, interval, measured_tokens):
     from kimik3.memory import load_text_config, snapshot_memory
@@ -446,7 +500,10 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--only", default="",
-                        help="comma list of sections (ttft, block_hit, spec, spec_static, snapshots)")
+                        help="comma list of sections, run in this order (ttft, block_hit, spec, spec_static, "
+                             "spec_bound, snapshots)")
+    parser.add_argument("--experts-format", choices=["dense", "mxfp4"], default="dense",
+                        help="the benchmark model's routed experts: bf16 or packed MXFP4 (spec_bound)")
     parser.add_argument("--alphas", default=None,
                         help="spec_static: comma list of the damping factors of the target's layers past the "
                              "draft's (default 1,0.3,0.1,0.03,0; --quick 1,0)")
@@ -462,7 +519,9 @@ def main():
     from kimik3.modeling.rewind_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL, KDA_BLOCK_SIZE
 
     torch.manual_seed(0)
-    model, device = build_models(args.quick, args.layers, args.experts)
+    only_bound = [name for name in filter(None, args.only.split(","))] == ["spec_bound"]
+    model, device = build_models(args.quick, args.layers, args.experts, args.experts_format,
+                                 meta=only_bound and not args.quick)
     if args.quick:
         sizes = dict(prompt_len=160, prefix_len=128, chunk=64, interval=32, context=48, new_tokens=12,
                      measured=96, block=16, shared_len=7 * 16)  # the old spacing's 64: 48 tokens replayed
@@ -472,11 +531,10 @@ def main():
                      context=1024, new_tokens=128, measured=64 * K, block=KDA_BLOCK_SIZE,
                      shared_len=119 * KDA_BLOCK_SIZE)
     budgets = [int(n) for n in (args.budget_snapshots or ("6,3" if args.quick else "64,16")).split(",")]
-    wanted = set(filter(None, args.only.split(","))) or {"ttft", "block_hit", "spec", "spec_static", "snapshots"}
     alphas = [float(a) for a in (args.alphas or ("1,0" if args.quick else "1,0.3,0.1,0.03,0")).split(",")]
     batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,4")).split(",")]
     proposals = [int(k) for k in (args.proposals or ("2" if args.quick else "2,4")).split(",")]
-    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "quick": args.quick,
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else device, "quick": args.quick,
                "model_layers": model.config.num_hidden_layers, "dtype": str(model.dtype)}
     sections = {
         "ttft": lambda: section_ttft(model, device, sizes["prompt_len"], sizes["prefix_len"], sizes["chunk"],
@@ -490,11 +548,14 @@ def main():
                                                    draft_layers=2, alphas=alphas, proposals=proposals,
                                                    batches=batches, compiled=device == "cuda",
                                                    repeats=1 if args.quick else 3),
+        "spec_bound": lambda: section_spec_bound(model, sizes["context"], 2, proposals),
         "snapshots": lambda: section_snapshots(model, device, sizes["interval"], sizes["measured"]),
     }
-    for name, run in sections.items():
-        if name not in wanted:
-            continue
+    order = list(dict.fromkeys(filter(None, args.only.split(",")))) or list(sections)
+    if unknown := [name for name in order if name not in sections]:
+        parser.error(f"--only: no section {', '.join(unknown)} (sections: {', '.join(sections)})")
+    for name in order:  # in the order --only names them: a time limit keeps the first ones
+        run = sections[name]
         start = time.perf_counter()
         try:
             results[name] = run()

@@ -210,6 +210,35 @@ def test_the_benchmark_section_runs_every_target_side_by_side(model):
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 
+def test_the_bandwidth_bound_counts_the_slice_a_round_runs(model):
+    """spec_bound's byte model of the draft (the target's kept layers, without building the slice) equals the bytes
+    of the slice itself, and its bound follows from the bytes: below 1 at 0% acceptance (a round costs more than a
+    step), (k + 1) x the step over the round at 100%."""
+    import importlib.util
+    from pathlib import Path
+
+    from kimik3.draft import slice_draft_model
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from bench_k3 import byte_stats, decode_roofline
+
+    result = bench.section_spec_bound(model, context=16, draft_layers=2, proposals=[1, 3])
+    draft = slice_draft_model(model, 2)
+    assert result["draft_step_bytes"] == decode_roofline(byte_stats(draft), draft.config, 1, 16)["bytes_per_step"]
+    assert result["draft_lm_head_bytes"] == draft.lm_head.weight.nbytes
+    for row in result["rows"]:
+        k = row["k"]
+        assert row["verify_bytes"] > result["plain_step_bytes"]  # k + 1 rows route to more experts than one
+        assert row["round_bytes"] == ((k + 1) * result["draft_step_bytes"] - result["draft_lm_head_bytes"]
+                                      + row["verify_bytes"])
+        assert row["bound_x_plain"]["0.0"] < 1
+        expected = (k + 1) * result["plain_step_bytes"] / row["round_bytes"]
+        assert row["bound_x_plain"]["1.0"] == pytest.approx(expected, rel=1e-3)
+
+
 def test_the_fallback_runs_plain_blocks_and_the_draft_catches_up_before_the_next_round(model, prompt, monkeypatch):
     # rounds always slower at the wall: plain blocks run between the rounds' tries
     monkeypatch.setattr(loop.SpeculativeLoop, "rounds_are_slower",
