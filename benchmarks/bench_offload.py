@@ -9,6 +9,11 @@ codes: the router's choices are near-uniform, the worst case for a cache of expe
   the bound those bytes give at the measured host-to-device bandwidth (pinned memory);
 * prefill: `--prefill` tokens in one chunk (the experts each layer's routes choose cross once per chunk).
 
+The offload runs twice, side by side: its copies on the cache's copy stream (the default: the latent down-projection
+and the shared experts run while the chosen experts cross) and on the compute stream (`side_stream = False`). The
+`cpu_experts` rows time the other choice for a decode step: the chosen experts of one MoE layer run on the host,
+where their bytes are (the reference ops over the compact stack, bf16, every host core), against moving them.
+
     python benchmarks/bench_offload.py --out benchmarks/results/bench_offload.json
 
 `--cache-fraction` sets the device cache as a share of one layer's experts (default 0.25). Writes one JSON object;
@@ -17,6 +22,7 @@ every section is also printed as it ends.
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,6 +99,33 @@ def prefill(model, tokens, repeats=2):
             "peak_mem_gib": peak_gib()}
 
 
+def cpu_experts(module, batch, config, bandwidth, repeats=5):
+    """ms for one MoE layer's routed experts of a decode step run on the host from its (offloaded) stacks: the
+    chosen experts' codes gathered, dequantised and multiplied there in bf16 with every host core (the reference
+    ops, what a step would run), against the time the same experts take to cross to the device."""
+    from kimik3.modeling.ops_kimi_k3 import moe_experts_mxfp4
+
+    torch.set_num_threads(os.cpu_count())
+    generator = torch.Generator().manual_seed(batch)
+    top = torch.stack([torch.randperm(module.num_experts, generator=generator)[:config.num_experts_per_tok]
+                       for _ in range(batch)])
+    x = torch.randn(batch, module.latent_size, generator=generator).to(torch.bfloat16)
+    weights = torch.full(top.shape, 1.0 / top.shape[1])
+    chosen = torch.unique(top)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        compact = [stack.index_select(0, chosen) for stack in module.stacks()]
+        moe_experts_mxfp4(x, torch.searchsorted(chosen, top), weights, *compact, config.activation_situ_beta,
+                          config.activation_situ_linear_beta)
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times[1:])[len(times[1:]) // 2]
+    moved = chosen.numel() * sum(stack[0].numel() * stack.element_size() for stack in module.stacks())
+    return {"batch": batch, "experts": chosen.numel(), "host_threads": torch.get_num_threads(),
+            "ms_per_layer_on_host": round(seconds * 1e3, 3),
+            "ms_per_layer_to_move_them": round(moved / bandwidth * 1e3, 3)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/bench_offload.json")
@@ -147,16 +180,21 @@ def main():
 
     emit("offload.cache", {"experts_per_layer": cache.capacity, "budget_bytes": cache.budget_bytes,
                            "uniform_hit_rate": round(cache.capacity / args.experts, 4)})
+    for side_stream, tag in ((False, "offload_one_stream"), (True, "offload")):
+        cache.side_stream = side_stream
+        cache.clear()
+        for batch in batches:
+            row = decode(model, batch, args.context, args.steps, stats)
+            row["transfer_bound_ms"] = round(row["moved_bytes_per_step"] / bandwidth * 1e3, 3)
+            emit(f"{tag}.decode_b{batch}", row)
+        for tokens in chunks:
+            before = cache.moved_bytes
+            row = prefill(model, tokens, repeats=1)
+            row["moved_bytes_per_prefill"] = (cache.moved_bytes - before) // 2  # warm-up + one timed call
+            row["transfer_bound_s"] = round(row["moved_bytes_per_prefill"] / bandwidth, 3)
+            emit(f"{tag}.prefill_{tokens}", row)
     for batch in batches:
-        row = decode(model, batch, args.context, args.steps, stats)
-        row["transfer_bound_ms"] = round(row["moved_bytes_per_step"] / bandwidth * 1e3, 3)
-        emit(f"offload.decode_b{batch}", row)
-    for tokens in chunks:
-        before = cache.moved_bytes
-        row = prefill(model, tokens, repeats=1)
-        row["moved_bytes_per_prefill"] = (cache.moved_bytes - before) // 2  # warm-up + one timed call
-        row["transfer_bound_s"] = round(row["moved_bytes_per_prefill"] / bandwidth, 3)
-        emit(f"offload.prefill_{tokens}", row)
+        emit(f"cpu_experts.decode_b{batch}", cpu_experts(experts[0], batch, model.config, bandwidth))
 
     if args.skip_accelerate:
         return

@@ -556,16 +556,23 @@ class KimiK3Experts(nn.Module):
             else ("gate_up_proj", "down_proj")
         return tuple(getattr(self, name) for name in names)
 
-    def forward(self, hidden_states: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor):
+    def fetch(self, top_indices: torch.Tensor, device: torch.device):
+        """With the experts kept in host memory, starts moving the chosen ones to `device` and returns the move
+        (`offload_kimi_k3.ExpertFetch`) for `forward`; None otherwise. The block calls it right after its router, so
+        that the copies overlap what it computes before the routed experts."""
+        return None if self.offload is None else self.offload.fetch(top_indices, self.stacks(), device)
+
+    def forward(self, hidden_states: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor,
+                fetched=None):
         """hidden_states [N, Dl]; returns dtype( sum_e w_e * f32(dtype(expert_e(x))) ) (docs/architecture.md, Stable
-        LatentMoE).
+        LatentMoE). `fetched`: this forward's `fetch`, when the caller started it.
 
         Under expert parallelism (this rank holds `num_experts` of `config.num_experts`) only the routes to local
         experts are computed, and the f32 partial sum is returned: the ranks' parts are added by the plan's
         all-reduce (or all-to-all combine) in f32, then rounded once, as on one device."""
         if self.num_experts < self.config.num_experts:
             return self._local_routes(hidden_states, top_indices, top_weights)
-        return self._routed(hidden_states, top_indices, top_weights)
+        return self._routed(hidden_states, top_indices, top_weights, fetched)
 
     def _local_routes(self, hidden_states, top_indices, top_weights):
         # Routes to other ranks' experts carry the sentinel id `num_experts` (weight 0). Each local route runs once
@@ -581,11 +588,12 @@ class KimiK3Experts(nn.Module):
         weighted = expert_out.float() * top_weights[token_of, slot].float().unsqueeze(-1)
         return partial.index_add(0, token_of, weighted)
 
-    def _routed(self, hidden_states, top_indices, top_weights):
+    def _routed(self, hidden_states, top_indices, top_weights, fetched=None):
         stacks = self.stacks()
         if self.offload is not None:
             # experts kept in host memory: the chosen ones, compacted on this device (offload_kimi_k3.py)
-            top_indices, stacks = self.offload.gather(top_indices, stacks, hidden_states.device)
+            fetched = fetched if fetched is not None else self.fetch(top_indices, hidden_states.device)
+            top_indices, stacks = fetched.wait()
         if self.config.hidden_act == "silu":
             # SwiGLU experts (Kimi-Linear-style configs): the fast experts are SiTU-only
             gate_up, down = stacks if not self.packed else (
@@ -620,15 +628,22 @@ class KimiK3SparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
         _, top_weights, top_indices = self.gate(flat, None if token_mask is None else token_mask.reshape(-1))
+        # experts in host memory start crossing now; what does not need them (the latent down-projection, the shared
+        # experts) runs while they do. The same ops as without the offload: only their order of launch differs
+        # (a wrapped expert module, such as peft's ParamWrapper of a LoRA on the stacks, is called as it is)
+        fetched = self.experts.fetch(top_indices, flat.device) if isinstance(self.experts, KimiK3Experts) else None
         routed = self.routed_expert_down_proj(flat) if self.is_latent else flat
-        # f32 under expert parallelism (the ranks' partial sums), rounded once here
-        routed = self.experts(routed, top_indices, top_weights).to(flat.dtype)
+        shared = self.shared_experts(flat) if self.config.num_shared_experts else None
+        # f32 under expert parallelism (the ranks' partial sums), rounded once here; the three-argument call is the
+        # one transformers' expert-parallel dispatch wraps (no offload there)
+        routed = (self.experts(routed, top_indices, top_weights) if fetched is None
+                  else self.experts(routed, top_indices, top_weights, fetched)).to(flat.dtype)
         if self.is_latent:
             if self.config.latent_moe_use_norm:
                 routed = self.routed_expert_norm(routed)
             routed = self.routed_expert_up_proj(routed)
-        if self.config.num_shared_experts:
-            routed = routed + self.shared_experts(flat)
+        if shared is not None:
+            routed = routed + shared
         return routed.view(shape)
 
 

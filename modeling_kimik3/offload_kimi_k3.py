@@ -3,7 +3,7 @@
 The load option `experts_offload="host"` keeps every MoE layer's routed-expert stacks (dense or packed MXFP4) in host
 memory, pinned where CUDA exists; `experts_offload="disk"` maps them from the folder's safetensors shards instead
 (file-backed, never read by transformers' loader: the OS pages them in from the disk when the cache asks for an
-expert). Everything else stays where the load put it. After a layer's router has chosen, `ExpertCache.gather` moves
+expert). Everything else stays where the load put it. After a layer's router has chosen, `ExpertCache.fetch` moves
 only the chosen experts that the layer's device cache does not hold and returns a compact stack of the chosen experts
 on the compute device, with the routes renumbered into it. It imports no model file: the model hands it its class,
 its expert modules and their stacks."""
@@ -129,41 +129,71 @@ def expert_bytes(stacks) -> int:
 class ExpertParts:
     """The experts of one layer as the release stores them, one file-backed tensor per expert and part (`experts.{E}.
     w1/w3/w2`): `parts[i][e]` holds the parts of our stack i for expert e, their rows in the order our fused stack
-    stacks them (gate_up: w1 rows, then w3 rows). `piece` assembles one expert on the device, a copy straight from
-    the mapped bytes, as a host stack's `stack[e].to(device)`."""
+    stacks them (gate_up: w1 rows, then w3 rows). `copy_into` assembles one expert in its rows of the device's
+    compact stacks, a copy straight from the mapped bytes, as a host stack's range is copied."""
 
     def __init__(self, parts: list[list[tuple[torch.Tensor, ...]]]):
         self.parts = parts
         self.bytes_per_expert = sum(t.numel() * t.element_size() for stack in parts for t in stack[0])
 
-    def piece(self, expert: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        out = []
-        for stack in self.parts:
-            pieces = stack[expert]
-            whole = torch.empty((sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]), dtype=pieces[0].dtype,
-                                device=device)
+    def shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of one expert in each of our stacks, its parts' rows together."""
+        return [((sum(part.shape[0] for part in stack[0]), *stack[0][0].shape[1:]), stack[0][0].dtype)
+                for stack in self.parts]
+
+    def copy_into(self, expert: int, outs: tuple[torch.Tensor, ...], non_blocking: bool) -> None:
+        """Copies expert `expert`'s parts into `outs` (one tensor a stack, on the device), straight from the mapped
+        bytes, as a host stack's `out.copy_(stack[e])`."""
+        for stack, out in zip(self.parts, outs):
             row = 0
-            for part in pieces:
-                whole[row:row + part.shape[0]].copy_(part)
+            for part in stack[expert]:
+                out[row:row + part.shape[0]].copy_(part, non_blocking=non_blocking)
                 row += part.shape[0]
-            out.append(whole)
-        return tuple(out)
 
 
-def _piece(source, expert: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """One expert of `source` (a layer's stacks, or its `ExpertParts`) copied onto `device`."""
-    if isinstance(source, ExpertParts):
-        return source.piece(expert, device)
-    non_blocking = device.type == "cuda"
-    # a copy even where host and device are one (CPU): the cache holds its own tensors, as on a GPU
-    return tuple(stack[expert].to(device, non_blocking=non_blocking, copy=True) for stack in source)
+def _runs(positions: list[int], ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first position in the compact stack, first expert id, count) for each run of `positions` (ascending) whose
+    experts have consecutive ids: one copy a run and a stack instead of one an expert (a prefill moves whole ranges)."""
+    runs: list[list[int]] = []
+    for position in positions:
+        if runs and runs[-1][0] + runs[-1][2] == position and runs[-1][1] + runs[-1][2] == ids[position]:
+            runs[-1][2] += 1
+        else:
+            runs.append([position, ids[position], 1])
+    return [tuple(run) for run in runs]
+
+
+class ExpertFetch:
+    """The chosen experts of one layer's forward on their way to the device: `ExpertCache.fetch` has issued the
+    copies (on the cache's copy stream on a GPU, so the work that does not need them runs meanwhile); `wait` makes the
+    current stream wait for them, lets the cache keep its share of the moved experts, and returns what
+    `ExpertCache.gather` returns."""
+
+    def __init__(self, cache, entries: OrderedDict, chosen: torch.Tensor, ids: list[int], top_indices: torch.Tensor,
+                 compact: tuple[torch.Tensor, ...], missed: list[int], event):
+        self.cache, self.entries, self.chosen, self.ids = cache, entries, chosen, ids
+        self.top_indices, self.compact, self.missed, self.event = top_indices, compact, missed, event
+
+    def wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream(self.compact[0].device).wait_event(self.event)
+        # the moved experts the cache keeps: their own copies of the compact rows, on the current stream
+        wanted = set(self.ids)
+        for position in self.missed:
+            self.cache._keep(self.entries, self.ids[position], tuple(stack[position].clone() for stack in self.compact),
+                             wanted)
+        return torch.searchsorted(self.chosen, self.top_indices), self.compact
 
 
 class ExpertCache:
     """The device's expert cache of one model. Its byte budget is split evenly across the offloaded MoE layers; each
     layer keeps at most `capacity` experts and evicts its least recently used one first, never one its current
     forward chose. A chosen expert that does not fit (a forward choosing more experts than a layer keeps, as a
-    prefill does) is moved for that forward only. Counts what moves (`moves`, `moved_bytes`) and what hits."""
+    prefill does) is moved for that forward only. Counts what moves (`moves`, `moved_bytes`) and what hits.
+
+    On a GPU the host-to-device copies run on a copy stream of the cache's own while `side_stream` is true (the
+    default), so that what a layer computes before its routed experts (the latent down-projection, the shared experts:
+    `KimiK3SparseMoeBlock`) overlaps them; with `side_stream = False` they run on the current stream, in order."""
 
     def __init__(self, budget_bytes: int, num_layers: int, bytes_per_expert: int):
         per_layer = budget_bytes // num_layers
@@ -176,6 +206,8 @@ class ExpertCache:
         self.capacity = per_layer // bytes_per_expert
         self.layers: dict[int, OrderedDict] = {}
         self.moves = self.moved_bytes = self.hits = 0
+        self.side_stream = True
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def resident_bytes(self) -> int:
         return sum(len(entries) for entries in self.layers.values()) * self.bytes_per_expert
@@ -183,30 +215,62 @@ class ExpertCache:
     def clear(self) -> None:
         self.layers.clear()
 
+    def _copy_stream(self, device: torch.device):
+        if device.type != "cuda" or not self.side_stream:
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
     def gather(self, layer: int, top_indices: torch.Tensor, source, device: torch.device):
         """(routes renumbered into the compact stacks, the compact stacks [U, ...] of the U chosen experts on
         `device`, in ascending expert id). `source`: the layer's stacks [E, ...] (host memory, or mapped from the
         shards) or its `ExpertParts`. The renumbering keeps the experts' order, so the experts' sum runs in the order
         it runs over the full stacks: the same result, bit for bit. One host sync (the chosen ids)."""
+        return self.fetch(layer, top_indices, source, device).wait()
+
+    def fetch(self, layer: int, top_indices: torch.Tensor, source, device: torch.device) -> ExpertFetch:
+        """`gather`'s copies issued, not yet waited for (`ExpertFetch.wait`). The compact stacks are allocated on the
+        current stream and the held experts copied into them there (device to device); the missed ones are copied
+        from the host on the copy stream, one copy per run of consecutive ids and stack, once the copy stream has
+        waited for the current one (the stacks' memory is the current stream's)."""
         chosen = torch.unique(top_indices)  # sorted
         ids = chosen.tolist()
         entries = self.layers.setdefault(layer, OrderedDict())
-        wanted = set(ids)
-        for expert in ids:
-            if expert in entries:
-                entries.move_to_end(expert)
-                self.hits += 1
-        pieces = []
-        for expert in ids:
-            piece = entries.get(expert)
-            if piece is None:
-                piece = _piece(source, expert, device)
-                self.moves += 1
-                self.moved_bytes += self.bytes_per_expert
-                self._keep(entries, expert, piece, wanted)
-            pieces.append(piece)
-        compact = tuple(torch.stack([piece[i] for piece in pieces]) for i in range(len(pieces[0])))
-        return torch.searchsorted(chosen, top_indices), compact
+        parts = source if isinstance(source, ExpertParts) else None
+        shapes = parts.shapes() if parts is not None else [(tuple(stack.shape[1:]), stack.dtype) for stack in source]
+        compact = tuple(torch.empty((len(ids), *shape), dtype=dtype, device=device) for shape, dtype in shapes)
+        missed = []
+        for position, expert in enumerate(ids):
+            held = entries.get(expert)
+            if held is None:
+                missed.append(position)
+                continue
+            entries.move_to_end(expert)
+            self.hits += 1
+            for out, piece in zip(compact, held):
+                out[position].copy_(piece)
+        event = None
+        if missed:
+            stream = self._copy_stream(device)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(device))
+            # pinned host memory copies asynchronously; on CPU host and device are one (the cache still copies)
+            non_blocking = device.type == "cuda"
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if parts is not None:
+                    for position in missed:
+                        parts.copy_into(ids[position], tuple(out[position] for out in compact), non_blocking)
+                else:
+                    for position, first, count in _runs(missed, ids):
+                        for out, stack in zip(compact, source):
+                            out[position:position + count].copy_(stack[first:first + count], non_blocking=non_blocking)
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            self.moves += len(missed)
+            self.moved_bytes += len(missed) * self.bytes_per_expert
+        return ExpertFetch(self, entries, chosen, ids, top_indices, compact, missed, event)
 
     def _keep(self, entries: OrderedDict, expert: int, piece, wanted: set) -> None:
         while len(entries) >= self.capacity:
@@ -226,8 +290,8 @@ class LayerOffload:
         self.layer = layer
         self.parts = parts
 
-    def gather(self, top_indices, stacks, device):
-        return self.cache.gather(self.layer, top_indices, stacks if self.parts is None else self.parts, device)
+    def fetch(self, top_indices, stacks, device) -> ExpertFetch:
+        return self.cache.fetch(self.layer, top_indices, stacks if self.parts is None else self.parts, device)
 
 
 def offload_routed_experts(experts_modules, mode: str, cache_bytes: int, mapped: dict | None = None) -> ExpertCache:
@@ -529,6 +593,6 @@ def load_with_experts_offloaded(load, model_class, path, load_args, load_kwargs:
     return loaded
 
 
-__all__ = ["DEVICE_MAP_STRATEGIES", "EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertParts", "ExpertsOffloadError",
-           "LayerOffload", "ShardMapper", "check_offload_request", "expert_bytes", "experts_kept_out_of_the_load",
+__all__ = ["DEVICE_MAP_STRATEGIES", "EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertFetch", "ExpertParts",
+           "ExpertsOffloadError",           "LayerOffload", "ShardMapper", "check_offload_request", "expert_bytes", "experts_kept_out_of_the_load",
            "load_with_experts_offloaded", "map_routed_experts", "offload_device_map", "offload_routed_experts"]

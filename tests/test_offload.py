@@ -90,6 +90,41 @@ def test_the_experts_sum_keeps_its_order():
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
+def test_runs_of_consecutive_missed_experts_are_one_copy_each():
+    from kimik3.modeling.offload_kimi_k3 import _runs
+
+    ids = [0, 1, 2, 5, 6, 9, 10, 11]
+    assert _runs([0, 1, 2, 3, 4, 5, 6, 7], ids) == [(0, 0, 3), (3, 5, 2), (5, 9, 3)]
+    assert _runs([0, 2, 3, 6, 7], ids) == [(0, 0, 1), (2, 2, 1), (3, 5, 1), (6, 10, 2)]  # held experts break runs
+    assert _runs([], ids) == []
+    assert _runs([4], ids) == [(4, 6, 1)]
+
+
+def test_fetched_stacks_hold_the_chosen_rows_whatever_the_cache_held():
+    """Compact stacks assembled from held experts (device copies) and runs of moved ones must be the source's rows of
+    the chosen ids in ascending order, and the renumbered routes must point back at them, over choices that hit,
+    miss, evict, and choose more than the cache holds."""
+    from kimik3.modeling.offload_kimi_k3 import ExpertCache
+
+    generator = torch.Generator().manual_seed(0)
+    source = (torch.randn(10, 3, 4, generator=generator), torch.randint(0, 255, (10, 2), dtype=torch.uint8,
+                                                                       generator=generator))
+    per_expert = sum(stack[0].numel() * stack.element_size() for stack in source)
+    cache = ExpertCache(3 * per_expert, 1, per_expert)
+    for choice in ([[4, 5], [6, 4]], [[5, 7]], [[0, 1, 2], [3, 4, 5]], [[9, 8], [7, 9]], [[4, 6]]):
+        top = torch.tensor(choice)
+        moves = cache.moves
+        held = set(cache.layers.get(0, ()))
+        routes, compact = cache.fetch(0, top, source, torch.device("cpu")).wait()
+        chosen = torch.unique(top)
+        for got, stack in zip(compact, source):
+            assert torch.equal(got, stack[chosen])
+        assert torch.equal(chosen[routes], top)
+        assert cache.moves - moves == len(set(chosen.tolist()) - held)
+        assert cache.resident_bytes() <= cache.budget_bytes
+        assert all(torch.equal(piece[0], source[0][e]) for e, piece in cache.layers[0].items())
+
+
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 def test_a_small_cache_stays_within_its_budget_and_generates_the_same_tokens(dense, packed, fmt):
     reference = dense if fmt == "dense" else packed
@@ -97,16 +132,19 @@ def test_a_small_cache_stays_within_its_budget_and_generates_the_same_tokens(den
     cache = model.experts_cache
     peaks, before, extra = [], {}, []
 
-    def snapshot(module, args):
-        before["moves"], before["resident"] = cache.moves, set(cache.layers.get(module.offload.layer, ()))
+    def snapshot(experts):
+        def hook(router, args):  # the moves start right after the block's router
+            before["moves"], before["resident"] = cache.moves, set(cache.layers.get(experts.offload.layer, ()))
+        return hook
 
     def check(module, args, out):
         peaks.append(cache.resident_bytes())
         missing = set(args[1].reshape(-1).tolist()) - before["resident"]
         extra.append(cache.moves - before["moves"] - len(missing))  # only the chosen experts it lacked, each once
 
-    handles = [hook for module in _experts(model) for hook in (module.register_forward_pre_hook(snapshot),
-                                                               module.register_forward_hook(check))]
+    blocks = [module for module in model.modules() if isinstance(getattr(module, "experts", None), KimiK3Experts)]
+    handles = [hook for block in blocks for hook in (block.gate.register_forward_pre_hook(snapshot(block.experts)),
+                                                     block.experts.register_forward_hook(check))]
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(2))
     want = reference.generate(ids, max_new_tokens=6, do_sample=False)
     got = model.generate(ids, max_new_tokens=6, do_sample=False)
