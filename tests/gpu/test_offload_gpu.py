@@ -3,7 +3,9 @@ chosen experts cross from pinned memory on the cache's copy stream while the blo
 down-projection and shared experts, or on the compute stream (`side_stream = False`). Either way the compact stack
 holds the same bytes as the device's full stack, so in fp32 the logits of prefill and decode, and the greedy tokens of
 two generate() calls over one kept cache, are those of the same model held entirely on the GPU, bit for bit, dense and
-packed, with a cache too small for one forward's choices (moves for that forward only) and one that holds them all."""
+packed, with a cache too small for one forward's choices (moves for that forward only) and one that holds them all.
+Under torch's deterministic algorithms: without them the model on the GPU differs from itself between two calls
+(2.5e-7 in fp32: atomic adds), and the offloaded model from it by as much."""
 
 import copy
 
@@ -20,6 +22,14 @@ def on_gpu(request):
 
     model = build_tiny_model(seed=5, num_experts=16, top_k=6)
     return (model if request.param == "dense" else packed_mxfp4_copy(model)).cuda().eval()
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
 
 
 def _offloaded(model, experts_per_layer, side_stream):
