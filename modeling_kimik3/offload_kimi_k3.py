@@ -38,6 +38,13 @@ from .files_kimi_k3 import (
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
 EXPERTS_OFFLOAD_MODES = ("host", "disk")
+# experts_cache_bytes="auto": the cache takes what the GPU has free after the load, less the compact stack of one
+# layer's experts (a prefill may choose every one) and AUTO_RESERVE_FRACTION of the GPU's memory for the sequence's
+# cache and the forward's activations (at the release's size on one H200 that is 7 GB: its cache at 128K tokens and a
+# 2K prefill chunk's workspace, docs/design.md); longer contexts or larger chunks take bytes from
+# `kimik3 memory --plan --experts-offload host`
+AUTO_CACHE = "auto"
+AUTO_RESERVE_FRACTION = 0.05
 # device_map strategies transformers resolves by memory; with the offload the rest of the model goes to one device
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -62,10 +69,15 @@ def check_offload_request(experts_offload, experts_cache_bytes, load_kwargs: dic
             raise ExpertsOffloadError(f"experts_offload={experts_offload!r} with {key}: the offload keeps the routed "
                                       "experts of one device in its host's memory; tensor/expert parallelism is not "
                                       "supported with it")
-    if isinstance(experts_cache_bytes, bool) or not isinstance(experts_cache_bytes, int):
+    if experts_cache_bytes == AUTO_CACHE and isinstance(experts_cache_bytes, str):
+        if not torch.cuda.is_available():
+            raise ExpertsOffloadError(f"experts_cache_bytes={AUTO_CACHE!r} sizes the expert cache from a CUDA "
+                                      "device's free memory, and CUDA is not available: give a whole number of bytes")
+    elif isinstance(experts_cache_bytes, bool) or not isinstance(experts_cache_bytes, int):
         raise ExpertsOffloadError(f"experts_offload={experts_offload!r} needs experts_cache_bytes, a whole number of "
-                                  f"bytes for the device's expert cache (got {experts_cache_bytes!r})")
-    if experts_cache_bytes <= 0:
+                                  f"bytes for the device's expert cache, or {AUTO_CACHE!r} (what the GPU has free "
+                                  f"after the load) (got {experts_cache_bytes!r})")
+    elif experts_cache_bytes <= 0:
         raise ExpertsOffloadError(f"experts_cache_bytes={experts_cache_bytes}: must be > 0 (at least one expert per "
                                   "MoE layer)")
     if experts_offload == "disk":
@@ -119,6 +131,30 @@ def offload_device_map(device_map, expert_modules: list[str], mode: str = "host"
                                   f"({', '.join(DEVICE_MAP_STRATEGIES)}) or a dict")
     placed = {"": device_map} if disk else {"": device_map, **dict.fromkeys(expert_modules, "cpu")}
     return placed, dict.fromkeys(expert_modules, unnamed)
+
+
+def auto_cache_bytes(free: int, total: int, bytes_per_expert: int, num_experts: int, num_layers: int) -> int:
+    """The budget of experts_cache_bytes="auto" on a GPU with `free` of `total` bytes free after the load; refused
+    by name when it would not hold one expert per MoE layer."""
+    reserve = num_experts * bytes_per_expert + int(AUTO_RESERVE_FRACTION * total)
+    budget = free - reserve
+    if budget < num_layers * bytes_per_expert:
+        raise ExpertsOffloadError(
+            f"experts_cache_bytes={AUTO_CACHE!r}: the GPU has {free:,} of {total:,} bytes free after the load; less "
+            f"one layer's compact stack ({num_experts} x {bytes_per_expert:,} bytes) and {AUTO_RESERVE_FRACTION:.0%} "
+            f"of its memory for the forward, {max(budget, 0):,} bytes are left, less than one expert per MoE layer "
+            f"({num_layers} x {bytes_per_expert:,}): keep more layers' experts off the GPU (device_map), or give "
+            "experts_cache_bytes from `kimik3 memory --plan --experts-offload host`")
+    return budget
+
+
+def _auto_device(model) -> torch.device:
+    """The CUDA device the model computes on (where its embeddings are), for experts_cache_bytes="auto"."""
+    device = model.get_input_embeddings().weight.device
+    if device.type != "cuda":
+        raise ExpertsOffloadError(f"experts_cache_bytes={AUTO_CACHE!r} sizes the expert cache from a CUDA device's "
+                                  f"free memory, and the model computes on {device}: give a whole number of bytes")
+    return device
 
 
 def expert_bytes(stacks) -> int:
@@ -294,12 +330,13 @@ class LayerOffload:
         return self.cache.fetch(self.layer, top_indices, stacks if self.parts is None else self.parts, device)
 
 
-def offload_routed_experts(experts_modules, mode: str, cache_bytes: int, mapped: dict | None = None) -> ExpertCache:
+def offload_routed_experts(experts_modules, mode: str, cache_bytes: int | str, mapped: dict | None = None,
+                           device: torch.device | None = None) -> ExpertCache:
     """Moves each module's stacks (`module.stacks()`) to host memory (pinned where CUDA exists), freezes them (the
     device's copies carry no gradient back) and gives each module its `LayerOffload`. Returns the model's cache.
     `mapped` ({module: its ExpertParts or None}, from `map_routed_experts`): modules whose experts are mapped from
     the shards, left where they are (a copy into pinned memory would read every byte of them); None: their own
-    stacks are the mapped tensors."""
+    stacks are the mapped tensors. `device`: the CUDA device whose free memory sizes a cache_bytes="auto"."""
     check_offload_request(mode, cache_bytes, {})
     mapped = mapped or {}
     if not experts_modules:
@@ -309,7 +346,7 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int, mapped:
             raise ExpertsOffloadError(f"experts_offload={mode!r}: the model holds {module.num_experts} of "
                                       f"{module.config.num_experts} experts per layer (expert parallelism), which the "
                                       "offload does not support")
-    cache = ExpertCache(cache_bytes, len(experts_modules), expert_bytes(experts_modules[0].stacks()))
+    per_expert = expert_bytes(experts_modules[0].stacks())
     pin = torch.cuda.is_available()
     for layer, module in enumerate(experts_modules):
         if hasattr(module, "_hf_hook"):
@@ -323,6 +360,16 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int, mapped:
                 host = stack.data.to("cpu")
                 stack.data = host.pin_memory() if pin else host
                 stack.requires_grad_(False)
+    if cache_bytes == AUTO_CACHE:  # measured once the stacks have left the device
+        if device is None or torch.device(device).type != "cuda":
+            raise ExpertsOffloadError(f"experts_cache_bytes={AUTO_CACHE!r} sizes the expert cache from a CUDA "
+                                      f"device's free memory (device {device}): give a whole number of bytes")
+        free, total = torch.cuda.mem_get_info(device)
+        # blocks torch's allocator keeps reserved but unused are free for the cache too
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        cache_bytes = auto_cache_bytes(free, total, per_expert, experts_modules[0].num_experts, len(experts_modules))
+    cache = ExpertCache(cache_bytes, len(experts_modules), per_expert)
+    for layer, module in enumerate(experts_modules):
         module.offload = LayerOffload(cache, layer, mapped.get(module))
     return cache
 
@@ -589,10 +636,12 @@ def load_with_experts_offloaded(load, model_class, path, load_args, load_kwargs:
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     mapped = map_routed_experts(folder, model, on_disk, load_kwargs.get("variant")) if on_disk else {}
     modules = dict(model.named_modules())
-    model.experts_cache = offload_routed_experts([modules[name] for name in tiers], mode, cache_bytes, mapped)
+    device = _auto_device(model) if cache_bytes == AUTO_CACHE else None
+    model.experts_cache = offload_routed_experts([modules[name] for name in tiers], mode, cache_bytes, mapped, device)
     return loaded
 
 
-__all__ = ["DEVICE_MAP_STRATEGIES", "EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertFetch", "ExpertParts",
-           "ExpertsOffloadError",           "LayerOffload", "ShardMapper", "check_offload_request", "expert_bytes", "experts_kept_out_of_the_load",
-           "load_with_experts_offloaded", "map_routed_experts", "offload_device_map", "offload_routed_experts"]
+__all__ = ["AUTO_CACHE", "DEVICE_MAP_STRATEGIES", "EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertFetch", "ExpertParts",
+           "ExpertsOffloadError", "LayerOffload", "ShardMapper", "auto_cache_bytes", "check_offload_request",
+           "expert_bytes", "experts_kept_out_of_the_load", "load_with_experts_offloaded", "map_routed_experts",
+           "offload_device_map", "offload_routed_experts"]

@@ -264,6 +264,37 @@ def test_an_accelerate_hook_on_an_expert_module_is_detached_with_its_weights_bac
         assert torch.equal(model(ids).logits, dense(ids).logits)
 
 
+def test_auto_budget_is_what_the_gpu_has_free_less_a_layer_stack_and_the_reserve(dense, monkeypatch):
+    """experts_cache_bytes="auto": the budget is the device's free memory (plus what torch's allocator holds
+    unused), less one layer's whole compact stack and 5% of the device; invented free figures, CUDA's queries
+    stubbed (no GPU here); too little left is refused with the figures and what to do."""
+    from kimik3.modeling import offload_kimi_k3 as offload
+
+    one = expert_bytes(_experts(dense)[0].stacks())
+    experts = dense.config.num_experts
+    total = 1000 * one
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (200 * one, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 7 * one)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * one)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # this CPU build of torch cannot pin
+    model = copy.deepcopy(dense)
+    cache = offload_routed_experts(_experts(model), "host", "auto", device=torch.device("cuda", 0))
+    assert cache.budget_bytes == 200 * one + 3 * one - experts * one - int(0.05 * total)
+    assert cache.capacity == cache.budget_bytes // 3 // one
+    with pytest.raises(ExpertsOffloadError, match=r"experts_cache_bytes='auto'.*less than one expert per MoE layer"):
+        offload.auto_cache_bytes(free=experts * one + int(0.05 * total) + 2 * one, total=total,
+                                 bytes_per_expert=one, num_experts=experts, num_layers=3)
+    with pytest.raises(ExpertsOffloadError, match="CUDA device's free memory"):
+        offload_routed_experts(_experts(copy.deepcopy(dense)), "host", "auto", device=torch.device("cpu"))
+
+
+def test_auto_budget_without_cuda_is_refused_before_the_load(folder, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ExpertsOffloadError, match="CUDA is not available: give a whole number of bytes"):
+        KimiK3ForCausalLM.from_pretrained(folder, experts_offload="host", experts_cache_bytes="auto")
+
+
 @pytest.mark.parametrize("options, message", [
     pytest.param({"experts_offload": "gpu", "experts_cache_bytes": 10 ** 6}, "unknown; known: ['host', 'disk']",
                  id="offload-unknown-mode"),
@@ -276,6 +307,10 @@ def test_an_accelerate_hook_on_an_expert_module_is_detached_with_its_weights_bac
     pytest.param({"experts_offload": "host", "experts_cache_bytes": 100}, "3 layers x 12288 bytes = 36864 bytes at least",
                  id="offload-budget-below-one-expert"),
     pytest.param({"experts_cache_bytes": 10 ** 6}, "needs experts_offload", id="offload-budget-without-offload"),
+    pytest.param({"experts_offload": "host", "experts_cache_bytes": "automatic"}, "or 'auto'",
+                 id="offload-budget-unknown-word"),
+    pytest.param({"experts_offload": "host", "experts_cache_bytes": "10GB"}, "a whole number of bytes",
+                 id="offload-budget-a-size-string"),
     pytest.param({"experts_offload": "host", "experts_cache_bytes": 10 ** 6, "tp_plan": "auto"},
                  "with tp_plan", id="offload-with-tensor-parallel"),
 ])
