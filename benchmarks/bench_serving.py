@@ -401,6 +401,8 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
             ids = prompt.repeat(batch, 1)
             row = {"alpha": alpha, "batch": batch}
             row["plain"], plain_out = timed(ids)
+            print(json.dumps({"spec_static.entry": {"alpha": alpha, "batch": batch, "plain": row["plain"]}}),
+                  file=sys.stderr, flush=True)  # kept if a time limit stops the run
             # draft: as generate() runs it (plain blocks while the rounds are slower); draft_rounds: rounds
             # throughout, the rounds' own speed at this acceptance
             runs = [(f"{name}_k{k}", kwargs) for k in proposals for name, kwargs in (
@@ -409,14 +411,14 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
                 ("prompt_lookup", dict(prompt_lookup_num_tokens=k)))]
             for label, kwargs in runs:
                 row[label], out = timed(ids, **kwargs)
-                print(json.dumps({"spec_static.entry": {"alpha": alpha, "batch": batch, label: row[label]}}),
-                      file=sys.stderr, flush=True)  # kept if a time limit stops the run
                 row[label]["x_plain"] = round_sig(row[label]["tok_s"] / row["plain"]["tok_s"])
                 # bf16: the verify's shapes differ from a decode step's, so a near-tie may go the other way (the
                 # fp32 CPU tests hold equality); where the first difference is says whether it is noise
                 new = out[:, prompt.shape[1]:] != plain_out[:, prompt.shape[1]:]
                 row[label]["first_different_token"] = int(new.any(dim=0).int().argmax()) if bool(new.any()) \
                     else None
+                print(json.dumps({"spec_static.entry": {"alpha": alpha, "batch": batch, label: row[label]}}),
+                      file=sys.stderr, flush=True)  # kept if a time limit stops the run
             results["rows"].append(row)
             print(json.dumps({"spec_static.row": row}), file=sys.stderr, flush=True)
     damp_layers(model, kept, 1.0, originals)  # the model as it was, for the sections after this one
