@@ -431,7 +431,8 @@ def section_spec_bound(model, context, draft_layers, proposals, rates=(0.0, 0.5,
     S bytes for one token; a round reads the draft's k steps with logits and one decoder-only step (the k-th proposal
     enters the draft's cache without logits) and the target's verify,
     whose k + 1 tokens read the experts of k + 1 rows; at acceptance rate a it yields (1 - a^(k+1)) / (1 - a)
-    tokens. Bound = tokens x S / round bytes."""
+    tokens. Bound = tokens x S / round bytes. `free_draft_bound_x_plain`: the same with a draft that reads nothing
+    (tokens x S / verify bytes), what no draft of any kind can beat at that acceptance rate."""
     import types
 
     from bench_k3 import byte_stats, decode_roofline
@@ -459,10 +460,11 @@ def section_spec_bound(model, context, draft_layers, proposals, rates=(0.0, 0.5,
         verify_bytes = verify["weight_bytes"] + plain["cache_bytes"]
         round_bytes = (k + 1) * draft_step - draft_stats["lm_head_bytes"] + verify_bytes
         row = {"k": k, "verify_bytes": verify_bytes, "verify_x_plain_step": round_sig(verify_bytes / plain[
-            "bytes_per_step"]), "round_bytes": round_bytes, "bound_x_plain": {}}
+            "bytes_per_step"]), "round_bytes": round_bytes, "bound_x_plain": {}, "free_draft_bound_x_plain": {}}
         for rate in rates:
             tokens = k + 1 if rate == 1.0 else (1 - rate ** (k + 1)) / (1 - rate)
             row["bound_x_plain"][str(rate)] = round_sig(tokens * plain["bytes_per_step"] / round_bytes)
+            row["free_draft_bound_x_plain"][str(rate)] = round_sig(tokens * plain["bytes_per_step"] / verify_bytes)
         results["rows"].append(row)
     return results
 

@@ -237,6 +237,11 @@ def test_the_bandwidth_bound_counts_the_slice_a_round_runs(model):
         assert row["bound_x_plain"]["0.0"] < 1
         expected = (k + 1) * result["plain_step_bytes"] / row["round_bytes"]
         assert row["bound_x_plain"]["1.0"] == pytest.approx(expected, rel=1e-3)
+        # a draft that reads nothing: the verify alone, above every real draft's bound, below 1 at 0% acceptance
+        free = (k + 1) * result["plain_step_bytes"] / row["verify_bytes"]
+        assert row["free_draft_bound_x_plain"]["1.0"] == pytest.approx(free, rel=1e-3)
+        assert row["free_draft_bound_x_plain"]["0.0"] < 1
+        assert all(row["free_draft_bound_x_plain"][rate] > row["bound_x_plain"][rate] for rate in row["bound_x_plain"])
 
 
 def test_the_fallback_runs_plain_blocks_and_the_draft_catches_up_before_the_next_round(model, prompt, monkeypatch):
