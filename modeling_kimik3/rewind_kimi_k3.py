@@ -429,6 +429,18 @@ class KimiK3Rewind:
                 "tokens": next(iter(self._rollback.values())).num_tokens, "base_states": base}
 
 
+def _window_at(base: torch.Tensor, inputs: torch.Tensor, keep: torch.Tensor, size: int) -> torch.Tensor:
+    """The conv window [B, C, size] ending at token `keep` of a round: columns keep .. keep + size - 1 of
+    [base window (size columns), the round's pre-conv inputs [B, width, C] transposed], `keep` in 1..width (the
+    round's kept count, a min over its proposals). Each column is read from the side it lies in, through an index
+    clamped into that side for the side it is not read from, so no gather reads outside its tensor (the form that
+    passed the compiled round's GPU test, docs/benchmarks.md, Prefix hits at any block and speculative rounds)."""
+    column = keep.to(base.device) + torch.arange(size, device=base.device)
+    from_base = base.index_select(-1, column.clamp(max=size - 1))
+    from_inputs = inputs.index_select(1, (column - size).clamp(0, inputs.shape[1] - 1)).transpose(1, 2)
+    return torch.where(column < size, from_base, from_inputs.to(base.dtype))
+
+
 class KimiK3StaticRollback:
     """The static cache's way back inside one speculative round (docs/design.md, Going back): fixed-address
     buffers, written and read with device-side indices only, so that a round (draft steps, the verify, the
@@ -492,12 +504,7 @@ class KimiK3StaticRollback:
             g = g.masked_fill(~kept[None, :, None, None], 0.0)
             beta = beta.masked_fill(~kept[None, :, None], 0.0)
             _, state = kda_recurrence(q, k, v, g, beta, base_state, True, chunk_size, decode_step=True)
-            # an index past [base window, inputs] (a kept count out of 1..width) stops on an index error, never
-            # reads a clamped column
-            window_index = (keep.to(base_state.device) + torch.arange(conv_kernel_size - 1, device=base_state.device))
-            windows = tuple(
-                torch.cat([base, x.transpose(1, 2).to(base.dtype)], dim=-1).index_select(-1, window_index.to(x.device))
-                for base, x in zip(base_windows, pre_conv))
+            windows = tuple(_window_at(base, x, keep, conv_kernel_size - 1) for base, x in zip(base_windows, pre_conv))
             out[layer_idx] = (windows, state)
         return out
 
