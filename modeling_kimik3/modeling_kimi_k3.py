@@ -45,7 +45,7 @@ from .dispatch_kimi_k3 import (
     kda_recurrence,
     sdpa_backend_order,
 )
-from .offload_kimi_k3 import check_offload_request, load_with_experts_offloaded
+from .offload_kimi_k3 import check_offload_request, check_savable, load_with_experts_offloaded
 from .ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, routed_experts
 from .parallel_kimi_k3 import local_shard
 from .saving_kimi_k3 import register_auto_classes, save_folder
@@ -549,6 +549,13 @@ class KimiK3Experts(nn.Module):
         # a LayerOffload when the load kept the experts in host memory (`experts_offload`), else None
         self.offload = None
 
+    def _apply(self, fn, recurse=True):
+        # offloaded experts stay in host memory or the shards while the rest of the model moves (offload_kimi_k3.py)
+        if self.offload is None:
+            return super()._apply(fn, recurse)
+        self.offload.apply(self, fn)
+        return self
+
     def stacks(self) -> tuple[torch.Tensor, ...]:
         """The expert stacks [E, ...] in one order: (gate_up_proj, down_proj), or packed (gate_up codes, scales, down
         codes, scales)."""
@@ -932,6 +939,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         """Also writes the code files the folder needs to load with trust_remote_code in a fresh process, and the full
         `auto_map`; a model loaded from our layout keeps it; a sharded model is gathered and written by rank 0 under
         a temporary name (saving_kimi_k3.save_folder)."""
+        check_savable(self)
         save_folder(self, super().save_pretrained, save_directory, *args, **kwargs)
 
 

@@ -319,15 +319,55 @@ class ExpertCache:
 
 class LayerOffload:
     """What one offloaded expert module holds: its layer's number in the model's cache, and where its experts are
-    read from when not from its own stacks (`ExpertParts`, the release's per-expert tensors mapped from disk)."""
+    read from when not from its own stacks (`ExpertParts`, the release's per-expert tensors mapped from disk);
+    `file_backed`: its stacks (or parts) are mapped from the folder's shards (the disk tier)."""
 
-    def __init__(self, cache: ExpertCache, layer: int, parts: ExpertParts | None = None):
+    def __init__(self, cache: ExpertCache, layer: int, parts: ExpertParts | None = None, file_backed: bool = False):
         self.cache = cache
         self.layer = layer
         self.parts = parts
+        self.file_backed = file_backed
 
     def fetch(self, top_indices, stacks, device) -> ExpertFetch:
         return self.cache.fetch(self.layer, top_indices, stacks if self.parts is None else self.parts, device)
+
+    def apply(self, module, fn) -> None:
+        """`module._apply(fn)` (`model.to(...)`, `.cuda()`, `.half()`) for an offloaded expert module: its stacks stay
+        where the offload keeps them, so `model.to(device)` moves the rest of the model and the cache moves what a
+        forward chooses; a dtype change `fn` makes is made on the host (host stacks, pinned again), and refused for
+        stacks mapped from the shards, which are used as stored. The cache is emptied (its experts are of the old
+        device or dtype)."""
+        pin = torch.cuda.is_available()
+        for name, stack in module.named_parameters(recurse=False):
+            if stack.device.type == "meta":  # the release layout's placeholders: the parts are the experts
+                continue
+            # what `fn` makes of a tensor like this one, on an empty tensor of its dtype and device
+            dtype = fn(torch.empty(0, dtype=stack.dtype, device=stack.device)).dtype
+            if dtype == stack.dtype:
+                continue
+            if self.file_backed:
+                raise ExpertsOffloadError(
+                    f"{str(stack.dtype).removeprefix('torch.')} -> {str(dtype).removeprefix('torch.')} of the routed "
+                    f"experts' `{name}` (layer {self.layer} of the cache): with experts_offload='disk' they are "
+                    "mapped from the shards and used as stored; load with the dtype you want (experts_offload='host' "
+                    "converts at load)")
+            host = stack.data.to(dtype)
+            stack.data = host.pin_memory() if pin else host
+        self.cache.clear()
+
+
+def check_savable(model) -> None:
+    """Refuses, before anything is written, a save_pretrained of a model whose routed experts are the release's
+    per-expert tensors mapped from the shards (the disk tier through an adopted folder): the model holds no tensor
+    of them (its stacks are placeholders on the meta device)."""
+    for name, module in model.named_modules():
+        offload = getattr(module, "offload", None)
+        if isinstance(offload, LayerOffload) and offload.parts is not None:
+            raise ExpertsOffloadError(
+                f"save_pretrained: the routed experts `{name}` are mapped a tensor per expert from the release's "
+                "shards (experts_offload='disk' through an adopted folder) and the model holds none of their tensors; "
+                "nothing was written. Save a model loaded without experts_offload, or keep the release folder "
+                "(`kimik3 adopt` makes another folder that points at it)")
 
 
 def offload_routed_experts(experts_modules, mode: str, cache_bytes: int | str, mapped: dict | None = None,
@@ -370,7 +410,7 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int | str, m
         cache_bytes = auto_cache_bytes(free, total, per_expert, experts_modules[0].num_experts, len(experts_modules))
     cache = ExpertCache(cache_bytes, len(experts_modules), per_expert)
     for layer, module in enumerate(experts_modules):
-        module.offload = LayerOffload(cache, layer, mapped.get(module))
+        module.offload = LayerOffload(cache, layer, mapped.get(module), file_backed=module in mapped)
     return cache
 
 
@@ -643,5 +683,5 @@ def load_with_experts_offloaded(load, model_class, path, load_args, load_kwargs:
 
 __all__ = ["AUTO_CACHE", "DEVICE_MAP_STRATEGIES", "EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertFetch", "ExpertParts",
            "ExpertsOffloadError", "LayerOffload", "ShardMapper", "auto_cache_bytes", "check_offload_request",
-           "expert_bytes", "experts_kept_out_of_the_load", "load_with_experts_offloaded", "map_routed_experts",
-           "offload_device_map", "offload_routed_experts"]
+           "check_savable", "expert_bytes", "experts_kept_out_of_the_load", "load_with_experts_offloaded",
+           "map_routed_experts", "offload_device_map", "offload_routed_experts"]

@@ -532,6 +532,45 @@ def _folder_with(tmp_path, shards: dict, weight_map=None):
 STACK = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
 
 
+def test_moving_an_offloaded_model_keeps_its_experts_where_the_offload_keeps_them(dense):
+    """model.to(device) moves the rest of the model and leaves the offloaded stacks in host memory (the cache moves
+    what a forward chooses): shown with the meta device as the destination; a dtype change converts the host stacks,
+    empties the cache, and gives the logits of the model converted whole."""
+    model = _offloaded(dense, experts_per_layer=2)
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids)
+    assert model.experts_cache.resident_bytes() > 0
+    moved = copy.deepcopy(model).to("meta")
+    assert moved.get_input_embeddings().weight.device.type == "meta"
+    assert all(stack.device.type == "cpu" for module in _experts(moved) for stack in module.stacks())
+    wide = model.to(torch.float64)
+    assert all(stack.dtype == torch.float64 for module in _experts(wide) for stack in module.stacks())
+    assert wide.experts_cache.resident_bytes() == 0
+    with torch.no_grad():
+        assert torch.equal(wide(ids).logits, copy.deepcopy(dense).to(torch.float64)(ids).logits)
+
+
+def test_the_disk_tier_refuses_a_dtype_change_of_its_mapped_experts_and_a_save_of_release_parts(folder,
+                                                                                                   release_folders):
+    from transformers import AutoModelForCausalLM
+
+    mapped = KimiK3ForCausalLM.from_pretrained(folder, experts_offload="disk", experts_cache_bytes=10 ** 6)
+    with pytest.raises(ExpertsOffloadError, match=r"float32 -> bfloat16 of the routed experts' `gate_up_proj`.*used "
+                                                  "as stored"):
+        mapped.to(torch.bfloat16)
+    _, adopted, _ = release_folders
+    model = AutoModelForCausalLM.from_pretrained(str(adopted), experts_offload="disk", experts_cache_bytes=10 ** 6,
+                                                 trust_remote_code=True, dtype=torch.float32)
+    model.to("cpu")  # the release parts stay mapped, the placeholders on meta: no copy out of a meta tensor
+    target = folder.parent / "saved_from_release_parts"
+    # (the adopted folder's own code: its ExpertsOffloadError, a ValueError)
+    with pytest.raises(ValueError, match=r"save_pretrained: the routed experts `\S*layers\.\d+\.mlp\.experts` are "
+                                         r"mapped a tensor per expert.*nothing was written"):
+        model.save_pretrained(target)
+    assert not target.exists()
+
+
 def test_the_shard_mapper_gives_file_backed_views_of_the_bytes(tmp_path):
     folder = _folder_with(tmp_path, {"a.safetensors": {"s": STACK, "x": torch.ones(3, dtype=torch.uint8)}})
     mapped = ShardMapper(str(folder)).tensor("s", torch.float32, (2, 3, 4))
