@@ -526,6 +526,16 @@ def _packed_product_f64(xs, packed, scale, group_ends):
     return out, bound
 
 
+def _gemv_operands(shape, counts, dtype):
+    """(group ends, packed codes, E8M0 scales 2^-17..2^-6, routed rows) for experts x N x K = `shape` and `counts`
+    routed rows per expert."""
+    num_experts, n, k = shape
+    ends = torch.cumsum(counts.to(DEV), 0).to(torch.int32)
+    packed = torch.randint(0, 256, (num_experts, n, k // 2), dtype=torch.uint8, device=DEV)
+    scale = torch.randint(110, 122, (num_experts, n, k // 32), dtype=torch.uint8, device=DEV)
+    return ends, packed, scale, torch.randn(int(counts.sum()), k, device=DEV).to(dtype)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 4e-3)])
 @pytest.mark.parametrize("case", ["empty and single rows", "partial blocks", "gate_up 1 token", "gate_up 2 tokens",
                                   "gate_up 8 tokens", "down 1 token", "down 2 tokens"])
@@ -544,13 +554,10 @@ def test_mxfp4_gemv_matches_float64(case, dtype, tol):
         "down 1 token": ((64, 3584, 3072), _routed_counts(1)),
         "down 2 tokens": ((64, 3584, 3072), _routed_counts(2)),
     }[case]
-    num_experts, n, k = shape
-    ends = torch.cumsum(counts.to(DEV), 0).to(torch.int32)
-    packed = torch.randint(0, 256, (num_experts, n, k // 2), dtype=torch.uint8, device=DEV)
-    scale = torch.randint(110, 122, (num_experts, n, k // 32), dtype=torch.uint8, device=DEV)
+    ends, packed, scale, xs = _gemv_operands(shape, counts, dtype)
     first = int(torch.nonzero(counts)[0])  # a routed expert: a denormal, a tiny and a large group scale
     scale[first, :3, 0] = torch.tensor([0, 1, 140], dtype=torch.uint8)
-    xs = torch.randn(int(counts.sum()), k, device=DEV).to(dtype)
+    n = packed.shape[1]
     out = mxfp4_gemv(xs, packed, scale, ends)
     assert out.dtype == dtype and out.shape == (xs.shape[0], n)
     ref, bound = _packed_product_f64(xs, packed, scale, ends)
@@ -576,11 +583,8 @@ def test_mxfp4_gemv_paired_rows_equal_single_rows(case, dtype, monkeypatch):
         "gate_up 8 tokens": ((64, 6144, 3584), _routed_counts(8)),
         "down 8 tokens": ((64, 3584, 3072), _routed_counts(8)),
     }[case]
-    num_experts, n, k = shape
-    ends = torch.cumsum(counts.to(DEV), 0).to(torch.int32)
-    packed = torch.randint(0, 256, (num_experts, n, k // 2), dtype=torch.uint8, device=DEV)
-    scale = torch.randint(110, 122, (num_experts, n, k // 32), dtype=torch.uint8, device=DEV)
-    xs = torch.randn(int(counts.sum()), k, device=DEV).to(dtype)
+    ends, packed, scale, xs = _gemv_operands(shape, counts, dtype)
+    num_experts = packed.shape[0]
     monkeypatch.setattr(mxfp4, "MXFP4_GEMV_PAIRED_ROWS", False)
     single = mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends)
     monkeypatch.setattr(mxfp4, "MXFP4_GEMV_PAIRED_ROWS", True)
