@@ -148,15 +148,6 @@ def auto_cache_bytes(free: int, total: int, bytes_per_expert: int, num_experts: 
     return budget
 
 
-def _auto_device(model) -> torch.device:
-    """The CUDA device the model computes on (where its embeddings are), for experts_cache_bytes="auto"."""
-    device = model.get_input_embeddings().weight.device
-    if device.type != "cuda":
-        raise ExpertsOffloadError(f"experts_cache_bytes={AUTO_CACHE!r} sizes the expert cache from a CUDA device's "
-                                  f"free memory, and the model computes on {device}: give a whole number of bytes")
-    return device
-
-
 def expert_bytes(stacks) -> int:
     """The bytes of one expert across its stacks (every stack is [E, ...]; meta stacks count as well)."""
     return sum(stack[0].numel() * stack.element_size() for stack in stacks)
@@ -676,7 +667,8 @@ def load_with_experts_offloaded(load, model_class, path, load_args, load_kwargs:
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     mapped = map_routed_experts(folder, model, on_disk, load_kwargs.get("variant")) if on_disk else {}
     modules = dict(model.named_modules())
-    device = _auto_device(model) if cache_bytes == AUTO_CACHE else None
+    # "auto" reads the free memory of the device the model computes on (where its embeddings are)
+    device = model.get_input_embeddings().weight.device if cache_bytes == AUTO_CACHE else None
     model.experts_cache = offload_routed_experts([modules[name] for name in tiers], mode, cache_bytes, mapped, device)
     return loaded
 
