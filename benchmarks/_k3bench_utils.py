@@ -162,6 +162,13 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
+def uniform_routed_counts(tokens: int, num_experts: int, top_k: int, device="cpu") -> torch.Tensor:
+    """Routed rows per expert [num_experts] for `tokens` tokens, each choosing `top_k` distinct experts uniformly
+    (what random weights route like)."""
+    choice = torch.rand(tokens, num_experts, device=device).topk(top_k, dim=-1).indices.reshape(-1)
+    return torch.bincount(choice, minlength=num_experts)
+
+
 def round_sig(x, digits=4):
     if x is None or x == 0 or not math.isfinite(x):
         return x

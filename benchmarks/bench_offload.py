@@ -103,6 +103,7 @@ def cpu_experts(module, batch, config, bandwidth, repeats=5):
     """ms for one MoE layer's routed experts of a decode step run on the host from its (offloaded) stacks: the
     chosen experts' codes gathered, dequantised and multiplied there in bf16 with every host core (the reference
     ops, what a step would run), against the time the same experts take to cross to the device."""
+    from kimik3.modeling.offload_kimi_k3 import expert_bytes
     from kimik3.modeling.ops_kimi_k3 import moe_experts_mxfp4
 
     torch.set_num_threads(os.cpu_count())
@@ -120,7 +121,7 @@ def cpu_experts(module, batch, config, bandwidth, repeats=5):
                           config.activation_situ_linear_beta)
         times.append(time.perf_counter() - start)
     seconds = sorted(times[1:])[len(times[1:]) // 2]
-    moved = chosen.numel() * sum(stack[0].numel() * stack.element_size() for stack in module.stacks())
+    moved = chosen.numel() * expert_bytes(module.stacks())
     return {"batch": batch, "experts": chosen.numel(), "host_threads": torch.get_num_threads(),
             "ms_per_layer_on_host": round(seconds * 1e3, 3),
             "ms_per_layer_to_move_them": round(moved / bandwidth * 1e3, 3)}

@@ -77,6 +77,9 @@ def _seconds(fn):
     return time.perf_counter() - start, result
 
 
+SECTIONS = ("ttft", "block_hit", "spec", "spec_static", "spec_bound", "snapshots")
+
+
 def build_models(quick: bool, layers: int, experts: int, experts_format: str = "dense", meta: bool = False):
     """The benchmark model on the GPU (the tiny one on the CPU with `quick`); `meta`: on the meta device, shapes
     and dtypes only (the byte model of spec_bound)."""
@@ -504,8 +507,7 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--only", default="",
-                        help="comma list of sections, run in this order (ttft, block_hit, spec, spec_static, "
-                             "spec_bound, snapshots)")
+                        help=f"comma list of sections, run in this order ({', '.join(SECTIONS)})")
     parser.add_argument("--experts-format", choices=["dense", "mxfp4"], default="dense",
                         help="the benchmark model's routed experts: bf16 or packed MXFP4 (spec_bound)")
     parser.add_argument("--alphas", default=None,
@@ -523,9 +525,11 @@ def main():
     from kimik3.modeling.rewind_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL, KDA_BLOCK_SIZE
 
     torch.manual_seed(0)
-    only_bound = [name for name in filter(None, args.only.split(","))] == ["spec_bound"]
+    named = list(dict.fromkeys(filter(None, args.only.split(","))))  # --only's sections, in its order, once each
+    if unknown := [name for name in named if name not in SECTIONS]:  # refused before the model is built
+        parser.error(f"--only: no section {', '.join(unknown)} (sections: {', '.join(SECTIONS)})")
     model, device = build_models(args.quick, args.layers, args.experts, args.experts_format,
-                                 meta=only_bound and not args.quick)
+                                 meta=named == ["spec_bound"] and not args.quick)
     if args.quick:
         sizes = dict(prompt_len=160, prefix_len=128, chunk=64, interval=32, context=48, new_tokens=12,
                      measured=96, block=16, shared_len=7 * 16)  # the old spacing's 64: 48 tokens replayed
@@ -555,9 +559,8 @@ def main():
         "spec_bound": lambda: section_spec_bound(model, sizes["context"], 2, proposals),
         "snapshots": lambda: section_snapshots(model, device, sizes["interval"], sizes["measured"]),
     }
-    order = list(dict.fromkeys(filter(None, args.only.split(",")))) or list(sections)
-    if unknown := [name for name in order if name not in sections]:
-        parser.error(f"--only: no section {', '.join(unknown)} (sections: {', '.join(sections)})")
+    assert tuple(sections) == SECTIONS
+    order = named or list(sections)
     for name in order:  # in the order --only names them: a time limit keeps the first ones
         run = sections[name]
         start = time.perf_counter()

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
-from _k3bench_utils import event_us  # noqa: E402
+from _k3bench_utils import event_us, uniform_routed_counts  # noqa: E402
 from kimik3.kernels import mxfp4
 from kimik3.kernels.mxfp4 import _e2m1_word_ptx
 
@@ -105,18 +105,11 @@ def main():
     Path(os.environ.get("OUT", "."), "diagnose_mxfp4_gemv.json").write_text(json.dumps(results, indent=1))
 
 
-def routed_counts(tokens, experts=64, top_k=16, seed=0):
-    """Routed rows per expert for `tokens` tokens, each choosing `top_k` distinct experts uniformly."""
-    generator = torch.Generator().manual_seed(seed)
-    chosen = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
-    return torch.bincount(chosen.reshape(-1), minlength=experts)
-
-
 def paired():
     dev = "cuda"
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     for tokens in (1, 8):
-        counts = routed_counts(tokens)
+        counts = uniform_routed_counts(tokens, 64, 16)
         ends = torch.cumsum(counts, 0).to(dev, torch.int32)
         for name, (n, k) in (("gate_up", (6144, 3584)), ("down", (3584, 3072))):
             packed = torch.randint(0, 256, (64, n, k // 2), dtype=torch.uint8, device=dev)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
-from _k3bench_utils import event_us  # noqa: E402
+from _k3bench_utils import event_us, uniform_routed_counts  # noqa: E402
 from kimik3.kernels import mxfp4  # noqa: E402
 from kimik3.kernels.moe import _grouped_mm_fn  # noqa: E402
 
@@ -37,9 +37,7 @@ TOP_K = 16
 
 
 def routed_rows(tokens, num_experts, k, device):
-    choice = torch.rand(tokens, num_experts, device=device).topk(k, dim=-1).indices.reshape(-1)
-    counts = torch.bincount(choice, minlength=num_experts)
-    return torch.cumsum(counts, 0).to(torch.int32)
+    return torch.cumsum(uniform_routed_counts(tokens, num_experts, k, device), 0).to(torch.int32)
 
 
 def measure(fn, iters=5):

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
-from _k3bench_utils import event_us  # noqa: E402
+from _k3bench_utils import event_us, uniform_routed_counts  # noqa: E402
 from kimik3.kernels import attn_res as attn_res_kernels
 from kimik3.kernels import moe, norms
 from kimik3.kernels.conv import _causal_conv1d_eager, causal_conv1d_prefill
@@ -48,10 +48,9 @@ CONV_CONFIGS = [(32, 128, 4), (64, 128, 4), (16, 128, 4), (32, 128, 2), (16, 256
 
 def experts(results):
     torch.manual_seed(0)
-    top = torch.rand(TOKENS, EXPERTS, device="cuda").topk(TOP_K, dim=-1).indices.reshape(-1)
-    counts = torch.bincount(top, minlength=EXPERTS)
+    counts = uniform_routed_counts(TOKENS, EXPERTS, TOP_K, "cuda")
     ends = counts.cumsum(0).to(torch.int32)
-    rows = top.numel()
+    rows = TOKENS * TOP_K
     sizes = counts.tolist()
     gemms = {"gate_up": (LATENT, 2 * INTERMEDIATE), "down": (INTERMEDIATE, LATENT)}
     grouped_mm = moe._grouped_mm_fn()
