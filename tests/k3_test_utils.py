@@ -93,3 +93,18 @@ def assert_same_streamer_calls(mine: Recorder, theirs: Recorder, count: int) -> 
     assert len(mine.calls) == len(theirs.calls) == count
     for a, b in zip(mine.calls, theirs.calls):
         assert (isinstance(a, str) and a == b == "end") or (a.shape == b.shape and torch.equal(a, b))
+
+
+def offloaded_copy(model, experts_per_layer: int):
+    """A copy of `model` with its routed experts offloaded to host memory (offload_kimi_k3.offload_routed_experts)
+    and a device cache of `experts_per_layer` experts per MoE layer, as `model.experts_cache`."""
+    import copy
+
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts
+    from kimik3.modeling.offload_kimi_k3 import expert_bytes, offload_routed_experts
+
+    copied = copy.deepcopy(model)
+    experts = [module for module in copied.modules() if isinstance(module, KimiK3Experts)]
+    one = expert_bytes(experts[0].stacks())
+    copied.experts_cache = offload_routed_experts(experts, "host", experts_per_layer * one * len(experts))
+    return copied

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from k3_test_utils import offloaded_copy
 from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
 from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
 from kimik3.modeling.offload_kimi_k3 import (ExpertsOffloadError, expert_bytes, offload_device_map,
@@ -35,15 +36,6 @@ def _experts(model):
     return [module for module in model.modules() if isinstance(module, KimiK3Experts)]
 
 
-def _offloaded(model, experts_per_layer):
-    """A copy of `model` with its experts offloaded and a cache of `experts_per_layer` experts per MoE layer."""
-    copied = copy.deepcopy(model)
-    experts = _experts(copied)
-    one = expert_bytes(experts[0].stacks())
-    copied.experts_cache = offload_routed_experts(experts, "host", experts_per_layer * one * len(experts))
-    return copied
-
-
 def _record_chosen(model):
     """Per forward, the set of experts each MoE layer's router chose (read at the gate, before the experts)."""
     chosen = []
@@ -56,7 +48,7 @@ def _record_chosen(model):
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 def test_prefill_and_decode_logits_equal_and_only_missing_chosen_experts_move(dense, packed, fmt):
     reference = dense if fmt == "dense" else packed
-    model = _offloaded(reference, experts_per_layer=8)  # every expert of the tiny model fits
+    model = offloaded_copy(reference, experts_per_layer=8)  # every expert of the tiny model fits
     cache = model.experts_cache
     chosen, handles = _record_chosen(model)
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -84,7 +76,7 @@ def test_the_experts_sum_keeps_its_order():
     """With 6 routes per token the f32 sum's order shows in the last bit: the compact stack keeps the experts'
     ascending order (a reversed stack with its routes renumbered gives logits 2e-7 away)."""
     reference = build_tiny_model(seed=5, num_experts=16, top_k=6)
-    model = _offloaded(reference, experts_per_layer=16)
+    model = offloaded_copy(reference, experts_per_layer=16)
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
@@ -128,7 +120,7 @@ def test_fetched_stacks_hold_the_chosen_rows_whatever_the_cache_held():
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 def test_a_small_cache_stays_within_its_budget_and_generates_the_same_tokens(dense, packed, fmt):
     reference = dense if fmt == "dense" else packed
-    model = _offloaded(reference, experts_per_layer=1)  # fewer than one forward chooses: some moves are for it alone
+    model = offloaded_copy(reference, experts_per_layer=1)  # fewer than one forward chooses: some moves are for it alone
     cache = model.experts_cache
     peaks, before, extra = [], {}, []
 
@@ -157,7 +149,7 @@ def test_a_small_cache_stays_within_its_budget_and_generates_the_same_tokens(den
 
 
 def test_the_cache_is_kept_across_generate_calls(dense):
-    model = _offloaded(dense, experts_per_layer=8)
+    model = offloaded_copy(dense, experts_per_layer=8)
     cache = model.experts_cache
     ids = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(3))
     want = dense.generate(ids, max_new_tokens=4, do_sample=False)
@@ -326,7 +318,7 @@ def test_expert_parallel_shares_are_refused():
         offload_routed_experts([share], "host", 10 ** 6)
 
 
-def test_the_release_layout_loads_with_its_experts_offloaded(tmp_path):
+def test_the_release_layout_loads_with_its_expertsoffloaded_copy(tmp_path):
     """The offload composes with the release loader: an adopted release folder (release layout on disk, packed
     experts fused at load) loads through the Auto class with its experts on the host, with the logits of the same
     folder loaded whole."""
@@ -536,7 +528,7 @@ def test_moving_an_offloaded_model_keeps_its_experts_where_the_offload_keeps_the
     """model.to(device) moves the rest of the model and leaves the offloaded stacks in host memory (the cache moves
     what a forward chooses): shown with the meta device as the destination; a dtype change converts the host stacks,
     empties the cache, and gives the logits of the model converted whole."""
-    model = _offloaded(dense, experts_per_layer=2)
+    model = offloaded_copy(dense, experts_per_layer=2)
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model(ids)

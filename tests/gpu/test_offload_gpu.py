@@ -7,13 +7,13 @@ packed, with a cache too small for one forward's choices (moves for that forward
 Under torch's deterministic algorithms: without them the model on the GPU differs from itself between two calls
 (2.5e-7 in fp32: atomic adds), and the offloaded model from it by as much."""
 
-import copy
-
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
+
+from k3_test_utils import offloaded_copy  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["dense", "mxfp4"])
@@ -34,14 +34,11 @@ def _deterministic():
 
 def _offloaded(model, experts_per_layer, side_stream):
     from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts
-    from kimik3.modeling.offload_kimi_k3 import expert_bytes, offload_routed_experts
 
-    copied = copy.deepcopy(model)
-    experts = [module for module in copied.modules() if isinstance(module, KimiK3Experts)]
-    cache = offload_routed_experts(experts, "host", experts_per_layer * expert_bytes(experts[0].stacks()) * len(experts))
-    cache.side_stream = side_stream
-    copied.experts_cache = cache
-    assert all(stack.device.type == "cpu" and stack.is_pinned() for module in experts for stack in module.stacks())
+    copied = offloaded_copy(model, experts_per_layer)
+    copied.experts_cache.side_stream = side_stream
+    assert all(stack.device.type == "cpu" and stack.is_pinned()
+               for module in copied.modules() if isinstance(module, KimiK3Experts) for stack in module.stacks())
     return copied
 
 
