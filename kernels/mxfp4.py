@@ -467,17 +467,16 @@ def _e2m1_word(word):
         for bn, bkw, w, st in ((8, 128, 4, 2), (16, 64, 2, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2),
                                (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
     ],
-    key=["N", "KW", "PTX_DECODE", "ROWS"],
+    key=["N", "KW", "PTX_DECODE"],
 )
 @triton.jit
 def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr, ROWS: tl.constexpr):
+                       BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr):
     # p_ptr: the packed bytes as int32 words, KW = K/8 per row; one E8M0 scale per 4 words (K % 32 == 0), so the
     # tile is [BLOCK_N rows, GROUPS scale groups, 4 words] and only whole groups are masked
     GROUPS: tl.constexpr = BLOCK_KW // 4
-    # a block of ROWS (1 or 2) routed rows of one expert (the tile kernels' row-block search): with 2, each packed
-    # word is read and decoded once for both rows, and each row's sum is the 1-row kernel's, term for term
-    expert, row, row_end = _expert_row_block(ends_ptr, E, E_PAD, ROWS)
+    # row program_id(0) and its expert: the tile kernels' row-block search with blocks of one row
+    expert, row, _ = _expert_row_block(ends_ptr, E, E_PAD, 1)
     if expert < E:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
@@ -485,12 +484,10 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl
         p_rows = p_ptr + w_rows[:, None, None] * KW
         s_rows = s_ptr + w_rows[:, None] * (KW // 4)
         x_row = x_ptr + row.to(tl.int64) * (8 * KW)
-        second = row + 1 < row_end  # ROWS == 2: whether the block has a second row
         g_idx = tl.arange(0, GROUPS)
         q_idx = tl.arange(0, 4)
         # one partial sum per (column, scale group) slot; reduced over the groups once at the end
         acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         for g0 in range(0, KW // 4, GROUPS):
             g = g0 + g_idx
             gmask = g < KW // 4
@@ -508,20 +505,13 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl
             # (times 2^14) multiplies its 32-term sum
             codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
                                        tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
-            factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))
-            x_at = 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :]
-            xv = tl.load(x_row + x_at, mask=gmask[:, None, None], other=0.0).to(tl.float32)
+            xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=gmask[:, None, None],
+                         other=0.0).to(tl.float32)
             part = tl.sum(tl.sum(codes * xv[None, :, :, :], axis=3), axis=2)
+            factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))
             acc += (part * 16384.0) * factor
-            if ROWS == 2:
-                xv2 = tl.load(x_row + 8 * KW + x_at, mask=gmask[:, None, None] & second, other=0.0).to(tl.float32)
-                part2 = tl.sum(tl.sum(codes * xv2[None, :, :, :], axis=3), axis=2)
-                acc2 += (part2 * 16384.0) * factor
         out = tl.sum(acc, axis=1)
         tl.store(o_ptr + row.to(tl.int64) * N + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
-        if ROWS == 2:
-            out2 = tl.sum(acc2, axis=1)
-            tl.store(o_ptr + (row + 1).to(tl.int64) * N + cols, out2.to(o_ptr.dtype.element_ty), mask=cmask & second)
 
 
 MXFP4_PTX_DECODE = True  # the f16-pair decode where it can run (off: the portable decode, for side-by-side runs)
@@ -541,29 +531,13 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
     # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
     words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
 
-    rows = gemv_rows_per_block(num_rows, num_experts)
-
     def grid(meta):
-        # an upper bound on the row blocks (at most one partial block per expert); those past the last return at once
-        return (min(num_rows, triton.cdiv(num_rows, rows) + num_experts), triton.cdiv(n, meta["BLOCK_N"]))
+        return (num_rows, triton.cdiv(n, meta["BLOCK_N"]))
 
     with torch.cuda.device(xs.device):  # Triton launches on the current device
         _mxfp4_gemv_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
-                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device),
-                                 ROWS=rows)
+                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device))
     return out
-
-
-# The GEMV's blocks of two routed rows of one expert (each packed word read once for both) where the routes
-# outnumber the experts (8 tokens x top-16 over the benchmark model's 64 experts: 2.3 rows per chosen expert,
-# where 1-row blocks read each expert once per row). Off until measured on the H200 against 1-row blocks
-# (`benchmarks/diagnostics/diagnose_mxfp4_gemv.py --paired`): the same numbers either way, bit for bit.
-MXFP4_GEMV_PAIRED_ROWS = False
-
-
-def gemv_rows_per_block(num_routed_rows: int, num_experts: int) -> int:
-    """1 or 2: the GEMV's routed rows per program (a static choice on shapes, as `mxfp4_experts_path`)."""
-    return 2 if MXFP4_GEMV_PAIRED_ROWS and num_routed_rows > num_experts else 1
 
 
 def mxfp4_gemv(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,

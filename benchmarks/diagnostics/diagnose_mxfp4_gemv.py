@@ -10,12 +10,7 @@ benchmark model's shapes (64 experts, N 6144, K 3584; 16 routed rows, one per ex
 
 Prints and writes JSON (to $OUT or the working directory): microseconds and effective TB/s of the packed bytes.
 
-`--paired`: the GEMV at 8 decode tokens x top-16 over the 64 experts (about 2.3 routed rows per chosen expert), gate_up
-and down, with 1-row blocks (each row reads its expert) against 2-row blocks (`MXFP4_GEMV_PAIRED_ROWS`: each word
-read once for both rows), autotuned, side by side, the outputs compared bit for bit; and at 1 token (no pairs).
-
     python benchmarks/diagnostics/diagnose_mxfp4_gemv.py
-    python benchmarks/diagnostics/diagnose_mxfp4_gemv.py --paired
 """
 
 import json
@@ -28,7 +23,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
-from _k3bench_utils import event_us, uniform_routed_counts  # noqa: E402
+from _k3bench_utils import event_us  # noqa: E402
 from kimik3.kernels import mxfp4
 from kimik3.kernels.mxfp4 import _e2m1_word_ptx
 
@@ -92,8 +87,7 @@ def main():
         for name, ptx, x in (("gemv_ptx", True, xs), ("gemv_ptx_x_f32", True, xs32), ("gemv_portable", False, xs)):
             def call(ptx=ptx, x=x):
                 mxfp4._mxfp4_gemv_kernel.fn[grid](x, words, scale, out, ends, n, kw, experts, E_PAD=64,
-                                                       BLOCK_N=bn, BLOCK_KW=bkw, PTX_DECODE=ptx, ROWS=1,
-                                                       num_warps=warps)
+                                                       BLOCK_N=bn, BLOCK_KW=bkw, PTX_DECODE=ptx, num_warps=warps)
             row[name] = event_us(call, 50)
             assert torch.allclose(out.float(), ref, rtol=2e-2, atol=1e-2), (tag, name)
         for name, mode in (("probe_load", 0), ("probe_decode", 1), ("probe_strided_x", 2)):
@@ -105,31 +99,5 @@ def main():
     Path(os.environ.get("OUT", "."), "diagnose_mxfp4_gemv.json").write_text(json.dumps(results, indent=1))
 
 
-def paired():
-    dev = "cuda"
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    for tokens in (1, 8):
-        counts = uniform_routed_counts(tokens, 64, 16)
-        ends = torch.cumsum(counts, 0).to(dev, torch.int32)
-        for name, (n, k) in (("gate_up", (6144, 3584)), ("down", (3584, 3072))):
-            packed = torch.randint(0, 256, (64, n, k // 2), dtype=torch.uint8, device=dev)
-            scale = torch.randint(110, 122, (64, n, k // 32), dtype=torch.uint8, device=dev)
-            xs = torch.randn(int(counts.sum()), k, device=dev, dtype=torch.bfloat16)
-            row = {"routed_rows": int(counts.sum()), "chosen_experts": int((counts > 0).sum()),
-                   "packed_bytes_of_chosen": int((counts > 0).sum()) * n * (k // 2 + k // 32)}
-            outs = {}
-            for flag in (False, True):
-                mxfp4.MXFP4_GEMV_PAIRED_ROWS = flag
-                label = f"rows_per_block_{mxfp4.gemv_rows_per_block(int(counts.sum()), 64)}"
-                outs[label] = mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends)
-                us = event_us(lambda: mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends), 50)
-                row[label] = {"us": round(us, 1), "TBps_of_chosen": round(row["packed_bytes_of_chosen"] / us / 1e6, 2)}
-            mxfp4.MXFP4_GEMV_PAIRED_ROWS = False
-            row["equal"] = all(torch.equal(o, outs["rows_per_block_1"]) for o in outs.values())
-            results[f"{name}_{tokens}_tokens"] = row
-            print(name, tokens, row, flush=True)
-    Path(os.environ.get("OUT", "."), "diagnose_mxfp4_gemv_paired.json").write_text(json.dumps(results, indent=1))
-
-
 if __name__ == "__main__":
-    paired() if "--paired" in sys.argv[1:] else main()
+    main()

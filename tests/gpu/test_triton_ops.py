@@ -570,30 +570,6 @@ def test_mxfp4_gemv_matches_float64(case, dtype, tol):
     assert ((tiles.double() - ref).abs() / bound.clamp_min(1e-30)).max().item() < tol
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["uneven groups", "gate_up 8 tokens", "down 8 tokens"])
-def test_mxfp4_gemv_paired_rows_equal_single_rows(case, dtype, monkeypatch):
-    # blocks of two routed rows of one expert (MXFP4_GEMV_PAIRED_ROWS) read each word once for both rows and sum each
-    # row term for term as 1-row blocks do: the same output bit for bit, groups of 0 to 5 rows (odd ones end in a
-    # half block), every row written
-    from kimik3.kernels import mxfp4
-
-    shape, counts = {
-        "uneven groups": ((6, 192, 512), torch.tensor([1, 0, 5, 2, 0, 3])),
-        "gate_up 8 tokens": ((64, 6144, 3584), _routed_counts(8)),
-        "down 8 tokens": ((64, 3584, 3072), _routed_counts(8)),
-    }[case]
-    ends, packed, scale, xs = _gemv_operands(shape, counts, dtype)
-    num_experts = packed.shape[0]
-    monkeypatch.setattr(mxfp4, "MXFP4_GEMV_PAIRED_ROWS", False)
-    single = mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends)
-    monkeypatch.setattr(mxfp4, "MXFP4_GEMV_PAIRED_ROWS", True)
-    assert mxfp4.gemv_rows_per_block(xs.shape[0], num_experts) == 2
-    paired = mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends)
-    assert torch.isfinite(paired).all()
-    assert torch.equal(paired, single)
-
-
 def _packed_moe_inputs(num_tokens):
     x, idx, w, gate_up, down = _moe_inputs(num_tokens, num_experts=64, top_k=16, width=1024, inter=512)
     packed = [ops.quantize_mxfp4(t) for t in (gate_up, down)]
