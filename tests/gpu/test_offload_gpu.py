@@ -64,5 +64,6 @@ def test_offloaded_experts_give_the_logits_and_tokens_of_the_model_on_the_gpu(on
         prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(seed)).cuda()
         plain = on_gpu.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), plain)
-    assert model.experts_cache.moves > moved
+    if experts_per_layer < on_gpu.config.num_experts:  # too small for one forward's choices: every call moves
+        assert model.experts_cache.moves > moved
     assert model.experts_cache.resident_bytes() <= model.experts_cache.budget_bytes
