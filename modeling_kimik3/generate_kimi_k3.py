@@ -34,8 +34,10 @@ a dynamic cache, `return_dict_in_generate`, a logits processor or stopping crite
 transformers' own generate, saying why once. transformers loads this file alone, so it imports nothing of ours.
 """
 
+import collections
 import copy
 import time
+import weakref
 
 import torch
 from transformers.generation import (
@@ -532,6 +534,7 @@ class ModelDraft:
 
     def __init__(self, draft, cache, input_ids, attention_mask):
         self.model = draft
+        self.judge_key = ("draft", id(draft))  # the fallback's round times are per proposer (WallJudge)
         self.cache = type(cache)(draft.config, max_cache_len=cache.max_cache_len)
         with torch.no_grad():
             draft(input_ids=input_ids, attention_mask=attention_mask, cache=self.cache, use_cache=True)
@@ -569,6 +572,7 @@ class PromptLookup:
         if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 1:
             raise ValueError(f"Kimi K3 prompt lookup: max_matching_ngram_size={ngram!r} (a whole number >= 1)")
         self.ngram = ngram
+        self.judge_key = ("lookup", ngram)
 
     def start(self, width: int) -> None:
         pass
@@ -649,6 +653,53 @@ def compiled_speculative_round():
 # acceptance the tries cost a few percent of the plain speed at first and ever less (docs/design.md, Decode loop)
 PROBE_GAP = 4
 MAX_PROBE_GAP = 64
+# The rounds' tokens are judged over this many of the latest rounds: one round gives 1 to k + 1 tokens, so at 90%
+# acceptance one round in ten gives a single token, and a verdict on it alone sent whole calls to plain blocks
+ROUNDS_JUDGED = 16
+
+# What the fallback measured at the wall, per model, kept across calls: plain blocks' tokens per second per decode
+# shape (batch, cache length, block steps, graphs) and a round's seconds per shape and proposer. A call whose shape
+# an earlier call timed judges its rounds without timing plain blocks again, and from its warm-up rounds' tokens
+# without capturing rounds first (at 0% acceptance the capture and a timed round cost more than they would save)
+_WALL_FIGURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class WallJudge:
+    """Whether the speculative rounds give fewer tokens per second at the wall than plain blocks. A round's time is
+    the mean of this call's clean round blocks' (a round has a fixed shape: its time does not depend on what it
+    accepts), else an earlier call's; its tokens are the mean of the latest `ROUNDS_JUDGED` rounds', warm-up rounds
+    included (their tokens are real, only their time is not), judged from `WARM_STEPS` rounds on. The plain rate is
+    the clean plain blocks' (this call's, else an earlier call's of the same model and shape)."""
+
+    def __init__(self, model, shape: tuple, proposer: tuple):
+        self.known = _WALL_FIGURES.setdefault(model, {})
+        self.plain_key, self.round_key = ("plain", *shape), ("round", *shape, *proposer)
+        self.kept: "collections.deque[int]" = collections.deque(maxlen=ROUNDS_JUDGED)
+        self.round_seconds, self.timed_rounds = 0.0, 0
+        self.plain_seconds, self.plain_tokens = 0.0, 0
+
+    def rounds(self, kept: list, seconds: float | None) -> None:
+        """A block of rounds: each round's emitted tokens, and the block's seconds (None: not clean)."""
+        self.kept.extend(kept)
+        if seconds is not None:
+            self.round_seconds += seconds
+            self.timed_rounds += len(kept)
+            self.known[self.round_key] = self.round_seconds / self.timed_rounds
+
+    def plain(self, tokens: int, seconds: float) -> None:
+        """A clean block of plain steps."""
+        self.plain_seconds += seconds
+        self.plain_tokens += tokens
+        self.known[self.plain_key] = self.plain_tokens / max(self.plain_seconds, 1e-9)
+
+    def round_rate(self) -> float | None:
+        seconds = self.known.get(self.round_key)
+        if seconds is None or len(self.kept) < WARM_STEPS:
+            return None
+        return (sum(self.kept) / len(self.kept)) / seconds
+
+    def plain_rate(self) -> float | None:
+        return self.known.get(self.plain_key)
 
 
 class SpeculativeLoop(DecodeLoop):
@@ -676,6 +727,7 @@ class SpeculativeLoop(DecodeLoop):
         self.round_fn = compiled_speculative_round() if compiled else speculative_round
         self.round_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.rounds_run = self.accepted = self.fallbacks = 0
+        self.last_kept: list = []  # the last block's tokens per round (the fallback's judge reads them)
 
     def _record(self, next_tokens, unfinished):
         self.history.index_copy_(1, self.length, next_tokens[:, None])
@@ -705,6 +757,7 @@ class SpeculativeLoop(DecodeLoop):
         step where no row ran any more; whether generation goes on."""
         entries = self.round_record[:count].tolist()
         self.accepted += sum(entry[0][-1] - 1 for entry in entries)
+        self.last_kept = [entry[0][-1] for entry in entries]
         for entry in entries:
             for row in entry[: entry[0][-1]]:
                 if len(out) >= limit:
@@ -715,7 +768,7 @@ class SpeculativeLoop(DecodeLoop):
         return len(out) < limit
 
     def rounds_are_slower(self, round_rate: float | None, plain_rate: float | None) -> bool:
-        """The fallback's test, on the last clean blocks' tokens per second at the wall."""
+        """The fallback's test, on `WallJudge`'s tokens per second at the wall."""
         return round_rate is not None and plain_rate is not None and round_rate < plain_rate
 
     @torch.no_grad()
@@ -724,7 +777,8 @@ class SpeculativeLoop(DecodeLoop):
         going = self._first_token(first_logits, streamer, out)
         self.cache.enable_rollback(self.width)
         self.proposer.start(self.width)
-        rates = {"rounds": None, "plain": None}
+        judge = WallJudge(self.model, (self.batch, self.cache.max_cache_len, self.block_steps, self.use_graph),
+                          (*self.proposer.judge_key, self.proposals))
         plain_blocks, gap, behind = 0, PROBE_GAP, 0  # plain blocks to run; the proposer's missed tokens
         while going and len(out) < self.steps_allowed:
             # cached tokens = prompt + generated - 1 (the last token is fed by the next round or step)
@@ -751,16 +805,23 @@ class SpeculativeLoop(DecodeLoop):
                 behind += steps
                 plain_blocks -= 1
                 mode = "plain"
-            if clean and self.fallback:
-                rates[mode] = (len(out) - before) / max(time.perf_counter() - start, 1e-9)
-            if not self.fallback or mode == "plain":
+            if not self.fallback:
                 continue
-            if rates["plain"] is None and clean:
-                plain_blocks = WARM_STEPS + 1  # measure plain blocks once: warm-up, capture, a clean one
-            elif self.rounds_are_slower(rates["rounds"], rates["plain"]):
+            seconds = time.perf_counter() - start if clean else None
+            if mode == "plain":
+                if seconds is not None:
+                    judge.plain(len(out) - before, seconds)
+                continue
+            judge.rounds(self.last_kept, seconds)
+            if judge.round_rate() is None:
+                continue
+            if judge.plain_rate() is None:
+                if plain_blocks == 0:
+                    plain_blocks = WARM_STEPS + 1  # time plain blocks once: warm-up, capture, a clean one
+            elif self.rounds_are_slower(judge.round_rate(), judge.plain_rate()):
                 plain_blocks, gap = gap, min(2 * gap, MAX_PROBE_GAP)
                 self.fallbacks += 1
-            elif clean:
+            else:
                 gap = PROBE_GAP
         self._plain_blocks(going, streamer, out)
         return torch.stack(out, dim=1)

@@ -259,6 +259,93 @@ def test_the_fallback_runs_plain_blocks_and_the_draft_catches_up_before_the_next
     assert report["accepted"] == report["proposed"]
 
 
+def test_the_judge_reads_the_rounds_tokens_over_many_rounds_and_their_time_from_clean_blocks(monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setattr(loop, "_WALL_FIGURES", weakref.WeakKeyDictionary())
+    owner = torch.nn.Linear(1, 1)  # any module: the plain rates are kept per model
+    judge = loop.WallJudge(owner, ("shape",), ("draft", 1, 4))
+    assert judge.round_rate() is None and judge.plain_rate() is None
+    judge.plain(8, 8.0)  # plain: a token a second
+    # 90% acceptance at k = 4, a round as long as 2.5 plain steps: now and then a round gives 1 token; judged on
+    # that round alone the rounds give 0.4 tokens a second; over the latest rounds 1.71
+    judge.rounds([5, 5], None)  # warm-up rounds: their tokens count, their time does not
+    assert judge.round_rate() is None  # no round timed yet
+    judge.rounds([5], 2.5)
+    for kept in ([5], [4], [5], [1]):
+        judge.rounds(kept, 2.5)
+    assert judge.round_rate() == pytest.approx((5 + 5 + 5 + 5 + 4 + 5 + 1) / 7 / 2.5)
+    slower = loop.SpeculativeLoop.rounds_are_slower
+    assert not slower(None, judge.round_rate(), judge.plain_rate())
+    assert slower(None, 1 / 2.5, judge.plain_rate())  # what the last round alone would have said
+    # only the latest ROUNDS_JUDGED rounds: acceptance that falls to 0% is seen within them
+    judge.rounds([1] * loop.ROUNDS_JUDGED, 2.5 * loop.ROUNDS_JUDGED)
+    assert judge.round_rate() == pytest.approx(1 / 2.5)
+    assert slower(None, judge.round_rate(), judge.plain_rate())
+    # the plain rate and the round's time outlive the call, per model, shape and proposer, and go with the model;
+    # a later call judges from WARM_STEPS rounds' tokens on, before it times a round
+    later = loop.WallJudge(owner, ("shape",), ("draft", 1, 4))
+    assert later.plain_rate() == 1.0 and later.round_rate() is None
+    later.rounds([1] * loop.WARM_STEPS, None)
+    assert later.round_rate() == pytest.approx(1 / 2.5)
+    other = loop.WallJudge(owner, ("shape",), ("lookup", 2, 4))
+    other.rounds([1] * loop.WARM_STEPS, None)
+    assert other.plain_rate() == 1.0 and other.round_rate() is None  # another proposer: its rounds are not timed
+    assert loop.WallJudge(owner, ("other shape",), ("draft", 1, 4)).plain_rate() is None
+    assert loop.WallJudge(torch.nn.Linear(1, 1), ("shape",), ("draft", 1, 4)).plain_rate() is None
+    del owner, judge, later, other
+    gc.collect()
+    assert len(loop._WALL_FIGURES) == 0
+
+
+def test_a_call_after_one_that_timed_plain_blocks_judges_its_rounds_without_timing_them_again(model, prompt,
+                                                                                              monkeypatch):
+    import weakref
+
+    monkeypatch.setattr(loop, "_WALL_FIGURES", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(loop.SpeculativeLoop, "rounds_are_slower", lambda self, rounds, plain: False)
+    monkeypatch.setattr(loop, "DEFAULT_BLOCK_STEPS", 4)
+    expected = plain(model, prompt, max_new_tokens=32)
+    steps = []
+    for _ in range(2):
+        report = {}
+        got = speculative(model, prompt, report, max_new_tokens=32, assistant_model=model, num_assistant_tokens=3,
+                          decode_block_steps=1, decode_fallback=True)
+        assert torch.equal(got, expected)
+        assert report["fallbacks"] == 0
+        steps.append(report["steps"])
+    # the first call times plain blocks once (warm-up, capture, a clean one: 3 x 4 steps) and the second does not:
+    # both end with the same tail of plain steps where the cache has no room for a round
+    assert steps[0] - steps[1] == (loop.WARM_STEPS + 1) * 4
+    assert sorted(key[0] for key in loop._WALL_FIGURES[model]) == ["plain", "round"]
+
+
+def test_a_later_call_falls_back_after_its_warm_up_rounds(model, drafts, prompt, monkeypatch):
+    import weakref
+
+    monkeypatch.setattr(loop, "_WALL_FIGURES", weakref.WeakKeyDictionary())
+    judged_at = []  # rounds run when the fallback first compares the rates, per call
+
+    def slower(self, rounds, plain):
+        if rounds is not None and plain is not None and len(judged_at) < self.call:
+            judged_at.append(self.rounds_run)
+        return rounds is not None and plain is not None
+
+    monkeypatch.setattr(loop.SpeculativeLoop, "rounds_are_slower", slower)
+    monkeypatch.setattr(loop, "DEFAULT_BLOCK_STEPS", 4)
+    expected = plain(model, prompt, max_new_tokens=32)
+    for call in (1, 2):
+        monkeypatch.setattr(loop.SpeculativeLoop, "call", call, raising=False)
+        report = {}
+        got = speculative(model, prompt, report, max_new_tokens=32, assistant_model=drafts["disagrees"],
+                          num_assistant_tokens=3, decode_block_steps=1, decode_fallback=True)
+        assert torch.equal(got, expected) and report["fallbacks"] >= 1
+    # the first call times a round (after the warm-up ones) and plain blocks before it can compare; the second
+    # compares after its warm-up rounds, with the first call's figures
+    assert judged_at[0] > loop.WARM_STEPS + 1 and judged_at[1] == loop.WARM_STEPS
+
+
 def test_a_draft_that_is_not_kimi_k3_is_refused(model, prompt):
     with pytest.raises(ValueError, match=r"the draft \(Linear\) is not a Kimi K3 model"):
         speculative(model, prompt, max_new_tokens=4, assistant_model=torch.nn.Linear(2, 2))
