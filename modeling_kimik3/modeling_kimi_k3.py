@@ -937,8 +937,8 @@ class KimiK3PreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Also writes the code files the folder needs to load with trust_remote_code in a fresh process, and the full
-        `auto_map`; a model loaded from our layout keeps it; a sharded model is gathered and written by rank 0 under
-        a temporary name (saving_kimi_k3.save_folder)."""
+        `auto_map`; a model loaded from our layout keeps it; the folder is written under a temporary name and renamed
+        once complete, a sharded model gathered and written by rank 0 (saving_kimi_k3.save_folder)."""
         check_savable(self)
         save_folder(self, super().save_pretrained, save_directory, *args, **kwargs)
 

@@ -182,33 +182,74 @@ def _move_into_place(partial: Path, target: Path) -> None:
     partial.rmdir()
 
 
+# save_pretrained's Hub arguments: with push_to_hub=True transformers uploads the folder inside its own save, before
+# the code files and the full auto_map are written; the folder is uploaded here once complete instead
+HUB_ARGUMENTS = ("repo_id", "commit_message", "create_pr", "token", "private")
+
+
 def save_folder(model, save, save_directory, *args, **kwargs) -> None:
     """`save` (transformers' save_pretrained of `model`) in our layout, the weights' file mode, the code files and the
     full `auto_map`. A model loaded from our layout keeps it (`layout_kept`).
 
-    A sharded model (docs/design.md, Parallelism): every rank calls this, as transformers' save gathers each shard
-    with the other ranks' (one collective per tensor); rank 0 alone writes, under a temporary name beside the folder
-    asked for, renamed to it once complete, so a save that failed on any rank leaves nothing that looks finished."""
-    directory = Path(save_directory)
-    if not _is_sharded(model):
-        with layout_kept(model):
-            save(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            write_remote_code(model, directory)
-        return
-    import torch.distributed as dist
+    The folder is written under a temporary name beside the folder asked for and renamed to it once complete (or its
+    files moved over an existing folder's, config.json last), so a save that fails midway (a full disk, an error on
+    any rank) leaves nothing that looks finished. With `push_to_hub=True` the complete folder is uploaded after.
 
-    writer = dist.get_rank() == 0 and kwargs.get("is_main_process", True)
+    A sharded model (docs/design.md, Parallelism): every rank calls this, as transformers' save gathers each shard
+    with the other ranks' (one collective per tensor); rank 0 alone writes and uploads."""
+    directory = Path(os.path.abspath(save_directory))
+    push = kwargs.pop("push_to_hub", False)
+    hub = {key: kwargs.pop(key) for key in HUB_ARGUMENTS if key in kwargs}
+    sharded = _is_sharded(model)
+    writer = kwargs.get("is_main_process", True)
+    if sharded:
+        import torch.distributed as dist
+
+        writer = writer and dist.get_rank() == 0
+    if directory.is_file():
+        raise ValueError(f"save_pretrained: {directory} is a file, not a folder")
     partial = directory.parent / f"{PARTIAL_PREFIX}{directory.name}{PARTIAL_SUFFIX}"
+    before = _file_times(directory) if push and writer else {}
     if writer and partial.exists():  # a save that failed before
         shutil.rmtree(partial)
-    dist.barrier()  # no rank writes into `partial` before rank 0 has cleared it
+    if sharded:
+        dist.barrier()  # no rank writes into `partial` before rank 0 has cleared it
     with layout_kept(model):
         save(partial, *args, **{**kwargs, "is_main_process": writer})
     if writer:
         write_remote_code(model, partial)
         _move_into_place(partial, directory)
-    dist.barrier()  # every rank returns once the folder is in place
+        if push:
+            _push_folder(model, directory, hub, before)
+    if sharded:
+        dist.barrier()  # every rank returns once the folder is in place
+
+
+def _file_times(directory: Path) -> dict:
+    """Modification time of each file under `directory` (none when it does not exist)."""
+    if not directory.is_dir():
+        return {}
+    return {path: path.stat().st_mtime for path in directory.rglob("*") if path.is_file()}
+
+
+def _push_folder(model, directory: Path, hub: dict, before: dict) -> None:
+    """The complete folder to the Hub as transformers' save_pretrained(push_to_hub=True) pushes one: to the repo named
+    by `repo_id` or the folder's name, created if need be, a model card written where the folder has none, in one
+    commit of the files the save wrote or changed (`before`: the folder's file times before it)."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi(token=hub.get("token"))
+    repo_id = api.create_repo(hub.get("repo_id", directory.name), exist_ok=True, private=hub.get("private")).repo_id
+    if not (directory / "README.md").exists():
+        from transformers.utils.hub import create_and_tag_model_card
+
+        create_and_tag_model_card(repo_id, getattr(model, "model_tags", None), token=hub.get("token")).save(
+            str(directory / "README.md"))
+    changed = sorted(path for path, when in _file_times(directory).items() if before.get(path) != when)
+    operations = [CommitOperationAdd(path_in_repo=path.relative_to(directory).as_posix(), path_or_fileobj=str(path))
+                  for path in changed]
+    api.create_commit(repo_id=repo_id, operations=operations, commit_message=hub.get("commit_message") or
+                      "Upload model", create_pr=hub.get("create_pr", False))
 
 
 def _is_a_log_unpadding(conversion) -> bool:

@@ -268,6 +268,26 @@ def test_push_to_hub_and_remote_save_load_in_a_fresh_process(converted, fake_hub
     assert loaded["ids"] == tokenizer("Hello, 世界 ok")["input_ids"]
 
 
+def test_save_pretrained_with_push_to_hub_uploads_the_complete_folder(fake_hub, tmp_path):
+    # transformers' own push inside save_pretrained uploads before our code files and auto_map are written; the
+    # complete folder goes up instead, to repo_id (or the folder's name), in one commit with the message given
+    from kimik3.tiny import build_tiny_model
+
+    repos, commits = fake_hub
+    folder = tmp_path / "k3-pushed"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("the user's, not the save's")  # as transformers: only what the save wrote
+    build_tiny_model().save_pretrained(folder, push_to_hub=True, repo_id="someone/k3-pushed", commit_message="first")
+    build_tiny_model().save_pretrained(tmp_path / "k3-by-name", push_to_hub=True)
+    assert [repo for repo, _ in commits] == ["someone/k3-pushed", "k3-by-name"]
+    pushed = repos["someone/k3-pushed"]
+    on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {"notes.txt"}
+    assert set(pushed) == on_disk and CODE_FILES | {CUSTOM_GENERATE_FILE, "README.md", "model.safetensors"} <= on_disk
+    assert all(pushed[name] == (folder / name).read_bytes() for name in on_disk)
+    assert json.loads(pushed["config.json"])["auto_map"]["AutoModelForCausalLM"].endswith("KimiK3ForCausalLM")
+    assert not (tmp_path / "someone").exists()  # the repo id names no folder
+
+
 def test_push_keeps_a_users_card_on_the_hub(converted, fake_hub):
     from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 

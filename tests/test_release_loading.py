@@ -244,6 +244,42 @@ def test_a_model_built_from_a_config_saves_our_layout(tmp_path):
     assert not any("block_sparse_moe" in n for n in names)
 
 
+def test_a_save_that_fails_midway_leaves_no_folder_that_looks_finished(tmp_path, monkeypatch):
+    """save_pretrained writes under a hidden temporary name beside the folder and renames it once complete: a save
+    stopped by a full disk after config.json leaves no new folder and an existing one as it was; the next save
+    completes and clears the partial files; a file where the folder should be is refused by its path."""
+    import transformers.modeling_utils as modeling_utils
+
+    from kimik3.modeling.saving_kimi_k3 import PARTIAL_SUFFIX
+    from kimik3.tiny import build_tiny_model
+
+    model = build_tiny_model()
+    target = tmp_path / "saved"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        model.save_pretrained(target)
+    assert not target.exists()
+    target.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (target / name).write_text("the earlier save")
+    with pytest.raises(OSError, match="No space left"):
+        model.save_pretrained(target)
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert all((target / name).read_text() == "the earlier save" for name in ("config.json", "model.safetensors"))
+    monkeypatch.undo()
+    model.save_pretrained(target)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(PARTIAL_SUFFIX)]
+    again = KimiK3ForCausalLM.from_pretrained(target)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"a-file is a file, not a folder"):
+        model.save_pretrained(tmp_path / "a-file")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Bad inputs: errors name the release tensor
 
