@@ -208,6 +208,12 @@ def save_folder(model, save, save_directory, *args, **kwargs) -> None:
         writer = writer and dist.get_rank() == 0
     if directory.is_file():
         raise ValueError(f"save_pretrained: {directory} is a file, not a folder")
+    if not (sharded or writer):
+        # a process that writes nothing (is_main_process=False, no collectives): transformers only makes the folder,
+        # and a temporary one made after the writer renamed its own would be left behind
+        with layout_kept(model):
+            save(directory, *args, **kwargs)
+        return
     partial = directory.parent / f"{PARTIAL_PREFIX}{directory.name}{PARTIAL_SUFFIX}"
     before = _file_times(directory) if push and writer else {}
     if writer and partial.exists():  # a save that failed before

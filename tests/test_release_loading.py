@@ -247,7 +247,8 @@ def test_a_model_built_from_a_config_saves_our_layout(tmp_path):
 def test_a_save_that_fails_midway_leaves_no_folder_that_looks_finished(tmp_path, monkeypatch):
     """save_pretrained writes under a hidden temporary name beside the folder and renames it once complete: a save
     stopped by a full disk after config.json leaves no new folder and an existing one as it was; the next save
-    completes and clears the partial files; a file where the folder should be is refused by its path."""
+    completes and clears the partial files; a file where the folder should be is refused by its path; a process
+    that is not the main one writes nothing."""
     import transformers.modeling_utils as modeling_utils
 
     from kimik3.modeling.saving_kimi_k3 import PARTIAL_SUFFIX
@@ -278,6 +279,10 @@ def test_a_save_that_fails_midway_leaves_no_folder_that_looks_finished(tmp_path,
     (tmp_path / "a-file").write_text("not a folder")
     with pytest.raises(ValueError, match=r"a-file is a file, not a folder"):
         model.save_pretrained(tmp_path / "a-file")
+    # a process that writes nothing (is_main_process=False) leaves no temporary folder behind
+    model.save_pretrained(tmp_path / "by-the-main-process", is_main_process=False)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(PARTIAL_SUFFIX)]
+    assert not (tmp_path / "by-the-main-process" / "config.json").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------
