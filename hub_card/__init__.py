@@ -509,7 +509,9 @@ def push_with_card(model, repo_id: str, *, commit_message: str | None = None, co
     `tags` are added to whichever card goes up."""
     import tempfile
 
-    from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
+    from huggingface_hub import HfApi, ModelCard
+
+    from kimik3.modeling.saving_kimi_k3 import commit_files
 
     api = HfApi()
     repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
@@ -524,10 +526,8 @@ def push_with_card(model, repo_id: str, *, commit_message: str | None = None, co
             card = ModelCard.load(readme)
             card.data.tags = list(card.data.tags or []) + [t for t in tags if t not in (card.data.tags or [])]
             card.save(readme)
-        operations = [CommitOperationAdd(path_in_repo=p.relative_to(work).as_posix(), path_or_fileobj=str(p))
-                      for p in sorted(work.rglob("*")) if p.is_file()]
         if revision is not None and not revision.startswith("refs/pr"):
             api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
-        return api.create_commit(repo_id, operations=operations, commit_message=commit_message or "Upload model",
-                                 commit_description=commit_description, token=token, create_pr=create_pr,
-                                 revision=revision)
+        return commit_files(api, repo_id, work, [p for p in work.rglob("*") if p.is_file()], commit_message,
+                            commit_description=commit_description, token=token, create_pr=create_pr,
+                            revision=revision)

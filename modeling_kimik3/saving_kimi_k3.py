@@ -242,7 +242,7 @@ def _push_folder(model, directory: Path, hub: dict, before: dict) -> None:
     """The complete folder to the Hub as transformers' save_pretrained(push_to_hub=True) pushes one: to the repo named
     by `repo_id` or the folder's name, created if need be, a model card written where the folder has none, in one
     commit of the files the save wrote or changed (`before`: the folder's file times before it)."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import HfApi
 
     api = HfApi(token=hub.get("token"))
     repo_id = api.create_repo(hub.get("repo_id", directory.name), exist_ok=True, private=hub.get("private")).repo_id
@@ -251,11 +251,19 @@ def _push_folder(model, directory: Path, hub: dict, before: dict) -> None:
 
         create_and_tag_model_card(repo_id, getattr(model, "model_tags", None), token=hub.get("token")).save(
             str(directory / "README.md"))
-    changed = sorted(path for path, when in _file_times(directory).items() if before.get(path) != when)
-    operations = [CommitOperationAdd(path_in_repo=path.relative_to(directory).as_posix(), path_or_fileobj=str(path))
-                  for path in changed]
-    api.create_commit(repo_id=repo_id, operations=operations, commit_message=hub.get("commit_message") or
-                      "Upload model", create_pr=hub.get("create_pr", False))
+    changed = [path for path, when in _file_times(directory).items() if before.get(path) != when]
+    commit_files(api, repo_id, directory, changed, commit_message=hub.get("commit_message"),
+                 create_pr=hub.get("create_pr", False))
+
+
+def commit_files(api, repo_id: str, folder: Path, files, commit_message: str | None = None, **commit_kwargs):
+    """One Hub commit of `files` (paths under `folder`, in sorted order, at their paths relative to it)."""
+    from huggingface_hub import CommitOperationAdd
+
+    operations = [CommitOperationAdd(path_in_repo=path.relative_to(folder).as_posix(), path_or_fileobj=str(path))
+                  for path in sorted(files)]
+    return api.create_commit(repo_id=repo_id, operations=operations, commit_message=commit_message or "Upload model",
+                             **commit_kwargs)
 
 
 def _is_a_log_unpadding(conversion) -> bool:
