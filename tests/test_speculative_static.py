@@ -325,25 +325,25 @@ def test_a_later_call_falls_back_after_its_warm_up_rounds(model, drafts, prompt,
     import weakref
 
     monkeypatch.setattr(loop, "_WALL_FIGURES", weakref.WeakKeyDictionary())
-    judged_at = []  # rounds run when the fallback first compares the rates, per call
+    judged_at = {}  # call -> rounds run when the fallback first compares the rates
+    call = 0
 
     def slower(self, rounds, plain):
-        if rounds is not None and plain is not None and len(judged_at) < self.call:
-            judged_at.append(self.rounds_run)
+        if rounds is not None and plain is not None:
+            judged_at.setdefault(call, self.rounds_run)
         return rounds is not None and plain is not None
 
     monkeypatch.setattr(loop.SpeculativeLoop, "rounds_are_slower", slower)
     monkeypatch.setattr(loop, "DEFAULT_BLOCK_STEPS", 4)
     expected = plain(model, prompt, max_new_tokens=32)
     for call in (1, 2):
-        monkeypatch.setattr(loop.SpeculativeLoop, "call", call, raising=False)
         report = {}
         got = speculative(model, prompt, report, max_new_tokens=32, assistant_model=drafts["disagrees"],
                           num_assistant_tokens=3, decode_block_steps=1, decode_fallback=True)
         assert torch.equal(got, expected) and report["fallbacks"] >= 1
     # the first call times a round (after the warm-up ones) and plain blocks before it can compare; the second
     # compares after its warm-up rounds, with the first call's figures
-    assert judged_at[0] > loop.WARM_STEPS + 1 and judged_at[1] == loop.WARM_STEPS
+    assert judged_at[1] > loop.WARM_STEPS + 1 and judged_at[2] == loop.WARM_STEPS
 
 
 def test_a_draft_that_is_not_kimi_k3_is_refused(model, prompt):
