@@ -364,6 +364,8 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
     them to more experts than one token reads, so the best k depends on the acceptance rate. Every timed call is
     one generate() of `new_tokens` tokens (no eos), after a warm-up call of the same shapes (`warm_up`); the median
     of `repeats`."""
+    from transformers import GenerationMixin
+
     import kimik3.modeling.generate_kimi_k3 as loop
     from kimik3.convert.schedule import layer_map
     from kimik3.draft import slice_draft_model
@@ -404,6 +406,14 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
             ids = prompt.repeat(batch, 1)
             row = {"alpha": alpha, "batch": batch}
             row["plain"], plain_out = timed(ids)
+            # plain decode's own bf16 noise: transformers' eager generate() (dynamic cache) against the compiled
+            # static decode above, the same greedy decoding in other kernels; where they first differ is the scale
+            # the speculative rounds' first differences below are read against
+            eager = GenerationMixin.generate(model, ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                             max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+            new = eager[:, prompt.shape[1]:] != plain_out[:, prompt.shape[1]:]
+            row["plain"]["eager_first_different_token"] = int(new.any(dim=0).int().argmax()) if bool(new.any()) \
+                else None
             print(json.dumps({"spec_static.entry": {"alpha": alpha, "batch": batch, "plain": row["plain"]}}),
                   file=sys.stderr, flush=True)  # kept if a time limit stops the run
             # draft: as generate() runs it (plain blocks while the rounds are slower); draft_rounds: rounds

@@ -4,6 +4,9 @@ and Going back): greedy speculative tokens are plain greedy tokens in fp32 with 
 partly agree and with prompt lookup; the acceptance the loop reports is the one the test computes from plain
 greedy runs; the rolled-back KDA states and conv windows are those of plain decoding of the kept tokens."""
 
+import math
+import statistics
+
 import pytest
 import torch
 from transformers import GenerationMixin
@@ -206,6 +209,7 @@ def test_the_benchmark_section_runs_every_target_side_by_side(model):
         assert row[label]["rounds"] >= 1 and 0 <= row[label]["acceptance_rate"] <= 1
         assert row[label]["first_different_token"] is None  # fp32: the tokens are plain decode's
         assert row[label]["x_plain"] > 0
+    assert row["plain"]["eager_first_different_token"] is None  # fp32: eager generate() is the same decoding
     # the damping is undone: the model's weights are as they were
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
@@ -297,6 +301,34 @@ def test_the_judge_reads_the_rounds_tokens_over_many_rounds_and_their_time_from_
     del owner, judge, later, other
     gc.collect()
     assert len(loop._WALL_FIGURES) == 0
+
+
+def test_the_fallback_waits_for_evidence_when_the_rounds_tokens_vary(monkeypatch):
+    import weakref
+
+    monkeypatch.setattr(loop, "_WALL_FIGURES", weakref.WeakKeyDictionary())
+    slower = loop.SpeculativeLoop.rounds_are_slower
+    owner = torch.nn.Linear(1, 1)
+    # plain: a token a second; a round 2 seconds, so the rounds pay from 2 tokens a round on. At ~40% acceptance
+    # (k = 4) the first rounds kept 1, 3 and 1 tokens: a mean of 5/3 says slower, its error says it cannot tell yet
+    judge = loop.WallJudge(owner, ("shape",), ("draft", 1, 4))
+    judge.plain(8, 8.0)
+    judge.rounds([1, 3], None)
+    judge.rounds([1], 2.0)
+    assert judge.round_rate() == pytest.approx(5 / 3 / 2)
+    assert slower(None, judge.round_rate(), judge.plain_rate())
+    spread = statistics.stdev([1, 3, 1]) / math.sqrt(3)
+    assert judge.round_rate(optimistic=True) == pytest.approx((5 / 3 + spread) / 2)
+    assert not slower(None, judge.round_rate(optimistic=True), judge.plain_rate())
+    # more rounds that keep one token narrow the error until the verdict is slower
+    for _ in range(4):
+        judge.rounds([1], 2.0)
+    assert slower(None, judge.round_rate(optimistic=True), judge.plain_rate())
+    # at 0% acceptance every round keeps one token: no error, the verdict after the warm-up rounds as before
+    zero = loop.WallJudge(owner, ("shape",), ("lookup", 2, 4))
+    zero.rounds([1] * loop.WARM_STEPS, 2.0 * loop.WARM_STEPS)
+    assert zero.round_rate(optimistic=True) == zero.round_rate() == pytest.approx(0.5)
+    assert slower(None, zero.round_rate(optimistic=True), zero.plain_rate())
 
 
 def test_a_call_after_one_that_timed_plain_blocks_judges_its_rounds_without_timing_them_again(model, prompt,
