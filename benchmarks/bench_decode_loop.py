@@ -215,6 +215,9 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--experts-format", choices=("dense", "mxfp4"), default="dense",
                         help="mxfp4: the routed experts packed as in the release (roofline: the packed bytes)")
+    parser.add_argument("--mxfp4-gemv-rows", type=int, nargs="+", default=None,
+                        help="mxfp4: each configuration once per value of kernels.mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT "
+                             "(routed rows per expert up to which the packed GEMV runs, beyond it the tiles)")
     args = parser.parse_args(argv)
     ensure_kimik3()
     from kimik3.modeling.generate_kimi_k3 import DEFAULT_BLOCK_STEPS
@@ -243,12 +246,21 @@ def main(argv=None):
                "block_steps": args.block_steps, "decode": []}
     for context in args.contexts:
         for batch in args.batches:
-            results["decode"].append(run_configuration(model, stats, batch, context, args, device))
-            if args.out:
-                partial = Path(args.out).with_suffix(".partial")
-                partial.write_text(json.dumps(results, indent=1) + "\n")
-                partial.replace(args.out)
-            print(json.dumps(results["decode"][-1]), flush=True)
+            for rows in args.mxfp4_gemv_rows or [None]:
+                if rows is not None:  # Triton's kernels: imported only when asked for
+                    from kimik3.kernels import mxfp4
+
+                    # the packed path is chosen at trace time: a fresh trace for every value
+                    mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT = rows
+                    torch._dynamo.reset()
+                row = run_configuration(model, stats, batch, context, args, device)
+                row["mxfp4_gemv_rows_per_expert"] = rows
+                results["decode"].append(row)
+                if args.out:
+                    partial = Path(args.out).with_suffix(".partial")
+                    partial.write_text(json.dumps(results, indent=1) + "\n")
+                    partial.replace(args.out)
+                print(json.dumps(row), flush=True)
     return results
 
 
