@@ -200,12 +200,7 @@ def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
     return xs.contiguous(), packed.contiguous(), scale.contiguous(), group_ends.to(torch.int32).contiguous(), out
 
 
-MXFP4_WORD_TILES = True  # the tiles path on the word-decoding kernel below (else the byte tiles here)
-
-
 def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
-    if MXFP4_WORD_TILES:
-        return _mxfp4_word_tiles_fwd(xs, packed, scale, group_ends)
     xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
     (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
     if num_rows == 0 or n == 0:
@@ -517,86 +512,6 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl
             acc += (part * 16384.0) * factor
         out = tl.sum(acc, axis=1)
         tl.store(o_ptr + row.to(tl.int64) * N + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
-
-
-# Packed MXFP4 tiles for a few routed rows per expert (decode at batch 2-16 x top-k over tens of experts): a row
-# block of up to 16 rows of one expert against a BLOCK_N slice of its output columns, with the decoded weights as the
-# MMA's wide operand (out^T = W x^T). The packed bytes stream in as 32-bit words and are decoded as the GEMV decodes
-# them (f16 pairs in PTX on NVIDIA), so each expert's bytes are read and decoded once per 16 rows. Code i of word q
-# is element 8q + i of the row: the rows come split into their eight phases ([8, M, K/8]), one dot per phase.
-
-
-@triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_N": bn, "BLOCK_W": bw}, num_warps=w, num_stages=st)
-        for bn, bw, w, st in ((64, 16, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (128, 16, 4, 3), (128, 32, 8, 3),
-                              (128, 64, 8, 2), (32, 32, 4, 3))
-    ],
-    key=["N", "KW", "E_PAD", "PTX_DECODE", "ROWS_BUCKET"],
-)
-@triton.jit
-def _mxfp4_word_tiles_kernel(x8_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, PHASE, ROWS_BUCKET,
-                             E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_W: tl.constexpr, PTX_DECODE: tl.constexpr, PRECISION: tl.constexpr):
-    expert, row0, row_end = _expert_row_block(ends_ptr, E, E_PAD, BLOCK_M)
-    if expert < E:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N
-        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)
-        p_rows = p_ptr + w_rows[:, None] * KW
-        s_rows = s_ptr + w_rows[:, None] * (KW // 4)
-        x_rows = x8_ptr + rows.to(tl.int64)[:, None] * KW
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for start in range(0, KW, BLOCK_W):
-            q = start + tl.arange(0, BLOCK_W)
-            qmask = q < KW
-            wmask = cmask[:, None] & qmask[None, :]
-            word = tl.load(p_rows + q[None, :], mask=wmask, other=0)
-            factor = _e8m0(tl.load(s_rows + q[None, :] // 4, mask=wmask, other=127).to(tl.int32))
-            if PTX_DECODE:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
-            else:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
-            xq = x_rows + q[None, :]
-            xmask = rmask[:, None] & qmask[None, :]
-            dt = x8_ptr.dtype.element_ty
-            acc = tl.dot(((c0 * 16384.0) * factor).to(dt), tl.trans(tl.load(xq, mask=xmask, other=0.0)), acc,
-                         input_precision=PRECISION)
-            acc = tl.dot(((c1 * 16384.0) * factor).to(dt), tl.trans(tl.load(xq + PHASE, mask=xmask, other=0.0)),
-                         acc, input_precision=PRECISION)
-            acc = tl.dot(((c2 * 16384.0) * factor).to(dt), tl.trans(tl.load(xq + 2 * PHASE, mask=xmask, other=0.0)),
-                         acc, input_precision=PRECISION)
-            acc = tl.dot(((c3 * 16384.0) * factor).to(dt), tl.trans(tl.load(xq + 3 * PHASE, mask=xmask, other=0.0)),
-                         acc, input_precision=PRECISION)
-            acc = tl.dot(((c4 * 16384.0) * factor).to(dt), tl.trans(tl.load(xq + 4 * PHASE, mask=xmask, other=0.0)),
-                         acc, input_precision=PRECISION)
-            acc = tl.dot(((c5 * 16384.0) * factor).to(dt), tl.trans(tl.load(xq + 5 * PHASE, mask=xmask, other=0.0)),
-                         acc, input_precision=PRECISION)
-            acc = tl.dot(((c6 * 16384.0) * factor).to(dt), tl.trans(tl.load(xq + 6 * PHASE, mask=xmask, other=0.0)),
-                         acc, input_precision=PRECISION)
-            acc = tl.dot(((c7 * 16384.0) * factor).to(dt), tl.trans(tl.load(xq + 7 * PHASE, mask=xmask, other=0.0)),
-                         acc, input_precision=PRECISION)
-        out = o_ptr + rows.to(tl.int64)[None, :] * N + cols[:, None]
-        tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
-
-
-def _mxfp4_word_tiles_fwd(xs, packed, scale, group_ends):
-    xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
-    (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
-    if num_rows == 0 or n == 0:
-        return out
-    words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
-    kw = kh // 4
-    phases = xs.view(num_rows, kw, 8).permute(2, 0, 1).contiguous()
-    grid = _row_block_grid(num_rows, num_experts, n)
-    with torch.cuda.device(xs.device):
-        _mxfp4_word_tiles_kernel[grid](phases, words, scale, out, ends, n, kw, num_experts, num_rows * kw,
-                                       triton.next_power_of_2(triton.cdiv(num_rows, num_experts)),
-                                       E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=_FEW_ROWS_BLOCK_M,
-                                       PTX_DECODE=_ptx_decode(xs.device), PRECISION=_dot_precision(xs.dtype))
-    return out
 
 
 MXFP4_PTX_DECODE = True  # the f16-pair decode where it can run (off: the portable decode, for side-by-side runs)
