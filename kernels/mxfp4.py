@@ -52,9 +52,10 @@ from .moe import (
 # (one decode of each tile per 16 rows of an expert), up to MXFP4_GEMM_ROWS_PER_EXPERT the packed grouped GEMM (each
 # tile decoded once per row block of up to 256 rows), beyond that chunks of experts dequantised into a transient copy
 # of at most MXFP4_DEQUANT_CHUNK_BYTES for grouped_mm, whose GEMMs outrun the packed GEMM once an expert has many
-# rows. On the H200 (docs/benchmarks.md, Packed MXFP4 GEMV and Packed MXFP4 prefill) the GEMV's matmuls take 0.14 ms
-# against the tiles' 0.38 ms at 1 row per expert, and 1.01 ms against 1.19 ms at 2 (8 tokens x top-16 over 64
-# experts), though a second row re-reads its expert: the GEMV stops at 2. At 896 experts an 8K prefill (~146 rows
+# rows. On the H200 (docs/benchmarks.md, Packed experts at a few rows per expert, and Packed MXFP4 prefill) one
+# layer's two matmuls take 0.14 ms on the GEMV against the bf16 tiles' 0.28 ms at 1 row per expert, 0.99 against
+# 1.00 ms at 2 (8 tokens x top-16 over 64 experts), though a second row re-reads its expert, and 1.95 against 1.05 ms
+# at 4: the GEMV stops at 2. At 896 experts an 8K prefill (~146 rows
 # per expert) takes 0.225 s on the packed GEMM against 0.268 s dequantised; a 32K one (~585) 0.870 s against 0.733 s,
 # and 64 experts at 8K (2048) 0.176 s against 0.134 s.
 MXFP4_GEMV_ROWS_PER_EXPERT = 2
@@ -187,6 +188,47 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E,
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+# The same tiles in bf16 through Triton's microscaled dot: tl.dot_scaled takes the e2m1 codes and e8m0 scales as
+# stored and upcasts them itself, x as the MMA's A operand (x [16 rows, K] against the codes [K/2, BLOCK_N]). On the
+# H200 (docs/benchmarks.md, Packed experts at a few rows per expert) it reads the distinct experts' bytes at
+# 0.96-1.08 TB/s against the byte-decoding kernel above at 0.74-0.95: 1053 against 1299 us for one layer's two
+# matmuls at 16 tokens over 64 experts. tl.dot_scaled takes no f32 operand, so f32 (exact, IEEE dots) keeps the
+# kernel above. (Measured and not kept: the weights as the wide operand, 15-20% slower; a kernel decoding whole
+# words as the GEMV does, no faster than the byte decode.)
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_KH": bkh}, num_warps=w, num_stages=st)
+             for bn, bkh, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+                                    (64, 256, 4, 2), (128, 32, 4, 4))],
+    key=["N", "KH", "E_PAD"],
+)
+@triton.jit
+def _mxfp4_scaled_dot_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_PAD: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr):
+    expert, row0, row_end = _expert_row_block(ends_ptr, E, E_PAD, BLOCK_M)
+    if expert < E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/2] packed matrix
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * (2 * KH)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, KH, BLOCK_KH):
+            j = start + tl.arange(0, BLOCK_KH)
+            k = 2 * start + tl.arange(0, 2 * BLOCK_KH)
+            g = start // 16 + tl.arange(0, BLOCK_KH // 16)
+            codes = tl.load(p_ptr + w_rows[:, None] * KH + j[None, :], mask=cmask[:, None] & (j < KH)[None, :],
+                            other=0)
+            sc = tl.load(s_ptr + w_rows[:, None] * (KH // 16) + g[None, :],
+                         mask=cmask[:, None] & (g < KH // 16)[None, :], other=127)
+            x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < 2 * KH)[None, :], other=0.0)
+            acc = tl.dot_scaled(x, None, "bf16", tl.trans(codes), sc, "e2m1", acc)
+        out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
 def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
     """Checked, contiguous operands of the packed matmuls and their [M, N] output (unwritten)."""
     num_rows, k = xs.shape
@@ -200,12 +242,20 @@ def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
     return xs.contiguous(), packed.contiguous(), scale.contiguous(), group_ends.to(torch.int32).contiguous(), out
 
 
+MXFP4_SCALED_DOT = True  # bf16 tiles through tl.dot_scaled (off: the byte-decoding kernel, for side-by-side runs)
+
+
 def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
     (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
     if num_rows == 0 or n == 0:
         return out
     grid = _row_block_grid(num_rows, num_experts, n)
+    if xs.dtype == torch.bfloat16 and MXFP4_SCALED_DOT:
+        with torch.cuda.device(xs.device):
+            _mxfp4_scaled_dot_kernel[grid](xs, packed, scale, out, ends, n, kh, num_experts,
+                                           E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=_FEW_ROWS_BLOCK_M)
+        return out
     with torch.cuda.device(xs.device):  # Triton launches on the current device
         _mxfp4_grouped_matmul_kernel[grid](xs, packed, scale, out, ends, n, kh, num_experts,
                                            E_PAD=triton.next_power_of_2(num_experts),

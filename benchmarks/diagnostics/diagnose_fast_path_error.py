@@ -22,6 +22,7 @@ Runs on CUDA (on CPU every variant is the reference path).
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import time
@@ -49,6 +50,19 @@ def run_variant(model, ids, variant, names, use_cache=False):
         os.environ.pop(ENV, None)
 
 
+def paired_top1(only_this: int, only_reference: int, positions: int) -> dict:
+    """Top-1 agreement of a variant against the reference path's on the same positions: the difference, its 95%
+    interval (normal approximation of the paired difference) and McNemar's exact two-sided p-value (the binomial
+    test of the discordant positions: under no difference each goes either way with probability 1/2)."""
+    discordant = only_this + only_reference
+    diff = (only_this - only_reference) / positions
+    half = 1.96 * math.sqrt(max(discordant - (only_this - only_reference) ** 2 / positions, 0.0)) / positions
+    tail = sum(math.comb(discordant, i) for i in range(min(only_this, only_reference) + 1)) / 2 ** discordant \
+        if discordant else 1.0
+    return {"difference": round(diff, 5), "interval_95": [round(diff - half, 5), round(diff + half, 5)],
+            "only_this": only_this, "only_reference": only_reference, "mcnemar_p": round(min(1.0, 2 * tail), 4)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
@@ -65,7 +79,10 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = sorted(dispatch.FAST_OPS)
     variants = args.variants if args.variants is not None else ["", "1", *names]
-    per_variant = {v: {"mean_abs": [], "max_abs": 0.0, "agree": 0, "positions": 0} for v in variants}
+    # "only_this" / "only_reference": positions whose top-1 this variant gets right and the reference path wrong,
+    # and the other way round (the discordant pairs of a paired comparison of top-1 agreement)
+    per_variant = {v: {"mean_abs": [], "max_abs": 0.0, "agree": 0, "positions": 0, "only_this": 0,
+                       "only_reference": 0} for v in variants}
     for seed in args.seeds:
         gold_model = build_tiny_model(seed=seed, num_hidden_layers=4, hidden_size=128, num_heads=4, head_dim=64)
         if args.experts == "mxfp4":
@@ -77,6 +94,7 @@ def main(argv=None):
             ids = torch.randint(3, gold_model.config.vocab_size, (args.batch, length), device=device)
             gold = run_variant(gold_model, ids, "1", names)
             top = gold.argmax(-1)
+            agrees = {}
             for v in variants:
                 start = time.perf_counter()
                 logits = run_variant(model, ids, v, names, args.use_cache)
@@ -85,10 +103,15 @@ def main(argv=None):
                 error = (logits - gold).abs()
                 row["mean_abs"].append(error.mean().item())
                 row["max_abs"] = max(row["max_abs"], error.max().item())
-                row["agree"] += int((logits.argmax(-1) == top).sum())
+                agrees[v] = logits.argmax(-1) == top
+                row["agree"] += int(agrees[v].sum())
                 row["positions"] += top.numel()
                 print(f"seed {seed} length {length} variant {v!r}: mean {row['mean_abs'][-1]:.3g} "
                       f"({time.perf_counter() - start:.1f} s)", flush=True)
+            if "1" in agrees:
+                for v, agree in agrees.items():
+                    per_variant[v]["only_this"] += int((agree & ~agrees["1"]).sum())
+                    per_variant[v]["only_reference"] += int((~agree & agrees["1"]).sum())
     reference = statistics.mean(per_variant["1"]["mean_abs"]) if "1" in per_variant else None
     table = []
     for v, row in per_variant.items():
@@ -98,6 +121,8 @@ def main(argv=None):
                       "max_abs_logit_err": float(f"{row['max_abs']:.3g}"),
                       "top1_agreement": round(row["agree"] / row["positions"], 4),
                       "x_reference": round(mean / reference, 3) if reference else None})
+        if reference:
+            table[-1]["top1_vs_reference"] = paired_top1(row["only_this"], row["only_reference"], row["positions"])
         print(json.dumps(table[-1]), flush=True)
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
               "dtype": args.dtype, "use_cache": args.use_cache, "experts": args.experts, "seeds": args.seeds, "lengths": args.lengths, "batch": args.batch,

@@ -370,12 +370,16 @@ def _packed_grouped_case(counts, n, dtype):
     return counts, ends, packed, scale, weight, xs
 
 
+@pytest.mark.parametrize("scaled_dot", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("counts", [[3, 0, 40, 1, 0, 7], [0, 0, 1, 0, 0, 0], [200, 0, 0, 0, 0, 513]])
-def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, tol):
+def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, tol, scaled_dot, monkeypatch):
     # the packed tiles dequantised inside the matmul = the dequantised experts times x, group by group; f32 uses
-    # IEEE dots (no TF32)
+    # IEEE dots (no TF32); bf16 through tl.dot_scaled or the byte-decoding kernel
+    from kimik3.kernels import mxfp4
     from kimik3.kernels.mxfp4 import mxfp4_grouped_matmul
+
+    monkeypatch.setattr(mxfp4, "MXFP4_SCALED_DOT", scaled_dot)
 
     counts, ends, packed, scale, weight, xs = _packed_grouped_case(counts, 192, dtype)
     out = mxfp4_grouped_matmul(xs, packed, scale, ends)
