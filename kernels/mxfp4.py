@@ -15,8 +15,9 @@
 scale per 32 weights, decoded in registers.
 
 * `mxfp4_dequant`: MXFP4 -> bf16/f32, bit-exact with the reference (the custom op `torch.ops.kimik3.mxfp4_dequant`).
-* `mxfp4_grouped_matmul`: expert-grouped matmul over packed weights, dequantised tile by tile in registers; gradient
-  for the activations only (the custom op `torch.ops.kimik3.mxfp4_grouped_matmul` without autograd).
+* `mxfp4_grouped_matmul`: expert-grouped matmul over packed weights in 16-row tiles, dequantised tile by tile in
+  registers (bf16 through Triton's `tl.dot_scaled`); gradient for the activations only (the custom op
+  `torch.ops.kimik3.mxfp4_grouped_matmul` without autograd).
 * `mxfp4_grouped_gemm`: the same product for many rows per expert (prefill): large row blocks, each packed tile decoded
   once per block (the custom op `torch.ops.kimik3.mxfp4_grouped_gemm` without autograd).
 * `mxfp4_gemv`: the same product for 1-2 rows per expert (decode): one routed row per program, no `tl.dot`, the
@@ -55,9 +56,9 @@ from .moe import (
 # rows. On the H200 (docs/benchmarks.md, Packed experts at a few rows per expert, and Packed MXFP4 prefill) one
 # layer's two matmuls take 0.14 ms on the GEMV against the bf16 tiles' 0.28 ms at 1 row per expert, 0.99 against
 # 1.00 ms at 2 (8 tokens x top-16 over 64 experts), though a second row re-reads its expert, and 1.95 against 1.05 ms
-# at 4: the GEMV stops at 2. At 896 experts an 8K prefill (~146 rows
-# per expert) takes 0.225 s on the packed GEMM against 0.268 s dequantised; a 32K one (~585) 0.870 s against 0.733 s,
-# and 64 experts at 8K (2048) 0.176 s against 0.134 s.
+# at 4: the GEMV stops at 2. At 896 experts an 8K prefill (~146 rows per expert) takes 0.225 s on the packed GEMM
+# against 0.268 s dequantised; a 32K one (~585) 0.870 s against 0.733 s, and 64 experts at 8K (2048) 0.176 s against
+# 0.134 s.
 MXFP4_GEMV_ROWS_PER_EXPERT = 2
 MXFP4_TILE_ROWS_PER_EXPERT = 16
 MXFP4_GEMM_ROWS_PER_EXPERT = 256

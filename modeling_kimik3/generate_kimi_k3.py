@@ -696,8 +696,8 @@ class WallJudge:
     def round_rate(self, optimistic: bool = False) -> float | None:
         """Tokens per second of the rounds; `optimistic`: with the mean of the judged rounds' tokens raised by its
         standard error. A round gives 1 to k + 1 tokens, so at 30-50% acceptance a few early rounds that kept one
-        token each say little, and a verdict on their mean sent calls to plain blocks where the rounds were faster;
-        at 0% every round gives one token, the error is 0 and the verdict is as quick as before."""
+        token each say little, and a verdict on their mean alone sends calls to plain blocks where the rounds are
+        faster; at 0% every round gives one token, the error is 0 and the verdict comes as soon."""
         seconds = self.known.get(self.round_key)
         count = len(self.kept)
         if seconds is None or count < WARM_STEPS:
