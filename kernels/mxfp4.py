@@ -246,13 +246,19 @@ def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
 MXFP4_SCALED_DOT = True  # bf16 tiles through tl.dot_scaled (off: the byte-decoding kernel, for side-by-side runs)
 
 
+def _scaled_dot(xs: torch.Tensor) -> bool:
+    # measured on Hopper only (other GPUs, and a Triton without tl.dot_scaled, keep the byte-decoding kernel)
+    return (MXFP4_SCALED_DOT and xs.dtype == torch.bfloat16 and hasattr(tl, "dot_scaled") and xs.device.type == "cuda"
+            and torch.version.hip is None and torch.cuda.get_device_capability(xs.device) >= (9, 0))
+
+
 def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
     (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
     if num_rows == 0 or n == 0:
         return out
     grid = _row_block_grid(num_rows, num_experts, n)
-    if xs.dtype == torch.bfloat16 and MXFP4_SCALED_DOT:
+    if _scaled_dot(xs):
         with torch.cuda.device(xs.device):
             _mxfp4_scaled_dot_kernel[grid](xs, packed, scale, out, ends, n, kh, num_experts,
                                            E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=_FEW_ROWS_BLOCK_M)
