@@ -249,7 +249,7 @@ MXFP4_SCALED_DOT = True  # bf16 tiles through tl.dot_scaled (off: the byte-decod
 def _scaled_dot(xs: torch.Tensor) -> bool:
     # measured on Hopper only (other GPUs, and a Triton without tl.dot_scaled, keep the byte-decoding kernel)
     return (MXFP4_SCALED_DOT and xs.dtype == torch.bfloat16 and hasattr(tl, "dot_scaled") and xs.device.type == "cuda"
-            and torch.version.hip is None and torch.cuda.get_device_capability(xs.device) >= (9, 0))
+            and torch.version.hip is None and torch.cuda.get_device_capability(xs.device)[0] == 9)
 
 
 def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
