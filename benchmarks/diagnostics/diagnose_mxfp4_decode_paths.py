@@ -26,7 +26,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
-from _k3bench_utils import graph_us  # noqa: E402
+from _k3bench_utils import graph_us, uniform_routed_counts  # noqa: E402
 from kimik3.kernels import mxfp4
 
 
@@ -35,31 +35,22 @@ POINTS = [(64, 1), (64, 2), (64, 4), (64, 8), (64, 16), (896, 1), (896, 8)]
 TOP_K = 16
 
 
-def routed_groups(experts: int, tokens: int, device) -> torch.Tensor:
-    """Group ends of tokens x top-16 routes, uniform random distinct experts per token."""
-    choice = torch.rand(tokens, experts, device=device).topk(TOP_K, dim=-1).indices.flatten()
-    return torch.cumsum(torch.bincount(choice, minlength=experts), 0).to(torch.int32)
-
-
 def main():
     dev = "cuda"
     torch.manual_seed(0)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "points": []}
-    stacks = {}
     for experts, tokens in POINTS:
-        ends = routed_groups(experts, tokens, dev)
-        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        counts = uniform_routed_counts(tokens, experts, TOP_K, dev)
+        ends = torch.cumsum(counts, 0).to(torch.int32)
         hit = int((counts > 0).sum())
         rows = tokens * TOP_K
         point = {"experts": experts, "tokens": tokens, "distinct_experts": hit, "paths": {}}
         for name, (n, k) in SHAPES.items():
-            key = (experts, name)
-            if key not in stacks:  # random codes, scales 2^-17 .. 2^-6
-                stacks.clear()  # one layer's stack on the device at a time (896 experts: 17 GB of gate_up)
-                stacks[key] = (torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device=dev),
-                               torch.randint(110, 122, (experts, n, k // 32), dtype=torch.uint8, device=dev))
-            packed, scale = stacks[key]
+            # random codes, scales 2^-17 .. 2^-6; one matmul's stack on the device at a time (896 experts: 17 GB)
+            packed = scale = None
+            packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device=dev)
+            scale = torch.randint(110, 122, (experts, n, k // 32), dtype=torch.uint8, device=dev)
             xs = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             read = hit * n * (k // 2 + k // 32)
             outs = {}
