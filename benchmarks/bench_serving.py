@@ -356,6 +356,12 @@ def damp_layers(model, kept_layers, alpha: float, originals: dict) -> int:
     return scaled
 
 
+def first_different_token(out, against, start: int):
+    """The first new-token position (from `start`) where any row of `out` differs from `against`; None if none."""
+    new = out[:, start:] != against[:, start:]
+    return int(new.any(dim=0).int().argmax()) if bool(new.any()) else None
+
+
 @torch.no_grad()
 def section_spec_static(model, device, context, new_tokens, draft_layers, proposals, alphas, batches, compiled,
                         repeats=3, warm_up=True):
@@ -411,9 +417,7 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
             # the speculative rounds' first differences below are read against
             eager = GenerationMixin.generate(model, ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                              max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-            new = eager[:, prompt.shape[1]:] != plain_out[:, prompt.shape[1]:]
-            row["plain"]["eager_first_different_token"] = int(new.any(dim=0).int().argmax()) if bool(new.any()) \
-                else None
+            row["plain"]["eager_first_different_token"] = first_different_token(eager, plain_out, prompt.shape[1])
             print(json.dumps({"spec_static.entry": {"alpha": alpha, "batch": batch, "plain": row["plain"]}}),
                   file=sys.stderr, flush=True)  # kept if a time limit stops the run
             # draft: as generate() runs it (plain blocks while the rounds are slower); draft_rounds: rounds
@@ -427,9 +431,7 @@ def section_spec_static(model, device, context, new_tokens, draft_layers, propos
                 row[label]["x_plain"] = round_sig(row[label]["tok_s"] / row["plain"]["tok_s"])
                 # bf16: the verify's shapes differ from a decode step's, so a near-tie may go the other way (the
                 # fp32 CPU tests hold equality); where the first difference is says whether it is noise
-                new = out[:, prompt.shape[1]:] != plain_out[:, prompt.shape[1]:]
-                row[label]["first_different_token"] = int(new.any(dim=0).int().argmax()) if bool(new.any()) \
-                    else None
+                row[label]["first_different_token"] = first_different_token(out, plain_out, prompt.shape[1])
                 print(json.dumps({"spec_static.entry": {"alpha": alpha, "batch": batch, label: row[label]}}),
                       file=sys.stderr, flush=True)  # kept if a time limit stops the run
             results["rows"].append(row)
