@@ -898,6 +898,13 @@ def without_ptx_decode(fn):
     return _with_setting(mxfp4, "MXFP4_PTX_DECODE", False, fn)
 
 
+def with_f32_kda_operands(fn):
+    """fn() with fla's chunk_kda handed f32 operands (its intermediates f32, its dots TF32)."""
+    from kimik3.kernels import kda
+
+    return _with_setting(kda, "KDA_CHUNK_F32_OPERANDS", True, fn)
+
+
 def with_reference_ops(names: str, fn):
     """fn() with the ops in the comma list `names` on their references (KIMIK3_REFERENCE_ONLY), the others fast."""
     previous = os.environ.get("KIMIK3_REFERENCE_ONLY")
@@ -981,6 +988,10 @@ def main():
                            ("norms_gate", "rms_norm,gated_rms_norm,kda_gate"), ("router", "router_logits")):
             sec(f"fast_reference_{tag}.prefill_8k", lambda n=names: with_reference_ops(
                 n, lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
+        sec("fast_kda_f32.prefill_8k", lambda: with_f32_kda_operands(
+            lambda: measure_prefill(drv, stats, 8 * K, repeats=5)), 20)
+        sec("fast_kda_f32.prefill_64k", lambda: with_f32_kda_operands(
+            lambda: measure_prefill(drv, stats, 64 * K, repeats=1, warmup=1)), 40)
         sec("fast.decode_b1_4k", lambda: measure_decode(drv, stats, 1, 4 * K, steps=20), 15)
         sec("fast.decode_b8_4k", lambda: measure_decode(drv, stats, 8, 4 * K, steps=10), 20)
         sec("fast.prefill_64k", lambda: measure_prefill(drv, stats, 64 * K, repeats=1, warmup=1), 40)

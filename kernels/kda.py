@@ -38,6 +38,13 @@ from ._base import as_rows, custom_op, needs_grad, tl, triton, twin
 
 _FLA_KDA = "fla.ops.kda"
 
+# fla's chunk kernels keep their intermediates (the intra-chunk Aqk/Akk, the WY factors w/u, the per-chunk states
+# and corrected values) in the operands' dtype: with bf16 operands each is rounded to bf16 between kernels, the error
+# the bf16 fast path adds over the bf16 reference path (docs/benchmarks.md, fp32 and bf16 on CUDA). With this on,
+# a forward without autograd hands fla f32 operands (its dots then run at TF32, whose 10-bit mantissa holds bf16
+# inputs exactly) and rounds the output once to the model's dtype.
+KDA_CHUNK_F32_OPERANDS = False
+
 
 def _state(initial_state):
     if initial_state is None:
@@ -53,6 +60,7 @@ def chunk_kda(
 ):
     from fla.ops.kda import chunk_kda as _fla_chunk_kda
 
+    out_dtype = v.dtype
     gate = {}
     if use_gate_in_kernel and needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
         # training: the decay from the reference gate (its autograd), then fla's chunked form on it, the path the
@@ -65,11 +73,13 @@ def chunk_kda(
         # (docs/architecture.md, Chunked KDA; the official code's setting)
         gate = dict(use_gate_in_kernel=True, A_log=A_log[: g.shape[-2]], dt_bias=dt_bias, lower_bound=lower_bound,
                     safe_gate=lower_bound is not None and -5 <= lower_bound < 0)
+    if KDA_CHUNK_F32_OPERANDS and v.dtype != torch.float32 and not needs_grad(q, k, v, g, beta, initial_state):
+        q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
     o, final = _fla_chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=64, **gate,
     )
-    return o.to(v.dtype), (final if output_final_state else None)
+    return o.to(out_dtype), (final if output_final_state else None)
 
 @twin("fused_recurrent_kda", needs=(_FLA_KDA,))
 def fused_recurrent_kda(

@@ -8,6 +8,7 @@ KIMIK3_REFERENCE_ONLY:
               distance to f32, the f32 fast path's 2e-4 of it)
   "op"        the fast path with that one op on its reference (the error it removes)
   "only:op"   every op on its reference except that one (the error it adds alone)
+  "chunk_kda_f32"  every fast path, fla's chunk_kda handed f32 operands (kernels.kda.KDA_CHUNK_F32_OPERANDS)
 
 For each variant: the mean |logit - f32 logit| over positions and vocabulary (mean over runs, and min/max over
 runs), the largest |logit - f32 logit|, top-1 agreement with the f32 model over all positions, and the ratio to
@@ -21,6 +22,7 @@ Runs on CUDA (on CPU every variant is the reference path).
 
 import argparse
 import copy
+import importlib
 import json
 import math
 import os
@@ -32,9 +34,20 @@ import torch
 from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
 
 ENV = "KIMIK3_REFERENCE_ONLY"
+# variants that are the fast path with one kernel setting changed: name -> (kernels module, setting, value)
+SETTINGS = {"chunk_kda_f32": ("kda", "KDA_CHUNK_F32_OPERANDS", True)}
 
 
 def run_variant(model, ids, variant, names, use_cache=False):
+    if variant in SETTINGS:
+        module_name, setting, value = SETTINGS[variant]
+        module = importlib.import_module(f"kimik3.kernels.{module_name}")
+        previous = getattr(module, setting)
+        setattr(module, setting, value)
+        try:
+            return run_variant(model, ids, "", names, use_cache)
+        finally:
+            setattr(module, setting, previous)
     if variant.startswith("only:"):
         value = ",".join(n for n in names if n != variant[5:])
     else:
