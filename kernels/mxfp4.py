@@ -622,12 +622,17 @@ def _mxfp4_grouped_matmul_fake(xs, packed, scale, group_ends):
     return torch.empty(xs.shape[0], packed.shape[1], dtype=xs.dtype, device=xs.device)
 
 
-def _packed_matmul_op(name: str, cuda_launch, doc: str):
+def _packed_matmul_op(name: str, launch_name: str, doc: str):
     """The custom op `torch.ops.kimik3.<name>` of one packed matmul kernel: xs [M, K] grouped by expert, packed
-    [E, N, K/2], scale [E, N, K/32], group_ends [E] -> [M, N]; every kernel computes the one reference."""
+    [E, N, K/2], scale [E, N, K/32], group_ends [E] -> [M, N]; every kernel computes the one reference. The CUDA
+    kernel is this module's launcher `launch_name`, looked up at each call (a launcher replaced on the module, as the
+    GPU tests' call counters do, is the one that runs)."""
 
     def reference(xs: Tensor, packed: Tensor, scale: Tensor, group_ends: Tensor) -> Tensor:
         return _mxfp4_grouped_matmul_reference(xs, packed, scale, group_ends)
+
+    def cuda_launch(xs, packed, scale, group_ends):
+        return globals()[launch_name](xs, packed, scale, group_ends)
 
     reference.__doc__ = doc
     op = custom_op(name)(reference)
@@ -636,10 +641,10 @@ def _packed_matmul_op(name: str, cuda_launch, doc: str):
     return op
 
 
-_packed_matmul_op("mxfp4_grouped_matmul", _mxfp4_grouped_matmul_fwd, "CUDA: the tile kernel (16-row tiles).")
-_packed_matmul_op("mxfp4_gemv", _mxfp4_gemv_fwd, "For one or two rows per expert; CUDA: the GEMV kernel (one "
+_packed_matmul_op("mxfp4_grouped_matmul", "_mxfp4_grouped_matmul_fwd", "CUDA: the tile kernel (16-row tiles).")
+_packed_matmul_op("mxfp4_gemv", "_mxfp4_gemv_fwd", "For one or two rows per expert; CUDA: the GEMV kernel (one "
                   "program per routed row).")
-_packed_matmul_op("mxfp4_grouped_gemm", _mxfp4_grouped_gemm_fwd, "For many rows per expert; CUDA: the prefill GEMM "
+_packed_matmul_op("mxfp4_grouped_gemm", "_mxfp4_grouped_gemm_fwd", "For many rows per expert; CUDA: the prefill GEMM "
                   "(packed tiles decoded once per row block).")
 
 

@@ -1,6 +1,8 @@
 """fla-core fast paths (chunk_kda, fused_recurrent_kda, causal_conv1d) against the pure-PyTorch references of
 ops_kimi_k3, forward and (where training uses them) backward."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -165,6 +167,34 @@ def test_chunk_kda_gate_in_kernel_forward(seq_len, lower_bound):
     gate["A_log"][:H] = t["a_log"][:H].roll(1)
     o_wrong, _ = fast(*args, initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True, **gate)
     assert rel_err(o_wrong, o_ref) > 5e-2
+
+
+def test_chunk_kda_f32_operands_keep_fla_intermediates_f32(monkeypatch):
+    """`KDA_CHUNK_F32_OPERANDS`: bf16 inputs handed to fla as f32, so its intermediates are not rounded to bf16
+    between kernels. Against the reference on the same inputs in f32 the output's error must fall well below the bf16
+    operands' (which round w, u, the chunk states and Aqk/Akk to bf16), the output stays bf16 and the final state f32;
+    under autograd the setting is not applied (fla's bf16 backward, the training path)."""
+    kda = importlib.import_module("kimik3.kernels.kda")
+    t = _kda_inputs(2, 1000)
+    fast = load_fast("chunk_kda")
+    args = (t["q"], t["k"], t["v"], t["raw"], t["beta"])
+    gate = dict(use_gate_in_kernel=True, A_log=t["a_log"], dt_bias=t["dt_bias"], lower_bound=-5.0)
+    kw = dict(initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True, **gate)
+    o_ref, s_ref = ops.chunk_kda(*(a.float() for a in args), **kw)
+    monkeypatch.setattr(kda, "KDA_CHUNK_F32_OPERANDS", False)
+    o_bf16, s_bf16 = fast(*args, **kw)
+    monkeypatch.setattr(kda, "KDA_CHUNK_F32_OPERANDS", True)
+    o_f32, s_f32 = fast(*args, **kw)
+    assert o_f32.dtype == torch.bfloat16 and s_f32.dtype == torch.float32
+    # the bf16 output's own rounding (2^-9 relative) bounds what f32 operands can reach
+    assert rel_err(o_f32, o_ref) < 0.5 * rel_err(o_bf16, o_ref), (rel_err(o_f32, o_ref), rel_err(o_bf16, o_ref))
+    assert rel_err(s_f32, s_ref) < 0.5 * rel_err(s_bf16, s_ref), (rel_err(s_f32, s_ref), rel_err(s_bf16, s_ref))
+    outs = []
+    for setting in (True, False):
+        monkeypatch.setattr(kda, "KDA_CHUNK_F32_OPERANDS", setting)
+        leaves = [a.detach().clone().requires_grad_(True) for a in args[:3]]
+        outs.append(fast(*leaves, *args[3:], **kw)[0])
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_model_prefill_with_the_gate_in_fla_matches_the_reference_kda(monkeypatch):
