@@ -62,7 +62,8 @@ def chunk_kda(
 
     out_dtype = v.dtype
     gate = {}
-    if use_gate_in_kernel and needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+    training = needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if use_gate_in_kernel and training:
         # training: the decay from the reference gate (its autograd), then fla's chunked form on it, the path the
         # GPU backward tests hold; fla's fused gate backward is not used
         g = _reference.kda_gate(g, A_log, dt_bias, lower_bound)
@@ -73,7 +74,7 @@ def chunk_kda(
         # (docs/architecture.md, Chunked KDA; the official code's setting)
         gate = dict(use_gate_in_kernel=True, A_log=A_log[: g.shape[-2]], dt_bias=dt_bias, lower_bound=lower_bound,
                     safe_gate=lower_bound is not None and -5 <= lower_bound < 0)
-    if KDA_CHUNK_F32_OPERANDS and v.dtype != torch.float32 and not needs_grad(q, k, v, g, beta, initial_state):
+    if KDA_CHUNK_F32_OPERANDS and v.dtype != torch.float32 and not training:
         q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
     o, final = _fla_chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
