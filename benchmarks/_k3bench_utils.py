@@ -157,6 +157,16 @@ def graph_us(fn, iters: int, warmup: int = 3) -> float:
     return event_us(graph.replay, iters, warmup=1)
 
 
+def with_setting(module, name, value, fn):
+    """fn() with the module constant `name` set to `value` (a kernel switch or threshold), restored afterwards."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(module, name, saved)
+
+
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
     """E[# distinct experts hit] when each of `batch` tokens picks top_k of num_experts uniformly."""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)

@@ -60,6 +60,7 @@ from _k3bench_utils import (  # noqa: E402
     reset_peak,
     round_sig,
     timed,
+    with_setting,
 )
 
 K = 1024
@@ -851,20 +852,11 @@ def section_attention_kernels():
     return res
 
 
-def _with_setting(module, name, value, fn):
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        return fn()
-    finally:
-        setattr(module, name, saved)
-
-
 def without_few_rows_kernel(fn):
     """fn() with the bf16 routed experts on grouped_mm at every size (the few-rows Triton matmul off)."""
     from kimik3.kernels import moe
 
-    return _with_setting(moe, "FEW_ROWS_PER_EXPERT", 0, fn)
+    return with_setting(moe, "FEW_ROWS_PER_EXPERT", 0, fn)
 
 
 def with_mxfp4_kernel(kernel, fn):
@@ -872,7 +864,7 @@ def with_mxfp4_kernel(kernel, fn):
     rows per expert (the dequantised stack beyond, as always)."""
     from kimik3.kernels import mxfp4
 
-    return _with_setting(mxfp4, "MXFP4_GEMV_ROWS_PER_EXPERT",
+    return with_setting(mxfp4, "MXFP4_GEMV_ROWS_PER_EXPERT",
                          {"gemv": mxfp4.MXFP4_TILE_ROWS_PER_EXPERT, "tiles": 0}[kernel], fn)
 
 
@@ -881,28 +873,28 @@ def with_mxfp4_prefill(path, fn):
     of rows per expert) or "dequantised" (chunks of experts dequantised for grouped_mm, from the tiles' limit on)."""
     from kimik3.kernels import mxfp4
 
-    return _with_setting(mxfp4, "MXFP4_GEMM_ROWS_PER_EXPERT", {"gemm": 1 << 40, "dequantised": 0}[path], fn)
+    return with_setting(mxfp4, "MXFP4_GEMM_ROWS_PER_EXPERT", {"gemm": 1 << 40, "dequantised": 0}[path], fn)
 
 
 def without_conv_step_kernel(fn):
     """fn() with every KDA conv on fla's kernels (pad, conv, final window, slice), the one-launch step kernel off."""
     from kimik3.kernels import conv
 
-    return _with_setting(conv, "CONV_STEP_MAX_TOKENS", 0, fn)
+    return with_setting(conv, "CONV_STEP_MAX_TOKENS", 0, fn)
 
 
 def without_ptx_decode(fn):
     """fn() with the packed GEMV decoding one code at a time (its f16-pair PTX decode off)."""
     from kimik3.kernels import mxfp4
 
-    return _with_setting(mxfp4, "MXFP4_PTX_DECODE", False, fn)
+    return with_setting(mxfp4, "MXFP4_PTX_DECODE", False, fn)
 
 
 def with_f32_kda_operands(fn):
     """fn() with fla's chunk_kda handed f32 operands (its intermediates f32, its dots TF32)."""
     from kimik3.kernels import kda
 
-    return _with_setting(kda, "KDA_CHUNK_F32_OPERANDS", True, fn)
+    return with_setting(kda, "KDA_CHUNK_F32_OPERANDS", True, fn)
 
 
 def with_reference_ops(names: str, fn):

@@ -27,11 +27,15 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
+from _k3bench_utils import with_setting  # noqa: E402
+from kimik3.tiny import build_tiny_model, packed_mxfp4_copy  # noqa: E402
 
 ENV = "KIMIK3_REFERENCE_ONLY"
 # variants that are the fast path with one kernel setting changed: name -> (kernels module, setting, value)
@@ -42,12 +46,7 @@ def run_variant(model, ids, variant, names, use_cache=False):
     if variant in SETTINGS:
         module_name, setting, value = SETTINGS[variant]
         module = importlib.import_module(f"kimik3.kernels.{module_name}")
-        previous = getattr(module, setting)
-        setattr(module, setting, value)
-        try:
-            return run_variant(model, ids, "", names, use_cache)
-        finally:
-            setattr(module, setting, previous)
+        return with_setting(module, setting, value, lambda: run_variant(model, ids, "", names, use_cache))
     if variant.startswith("only:"):
         value = ",".join(n for n in names if n != variant[5:])
     else:
