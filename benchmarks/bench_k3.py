@@ -890,11 +890,16 @@ def without_ptx_decode(fn):
     return with_setting(mxfp4, "MXFP4_PTX_DECODE", False, fn)
 
 
-def with_f32_kda_operands(fn):
-    """fn() with fla's chunk_kda handed f32 operands (its intermediates f32, its dots TF32)."""
+# the operands fla's chunk_kda is handed for bf16 inputs (kernels.kda.KDA_CHUNK_OPERANDS), by section tag
+KDA_OPERANDS = {"bf16": None, "f16": torch.float16, "f32": torch.float32}
+
+
+def with_kda_operands(tag: str, fn):
+    """fn() with fla's chunk_kda handed the operands of `tag` (bf16 as given; fp16: 11 significant bits at bf16's
+    speed; f32: f32 intermediates, TF32 dots)."""
     from kimik3.kernels import kda
 
-    return with_setting(kda, "KDA_CHUNK_F32_OPERANDS", True, fn)
+    return with_setting(kda, "KDA_CHUNK_OPERANDS", KDA_OPERANDS[tag], fn)
 
 
 def with_reference_ops(names: str, fn):
@@ -980,10 +985,11 @@ def main():
                            ("norms_gate", "rms_norm,gated_rms_norm,kda_gate"), ("router", "router_logits")):
             sec(f"fast_reference_{tag}.prefill_8k", lambda n=names: with_reference_ops(
                 n, lambda: measure_prefill(drv, stats, 8 * K, repeats=3)), 20)
-        sec("fast_kda_f32.prefill_8k", lambda: with_f32_kda_operands(
-            lambda: measure_prefill(drv, stats, 8 * K, repeats=5)), 20)
-        sec("fast_kda_f32.prefill_64k", lambda: with_f32_kda_operands(
-            lambda: measure_prefill(drv, stats, 64 * K, repeats=1, warmup=1)), 40)
+        for tag in KDA_OPERANDS:
+            sec(f"fast_kda_{tag}.prefill_8k", lambda t=tag: with_kda_operands(
+                t, lambda: measure_prefill(drv, stats, 8 * K, repeats=5)), 20)
+            sec(f"fast_kda_{tag}.prefill_64k", lambda t=tag: with_kda_operands(
+                t, lambda: measure_prefill(drv, stats, 64 * K, repeats=1, warmup=1)), 40)
         sec("fast.decode_b1_4k", lambda: measure_decode(drv, stats, 1, 4 * K, steps=20), 15)
         sec("fast.decode_b8_4k", lambda: measure_decode(drv, stats, 8, 4 * K, steps=10), 20)
         sec("fast.prefill_64k", lambda: measure_prefill(drv, stats, 64 * K, repeats=1, warmup=1), 40)

@@ -39,11 +39,22 @@ from ._base import as_rows, custom_op, needs_grad, tl, triton, twin
 _FLA_KDA = "fla.ops.kda"
 
 # fla's chunk kernels keep their intermediates (the intra-chunk Aqk/Akk, the WY factors w/u, the per-chunk states
-# and corrected values) in the operands' dtype: with bf16 operands each is rounded to bf16 between kernels, the error
-# the bf16 fast path adds over the bf16 reference path (docs/benchmarks.md, fp32 and bf16 on CUDA). With this on,
-# a forward without autograd hands fla f32 operands (its dots then run at TF32, whose 10-bit mantissa holds bf16
-# inputs exactly) and rounds the output once to the model's dtype.
-KDA_CHUNK_F32_OPERANDS = False
+# and corrected values) in the operands' dtype: with bf16 operands each is rounded to bf16 (8 significant bits)
+# between kernels, the error the bf16 fast path adds over the bf16 reference path (docs/design.md, bf16). A forward
+# without autograd can hand fla other operands, holding the same bf16 values, and round the output once:
+#   None           the operands' own dtype (bf16 intermediates)
+#   torch.float16  11 significant bits at bf16's speed (same bytes, same tensor-core rate); fp16's range is kept by
+#                  powers of two (`_half_operands`)
+#   torch.float32  TF32 dots and f32 intermediates, slower
+KDA_CHUNK_OPERANDS = None
+
+# fp16 operands: v and the initial state are scaled by one power of two (the output and the state are linear in
+# them jointly, so it is undone exactly) to |v| <= 2^V_EXPONENT and |state| <= 2^STATE_EXPONENT. The delta rule over
+# unit keys keeps a written key direction's value a convex mix of the v's (at most sqrt(V) * max|v| = 2^3.5 max|v|),
+# so the chunk states and corrected values keep about 2^6 of headroom below fp16's 2^16, while values 2^-20 of the
+# largest still have fp16's full precision
+V_EXPONENT = 6
+STATE_EXPONENT = 10
 
 
 def _state(initial_state):
@@ -74,13 +85,59 @@ def chunk_kda(
         # (docs/architecture.md, Chunked KDA; the official code's setting)
         gate = dict(use_gate_in_kernel=True, A_log=A_log[: g.shape[-2]], dt_bias=dt_bias, lower_bound=lower_bound,
                     safe_gate=lower_bound is not None and -5 <= lower_bound < 0)
-    if KDA_CHUNK_F32_OPERANDS and v.dtype != torch.float32 and not training:
+    operands = KDA_CHUNK_OPERANDS
+    state, inverse = _state(initial_state), None
+    if operands is None or training or v.dtype in (operands, torch.float32):
+        pass  # fla on the operands as they come (f32 stays f32: the TF32 switch decides its dots)
+    elif operands == torch.float32:
         q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
+    elif operands == torch.float16:
+        q, k, v, state, inverse = _half_operands(q, k, v, state, use_qk_l2norm_in_kernel)
+    else:
+        raise ValueError(f"kernels.kda.KDA_CHUNK_OPERANDS = {operands!r}: None, torch.float16 or torch.float32")
     o, final = _fla_chunk_kda(
-        q, k, v, g, beta, scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
+        q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=64, **gate,
     )
-    return o.to(out_dtype), (final if output_final_state else None)
+    if inverse is None:
+        return o.to(out_dtype), (final if output_final_state else None)
+    # undo the power of two in f32 (a 1-element tensor promotes the product to f32), one rounding to out_dtype
+    o = torch.mul(o, inverse, out=torch.empty(o.shape, dtype=out_dtype, device=o.device))
+    return o, (final.mul_(inverse) if output_final_state else None)
+
+
+def _power_of_two(x: Tensor, exponent: int, at_most_one: bool = False) -> Tensor:
+    """2^e (f32, shape [1]) with max|x| * 2^e <= 2^exponent, e within [-100, 100] (all zeros: 2^exponent); with
+    `at_most_one`, never above 1. Non-finite values keep their kind: inf * 2^e is inf, NaN stays NaN."""
+    low, high = torch.aminmax(x)
+    # frexp: max|x| = m * 2^p with 0.5 <= m < 1, so max|x| < 2^p
+    _, power = torch.frexp(torch.maximum(high, -low).float().reshape(1))
+    e = (exponent - power).clamp(-100, 0 if at_most_one else 100)
+    return torch.ldexp(torch.ones(1, device=x.device), e)
+
+
+def _scaled(x: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
+    # x * factor computed in f32 (bf16 values times a power of two are exact) and written once in dtype
+    return torch.mul(x, factor, out=torch.empty(x.shape, dtype=dtype, device=x.device))
+
+
+def _half_operands(q, k, v, state, qk_normalized_in_kernel):
+    """fla's fp16 operands for bf16 q, k, v and the f32 initial state; returns (q, k, v, state, inverse), where the
+    output and the final state times `inverse` are the unscaled ones. bf16 values are exact in fp16 within its range,
+    which powers of two keep them in:
+    * v and the state share one factor (`V_EXPONENT`, `STATE_EXPONENT`): up or down, exact either way;
+    * q and k: the model's are unit vectors (the conv's L2 norm), which fp16 holds as they are; normalized in the
+      kernel (raw projections) each is scaled down only, by its own power of two, where it reaches 2^14 (the
+      normalization is invariant to it up to its eps, 2^-28 of such a norm)."""
+    factor = _power_of_two(v, V_EXPONENT)
+    if state is not None:
+        factor = torch.minimum(factor, _power_of_two(state, STATE_EXPONENT))
+        state = state * factor
+    if qk_normalized_in_kernel:
+        q, k = (_scaled(x, _power_of_two(x, 14, at_most_one=True), torch.float16) for x in (q, k))
+    else:
+        q, k = q.to(torch.float16), k.to(torch.float16)
+    return q, k, _scaled(v, factor, torch.float16), state, factor.reciprocal()
 
 @twin("fused_recurrent_kda", needs=(_FLA_KDA,))
 def fused_recurrent_kda(

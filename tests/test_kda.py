@@ -181,3 +181,91 @@ def test_qk_normalised_in_the_conv_is_the_recurrence_normalising_them(monkeypatc
     x = torch.randn(1, 3, 10)
     with pytest.raises(ValueError, match="whole heads"):
         causal_conv1d(x, torch.randn(10, 1, 4), None, 4)
+
+
+class _RecordingFla:
+    """Stands in for fla's chunk_kda on the CPU: records the operands it is handed and computes the reference on
+    them in f32, returning the output in v's dtype as fla does (so an fp16 output out of range becomes inf here as it
+    would there)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, chunk_size=64, safe_gate=False, **gate):
+        self.calls.append({"dtypes": (q.dtype, k.dtype, v.dtype), "finite": all(
+            bool(torch.isfinite(x).all()) for x in (q, k, v, initial_state) if x is not None),
+            "amax": {name: float(x.detach().abs().max()) for name, x in (("q", q), ("k", k), ("v", v), ("state", initial_state))
+                     if x is not None}})
+        o, final = chunk_kda(q.float(), k.float(), v.float(), g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             chunk_size=chunk_size, **gate)
+        return o.to(v.dtype), final
+
+
+@pytest.fixture
+def recording_fla(monkeypatch):
+    import sys
+    import types
+
+    fake = _RecordingFla()
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    module = types.ModuleType("fla.ops.kda")
+    module.chunk_kda = fake
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", module)
+    return fake
+
+
+@pytest.mark.parametrize("v_scale, state_scale, qk_scale, in_kernel_norm", [
+    (1.0, 1.0, 1.0, False),       # the model's case: unit q, k from the conv's norm
+    (1e6, 1.0, 1.0, False),       # v far past fp16's 65504
+    (1e-30, 1e-30, 1.0, False),   # v and the state far below fp16's smallest subnormal
+    (1.0, 1e7, 1.0, False),       # a state past fp16's range with small v
+    (3.0, 1.0, 1e6, True),        # raw q, k past fp16's range, normalized in the kernel
+    (0.0, 0.0, 1.0, True),        # all-zero values and state
+])
+def test_fast_chunk_kda_fp16_operands_hold_the_values_in_range(monkeypatch, recording_fla, v_scale, state_scale,
+                                                                qk_scale, in_kernel_norm):
+    """`KDA_CHUNK_OPERANDS = torch.float16`: fla gets fp16 q, k, v and a scaled f32 state, every value in fp16's
+    range, and the output and the state it returns, unscaled, are the reference's on the bf16 inputs to the output's
+    own rounding, whatever the magnitudes (fp16 holds bf16's significand but not its range)."""
+    from kimik3.kernels import kda
+
+    monkeypatch.setattr(kda, "KDA_CHUNK_OPERANDS", torch.float16)
+    torch.manual_seed(0)
+    q, k, v, g, beta, state = _inputs(2, 70, 2, 16, 8)
+    if not in_kernel_norm:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    q, k, v = ((x * s).bfloat16() for x, s in ((q, qk_scale), (k, qk_scale), (v, v_scale)))
+    state = state * state_scale
+    kw = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=in_kernel_norm)
+    o, final = kda.chunk_kda(q, k, v, g, beta, **kw)
+    o_ref, final_ref = chunk_kda(q.float(), k.float(), v.float(), g, beta, **kw)
+    call = recording_fla.calls[-1]
+    assert call["dtypes"] == (torch.float16,) * 3 and call["finite"], call
+    assert call["amax"]["v"] <= 2.0 ** kda.V_EXPONENT and call["amax"]["state"] <= 2.0 ** kda.STATE_EXPONENT, call
+    assert max(call["amax"]["q"], call["amax"]["k"]) < 2.0 ** 15, call
+    assert o.dtype == torch.bfloat16 and final.dtype == torch.float32
+    assert bool(torch.isfinite(o).all()) and bool(torch.isfinite(final).all())
+    size = max(float(o_ref.abs().max()), 1e-38)
+    # bf16's own rounding of the output (2^-9 relative) and fp16's before it (2^-12)
+    torch.testing.assert_close(o.float(), o_ref, rtol=2.0 ** -7, atol=2.0 ** -7 * size)
+    torch.testing.assert_close(final, final_ref, rtol=1e-3, atol=1e-3 * max(float(final_ref.abs().max()), 1e-38))
+    if v_scale == 0.0:
+        assert not bool(o.any())
+
+
+def test_fast_chunk_kda_operands_stay_as_given_under_autograd_and_for_f32(monkeypatch, recording_fla):
+    """The operand setting is for inference: under autograd (training keeps fla's bf16 backward) and for f32
+    inputs fla gets the operands as they come; an unknown setting is refused by name."""
+    from kimik3.kernels import kda
+
+    monkeypatch.setattr(kda, "KDA_CHUNK_OPERANDS", torch.float16)
+    q, k, v, g, beta, state = _inputs(1, 20, 2, 8, 4)
+    kda.chunk_kda(q.bfloat16().requires_grad_(True), k.bfloat16(), v.bfloat16(), g, beta, initial_state=state)
+    kda.chunk_kda(q, k, v, g, beta, initial_state=state)
+    assert [c["dtypes"] for c in recording_fla.calls] == [(torch.bfloat16,) * 3, (torch.float32,) * 3]
+    monkeypatch.setattr(kda, "KDA_CHUNK_OPERANDS", torch.float64)
+    with pytest.raises(ValueError, match="KDA_CHUNK_OPERANDS"):
+        kda.chunk_kda(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, initial_state=state)

@@ -8,7 +8,9 @@ KIMIK3_REFERENCE_ONLY:
               distance to f32, the f32 fast path's 2e-4 of it)
   "op"        the fast path with that one op on its reference (the error it removes)
   "only:op"   every op on its reference except that one (the error it adds alone)
-  "chunk_kda_f32"  every fast path, fla's chunk_kda handed f32 operands (kernels.kda.KDA_CHUNK_F32_OPERANDS)
+  "chunk_kda_bf16", "chunk_kda_f16", "chunk_kda_f32"
+              every fast path, fla's chunk_kda handed bf16 (as given), fp16 or f32 operands for bf16 inputs
+              (kernels.kda.KDA_CHUNK_OPERANDS)
 
 For each variant: the mean |logit - f32 logit| over positions and vocabulary (mean over runs, and min/max over
 runs), the largest |logit - f32 logit|, top-1 agreement with the f32 model over all positions, and the ratio to
@@ -39,7 +41,8 @@ from kimik3.tiny import build_tiny_model, packed_mxfp4_copy  # noqa: E402
 
 ENV = "KIMIK3_REFERENCE_ONLY"
 # variants that are the fast path with one kernel setting changed: name -> (kernels module, setting, value)
-SETTINGS = {"chunk_kda_f32": ("kda", "KDA_CHUNK_F32_OPERANDS", True)}
+SETTINGS = {f"chunk_kda_{tag}": ("kda", "KDA_CHUNK_OPERANDS", dtype)
+            for tag, dtype in (("bf16", None), ("f16", torch.float16), ("f32", torch.float32))}
 
 
 def run_variant(model, ids, variant, names, use_cache=False):

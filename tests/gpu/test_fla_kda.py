@@ -169,29 +169,34 @@ def test_chunk_kda_gate_in_kernel_forward(seq_len, lower_bound):
     assert rel_err(o_wrong, o_ref) > 5e-2
 
 
-def test_chunk_kda_f32_operands_keep_fla_intermediates_f32(monkeypatch):
-    """`KDA_CHUNK_F32_OPERANDS`: bf16 inputs handed to fla as f32, so its intermediates are not rounded to bf16
-    between kernels. Against the reference on the same inputs in f32 the output's error must fall well below the bf16
-    operands' (which round w, u, the chunk states and Aqk/Akk to bf16), the output stays bf16 and the final state f32;
-    under autograd the setting is not applied (fla's bf16 backward, the training path)."""
+@pytest.mark.parametrize("operands", [torch.float16, torch.float32])
+@pytest.mark.parametrize("v_scale, state_scale", [(1.0, 1.0), (3e5, 1.0), (1.0, 1e6), (1e-25, 1e-25)])
+def test_chunk_kda_operands_keep_fla_intermediates_finer_than_bf16(monkeypatch, operands, v_scale, state_scale):
+    """`KDA_CHUNK_OPERANDS`: bf16 inputs handed to fla as fp16 (v and the state scaled by a power of two into fp16's
+    range) or f32, so its intermediates are not rounded to bf16 between kernels. Against the reference on the same
+    inputs in f32 the output's error must fall well below the bf16 operands' (which round w, u, the chunk states and
+    Aqk/Akk to bf16), at any magnitude of v and the state (fp16 overflows past 65504 and flushes below 6e-8 unscaled);
+    the output stays bf16 and the final state f32; under autograd the setting is not applied (fla's bf16 backward,
+    the training path)."""
     kda = importlib.import_module("kimik3.kernels.kda")
     t = _kda_inputs(2, 1000)
     fast = load_fast("chunk_kda")
-    args = (t["q"], t["k"], t["v"], t["raw"], t["beta"])
+    args = (t["q"], t["k"], (t["v"].float() * v_scale).bfloat16(), t["raw"], t["beta"])
     gate = dict(use_gate_in_kernel=True, A_log=t["a_log"], dt_bias=t["dt_bias"], lower_bound=-5.0)
-    kw = dict(initial_state=t["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True, **gate)
+    kw = dict(initial_state=t["h0"] * state_scale, output_final_state=True, use_qk_l2norm_in_kernel=True, **gate)
     o_ref, s_ref = ops.chunk_kda(*(a.float() for a in args), **kw)
-    monkeypatch.setattr(kda, "KDA_CHUNK_F32_OPERANDS", False)
+    monkeypatch.setattr(kda, "KDA_CHUNK_OPERANDS", None)
     o_bf16, s_bf16 = fast(*args, **kw)
-    monkeypatch.setattr(kda, "KDA_CHUNK_F32_OPERANDS", True)
-    o_f32, s_f32 = fast(*args, **kw)
-    assert o_f32.dtype == torch.bfloat16 and s_f32.dtype == torch.float32
-    # the bf16 output's own rounding (2^-9 relative) bounds what f32 operands can reach
-    assert rel_err(o_f32, o_ref) < 0.5 * rel_err(o_bf16, o_ref), (rel_err(o_f32, o_ref), rel_err(o_bf16, o_ref))
-    assert rel_err(s_f32, s_ref) < 0.5 * rel_err(s_bf16, s_ref), (rel_err(s_f32, s_ref), rel_err(s_bf16, s_ref))
+    monkeypatch.setattr(kda, "KDA_CHUNK_OPERANDS", operands)
+    o_fine, s_fine = fast(*args, **kw)
+    assert o_fine.dtype == torch.bfloat16 and s_fine.dtype == torch.float32
+    assert bool(torch.isfinite(o_fine).all()) and bool(torch.isfinite(s_fine).all())
+    # the bf16 output's own rounding (2^-9 relative) bounds what finer operands can reach
+    assert rel_err(o_fine, o_ref) < 0.5 * rel_err(o_bf16, o_ref), (rel_err(o_fine, o_ref), rel_err(o_bf16, o_ref))
+    assert rel_err(s_fine, s_ref) < 0.5 * rel_err(s_bf16, s_ref), (rel_err(s_fine, s_ref), rel_err(s_bf16, s_ref))
     outs = []
-    for setting in (True, False):
-        monkeypatch.setattr(kda, "KDA_CHUNK_F32_OPERANDS", setting)
+    for setting in (operands, None):
+        monkeypatch.setattr(kda, "KDA_CHUNK_OPERANDS", setting)
         leaves = [a.detach().clone().requires_grad_(True) for a in args[:3]]
         outs.append(fast(*leaves, *args[3:], **kw)[0])
     assert torch.equal(outs[0], outs[1])
