@@ -43,9 +43,9 @@ _FLA_KDA = "fla.ops.kda"
 # between kernels, the error the bf16 fast path adds over the bf16 reference path (docs/design.md, bf16). A forward
 # without autograd can hand fla other operands, holding the same bf16 values, and round the output once:
 #   None           the operands' own dtype (bf16 intermediates)
-#   torch.float16  11 significant bits at bf16's speed (same bytes, same tensor-core rate); fp16's range is kept by
-#                  powers of two (`_half_operands`)
-#   torch.float32  TF32 dots and f32 intermediates, slower
+#   torch.float16  11 significant bits at bf16's bytes and tensor-core rate; fp16's range is kept by powers of two
+#                  (`_half_operands`); +3-5% on an 8K prefill (docs/benchmarks.md, fp32 and bf16 on CUDA)
+#   torch.float32  TF32 dots and f32 intermediates; +6.7%
 KDA_CHUNK_OPERANDS = None
 
 # fp16 operands: v and the initial state are scaled by one power of two (the output and the state are linear in
@@ -138,6 +138,7 @@ def _half_operands(q, k, v, state, qk_normalized_in_kernel):
     else:
         q, k = q.to(torch.float16), k.to(torch.float16)
     return q, k, _scaled(v, factor, torch.float16), state, factor.reciprocal()
+
 
 @twin("fused_recurrent_kda", needs=(_FLA_KDA,))
 def fused_recurrent_kda(
