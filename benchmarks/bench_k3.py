@@ -896,7 +896,7 @@ KDA_OPERANDS = {"bf16": None, "f16": torch.float16, "f32": torch.float32}
 
 def with_kda_operands(tag: str, fn):
     """fn() with fla's chunk_kda handed the operands of `tag` (bf16 as given; fp16: 11 significant bits at bf16's
-    speed; f32: f32 intermediates, TF32 dots)."""
+    bytes; f32: f32 intermediates, TF32 dots)."""
     from kimik3.kernels import kda
 
     return with_setting(kda, "KDA_CHUNK_OPERANDS", KDA_OPERANDS[tag], fn)
