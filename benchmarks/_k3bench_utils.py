@@ -157,6 +157,11 @@ def graph_us(fn, iters: int, warmup: int = 3) -> float:
     return event_us(graph.replay, iters, warmup=1)
 
 
+# the operands fla's chunk_kda is handed for bf16 inputs (kernels.kda.KDA_CHUNK_OPERANDS), by the tag the benchmarks
+# and diagnostics name them with: bf16 as given; fp16, 11 significant bits at bf16's bytes; f32 intermediates
+KDA_OPERANDS = {"bf16": None, "f16": torch.float16, "f32": torch.float32}
+
+
 def with_setting(module, name, value, fn):
     """fn() with the module constant `name` set to `value` (a kernel switch or threshold), restored afterwards."""
     saved = getattr(module, name)

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _k3bench_utils import (  # noqa: E402
     BF16_FLOPS_PER_S,
     HBM_BYTES_PER_S,
+    KDA_OPERANDS,
     Runner,
     ensure_kimik3,
     event_us,
@@ -888,10 +889,6 @@ def without_ptx_decode(fn):
     from kimik3.kernels import mxfp4
 
     return with_setting(mxfp4, "MXFP4_PTX_DECODE", False, fn)
-
-
-# the operands fla's chunk_kda is handed for bf16 inputs (kernels.kda.KDA_CHUNK_OPERANDS), by section tag
-KDA_OPERANDS = {"bf16": None, "f16": torch.float16, "f32": torch.float32}
 
 
 def with_kda_operands(tag: str, fn):

@@ -101,9 +101,7 @@ def chunk_kda(
     )
     if inverse is None:
         return o.to(out_dtype), (final if output_final_state else None)
-    # undo the power of two in f32 (a 1-element tensor promotes the product to f32), one rounding to out_dtype
-    o = torch.mul(o, inverse, out=torch.empty(o.shape, dtype=out_dtype, device=o.device))
-    return o, (final.mul_(inverse) if output_final_state else None)
+    return _scaled(o, inverse, out_dtype), (final.mul_(inverse) if output_final_state else None)
 
 
 def _power_of_two(x: Tensor, exponent: int, at_most_one: bool = False) -> Tensor:
@@ -117,7 +115,8 @@ def _power_of_two(x: Tensor, exponent: int, at_most_one: bool = False) -> Tensor
 
 
 def _scaled(x: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
-    # x * factor computed in f32 (bf16 values times a power of two are exact) and written once in dtype
+    # x * factor computed in f32 (a 1-element f32 factor promotes the product; 16-bit values times a power of two
+    # are exact) and written once in dtype
     return torch.mul(x, factor, out=torch.empty(x.shape, dtype=dtype, device=x.device))
 
 

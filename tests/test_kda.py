@@ -195,8 +195,8 @@ class _RecordingFla:
                  use_qk_l2norm_in_kernel=False, chunk_size=64, safe_gate=False, **gate):
         self.calls.append({"dtypes": (q.dtype, k.dtype, v.dtype), "finite": all(
             bool(torch.isfinite(x).all()) for x in (q, k, v, initial_state) if x is not None),
-            "amax": {name: float(x.detach().abs().max()) for name, x in (("q", q), ("k", k), ("v", v), ("state", initial_state))
-                     if x is not None}})
+            "amax": {name: float(x.detach().abs().max())
+                     for name, x in (("q", q), ("k", k), ("v", v), ("state", initial_state)) if x is not None}})
         o, final = chunk_kda(q.float(), k.float(), v.float(), g, beta, scale=scale, initial_state=initial_state,
                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                              chunk_size=chunk_size, **gate)

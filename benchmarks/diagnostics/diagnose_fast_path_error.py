@@ -36,13 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
-from _k3bench_utils import with_setting  # noqa: E402
+from _k3bench_utils import KDA_OPERANDS, with_setting  # noqa: E402
 from kimik3.tiny import build_tiny_model, packed_mxfp4_copy  # noqa: E402
 
 ENV = "KIMIK3_REFERENCE_ONLY"
 # variants that are the fast path with one kernel setting changed: name -> (kernels module, setting, value)
-SETTINGS = {f"chunk_kda_{tag}": ("kda", "KDA_CHUNK_OPERANDS", dtype)
-            for tag, dtype in (("bf16", None), ("f16", torch.float16), ("f32", torch.float32))}
+SETTINGS = {f"chunk_kda_{tag}": ("kda", "KDA_CHUNK_OPERANDS", dtype) for tag, dtype in KDA_OPERANDS.items()}
 
 
 def run_variant(model, ids, variant, names, use_cache=False):

@@ -10,10 +10,13 @@ import argparse
 import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-SETTINGS = {"bf16": None, "f16": torch.float16, "f32": torch.float32}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
+from _k3bench_utils import KDA_OPERANDS, with_setting  # noqa: E402
 
 
 def main(argv=None):
@@ -21,7 +24,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", choices=list(KDA_OPERANDS), default=list(KDA_OPERANDS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from kimik3.kernels import kda
@@ -43,39 +46,38 @@ def main(argv=None):
     out = args.out or os.path.join(os.environ.get("OUT", "."), "diagnose_kda_operands.json")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": T, "heads": H,
               "settings": {}}
-    saved = kda.KDA_CHUNK_OPERANDS
-    try:
-        for name in args.settings:
-            kda.KDA_CHUNK_OPERANDS = SETTINGS[name]
-            with torch.no_grad():
-                for _ in range(3):  # autotuning and compilation
-                    call()
-                torch.cuda.synchronize()
-                times = []
-                for _ in range(args.repeats):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    call()
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end))
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    call()
-                    torch.cuda.synchronize()
-            kernels = {}
-            for event in prof.key_averages():
-                if event.device_type == torch.autograd.DeviceType.CUDA:
-                    kernels[event.key[:90]] = round(event.device_time_total / 1000, 4)
-            row = {"median_ms": round(statistics.median(times), 4), "min_ms": round(min(times), 4),
-                   "kernels_ms": round(sum(kernels.values()), 4),
-                   "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
-            result["settings"][name] = row
-            print(name, json.dumps(row), flush=True)
-            with open(out, "w") as f:  # after every setting: the first fp16/f32 call autotunes fla's kernels anew
-                json.dump(result, f, indent=1)
-    finally:
-        kda.KDA_CHUNK_OPERANDS = saved
 
+    def measure():
+        with torch.no_grad():
+            for _ in range(3):  # autotuning and compilation
+                call()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(args.repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+        return times, prof
+
+    for name in args.settings:
+        times, prof = with_setting(kda, "KDA_CHUNK_OPERANDS", KDA_OPERANDS[name], measure)
+        kernels = {}
+        for event in prof.key_averages():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.key[:90]] = round(event.device_time_total / 1000, 4)
+        row = {"median_ms": round(statistics.median(times), 4), "min_ms": round(min(times), 4),
+               "kernels_ms": round(sum(kernels.values()), 4),
+               "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+        result["settings"][name] = row
+        print(name, json.dumps(row), flush=True)
+        with open(out, "w") as f:  # after every setting: the first fp16/f32 call autotunes fla's kernels anew
+            json.dump(result, f, indent=1)
 
 if __name__ == "__main__":
     main()
