@@ -44,7 +44,9 @@ def ensure_kimik3():
     pkg = types.ModuleType("kimik3")
     pkg.__path__ = [str(ROOT / "kimik3")]
     sys.modules["kimik3"] = pkg
-    for sub, folder in (("kernels", "kernels"), ("configuration", "configuration"), ("modeling", "modeling_kimik3")):
+    # kimik3/kernels.py is the kernels package itself (it points its __path__ at kernels/), found under kimik3/
+    pkg.kernels = importlib.import_module("kimik3.kernels")
+    for sub, folder in (("configuration", "configuration"), ("modeling", "modeling_kimik3")):
         spec = importlib.util.spec_from_file_location(
             f"kimik3.{sub}", ROOT / folder / "__init__.py", submodule_search_locations=[str(ROOT / folder)]
         )

@@ -325,9 +325,20 @@ class KimiK3Cache(Cache):
 
     # ------------------------------------------------------------------------------------------------------------
     # Going back to an earlier token (the rewind component decides how)
-    def activate_past_recording(self) -> None:
-        """Record short forwards (speculative verify steps, draft steps) so that `crop` can roll them back."""
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+        """Record short forwards (speculative verify steps, draft steps) so that `crop(-n)` can roll them back.
+        `recurrent_states_to_keep` (transformers 5.25's candidate generators pass their draft length) is how far
+        back a crop will go; the record keeps each recorded token's recurrence inputs, not a state per token, so
+        any crop inside the recorded span is exact (up to `max_rollback_tokens`), and the number is kept only to
+        report it back (`get_recurrent_states_to_keep`)."""
         self.rewind.activate_past_recording()
+        self.recurrent_states_to_keep = recurrent_states_to_keep or 0
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return self.rewind is not None and self.rewind.record_past
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return getattr(self, "recurrent_states_to_keep", 0) if self.is_recording_past() else 0
 
     @property
     def is_croppable(self) -> bool:
@@ -544,7 +555,7 @@ class KimiK3StaticCache(KimiK3Cache):
         # Its one-token decode step is the compiled graph; rollback records and replays are the growing cache's
         return False
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
         """Nothing to record: a static cache cannot be cropped (see docs/design.md, speculative decoding)."""
 
     def crop(self, max_length: int) -> None:

@@ -148,10 +148,12 @@ def register_shard_styles() -> None:
                 distribute_tensor(meta, mesh, [Shard(dim)], src_data_rank=None), requires_grad=meta.requires_grad
             )
 
+    # transformers 5.25 passes shard_param `config=` and `mesh_manager=` by keyword (5.17-5.24: neither); the styles
+    # here need neither, and take whatever a version passes
     class KimiK3HeadShard(TensorParallelLayer):
         """A parameter whose leading axis is heads (or head-major channels): Shard(0) on the TP mesh."""
 
-        def shard_param(self, module: nn.Module, param: str, mesh) -> None:
+        def shard_param(self, module: nn.Module, param: str, mesh, **kwargs) -> None:
             shard(module, param, mesh, 0)
 
     class KimiK3Mxfp4Rowwise(TensorParallelLayer):
@@ -160,7 +162,7 @@ def register_shard_styles() -> None:
         def validate_param(self, module: nn.Module, param: str, mesh, parameter_name=None) -> None:
             check_whole_mxfp4_groups(module, param, mesh.size(), parameter_name)
 
-        def shard_param(self, module: nn.Module, param: str, mesh) -> None:
+        def shard_param(self, module: nn.Module, param: str, mesh, **kwargs) -> None:
             shard(module, param, mesh, -1)
 
     for name, style in ((HEAD_SHARD_STYLE, KimiK3HeadShard), (MXFP4_ROWWISE_STYLE, KimiK3Mxfp4Rowwise)):

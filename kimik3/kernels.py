@@ -51,6 +51,17 @@ implementations on a CPU machine too; a compiled decode step keeps them inside i
 __all__ = ["KERNELS_API_VERSION", "MECHANISMS", "OP_NAMES", "available_ops", "load"]
 
 import importlib
+from pathlib import Path
+
+# This module is the package `kimik3.kernels`; its files are the design card's top-level `kernels/` folder, which has
+# no `__init__.py` on purpose: Python started in the checkout puts the checkout first on sys.path, and a `kernels/`
+# package there would stand in for PyPI's `kernels`, which transformers imports when a model loads (docs/design.md,
+# "Import names"). A folder without `__init__.py` is only a namespace portion, so the installed `kernels` wins there.
+# Installed from a wheel the files lie in `kimik3/kernels/` beside this module; in an editable install or a checkout
+# they lie in `kernels/` beside the `kimik3/` folder.
+_HERE = Path(__file__).resolve().parent
+__path__ = [str(next((d for d in (_HERE / "kernels", _HERE.parent / "kernels") if (d / "_base.py").is_file()),
+                     _HERE / "kernels"))]
 
 # the files of this package that register fast twins, in the order `OP_NAMES` lists their ops
 MECHANISMS = ("kda", "conv", "mla", "attn_res", "situ", "norms", "moe", "mxfp4")
