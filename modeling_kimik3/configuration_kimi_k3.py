@@ -232,8 +232,14 @@ def _check_dtype(kwargs: dict) -> None:
             raise _config_error(key, f"{value!r} is not a floating dtype (expected one of {list(_DTYPE_NAMES)})")
 
 
+# transformers' "never stop" (its generation tests set it): an eos id no token has
+NEVER_STOP_EOS = -1
+
+
 def _token_id_problem(key: str, value, vocab_size: int) -> str | None:
     def bad(token) -> bool:
+        if key == "eos_token_id" and _is_int(token) and token == NEVER_STOP_EOS:
+            return False
         return not _is_int(token) or not 0 <= token < vocab_size
 
     if value is None:
@@ -246,11 +252,23 @@ def _token_id_problem(key: str, value, vocab_size: int) -> str | None:
         return None
     if bad(value):
         kind = "a token id or a list of token ids" if key in _ID_LIST_KEYS else "a token id"
-        return f"{value!r} must be {kind} in [0, vocab_size={vocab_size}) or null"
+        never = f", {NEVER_STOP_EOS} (never stop)" if key == "eos_token_id" else ""
+        return f"{value!r} must be {kind} in [0, vocab_size={vocab_size}){never} or null"
     return None
 
 
 _ID_LIST_KEYS = ("eos_token_id", "forced_eos_token_id")
+_UNSET = object()  # a token id argument not given
+RELEASE_TOKEN_IDS = {"pad_token_id": 163839, "bos_token_id": 163584, "eos_token_id": 163586}
+
+
+def text_token_ids(given: dict, vocab_size: int) -> dict:
+    """pad/bos/eos ids of a text config: those given (checked against the vocabulary), else the release's where the
+    vocabulary holds them, else null, as transformers' configs leave ids unset (a small test or new vocabulary)."""
+    given = {key: value for key, value in given.items() if value is not _UNSET}
+    check_token_ids(given, vocab_size)
+    return {key: given.get(key, default if _is_int(vocab_size) and default < vocab_size else None)
+            for key, default in RELEASE_TOKEN_IDS.items()}
 
 
 def check_token_ids(values, vocab_size: int, prefix: str = "") -> None:
@@ -350,9 +368,9 @@ class KimiK3TextConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-5,
         mla_rms_norm_eps: float = 1e-6,
         use_cache: bool = True,
-        pad_token_id: int | None = 163839,
-        bos_token_id: int | None = 163584,
-        eos_token_id: int | list[int] | None = 163586,
+        pad_token_id: int | None = _UNSET,
+        bos_token_id: int | None = _UNSET,
+        eos_token_id: int | list[int] | None = _UNSET,
         tie_word_embeddings: bool = False,
         max_position_embeddings: int = 1048576,
         # MLA
@@ -446,17 +464,16 @@ class KimiK3TextConfig(PretrainedConfig):
         self.quantile_balancing = quantile_balancing
         self.quantile_balancing_bins = quantile_balancing_bins
         self.num_nextn_predict_layers = num_nextn_predict_layers
-
-        self.pad_token_id = pad_token_id
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
         self.tie_word_embeddings = tie_word_embeddings
 
         _check_fields(vars(self), _TEXT_FIELD_RULES)
         if num_hidden_layers > MAX_HIDDEN_LAYERS:
             raise _config_error("num_hidden_layers", f"{num_hidden_layers} is more than the {MAX_HIDDEN_LAYERS} layers "
                                 "a Kimi K3 config may have (the release has 93)")
-        check_token_ids(vars(self), vocab_size)
+        ids = text_token_ids({"pad_token_id": pad_token_id, "bos_token_id": bos_token_id,
+                              "eos_token_id": eos_token_id}, vocab_size)
+        pad_token_id, bos_token_id, eos_token_id = (ids[key] for key in RELEASE_TOKEN_IDS)
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
         _check_fields(self._lac(), _LINEAR_ATTN_FIELD_RULES, "linear_attn_config.")
         derived_layer_types = self._derive_layer_types()
         if layer_types is not None and list(layer_types) != derived_layer_types:
@@ -687,8 +704,6 @@ class KimiK3VisionConfig(PretrainedConfig):
         return getattr(self, "vt_hidden_size", None) is not None
 
 
-_UNSET = object()  # a token id argument not given
-
 
 def _sub_config(key: str, value, config_class):
     """None -> defaults, a dict -> `config_class(**dict)`; errors inside it name `key.field`."""
@@ -731,9 +746,8 @@ class KimiK3Config(PretrainedConfig):
         _check_dtype(kwargs)
         given_ids = {key: value for key, value in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id),
                                                    ("eos_token_id", eos_token_id)) if value is not _UNSET}
-        pad_token_id = given_ids.get("pad_token_id", 163839)
-        bos_token_id = given_ids.get("bos_token_id", 163584)
-        eos_token_id = given_ids.get("eos_token_id", 163586)
+        pad_token_id, bos_token_id, eos_token_id = (given_ids.get(key, default) for key, default in
+                                                    RELEASE_TOKEN_IDS.items())
         text_config = _sub_config("text_config", text_config, KimiK3TextConfig)
         # ids given here index the text model's vocabulary (the defaults, the release's, are only checked when given:
         # a composite built around a small text config keeps them unread)

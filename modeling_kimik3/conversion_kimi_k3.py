@@ -56,6 +56,7 @@ from .parallel_kimi_k3 import (
     local_shard,
     register_shard_styles,
 )
+from .saving_kimi_k3 import loaded_release_layout
 
 
 
@@ -525,13 +526,16 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     if info.get("mismatched_keys") and not user_ignores_sizes:
         problems += [f"`{release_name(k)}` has shape {list(found)}, the config needs {list(wanted)}"
                      for k, found, wanted in sorted(info["mismatched_keys"])]
-    # a missing tensor of a release-layout load is an error; a checkpoint in our layout keeps transformers' rule
-    # (warned, re-initialised by _init_weights)
-    if info.get("missing_keys") and getattr(model, "_weight_conversions", None):
-        problems.append("missing tensor(s): " + ", ".join(f"`{release_name(k)}`" for k in sorted(info["missing_keys"])))
-    if info.get("unexpected_keys"):
-        problems.append("unknown tensor(s) (no rule maps them): "
-                        + ", ".join(f"`{release_name(k)}`" for k in sorted(info["unexpected_keys"])))
+    # A missing or unknown tensor of a release-layout load is an error. A checkpoint in our layout keeps
+    # transformers' rule, as its in-tree models do (a base model's folder loaded with the head, a head's folder by
+    # the base model): missing tensors initialised by _init_weights, both reported in transformers' load report.
+    if loaded_release_layout(model):
+        if info.get("missing_keys"):
+            problems.append("missing tensor(s): "
+                            + ", ".join(f"`{release_name(k)}`" for k in sorted(info["missing_keys"])))
+        if info.get("unexpected_keys"):
+            problems.append("unknown tensor(s) (no rule maps them): "
+                            + ", ".join(f"`{release_name(k)}`" for k in sorted(info["unexpected_keys"])))
     if problems:
         raise KimiK3LoadError(f"{pretrained}: " + "; ".join(problems))
     if parallel:
@@ -539,7 +543,7 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     _check_finite(model)
     check_packed_experts(model)
     generation_config = getattr(model, "generation_config", None)
-    if getattr(model, "_weight_conversions", None) and generation_config is not None \
+    if loaded_release_layout(model) and generation_config is not None \
             and generation_config.max_length == model.config.get_text_config().max_position_embeddings:
         # the release's generation_config.json sets max_length to the context length, which only makes every
         # generate(max_new_tokens=...) warn that both are set; `kimik3 convert` leaves it out, and so does this load

@@ -782,11 +782,11 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _supports_attention_backend = False
+    _supports_attention_backend = True
     # The KDA state can go back to any earlier token (rollback records, snapshots: KimiK3Cache.crop), so
     # transformers' assisted and prompt-lookup decoding may verify and reject draft tokens.
     _is_stateful = False
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True
     # The release stores these in F32; loading in bf16 must not round them (docs/architecture.md, dtype islands).
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
                                     "e_score_correction_bias"]

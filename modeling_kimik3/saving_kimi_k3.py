@@ -272,6 +272,14 @@ def _is_a_log_unpadding(conversion) -> bool:
         type(op).__name__ == "UnpadHeads" for op in getattr(conversion, "operations", ()))
 
 
+def loaded_release_layout(model) -> bool:
+    """Whether `model` was loaded from the release layout: its load applied a conversion beyond the A_log
+    un-padding, which transformers' loader records as applied on every load of ours too (the key is the same in
+    both layouts). A model built from a config applied none."""
+    conversions = getattr(model, "_weight_conversions", None)
+    return bool(conversions) and not all(_is_a_log_unpadding(c) for c in conversions)
+
+
 @contextlib.contextmanager
 def layout_kept(model):
     """One A_log rule per layout (docs/design.md, "Parameter names"): ours stores the live [H] heads, the release
@@ -279,7 +287,7 @@ def layout_kept(model):
     un-padding as used on every load, ours too (the name is the same), so a model loaded from our layout would be
     saved padded; inside this block its save keeps our layout instead."""
     conversions = getattr(model, "_weight_conversions", None)
-    loaded_ours = bool(conversions) and all(_is_a_log_unpadding(c) for c in conversions)
+    loaded_ours = bool(conversions) and not loaded_release_layout(model)
     if loaded_ours:
         model._weight_conversions = []
     try:

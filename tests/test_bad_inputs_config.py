@@ -42,7 +42,7 @@ def _quant_group(cfg, **weights):
 
 BAD_TEXT = [
     pytest.param(text(eos_token_id=VOCAB), "eos_token_id", r"128 must be a token id or a list of token ids in "
-                 r"\[0, vocab_size=128\) or null", id="eos-id-out-of-vocab"),
+                 r"\[0, vocab_size=128\), -1 \(never stop\) or null", id="eos-id-out-of-vocab"),
     pytest.param(text(eos_token_id=[2, 500]), "eos_token_id", r"the list \[2, 500\] must hold token ids in "
                  r"\[0, vocab_size=128\); \[500\] are not", id="eos-id-list-out-of-vocab"),
     pytest.param(text(eos_token_id=[]), "eos_token_id", r"the list \[\] must hold token ids", id="eos-id-empty-list"),

@@ -34,6 +34,8 @@ def test_compiled_static_decode_is_one_graph_and_exact():
     from torch._dynamo.utils import counters
 
     model = build_tiny_model(num_hidden_layers=6, seed=3)
+    # what the flag claims (transformers' common tests run their static-cache and compile checks on it) is shown here
+    assert type(model)._can_compile_fullgraph is True
     batch, mask = _left_padded([torch.randint(3, 128, (n,)) for n in (7, 3)])
     expected = model.generate(batch, attention_mask=mask, max_new_tokens=7, do_sample=False)
     config = CompileConfig(fullgraph=True, backend="eager", mode=None)
