@@ -83,11 +83,16 @@ def test_rollback_is_the_state_of_the_shorter_sequence_and_small(model):
     prefix, block = torch.randint(3, 128, (1, 7)), torch.randint(3, 128, (1, 5))
     with torch.no_grad():
         cache = cache_of(model(prefix, use_cache=True))
-        cache.activate_past_recording()
+        # transformers 5.25's hybrid-cache API, as its assisted, prompt-lookup, MTP and DFlash generators call it
+        assert cache.is_croppable and cache.get_recurrent_states_to_keep() == 0
+        cache.activate_past_recording(recurrent_states_to_keep=5)
+        assert cache.is_recording_past() and cache.get_recurrent_states_to_keep() == 5
         model(block, past_key_values=cache, use_cache=True)
         recorded = cache.rewind.rollback_bytes()
         cache.crop(-3)
         assert cache.rewind.pending_tokens == 0  # rolled back at the crop: nothing left for the model to run
+        cache.crop(0)  # 5.25 crops by 0 after a round that kept every token: nothing removed, the record let go
+        assert cache.get_seq_length() == 9 and cache.rewind.pending_tokens == 0
         shorter = cache_of(model(torch.cat([prefix, block[:, :2]], 1), use_cache=True))
         assert cache.get_seq_length() == 9
         # f32 projections of 5 + 2 rows against 9 rows (matmul batching): CPU kernels round them differently by
