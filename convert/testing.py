@@ -206,8 +206,17 @@ def _aux_files(dst: Path, config: dict) -> None:
     (dst / "preprocessor_config.json").write_text(json.dumps(release_preprocessor_config(config), indent=2))
     (dst / "LICENSE").write_text("Kimi K3 License (fixture placeholder)\n")
     (dst / "README.md").write_text("# Kimi K3 (fixture placeholder card)\n")
-    for name in ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeling_kimi_linear.py"):
-        (dst / name).write_text("# the release's own remote code (fixture placeholder): never copied\n")
+    # the release's own remote code, never copied: placeholders that define the classes its auto_maps name, as the
+    # release's files do (a folder's auto_map must name a class its file defines)
+    named = {}
+    for auto_map in (config.get("auto_map"), text.get("auto_map")):
+        for reference in (auto_map or {}).values():
+            module, _, name = reference.partition(".")
+            named.setdefault(module, []).append(name)
+    for module in ("configuration_kimi_k3", "modeling_kimi_k3", "modeling_kimi_linear"):
+        classes = "".join(f"\n\nclass {name}:\n    pass\n" for name in sorted(set(named.get(module, []))))
+        (dst / f"{module}.py").write_text("# the release's own remote code (fixture placeholder): never copied\n"
+                                          + classes)
 
 
 def write_release_checkpoint(

@@ -20,10 +20,12 @@ unchanged. Our own model types (`kimik3`, `kimik3_text`) cannot collide with tra
 
 import copy
 import math
+import os
 
 from transformers.configuration_utils import PretrainedConfig
 
 from .compat_kimi_k3 import HAS_EP_DISPATCH
+from .files_kimi_k3 import check_auto_map
 
 
 # The release's nested text_config was written by transformers 4.56.2 (`to_dict()`): these 50 boilerplate keys are
@@ -328,7 +330,23 @@ def _check_fields(values, rules: dict, prefix: str = "") -> None:
             raise _config_error(prefix + key, f"must be {rule}, got {value!r}")
 
 
-class KimiK3TextConfig(PretrainedConfig):
+class _FolderCodeOnly:
+    """A local folder's config names only the folder's own code: its `auto_map` is checked when the config is read
+    (`files_kimi_k3.check_auto_map`: `module.Class`, module.py in the folder defining Class; no path, no `..`, no other
+    repo), before transformers imports the model class it names. Python's import runs a file as it loads it, so a
+    check after that would come too late."""
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        config_dict, rest = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        source = pretrained_model_name_or_path
+        if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+            folder = os.path.join(os.fspath(source), kwargs.get("subfolder") or "")
+            check_auto_map(folder, config_dict, os.path.join(folder, "config.json"))
+        return config_dict, rest
+
+
+class KimiK3TextConfig(_FolderCodeOnly, PretrainedConfig):
     r"""Configuration of the Kimi K3 text backbone (KDA + gated NoPE-MLA, Block Attention Residuals, Stable LatentMoE).
 
     Field names follow the release (`num_experts`, `num_experts_per_token`, `linear_attn_config`, ...). Optional K3
@@ -679,7 +697,7 @@ def _check_vision_fields(values: dict) -> None:
                                 "rotary embedding needs a multiple of 4")
 
 
-class KimiK3VisionConfig(PretrainedConfig):
+class KimiK3VisionConfig(_FolderCodeOnly, PretrainedConfig):
     """MoonViT-3d tower + PatchMergerMLPV2 projector settings, carried unchanged in the release's keys (`vt_*`,
     `patch_size`, `merge_kernel_size`, `mm_hidden_size`, `text_hidden_size`, `projector_ln_eps`, ...; see
     vision_kimi_k3.py). A vision config without them (`vision_config=None`) describes a model with no tower."""
@@ -719,7 +737,7 @@ def _sub_config(key: str, value, config_class):
         raise ValueError(str(exc).replace("config, key `", f"config, key `{key}.", 1)) from None
 
 
-class KimiK3Config(PretrainedConfig):
+class KimiK3Config(_FolderCodeOnly, PretrainedConfig):
     r"""The released top-level (multimodal) Kimi K3 configuration.
 
     Loads the release's `config.json` unchanged: `text_config` becomes a `KimiK3TextConfig` (the nested

@@ -411,7 +411,7 @@ def check_auto_map(folder, config: dict, config_path, error=load_error) -> None:
     maps = [config.get("auto_map")] + [sub.get("auto_map") for sub in (config.get("text_config"),
                                                                         config.get("vision_config"))
                                        if isinstance(sub, dict)]
-    for auto_map in maps:
+    for position, auto_map in enumerate(maps):
         if auto_map is None:
             continue
         if not isinstance(auto_map, dict):
@@ -432,6 +432,17 @@ def check_auto_map(folder, config: dict, config_path, error=load_error) -> None:
                 path = os.path.join(folder, match.group(1) + ".py")
                 if os.path.lexists(path):
                     check_inside(folder, path, error=error)
+                    if position == 0:  # the map transformers imports from (a sub-config's is the release's record)
+                        _check_defines(path, match.group(2), f"auto_map.{auto_class} = {reference!r}", error)
+
+
+def _check_defines(path, name: str, what: str, error) -> None:
+    """The module file names `name` at its top level (a class, or an alias of one): transformers would otherwise
+    import it and fail on a bare AttributeError naming neither the key nor the file."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        text = handle.read()
+    if not re.search(rf"(?m)^(?:class\s+{name}\b|{name}\s*=|from\s+\S+\s+import\s+.*\b{name}\b)", text):
+        raise error(path, f"{what}: {os.path.basename(path)} defines no `{name}`")
 
 
 def _index_name(variant: str | None) -> tuple[str, str]:

@@ -498,3 +498,40 @@ def test_a_processor_file_linked_out_of_the_folder_is_refused(pristine_converted
     (root / name).symlink_to(tmp_path / "elsewhere" / name)
     with pytest.raises(TokenizerFileError, match=re.escape(f"{root / name}: is a symlink to ") + ".*outside the"):
         KimiK3Processor.from_pretrained(root)
+
+
+@pytest.fixture(scope="module")
+def tiny_text_folder(tmp_path_factory):
+    from kimik3.tiny import write_tiny_folder
+
+    folder = tmp_path_factory.mktemp("auto_map") / "k3"
+    write_tiny_folder(folder, num_hidden_layers=2)
+    return folder
+
+
+@pytest.mark.parametrize("reference, message", [
+    pytest.param("{outside}/evil.Evil", "code must be named as `module.Class`, with module.py a plain file of the "
+                 "folder (no path, no `..`)", id="load-auto-map-absolute-path-auto-class"),
+    pytest.param("../outside/evil.Evil", "code must be named as `module.Class`", id="load-auto-map-parent-path-auto-class"),
+    pytest.param("modeling_kimi_k3.NoSuchModel", "modeling_kimi_k3.py defines no `NoSuchModel`",
+                 id="load-auto-map-missing-class"),
+])
+def test_auto_map_naming_code_outside_the_folder_is_refused_before_it_runs(tiny_text_folder, tmp_path, reference,
+                                                                           message):
+    """Through the Auto classes with trust_remote_code, as users load: transformers reads config.json and imports the
+    model class its auto_map names. The folder's config class checks that auto_map when it reads the config, so the
+    outside file is never imported (it would leave a marker)."""
+    folder = tmp_path / "k3"
+    shutil.copytree(tiny_text_folder, folder)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    marker = tmp_path / "ran"
+    (outside / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Evil:\n    pass\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"]["AutoModelForCausalLM"] = reference.format(outside=outside)
+    (folder / "config.json").write_text(json.dumps(config))
+    # the error class of the folder's own copy of the code (transformers_modules.k3...), not the installed one
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert type(error.value).__name__ == "KimiK3LoadError" and "auto_map.AutoModelForCausalLM" in str(error.value)
+    assert not marker.exists()
