@@ -116,6 +116,11 @@ _VISION_MODEL_TYPES = ("", "kimik3_vision")
 # A bound far above any real model (the release has 93 layers): a corrupted or hostile layer count is refused before
 # anything is derived from it (layer schedules, per-layer modules, caches).
 MAX_HIDDEN_LAYERS = 4096
+# A bound on the vocabulary a config may ask for (the release has 163,840; the largest vocabularies in use are near
+# a million): past it the embedding table alone is terabytes, and the allocator's error names no key.
+MAX_VOCAB_SIZE = 1 << 24
+# The router the model implements: sigmoid scores, the correction bias used for selection only (docs/architecture.md)
+SUPPORTED_TOPK_METHODS = ("noaux_tc",)
 # `dtype` / `torch_dtype` name a torch floating dtype; transformers turns the string into `getattr(torch, name)`.
 _DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 # How the routed experts are stored, the one vocabulary of the config key `experts_format`, the load option of the
@@ -164,6 +169,7 @@ _RULES = {
     "a finite non-negative number": lambda v: _is_finite_number(v) and v >= 0,
     "a finite negative number": lambda v: _is_finite_number(v) and v < 0,
     "a JSON object": lambda v: isinstance(v, dict),
+    "true or false": lambda v: isinstance(v, bool),
     "a list of 1-based layer indices": lambda v: isinstance(v, (list, tuple)),
 }
 # key -> (rule, whether None / absent is allowed)
@@ -202,6 +208,11 @@ _TEXT_FIELD_RULES = {
     "initializer_range": ("a finite non-negative number", False),
     "attention_dropout": ("a finite non-negative number", False),
     "linear_attn_config": ("a JSON object", True),
+    # a string such as "no" or "yes" was kept and read as true wherever Python tested it
+    "use_cache": ("true or false", False),
+    "tie_word_embeddings": ("true or false", False),
+    "use_grouped_topk": ("true or false", False),
+    "quantile_balancing": ("true or false", False),
 }
 _LINEAR_ATTN_FIELD_RULES = {
     "num_heads": ("a positive integer", True),
@@ -485,6 +496,12 @@ class KimiK3TextConfig(_FolderCodeOnly, PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
 
         _check_fields(vars(self), _TEXT_FIELD_RULES)
+        if vocab_size > MAX_VOCAB_SIZE:
+            raise _config_error("vocab_size", f"{vocab_size:,} is more than the {MAX_VOCAB_SIZE:,} token ids a Kimi K3 "
+                                "config may have (the release has 163,840)")
+        if topk_method not in SUPPORTED_TOPK_METHODS:
+            raise _config_error("topk_method", f"{topk_method!r} is not one the model implements "
+                                f"{list(SUPPORTED_TOPK_METHODS)} (sigmoid scores, bias for selection only)")
         if num_hidden_layers > MAX_HIDDEN_LAYERS:
             raise _config_error("num_hidden_layers", f"{num_hidden_layers} is more than the {MAX_HIDDEN_LAYERS} layers "
                                 "a Kimi K3 config may have (the release has 93)")
@@ -503,6 +520,11 @@ class KimiK3TextConfig(_FolderCodeOnly, PretrainedConfig):
         self.layer_types = derived_layer_types
         derived_mlp_types = self._derive_mlp_layer_types()
         if mlp_layer_types is not None and list(mlp_layer_types) != derived_mlp_types:
+            if num_experts == 0 and "sparse" in mlp_layer_types:
+                raise _config_error(
+                    "num_experts", "0 leaves no routed experts, so every MLP is dense, yet mlp_layer_types marks "
+                    f"layers {[i for i, t in enumerate(mlp_layer_types) if t == 'sparse']} sparse: give the experts "
+                    "their number, or drop mlp_layer_types")
             raise _config_error(
                 "mlp_layer_types",
                 f"does not match first_k_dense_replace / moe_layer_freq (given {list(mlp_layer_types)}, "

@@ -422,6 +422,7 @@ def _resolve_config(model_class, pretrained, kwargs, experts_format):
                 kwargs["config"] = KimiK3Config.from_pretrained(source, **hub).text_config
                 config_class = None
         config = kwargs["config"] if config_class is None else config_class.from_pretrained(source, **hub)
+    _check_device_map(model_class, config, kwargs.get("device_map"))
     release_quantization = getattr(config.get_text_config(), "quantization_config", None)
     if experts_format is None and release_quantization is None:
         return config.get_text_config().experts_format, None
@@ -435,6 +436,31 @@ def _resolve_config(model_class, pretrained, kwargs, experts_format):
         del text.quantization_config
     kwargs["config"] = config
     return text.experts_format, release_quantization
+
+
+def _check_device_map(model_class, config, device_map) -> None:
+    """A device_map that would load nothing real: the meta device (weights never loaded; transformers then failed
+    in its weight conversion naming no option), or a key naming no module of the model (silently ignored)."""
+    if device_map is None or isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0",
+                                                                            "sequential"):
+        return
+    places = device_map.values() if isinstance(device_map, dict) else [device_map]
+    if any(str(place) == "meta" or str(place).startswith("meta:") for place in places):
+        raise ValueError(f"device_map={device_map!r} puts weights on the meta device, where they are never loaded; "
+                         "name real devices (\"cpu\", \"cuda:0\", \"disk\"), or build the model on meta from its "
+                         "config (with torch.device(\"meta\"): model_class(config)) to inspect it")
+    if not isinstance(device_map, dict):
+        return
+    with torch.device("meta"):
+        skeleton = model_class(copy.deepcopy(config))
+    modules = {name for name, _ in skeleton.named_modules()}
+    names = [name for name, _ in skeleton.named_parameters()] + [name for name, _ in skeleton.named_buffers()]
+    unknown = [key for key in device_map if key not in modules
+               and not any(name == key or name.startswith(key + ".") for name in names)]
+    if unknown:
+        raise ValueError(f"device_map names {unknown!r}, which {model_class.__name__} does not have (its "
+                         f"{config.get_text_config().num_hidden_layers} layers are model.layers.0 to "
+                         f"model.layers.{config.get_text_config().num_hidden_layers - 1}; \"\" is the whole model)")
 
 
 # Elements scanned at once by the finite check: its transient memory (a bool mask and the scan) stays a few MB, well

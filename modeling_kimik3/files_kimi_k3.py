@@ -604,6 +604,9 @@ def check_pretrained_folder(pretrained, kwargs) -> None:
                                  "absolute path)")
             folder = os.path.join(text, subfolder)
             check_inside(text, folder)
+            if not os.path.isdir(folder):
+                raise load_error(text, f"subfolder {subfolder!r} is not a folder in it (its folders: "
+                                 f"{sorted(e.name for e in os.scandir(text) if e.is_dir())})")
         gguf = kwargs.get("gguf_file")
         if gguf and os.path.lexists(os.path.join(folder, gguf)):  # transformers reads it from the folder
             check_inside(folder, os.path.join(folder, gguf))

@@ -880,12 +880,17 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         # generate() would build the library's DynamicCache/StaticCache, which hold K/V, not MLA latents. The cache
         # must exist before generate() decides whether to compile the decode step, so it cannot wait for forward.
         # Same signature in transformers 5.0 through 5.24.
+        prompt_mask = model_kwargs.get("attention_mask")
+        if isinstance(prompt_mask, torch.Tensor) and prompt_mask.dim() == 2 and prompt_mask.numel():
+            # every cache: the new tokens follow the prompt's last position (a static cache's decode steps read no
+            # mask, so the forward's own check would not see a right-padded prompt)
+            continued = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], 1)], dim=1)
+            if _mask_holes(continued).any():
+                raise _mask_hole_error(continued, "the prompt and the first generated token")
         user_cache = model_kwargs.get(CACHE_FIELD)
         if user_cache is not None:
             if not isinstance(user_cache, KimiK3Cache):
-                raise TypeError(
-                    f"Kimi K3 needs a KimiK3Cache (MLA latents + KDA states), got {type(user_cache).__name__}"
-                )
+                raise _cache_type_error(user_cache)
             user_cache._is_user_defined = True
             return
         if generation_config.use_cache is False:
@@ -904,6 +909,14 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             # A draft model's cache is cropped back to the accepted tokens after every verification
             model_kwargs[CACHE_FIELD].activate_past_recording()
 
+    def _prepare_attention_mask_for_generation(self, inputs_tensor, generation_config, model_kwargs):
+        """The mask generate() infers when none is given marks every pad id as padding, also one after the first real
+        token (a generated token, or the id in the text): a hole K3 cannot compute and refuses. Inferred, only the
+        leading pad ids (left padding, the only padding K3 continues exactly) are padding; a mask the user gives is
+        taken as given."""
+        mask = super()._prepare_attention_mask_for_generation(inputs_tensor, generation_config, model_kwargs)
+        return (mask.cumsum(dim=-1) > 0).to(mask.dtype) if mask.dim() == 2 else mask
+
     def _validate_generated_length(self, generation_config, input_ids_length, *args, **kwargs):
         """Refused at the call, before the prefill: a generation that would run past max_position_embeddings (the
         length the model was trained to and the config promises; `max_length` counts the prompt,
@@ -913,6 +926,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 # range() and the length checks took 2.5 as 3 steps and True as 1
                 raise ValueError(f"generate({key}={value!r}): a whole number of tokens")
+        for key in ("num_beams", "num_return_sequences", "prompt_lookup_num_tokens"):
+            value = getattr(generation_config, key, None)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                # 0 beams divided by zero in the beam search, -1 made a tensor of negative size; 0 or -1 lookup
+                # tokens failed in the candidate generator naming neither
+                raise ValueError(f"generate({key}={value!r}): a positive whole number")
         super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
         text = self.config.get_text_config()
         limit = text.max_position_embeddings
@@ -985,7 +1004,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if use_cache and cache is None:
             cache = KimiK3Cache(self.config)
         if cache is not None and not isinstance(cache, KimiK3Cache):
-            raise TypeError(f"Kimi K3 needs a KimiK3Cache, got {type(cache).__name__}")
+            raise _cache_type_error(cache)
         self._check_model_inputs(input_ids, inputs_embeds, attention_mask, cache)
         for key in ("output_hidden_states", "output_attentions", "output_router_logits"):
             kwargs.pop(key, None)  # recorded by capture_outputs
@@ -1129,6 +1148,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
             # a row with no real token (in the cached part or the new one) has no defined output: every MLA query
             # would attend to nothing
             flags.append((~attention_mask.bool().any(dim=1)).any().long())
+            # a padded position between real tokens (a hole, or a right-padded prompt continued by generate): the KDA
+            # conv window and recurrence read the tokens in order, so that is not the sequence without the token
+            flags.append(_mask_holes(attention_mask).any().long())
         # only a prompt marks images: a decode step's ids are generated tokens (a model may emit the placeholder's id;
         # images are read in the prefill only)
         placeholder = None if has_past else self.media_placeholder_token_id
@@ -1171,6 +1193,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
                     f"attention_mask (shape {tuple(attention_mask.shape)}) has no real token in batch row(s) {rows}: "
                     "a sequence of padding only has no defined output; leave such rows out of the batch"
                 )
+            holes, values = values[0], values[1:]
+            if holes:
+                raise _mask_hole_error(attention_mask, "the cached and the new tokens")
         if input_ids is not None and placeholder is not None:
             media, values = values[0], values[1:]
             if media:
@@ -1270,6 +1295,39 @@ class KimiK3Model(KimiK3PreTrainedModel):
         return mask | ~mask.any(dim=-1, keepdim=True)
 
 
+def _mask_hole_error(attention_mask: torch.Tensor, what: str) -> ValueError:
+    row, position = _mask_holes(attention_mask).nonzero()[0].tolist()
+    shown = attention_mask[row].long().tolist()
+    shown = shown if len(shown) <= 16 else shown[:16] + ["..."]
+    return ValueError(
+        f"attention_mask row {row} has padding at position {position} between real tokens ({shown}, {what}): "
+        "Kimi K3's KDA layers read the tokens in order (a short conv and a recurrence), so a hole is not the "
+        "sequence without that token, and tokens generated after a right-padded prompt would follow its padding. "
+        "Pad on the left (padding_side='left'); a right-padded batch is exact in a forward that is not continued"
+    )
+
+
+def _cache_type_error(cache) -> TypeError:
+    """A cache this model cannot use. A K3 cache of another copy of the code (the installed package's beside a
+    folder's, loaded with trust_remote_code, or two folders') has the same class name: name both modules."""
+    given = type(cache)
+    if given.__name__ in ("KimiK3Cache", "KimiK3StaticCache"):
+        return TypeError(
+            f"the cache is a {given.__name__} of another copy of the Kimi K3 code ({given.__module__}); this model "
+            f"runs {KimiK3Cache.__module__} and needs a cache of its own classes: let the model or generate() make "
+            "it, or make it from the model's module: "
+            "importlib.import_module(type(model).__module__).KimiK3Cache(model.config)")
+    return TypeError(f"Kimi K3 needs a KimiK3Cache (MLA latents + KDA states), got {given.__name__}")
+
+
+def _mask_holes(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[batch, length] bool: padded positions with a real token before and after them in their row."""
+    real = attention_mask.bool()
+    before = real.cumsum(dim=1) > 0
+    after = real.flip(1).cumsum(dim=1).flip(1) > 0
+    return ~real & before & after
+
+
 def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
     """Labels are ids of the vocabulary or `ignore_index` (-100); anything else makes cross-entropy raise an opaque
     IndexError on CPU (a device-side assert on GPU). One host read, only when labels are given (skipped while
@@ -1327,6 +1385,12 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
+            inputs = input_ids if input_ids is not None else inputs_embeds
+            if inputs is not None and tuple(labels.shape) != tuple(inputs.shape[:2]):
+                name = "input_ids" if input_ids is not None else "inputs_embeds"
+                raise ValueError(f"labels have shape {tuple(labels.shape)} but {name} {tuple(inputs.shape)}: one "
+                                 "label per input token ([batch, length]; the shift to next-token targets is done "
+                                 "inside, -100 where no loss is wanted)")
             _check_labels(labels, self.config.vocab_size, getattr(self.config, "ignore_index", -100))
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return MoeCausalLMOutputWithPast(

@@ -60,6 +60,20 @@ BAD_TEXT = [
                  rf"{MAX_HIDDEN_LAYERS} layers a Kimi K3 config may have", id="num-hidden-layers-1e9"),
     pytest.param(text(num_hidden_layers=MAX_HIDDEN_LAYERS + 1, linear_attn_config=None), "num_hidden_layers",
                  "4097 is more than", id="num-hidden-layers-above-bound-no-lists"),
+    pytest.param(text(topk_method="foo"), "topk_method", r"'foo' is not one the model implements \['noaux_tc'\]",
+                 id="topk-method-foo"),
+    pytest.param(text(use_cache="no"), "use_cache", "must be true or false, got 'no'", id="use-cache-string"),
+    pytest.param(text(tie_word_embeddings="yes"), "tie_word_embeddings", "must be true or false, got 'yes'",
+                 id="tie-word-embeddings-string"),
+    pytest.param(text(use_grouped_topk=1), "use_grouped_topk", "must be true or false, got 1",
+                 id="use-grouped-topk-int"),
+    pytest.param(text(num_experts=0, num_hidden_layers=2, mlp_layer_types=["dense", "sparse"],
+                      linear_attn_config={**tiny_text_config_dict()["linear_attn_config"], "kda_layers": [1],
+                                          "full_attn_layers": [2]}),
+                 "num_experts", r"0 leaves no routed experts, so every MLP is dense, yet mlp_layer_types marks "
+                 r"layers \[1\] sparse", id="num-experts-zero-with-sparse-layers"),
+    pytest.param(text(vocab_size=10**12), "vocab_size", "1,000,000,000,000 is more than the 16,777,216 token ids",
+                 id="vocab-size-1e12"),
 ]
 
 

@@ -169,6 +169,8 @@ def _run(model, mask, **inputs):
         out = model(attention_mask=mask, use_cache=True, output_hidden_states=True, output_router_logits=True,
                     **inputs)
         cache = cache_of(out)
+        if not mask[:, -1].all():  # right padding: continuing it is refused (tests/test_bad_inputs_calls.py)
+            return out, cache, None
         step_mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], 1)
         step = model(_ids(mask.shape[0], 1, seed=9), attention_mask=step_mask, past_key_values=cache).logits
     return out, cache, step
@@ -196,7 +198,8 @@ def _assert_real_positions_bit_identical(model, mask, got, expected):
         assert torch.isfinite(latents).all()  # padded keys too: the decode step below reads them with weight 0
         assert torch.equal(latents[real], ref_cache.layers[layer].latents[:, : mask.shape[1]][real])
     # the next decode step over the cache (MLA attends over the padded keys, KDA continues the state)
-    assert torch.isfinite(ref_step).all() and torch.equal(step, ref_step)
+    if ref_step is not None:
+        assert torch.isfinite(ref_step).all() and torch.equal(step, ref_step)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
