@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from kimik3.modeling.conversion_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_PREFIX
+from kimik3.modeling.tokenization_kimi_k3 import NUM_RESERVED_SPECIAL
 
 from . import files, name_map as nm
 from .checkpoint import Checkpoint
@@ -351,7 +352,10 @@ def _load_ours(path):
 
 
 def _fixed_input(vocab: int, num_tokens: int) -> torch.Tensor:
-    return (torch.arange(num_tokens).unsqueeze(0) * 7919 + 11) % vocab
+    """Ids spread over the ordinary tokens only: the reserved specials at the vocabulary's end include
+    `<|media_pad|>`, which a model with a vision tower refuses without an image."""
+    ordinary = vocab - NUM_RESERVED_SPECIAL if vocab > NUM_RESERVED_SPECIAL else vocab
+    return (torch.arange(num_tokens).unsqueeze(0) * 7919 + 11) % ordinary
 
 
 def compare_logits(src, converted: Path, options: ConvertOptions, num_tokens: int) -> dict:

@@ -50,6 +50,7 @@ def load_chat(directory, vision: bool = False):
     if not any((directory / name).is_file() for name in ("tokenizer.json", "tiktoken.model")):
         raise ChatFolderError(f"{directory}: no tokenizer (tiktoken.model or tokenizer.json); `kimik3 tiny` writes "
                               "one, `kimik3 convert` copies the release's")
+    _check_our_code(directory)
     if vision:
         _check_vision_folder(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
@@ -62,6 +63,21 @@ def load_chat(directory, vision: bool = False):
     from transformers import AutoProcessor
 
     return tokenizer, model, AutoProcessor.from_pretrained(directory, trust_remote_code=True)
+
+
+def _check_our_code(directory: Path):
+    """The chat loads the folder's own code (trust_remote_code). A release folder carries Moonshot's code under our
+    files' names, written for transformers 4.57 on Hopper GPUs; its failure would name neither the folder nor the way
+    out. A folder of ours carries the modules a save writes (saving_kimi_k3.CARRIED_MODULES)."""
+    from kimik3.modeling.saving_kimi_k3 import CARRIED_MODULES
+
+    if any((directory / name).is_file() for name in ("modeling_kimi_linear.py", "configuration_kimi_k3.py")) and \
+            not all((directory / name).is_file() for name in CARRIED_MODULES):
+        raise ChatFolderError(
+            f"{directory}: this is the release's folder, with the release's own code (for transformers 4.57 on "
+            f"Hopper GPUs), which `kimik3 chat` would run; make a folder this project loads: `kimik3 adopt "
+            f"{directory} K3_DIR` (kilobytes: our code and links to the release's shards) or `kimik3 convert "
+            f"{directory} K3_DIR` (a copy in our layout), then `kimik3 chat K3_DIR`")
 
 
 def _check_vision_folder(directory: Path):
@@ -83,7 +99,8 @@ def load_tools(path) -> list[dict]:
     "parameters": {...}}}` (OpenAI's form, what the template declares), or of bare `{"name": ..., ...}` functions."""
     path = Path(path)
     if not path.is_file():
-        raise ChatInputError(f"--tools {path}: {'is a folder' if path.is_dir() else 'no such file'}")
+        kind = "is a folder" if path.is_dir() else "no such file" if not path.exists() else "is not a regular file"
+        raise ChatInputError(f"--tools {path}: {kind}")
     try:
         tools = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -91,6 +108,9 @@ def load_tools(path) -> list[dict]:
                              f"{exc.start})") from None
     except json.JSONDecodeError as exc:
         raise ChatInputError(f"--tools {path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ChatInputError(f"--tools {path}: nested too deeply to parse (JSON arrays or objects inside each other "
+                             "beyond Python's recursion limit; a tool declaration nests a few levels)") from None
     example = '{"type": "function", "function": {"name": "...", "parameters": {...}}}'
     if not isinstance(tools, list) or not tools:
         found = "an empty list" if tools == [] else f"a JSON {type(tools).__name__}"

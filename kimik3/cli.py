@@ -88,6 +88,12 @@ def _memory_plan(args, config, usage_error) -> int:
                            "--gpus-per-node 8)")
     if args.gpu_mem is None:
         return usage_error("argument --plan: needs --gpu-mem (e.g. --gpu-mem 141GB)")
+    from kimik3.memory import MAX_PLAN_DEVICES
+
+    devices = (args.nodes or 1) * (args.gpus_per_node or 1) if args.gpus is None else args.gpus
+    if devices > MAX_PLAN_DEVICES:
+        return usage_error(f"argument --plan: {devices:,} devices is more than the {MAX_PLAN_DEVICES:,} a plan covers "
+                           "(the release spreads over 16 H200s; --gpus, --nodes x --gpus-per-node)")
     context = args.context if args.context is not None else config.max_position_embeddings
     if context > config.max_position_embeddings:
         return usage_error(f"argument --context: {context:,} tokens is more than the model's "

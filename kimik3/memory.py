@@ -4,6 +4,7 @@
 import functools
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -21,14 +22,14 @@ def load_text_config(path: str | Path | None = None):
 
     if path is None:
         return _text_config_of(released_config_dict())
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path}: is a folder; give the path of its config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot be read as JSON ({exc})") from None
+    from kimik3.modeling.files_kimi_k3 import read_json
+
+    if Path(path).is_dir():
+        raise ValueError(f"{path}: is a folder; give the path of its config.json")
+    if not os.path.lexists(path):
+        raise ValueError(f"{path}: no such file")
+    # a regular file only (a FIFO would wait for a writer forever), nesting the parser can take
+    data = read_json(path, error=lambda where, message: ValueError(f"{where}: cannot be read as JSON: {message}"))
     if not isinstance(data, dict):
         raise ValueError(f"{path}: must hold a JSON object, not a {type(data).__name__}")
     try:
@@ -732,6 +733,11 @@ def parallel_plan(config, nodes: int, gpus_per_node: int, gpu_memory: int, tp: i
             "not_runnable": runnable(nodes, world, tp, ep, stages, experts_format)}
 
 
+# The most devices `--plan` plans for: far beyond the 16 H200s the release needs, and small enough that a search
+# over the degrees (divisor pairs of the device count) ends at once.
+MAX_PLAN_DEVICES = 1 << 20
+
+
 def search_degrees(config, nodes: int, gpus_per_node: int, gpu_memory: int, context: int, batch_size: int = 1,
                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK, experts_format: str | None = None,
                    hbm_bandwidth: float = H200_HBM_BANDWIDTH, tp: int | None = None, ep: int | None = None
@@ -740,7 +746,8 @@ def search_degrees(config, nodes: int, gpus_per_node: int, gpu_memory: int, cont
     runs that fits, then one that fits (not runnable yet), then a runnable one that does not fit, each by the
     fastest decode bound, then the smaller tp (fewer all-reduces). Returns (the chosen plan or None, all the candidates' plans)."""
     world = nodes * gpus_per_node
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    small = [d for d in range(1, math.isqrt(world) + 1) if world % d == 0]
+    divisors = sorted(set(small + [world // d for d in small]))
     candidates = []
     for t in [tp] if tp is not None else divisors:
         for e in [ep] if ep is not None else [1] + [d for d in divisors if d > 1]:

@@ -176,10 +176,10 @@ def read_json(path, data: bytes | None = None, *, error=load_error, what: str | 
     `[[[[...]]]]`) are errors naming the file. `strict`: NaN / Infinity are not JSON either (the safetensors
     header)."""
     prefix = f"{what}: " if what else ""
+    if data is None:  # its own errors (a FIFO, a folder, no file) name the path already
+        with open_regular_file(path, error, kind="JSON") as handle:
+            data = handle.read()
     try:
-        if data is None:
-            with open_regular_file(path, error, kind="JSON") as handle:
-                data = handle.read()
         text = data.decode("utf-8")
         return json.loads(text, parse_constant=_reject_constant if strict else None,
                           object_pairs_hook=object_pairs_hook)

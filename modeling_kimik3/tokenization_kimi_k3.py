@@ -416,6 +416,9 @@ def normalize_conversation(messages, where: str = "messages") -> list[dict]:
             raise ChatMessageError(f"{here} must be a mapping with `role` and `content`, not {type(message).__name__}")
         message = dict(message)
         role = message.get("role")
+        if "role" not in message:
+            raise ChatMessageError(f"{here} has no `role` (keys: {sorted(map(str, message))}): a message says who "
+                                   f"speaks, one of {', '.join(MESSAGE_ROLES)}")
         if role not in MESSAGE_ROLES:
             raise ChatMessageError(f"{here}.role is {role!r}: a message role is one of {', '.join(MESSAGE_ROLES)}")
         check_content(message.get("content"), f"{here}.content",

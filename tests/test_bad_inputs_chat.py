@@ -293,7 +293,10 @@ BAD_MESSAGES = [
                  r"messages\[1\]\.tool_calls\[0\] must be a mapping", id="tool-call-a-string"),
     pytest.param(["hello"], r"messages\[0\] must be a mapping with `role` and `content`, not str",
                  id="message-not-a-mapping"),
-    pytest.param([{"content": "hi"}], r"messages\[0\]\.role is None: a message role is one of", id="role-missing"),
+    pytest.param([{"content": "hi"}], r"messages\[0\] has no `role` \(keys: \['content'\]\): a message says who "
+                 r"speaks, one of user, system", id="role-missing"),
+    pytest.param([{"role": None, "content": "hi"}], r"messages\[0\]\.role is None: a message role is one of",
+                 id="role-null"),
     pytest.param(_bad("hi", role="robot"), r"messages\[1\]\.role is 'robot'", id="role-unknown"),
     pytest.param(_bad("a", role="assistant", reasoning_content=["r"]),
                  r"messages\[1\]\.reasoning_content must be a string, not list", id="reasoning-not-a-string"),

@@ -492,3 +492,21 @@ def test_cli_gives_exit_code_two_and_names_the_shard(release, tmp_path, capsys, 
     assert kc.run_convert([str(release), str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kimik3 convert: error:") and SHARD0 in err and "appears twice" in err
+
+
+@pytest.mark.parametrize("tokens", [pytest.param(600, id="verify-many-tokens-vision")])
+def test_verify_of_a_vision_checkpoint_draws_no_reserved_ids(tmp_path, capsys, tokens):
+    """verify's own input ids: ordinary tokens only. Spread over the whole vocabulary they reached the reserved
+    specials' `<|media_pad|>`, which a model with a vision tower refuses without an image."""
+    release = testing.write_release_checkpoint(tmp_path / "k3", seed=3, num_layers=2, num_experts=2, vision=True,
+                                               return_dense=False).path
+    kc.convert(release, tmp_path / "out", progress=False)
+    assert kc.run_verify([str(release), str(tmp_path / "out"), "--logits", "always", "--tokens", str(tokens)]) == 0
+    out = capsys.readouterr().out
+    assert "logits: equal" in out, out
+    from kimik3.convert.verifier import _fixed_input
+    from kimik3.modeling.tokenization_kimi_k3 import NUM_RESERVED_SPECIAL
+
+    vocab = json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]["vocab_size"]
+    ids = _fixed_input(vocab, tokens)
+    assert int(ids.max()) < vocab - NUM_RESERVED_SPECIAL and len(set(ids[0].tolist())) > tokens // 2

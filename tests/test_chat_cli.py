@@ -57,6 +57,8 @@ def files(tmp_path_factory):
     (directory / "noname.json").write_text('[{"type": "function", "function": {"description": "no name"}}]')
     (directory / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (directory / "long.txt").write_text(" ".join(f"w{i}" for i in range(3000)))
+    (directory / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    os.mkfifo(directory / "tools-fifo")
     return directory
 
 
@@ -273,6 +275,10 @@ def test_bad_image_sources_are_named_and_never_fetched(vision_chat, files, monke
     pytest.param(["--tools", "noname.json"], b"", "noname.json: tool 0 is not a declaration with a name",
                  id="chat-tools-no-name"),
     pytest.param(["--tools", "absent.json"], b"", "--tools .*absent.json: no such file", id="chat-tools-missing"),
+    pytest.param(["--tools", "deep.json"], b"", "--tools .*deep.json: nested too deeply to parse",
+                 id="chat-tools-nested-100k-deep"),
+    pytest.param(["--tools", "tools-fifo"], b"", "--tools .*tools-fifo: is not a regular file",
+                 id="chat-tools-fifo"),
     pytest.param(["--image", "https://example.com/cat.png"], b"", "--image: https://example.com/cat.png: remote "
                  "image URLs are not fetched", id="chat-image-remote-url"),
     pytest.param(["--image", "missing.png"], b"", "--image: .*missing.png: no such image file",
@@ -337,3 +343,18 @@ def test_chat_folder_errors(folder, files, tmp_path, capsys, make, message):
 def test_chat_cli_generates_from_the_folder(folder, capsys):
     assert main(["chat", str(folder), "--prompt", "Hello", "--max-new-tokens", "3"]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", [pytest.param("release", id="chat-release-folder")])
+def test_chat_on_a_release_folder_points_to_adopt_and_convert(tmp_path, monkeypatch, capsys, kind):
+    """A release folder carries the release's own code under our files' names; the chat would run it."""
+    from kimik3.convert import testing
+
+    _no_network(monkeypatch)
+    release = testing.write_release_checkpoint(tmp_path / "rel", num_layers=2, num_experts=2, vision=False,
+                                               return_dense=False).path
+    assert main(["chat", str(release), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "the release's folder, with the release's own code" in err
+    assert f"kimik3 adopt {release} K3_DIR" in err and f"kimik3 convert {release} K3_DIR" in err
+

@@ -135,6 +135,10 @@ def test_plan_cli_prints_units_and_verdicts(capsys, tmp_path):
     (["--plan", "--gpus", "8"], "argument --plan: needs --gpu-mem"),
     (["--plan", "--gpu-mem", "141GB"], "argument --plan: needs --gpus"),
     (["--gpus", "8"], "argument --gpus: only with --plan"),
+    pytest.param(["--plan", "--gpus", "1000000000", "--gpu-mem", "141GB"], "argument --plan: 1,000,000,000 devices is "
+                 "more than the 1,048,576 a plan covers", id="plan-gpus-1e9"),
+    pytest.param(["--plan", "--nodes", "100000", "--gpus-per-node", "100000", "--gpu-mem", "141GB"],
+                 "argument --plan: 10,000,000,000 devices is more than", id="plan-nodes-times-gpus-1e10"),
 ])
 def test_plan_bad_input_exits_2_naming_the_option(capsys, argv, message):
     assert main(["memory", *argv]) == 2
@@ -408,3 +412,24 @@ def test_offload_plan_bad_input_exits_2_naming_the_option(capsys, argv, message)
     argv = [a for a in argv if a not in ("--no-offload", "--no-host-mem")]
     assert main([*base, *argv]) == 2
     assert "kimik3 memory: error: " + message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make, message", [
+    pytest.param("fifo", "is a FIFO, not a JSON file", id="memory-config-fifo"),
+    pytest.param("deep", "nested too deeply to parse", id="memory-config-nested-100k-deep"),
+])
+def test_memory_config_that_cannot_be_read_is_refused_at_once(tmp_path, capsys, make, message):
+    import os
+    import time
+
+    path = tmp_path / "config.json"
+    if make == "fifo":
+        os.mkfifo(path)  # opening it to read would wait for a writer forever
+    else:
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    start = time.monotonic()
+    assert main(["memory", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"kimik3 memory: error: argument --config: {path}: cannot be read as JSON: {message}" in err, err
+    assert time.monotonic() - start < 30
+
