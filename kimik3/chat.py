@@ -50,6 +50,10 @@ def load_chat(directory, vision: bool = False):
     if not any((directory / name).is_file() for name in ("tokenizer.json", "tiktoken.model")):
         raise ChatFolderError(f"{directory}: no tokenizer (tiktoken.model or tokenizer.json); `kimik3 tiny` writes "
                               "one, `kimik3 convert` copies the release's")
+    from kimik3.modeling.files_kimi_k3 import read_json
+
+    # transformers reads it first, and a file it cannot parse (100,000 nested arrays) failed there in a RecursionError
+    read_json(directory / "config.json", error=lambda where, message: ChatFolderError(f"{where}: {message}"))
     _check_our_code(directory)
     if vision:
         _check_vision_folder(directory)

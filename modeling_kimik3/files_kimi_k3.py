@@ -24,12 +24,14 @@ the folder's own code. Pure Python and the standard library: remote code cannot 
 import contextlib
 import contextvars
 import gc
+import hashlib
 import json
 import math
 import os
 import re
 import stat
 import struct
+import warnings
 
 
 class KimiK3LoadError(ValueError):
@@ -153,6 +155,66 @@ def _adopted_link(folder, path, error) -> bool:
         raise error(path, f"links to {target}, which is missing: the release folder {release} named by "
                     f"{ADOPTION_RECORD_NAME} lacks it (restore it there, or adopt the release again)")
     return _resolves_inside(release, target)
+
+
+# Files of a release an adopted folder links to are fingerprinted whole up to this size (the index, tokenizer and
+# code files); a shard by its size and its safetensors header (names, dtypes, shapes, offsets: a few MB of the
+# release's 1.5 TB, hashed in about 45 ms for all shards on the development machine: docs/bad_inputs.md).
+WHOLE_FILE_FINGERPRINT_BYTES = 64 << 20
+
+
+def file_fingerprint(path, error=load_error) -> dict:
+    """{size, mtime_ns, sha256} of a file an adopted folder links to; sha256 of a `.safetensors` file's 8-byte length
+    and header, of anything else whole (when at most WHOLE_FILE_FINGERPRINT_BYTES, else of its start)."""
+    digest = hashlib.sha256()
+    with open_regular_file(path, error, kind="linked") as handle:
+        status = os.fstat(handle.fileno())
+        if os.fspath(path).endswith(".safetensors"):
+            prefix = handle.read(8)
+            digest.update(prefix)
+            if len(prefix) == 8:
+                (header_len,) = struct.unpack("<Q", prefix)
+                digest.update(handle.read(min(header_len, MAX_HEADER_BYTES)))
+        else:
+            digest.update(handle.read(WHOLE_FILE_FINGERPRINT_BYTES))
+    return {"size": status.st_size, "mtime_ns": status.st_mtime_ns, "sha256": digest.hexdigest()}
+
+
+def check_adopted_release(folder, error=load_error) -> None:
+    """An adopted folder's links against the fingerprints its record took at adoption: a release file replaced by
+    another of the same name (another size or header) is refused by name; one whose only change is its modification
+    time (copied, touched, restored from a backup) gets a warning naming it, since its tensor data may differ. A
+    record without fingerprints (adopted before they were taken) is not checked."""
+    record_path = os.path.join(folder, ADOPTION_RECORD_NAME)
+    if _adoption_record(folder, error) is None:
+        return
+    record = read_json(record_path, error=error, object_pairs_hook=dict_without_duplicate_keys)
+    fingerprints = record.get("fingerprints")
+    if fingerprints is None:
+        return
+    if not isinstance(fingerprints, dict):
+        raise error(record_path, "key `fingerprints` must map linked file names to {size, mtime_ns, sha256}")
+    touched = []
+    for name, taken in sorted(fingerprints.items()):
+        check_file_name(name, record_path, what="fingerprinted file", error=error)
+        target = os.path.join(record["release"], name)
+        if not os.path.exists(target):
+            continue  # the link's own check names it (_adopted_link)
+        now = file_fingerprint(target, error)
+        if not isinstance(taken, dict) or now["size"] != taken.get("size") or now["sha256"] != taken.get("sha256"):
+            what = (f"its size was {taken.get('size'):,} bytes at adoption and is {now['size']:,} now"
+                    if isinstance(taken, dict) and now["size"] != taken.get("size") else
+                    "its safetensors header differs from the one at adoption" if name.endswith(".safetensors")
+                    else "its contents differ from those at adoption")
+            raise error(target, f"changed since `kimik3 adopt` wrote {folder}: {what}; the adopted config and "
+                        f"{ADOPTION_RECORD_NAME} describe the old file. Adopt the release again (kimik3 adopt "
+                        f"{record['release']} DIR)")
+        if now["mtime_ns"] != taken.get("mtime_ns"):
+            touched.append(name)
+    if touched:
+        warnings.warn(f"{folder}: the release files {touched} were modified after adoption (same size and "
+                      "safetensors header, so the same tensors by name, dtype and shape); if their values changed, "
+                      f"adopt the release again (kimik3 adopt {record['release']} DIR)", stacklevel=3)
 
 
 def check_inside(folder, path, *, error=load_error) -> None:
@@ -507,6 +569,7 @@ def check_folder(folder, *, variant: str | None = None, complete: bool = True, e
         if not isinstance(config, dict):
             raise error(config_path, f"must hold a JSON object, not a {type(config).__name__}")
         check_auto_map(folder, config, config_path, error)
+    check_adopted_release(folder, error)
     for name in ("generation_config.json",):
         if os.path.lexists(os.path.join(folder, name)):
             check_inside(folder, os.path.join(folder, name), error=error)
@@ -639,6 +702,8 @@ __all__ = [
     "ADOPTION_RECORD_NAME",
     "DuplicateKeyError",
     "KimiK3LoadError",
+    "check_adopted_release",
+    "file_fingerprint",
     "check_auto_map",
     "check_file_name",
     "check_folder",

@@ -108,3 +108,18 @@ def offloaded_copy(model, experts_per_layer: int):
     one = expert_bytes(experts[0].stacks())
     copied.experts_cache = offload_routed_experts(experts, "host", experts_per_layer * one * len(experts))
     return copied
+
+
+def refresh_adoption_fingerprints(adopted) -> None:
+    """The adopted folder's record fingerprints retaken from its release as it is now. A test that damages a release
+    after adopting it (adopt refuses what the load must also refuse) checks the load's own refusal of the damage,
+    not the record's notice that the release changed (tests/test_adopt.py checks that)."""
+    import json
+    from pathlib import Path
+
+    from kimik3.modeling.files_kimi_k3 import ADOPTION_RECORD_NAME, file_fingerprint
+
+    path = Path(adopted) / ADOPTION_RECORD_NAME
+    record = json.loads(path.read_text())
+    record["fingerprints"] = {name: file_fingerprint(Path(record["release"]) / name) for name in record["links"]}
+    path.write_text(json.dumps(record, indent=2, sort_keys=True))

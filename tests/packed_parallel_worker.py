@@ -23,6 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from k3_test_utils import refresh_adoption_fingerprints
 from load_reads import counting_reads, peak_rss_growth
 from parallel_worker import INPUT_IDS, MODES, NEW_TOKENS, distributed_kwargs
 
@@ -228,6 +229,7 @@ def write_bad_a_log_release(directory: Path) -> Path:
         else:
             tensors[name] = tensors[name][:1].clone()
         save_file(tensors, str(shard), metadata=metadata)
+    refresh_adoption_fingerprints(directory / "adopted")
     return directory / "adopted"
 
 

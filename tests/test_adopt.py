@@ -283,3 +283,50 @@ def test_the_release_folder_is_never_written(release, adopted, converted_logits)
     written."""
     path, before = release
     assert tree_state(path) == before
+
+
+def _replace_with_another_release_shard(release, tmp_path):
+    """The first shard replaced by the same-named shard of a release of other widths (other shapes: other header)."""
+    other = testing.write_release_checkpoint(tmp_path / "other", seed=9, num_layers=2, num_experts=8).path
+    name = next(p.name for p in sorted(release.glob("*.safetensors"))  # the shard holding the experts
+                if (other / p.name).is_file() and (other / p.name).stat().st_size != p.stat().st_size)
+    os.replace(other / name, release / name)
+    return name
+
+
+def _same_header_other_values(release, tmp_path):
+    """The first shard rewritten with the same header and other tensor values (a restored or re-made copy)."""
+    name = sorted(p.name for p in release.glob("*.safetensors"))[0]
+    data = bytearray((release / name).read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    data[header_end:] = bytes(len(data) - header_end)  # every value zero, same bytes count
+    (release / (name + ".new")).write_bytes(bytes(data))
+    os.replace(release / (name + ".new"), release / name)
+    return name
+
+
+@pytest.mark.parametrize("change, outcome", [
+    pytest.param(_replace_with_another_release_shard, "refused", id="adopt-release-shard-replaced"),
+    pytest.param(_same_header_other_values, "warned", id="adopt-release-shard-rewritten-same-header"),
+])
+def test_a_release_changed_after_adoption_is_named_at_load(release, tmp_path, change, outcome):
+    """Through AutoModelForCausalLM with trust_remote_code, as users load an adopted folder: the record's fingerprints
+    (size, safetensors header digest, modification time of each linked file) are checked against the release."""
+    copy = tmp_path / "k3"
+    shutil.copytree(release[0], copy)
+    adopt(copy, tmp_path / "adopted")
+    record = json.loads((tmp_path / "adopted" / ADOPTION_RECORD_NAME).read_text())
+    assert set(record["fingerprints"]) == set(record["links"])
+    name = change(copy, tmp_path)
+    if outcome == "refused":
+        with pytest.raises(ValueError, match=f"{name}: changed since `kimik3 adopt` wrote .*: its size was") as error:
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "adopted", trust_remote_code=True)
+        assert type(error.value).__name__ == "KimiK3LoadError" and "Adopt the release again" in str(error.value)
+    else:
+        with pytest.warns(UserWarning, match=rf"the release files \['{name}'\] were modified after adoption"):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "adopted", trust_remote_code=True)
+
+
+def test_an_unchanged_release_loads_without_a_word_about_it(adopted, recwarn):
+    transformers.AutoModelForCausalLM.from_pretrained(adopted["dense"], trust_remote_code=True)
+    assert not [w for w in recwarn if "after adoption" in str(w.message)]

@@ -345,6 +345,16 @@ def test_chat_cli_generates_from_the_folder(folder, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind", [pytest.param("deep", id="chat-config-nested-100k-deep")])
+def test_chat_on_a_folder_whose_config_cannot_be_parsed_names_it(tmp_path, monkeypatch, capsys, kind):
+    folder = tmp_path / "k3"
+    write_tiny_folder(folder, num_hidden_layers=2)
+    (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["chat", str(folder), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{folder / 'config.json'}: nested too deeply to parse" in err, err
+
+
 @pytest.mark.parametrize("kind", [pytest.param("release", id="chat-release-folder")])
 def test_chat_on_a_release_folder_points_to_adopt_and_convert(tmp_path, monkeypatch, capsys, kind):
     """A release folder carries the release's own code under our files' names; the chat would run it."""

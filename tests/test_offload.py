@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from k3_test_utils import offloaded_copy
+from k3_test_utils import offloaded_copy, refresh_adoption_fingerprints
 from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
 from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
 from kimik3.modeling.offload_kimi_k3 import (ExpertsOffloadError, expert_bytes, offload_device_map,
@@ -653,6 +653,7 @@ def _release_with(release_folders, tmp_path, change):
         index["weight_map"][name] = shard
     save_file(tensors, str(release / shard), metadata={"format": "pt"})
     (release / "model.safetensors.index.json").write_text(json.dumps(index))
+    refresh_adoption_fingerprints(tmp_path / "adopted")
     return tmp_path / "adopted"
 
 
