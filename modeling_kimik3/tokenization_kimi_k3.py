@@ -564,6 +564,23 @@ def _tokenizer_file_error(path, message: str) -> TokenizerFileError:
     return TokenizerFileError(f"{path}: {message}")
 
 
+class KimiK3ChatText(str):
+    """The text `apply_chat_template(..., tokenize=False)` returns. It is the template's text, and it remembers which
+    control-token spellings in it the template wrote (`kimik3_chat_pieces`: (text, is_template_marker) pieces), so the
+    common two-step `tokenizer(text)` / `tokenizer.encode(text)` encodes the conversation's text as ordinary text,
+    giving the ids of `tokenize=True`. A new string made from it (concatenated, sliced, formatted, saved and read
+    back) is a plain str, encoded as any text is: control-token spellings in it become control tokens."""
+
+    kimik3_chat_pieces: tuple = ()
+
+
+def chat_text_pieces(text) -> list | None:
+    """The pieces of a chat text, or of each in a non-empty list of them; None for anything else."""
+    texts = text if isinstance(text, (list, tuple)) and text else [text]
+    pieces = [getattr(t, "kimik3_chat_pieces", None) if isinstance(t, str) else None for t in texts]
+    return pieces if all(p is not None for p in pieces) else None
+
+
 class ChatNormalizingMixin:
     """`apply_chat_template` checks and normalises the conversation first (tool arguments parsed from JSON strings),
     so the Jinja template renders what the encoder renders, and encodes message text as ordinary text.
@@ -595,6 +612,26 @@ class ChatNormalizingMixin:
         config["auto_map"] = {**config.get("auto_map", {}), "AutoTokenizer": list(AUTO_TOKENIZER)}
         config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         return tuple(saved) + (str(directory / here.name),)
+
+    def __call__(self, text=None, *args, **kwargs):
+        """As transformers', and a chat text (`apply_chat_template(..., tokenize=False)`, or a list of them) passed on
+        unchanged is encoded piece by piece, as `tokenize=True` encodes it."""
+        pieces = chat_text_pieces(text)
+        if pieces is None:
+            return super().__call__(text, *args, **kwargs)
+        if args:
+            raise ValueError("a chat text (apply_chat_template(..., tokenize=False)) is encoded alone: pass the "
+                             "encoding options by keyword, no text pair")
+        options = {key: kwargs.pop(key) for key in ("padding", "truncation", "max_length", "return_tensors")
+                   if key in kwargs}
+        ids = [self.encode_chat_pieces(p) for p in pieces]
+        return self.chat_batch_encoding(ids, isinstance(text, (list, tuple)), tokenizer_kwargs=kwargs, **options)
+
+    def encode(self, text, *args, **kwargs):
+        pieces = chat_text_pieces(text)
+        if pieces is None or args or isinstance(text, (list, tuple)):
+            return super().encode(text, *args, **kwargs)
+        return self(text, **kwargs)["input_ids"]
 
     def chat_tagging(self, extra_markers=()) -> ChatTagging:
         """The tagging of this tokenizer's control tokens (every added token), one per set of extra markers."""
@@ -663,21 +700,35 @@ class ChatNormalizingMixin:
                       continue_final_message=continue_final_message, **kwargs)
         plain = super().apply_chat_template(conversation, chat_template=chat_template, tokenize=False, **render)
         if not tokenize:
-            return plain
+            try:
+                pieces = self.chat_pieces(conversation, plain, chat_template, tools, kwargs, render)
+            except ChatMessageError:  # a template that inspects its own markers: its text, as it is
+                return plain
+            texts = []
+            for text, parts in zip(plain if isinstance(plain, list) else [plain], pieces):
+                texts.append(KimiK3ChatText(text))
+                texts[-1].kimik3_chat_pieces = tuple(parts)
+            return texts if isinstance(plain, list) else texts[0]
         if return_assistant_tokens_mask:
             raise ValueError("return_assistant_tokens_mask: the K3 chat template has no {% generation %} blocks; "
                              "kimik3.chat_format.render_segments marks each part of an assistant turn")
+        is_batched = isinstance(plain, list)
+        ids = [self.encode_chat_pieces(p) for p in self.chat_pieces(conversation, plain, chat_template, tools,
+                                                                     kwargs, render)]
+        out = self.chat_batch_encoding(ids, is_batched, padding, truncation, max_length, return_tensors,
+                                       tokenizer_kwargs)
+        return out if return_dict else out["input_ids"]
+
+    def chat_pieces(self, conversation, plain, chat_template, tools, kwargs, render) -> list:
+        """(text, is_template_marker) pieces of each rendered conversation, from the tagged rendering (ChatTagging)
+        checked against the plain one `plain`."""
         template = self.get_chat_template(chat_template, tools)
         tagging = self.chat_tagging()
         tagged = super().apply_chat_template(
             conversation, chat_template=tagging.template(template), tokenize=False,
             **tagging.template_kwargs(template, self.special_tokens_map, kwargs), **render)
-        is_batched = isinstance(plain, list)
-        pairs = zip(tagged, plain) if is_batched else [(tagged, plain)]
-        ids = [self.encode_chat_pieces(tagging.split(t, p)) for t, p in pairs]
-        out = self.chat_batch_encoding(ids, is_batched, padding, truncation, max_length, return_tensors,
-                                       tokenizer_kwargs)
-        return out if return_dict else out["input_ids"]
+        pairs = zip(tagged, plain) if isinstance(plain, list) else [(tagged, plain)]
+        return [tagging.split(t, p) for t, p in pairs]
 
 
 class KimiK3Tokenizer(ChatNormalizingMixin, PreTrainedTokenizer):

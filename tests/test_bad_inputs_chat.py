@@ -394,3 +394,48 @@ def test_what_the_chat_encoding_cannot_do_is_refused(toks, case, message):
             options = dict(tokenizer_kwargs={"stride": 2})
         with pytest.raises(ValueError, match=message):
             tok.apply_chat_template(messages, **options)
+
+
+@pytest.mark.parametrize("form", [
+    pytest.param("call", id="two-step-tokenizer-call"),
+    pytest.param("encode", id="two-step-tokenizer-encode"),
+    pytest.param("batch", id="two-step-batch-padded"),
+    pytest.param("tensors", id="two-step-return-tensors"),
+])
+def test_the_two_step_chat_encoding_keeps_message_text_ordinary(toks, spell, form):
+    """`text = tokenizer.apply_chat_template(messages, tokenize=False)` then `tokenizer(text)`: the text remembers
+    which control-token spellings the template wrote, so message text spelling one stays text: the ids of
+    `tokenize=True`, on the fast and the slow tokenizer."""
+    messages = [{"role": "user", "content": "hi " + spell}, {"role": "assistant", "content": spell}]
+    for tok in toks:
+        one_call = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        text = tok.apply_chat_template(messages, tokenize=False)
+        assert text == tok.decode(one_call)  # the template's text, unchanged
+        if form == "call":
+            assert tok(text)["input_ids"] == one_call
+        elif form == "encode":
+            assert tok.encode(text) == one_call
+        elif form == "batch":
+            short = [{"role": "user", "content": "x"}]
+            texts = tok.apply_chat_template([messages, short], tokenize=False)
+            expected = tok.apply_chat_template([messages, short], tokenize=True, padding=True, return_dict=True)
+            got = tok(texts, padding=True)
+            assert got["input_ids"] == expected["input_ids"] and got["attention_mask"] == expected["attention_mask"]
+        else:
+            assert tok(text, return_tensors="pt")["input_ids"][0].tolist() == one_call
+        benign = tok.apply_chat_template([{"role": "user", "content": "hi x"}, {"role": "assistant", "content": "x"}])
+        assert _specials(tok(text)["input_ids"]) == _specials(benign["input_ids"])
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda text: text + "", id="two-step-plain-copy-is-raw-text"),
+    pytest.param(lambda text: str(text), id="two-step-str-copy-is-raw-text"),
+])
+def test_a_plain_string_made_from_the_chat_text_is_raw_text_again(toks, make):
+    """What the README says is not safe: a new string made from the chat text (concatenated, copied, saved and read)
+    is any text to `tokenizer(text)`, whose control-token spellings are control tokens (transformers' rule)."""
+    messages = [{"role": "user", "content": "a<|end_of_msg|>b"}]
+    for tok in toks:
+        text = make(tok.apply_chat_template(messages, tokenize=False))
+        assert type(text) is str
+        assert len(_specials(tok(text)["input_ids"])) == len(_specials(tok.apply_chat_template(messages)["input_ids"])) + 1
