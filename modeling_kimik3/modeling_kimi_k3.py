@@ -72,6 +72,30 @@ def _onloaded(*modules: nn.Module):
 # Norms and activations
 
 
+def applied_weight(module: nn.Module) -> torch.Tensor:
+    """The weight `module` applies: its own, or for a PEFT LoRA wrapper its base weight plus the delta of each active
+    adapter not merged into it (what the wrapper's forward adds, dropout aside). The absorbed MLA decode and the KDA
+    short convs read a weight instead of calling the module: they ran the base weight alone and dropped an unmerged
+    adapter that the prefill applied. Duck-typed on PEFT's layer API (`base_layer`, `get_delta_weight`), nothing
+    imported."""
+    base = getattr(module, "base_layer", None)
+    if base is None or not hasattr(module, "get_delta_weight"):
+        return module.weight
+    weight = base.weight
+    if getattr(module, "disable_adapters", False):
+        return weight
+    merged = set(getattr(module, "merged_adapters", ()))
+    for name in module.active_adapters:
+        if name not in getattr(module, "lora_A", {}) or name in merged:
+            continue
+        if getattr(module, "use_dora", {}).get(name):
+            raise NotImplementedError(f"a DoRA adapter ({name!r}) on {type(base).__name__} whose weight Kimi K3 reads "
+                                      "directly (MLA kv_b_proj in decode, the KDA short convs): merge it first "
+                                      "(merge_and_unload) or use plain LoRA there")
+        weight = weight + module.get_delta_weight(name).to(weight.dtype)
+    return weight
+
+
 class KimiK3RMSNorm(nn.Module):
     """KimiRMSNorm (7): statistics in f32, cast back to the input dtype, then the weight."""
 
@@ -220,7 +244,7 @@ class KimiK3DeltaAttention(nn.Module):
         l2norm_head_dims = (self.head_dim, self.head_dim, 0) if qk_normalized else (0, 0, 0)
         with _onloaded(*convs):
             (q, q_state), (k, k_state), (v, v_state) = (
-                conv_fn(x, local_shard(conv.weight), None if conv_states is None else state, norm)
+                conv_fn(x, local_shard(applied_weight(conv)), None if conv_states is None else state, norm)
                 for x, conv, state, norm in zip((q, k, v), convs, conv_states or (None, None, None), l2norm_head_dims)
             )
         q, k, v = q.view(heads_shape), k.view(heads_shape), v.view(heads_shape)
@@ -405,7 +429,8 @@ class KimiK3MLAAttention(nn.Module):
         return self.o_proj(attn_output), attn_weights
 
     def _kv_b_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        weight = local_shard(self.kv_b_proj.weight).view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        weight = local_shard(applied_weight(self.kv_b_proj)).view(-1, self.qk_nope_head_dim + self.v_head_dim,
+                                                                  self.kv_lora_rank)
         return weight[:, : self.qk_nope_head_dim], weight[:, self.qk_nope_head_dim :]
 
     def _expanded_attention(self, query, latents, attention_mask, **kwargs):
@@ -658,15 +683,25 @@ class KimiK3SparseMoeBlock(nn.Module):
 # Decoder layer with Block Attention Residuals (0, 5)
 
 
-class KimiK3AttnResProjection(nn.Linear):
-    """The [1, D] projection of an AttnRes pseudo-query (`*_res_proj.weight`). Its own class so `_init_weights` can
-    zero it as the report does (uniform depth mixing at the start of training)."""
+class KimiK3AttnResProjection(nn.Module):
+    """The [1, D] projection of an AttnRes pseudo-query (`*_res_proj.weight`), read as a weight by the mix, never
+    called on activations. Not an `nn.Linear`: PEFT's "all-linear" wraps every Linear and adds an adapter that the mix
+    would never run (no gradient reaches it, yet `merge_and_unload` would add it). Its own class so `_init_weights`
+    zeroes it as the report does (uniform depth mixing at the start of training)."""
 
     def __init__(self, hidden_size: int):
-        super().__init__(hidden_size, 1, bias=False)
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size))
+        # drawn as nn.Linear drew it (the class was one): a seed builds the same model as before, every later
+        # module's random values included (_init_weights then zeroes this one)
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}"
 
 
-def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.Linear) -> torch.Tensor:
+def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: KimiK3AttnResProjection
+                 ) -> torch.Tensor:
     """Mix [b_0, ..., b_{n-1}, P] with the pseudo-query w = norm.weight * proj.weight (docs/architecture.md, Block
     Attention Residuals)."""
     # Under a device_map the banked blocks come from the layers that made them: bring them to P's device.
@@ -677,7 +712,7 @@ def attn_res_mix(candidates: list[torch.Tensor], norm: KimiK3RMSNorm, proj: nn.L
 
 
 def attn_res_mix_and_norm(blocks: list[torch.Tensor], prefix: torch.Tensor | None, delta: torch.Tensor | None,
-                          norm: KimiK3RMSNorm, proj: nn.Linear, out_norm: KimiK3RMSNorm):
+                          norm: KimiK3RMSNorm, proj: KimiK3AttnResProjection, out_norm: KimiK3RMSNorm):
     """P = prefix + delta (either may be None), the mix of [b_0, ..., b_{n-1}, P] (docs/architecture.md, Block Attention
     Residuals) and `out_norm` of it, as one op: in eager inference with one banked block, one kernel instead of three
     (add, mix, norm) that each read and write [B, T, D], the mix never stored. Elsewhere its reference runs the three.
@@ -872,7 +907,10 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             module.gate_up_proj.normal_(0.0, std)
             module.down_proj.normal_(0.0, std)
         elif isinstance(module, KimiK3AttnResProjection):
-            # The report initialises every pseudo-query to zero: uniform depth mixing at the start of training.
+            # The report initialises every pseudo-query to zero: uniform depth mixing at the start of training. The
+            # draw before it is the one transformers made for it as an nn.Linear: the random values of every module
+            # initialised after it stay what a seed gave before.
+            module.weight.normal_(0.0, std)
             module.weight.zero_()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
