@@ -917,7 +917,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                                       max_cache_length) -> None:
         # generate() would build the library's DynamicCache/StaticCache, which hold K/V, not MLA latents. The cache
         # must exist before generate() decides whether to compile the decode step, so it cannot wait for forward.
-        # Same signature in transformers 5.0 through 5.24.
+        # Same signature in transformers 5.0 through 5.25.
         prompt_mask = model_kwargs.get("attention_mask")
         if isinstance(prompt_mask, torch.Tensor) and prompt_mask.dim() == 2 and prompt_mask.numel():
             # every cache: the new tokens follow the prompt's last position (a static cache's decode steps read no
@@ -928,7 +928,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         user_cache = model_kwargs.get(CACHE_FIELD)
         if user_cache is not None:
             if not isinstance(user_cache, KimiK3Cache):
-                raise _cache_type_error(user_cache)
+                raise _cache_type_error(user_cache, self.config.get_text_config())
             user_cache._is_user_defined = True
             return
         if generation_config.use_cache is False:
@@ -1042,7 +1042,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if use_cache and cache is None:
             cache = KimiK3Cache(self.config)
         if cache is not None and not isinstance(cache, KimiK3Cache):
-            raise _cache_type_error(cache)
+            raise _cache_type_error(cache, self.config)
         self._check_model_inputs(input_ids, inputs_embeds, attention_mask, cache)
         for key in ("output_hidden_states", "output_attentions", "output_router_logits"):
             kwargs.pop(key, None)  # recorded by capture_outputs
@@ -1345,14 +1345,23 @@ def _mask_hole_error(attention_mask: torch.Tensor, what: str) -> ValueError:
     )
 
 
-def _cache_type_error(cache) -> TypeError:
+def _config_summary(config) -> str:
+    if config is None:
+        return "an unknown config"
+    where = getattr(config, "_name_or_path", "") or "a config built in memory"
+    return f"{where}: {config.num_hidden_layers} layers, MLA at {config.mla_layer_indices}"
+
+
+def _cache_type_error(cache, config=None) -> TypeError:
     """A cache this model cannot use. A K3 cache of another copy of the code (the installed package's beside a
-    folder's, loaded with trust_remote_code, or two folders') has the same class name: name both modules."""
+    folder's, loaded with trust_remote_code, or another K3 model's folder) has the same class name: name both modules
+    and the configs the cache and the model were made from."""
     given = type(cache)
     if given.__name__ in ("KimiK3Cache", "KimiK3StaticCache"):
         return TypeError(
-            f"the cache is a {given.__name__} of another copy of the Kimi K3 code ({given.__module__}); this model "
-            f"runs {KimiK3Cache.__module__} and needs a cache of its own classes: let the model or generate() make "
+            f"the cache is a {given.__name__} of another copy of the Kimi K3 code ({given.__module__}, made for "
+            f"{_config_summary(getattr(cache, '_text_config', None))}); this model runs {KimiK3Cache.__module__} "
+            f"({_config_summary(config)}) and needs a cache of its own classes: let the model or generate() make "
             "it, or make it from the model's module: "
             "importlib.import_module(type(model).__module__).KimiK3Cache(model.config)")
     return TypeError(f"Kimi K3 needs a KimiK3Cache (MLA latents + KDA states), got {given.__name__}")

@@ -84,13 +84,15 @@ def test_labels_of_another_length_are_refused_by_shape(model, length):
                                                                 "cache-of-another-code-copy-generate"])
 def test_a_cache_of_another_copy_of_the_code_names_both(model, call):
     foreign = KimiK3Cache(model.config)  # the installed package's class; the model runs its folder's copy
-    with pytest.raises(TypeError, match="another copy of the Kimi K3 code \\(kimik3.modeling.cache_kimi_k3\\); this "
-                                        "model runs transformers_modules\\..*cache_kimi_k3") as error:
+    with pytest.raises(TypeError, match="another copy of the Kimi K3 code \\(kimik3.modeling.cache_kimi_k3, made for "
+                                        ".*; this model runs transformers_modules\\..*cache_kimi_k3") as error:
         if call == "forward":
             model(_ids(), past_key_values=foreign, use_cache=True)
         else:
             model.generate(_ids(), past_key_values=foreign, max_new_tokens=2, do_sample=False)
     assert "importlib.import_module(type(model).__module__).KimiK3Cache(model.config)" in str(error.value)
+    # both configs named (here the same folder's: the cache was made from the model's own config)
+    assert str(error.value).count(f"{model.config._name_or_path}: 2 layers, MLA at [1]") == 2
     # what the message says to do works
     own = importlib.import_module(type(model).__module__).KimiK3Cache(model.config)
     with torch.no_grad():
@@ -139,3 +141,20 @@ def test_a_mask_generate_infers_marks_only_leading_pad_ids(model, where):
     inferred = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=pad)
     given = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=pad)
     assert torch.equal(inferred, given)
+
+
+@pytest.mark.parametrize("layers", [4], ids=["cache-of-another-k3-folder"])
+def test_a_cache_of_another_k3_models_folder_names_both_configs(model, folder, tmp_path, layers):
+    """Two K3 folders loaded with trust_remote_code run two copies of the code: the cache one model made is refused
+    by the other with both folders and their layouts named (it said "needs a KimiK3Cache, got KimiK3Cache")."""
+    other_folder = tmp_path / "other"
+    write_tiny_folder(other_folder, num_hidden_layers=layers)
+    other = AutoModelForCausalLM.from_pretrained(other_folder, trust_remote_code=True)
+    with torch.no_grad():
+        cache = other(_ids(), use_cache=True).past_key_values
+        with pytest.raises(TypeError) as error:
+            model(_ids(), past_key_values=cache, use_cache=True)
+    message = str(error.value)
+    assert f"made for {other_folder}: {layers} layers, MLA at [3]" in message
+    assert f"({folder}: 2 layers, MLA at [1])" in message
+
