@@ -146,13 +146,21 @@ def _do_verify(args) -> int:
         why = tensors.get("values_equal_why", "MXFP4 experts re-quantised with another valid scale")
         print(f"  {tensors['bytes_equal']} bytes-equal, {tensors['values_equal_bytes_differ']} values-equal with "
               f"different bytes ({why})")
+    requantised = tensors.get("requantised")
+    if requantised:  # a fine-tune against its export: the exporter re-quantised the dense experts to MXFP4
+        print(f"  {requantised['tensors']} routed-expert tensor(s) differ only by the export's MXFP4 re-quantisation "
+              f"(relative RMS error {requantised['relative_rms']:.3g}, max |error| {requantised['max_abs_err']:.3g}): "
+              "equal after the same round trip of the dense side")
     for m in tensors["mismatches"][:20]:
         print(f"  MISMATCH {m['tensor']} (source {m['source']}): {m['max_abs_diff']}")
     logits = report["logits"]
     if logits.get("skipped"):
         print(f"logits: skipped ({logits['skipped']})")
     else:
-        print(f"logits: {'equal' if logits.get('ok') else 'DIFFERENT'} (max |diff| {logits.get('max_abs_diff')})")
+        through = " (the dense experts through the export's MXFP4 round trip)" if logits.get("experts_requantised") \
+            else ""
+        print(f"logits: {'equal' if logits.get('ok') else 'DIFFERENT'}{through} (max |diff| "
+              f"{logits.get('max_abs_diff')})")
     return 0 if report["ok"] else 1
 
 

@@ -510,3 +510,48 @@ def test_verify_of_a_vision_checkpoint_draws_no_reserved_ids(tmp_path, capsys, t
     vocab = json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]["vocab_size"]
     ids = _fixed_input(vocab, tokens)
     assert int(ids.max()) < vocab - NUM_RESERVED_SPECIAL and len(set(ids[0].tolist())) > tokens // 2
+
+
+def _nudged(folder):
+    """A fine-tune's stand-in: every floating tensor but A_log moved by noise (dense experts no MXFP4 grid holds)."""
+    generator = torch.Generator().manual_seed(1)
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        tensors = {name: value + (0.01 * torch.randn(value.shape, generator=generator)).to(value.dtype)
+                   if value.is_floating_point() and "A_log" not in name else value for name, value in tensors.items()}
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param(None, id="verify-finetune-against-its-export"),
+    pytest.param("expert", id="verify-finetune-export-expert-changed"),
+    pytest.param("norm", id="verify-finetune-export-norm-changed"),
+])
+def test_verify_knows_an_export_that_requantised_the_experts(converted, tmp_path, capsys, damage):
+    """A fine-tune (our layout, dense experts) against its export (the release layout, experts re-quantised to MXFP4):
+    the experts are compared after the export's own MXFP4 round trip of the dense side, said so with the error, and the
+    logits likewise; a real difference, in an expert or elsewhere, is still a mismatch."""
+    finetune = tmp_path / "finetune"
+    shutil.copytree(converted, finetune)
+    _nudged(finetune)
+    kc.export(finetune, tmp_path / "exported", progress=False)
+    if damage is not None:
+        index = json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())["weight_map"]
+        name = next(n for n in index if (n.endswith("weight_packed") if damage == "expert" else
+                                         n.endswith("post_attention_layernorm.weight")))
+        shard = tmp_path / "exported" / index[name]
+        tensors = load_file(str(shard))
+        if damage == "expert":
+            tensors[name][0, 0] ^= 0x11  # two codes of one group
+        else:
+            tensors[name][0] += 1.0
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    code = kc.run_verify([str(finetune), str(tmp_path / "exported"), "--logits", "always"])
+    out = capsys.readouterr().out
+    assert "differ only by the export's MXFP4 re-quantisation (relative RMS error " in out, out
+    if damage is None:
+        assert code == 0 and "0 mismatch(es)" in out
+        assert "logits: equal (the dense experts through the export's MXFP4 round trip) (max |diff| 0.0)" in out
+    else:
+        assert code == 1 and (f"MISMATCH {name.replace('weight_packed', 'weight')}" in out or f"MISMATCH {name}" in out)
+        assert "logits: DIFFERENT" in out
