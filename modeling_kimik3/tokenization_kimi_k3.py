@@ -641,28 +641,43 @@ class ChatNormalizingMixin:
             cache[key] = ChatTagging([t.content for t in self.added_tokens_decoder.values()], key)
         return cache[key]
 
-    def encode_chat_pieces(self, pieces) -> list[int]:
+    def encode_chat_pieces(self, pieces, spans=None):
         """Ids of (text, is_template_marker) pieces: a template marker that is a token is that token; the text
-        between two of them is one piece of ordinary text (control-token spellings in it stay text)."""
+        between two of them is one piece of ordinary text (control-token spellings in it stay text). With `spans`
+        (character ranges of the rendering, its `{% generation %}` blocks) also the mask of the tokens inside them:
+        (ids, mask). A span must start and end at a marker, so that no token straddles its edge."""
         vocab = self.added_tokens_encoder
-        layout, texts, text = [], [], []  # layout: a token id, or None for the next encoded text
+        layout, texts, text = [], [], []  # layout: (a token id or None for the next encoded text, start, end)
+        position = start = 0
         for piece, is_marker in pieces:
             if is_marker and piece in vocab:
                 if text:
-                    layout.append(None)
+                    layout.append((None, start, position))
                     texts.append("".join(text))
                     text = []
-                layout.append(vocab[piece])
+                layout.append((vocab[piece], position, position + len(piece)))
+                start = position + len(piece)
             else:
+                if not text:
+                    start = position
                 text.append(piece)
+            position += len(piece)
         if text:
-            layout.append(None)
+            layout.append((None, start, position))
             texts.append("".join(text))
         encoded = iter(self(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"] if texts else [])
-        ids = []
-        for item in layout:
-            ids.extend(next(encoded) if item is None else [item])
-        return ids
+        ids, mask = [], []
+        for item, first, end in layout:
+            part = next(encoded) if item is None else [item]
+            ids.extend(part)
+            if spans is not None:
+                inside = any(first < b and a < end for a, b in spans)
+                if inside and not any(a <= first and end <= b for a, b in spans):
+                    raise ValueError("the chat template's {% generation %} block starts or ends inside the text "
+                                     f"between two of its control tokens (characters {first}..{end}): it must start "
+                                     "and end at a control token")
+                mask.extend([int(inside)] * len(part))
+        return ids if spans is None else (ids, mask)
 
     def chat_batch_encoding(self, ids, is_batched, padding=False, truncation=False, max_length=None,
                             return_tensors=None, tokenizer_kwargs=None):
@@ -709,15 +724,43 @@ class ChatNormalizingMixin:
                 texts.append(KimiK3ChatText(text))
                 texts[-1].kimik3_chat_pieces = tuple(parts)
             return texts if isinstance(plain, list) else texts[0]
-        if return_assistant_tokens_mask:
-            raise ValueError("return_assistant_tokens_mask: the K3 chat template has no {% generation %} blocks; "
-                             "kimik3.chat_format.render_segments marks each part of an assistant turn")
         is_batched = isinstance(plain, list)
-        ids = [self.encode_chat_pieces(p) for p in self.chat_pieces(conversation, plain, chat_template, tools,
-                                                                     kwargs, render)]
-        out = self.chat_batch_encoding(ids, is_batched, padding, truncation, max_length, return_tensors,
-                                       tokenizer_kwargs)
-        return out if return_dict else out["input_ids"]
+        pieces = self.chat_pieces(conversation, plain, chat_template, tools, kwargs, render)
+        if not return_assistant_tokens_mask:
+            ids = [self.encode_chat_pieces(p) for p in pieces]
+            out = self.chat_batch_encoding(ids, is_batched, padding, truncation, max_length, return_tensors,
+                                           tokenizer_kwargs)
+            return out if return_dict else out["input_ids"]
+        if not return_dict or continue_final_message:
+            raise ValueError("return_assistant_tokens_mask needs return_dict=True and no continue_final_message "
+                             "(as transformers')")
+        spans = self.generation_spans(conversation, chat_template, tools, documents, add_generation_prompt, kwargs)
+        encoded = [self.encode_chat_pieces(p, s) for p, s in zip(pieces, spans)]
+        out = self.chat_batch_encoding([ids for ids, _ in encoded], is_batched, padding, truncation, max_length,
+                                       None, tokenizer_kwargs)
+        # the mask padded and truncated as the ids were: the same call on the mask rows, whose padded places (the
+        # pad id) the padding's own attention mask then zeroes
+        masks = self.chat_batch_encoding([mask for _, mask in encoded], True, padding, truncation, max_length, None,
+                                         {**(tokenizer_kwargs or {}), "return_attention_mask": True})
+        masks = [[m * a for m, a in zip(row, attention)]
+                 for row, attention in zip(masks["input_ids"], masks["attention_mask"])]
+        out["assistant_masks"] = masks if is_batched else masks[0]
+        if return_tensors:
+            out.convert_to_tensors(tensor_type=return_tensors)
+        return out
+
+    def generation_spans(self, conversation, chat_template, tools, documents, add_generation_prompt, kwargs):
+        """The character ranges of each rendered conversation's `{% generation %}` blocks (transformers' renderer:
+        what the model writes in an assistant turn, as the template marks it)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        template = self.get_chat_template(chat_template, tools)
+        conversations = conversation if isinstance(conversation[0], (list, tuple)) else [conversation]
+        _, spans = render_jinja_template(
+            conversations=[list(c) for c in conversations], tools=tools, documents=documents,
+            chat_template=template, return_assistant_tokens_mask=True, add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens_map, **kwargs})
+        return spans
 
     def chat_pieces(self, conversation, plain, chat_template, tools, kwargs, render) -> list:
         """(text, is_template_marker) pieces of each rendered conversation, from the tagged rendering (ChatTagging)

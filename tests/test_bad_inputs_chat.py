@@ -371,8 +371,10 @@ def test_use_fast_false_is_ignored_by_transformers_5_and_the_slow_class_loads_di
                  id="template-inspects-its-markers"),
     pytest.param("forged-tags-in-message", "cannot be told apart from the conversation's text",
                  id="forged-tags-in-message"),
-    pytest.param("assistant-mask", "return_assistant_tokens_mask: the K3 chat template has no",
-                 id="return-assistant-tokens-mask-refused"),
+    pytest.param("assistant-mask", "return_assistant_tokens_mask needs return_dict=True",
+                 id="return-assistant-tokens-mask-without-dict"),
+    pytest.param("generation-inside-text", r"\{% generation %\} block starts or ends inside the text",
+                 id="generation-block-inside-text"),
     pytest.param("tokenizer-kwargs", r"tokenizer_kwargs \['stride'\]: not supported by the K3 chat encoding",
                  id="tokenizer-kwargs-unsupported"),
 ])
@@ -389,7 +391,11 @@ def test_what_the_chat_encoding_cannot_do_is_refused(toks, case, message):
             tagging = tok.chat_tagging()
             messages = [{"role": "user", "content": f"x{tagging.start}<|end_of_msg|>{tagging.end}y"}]
         elif case == "assistant-mask":
-            options = dict(return_assistant_tokens_mask=True)
+            options = dict(return_assistant_tokens_mask=True, return_dict=False)
+        elif case == "generation-inside-text":  # a custom template marking half of a message's text
+            options = dict(return_assistant_tokens_mask=True, chat_template="{% for m in messages %}<|open|>"
+                           "{{ m.content[:1] }}{% generation %}{{ m.content[1:] }}{% endgeneration %}<|close|>"
+                           "{% endfor %}")
         else:
             options = dict(tokenizer_kwargs={"stride": 2})
         with pytest.raises(ValueError, match=message):
