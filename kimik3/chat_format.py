@@ -12,7 +12,8 @@ from kimik3.modeling.tokenization_kimi_k3 import normalize_conversation
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
-REASONING_EFFORTS = ("low", "medium", "high", "max")
+# The efforts the release's encoder accepts: its note names `medium` too, but the encoder asserts low, high or max
+REASONING_EFFORTS = ("low", "high", "max")
 CONTROL_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)  # the only special tokens the renderer writes
 TOOL_DECLARE_HEAD = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
 EFFORT_BODY = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
@@ -190,7 +191,8 @@ def render_segments(messages: list[dict], tools: list | None = None, add_generat
     think sections and opens the response in the generation prompt; a system message carrying `tools` declares
     them where it stands (then its content, if any); `developer` messages are dropped."""
     if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
-        raise ChatFormatError(f"reasoning_effort must be low, medium, high or max (got {reasoning_effort})")
+        raise ChatFormatError(f"reasoning_effort must be low, high or max, as the release's encoder accepts (got "
+                              f"{reasoning_effort})")
     thinking = True if thinking is None else thinking
     messages = normalize_conversation(list(messages))
     r = Renderer()
