@@ -2,7 +2,6 @@
 (Activation memory during training is `kimik3.training.memory`.)"""
 
 import functools
-import json
 import math
 import os
 import re

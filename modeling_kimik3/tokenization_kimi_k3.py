@@ -734,7 +734,8 @@ class ChatNormalizingMixin:
         if not return_dict or continue_final_message:
             raise ValueError("return_assistant_tokens_mask needs return_dict=True and no continue_final_message "
                              "(as transformers')")
-        spans = self.generation_spans(conversation, chat_template, tools, documents, add_generation_prompt, kwargs)
+        spans = self.generation_spans(conversation, plain, chat_template, tools, documents, add_generation_prompt,
+                                      kwargs)
         encoded = [self.encode_chat_pieces(p, s) for p, s in zip(pieces, spans)]
         out = self.chat_batch_encoding([ids for ids, _ in encoded], is_batched, padding, truncation, max_length,
                                        None, tokenizer_kwargs)
@@ -749,17 +750,20 @@ class ChatNormalizingMixin:
             out.convert_to_tensors(tensor_type=return_tensors)
         return out
 
-    def generation_spans(self, conversation, chat_template, tools, documents, add_generation_prompt, kwargs):
+    def generation_spans(self, conversation, plain, chat_template, tools, documents, add_generation_prompt, kwargs):
         """The character ranges of each rendered conversation's `{% generation %}` blocks (transformers' renderer:
-        what the model writes in an assistant turn, as the template marks it)."""
+        what the model writes in an assistant turn, as the template marks it), in the text `plain` the ids encode."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         template = self.get_chat_template(chat_template, tools)
         conversations = conversation if isinstance(conversation[0], (list, tuple)) else [conversation]
-        _, spans = render_jinja_template(
+        rendered, spans = render_jinja_template(
             conversations=[list(c) for c in conversations], tools=tools, documents=documents,
             chat_template=template, return_assistant_tokens_mask=True, add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens_map, **kwargs})
+        if list(rendered) != (plain if isinstance(plain, list) else [plain]):
+            raise ValueError("return_assistant_tokens_mask: the template rendered another text when asked for its "
+                             "{% generation %} blocks, so their places cannot be read off the encoded text")
         return spans
 
     def chat_pieces(self, conversation, plain, chat_template, tools, kwargs, render) -> list:
