@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
-from kimik3.modeling.files_kimi_k3 import ADOPTION_RECORD_NAME, file_fingerprint
+from kimik3.modeling.files_kimi_k3 import ADOPTION_RECORD_NAME, release_fingerprints
 from kimik3.remote_code import remote_code_entries
 
 from . import files
@@ -117,7 +117,7 @@ def adopt(src, dst, *, experts_format: str = DEFAULT_EXPERTS_FORMAT) -> dict:
             "tokenizer_changes": tokenizer_changes,
             "release_a_log_length": plan.release_a_log_length(),
             # checked at every load (files_kimi_k3.check_adopted_release): a release file replaced after adoption
-            "fingerprints": {name: file_fingerprint(ckpt.root / name) for name in sorted(linked)},
+            "fingerprints": release_fingerprints(ckpt.root, linked),
             "notes": notes,
         }
     regular += [(ADOPTION_RECORD_NAME, files.json_bytes(record)), ("config.json", files.json_bytes(config))]

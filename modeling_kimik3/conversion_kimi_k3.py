@@ -438,6 +438,12 @@ def _resolve_config(model_class, pretrained, kwargs, experts_format):
     return text.experts_format, release_quantization
 
 
+def meta_skeleton(model_class, config):
+    """The model `config` builds, on the meta device (names and shapes, no memory, no weights read)."""
+    with torch.device("meta"):
+        return model_class(copy.deepcopy(config))
+
+
 def _check_device_map(model_class, config, device_map) -> None:
     """A device_map that would load nothing real: the meta device (weights never loaded; transformers then failed
     in its weight conversion naming no option), or a key naming no module of the model (silently ignored)."""
@@ -451,8 +457,7 @@ def _check_device_map(model_class, config, device_map) -> None:
                          "config (with torch.device(\"meta\"): model_class(config)) to inspect it")
     if not isinstance(device_map, dict):
         return
-    with torch.device("meta"):
-        skeleton = model_class(copy.deepcopy(config))
+    skeleton = meta_skeleton(model_class, config)
     modules = {name for name, _ in skeleton.named_modules()}
     names = [name for name, _ in skeleton.named_parameters()] + [name for name, _ in skeleton.named_buffers()]
     unknown = [key for key in device_map if key not in modules

@@ -107,7 +107,7 @@ def _resolves_inside(folder, path) -> bool:
     return blobs is not None and _within(real, blobs)
 
 
-def _adoption_record(folder, error) -> tuple[str, frozenset] | None:
+def _adoption_record(folder, error) -> tuple[str, frozenset, dict | None] | None:
     """(the release folder, the names linking into it) of an adopted folder's record (`ADOPTION_RECORD_NAME`, written
     by `kimik3 adopt`); None when `folder` holds no record. The record grants its folder's links their one way out,
     so it is checked before it is believed: a regular file of the folder (a symlink is refused, even one inside),
@@ -133,7 +133,10 @@ def _adoption_record(folder, error) -> tuple[str, frozenset] | None:
     if not os.path.isdir(release):
         raise error(record, f"names the release folder {release}, which is " + (
             "not a directory" if os.path.exists(release) else "missing") + ": the folder's links lead nowhere")
-    return release, frozenset(links)
+    fingerprints = value.get("fingerprints")  # adopted before fingerprints were taken: None
+    if fingerprints is not None and not isinstance(fingerprints, dict):
+        raise error(record, "key `fingerprints` must map linked file names to {size, mtime_ns, sha256}")
+    return release, frozenset(links), fingerprints
 
 
 def _adopted_link(folder, path, error) -> bool:
@@ -146,7 +149,7 @@ def _adopted_link(folder, path, error) -> bool:
     record = _adoption_record(folder, error)
     if record is None:
         return False
-    release, links = record
+    release, links, _ = record
     name = os.path.basename(path)
     target = os.path.join(release, name)
     if name not in links or os.readlink(path) != target:
@@ -180,24 +183,25 @@ def file_fingerprint(path, error=load_error) -> dict:
     return {"size": status.st_size, "mtime_ns": status.st_mtime_ns, "sha256": digest.hexdigest()}
 
 
+def release_fingerprints(release, names) -> dict:
+    """{name: file_fingerprint} of the release folder's files `names`: what an adoption record keeps."""
+    return {name: file_fingerprint(os.path.join(release, name)) for name in sorted(names)}
+
+
 def check_adopted_release(folder, error=load_error) -> None:
     """An adopted folder's links against the fingerprints its record took at adoption: a release file replaced by
     another of the same name (another size or header) is refused by name; one whose only change is its modification
     time (copied, touched, restored from a backup) gets a warning naming it, since its tensor data may differ. A
     record without fingerprints (adopted before they were taken) is not checked."""
     record_path = os.path.join(folder, ADOPTION_RECORD_NAME)
-    if _adoption_record(folder, error) is None:
+    record = _adoption_record(folder, error)
+    if record is None or record[2] is None:
         return
-    record = read_json(record_path, error=error, object_pairs_hook=dict_without_duplicate_keys)
-    fingerprints = record.get("fingerprints")
-    if fingerprints is None:
-        return
-    if not isinstance(fingerprints, dict):
-        raise error(record_path, "key `fingerprints` must map linked file names to {size, mtime_ns, sha256}")
+    release, _, fingerprints = record
     touched = []
     for name, taken in sorted(fingerprints.items()):
         check_file_name(name, record_path, what="fingerprinted file", error=error)
-        target = os.path.join(record["release"], name)
+        target = os.path.join(release, name)
         if not os.path.exists(target):
             continue  # the link's own check names it (_adopted_link)
         now = file_fingerprint(target, error)
@@ -208,13 +212,13 @@ def check_adopted_release(folder, error=load_error) -> None:
                     else "its contents differ from those at adoption")
             raise error(target, f"changed since `kimik3 adopt` wrote {folder}: {what}; the adopted config and "
                         f"{ADOPTION_RECORD_NAME} describe the old file. Adopt the release again (kimik3 adopt "
-                        f"{record['release']} DIR)")
+                        f"{release} DIR)")
         if now["mtime_ns"] != taken.get("mtime_ns"):
             touched.append(name)
     if touched:
         warnings.warn(f"{folder}: the release files {touched} were modified after adoption (same size and "
                       "safetensors header, so the same tensors by name, dtype and shape); if their values changed, "
-                      f"adopt the release again (kimik3 adopt {record['release']} DIR)", stacklevel=3)
+                      f"adopt the release again (kimik3 adopt {release} DIR)", stacklevel=3)
 
 
 def check_inside(folder, path, *, error=load_error) -> None:
@@ -704,6 +708,7 @@ __all__ = [
     "KimiK3LoadError",
     "check_adopted_release",
     "file_fingerprint",
+    "release_fingerprints",
     "check_auto_map",
     "check_file_name",
     "check_folder",

@@ -19,7 +19,6 @@ Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importab
 """
 
 import contextlib
-import copy
 import math
 
 import torch
@@ -36,7 +35,7 @@ from .cache_kimi_k3 import KimiK3Cache, KimiK3StaticCache
 from .compat_kimi_k3 import CACHE_ARGUMENTS, CACHE_FIELD, activation_checkpointing_on, cache_in, given_cache
 from .configuration_kimi_k3 import KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
-from .conversion_kimi_k3 import check_release_load
+from .conversion_kimi_k3 import check_release_load, meta_skeleton
 from .dispatch_kimi_k3 import (
     conv_normalizes_qk,
     decay_in_chunk_kernel,
@@ -873,9 +872,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             hub = {key: load_kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only",
                                                     "subfolder") if key in load_kwargs}
             config = cls.config_class.from_pretrained(config or path, **hub)
-        with torch.device("meta"):
-            skeleton = cls(copy.deepcopy(config))
-        return [name for name, module in skeleton.named_modules() if isinstance(module, KimiK3Experts)]
+        return [name for name, module in meta_skeleton(cls, config).named_modules() if isinstance(module, KimiK3Experts)]
 
     def post_init(self):
         super().post_init()

@@ -117,9 +117,9 @@ def refresh_adoption_fingerprints(adopted) -> None:
     import json
     from pathlib import Path
 
-    from kimik3.modeling.files_kimi_k3 import ADOPTION_RECORD_NAME, file_fingerprint
+    from kimik3.modeling.files_kimi_k3 import ADOPTION_RECORD_NAME, release_fingerprints
 
     path = Path(adopted) / ADOPTION_RECORD_NAME
     record = json.loads(path.read_text())
-    record["fingerprints"] = {name: file_fingerprint(Path(record["release"]) / name) for name in record["links"]}
+    record["fingerprints"] = release_fingerprints(record["release"], record["links"])
     path.write_text(json.dumps(record, indent=2, sort_keys=True))
