@@ -381,6 +381,19 @@ def release_conversions(experts_format: str = DEFAULT_EXPERTS_FORMAT) -> list:
     return conversions
 
 
+def dense_experts_conversions(applied: list) -> list:
+    """The conversions a release load records, as the load would have recorded them had it dequantised the experts
+    (`experts_format="dense"`): what save_pretrained reverses once packed experts became dense (a LoRA merged into
+    them), so that the release layout is written again, its experts quantised back to MXFP4."""
+    packed_targets = tuple(OUR_PACKED_SUFFIXES.values())
+    kept = [c for c in applied
+            if not any(t.endswith(packed_targets) for t in getattr(c, "target_patterns", None) or ())]
+    if len(kept) == len(applied):
+        return list(applied)
+    return kept + [c for c in release_conversions("dense")
+                   if any(isinstance(op, DequantizeMxfp4Experts) for op in getattr(c, "operations", ()))]
+
+
 def register_release_conversions(experts_format: str = DEFAULT_EXPERTS_FORMAT) -> None:
     """Registers the transforms for `KimiK3ForCausalLM` (and so for the composite model's `language_model`) and for
     `KimiK3TextBackbone` (the multimodal base model's `language_model`: the same tensors without the head). Called by
@@ -587,6 +600,7 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
 
 __all__ = [
     "DequantizeMxfp4Experts",
+    "dense_experts_conversions",
     "PadHeads",
     "QuantizeMxfp4Experts",
     "RejectInfiniteScales",

@@ -19,6 +19,7 @@ Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importab
 """
 
 import contextlib
+import contextvars
 import math
 
 import torch
@@ -46,7 +47,7 @@ from .dispatch_kimi_k3 import (
 )
 from .offload_kimi_k3 import check_offload_request, check_savable, load_with_experts_offloaded
 from .ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, routed_experts
-from .parallel_kimi_k3 import local_shard
+from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS, local_shard
 from .saving_kimi_k3 import register_auto_classes, save_folder
 
 
@@ -545,6 +546,10 @@ class KimiK3MoEGate(nn.Module):
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(biased)
 
 
+# Whether packed experts built now offer adapter points (KimiK3Experts.ADAPTER_POINTS); off during a parallel load
+_OFFER_ADAPTER_POINTS = contextvars.ContextVar("kimik3_offer_adapter_points", default=True)
+
+
 class KimiK3Experts(nn.Module):
     """Routed experts as fused 3-D tensors in the latent width: gate_up_proj [E, 2I, Dl] (gate rows first),
     down_proj [E, Dl, I]. With `experts_format == "mxfp4"` the same tensors are kept packed (uint8 codes + E8M0
@@ -567,18 +572,91 @@ class KimiK3Experts(nn.Module):
                 scales = torch.full((*shape[:-1], shape[-1] // MXFP4_GROUP_SIZE), 127, dtype=torch.uint8)
                 setattr(self, f"{name}_packed", nn.Parameter(codes, requires_grad=False))
                 setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+            if _OFFER_ADAPTER_POINTS.get():
+                self._offer_adapter_points(torch.get_default_dtype(), self.gate_up_proj_packed.device)
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(gate_up))
             self.down_proj = nn.Parameter(torch.empty(down))
         # a LayerOffload when the load kept the experts in host memory (`experts_offload`), else None
         self.offload = None
 
+    # PEFT's `target_parameters` finds the parameter to adapt by its name among a module's parameters and sizes the
+    # adapter from its shape. Packed experts offer the dense stacks' names and shapes as adapter points: a zero of one
+    # element broadcast to the stack's shape (no memory), not a weight (never saved or loaded). Under an unmerged
+    # adapter PEFT parametrizes a point to the adapter's update, which `_routed` adds to the dequantised experts
+    # (docs/training.md, LoRA on packed experts). A parallel load offers none: FSDP shards every parameter and
+    # cannot shard a broadcast one.
+    ADAPTER_POINTS = ("gate_up_proj", "down_proj")
+
+    def _offer_adapter_points(self, dtype: torch.dtype, device: torch.device) -> None:
+        for name in self.ADAPTER_POINTS:
+            codes = getattr(self, f"{name}_packed")
+            zero = torch.zeros((), dtype=dtype, device=device)
+            point = zero.expand(*codes.shape[:-1], 2 * codes.shape[-1])
+            self.register_parameter(name, nn.Parameter(point, requires_grad=False))
+
+    def place_adapter_points(self) -> None:
+        """The adapter points beside the codes: a load built the model on the meta device and read only weights."""
+        points = self._adapter_points()
+        if points and next(iter(points.values())).device != self.gate_up_proj_packed.device:
+            self._offer_adapter_points(next(iter(points.values())).dtype, self.gate_up_proj_packed.device)
+
+    def _adapter_points(self) -> dict:
+        return {name: self._parameters[name] for name in self.ADAPTER_POINTS if name in self._parameters} \
+            if self.packed else {}
+
     def _apply(self, fn, recurse=True):
-        # offloaded experts stay in host memory or the shards while the rest of the model moves (offload_kimi_k3.py)
+        # an adapter point moved or cast as a tensor would become a full-size one: it is offered again where `fn` sends
+        # a tensor of its dtype and device
+        points = self._adapter_points()
+        for name in points:
+            del self._parameters[name]
         if self.offload is None:
-            return super()._apply(fn, recurse)
-        self.offload.apply(self, fn)
+            super()._apply(fn, recurse)
+        else:
+            # offloaded experts stay in host memory or the shards while the rest of the model moves
+            # (offload_kimi_k3.py)
+            self.offload.apply(self, fn)
+        if points:
+            point = next(iter(points.values()))
+            # `fn` cannot copy out of the meta device (a model built there before its load): ask it from the host
+            probe = torch.zeros((), dtype=point.dtype, device="cpu" if point.device.type == "meta" else point.device)
+            moved = fn(probe)
+            self._offer_adapter_points(moved.dtype, moved.device)
         return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in self._adapter_points():
+            destination.pop(prefix + name, None)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        points = self._adapter_points()
+        for name in points:
+            del self._parameters[name]
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self._parameters.update(points)
+
+    def adapter_updates(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The update (gate_up, down) an unmerged PEFT adapter makes to packed experts, None without one."""
+        if not (self.packed and nn.utils.parametrize.is_parametrized(self)):
+            return None
+        return self.gate_up_proj, self.down_proj
+
+    def dense_stacks(self, dtype: torch.dtype, updates=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) as dense tensors in `dtype`: the packed ones dequantised (exact for bf16 and
+        f32), plus `updates` (an adapter's) when given."""
+        if not self.packed:
+            return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
+        codes = self.stacks()
+        dense = (dequantize_mxfp4(codes[0], codes[1], dtype), dequantize_mxfp4(codes[2], codes[3], dtype))
+        if updates is None:
+            return dense
+        return tuple(stack + update.to(dtype) for stack, update in zip(dense, updates))
 
     def stacks(self) -> tuple[torch.Tensor, ...]:
         """The expert stacks [E, ...] in one order: (gate_up_proj, down_proj), or packed (gate_up codes, scales, down
@@ -620,20 +698,27 @@ class KimiK3Experts(nn.Module):
         return partial.index_add(0, token_of, weighted)
 
     def _routed(self, hidden_states, top_indices, top_weights, fetched=None):
-        stacks = self.stacks()
+        stacks, packed = self.stacks(), self.packed
+        updates = self.adapter_updates()
+        if updates is not None:
+            if self.offload is not None:
+                raise NotImplementedError("a PEFT adapter on experts kept off the device (experts_offload): load "
+                                          "without experts_offload to train or run an unmerged expert adapter")
+            # the experts an unmerged adapter runs: the dequantised ones plus its update, as a merged model's
+            stacks, packed = self.dense_stacks(updates[0].dtype, updates), False
         if self.offload is not None:
             # experts kept in host memory: the chosen ones, compacted on this device (offload_kimi_k3.py)
             fetched = fetched if fetched is not None else self.fetch(top_indices, hidden_states.device)
             top_indices, stacks = fetched.wait()
         if self.config.hidden_act == "silu":
             # SwiGLU experts (Kimi-Linear-style configs): the fast experts are SiTU-only
-            gate_up, down = stacks if not self.packed else (
+            gate_up, down = stacks if not packed else (
                 dequantize_mxfp4(stacks[0], stacks[1], hidden_states.dtype),
                 dequantize_mxfp4(stacks[2], stacks[3], hidden_states.dtype))
             return routed_experts(hidden_states, top_indices, top_weights, gate_up, down,
                                   lambda gate, up: glu_activation(self.config, gate, up))
         situ_betas = (self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
-        experts = fast_or_reference("moe_experts_mxfp4" if self.packed else "moe_experts", hidden_states)
+        experts = fast_or_reference("moe_experts_mxfp4" if packed else "moe_experts", hidden_states)
         return experts(hidden_states, top_indices, top_weights, *stacks, *situ_betas)
 
 
@@ -850,6 +935,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         with a device cache of at most `experts_cache_bytes` bytes of them, the model's `experts_cache`
         (docs/design.md, Routed experts off the device)."""
         check_offload_request(experts_offload, experts_cache_bytes, kwargs, pretrained_model_name_or_path)
+        points = _OFFER_ADAPTER_POINTS.set(not any(kwargs.get(key) is not None for key in PARALLEL_LOAD_KWARGS))
         load = super().from_pretrained
         if experts_offload is not None:
             parent_load = load
@@ -860,8 +946,15 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                 return load_with_experts_offloaded(parent_load, cls, path, load_args, load_kwargs, experts_offload,
                                                    experts_cache_bytes, names)
 
-        return check_release_load(load, cls, pretrained_model_name_or_path, *args, experts_format=experts_format,
-                                  **kwargs)
+        try:
+            loaded = check_release_load(load, cls, pretrained_model_name_or_path, *args,
+                                        experts_format=experts_format, **kwargs)
+        finally:
+            _OFFER_ADAPTER_POINTS.reset(points)
+        for module in (loaded[0] if isinstance(loaded, tuple) else loaded).modules():
+            if isinstance(module, KimiK3Experts):
+                module.place_adapter_points()
+        return loaded
 
     @classmethod
     def _expert_module_names(cls, path, load_kwargs) -> list[str]:

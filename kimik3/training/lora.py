@@ -21,7 +21,9 @@
 * MLP: ``gate_proj``, ``up_proj``, ``down_proj`` of the dense MLP and of the shared experts;
 * optionally the routed experts, whose weights are fused 3-D parameters (``mlp.experts.gate_up_proj [E, 2I, Dl]``,
   ``mlp.experts.down_proj [E, Dl, I]``): LoRA reaches them through ``target_parameters`` (one rank-r adapter per
-  expert, peft >= 0.17);
+  expert, peft >= 0.17). Experts kept MXFP4-packed offer the same names and shapes as adapter points (no memory):
+  the codes and scales stay frozen, the adapter's update is added to the dequantised experts, and
+  :func:`merge_and_unload` merges it into dense experts;
 * optionally the latent projections of the routed path (``routed_expert_down_proj`` / ``routed_expert_up_proj``).
 
 Left out on purpose: the router (``mlp.gate``; its bias is set by Quantile Balancing, not by gradients), the KDA
@@ -31,6 +33,7 @@ the short convolutions, norms, embeddings and ``lm_head``.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -73,7 +76,7 @@ def lora_target_modules(model: nn.Module, include_latent: bool = False) -> list[
 
 
 def lora_target_parameters(model: nn.Module) -> list[str]:
-    """The fused expert parameters present in the model (none when the experts are kept MXFP4-packed)."""
+    """The fused expert parameters present in the model (dense stacks, or packed experts' adapter points)."""
     names = {name for name, _ in model.named_parameters()}
     return [p for p in EXPERT_PARAMETERS if any(n == p or n.endswith("." + p) for n in names)]
 
@@ -102,7 +105,7 @@ def default_lora_config(
     target_modules = lora_target_modules(model, include_latent=include_latent)
     target_parameters = lora_target_parameters(model) if include_experts else []
     if include_experts and not target_parameters:
-        raise ValueError("include_experts=True but the model has no fused expert parameters (MXFP4-packed?)")
+        raise ValueError("include_experts=True but the model has no routed experts")
     if target_parameters and kwargs.get("lora_dropout"):
         raise ValueError("lora_dropout is not supported on expert parameters (target_parameters); use 0")
     kwargs.setdefault("task_type", "CAUSAL_LM")
@@ -115,4 +118,55 @@ def default_lora_config(
     )
 
 
-__all__ = ["default_lora_config", "lora_target_modules", "lora_target_parameters"]
+def merge_and_unload(peft_model, safe_merge: bool = False, adapter_names: list[str] | None = None):
+    """PEFT's ``merge_and_unload``, also where the routed experts are kept MXFP4-packed.
+
+    PEFT merges an adapter by adding its update to the parameter in place, which packed experts cannot hold (codes, not
+    values). Here every packed experts module becomes a dense one: its experts dequantised (exact) in the adapter
+    points' dtype plus the active adapters' updates, as the unmerged adapter ran them; the config's
+    ``experts_format`` becomes ``"dense"``. PEFT then merges the rest. Returns the base model, as PEFT does. With dense
+    experts this is PEFT's ``merge_and_unload`` alone."""
+    from peft.tuners.lora import ParamWrapper
+
+    from kimik3.modeling.conversion_kimi_k3 import dense_experts_conversions
+
+    model = peft_model.get_base_model()
+    dense = {}
+    for name, module in model.named_modules():
+        experts = module.get_base_layer() if isinstance(module, ParamWrapper) else module
+        if name.endswith(".base_layer") or not getattr(experts, "ADAPTER_POINTS", None) or not experts.packed:
+            continue
+        updates, layer = {}, module
+        while isinstance(layer, ParamWrapper):
+            for adapter in adapter_names or layer.active_adapters:
+                if adapter in layer.lora_A:
+                    update = layer.get_delta_weight(adapter)
+                    if safe_merge and not torch.isfinite(update).all():
+                        raise ValueError(f"{name}.{layer.parameter_name}: adapter {adapter!r} has a non-finite "
+                                         "update; nothing was merged")
+                    updates[layer.parameter_name] = updates.get(layer.parameter_name, 0) + update
+            layer = layer.base_layer
+        dtype = next(iter(experts._adapter_points().values())).dtype
+        stacks = experts.dense_stacks(dtype, [updates.get(point, torch.zeros((), dtype=dtype))
+                                              for point in experts.ADAPTER_POINTS])
+        dense[name] = (experts, stacks)
+    if dense:
+        text_config = model.config.get_text_config()
+        for experts, _ in dense.values():
+            experts.config.experts_format = "dense"
+        text_config.experts_format = "dense"
+        for module in model.modules():
+            # a model loaded from the release layout saves it again: its experts quantised back, as a dense load's
+            if getattr(module, "_weight_conversions", None):
+                module._weight_conversions = dense_experts_conversions(module._weight_conversions)
+        for name, (experts, stacks) in dense.items():
+            with torch.device("meta"):
+                merged = type(experts)(experts.config)
+            merged.num_experts = experts.num_experts
+            for point, stack in zip(experts.ADAPTER_POINTS, stacks):
+                setattr(merged, point, nn.Parameter(stack.detach(), requires_grad=False))
+            model.set_submodule(name, merged)
+    return peft_model.merge_and_unload(safe_merge=safe_merge, adapter_names=adapter_names)
+
+
+__all__ = ["default_lora_config", "lora_target_modules", "lora_target_parameters", "merge_and_unload"]
