@@ -36,8 +36,8 @@ setup(
         # image-processor classes are placeholders without Pillow
         "pillow",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist", "peft>=0.19.1", "trl>=1.16", "pillow"],
-                    "train": ["peft>=0.19.1", "trl>=1.16"], "gpu": ["fla-core>=0.5.2"],
+    extras_require={"test": ["pytest", "pytest-xdist", "peft>=0.19.1", "trl>=1.16", "lm_eval>=0.4.13", "pillow"],
+                    "train": ["peft>=0.19.1", "trl>=1.16", "lm_eval>=0.4.13"], "gpu": ["fla-core>=0.5.2"],
                     "vision": ["pillow"]},
     entry_points={"console_scripts": ["kimik3=kimik3.cli:main"]},
 )

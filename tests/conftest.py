@@ -164,12 +164,14 @@ SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "t
                  "test_adopt": "fresh_interpreter", "test_release_loading": "fresh_interpreter"}
 # The groups that take longest, handed out first (longest first), so the two workers end together rather than one
 # starting a long group while the other has finished; the rest go in xdist's order (most tests first). Seconds summed
-# from `--durations=0` of the files at `-n 0` on a shared 2-core machine (only the order matters). No file is near
+# from `--durations=0` of a two-worker run on a 2-core machine (only the order matters). No file is near
 # half the suite, so the file groups stay whole: the longest bounds the wall time only when it is.
-GROUP_SECONDS = {"fresh_interpreter": 29, "two_rank_launch": 23, "test_quantile_balancing_model": 24,
-                 "test_training": 16, "test_static_cache": 16, "test_decode_loop": 14, "test_convert_roundtrip": 8,
-                 "test_training_lora": 8, "test_bad_inputs_runs": 7, "test_convert_memory": 7, "test_prefix_reuse": 7,
-                 "test_vision": 4, "test_convert_resume": 3, "test_speculative": 3}
+GROUP_SECONDS = {"test_readme": 29, "fresh_interpreter": 18, "two_rank_launch": 17, "test_training_recipes": 17,
+                 "test_training": 11, "test_peft_paths": 10, "test_quantile_balancing_model": 10,
+                 "test_static_cache": 9, "test_speculative_static": 7, "test_decode_loop": 6, "test_prefix_reuse": 6,
+                 "test_convert_roundtrip": 5, "test_convert_memory": 5, "test_training_lora_packed": 5,
+                 "test_training_lora": 5, "test_auto_classes": 4, "test_bad_inputs_runs": 4, "test_offload": 4,
+                 "test_kernels_dispatch": 3, "test_vision": 3}
 
 
 def xdist_group_of(nodeid: str) -> str:

@@ -56,6 +56,11 @@ def experts_modules(model):
     return {name: module for name, module in model.named_modules() if type(module).__name__ == "KimiK3Experts"}
 
 
+def adapted(model, **kwargs):
+    """The model with the default LoRA (experts included), its targets read from the model before it is wrapped."""
+    return get_peft_model(model, default_lora_config(model, r=RANK), **kwargs)
+
+
 def randomize_adapters(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -88,8 +93,7 @@ def test_packed_experts_offer_adapter_points_that_are_no_weights():
 
 
 def test_unmerged_packed_adapter_equals_the_dense_model_with_the_same_adapter_and_trains_only_adapters():
-    packed = get_peft_model(load("packed"), default_lora_config(load("packed"), r=RANK))
-    dense = get_peft_model(load("dense"), default_lora_config(load("dense"), r=RANK))
+    packed, dense = (adapted(load(which)) for which in ("packed", "dense"))
     randomize_adapters(packed)
     dense.load_state_dict(packed.state_dict(), strict=False)
     adapters = {n: p for n, p in packed.named_parameters() if "lora_" in n}
@@ -170,10 +174,9 @@ def test_packed_lora_trains_saves_reloads_and_merges_into_dense_experts(tmp_path
 
 
 def test_packed_lora_in_bf16_keeps_f32_or_bf16_adapters():
-    config = default_lora_config(load("packed", dtype=torch.bfloat16), r=RANK)
-    upcast = get_peft_model(load("packed", dtype=torch.bfloat16), config)  # PEFT's default: adapters in f32
+    upcast = adapted(load("packed", dtype=torch.bfloat16))  # PEFT's default: adapters in f32
     assert {p.dtype for n, p in upcast.named_parameters() if "lora_" in n} == {torch.float32}
-    as_model = get_peft_model(load("packed", dtype=torch.bfloat16), config, autocast_adapter_dtype=False)
+    as_model = adapted(load("packed", dtype=torch.bfloat16), autocast_adapter_dtype=False)
     assert {p.dtype for n, p in as_model.named_parameters() if "lora_" in n} == {torch.bfloat16}
     for peft_model in (upcast, as_model):
         randomize_adapters(peft_model)
@@ -192,12 +195,12 @@ def test_packed_lora_bad_input(case):
     if case == "offloaded":
         # the offload hands the forward only the experts it moved, which the adapter's update does not follow
         model = load("packed", experts_offload="host", experts_cache_bytes=1 << 20)
-        peft_model = get_peft_model(model, default_lora_config(load("packed"), r=RANK))
+        peft_model = adapted(model)
         randomize_adapters(peft_model)
         with pytest.raises(NotImplementedError, match="experts kept off the device \\(experts_offload\\)"):
             peft_model(**batch_of(1))
         return
-    peft_model = get_peft_model(load("packed"), default_lora_config(load("packed"), r=RANK))
+    peft_model = adapted(load("packed"))
     randomize_adapters(peft_model)
     with torch.no_grad():
         next(p for n, p in peft_model.named_parameters() if "layers.2.mlp.experts.lora_B" in n)[0, 0] = float("nan")
