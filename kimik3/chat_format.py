@@ -16,6 +16,10 @@ IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 REASONING_EFFORTS = ("low", "high", "max")
 CONTROL_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)  # the only special tokens the renderer writes
 TOOL_DECLARE_HEAD = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
+# A system message carrying `tools` extends the tool set mid-conversation (the release's dynamic declaration)
+DYNAMIC_TOOL_DECLARE_HEAD = ("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+                             "You have access to all existing and extended tools.\nHere are the specs for the "
+                             "extended tools.\n\n```json\n")
 EFFORT_BODY = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
                "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked "
                "with `thinking_effort={}`.")
@@ -24,6 +28,10 @@ TOOL_CHOICE_BODY = {
     "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
 }
 RAW_JSON = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
+
+
+DECLARING_SYSTEM_WITH_TEXT = ("a system message carrying `tools` is the release's declaration of more tools and "
+                              "renders no text (its encoder drops it): put the text in a system message of its own")
 
 
 class ChatFormatError(ValueError):
@@ -177,9 +185,9 @@ def _render_tool_run(r: Renderer, run: list[dict], calls: list[dict]):
         emit(result, name)
 
 
-def _declare_tools(r: Renderer, tools):
+def _declare_tools(r: Renderer, tools, dynamic: bool = False):
     r.open("message", ("role", "system"), ("type", "tool-declare"))
-    r.content(TOOL_DECLARE_HEAD + compact_json(tools) + "\n```")
+    r.content((DYNAMIC_TOOL_DECLARE_HEAD if dynamic else TOOL_DECLARE_HEAD) + compact_json(tools) + "\n```")
     r.end_message()
 
 
@@ -189,7 +197,8 @@ def render_segments(messages: list[dict], tools: list | None = None, add_generat
     """The conversation as XTML segments, block order: tool declarations, effort, messages, tool_choice,
     response_format, generation prompt. As the release's encoder: `thinking=False` drops the effort message and the
     think sections and opens the response in the generation prompt; a system message carrying `tools` declares
-    them where it stands (then its content, if any); `developer` messages are dropped."""
+    them where it stands, as new tools (with text too it is refused: the encoder would drop the text); `developer`
+    messages are dropped."""
     if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
         raise ChatFormatError(f"reasoning_effort must be low, high or max, as the release's encoder accepts (got "
                               f"{reasoning_effort})")
@@ -210,8 +219,10 @@ def render_segments(messages: list[dict], tools: list | None = None, add_generat
         elif role in ("user", "system"):
             body = content_text(message.get("content"))
             if role == "system" and message.get("tools"):
-                _declare_tools(r, message["tools"])
-            if role == "user" or body or not message.get("tools"):
+                if body:
+                    raise ChatFormatError(DECLARING_SYSTEM_WITH_TEXT)
+                _declare_tools(r, message["tools"], dynamic=True)
+            else:
                 r.open("message", ("role", role), *([("name", message["name"])] if message.get("name") else []))
                 r.content(body)
                 r.end_message()

@@ -61,7 +61,8 @@ def _case(field, text):
                          {"role": "tool", "tool_call_id": "c1", "content": text, "name": text}], {}),
         "tool-declaration": ([user], {"tools": [{"type": "function", "function": {
             "name": text, "description": text, "parameters": {"type": "object", "properties": {text: {}}}}}]}),
-        "system-tools": ([{"role": "system", "content": text, "tools": [{"description": text}]}, user], {}),
+        "system-tools": ([{"role": "system", "content": text}, {"role": "system", "tools": [{"description": text}]},
+                          user], {}),
         "response-format": ([user], {"response_format": {"type": "json_schema", "json_schema": {"schema": {
             "description": text}}}}),
     }
@@ -445,3 +446,25 @@ def test_a_plain_string_made_from_the_chat_text_is_raw_text_again(toks, make):
         text = make(tok.apply_chat_template(messages, tokenize=False))
         assert type(text) is str
         assert len(_specials(tok(text)["input_ids"])) == len(_specials(tok.apply_chat_template(messages)["input_ids"])) + 1
+
+
+@pytest.mark.parametrize("content", [
+    pytest.param("Now search.", id="system-tools-with-text"),
+    pytest.param([{"type": "text", "text": "Now search."}], id="system-tools-with-text-parts"),
+])
+def test_a_declaring_system_message_with_text_is_refused_by_both_renderers(toks, content):
+    """The release's encoder renders a system message carrying `tools` as a declaration of more tools and drops its
+    text: refused by name rather than dropped, by the Python renderer and the template alike."""
+    from kimik3.chat_format import ChatFormatError
+
+    messages = [{"role": "system", "content": content, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                {"role": "user", "content": "x"}]
+    wanted = "a system message carrying `tools` is the release's declaration of more tools and renders no text"
+    with pytest.raises(ChatFormatError, match=wanted):
+        render_segments(messages)
+    for tok in toks:
+        with pytest.raises(Exception, match=wanted):
+            tok.apply_chat_template(messages, tokenize=False)
+    # without the text, the declaration renders (no message of its own)
+    text = toks[0].apply_chat_template([{**messages[0], "content": ""}, messages[1]], tokenize=False)
+    assert "## New Tools Available" in text and '<|open|>message role="system"<|sep|>' not in text

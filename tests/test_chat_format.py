@@ -30,7 +30,8 @@ CONVERSATIONS = {
                                       {"role": "user", "content": "x"}], {}),
     "system-declares-tools": ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"},
                                {"role": "system", "tools": TOOLS[1:]},
-                               {"role": "system", "content": "Now search.", "tools": TOOLS[:1]},
+                               {"role": "system", "content": "Now search."},
+                               {"role": "system", "tools": TOOLS[:1], "name": "ignored"},
                                {"role": "user", "content": "y"}], {"tools": TOOLS[1:]}),
     "thinking-off": ([{"role": "user", "content": "2+2?"},
                       {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
@@ -152,7 +153,8 @@ def test_unsupported_reasoning_effort_is_refused_both_ways(loaded, effort):
 
 def test_thinking_off_developer_and_dynamic_tools_follow_the_release_encoder():
     """thinking=False: no effort message, no think sections, the generation prompt opens the response; developer
-    messages are dropped; a system message with tools declares them where it stands."""
+    messages are dropped; a system message with tools declares them where it stands, as new tools (the release's
+    dynamic declaration: its own heading, no text)."""
     messages, options = CONVERSATIONS["thinking-off"]
     text = render_text(messages, add_generation_prompt=True, **options)
     assert "thinking-effort" not in text and "<|open|>think" not in text and "Add them." not in text
@@ -163,8 +165,14 @@ def test_thinking_off_developer_and_dynamic_tools_follow_the_release_encoder():
     assert render_text(CONVERSATIONS["developer-with-tools-dropped"][0]) == plain
     dynamic = render_text(*CONVERSATIONS["system-declares-tools"][:1], **CONVERSATIONS["system-declares-tools"][1])
     assert dynamic.count('type="tool-declare"') == 3
-    assert dynamic.index("<|sep|>x<|close|>") < dynamic.index('"name":"get_weather"') < dynamic.index("Now search.")
-    assert dynamic.count('<|open|>message role="system"<|sep|>') == 2  # the declaring one without content: no body
+    # the tools argument: the first block, the usual heading; each declaring system message: where it stands, the
+    # heading of tools added to the existing ones, and neither a message of its own nor its name
+    assert dynamic.startswith('<|open|>message role="system" type="tool-declare"<|sep|># Tools\nHere are the')
+    assert dynamic.count("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+                         "You have access to all existing and extended tools.\nHere are the specs for the extended "
+                         "tools.\n\n```json\n") == 2
+    assert dynamic.index("<|sep|>x<|close|>") < dynamic.index("Now search.") < dynamic.index('"name":"get_weather"')
+    assert dynamic.count('<|open|>message role="system"<|sep|>') == 2 and "ignored" not in dynamic
     assert "thinking_effort=low" in render_text(*CONVERSATIONS["effort-low"][:1], **CONVERSATIONS["effort-low"][1])
 
 
