@@ -92,24 +92,25 @@ def packed_mxfp4_copy(dense_model):
     (the GPU tests' and diagnostics' packed model)."""
     import copy
 
-    from kimik3.modeling import ops_kimi_k3 as ops
+    from kimik3.modeling.experts_format_kimi_k3 import MXFP4
     from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
 
     config = copy.deepcopy(dense_model.config)
-    config.experts_format = "mxfp4"
+    config.experts_format = MXFP4.name
     packed = KimiK3ForCausalLM(config).to(dense_model.device)
     missing, unexpected = packed.load_state_dict(dense_model.state_dict(), strict=False)
-    if not all(key.endswith(("_packed", "_scale")) for key in missing) or not all(
-            key.endswith(("gate_up_proj", "down_proj")) for key in unexpected):
+    stored = tuple(stack + suffix for stack in KimiK3Experts.STACKS for suffix in MXFP4.suffixes)
+    if not all(key.endswith(stored) for key in missing) or not all(
+            key.endswith(KimiK3Experts.STACKS) for key in unexpected):
         raise ValueError(f"packed_mxfp4_copy: expected only the expert weights to change form, got missing "
                          f"{missing}, unexpected {unexpected}")
     for name, module in dense_model.named_modules():
         if isinstance(module, KimiK3Experts):
             target = packed.get_submodule(name)
-            for weight in ("gate_up_proj", "down_proj"):
-                codes, scale = ops.quantize_mxfp4(getattr(module, weight).detach())
-                getattr(target, f"{weight}_packed").copy_(codes)
-                getattr(target, f"{weight}_scale").copy_(scale)
+            for stack in target.STACKS:
+                values = target.format.from_dense(getattr(module, stack).detach())
+                for tensor, value in zip(target.stored(stack), values):
+                    tensor.copy_(value)
     return packed.eval()
 
 

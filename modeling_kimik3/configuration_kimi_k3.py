@@ -25,6 +25,10 @@ import os
 from transformers.configuration_utils import PretrainedConfig
 
 from .compat_kimi_k3 import HAS_EP_DISPATCH
+from .experts_format_kimi_k3 import DEFAULT as DEFAULT_FORMAT
+from .experts_format_kimi_k3 import EXPERTS_FORMATS as FORMATS
+from .experts_format_kimi_k3 import RELEASE as RELEASE_FORMAT
+from .experts_format_kimi_k3 import experts_format
 from .files_kimi_k3 import check_auto_map
 
 
@@ -77,7 +81,7 @@ KIMI_K3_TP_PLAN = {
 # replicated router on the same tokens, with the dispatch this transformers has (compat_kimi_k3.HAS_EP_DISPATCH).
 # KimiK3Experts skips the masked routes either way.
 _EXPERT_PARAMETERS = {f"layers.*.mlp.experts.{name}{part}": "grouped_gemm" for name in ("gate_up_proj", "down_proj")
-                      for part in ("", "_packed", "_scale")}
+                      for part in dict.fromkeys(s for fmt in FORMATS.values() for s in fmt.suffixes)}
 if HAS_EP_DISPATCH:
     KIMI_K3_EP_PLAN = {**_EXPERT_PARAMETERS, "layers.*.mlp.experts": "ep_dispatch_experts"}
 else:
@@ -123,28 +127,25 @@ MAX_VOCAB_SIZE = 1 << 24
 SUPPORTED_TOPK_METHODS = ("noaux_tc",)
 # `dtype` / `torch_dtype` name a torch floating dtype; transformers turns the string into `getattr(torch, name)`.
 _DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
-# How the routed experts are stored, the one vocabulary of the config key `experts_format`, the load option of the
-# same name, `kimik3 convert --experts-format` and `kimik3 memory --experts-format`: "dense" (bf16, dequantised
-# exactly from the release) or "mxfp4" (kept packed: 4-bit codes and one E8M0 scale byte per 32 values). Our configs
-# and conversions default to dense; the release itself ships mxfp4 (what `kimik3 memory --plan` and export assume).
-EXPERTS_FORMATS = ("dense", "mxfp4")
-DEFAULT_EXPERTS_FORMAT = "dense"
-RELEASE_EXPERTS_FORMAT = "mxfp4"
+# How the routed experts are stored: the formats of experts_format_kimi_k3 (the one vocabulary of the config key
+# `experts_format`, the load option of the same name, `kimik3 convert --experts-format` and `kimik3 memory
+# --experts-format`). Our configs and conversions default to dense; the release itself ships mxfp4 (what `kimik3
+# memory --plan` and export assume).
+EXPERTS_FORMATS = FORMATS  # the registry itself (name -> format): a format registered there is a value here
+DEFAULT_EXPERTS_FORMAT = DEFAULT_FORMAT.name
+RELEASE_EXPERTS_FORMAT = RELEASE_FORMAT.name
 
 
 def check_experts_format(value, what: str = "experts_format") -> str:
-    """`value` if it is one of EXPERTS_FORMATS, else a ValueError naming `what` and the allowed values."""
-    if not isinstance(value, str) or value not in EXPERTS_FORMATS:
-        allowed = " or ".join(repr(name) for name in EXPERTS_FORMATS)
-        raise ValueError(f"{what}={value!r}: choose {allowed} (dense: bf16 experts; mxfp4: packed MXFP4 experts)")
-    return value
+    """`value` if it names an experts format, else a ValueError naming `what` and the formats there are."""
+    return experts_format(value, what).name
 
 
 # The release's experts format (docs/architecture.md, The release's files); the experts are always decoded as MXFP4
 # groups of 32.
 _QUANT_METHOD = "compressed-tensors"
 _QUANT_FORMAT = "mxfp4-pack-quantized"
-_QUANT_GROUP_SIZE = 32
+_QUANT_GROUP_SIZE = RELEASE_FORMAT.group_size
 
 
 def _config_error(key: str, message: str) -> ValueError:
@@ -656,13 +657,14 @@ class KimiK3TextConfig(_FolderCodeOnly, PretrainedConfig):
                 raise _config_error(
                     "moe_router_activation_func", f"only 'sigmoid' is supported, got {self.moe_router_activation_func!r}"
                 )
-        if self.experts_format not in EXPERTS_FORMATS:
-            allowed = " or ".join(repr(name) for name in EXPERTS_FORMATS)
+        fmt = FORMATS.get(self.experts_format) if isinstance(self.experts_format, str) else None
+        if fmt is None:
+            allowed = " or ".join(repr(name) for name in FORMATS)
             raise _config_error("experts_format", f"must be {allowed}, got {self.experts_format!r}")
-        if self.experts_format == "mxfp4" and self.num_experts:
-            for key in ("moe_intermediate_size", "latent_size"):
-                if getattr(self, key) % 32:
-                    raise _config_error("experts_format", f"mxfp4 needs {key} to be a multiple of 32")
+        problem = fmt.size_problem({key: getattr(self, key) for key in ("moe_intermediate_size", "latent_size")}) \
+            if self.num_experts else None
+        if problem:
+            raise _config_error("experts_format", problem)
         if self.mla_use_nope is False:
             raise _config_error("mla_use_nope", "Kimi K3 MLA has no positional encoding; rotary MLA is not supported")
         quant = getattr(self, "quantization_config", None)

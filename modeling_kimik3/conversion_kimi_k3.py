@@ -30,7 +30,6 @@ converter's rules as well; `tests/test_release_loading.py` runs both on every re
 
 import contextlib
 import copy
-import functools
 import os
 import re
 
@@ -45,8 +44,11 @@ from transformers.core_model_loading import (
 
 from .compat_kimi_k3 import register_checkpoint_conversion_mapping
 from .configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, check_experts_format
+from .experts_format_kimi_k3 import DENSE, E8M0_INF, EXPERTS_FORMATS
+from .experts_format_kimi_k3 import experts_format as format_named
+from .experts_format_kimi_k3 import RELEASE as RELEASE_FORMAT
 from .files_kimi_k3 import KimiK3LoadError, check_pretrained_folder, weight_files
-from .ops_kimi_k3 import _E2M1_VALUES, MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
+from .ops_kimi_k3 import dequantize_mxfp4, quantize_mxfp4
 from .parallel_kimi_k3 import (
     PARALLEL_LOAD_KWARGS,
     compact_local_shards,
@@ -75,15 +77,14 @@ MOE_CHILD_PREFIXES = ("gate.", "experts.", "routed_expert_", "shared_experts.")
 # tensor per expert and part, `<block>.experts.{E}.{part}.<suffix>`, with these suffixes by experts format; a fused
 # tensor kept packed is our `<fused>` + the suffix of each packed part.
 EXPERT_PARTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
-RELEASE_EXPERT_SUFFIXES = {"dense": ("weight",), "mxfp4": ("weight_packed", "weight_scale")}
-OUR_PACKED_SUFFIXES = {"weight_packed": "_packed", "weight_scale": "_scale"}
+# Each format's per-expert release suffixes, and the release's stored (packed) suffixes -> ours (experts_format_kimi_k3)
+RELEASE_EXPERT_SUFFIXES = {name: fmt.release_suffixes for name, fmt in EXPERTS_FORMATS.items()}
+OUR_PACKED_SUFFIXES = dict(zip(RELEASE_FORMAT.release_suffixes, RELEASE_FORMAT.suffixes))
 # The release stores A_log zero-padded to this many heads (96 real); save pads back to max(this, heads).
 RELEASE_A_LOG_LENGTH = 128
 # The children as one regex group. `[.]`, not `\.`: transformers 5.17 unescapes `\.` inside the group when it
 # reverses the pattern for save_pretrained.
 MOE_CHILDREN = "(" + "|".join(child.replace(".", "[.]") for child in MOE_CHILD_PREFIXES) + ")"
-# E8M0 byte 255 decodes to 2^128 (inf): never a real scale.
-E8M0_INF = 255
 
 # Errors raised by the ops during one from_pretrained: transformers records an op's exception in its load report and
 # raises a generic RuntimeError; `check_release_load` turns these into the error the user sees.
@@ -118,41 +119,6 @@ def _check_expert_count(found: int, config, fused_name: str, part: str, suffix: 
               f"num_experts={expected} (a missing or extra per-expert tensor)")
 
 
-@functools.lru_cache(maxsize=None)
-def _first_overflowing_byte(limit: float) -> int:
-    """The smallest E8M0 byte whose group can decode past `limit` (the largest code, 6.0, times 2^(byte - 127))."""
-    byte = 0
-    while byte < E8M0_INF and 6.0 * 2.0 ** (byte - 127) <= limit:
-        byte += 1
-    return byte
-
-
-def mxfp4_overflow(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    """The first MXFP4 group that decodes to a non-finite value in `dtype`: (index into `scale`, its byte, the signed
-    code that overflows), or None. A valid scale byte can still overflow: 0xFE with code 6.0 is 1.5 x 2^129, inf in
-    bf16 and f32 (the decode multiplies in f32), and fp16 overflows from byte 0x8D on. Only groups whose byte is high
-    enough for the largest code to overflow are decoded here, so a finite checkpoint costs one comparison per scale
-    byte. packed u8 [..., N, K/2], scale u8 [..., N, K/32]."""
-    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
-    low = _first_overflowing_byte(limit)
-    if scale.numel() == 0 or int(scale.max()) < low:  # a reduction, no mask: the usual case
-        return None
-    risky = scale >= low
-    where = risky.nonzero()
-    groups = packed.reshape(*scale.shape, MXFP4_GROUP_SIZE // 2)[risky]  # [n, 16] bytes, two codes each
-    codes = torch.stack([groups & 0xF, groups >> 4], dim=-1).reshape(groups.shape[0], -1).long()
-    table = torch.tensor(_E2M1_VALUES, dtype=torch.float64, device=codes.device)
-    values = table[codes]  # [n, 32] signed code values
-    largest = values.abs().argmax(dim=-1, keepdim=True)
-    code = values.gather(-1, largest).squeeze(-1)
-    bytes_ = scale[risky].long()
-    over = (code.abs() * torch.pow(2.0, (bytes_ - 127).double()) > limit) | (bytes_ == E8M0_INF)
-    if not bool(over.any()):
-        return None
-    first = int(over.nonzero()[0, 0])
-    return [int(i) for i in where[first]], int(bytes_[first]), float(code[first])
-
-
 def mxfp4_overflow_message(index, byte: int, code: float, dtype: torch.dtype) -> str:
     result = "nan" if byte == E8M0_INF and code == 0 else ("-inf" if code < 0 else "inf")
     return (f"E8M0 scale byte 0x{byte:02X} at {list(index)} with code {code} gives {result} in "
@@ -160,30 +126,30 @@ def mxfp4_overflow_message(index, byte: int, code: float, dtype: torch.dtype) ->
             "dtype; refusing non-finite weights")
 
 
-def check_packed_experts(model) -> None:
-    """Kept-packed MXFP4 experts are dequantised to the compute dtype at every forward: each group must decode to
-    finite values in it (the floating dtype of the model's parameters), checked once at load. Errors name the release
-    tensor and our fused one. Under tensor or expert parallelism each rank checks its own share, with no collective,
-    and names the whole tensor's index."""
+def check_stored_experts(model) -> None:
+    """Experts kept in a coded format (packed MXFP4) are decoded to the compute dtype at every forward: each value
+    must decode to a finite one in it (the floating dtype of the model's parameters), checked once at load; the format
+    says which do not. Errors name the release tensor and our fused one. Under tensor or expert parallelism each rank
+    checks its own share, with no collective, and names the whole tensor's index."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
     for name, module in model.named_modules():
-        if not getattr(module, "packed", False):
+        fmt = getattr(module, "format", None)
+        if fmt is None or not hasattr(module, "stored"):
             continue
-        for fused in EXPERT_PARTS:
-            packed, scale = getattr(module, f"{fused}_packed", None), getattr(module, f"{fused}_scale", None)
-            if packed is None or scale is None or packed.device.type == "meta" or scale.dim() != 3:
+        for fused in module.STACKS:
+            tensors = module.stored(fused)
+            if any(t.device.type == "meta" for t in tensors) or tensors[-1].dim() != 3:
                 continue
-            found = mxfp4_overflow(local_shard(packed), local_shard(scale), dtype)
+            found = fmt.first_overflow(tuple(local_shard(t) for t in tensors), dtype)
             if found is None:
                 continue
             local_index, byte, code = found
-            expert, row, group = global_index(scale, local_index)
+            expert, row, group = global_index(tensors[-1], local_index)
             parts = EXPERT_PARTS[fused]
-            part_rows = scale.shape[1] // len(parts)
-            part = parts[row // part_rows]
-            ours = f"{name}.{fused}_scale"
+            part = parts[row // (tensors[-1].shape[1] // len(parts))]
+            ours = f"{name}.{fused}{fmt.suffixes[-1]}"
             raise KimiK3LoadError(
-                f"`{_release_expert_name(ours, expert, part, 'weight_scale')}` (our `{ours}`): "
+                f"`{_release_expert_name(ours, expert, part, fmt.release_suffixes[-1])}` (our `{ours}`): "
                 + mxfp4_overflow_message([expert, row, group], byte, code, dtype)
             )
 
@@ -217,7 +183,7 @@ class DequantizeMxfp4Experts(ConversionOps):
                 if bool((scale == E8M0_INF).any()):
                     _fail(f"`{_release_expert_name(fused, expert, part, 'weight_scale')}` has the E8M0 byte 255 "
                           "(2^128 = inf): non-finite weights")
-                overflow = mxfp4_overflow(codes, scale, dtype)
+                overflow = RELEASE_FORMAT.first_overflow((codes, scale), dtype)
                 if overflow is not None:
                     _fail(f"`{_release_expert_name(fused, expert, part, 'weight_scale')}`: "
                           + mxfp4_overflow_message(*overflow, dtype))
@@ -356,20 +322,22 @@ def _fused_target(name: str) -> str:
     return f"(?<!shared_)experts.{name}(?![_a-z])"
 
 
-def release_conversions(experts_format: str = DEFAULT_EXPERTS_FORMAT) -> list:
+def release_conversions(experts_format_name: str = DEFAULT_EXPERTS_FORMAT) -> list:
     """The transforms from the release layout to ours, relative to the text model (`KimiK3ForCausalLM`).
-    `experts_format` picks what MXFP4 experts become: "dense" (dequantised) or "mxfp4" (kept packed)."""
+    `experts_format_name` picks what the release's packed experts become: kept as stored (its own format) or
+    decoded to dense."""
     conversions = [
         WeightRenaming("^" + re.escape(RELEASE_TEXT_PREFIX), ""),
         WeightRenaming(re.escape(RELEASE_MOE_BLOCK + ".") + MOE_CHILDREN, OUR_MOE_BLOCK + r".\1"),
         WeightConverter("self_attn.A_log", "self_attn.A_log", [UnpadHeads()]),
     ]
-    (plain,), packed = RELEASE_EXPERT_SUFFIXES["dense"], RELEASE_EXPERT_SUFFIXES["mxfp4"]
+    (plain,), packed = DENSE.release_suffixes, RELEASE_FORMAT.release_suffixes
+    kept_as_stored = format_named(experts_format_name) is RELEASE_FORMAT
     for fused, parts in EXPERT_PARTS.items():
         merge = [MergeModulelist(dim=0)] + ([Concatenate(dim=1)] if len(parts) > 1 else [])
         # plain bf16 experts (a dense export, or a Kimi-Linear style checkpoint)
         conversions.append(WeightConverter(_expert_sources(parts, plain), _fused_target(fused), merge))
-        if experts_format == "mxfp4":
+        if kept_as_stored:
             for suffix in packed:  # codes, then scales (whose infinite bytes are refused)
                 checks = [RejectInfiniteScales()] if suffix == "weight_scale" else []
                 conversions.append(WeightConverter(_expert_sources(parts, suffix),
@@ -390,7 +358,7 @@ def dense_experts_conversions(applied: list) -> list:
             if not any(t.endswith(packed_targets) for t in getattr(c, "target_patterns", None) or ())]
     if len(kept) == len(applied):
         return list(applied)
-    return kept + [c for c in release_conversions("dense")
+    return kept + [c for c in release_conversions(DENSE.name)
                    if any(isinstance(op, DequantizeMxfp4Experts) for op in getattr(c, "operations", ()))]
 
 
@@ -585,7 +553,7 @@ def check_release_load(load, model_class, pretrained, *args, experts_format=None
     if parallel:
         compact_local_shards(model)
     _check_finite(model)
-    check_packed_experts(model)
+    check_stored_experts(model)
     generation_config = getattr(model, "generation_config", None)
     if loaded_release_layout(model) and generation_config is not None \
             and generation_config.max_length == model.config.get_text_config().max_position_embeddings:
@@ -605,9 +573,8 @@ __all__ = [
     "QuantizeMxfp4Experts",
     "RejectInfiniteScales",
     "UnpadHeads",
-    "check_packed_experts",
+    "check_stored_experts",
     "check_release_load",
-    "mxfp4_overflow",
     "mxfp4_overflow_message",
     "register_release_conversions",
     "release_conversions",

@@ -46,7 +46,9 @@ from .dispatch_kimi_k3 import (
     sdpa_backend_order,
 )
 from .offload_kimi_k3 import check_offload_request, check_savable, load_with_experts_offloaded
-from .ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, routed_experts
+from .experts_format_kimi_k3 import DENSE as DENSE_EXPERTS
+from .experts_format_kimi_k3 import experts_format
+from .ops_kimi_k3 import routed_experts
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS, local_shard
 from .saving_kimi_k3 import register_auto_classes, save_folder
 
@@ -546,14 +548,17 @@ class KimiK3MoEGate(nn.Module):
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(biased)
 
 
-# Whether packed experts built now offer adapter points (KimiK3Experts.ADAPTER_POINTS); off during a parallel load
+# Whether experts built now offer adapter points (KimiK3Experts._offer_adapter_points); off during a parallel load
 _OFFER_ADAPTER_POINTS = contextvars.ContextVar("kimik3_offer_adapter_points", default=True)
 
 
 class KimiK3Experts(nn.Module):
-    """Routed experts as fused 3-D tensors in the latent width: gate_up_proj [E, 2I, Dl] (gate rows first),
-    down_proj [E, Dl, I]. With `experts_format == "mxfp4"` the same tensors are kept packed (uint8 codes + E8M0
-    scales) and dequantised at forward time (weight-only), unless a fast path multiplies the packed tiles directly."""
+    """Routed experts as fused 3-D stacks in the latent width: gate_up_proj [E, 2I, Dl] (gate rows first), down_proj
+    [E, Dl, I], stored as `config.experts_format` says (experts_format_kimi_k3.py): dense tensors, or for example
+    the release's packed MXFP4 (codes and scales, dequantised at forward time unless a fast path multiplies the
+    packed tiles)."""
+
+    STACKS = ("gate_up_proj", "down_proj")
 
     def __init__(self, config: KimiK3TextConfig):
         super().__init__()
@@ -561,49 +566,45 @@ class KimiK3Experts(nn.Module):
         self.num_experts = config.num_experts
         self.intermediate_size = config.moe_intermediate_size
         self.latent_size = config.latent_size
-        self.packed = config.experts_format == "mxfp4"
-        gate_up = (self.num_experts, 2 * self.intermediate_size, self.latent_size)
-        down = (self.num_experts, self.latent_size, self.intermediate_size)
-        if self.packed:
-            # Parameters without gradient, as transformers holds packed weights: its tensor- and expert-parallel
-            # styles shard parameters only (docs/design.md, Parallelism), and its loader reads a rank's share of each
-            for name, shape in (("gate_up_proj", gate_up), ("down_proj", down)):
-                codes = torch.zeros(*shape[:-1], shape[-1] // 2, dtype=torch.uint8)
-                scales = torch.full((*shape[:-1], shape[-1] // MXFP4_GROUP_SIZE), 127, dtype=torch.uint8)
-                setattr(self, f"{name}_packed", nn.Parameter(codes, requires_grad=False))
-                setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
-            if _OFFER_ADAPTER_POINTS.get():
-                self._offer_adapter_points(torch.get_default_dtype(), self.gate_up_proj_packed.device)
-        else:
-            self.gate_up_proj = nn.Parameter(torch.empty(gate_up))
-            self.down_proj = nn.Parameter(torch.empty(down))
+        self.format = experts_format(config.experts_format)
+        shapes = {"gate_up_proj": (self.num_experts, 2 * self.intermediate_size, self.latent_size),
+                  "down_proj": (self.num_experts, self.latent_size, self.intermediate_size)}
+        # A format whose tensors take no gradient (packed codes) holds them as parameters without gradient, as
+        # transformers holds packed weights: its tensor- and expert-parallel styles shard parameters only
+        # (docs/design.md, Parallelism), and its loader reads a rank's share of each
+        for stack, shape in shapes.items():
+            for suffix, tensor in zip(self.format.suffixes, self.format.empty(shape, torch.get_default_dtype())):
+                self.register_parameter(stack + suffix, nn.Parameter(tensor, requires_grad=self.format.trainable))
+        if not self.format.trainable and _OFFER_ADAPTER_POINTS.get():
+            self._offer_adapter_points(torch.get_default_dtype(), self.stacks()[0].device)
         # a LayerOffload when the load kept the experts in host memory (`experts_offload`), else None
         self.offload = None
 
     # PEFT's `target_parameters` finds the parameter to adapt by its name among a module's parameters and sizes the
-    # adapter from its shape. Packed experts offer the dense stacks' names and shapes as adapter points: a zero of one
-    # element broadcast to the stack's shape (no memory), not a weight (never saved or loaded). Under an unmerged
-    # adapter PEFT parametrizes a point to the adapter's update, which `_routed` adds to the dequantised experts
-    # (docs/training.md, LoRA on packed experts). A parallel load offers none: FSDP shards every parameter and
-    # cannot shard a broadcast one.
-    ADAPTER_POINTS = ("gate_up_proj", "down_proj")
+    # adapter from its shape. Experts stored in a format without gradients (packed codes) offer the dense stacks'
+    # names and shapes as adapter points: a zero of one element broadcast to the stack's shape (no memory), not a
+    # weight (never saved or loaded). Under an unmerged adapter PEFT parametrizes a point to the adapter's update,
+    # which `_routed` adds to the dense experts (docs/training.md, LoRA on packed experts). A parallel load offers
+    # none: FSDP shards every parameter and cannot shard a broadcast one.
 
     def _offer_adapter_points(self, dtype: torch.dtype, device: torch.device) -> None:
-        for name in self.ADAPTER_POINTS:
-            codes = getattr(self, f"{name}_packed")
+        for stack in self.STACKS:
+            shape = self.format.dense_shape(self.stored(stack))
             zero = torch.zeros((), dtype=dtype, device=device)
-            point = zero.expand(*codes.shape[:-1], 2 * codes.shape[-1])
-            self.register_parameter(name, nn.Parameter(point, requires_grad=False))
+            self.register_parameter(stack, nn.Parameter(zero.expand(*shape), requires_grad=False))
 
     def place_adapter_points(self) -> None:
-        """The adapter points beside the codes: a load built the model on the meta device and read only weights."""
+        """The adapter points beside the stored tensors: a load built the model on the meta device and read only
+        weights."""
         points = self._adapter_points()
-        if points and next(iter(points.values())).device != self.gate_up_proj_packed.device:
-            self._offer_adapter_points(next(iter(points.values())).dtype, self.gate_up_proj_packed.device)
+        device = self.stacks()[0].device
+        if points and next(iter(points.values())).device != device:
+            self._offer_adapter_points(next(iter(points.values())).dtype, device)
 
     def _adapter_points(self) -> dict:
-        return {name: self._parameters[name] for name in self.ADAPTER_POINTS if name in self._parameters} \
-            if self.packed else {}
+        if self.format.trainable:
+            return {}
+        return {name: self._parameters[name] for name in self.STACKS if name in self._parameters}
 
     def _apply(self, fn, recurse=True):
         # an adapter point moved or cast as a tensor would become a full-size one: it is offered again where `fn` sends
@@ -642,28 +643,31 @@ class KimiK3Experts(nn.Module):
             self._parameters.update(points)
 
     def adapter_updates(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The update (gate_up, down) an unmerged PEFT adapter makes to packed experts, None without one."""
-        if not (self.packed and nn.utils.parametrize.is_parametrized(self)):
+        """The update (gate_up, down) an unmerged PEFT adapter makes through the adapter points, None without one."""
+        if self.format.trainable or not nn.utils.parametrize.is_parametrized(self):
             return None
         return self.gate_up_proj, self.down_proj
 
+    def stored(self, stack: str) -> tuple[torch.Tensor, ...]:
+        """The tensors the format keeps for one stack (`gate_up_proj` or `down_proj`), in the format's order."""
+        return tuple(getattr(self, stack + suffix) for suffix in self.format.suffixes)
+
+    def stacks(self) -> tuple[torch.Tensor, ...]:
+        """Every stored tensor [E, ...] in one order: gate_up's, then down's, each in the format's order (dense:
+        gate_up_proj, down_proj; MXFP4: gate_up codes, scales, down codes, scales)."""
+        return tuple(tensor for stack in self.STACKS for tensor in self.stored(stack))
+
+    def stack_names(self) -> tuple[str, ...]:
+        """The parameter names of `stacks()`, in its order."""
+        return tuple(stack + suffix for stack in self.STACKS for suffix in self.format.suffixes)
+
     def dense_stacks(self, dtype: torch.dtype, updates=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up_proj, down_proj) as dense tensors in `dtype`: the packed ones dequantised (exact for bf16 and
-        f32), plus `updates` (an adapter's) when given."""
-        if not self.packed:
-            return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
-        codes = self.stacks()
-        dense = (dequantize_mxfp4(codes[0], codes[1], dtype), dequantize_mxfp4(codes[2], codes[3], dtype))
+        """(gate_up_proj, down_proj) as dense tensors in `dtype` (the stored values decoded: exact for MXFP4 in bf16
+        and f32), plus `updates` (an adapter's) when given."""
+        dense = tuple(self.format.dense(self.stored(stack), dtype) for stack in self.STACKS)
         if updates is None:
             return dense
         return tuple(stack + update.to(dtype) for stack, update in zip(dense, updates))
-
-    def stacks(self) -> tuple[torch.Tensor, ...]:
-        """The expert stacks [E, ...] in one order: (gate_up_proj, down_proj), or packed (gate_up codes, scales, down
-        codes, scales)."""
-        names = ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed", "down_proj_scale") if self.packed \
-            else ("gate_up_proj", "down_proj")
-        return tuple(getattr(self, name) for name in names)
 
     def fetch(self, top_indices: torch.Tensor, device: torch.device):
         """With the experts kept in host memory, starts moving the chosen ones to `device` and returns the move
@@ -698,28 +702,26 @@ class KimiK3Experts(nn.Module):
         return partial.index_add(0, token_of, weighted)
 
     def _routed(self, hidden_states, top_indices, top_weights, fetched=None):
-        stacks, packed = self.stacks(), self.packed
+        stacks, fmt = self.stacks(), self.format
         updates = self.adapter_updates()
         if updates is not None:
             if self.offload is not None:
                 raise NotImplementedError("a PEFT adapter on experts kept off the device (experts_offload): load "
                                           "without experts_offload to train or run an unmerged expert adapter")
-            # the experts an unmerged adapter runs: the dequantised ones plus its update, as a merged model's
-            stacks, packed = self.dense_stacks(updates[0].dtype, updates), False
+            # the experts an unmerged adapter runs: the stored ones decoded plus its update, as a merged model's
+            stacks, fmt = self.dense_stacks(updates[0].dtype, updates), DENSE_EXPERTS
         if self.offload is not None:
             # experts kept in host memory: the chosen ones, compacted on this device (offload_kimi_k3.py)
             fetched = fetched if fetched is not None else self.fetch(top_indices, hidden_states.device)
             top_indices, stacks = fetched.wait()
         if self.config.hidden_act == "silu":
             # SwiGLU experts (Kimi-Linear-style configs): the fast experts are SiTU-only
-            gate_up, down = stacks if not packed else (
-                dequantize_mxfp4(stacks[0], stacks[1], hidden_states.dtype),
-                dequantize_mxfp4(stacks[2], stacks[3], hidden_states.dtype))
+            half, dtype = len(stacks) // 2, hidden_states.dtype
+            gate_up, down = fmt.dense(stacks[:half], dtype), fmt.dense(stacks[half:], dtype)
             return routed_experts(hidden_states, top_indices, top_weights, gate_up, down,
                                   lambda gate, up: glu_activation(self.config, gate, up))
         situ_betas = (self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
-        experts = fast_or_reference("moe_experts_mxfp4" if packed else "moe_experts", hidden_states)
-        return experts(hidden_states, top_indices, top_weights, *stacks, *situ_betas)
+        return fmt.run(hidden_states, top_indices, top_weights, stacks, situ_betas)
 
 
 class KimiK3SparseMoeBlock(nn.Module):
@@ -993,7 +995,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, KimiK3MoEGate):
             module.weight.normal_(0.0, std)
             module.e_score_correction_bias.zero_()
-        elif isinstance(module, KimiK3Experts) and not module.packed:
+        elif isinstance(module, KimiK3Experts) and module.format.trainable:
             module.gate_up_proj.normal_(0.0, std)
             module.down_proj.normal_(0.0, std)
         elif isinstance(module, KimiK3AttnResProjection):

@@ -17,15 +17,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from .conversion_kimi_k3 import (
-    EXPERT_PARTS,
-    OUR_PACKED_SUFFIXES,
-    RELEASE_EXPERT_SUFFIXES,
-    RELEASE_TEXT_PREFIX,
-    mxfp4_overflow,
-    mxfp4_overflow_message,
-    release_name,
-)
+from .conversion_kimi_k3 import EXPERT_PARTS, RELEASE_TEXT_PREFIX, mxfp4_overflow_message, release_name
 from .files_kimi_k3 import (
     _index_name,
     check_file_name,
@@ -35,6 +27,7 @@ from .files_kimi_k3 import (
     read_json,
     read_safetensors_header,
 )
+from .experts_format_kimi_k3 import EXPERTS_FORMATS
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
 EXPERTS_OFFLOAD_MODES = ("host", "disk")
@@ -531,37 +524,39 @@ class ShardMapper:
         return {name for name in self.weight_map if name.startswith(prefix)}
 
 
-def _stack_names(module) -> list[str]:
-    """The parameter names of `module.stacks()`, in its order."""
-    names = {id(param): name for name, param in module.named_parameters(recurse=False)}
-    return [names[id(stack)] for stack in module.stacks()]
+def _release_stacks(module) -> list[tuple[str, str]]:
+    """(the fused tensor, the release suffix of its parts) of each of `module.stacks()`, in its order: MXFP4's
+    `gate_up_proj_packed` -> (`gate_up_proj`, `weight_packed`), dense `down_proj` -> (`down_proj`, `weight`)."""
+    fmt = module.format
+    return [(stack, release) for stack in module.STACKS for release in fmt.release_suffixes]
 
 
-def _release_stack(stack_name: str) -> tuple[str, str]:
-    """Our stack name -> (the fused tensor it belongs to, the release suffix of its parts): `gate_up_proj_packed` ->
-    (`gate_up_proj`, `weight_packed`), `down_proj` -> (`down_proj`, `weight`)."""
-    for suffix, ours in OUR_PACKED_SUFFIXES.items():
-        if stack_name.endswith(ours):
-            return stack_name.removesuffix(ours), suffix
-    (plain,) = RELEASE_EXPERT_SUFFIXES["dense"]
-    return stack_name, plain
+def _stored_as(name: str, stacks) -> object:
+    """The experts format whose tensor names `name` has, ours (`gate_up_proj_packed`) or the release's
+    (`w1.weight_packed`), else None."""
+    last = name.rsplit(".", 1)[-1]
+    for fmt in EXPERTS_FORMATS.values():
+        if last in fmt.release_suffixes or last in {stack + suffix for stack in stacks for suffix in fmt.suffixes}:
+            return fmt
+    return None
 
 
-def _check_names(shards: ShardMapper, prefix: str, expected: list[str], module_name: str, packed: bool) -> None:
+def _check_names(shards: ShardMapper, prefix: str, expected: list[str], module_name: str, module) -> None:
     """The index's tensors under one expert module's prefix must be exactly those the mapping reads: a missing one
     is named, and so is one more (an extra expert, or a format the model does not hold), which transformers' loader,
     told to ignore these keys, would not report."""
+    fmt, stacks = module.format, module.STACKS
     found = shards.names_under(prefix)
     missing = [name for name in expected if name not in found]
     extra = sorted(found - set(expected))
-    stored_packed = [name.endswith(("_packed", "_scale")) for name in extra]
-    if missing and extra and all(stored_packed) and not packed:
-        raise load_error(shards.index_path, "the routed experts are stored packed (MXFP4) and experts_offload='disk' "
-                         "maps them as stored: load with experts_format='mxfp4' (dequantising them is a copy: "
-                         "experts_offload='host' does it)", extra[0])
-    if missing and extra and not any(stored_packed) and packed:
-        raise load_error(shards.index_path, "the routed experts are stored dense and experts_offload='disk' maps them "
-                         "as stored: load with experts_format='dense' (packing them is a conversion)", extra[0])
+    stored = {_stored_as(name, stacks) for name in extra}
+    if missing and extra and len(stored) == 1 and None not in stored and fmt not in stored:
+        (stored,) = stored
+        how = ("decoding them is a copy: experts_offload='host' does it" if fmt.trainable
+               else f"storing them as {fmt.name} is a conversion")
+        raise load_error(shards.index_path, f"the routed experts are stored {stored.description} and "
+                         "experts_offload='disk' maps them as stored: load with "
+                         f"experts_format='{stored.name}' ({how})", extra[0])
     if missing:
         raise load_error(shards.index_path, f"the index lacks this tensor of the routed experts `{module_name}`, "
                          "which experts_offload='disk' maps from the shards", missing[0])
@@ -589,7 +584,7 @@ def map_routed_experts(folder: str, model, names: list[str], variant: str | None
     mapped = {}
     for name in names:
         module = modules[name]
-        stack_names = _stack_names(module)
+        stack_names = module.stack_names()
         stacks = dict(zip(stack_names, module.stacks()))
         ours_prefix = next((p + name + "." for p in ("", RELEASE_TEXT_PREFIX) if shards.names_under(p + name + ".")),
                            None)
@@ -598,7 +593,7 @@ def map_routed_experts(folder: str, model, names: list[str], variant: str | None
                                if shards.names_under(p + release + ".")), None)
         if ours_prefix is not None:
             expected = [ours_prefix + stack for stack in stack_names]
-            _check_names(shards, ours_prefix, expected, name, module.packed)
+            _check_names(shards, ours_prefix, expected, name, module)
             for stack_name, full in zip(stack_names, expected):
                 stack = stacks[stack_name]
                 mapped_stack = shards.tensor(full, stack.dtype, tuple(stack.shape))
@@ -606,9 +601,8 @@ def map_routed_experts(folder: str, model, names: list[str], variant: str | None
             mapped[module] = None
         elif release_prefix is not None:
             parts, expected = [], []
-            for stack_name in stack_names:
+            for stack_name, (fused, suffix) in zip(stack_names, _release_stacks(module)):
                 stack = stacks[stack_name]
-                fused, suffix = _release_stack(stack_name)
                 part_names = EXPERT_PARTS[fused]
                 rows = stack.shape[1] // len(part_names)
                 experts = []
@@ -617,11 +611,10 @@ def map_routed_experts(folder: str, model, names: list[str], variant: str | None
                     expected += names_e
                     experts.append(names_e)
                 parts.append((stack, rows, experts))
-            _check_names(shards, release_prefix, expected, name, module.packed)
+            _check_names(shards, release_prefix, expected, name, module)
             source = [[tuple(shards.tensor(n, stack.dtype, (rows, *stack.shape[2:])) for n in experts_e)
                        for experts_e in experts] for stack, rows, experts in parts]
-            if module.packed:
-                _check_release_scales(shards, source, parts, dtype)
+            _check_release_values(shards, source, parts, dtype, module.format)
             mapped[module] = ExpertParts(source)
         else:
             raise load_error(shards.index_path, f"names no tensor of the routed experts `{name}` (neither our "
@@ -630,17 +623,19 @@ def map_routed_experts(folder: str, model, names: list[str], variant: str | None
     return mapped
 
 
-def _check_release_scales(shards: ShardMapper, source, parts, dtype) -> None:
-    """Every mapped MXFP4 group must decode to finite values in the model's dtype (stacks in order: codes, scales of
-    gate_up, then of down). Reads the scales (1/16 of the codes' bytes), not the codes, unless a scale is high."""
-    for index in range(0, len(source), 2):
-        codes, scales = source[index], source[index + 1]
-        for expert, (expert_codes, expert_scales) in enumerate(zip(codes, scales)):
-            for part, (packed, scale) in enumerate(zip(expert_codes, expert_scales)):
-                found = mxfp4_overflow(packed, scale, dtype)
+def _check_release_values(shards: ShardMapper, source, parts, dtype, fmt) -> None:
+    """Every mapped expert's stored values must decode to finite values in the model's dtype (the format says which
+    do not: for MXFP4 it reads the scales, 1/16 of the codes' bytes, and codes only where a scale is high). `source`
+    holds the stacks in the format's order, each [expert][part]."""
+    per_stack = len(fmt.suffixes)
+    for first in range(0, len(source), per_stack):
+        tensors = source[first:first + per_stack]
+        for expert in range(len(tensors[0])):
+            for part in range(len(tensors[0][expert])):
+                found = fmt.first_overflow(tuple(t[expert][part] for t in tensors), dtype)
                 if found is not None:
                     where, byte, code = found
-                    tensor = parts[index + 1][2][expert][part]
+                    tensor = parts[first + per_stack - 1][2][expert][part]
                     raise load_error(os.path.join(shards.folder, shards.weight_map[tensor]),
                                      mxfp4_overflow_message(where, byte, code, dtype), tensor)
 

@@ -334,7 +334,7 @@ def test_the_release_layout_loads_with_its_expertsoffloaded_copy(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "adopted"), device_map="cpu", experts_offload="host",
                                                  experts_cache_bytes=10 ** 6, **load).eval()
     experts = [m for m in model.modules() if type(m).__name__ == "KimiK3Experts"]
-    assert experts and all(m.packed and m.offload is not None for m in experts)
+    assert experts and all(m.format.name == "mxfp4" and m.offload is not None for m in experts)
     ids = torch.randint(3, 100, (1, 7), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, whole(ids).logits)
@@ -470,7 +470,7 @@ def test_disk_tier_maps_the_release_layout_a_tensor_per_expert_through_an_adopte
                                                  trust_remote_code=True, dtype=torch.float32).eval()
     assert reads and not [name for name in reads if ".block_sparse_moe.experts." in name]
     experts = [m for m in model.modules() if type(m).__name__ == "KimiK3Experts"]
-    assert len(experts) == 2 and all(m.packed and m.offload.parts is not None for m in experts)
+    assert len(experts) == 2 and all(m.format.name == "mxfp4" and m.offload.parts is not None for m in experts)
     for module in experts:
         assert all(stack.device.type == "meta" for stack in module.stacks())  # never materialised
         for stack in module.offload.parts.parts:

@@ -152,7 +152,7 @@ def test_packed_lora_trains_saves_reloads_and_merges_into_dense_experts(tmp_path
         torch.testing.assert_close(merged(**batch).logits, adapted, rtol=0, atol=1e-5)
     num_experts = merged.config.num_experts
     for name, experts in experts_modules(merged).items():
-        assert not experts.packed
+        assert experts.format.trainable and experts.format.name == "dense"
         for tensor, before in zip(EXPERT_TENSORS, experts_before[name]):
             value = getattr(experts, tensor)
             # the wrapper whose factors fit this tensor (the two ParamWrappers are nested)
@@ -209,7 +209,7 @@ def test_packed_lora_bad_input(case):
         merge_and_unload(peft_model, safe_merge=True)
     # nothing merged: the experts still packed and adapted, the config unchanged, the other adapters unmerged
     assert peft_model.get_base_model().config.experts_format == "mxfp4"
-    assert all(m.packed for m in experts_modules(peft_model).values())
+    assert all(m.format.name == "mxfp4" for m in experts_modules(peft_model).values())
     assert not any(getattr(m, "merged", False) for m in peft_model.modules())
 
 

@@ -94,14 +94,18 @@ def test_every_flag_and_api_reads_the_one_constant(monkeypatch, capsys):
     from kimik3.convert import cli as convert_cli
     from kimik3.convert import converter
 
-    assert configuration.EXPERTS_FORMATS == ("dense", "mxfp4")
+    assert tuple(configuration.EXPERTS_FORMATS) == ("dense", "mxfp4")
     assert (configuration.DEFAULT_EXPERTS_FORMAT, configuration.RELEASE_EXPERTS_FORMAT) == ("dense", "mxfp4")
     # the converter's parser and check use the constant itself, not a copy
     assert convert_cli.EXPERTS_FORMATS is converter.EXPERTS_FORMATS is configuration.EXPERTS_FORMATS
     assert convert_cli.DEFAULT_EXPERTS_FORMAT is configuration.DEFAULT_EXPERTS_FORMAT
     assert main(["memory", "--help"]) == 0
     assert "one of dense, mxfp4," in " ".join(capsys.readouterr().out.split())
-    monkeypatch.setattr(configuration, "EXPERTS_FORMATS", ("dense", "mxfp4", "fp8"))
+    # a format registered in experts_format_kimi_k3 is a value everywhere
+    from kimik3.modeling.experts_format_kimi_k3 import EXPERTS_FORMATS, ExpertsFormat
+
+    stand_in = type("Fp8Experts", (ExpertsFormat,), {"name": "fp8"})()
+    monkeypatch.setitem(EXPERTS_FORMATS, "fp8", stand_in)
     monkeypatch.setattr(configuration, "RELEASE_EXPERTS_FORMAT", "dense")
     assert main(["memory", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())

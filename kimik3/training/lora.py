@@ -129,12 +129,13 @@ def merge_and_unload(peft_model, safe_merge: bool = False, adapter_names: list[s
     from peft.tuners.lora import ParamWrapper
 
     from kimik3.modeling.conversion_kimi_k3 import dense_experts_conversions
+    from kimik3.modeling.experts_format_kimi_k3 import DENSE
 
     model = peft_model.get_base_model()
     dense = {}
     for name, module in model.named_modules():
         experts = module.get_base_layer() if isinstance(module, ParamWrapper) else module
-        if name.endswith(".base_layer") or not getattr(experts, "ADAPTER_POINTS", None) or not experts.packed:
+        if name.endswith(".base_layer") or not hasattr(experts, "adapter_updates") or experts.format.trainable:
             continue
         updates, layer = {}, module
         while isinstance(layer, ParamWrapper):
@@ -147,14 +148,14 @@ def merge_and_unload(peft_model, safe_merge: bool = False, adapter_names: list[s
                     updates[layer.parameter_name] = updates.get(layer.parameter_name, 0) + update
             layer = layer.base_layer
         dtype = next(iter(experts._adapter_points().values())).dtype
-        stacks = experts.dense_stacks(dtype, [updates.get(point, torch.zeros((), dtype=dtype))
-                                              for point in experts.ADAPTER_POINTS])
+        stacks = experts.dense_stacks(dtype, [updates.get(stack, torch.zeros((), dtype=dtype))
+                                              for stack in experts.STACKS])
         dense[name] = (experts, stacks)
     if dense:
         text_config = model.config.get_text_config()
         for experts, _ in dense.values():
-            experts.config.experts_format = "dense"
-        text_config.experts_format = "dense"
+            experts.config.experts_format = DENSE.name
+        text_config.experts_format = DENSE.name
         for module in model.modules():
             # a model loaded from the release layout saves it again: its experts quantised back, as a dense load's
             if getattr(module, "_weight_conversions", None):
@@ -163,8 +164,8 @@ def merge_and_unload(peft_model, safe_merge: bool = False, adapter_names: list[s
             with torch.device("meta"):
                 merged = type(experts)(experts.config)
             merged.num_experts = experts.num_experts
-            for point, stack in zip(experts.ADAPTER_POINTS, stacks):
-                setattr(merged, point, nn.Parameter(stack.detach(), requires_grad=False))
+            for stack_name, stack in zip(experts.STACKS, stacks):
+                setattr(merged, stack_name, nn.Parameter(stack.detach(), requires_grad=False))
             model.set_submodule(name, merged)
     return peft_model.merge_and_unload(safe_merge=safe_merge, adapter_names=adapter_names)
 
