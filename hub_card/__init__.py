@@ -61,6 +61,14 @@ def hub_repo_id(source) -> str | None:
     return text
 
 
+def _experts_format(name):
+    """The experts format object of that name (modeling_kimik3/experts_format_kimi_k3.py); dense for a name it does
+    not know (an older card's or provenance's)."""
+    from kimik3.modeling.experts_format_kimi_k3 import DENSE, EXPERTS_FORMATS
+
+    return EXPERTS_FORMATS.get(name, DENSE) if isinstance(name, str) else DENSE
+
+
 def _metadata(base_model, relation, derived: bool, pipeline_tag: str, experts_format: str) -> str:
     from huggingface_hub import ModelCardData
 
@@ -76,7 +84,7 @@ def _metadata(base_model, relation, derived: bool, pipeline_tag: str, experts_fo
         pipeline_tag=pipeline_tag,
         base_model=base_model,
         base_model_relation=relation,
-        tags=RELEASE_TAGS + (["mxfp4"] if experts_format == "mxfp4" else []),
+        tags=RELEASE_TAGS + [tag for tag in [_experts_format(experts_format).card_tag] if tag],
     )
     return data.to_yaml()
 
@@ -102,8 +110,7 @@ def _architecture_rows(text) -> str:
     num_layers = len(text.layer_types)
     num_mla = sum(t == "full_attention" for t in text.layer_types)
     dense = [i for i, t in enumerate(text.mlp_layer_types) if t == "dense"]
-    experts = ("MXFP4 (packed, dequantised on the fly)" if text.experts_format == "mxfp4"
-               else "unpacked (the model's dtype)")
+    experts = _experts_format(text.experts_format).card_text
     mla = (f"{text.num_attention_heads} heads, q LoRA {text.q_lora_rank}, kv LoRA {text.kv_lora_rank}, "
            f"qk {text.qk_nope_head_dim} + {text.qk_rope_head_dim} (NoPE), v {text.v_head_dim}")
     rows = [
@@ -196,8 +203,7 @@ def _provenance_section(provenance: dict | None) -> str:
         return ""
     opts = provenance.get("options", {})
     revision = f" at revision `{provenance['revision']}`" if provenance.get("revision") else ""
-    experts = ("MXFP4 (kept packed)" if provenance.get("experts_format") == "mxfp4"
-               else "bf16 (exactly dequantised from the release's MXFP4)")
+    experts = _experts_format(provenance.get("experts_format")).provenance_text
     lines = [
         "",
         f"## Conversion provenance (`{PROVENANCE_NAME}`)",

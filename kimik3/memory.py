@@ -7,6 +7,8 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 
 def _text_config_of(data: dict):
     from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
@@ -187,8 +189,8 @@ def format_snapshot_memory(rows: list[dict], unit: str = "GiB") -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # `kimik3 memory --plan`: exact weight bytes from the config's parameter shapes, and a layer-wise device split
 
-DTYPE_BYTES = {"bf16": 2, "f32": 4, "u8": 1}
-MXFP4_GROUP = 32  # values per E8M0 scale byte: 4 bits + 8/32 bits = 4.25 bits per value
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "u8": 1, "i8": 1}
+_DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float32: "f32", torch.uint8: "u8", torch.int8: "i8"}
 KIB_TOKENS = {"K": 2**10, "M": 2**20}
 # The release's index `metadata.total_size` (docs/architecture.md, The release's files), and what of it is not the
 # text model we build: the vision tower and projector (shards 96 and 95), and A_log's zero padding (96 real heads
@@ -260,12 +262,12 @@ def _moe_tensors(text, hidden: int, experts_format: str) -> dict[str, tuple[tupl
     latent = text.latent_size
     tensors = {"mlp.gate.weight": ((experts, hidden), "bf16"),
                "mlp.gate.e_score_correction_bias": ((experts,), "f32")}
+    fmt = _format(experts_format)
     for name, (rows, cols) in (("gate_up_proj", (2 * inter, latent)), ("down_proj", (latent, inter))):
-        if experts_format == "mxfp4":
-            tensors[f"mlp.experts.{name}_packed"] = ((experts, rows, cols // 2), "u8")
-            tensors[f"mlp.experts.{name}_scale"] = ((experts, rows, cols // MXFP4_GROUP), "u8")
-        else:
-            tensors[f"mlp.experts.{name}"] = ((experts, rows, cols), "bf16")
+        with torch.device("meta"):  # the format's tensors of this stack: their shapes and dtypes, no memory
+            stored = fmt.empty((experts, rows, cols), torch.bfloat16)
+        for suffix, tensor in zip(fmt.suffixes, stored):
+            tensors[f"mlp.experts.{name}{suffix}"] = (tuple(tensor.shape), _DTYPE_TAGS[tensor.dtype])
     if text.routed_expert_hidden_size is not None:
         tensors["mlp.routed_expert_down_proj.weight"] = ((latent, hidden), "bf16")
         if text.latent_moe_use_norm:
@@ -291,6 +293,13 @@ def _layer_tensors(text, index: int, experts_format: str) -> dict[str, tuple[tup
         tensors["mlp_res_proj.weight"] = ((1, hidden), "bf16")
     tensors.update({f"{norm}.weight": ((hidden,), "bf16") for norm in norms})
     return tensors
+
+
+def _format(experts_format: str):
+    """The experts format object of that name (modeling_kimik3/experts_format_kimi_k3.py)."""
+    from kimik3.modeling.experts_format_kimi_k3 import experts_format as format_named
+
+    return format_named(experts_format)
 
 
 def _experts_format(experts_format: str | None) -> str:
@@ -453,8 +462,7 @@ def format_device_plan(plan: dict, config, unit: str = "GB") -> str:
     scale = 10**9 if unit == "GB" else 2**30
     fmt = lambda n: f"{n / scale:,.2f} {unit}"  # noqa: E731
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = ("MXFP4 (4.25 bits per value: 4-bit codes + one E8M0 scale byte per 32)"
-               if plan["experts_format"] == "mxfp4" else "dense bf16")
+    experts = _format(plan["experts_format"]).summary
     lines = [
         f"Kimi K3 text model, {describe_layers(text)}, {text.num_experts} routed experts per MoE layer as {experts}; "
         "other weights bf16, the release's F32 tensors F32",
@@ -655,7 +663,8 @@ def prefill_workspace(config, tp: int, ep: int, chunk: int, batch_size: int, con
     latent = text.latent_size
     routed = tokens * text.num_experts_per_token
     moe = routed * (latent + 3 * width) * bf16
-    packed = packed_prefill_transient(experts, width, latent, routed) if experts_format == "mxfp4" else 0
+    transient = PREFILL_TRANSIENTS.get(_format(experts_format).op)
+    packed = transient(experts, width, latent, routed) if transient else 0
     head = batch_size * text.vocab_size * 4
     return {"stream": stream, "attention": max(mla, kda), "moe": moe + packed, "head": head,
             "total": stream + max(mla, kda) + moe + packed + head}
@@ -673,6 +682,10 @@ def packed_prefill_transient(experts: int, width: int, latent: int, routed: int)
         return routed * max(latent, width) * bf16
     per_expert = 3 * width * latent * bf16  # gate_up (2 x width) and down (width), dequantised
     return min(experts, mxfp4.dequantised_chunk_experts(2 * width, latent, bf16)) * per_expert
+
+
+# The prefill workspace an experts op adds beyond the dense GEMMs' (by the op's FAST_OPS name)
+PREFILL_TRANSIENTS = {"moe_experts_mxfp4": packed_prefill_transient}
 
 
 def decode_bytes(config, weights: list[dict], units: list[str], cache: list[int], tp: int, ep: int,
@@ -763,7 +776,7 @@ def format_parallel_plan(plan: dict, config, unit: str = "GB", chosen_from: int 
     scale = 10**9 if unit == "GB" else 2**30
     fmt = lambda n: f"{n / scale:,.2f} {unit}"  # noqa: E731
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = "MXFP4 (4.25 bits per value)" if plan["experts_format"] == "mxfp4" else "dense bf16"
+    experts = _format(plan["experts_format"]).summary
     ws = plan["workspace_terms"]
     lines = [
         f"Kimi K3 text model, {describe_layers(text)}, {text.num_experts} routed experts per MoE layer as {experts}",
@@ -777,7 +790,8 @@ def format_parallel_plan(plan: dict, config, unit: str = "GB", chosen_from: int 
         "split by head",
         f"workspace (prefill chunk, an estimate): stream {fmt(ws['stream'])}, attention {fmt(ws['attention'])}, "
         f"MoE {fmt(ws['moe'])}" + (" (with the packed prefill's own: its row split or one chunk of dequantised experts)"
-                                   if plan["experts_format"] == "mxfp4" else "") + f", head {fmt(ws['head'])}",
+                                   if _format(plan["experts_format"]).op in PREFILL_TRANSIENTS else "")
+        + f", head {fmt(ws['head'])}",
         "",
         f"{'stage':>5}  {'holds':<22} {'dense':>11} {'repl.':>11} {'experts':>11} {'cache':>11} {'workspace':>11} "
         f"{'left':>11} {'decode':>10}",
@@ -951,7 +965,7 @@ def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
     fmt = lambda n: f"{n / scale:,.2f} {unit}"  # noqa: E731
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     host, gpu, d, p = plan["host"], plan["gpu"], plan["decode"], plan["prefill"]
-    experts = "MXFP4 (4.25 bits per value)" if plan["experts_format"] == "mxfp4" else "dense bf16"
+    experts = _format(plan["experts_format"]).summary
     assumed = " (ASSUMED: PCIe 5.0 x16, not measured)" if plan["h2d_bandwidth"] == H2D_BANDWIDTH_ASSUMED else ""
     e, k = plan["num_experts"], plan["top_k"]
     disk = plan["mode"] == "disk"

@@ -50,8 +50,13 @@ class ExpertsFormat:
     op: str
     # whether its tensors take gradients (else frozen, and PEFT reaches the experts through adapter points)
     trainable: bool
-    # how messages name the form ("the routed experts are stored ...")
+    # how messages name the form ("the routed experts are stored ..."), a memory plan, a model card's table and its
+    # conversion provenance; the card's extra Hub tag, if any
     description: str
+    summary: str
+    card_text: str
+    provenance_text: str
+    card_tag: str | None = None
 
     def run(self, x: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor, stacks, betas):
         """The routed experts' SiTU-GLU output over `stacks` (gate_up's tensors, then down's, in this format's order):
@@ -97,6 +102,9 @@ class DenseExperts(ExpertsFormat):
     op = "moe_experts"
     trainable = True
     description = "dense"
+    summary = "dense bf16"
+    card_text = "unpacked (the model's dtype)"
+    provenance_text = "bf16 (exactly dequantised from the release's MXFP4)"
 
     def empty(self, shape, dtype):
         return (torch.empty(shape, dtype=dtype),)
@@ -126,6 +134,10 @@ class Mxfp4Experts(ExpertsFormat):
     op = "moe_experts_mxfp4"
     trainable = False
     description = "packed (MXFP4)"
+    summary = "MXFP4 (4.25 bits per value: 4-bit codes + one E8M0 scale byte per 32)"
+    card_text = "MXFP4 (packed, dequantised on the fly)"
+    provenance_text = "MXFP4 (kept packed)"
+    card_tag = "mxfp4"
     group_size = MXFP4_GROUP_SIZE
 
     def empty(self, shape, dtype):
