@@ -20,7 +20,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A result file is cited by its name, by a shortened name the history uses (`..._run17_x.json`, `run11.log`,
 # `run10_moe_few_rows`), or by a pattern naming its run (`h200_gpu_tests_run19_*.log`, `..._run{1,2,3}_*.json`).
 # A pattern without a run number (`h200_gpu_tests_run*.log`) says where logs live and cites none of them.
-RESULT_TOKEN = re.compile(r"^(?:(?:h200|cpu_)[\w.{},*-]*|_?run\d[\w.{},*-]*)$")
+RESULT_TOKEN = re.compile(r"^(?:(?:h100|h200|cpu_)[\w.{},*-]*|_?run\d[\w.{},*-]*)$")
 ROUND = re.compile(r"\b(?:session|round|run)s? ?#?\d+", re.IGNORECASE)
 OUTSIDE_REFERENCE = re.compile(
     r"§|k3_math|k3_checkpoint|kernels_perf|peers_users|transformers_v5|shared/reference"
