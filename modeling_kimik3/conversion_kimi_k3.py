@@ -44,7 +44,7 @@ from transformers.core_model_loading import (
 
 from .compat_kimi_k3 import register_checkpoint_conversion_mapping
 from .configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, check_experts_format
-from .experts_format_kimi_k3 import DENSE, E8M0_INF, EXPERTS_FORMATS
+from .experts_format_kimi_k3 import DENSE, E8M0_INF, EXPERTS_FORMATS, is_experts_module
 from .experts_format_kimi_k3 import experts_format as format_named
 from .experts_format_kimi_k3 import RELEASE as RELEASE_FORMAT
 from .files_kimi_k3 import KimiK3LoadError, check_pretrained_folder, weight_files
@@ -133,9 +133,9 @@ def check_stored_experts(model) -> None:
     checks its own share, with no collective, and names the whole tensor's index."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
     for name, module in model.named_modules():
-        fmt = getattr(module, "format", None)
-        if fmt is None or not hasattr(module, "stored"):
+        if not is_experts_module(module):
             continue
+        fmt = module.format
         for fused in module.STACKS:
             tensors = module.stored(fused)
             if any(t.device.type == "meta" for t in tensors) or tensors[-1].dim() != 3:

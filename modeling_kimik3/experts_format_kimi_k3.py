@@ -24,6 +24,7 @@ groups of 32, the rounding) is ops_kimi_k3's `dequantize_mxfp4` / `quantize_mxfp
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import torch
@@ -205,6 +206,18 @@ def mxfp4_overflow(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return [int(i) for i in where[first]], int(bytes_[first]), float(code[first])
 
 
+# Whether experts modules built now offer adapter points (KimiK3Experts; a format whose tensors take no gradient):
+# off during a parallel load, where FSDP shards every parameter and cannot shard a broadcast one
+OFFER_ADAPTER_POINTS = contextvars.ContextVar("kimik3_offer_adapter_points", default=True)
+
+
+def is_experts_module(module) -> bool:
+    """Whether `module` holds routed experts in a format (KimiK3Experts, of this copy of the code or another)."""
+    # by its attributes: a folder's code (trust_remote_code) is another module, whose classes isinstance would miss
+    fmt = getattr(module, "format", None)
+    return all(hasattr(fmt, attribute) for attribute in ("suffixes", "trainable", "dense")) and hasattr(module, "stored")
+
+
 EXPERTS_FORMATS: dict[str, ExpertsFormat] = {}
 
 
@@ -230,5 +243,5 @@ def experts_format(name, what: str = "experts_format") -> ExpertsFormat:
     return fmt
 
 
-__all__ = ["DENSE", "DEFAULT", "E8M0_INF", "EXPERTS_FORMATS", "ExpertsFormat", "MXFP4", "RELEASE", "experts_format",
-           "mxfp4_overflow", "register"]
+__all__ = ["DENSE", "DEFAULT", "E8M0_INF", "EXPERTS_FORMATS", "ExpertsFormat", "MXFP4", "OFFER_ADAPTER_POINTS", "RELEASE",
+           "experts_format", "is_experts_module", "mxfp4_overflow", "register"]

@@ -19,7 +19,6 @@ Pure PyTorch throughout; `kimik3.kernels` fast paths are used only when importab
 """
 
 import contextlib
-import contextvars
 import math
 
 import torch
@@ -36,7 +35,6 @@ from .cache_kimi_k3 import KimiK3Cache, KimiK3StaticCache
 from .compat_kimi_k3 import CACHE_ARGUMENTS, CACHE_FIELD, activation_checkpointing_on, cache_in, given_cache
 from .configuration_kimi_k3 import KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
-from .conversion_kimi_k3 import check_release_load, meta_skeleton
 from .dispatch_kimi_k3 import (
     conv_normalizes_qk,
     decay_in_chunk_kernel,
@@ -45,11 +43,12 @@ from .dispatch_kimi_k3 import (
     kda_recurrence,
     sdpa_backend_order,
 )
-from .offload_kimi_k3 import check_offload_request, check_savable, load_with_experts_offloaded
 from .experts_format_kimi_k3 import DENSE as DENSE_EXPERTS
-from .experts_format_kimi_k3 import experts_format
+from .experts_format_kimi_k3 import OFFER_ADAPTER_POINTS, experts_format
+from .loading_kimi_k3 import load_pretrained
+from .offload_kimi_k3 import check_savable
 from .ops_kimi_k3 import routed_experts
-from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS, local_shard
+from .parallel_kimi_k3 import local_shard
 from .saving_kimi_k3 import register_auto_classes, save_folder
 
 
@@ -548,10 +547,6 @@ class KimiK3MoEGate(nn.Module):
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(biased)
 
 
-# Whether experts built now offer adapter points (KimiK3Experts._offer_adapter_points); off during a parallel load
-_OFFER_ADAPTER_POINTS = contextvars.ContextVar("kimik3_offer_adapter_points", default=True)
-
-
 class KimiK3Experts(nn.Module):
     """Routed experts as fused 3-D stacks in the latent width: gate_up_proj [E, 2I, Dl] (gate rows first), down_proj
     [E, Dl, I], stored as `config.experts_format` says (experts_format_kimi_k3.py): dense tensors, or for example
@@ -575,7 +570,7 @@ class KimiK3Experts(nn.Module):
         for stack, shape in shapes.items():
             for suffix, tensor in zip(self.format.suffixes, self.format.empty(shape, torch.get_default_dtype())):
                 self.register_parameter(stack + suffix, nn.Parameter(tensor, requires_grad=self.format.trainable))
-        if not self.format.trainable and _OFFER_ADAPTER_POINTS.get():
+        if not self.format.trainable and OFFER_ADAPTER_POINTS.get():
             self._offer_adapter_points(torch.get_default_dtype(), self.stacks()[0].device)
         # a LayerOffload when the load kept the experts in host memory (`experts_offload`), else None
         self.offload = None
@@ -929,45 +924,16 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, experts_format: str | None = None,
                         experts_offload: str | None = None, experts_cache_bytes: int | None = None, **kwargs):
-        """Also loads the release layout as it is on disk (conversion_kimi_k3.py); `experts_format="mxfp4"` keeps
-        MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are errors naming the release tensor;
-        a local folder's files are checked first (files_kimi_k3.check_pretrained_folder).
+        """Through the one door, loading_kimi_k3.load_pretrained: also the release layout as it is on disk;
+        `experts_format="mxfp4"` keeps MXFP4 experts packed. Missing, unknown, misshapen or non-finite tensors are
+        errors naming the release tensor; a local folder's files are checked first.
 
         `experts_offload="host"` keeps the routed experts in host memory, `"disk"` maps them from the folder's shards,
         with a device cache of at most `experts_cache_bytes` bytes of them, the model's `experts_cache`
         (docs/design.md, Routed experts off the device)."""
-        check_offload_request(experts_offload, experts_cache_bytes, kwargs, pretrained_model_name_or_path)
-        points = _OFFER_ADAPTER_POINTS.set(not any(kwargs.get(key) is not None for key in PARALLEL_LOAD_KWARGS))
-        load = super().from_pretrained
-        if experts_offload is not None:
-            parent_load = load
-
-            def load(path, *load_args, **load_kwargs):
-                # the config the load uses (resolved by the release loader), its expert modules kept off the device
-                names = cls._expert_module_names(path, load_kwargs)
-                return load_with_experts_offloaded(parent_load, cls, path, load_args, load_kwargs, experts_offload,
-                                                   experts_cache_bytes, names)
-
-        try:
-            loaded = check_release_load(load, cls, pretrained_model_name_or_path, *args,
-                                        experts_format=experts_format, **kwargs)
-        finally:
-            _OFFER_ADAPTER_POINTS.reset(points)
-        for module in (loaded[0] if isinstance(loaded, tuple) else loaded).modules():
-            if isinstance(module, KimiK3Experts):
-                module.place_adapter_points()
-        return loaded
-
-    @classmethod
-    def _expert_module_names(cls, path, load_kwargs) -> list[str]:
-        """The routed-expert modules' names in the model this load builds, from a skeleton on the meta device (no
-        memory, no weights read)."""
-        config = load_kwargs.get("config")
-        if config is None or isinstance(config, str):
-            hub = {key: load_kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only",
-                                                    "subfolder") if key in load_kwargs}
-            config = cls.config_class.from_pretrained(config or path, **hub)
-        return [name for name, module in meta_skeleton(cls, config).named_modules() if isinstance(module, KimiK3Experts)]
+        return load_pretrained(cls, super().from_pretrained, pretrained_model_name_or_path, *args,
+                               experts_format=experts_format, experts_offload=experts_offload,
+                               experts_cache_bytes=experts_cache_bytes, **kwargs)
 
     def post_init(self):
         super().post_init()

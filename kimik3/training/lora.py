@@ -129,13 +129,13 @@ def merge_and_unload(peft_model, safe_merge: bool = False, adapter_names: list[s
     from peft.tuners.lora import ParamWrapper
 
     from kimik3.modeling.conversion_kimi_k3 import dense_experts_conversions
-    from kimik3.modeling.experts_format_kimi_k3 import DENSE
+    from kimik3.modeling.experts_format_kimi_k3 import DENSE, is_experts_module
 
     model = peft_model.get_base_model()
     dense = {}
     for name, module in model.named_modules():
         experts = module.get_base_layer() if isinstance(module, ParamWrapper) else module
-        if name.endswith(".base_layer") or not hasattr(experts, "adapter_updates") or experts.format.trainable:
+        if name.endswith(".base_layer") or not is_experts_module(experts) or experts.format.trainable:
             continue
         updates, layer = {}, module
         while isinstance(layer, ParamWrapper):
