@@ -7,8 +7,6 @@ import os
 import re
 from pathlib import Path
 
-import torch
-
 
 def _text_config_of(data: dict):
     from kimik3.modeling.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
@@ -190,7 +188,7 @@ def format_snapshot_memory(rows: list[dict], unit: str = "GiB") -> str:
 # `kimik3 memory --plan`: exact weight bytes from the config's parameter shapes, and a layer-wise device split
 
 DTYPE_BYTES = {"bf16": 2, "f32": 4, "u8": 1, "i8": 1}
-_DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float32: "f32", torch.uint8: "u8", torch.int8: "i8"}
+_DTYPE_TAGS = {"torch.bfloat16": "bf16", "torch.float32": "f32", "torch.uint8": "u8", "torch.int8": "i8"}
 KIB_TOKENS = {"K": 2**10, "M": 2**20}
 # The release's index `metadata.total_size` (docs/architecture.md, The release's files), and what of it is not the
 # text model we build: the vision tower and projector (shards 96 and 95), and A_log's zero padding (96 real heads
@@ -262,12 +260,14 @@ def _moe_tensors(text, hidden: int, experts_format: str) -> dict[str, tuple[tupl
     latent = text.latent_size
     tensors = {"mlp.gate.weight": ((experts, hidden), "bf16"),
                "mlp.gate.e_score_correction_bias": ((experts,), "f32")}
+    import torch  # the format's own tensors, made on the meta device: their shapes and dtypes, no memory
+
     fmt = _format(experts_format)
     for name, (rows, cols) in (("gate_up_proj", (2 * inter, latent)), ("down_proj", (latent, inter))):
-        with torch.device("meta"):  # the format's tensors of this stack: their shapes and dtypes, no memory
+        with torch.device("meta"):
             stored = fmt.empty((experts, rows, cols), torch.bfloat16)
         for suffix, tensor in zip(fmt.suffixes, stored):
-            tensors[f"mlp.experts.{name}{suffix}"] = (tuple(tensor.shape), _DTYPE_TAGS[tensor.dtype])
+            tensors[f"mlp.experts.{name}{suffix}"] = (tuple(tensor.shape), _DTYPE_TAGS[str(tensor.dtype)])
     if text.routed_expert_hidden_size is not None:
         tensors["mlp.routed_expert_down_proj.weight"] = ((latent, hidden), "bf16")
         if text.latent_moe_use_norm:

@@ -147,7 +147,10 @@ def merge_and_unload(peft_model, safe_merge: bool = False, adapter_names: list[s
                                          "update; nothing was merged")
                     updates[layer.parameter_name] = updates.get(layer.parameter_name, 0) + update
             layer = layer.base_layer
-        dtype = next(iter(experts._adapter_points().values())).dtype
+        # the dtype the adapter ran in: its points' (the model's floating dtype where a parallel load offered none)
+        points = experts._adapter_points()
+        dtype = next(iter(points.values())).dtype if points else \
+            next(p.dtype for p in model.parameters() if p.is_floating_point())
         stacks = experts.dense_stacks(dtype, [updates.get(stack, torch.zeros((), dtype=dtype))
                                               for stack in experts.STACKS])
         dense[name] = (experts, stacks)
