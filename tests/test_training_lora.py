@@ -3,7 +3,6 @@ target_parameters), Trainer with checkpointing, save / reload / merge, merged ==
 
 import pytest
 import torch
-from torch import nn
 
 peft = pytest.importorskip("peft")
 from peft import PeftModel, get_peft_model  # noqa: E402
@@ -11,7 +10,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from kimik3.training import checkpointing_arguments  # noqa: E402
 from kimik3.training.lora import default_lora_config, lora_target_modules  # noqa: E402
-from training_helpers import batch_of, load_tiny, losses, make_trainer  # noqa: E402
+from training_helpers import (  # noqa: E402
+    assert_base_untouched, batch_of, expert_lora_factors, load_tiny, losses, make_trainer, randomize_adapters)
 
 
 RANK = 4
@@ -25,14 +25,6 @@ EXPECTED_LINEAR_TARGETS = sorted(
     + [f"model.layers.{i}.mlp.shared_experts.{p}" for i in (1, 2, 3) for p in ("gate_proj", "up_proj", "down_proj")]
 )
 
-
-def randomize_adapters(model, seed=0):
-    """LoRA B starts at zero (adapter = identity); give every factor random values so the adapter matters."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 def adapted_names(peft_model):
@@ -94,10 +86,7 @@ def test_lora_trainer_checkpointing_save_reload_merge(tmp_path):
     # the adapter learns (slowly: LoRA B starts at zero and lm_head / embeddings are frozen; 4.84 -> 4.53 measured)
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.15
     assert peft_model.base_model.model.model.gradient_checkpointing
-    # base weights untouched by training
-    for key, value in peft_model.base_model.model.state_dict().items():
-        if "lora_" not in key and "base_layer" not in key and key in base_state:
-            assert torch.equal(value, base_state[key]), key
+    assert_base_untouched(peft_model, base_state)  # base weights untouched by training
 
     batch = batch_of(2, offset=5)
     peft_model.eval()
@@ -137,15 +126,8 @@ def test_lora_trainer_checkpointing_save_reload_merge(tmp_path):
             a = saved[f"base_model.model.{module}.lora_A.weight"]
             b = saved[f"base_model.model.{module}.lora_B.weight"]
             torch.testing.assert_close(value, base_state[key] + scaling * b @ a, rtol=1e-5, atol=1e-6)
-        else:  # fused experts [E, out, in]: per expert W_e + s * B_e A_e (PEFT's factor layout)
-            # the two nested ParamWrappers of this experts module: pick the pair whose shapes fit this tensor
-            pairs = [
-                (saved[f"base_model.model.{module}.{p}A.weight"], saved[f"base_model.model.{module}.{p}B.weight"])
-                for p in ("lora_", "base_layer.lora_")
-            ]
-            a, b = next((a, b) for a, b in pairs if b.shape[0] == value.shape[1] and a.shape[1] == value.shape[2])
-            a = a.reshape(num_experts, RANK, -1)  # [E, r, in]
-            b = b.reshape(b.shape[0], RANK, num_experts).permute(2, 0, 1)  # [E, out, r]
+        else:  # fused experts [E, out, in]: per expert W_e + s * B_e A_e
+            a, b = expert_lora_factors(saved, module, value, num_experts, RANK)
             torch.testing.assert_close(value, base_state[key] + scaling * b @ a, rtol=1e-5, atol=1e-6)
             for e in range(num_experts):  # each expert's update has rank <= r
                 assert torch.linalg.matrix_rank(value[e] - base_state[key][e], atol=1e-5) <= RANK

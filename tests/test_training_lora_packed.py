@@ -16,7 +16,8 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kimik3.training.lora import default_lora_config, merge_and_unload  # noqa: E402
-from training_helpers import batch_of, losses, make_trainer  # noqa: E402
+from training_helpers import (  # noqa: E402
+    assert_base_untouched, batch_of, expert_lora_factors, losses, make_trainer, randomize_adapters)
 
 
 RANK = 4
@@ -60,13 +61,6 @@ def adapted(model, **kwargs):
     """The model with the default LoRA (experts included), its targets read from the model before it is wrapped."""
     return get_peft_model(model, default_lora_config(model, r=RANK), **kwargs)
 
-
-def randomize_adapters(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 def test_packed_experts_offer_adapter_points_that_are_no_weights():
@@ -125,10 +119,7 @@ def test_packed_lora_trains_saves_reloads_and_merges_into_dense_experts(tmp_path
     trainer.train()
     loss = losses(trainer)
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.1
-    # codes and scales (and every other base tensor) untouched
-    for key, value in peft_model.base_model.model.state_dict().items():
-        if "lora_" not in key and "base_layer" not in key and key in frozen:
-            assert torch.equal(value, frozen[key]), key
+    assert_base_untouched(peft_model, frozen)  # codes and scales (and every other base tensor) untouched
 
     batch = batch_of(2, offset=7)
     peft_model.eval()
@@ -155,12 +146,7 @@ def test_packed_lora_trains_saves_reloads_and_merges_into_dense_experts(tmp_path
         assert experts.format.trainable and experts.format.name == "dense"
         for tensor, before in zip(EXPERT_TENSORS, experts_before[name]):
             value = getattr(experts, tensor)
-            # the wrapper whose factors fit this tensor (the two ParamWrappers are nested)
-            pairs = [(saved[f"base_model.model.{name}.{p}A.weight"], saved[f"base_model.model.{name}.{p}B.weight"])
-                     for p in ("lora_", "base_layer.lora_")]
-            a, b = next((a, b) for a, b in pairs if b.shape[0] == value.shape[1] and a.shape[1] == value.shape[2])
-            a = a.reshape(num_experts, RANK, -1)
-            b = b.reshape(b.shape[0], RANK, num_experts).permute(2, 0, 1)
+            a, b = expert_lora_factors(saved, name, value, num_experts, RANK)
             torch.testing.assert_close(value, before + scaling * b @ a, rtol=1e-5, atol=1e-6)
 
     # the dense export saves and loads back as a dense-experts model with the same logits

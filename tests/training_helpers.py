@@ -80,3 +80,28 @@ def make_trainer(model, output_dir, max_steps: int, callbacks=(), trainer_cls=Tr
 
 def losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_base_untouched(peft_model, before: dict) -> None:
+    """Every base tensor of a PEFT model (not an adapter's, not a wrapped layer's) equals its value in `before`."""
+    for key, value in peft_model.base_model.model.state_dict().items():
+        if "lora_" not in key and "base_layer" not in key and key in before:
+            assert torch.equal(value, before[key]), key
+
+
+def expert_lora_factors(saved: dict, module: str, value: torch.Tensor, num_experts: int, rank: int):
+    """(A [E, r, in], B [E, out, r]) of the adapter saved for the fused expert tensor `value` of `module` (PEFT's
+    factor layout): of the two nested ParamWrappers of an experts module, the pair whose shapes fit the tensor."""
+    pairs = [(saved[f"base_model.model.{module}.{p}A.weight"], saved[f"base_model.model.{module}.{p}B.weight"])
+             for p in ("lora_", "base_layer.lora_")]
+    a, b = next((a, b) for a, b in pairs if b.shape[0] == value.shape[1] and a.shape[1] == value.shape[2])
+    return a.reshape(num_experts, rank, -1), b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1)
+
+
+def randomize_adapters(model, seed: int = 0) -> None:
+    """LoRA B starts at zero (adapter = identity); give every factor random values so the adapter matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
