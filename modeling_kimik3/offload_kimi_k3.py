@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .conversion_kimi_k3 import EXPERT_PARTS, RELEASE_TEXT_PREFIX, mxfp4_overflow_message, release_name
+from .experts_format_kimi_k3 import EXPERTS_FORMATS
 from .files_kimi_k3 import (
     _index_name,
     check_file_name,
@@ -27,7 +28,6 @@ from .files_kimi_k3 import (
     read_json,
     read_safetensors_header,
 )
-from .experts_format_kimi_k3 import EXPERTS_FORMATS
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
 EXPERTS_OFFLOAD_MODES = ("host", "disk")
@@ -527,8 +527,7 @@ class ShardMapper:
 def _release_stacks(module) -> list[tuple[str, str]]:
     """(the fused tensor, the release suffix of its parts) of each of `module.stacks()`, in its order: MXFP4's
     `gate_up_proj_packed` -> (`gate_up_proj`, `weight_packed`), dense `down_proj` -> (`down_proj`, `weight`)."""
-    fmt = module.format
-    return [(stack, release) for stack in module.STACKS for release in fmt.release_suffixes]
+    return [(stack, release) for stack in module.STACKS for release in module.format.release_suffixes]
 
 
 def _stored_as(name: str, stacks) -> object:
