@@ -488,7 +488,7 @@ def section_spec_bound(model, context, draft_layers, proposals, rates=(0.0, 0.5,
 def section_snapshots(model, device, interval, measured_tokens):
     from kimik3.memory import load_text_config, snapshot_memory
     from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, snapshot_bytes
-    from kimik3.modeling.rewind_kimi_k3 import rollback_bytes_per_token
+    from kimik3.modeling.rewind_kimi_k3 import rewind_record_bytes_per_token
 
     config = model.config
     dtype_bytes = torch.finfo(model.dtype).bits // 8
@@ -497,7 +497,7 @@ def section_snapshots(model, device, interval, measured_tokens):
     chunked_prefill(model, ids, cache, min(measured_tokens, 8 * K))
     cache.activate_past_recording()
     model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True, logits_to_keep=1)  # a 5-token verify step
-    recorded = cache.rewind.rollback_bytes()
+    recorded = cache.rewind.record_bytes()
     release = load_text_config()
     return {
         "interval_tokens": interval,
@@ -507,7 +507,7 @@ def section_snapshots(model, device, interval, measured_tokens):
                         "rollback_bytes_per_verified_token": recorded["per_token"],
                         "kda_state_bytes": snapshot_bytes(config, dtype_bytes=dtype_bytes)},
         "release": {"rows": snapshot_memory(release, [64 * K, 1024 * K]),  # the default interval
-                    "rollback_bytes_per_verified_token": rollback_bytes_per_token(release),
+                    "rollback_bytes_per_verified_token": rewind_record_bytes_per_token(release),
                     "kda_states_bytes": snapshot_bytes(release)},
     }
 

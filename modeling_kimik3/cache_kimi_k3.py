@@ -24,20 +24,21 @@ Laid out like transformers' caches: a `Cache` holding one layer object per model
 
 The layer objects are our own rather than transformers' `CacheLayerMixin` / `LinearAttentionCacheLayerMixin`,
 whose API moved between 5.17 and 5.24 and which hold K/V, not latents. The model reaches the storage only through
-the cache's accessors (`update_latents`, `kda_state`, `update_kda_state`, `has_previous_state`), and the token
-bookkeeping (a Python count, or a device-side position and key-validity mask) lives in the cache, since every layer
-of one forward writes the same positions.
+the cache: an MLA layer through `update_latents`, a KDA layer through its step handle `KimiK3KDAStep` (the state it
+starts from, and hand-overs for the record, the snapshots and the state after the forward); the token bookkeeping (a
+Python count, or a device-side position and key-validity mask) lives in the cache, since every layer of one forward
+writes the same positions.
 
-The cache stores; it computes nothing. Going back to an earlier token (`crop`, `copy_prefix`), which a recurrent
-state cannot do by itself, is the growing cache's component `cache.rewind` (rewind_kimi_k3.py: rollback records,
-snapshots, the token ids of replays); the static cache goes back only inside a speculative round, through its
-`rollback` (rewind_kimi_k3.py's `KimiK3StaticRollback`).
+The cache stores; it computes nothing. Rewinding to an earlier token, which a recurrent state cannot do by itself,
+is the cache's component `cache.rewind` (rewind_kimi_k3.py): in the growing cache `KimiK3Rewind` (records, snapshots,
+the token ids of replays), reached through transformers' `crop` and our `copy_prefix`; in the static cache
+`KimiK3StaticRewind`, inside one speculative round (`begin_round`, `rewind_round`).
 """
 
 import torch
 from transformers.cache_utils import Cache
 
-from .rewind_kimi_k3 import DEFAULT_MAX_ROLLBACK_TOKENS, KimiK3Rewind, KimiK3StaticRollback
+from .rewind_kimi_k3 import DEFAULT_MAX_REWIND_TOKENS, KimiK3Rewind, KimiK3StaticRewind
 
 
 def _static_address(tensor: torch.Tensor) -> torch.Tensor:
@@ -185,6 +186,52 @@ class KimiK3StaticKDAStateLayer(KimiK3KDAStateLayer):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# A KDA layer's handle on the cache for one forward
+
+
+class KimiK3KDAStep:
+    """What a KDA layer asks of the cache during one forward (`KimiK3KDAStep(cache, layer_idx, num_tokens)`): the state
+    it starts from, how to run (`decode_step`: the recurrent form; `recording`: this forward is kept for rewinding),
+    and three hand-overs: `record` (the per-token inputs a rewind replays), `snapshot` (the state at an offset the
+    cache asked for in `snapshot_offsets`) and `write` (the state after the forward). Whether and how a record or a
+    snapshot is kept (the growing cache's `KimiK3Rewind`, the static cache's round buffers, nothing without a
+    cache) is the cache's business, behind these calls."""
+
+    def __init__(self, cache: "KimiK3Cache | None", layer_idx: int, num_tokens: int):
+        self._cache, self._layer_idx = cache, layer_idx
+        if cache is None:
+            self.conv_states, self.recurrent_state = None, None
+            self.keeps_state, self.recording, self.snapshot_offsets = False, False, []
+            self.decode_step = num_tokens == 1
+            return
+        layer = cache.layers[layer_idx]
+        self.conv_states, self.recurrent_state = layer.conv_states, layer.recurrent_state
+        self.keeps_state = True
+        self.recording = cache.records_step()
+        self.snapshot_offsets = cache.snapshot_offsets()
+        # A fixed-shape step (one token, or a static verify of T tokens) runs the recurrent form: T tokens of it
+        # compute what T one-token decode steps compute, so speculative greedy decoding is plain greedy decoding
+        self.decode_step = num_tokens == 1 or cache.is_fixed_shape_step(num_tokens)
+
+    def record(self, pre_conv: tuple[torch.Tensor, ...], recurrence_inputs: tuple[torch.Tensor, ...]) -> None:
+        """This forward's pre-conv q/k/v ([B, T, C]) and recurrence inputs (q, k, v, g, beta), kept while
+        `recording` (a speculative draft or verify step), so that a rewind re-runs neither a projection nor the
+        prefix."""
+        if self.recording:
+            self._cache.record_kda(self._layer_idx, self.conv_states, self.recurrent_state, pre_conv,
+                                   recurrence_inputs)
+
+    def snapshot(self, offset: int, pre_conv: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor) -> None:
+        """The recurrent state after `offset` (one of `snapshot_offsets`) tokens of this forward."""
+        self._cache.snapshot_kda(self._layer_idx, offset, pre_conv, self.conv_states, recurrent_state)
+
+    def write(self, conv_states: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor) -> None:
+        """The conv windows and state after this forward's tokens."""
+        if self._cache is not None:
+            self._cache.update_kda_state(conv_states, recurrent_state, self._layer_idx)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The cache
 
 
@@ -200,15 +247,15 @@ class KimiK3Cache(Cache):
 
     def __init__(self, config, snapshot_interval: int | None = None,
                  snapshot_device: str | torch.device | None = None, max_snapshot_bytes: int | None = None,
-                 max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS, **kwargs):
+                 max_rewind_tokens: int = DEFAULT_MAX_REWIND_TOKENS, **kwargs):
         """`snapshot_interval`: keep the KDA states at multiples of this many tokens, written by the prefill as it
         passes them (None: no snapshots; `KDA_BLOCK_SIZE` for prefix-store hits at every block, the report's sparse
         spacing is `DEFAULT_SNAPSHOT_INTERVAL`). `snapshot_device`: where snapshots live (e.g. "cpu" to offload;
         default: next to the live state). `max_snapshot_bytes`: upper bound on their memory (at least one snapshot
         of one sequence, `snapshot_bytes(config, dtype_bytes=4)`); under it the snapshots are kept sparse by
         `rewind_kimi_k3.kept_snapshot_blocks` (every multiple in a dense window before the cache's end, thinner
-        geometrically further back). `max_rollback_tokens`: the longest span that past recording (speculative
-        decoding) keeps for rollback."""
+        geometrically further back). `max_rewind_tokens`: the longest span that past recording (speculative
+        decoding) keeps for a rewind."""
         if kwargs.get("max_cache_len") is not None:
             raise TypeError(
                 f"KimiK3Cache(max_cache_len={kwargs['max_cache_len']!r}): the growing cache has no length bound; a "
@@ -218,11 +265,11 @@ class KimiK3Cache(Cache):
         super().__init__(layers=[self._new_layer(layer_type) for layer_type in text_config.layer_types])
         self._text_config = text_config  # what the layers hold follows from it (the model checks a cache against it)
         self._seen_tokens = 0
-        self.rewind = None if self.is_static else KimiK3Rewind(
+        self.rewind = KimiK3Rewind(
             self.kda_layer_indices, text_config.linear_conv_kernel_size, text_config.kda_chunk_size,
             snapshot_bytes(text_config, dtype_bytes=4),  # conv windows at most f32
             snapshot_interval=snapshot_interval, snapshot_device=snapshot_device,
-            max_snapshot_bytes=max_snapshot_bytes, max_rollback_tokens=max_rollback_tokens,
+            max_snapshot_bytes=max_snapshot_bytes, max_rewind_tokens=max_rewind_tokens,
         )
 
     def _new_layer(self, layer_type: str) -> KimiK3LatentLayer | KimiK3KDAStateLayer:
@@ -248,9 +295,23 @@ class KimiK3Cache(Cache):
         return False
 
     def begin_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
-                   device: torch.device) -> None:
-        """Before the layers run: the rewind component learns where this forward starts."""
-        self.rewind.begin_step(self._seen_tokens, batch_size, num_tokens)
+                   device: torch.device, input_ids: torch.Tensor | None = None) -> None:
+        """Before the layers run: the rewind component learns where this forward starts and keeps its token ids
+        (and padding) for replays; a forward from embeddings leaves the tokens so far unreplayable."""
+        past_len = self._seen_tokens
+        self.rewind.begin_step(past_len, batch_size, num_tokens)
+        self.rewind.keep_tokens(input_ids, token_mask, past_len)
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens the cache stands for but has not computed yet: a crop went back to a snapshot below its target,
+        and the model's next forward runs them first (`replay`)."""
+        return self.rewind.pending_tokens
+
+    def replay(self):
+        """Context manager around the forward that runs the pending tokens: yields their ids and the attention mask
+        of the stored and pending tokens (None without padding)."""
+        return self.rewind.replay()
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         """Whether the cache stands for earlier tokens (every forward writes every layer)."""
@@ -268,6 +329,20 @@ class KimiK3Cache(Cache):
     def update_kda_state(self, conv_states: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor,
                          layer_idx: int) -> None:
         self.layers[layer_idx].update(conv_states, recurrent_state)
+
+    def records_step(self) -> bool:
+        """Whether the KDA layers hand over this forward's inputs for a rewind (`KimiK3KDAStep.record`)."""
+        return self.rewind.records_step()
+
+    def snapshot_offsets(self) -> list[int]:
+        """Offsets inside this forward (1..num_tokens) at which the KDA layers hand over their state."""
+        return self.rewind.snapshot_offsets()
+
+    def record_kda(self, layer_idx: int, conv_states, recurrent_state, pre_conv, recurrence_inputs) -> None:
+        self.rewind.record_step(layer_idx, conv_states, recurrent_state, pre_conv, recurrence_inputs)
+
+    def snapshot_kda(self, layer_idx: int, offset: int, pre_conv, conv_states, recurrent_state) -> None:
+        self.rewind.save_snapshot(layer_idx, offset, pre_conv, conv_states, recurrent_state)
 
     def advance(self, num_tokens: int) -> None:
         """Called once per forward by the model, after every layer wrote its state."""
@@ -324,18 +399,18 @@ class KimiK3Cache(Cache):
         self._map_batch(lambda t: t[indices.to(t.device)])
 
     # ------------------------------------------------------------------------------------------------------------
-    # Going back to an earlier token (the rewind component decides how)
+    # Rewinding to an earlier token (the rewind component decides how)
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
         """Record short forwards (speculative verify steps, draft steps) so that `crop(-n)` can roll them back.
         `recurrent_states_to_keep` (transformers 5.25's candidate generators pass their draft length) is how far
         back a crop will go; the record keeps each recorded token's recurrence inputs, not a state per token, so
-        any crop inside the recorded span is exact (up to `max_rollback_tokens`), and the number is kept only to
+        any crop inside the recorded span is exact (up to `max_rewind_tokens`), and the number is kept only to
         report it back (`get_recurrent_states_to_keep`)."""
         self.rewind.activate_past_recording()
         self.recurrent_states_to_keep = recurrent_states_to_keep or 0
 
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
-        return self.rewind is not None and self.rewind.record_past
+        return self.rewind.record_past
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
         return getattr(self, "recurrent_states_to_keep", 0) if self.is_recording_past() else 0
@@ -358,12 +433,12 @@ class KimiK3Cache(Cache):
         length = self.get_seq_length()
         target = length + max_length if max_length <= 0 else max_length
         if target >= length:
-            self.rewind.forget_record()  # the live state is the new base of any later rollback
+            self.rewind.forget_record()  # the live state is the new base of any later rewind
             return
         target = max(target, 0)  # removing more than is cached empties it (nothing cached: a no-op)
         devices = {i: self.layers[i].recurrent_state.device for i in self.kda_layer_indices
                    if self.layers[i].recurrent_state is not None}
-        kept, kda_states = self.rewind.go_back(target, devices)
+        kept, kda_states = self.rewind.states_at(target, devices)
         for layer_idx, (conv_states, state) in kda_states.items():
             layer = self.layers[layer_idx]
             if state is None:
@@ -379,8 +454,6 @@ class KimiK3Cache(Cache):
         """A new growing cache holding the first `num_tokens` tokens of this one (this cache is not changed):
         the MLA latents up to there and the KDA states from the snapshot there (or from the nearest one below, the
         tokens in between pending for its first forward). Tensors that neither cache writes in place are shared."""
-        if self.is_static:
-            raise NotImplementedError("KimiK3Cache.copy_prefix: not supported for a static cache")
         if not 0 < num_tokens <= self.get_seq_length():
             raise ValueError(f"KimiK3Cache.copy_prefix({num_tokens}): the cache holds {self.get_seq_length()} tokens")
         copy = KimiK3Cache.__new__(KimiK3Cache)
@@ -398,14 +471,13 @@ class KimiK3Cache(Cache):
         for layer in self.layers:
             layer.reset()
         self._seen_tokens = 0
-        if self.rewind is not None:
-            self.rewind.reset()
+        self.rewind.reset()
 
     # ------------------------------------------------------------------------------------------------------------
     # Memory report
     def live_bytes(self) -> dict[str, int]:
         """Bytes actually held, by kind: MLA latent KV, KDA recurrent state, KDA conv windows (the rewind
-        component's snapshots and records: `rewind.snapshot_bytes_held()`, `rewind.rollback_bytes()`)."""
+        component's snapshots and records: `rewind.snapshot_bytes_held()`, `rewind.record_bytes()`)."""
         report = {"mla_kv": 0, "kda_state": 0, "kda_conv": 0}
         for layer in self.layers:
             for kind, num_bytes in layer.live_bytes().items():
@@ -419,9 +491,9 @@ class KimiK3StaticCache(KimiK3Cache):
     written in place, KDA states and conv windows are updated in place, the write position is a device tensor and
     key validity a [B, buffer length] mask (max_cache_len rounded up to 64 tokens). A one-token decode step then has
     fixed shapes and addresses and never reads a Python counter, so `generate(..., cache_implementation="static")`
-    can compile it (`torch.compile`, CUDA graphs). It cannot crop (no rewind component, `is_croppable` False); a
-    speculative round goes back inside itself (`enable_rollback`, `begin_round`, `roll_back`: docs/design.md, Going
-    back), with a fixed-shape verify step of `speculative_width` tokens."""
+    can compile it (`torch.compile`, CUDA graphs). It cannot crop (`is_croppable` False); a speculative round rewinds
+    inside itself (`enable_rewind`, `begin_round`, `rewind_round`: docs/design.md, Rewinding), with a fixed-shape
+    verify step of `speculative_width` tokens, through its rewind component `KimiK3StaticRewind`."""
 
     is_static = True
 
@@ -433,12 +505,12 @@ class KimiK3StaticCache(KimiK3Cache):
         self._has_past = False  # a Python flag, so that the decode step never reads the device-side position
         self.position: torch.Tensor | None = None  # number of cached tokens, on the device
         self.key_valid: torch.Tensor | None = None  # [B, buffer length], True where a real token is cached
-        # Speculative rounds (enable_rollback): the verify width, a fixed-shape step besides one token, and the
-        # round's record; `records_rollback` (a Python flag: the compiled round reads no device value to know it) is
-        # on from `begin_round` to `roll_back`, so a forward outside a round records nothing
+        # Speculative rounds (enable_rewind): the verify width, a fixed-shape step besides one token, and the
+        # round's record; `recording_round` (a Python flag: the compiled round reads no device value to know it) is
+        # on from `begin_round` to `rewind_round`, so a forward outside a round records nothing
         self.speculative_width: int | None = None
-        self.rollback: KimiK3StaticRollback | None = None
-        self.records_rollback = False
+        self.rewind: KimiK3StaticRewind | None = None
+        self.recording_round = False
         self._round_start: torch.Tensor | None = None  # the position at the round's start, on the device
 
     def _new_layer(self, layer_type: str) -> KimiK3StaticLatentLayer | KimiK3StaticKDAStateLayer:
@@ -461,7 +533,7 @@ class KimiK3StaticCache(KimiK3Cache):
         return self.position + torch.arange(num_tokens, device=self.position.device)
 
     def begin_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
-                   device: torch.device) -> None:
+                   device: torch.device, input_ids: torch.Tensor | None = None) -> None:
         """Mark the new positions valid (padding stays invalid). Eager for a prefill (any length, checked against
         `max_cache_len`), shape-static for a fixed-shape step (one decode token, a verify)."""
         if self.position is None:
@@ -502,37 +574,51 @@ class KimiK3StaticCache(KimiK3Cache):
     def advance(self, num_tokens: int) -> None:
         self.position.add_(num_tokens)
         self._has_past = True
-        if self.records_rollback:
-            self.rollback.advance(num_tokens)
+        if self.recording_round:
+            self.rewind.advance(num_tokens)
+
+    @property
+    def pending_tokens(self) -> int:
+        return 0  # it never goes back to a snapshot
+
+    def records_step(self) -> bool:
+        return self.recording_round
+
+    def snapshot_offsets(self) -> list[int]:
+        return []
+
+    def record_kda(self, layer_idx: int, conv_states, recurrent_state, pre_conv, recurrence_inputs) -> None:
+        # the round's base states were copied at `begin_round`; only the tokens' inputs go into the buffers
+        self.rewind.record(layer_idx, pre_conv, recurrence_inputs)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Speculative rounds (docs/design.md, Going back): no host read, fixed shapes
+    # Speculative rounds (docs/design.md, Rewinding): no host read, fixed shapes
     def _live_kda(self) -> dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
         return {i: (self.layers[i].conv_states, self.layers[i].recurrent_state) for i in self.kda_layer_indices}
 
-    def enable_rollback(self, width: int) -> None:
+    def enable_rewind(self, width: int) -> None:
         """After the prefill: allocate the round's record for `width` tokens (the verify width: a round's draft
         steps and its verify each record at most that many) and make a verify of `width` tokens a fixed-shape
         step."""
         if not self._has_past:
-            raise ValueError("KimiK3StaticCache.enable_rollback: the cache is empty (prefill the prompt first)")
+            raise ValueError("KimiK3StaticCache.enable_rewind: the cache is empty (prefill the prompt first)")
         self.speculative_width = width
-        self.rollback = KimiK3StaticRollback(width, self._live_kda(), _static_address)
+        self.rewind = KimiK3StaticRewind(width, self._live_kda(), _static_address)
         self._round_start = _static_address(self.position.clone())
 
     def begin_round(self) -> None:
-        """The position and KDA states now are what `roll_back` returns to, plus the tokens it keeps; the
+        """The position and KDA states now are what `rewind_round` returns to, plus the tokens it keeps; the
         round's forwards (at most `speculative_width` tokens in all) record until then."""
-        self.rollback.begin_round(self._live_kda())
+        self.rewind.begin_round(self._live_kda())
         self._round_start.copy_(self.position)
-        self.records_rollback = True
+        self.recording_round = True
 
-    def roll_back(self, keep: torch.Tensor) -> None:
+    def rewind_round(self, keep: torch.Tensor) -> None:
         """Keep the first `keep` ([1] long, on the device) tokens of the round: the KDA states replayed from the
         round's record, the position moved back and the key-validity mask cleared after it (the latents past it
         are masked, and overwritten by the next step). The round ends: forwards record nothing until the next."""
-        self.records_rollback = False
-        for layer_idx, (windows, state) in self.rollback.go_back(
+        self.recording_round = False
+        for layer_idx, (windows, state) in self.rewind.states_at(
                 keep, self._text_config.linear_conv_kernel_size, self._text_config.kda_chunk_size).items():
             self.layers[layer_idx].update(windows, state)
         self.position.copy_(self._round_start + keep.to(self.position.device))
@@ -548,15 +634,20 @@ class KimiK3StaticCache(KimiK3Cache):
     def _map_batch(self, fn) -> None:
         if self.key_valid is not None:
             self.key_valid = fn(self.key_valid)
-        super()._map_batch(fn)
+        for layer in self.layers:
+            layer.map_batch(fn)
+        self.rewind, self.speculative_width, self.recording_round = None, None, False  # rows of another round
 
     @property
     def is_croppable(self) -> bool:
-        # Its one-token decode step is the compiled graph; rollback records and replays are the growing cache's
+        # Its one-token decode step is the compiled graph; rewind records and replays are the growing cache's
         return False
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
         """Nothing to record: a static cache cannot be cropped (see docs/design.md, speculative decoding)."""
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return False
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError(
@@ -565,13 +656,14 @@ class KimiK3StaticCache(KimiK3Cache):
         )
 
     def reset(self) -> None:
-        super().reset()
+        for layer in self.layers:
+            layer.reset()
         self._has_past = False
         self.position = None
         self.key_valid = None
         self.speculative_width = None
-        self.rollback = None
-        self.records_rollback = False
+        self.rewind = None
+        self.recording_round = False
         self._round_start = None
 
 

@@ -265,7 +265,7 @@ def conv_normalizes_qk(q: torch.Tensor, k: torch.Tensor, state: torch.Tensor | N
     Only where fla's chunked form runs after the fast conv: fla rounds q/k to their dtype after its own normalisation
     pass, which reads and writes both again, and the conv's epilogue gives the same rounding for free. Never on the
     reference path (its recurrence normalises in f32 itself), nor for a decode step (the recurrent form normalises
-    inside its kernel), a step recorded for rollback (the replay runs on un-normalised inputs), the context-parallel
+    inside its kernel), a step recorded for a rewind (the replay runs on un-normalised inputs), the context-parallel
     split (which composes the segments' states itself), or while autograd records through q or k (the conv twin with
     a backward, fla's, has no per-head norm)."""
     return (not context_parallel and not recording and not _decode_form(decode_step, state)
@@ -281,7 +281,7 @@ def decay_in_chunk_kernel(decay_logits: torch.Tensor, A_log: torch.Tensor, dt_bi
 
     Only for the lower-bounded gate (`lower_bound` set: K3; fla's in-kernel gate has no softplus form) and only where
     nothing else needs the decay tensor: not with a padding mask (`padded`: it overwrites the decay per token), not
-    for a step recorded for rollback or the context-parallel split (both keep the decay), and not while autograd
+    for a step recorded for a rewind or the context-parallel split (both keep the decay), and not while autograd
     records through the logits or the gate's parameters (the in-kernel gate has no backward). A decode step then gets
     its decay from `kda_gate` (`kda_recurrence`)."""
     return (lower_bound is not None and not padded and not context_parallel and not recording
@@ -297,7 +297,7 @@ def kda_recurrence(q, k, v, g, beta, initial_state, output_final_state: bool, ch
                    gate: tuple | None = None, qk_normalized: bool = False):
     """The delta rule over these tokens, with the kernel of the forward they belong to: a one-token forward
     (`decode_step`) that continues a state is a decode step (fused recurrent form), anything else the chunked form. A
-    rollback replay and a forward split at snapshot positions pick by the same rule, so they compute what that forward
+    rewind replay and a forward split at snapshot positions pick by the same rule, so they compute what that forward
     computes. With `gate` = (A_log, dt_bias, lower_bound) (`decay_in_chunk_kernel`), `g` holds the raw decay logits:
     the chunked form computes the decay inside its kernel (`use_gate_in_kernel`), the recurrent form gets it from
     `kda_gate` first. `qk_normalized` (`conv_normalizes_qk`): q and k come L2-normalised from the conv, so the kernel

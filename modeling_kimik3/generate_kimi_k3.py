@@ -25,8 +25,8 @@ compiled, `decode_compile=True`), `block_steps` calls per host read.
 Speculative decoding runs in the same loop (docs/design.md, Decode loop): with `assistant_model=draft` (a K3 model:
 its own static cache) or `prompt_lookup_num_tokens=k` (an n-gram match over the token history, on the device), a
 greedy generation on a static cache runs rounds of k proposals, one verify of k + 1 tokens on the target, greedy
-acceptance and the rollback of both caches to the kept tokens, all device-side with fixed shapes (the caches'
-`begin_round` / `roll_back`); on CUDA a round is compiled and captured like a block of steps.
+acceptance and the rewind of both caches to the kept tokens, all device-side with fixed shapes (the caches'
+`begin_round` / `rewind_round`); on CUDA a round is compiled and captured like a block of steps.
 
 A model folder carries this file as `custom_generate/generate.py`: `from_pretrained(..., trust_remote_code=True)`
 installs its `generate` as the model's, which hands anything the loop does not run (beam search, assisted decoding,
@@ -525,13 +525,13 @@ class DecodeLoop:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Speculative rounds (docs/design.md, Decode loop; the rollback: Going back)
+# Speculative rounds (docs/design.md, Decode loop; the rewind: Rewinding)
 
 
 class ModelDraft:
     """Proposals from a draft model on its own static cache (a cache of the target's kind and length, prefilled with
     the prompt here). A round runs k + 1 one-token steps: the last feeds the k-th proposal, so the draft's cache holds
-    every token the target may keep, and the rollback to the kept ones is the cache's own."""
+    every token the target may keep, and the rewind to the kept ones is the cache's own."""
 
     def __init__(self, draft, cache, input_ids, attention_mask):
         self.model = draft
@@ -541,7 +541,7 @@ class ModelDraft:
             draft(input_ids=input_ids, attention_mask=attention_mask, cache=self.cache, use_cache=True)
 
     def start(self, width: int) -> None:
-        self.cache.enable_rollback(width)
+        self.cache.enable_rewind(width)
 
     def catch_up(self, history: torch.Tensor, start: int, count: int) -> None:
         """The tokens the target ran as plain steps (history positions start .. start + count - 1), in one
@@ -560,8 +560,8 @@ class ModelDraft:
         self.model.get_decoder()(input_ids=tokens, cache=self.cache, use_cache=True)
         return torch.cat(out, dim=1)
 
-    def roll_back(self, keep: torch.Tensor) -> None:
-        self.cache.roll_back(keep)
+    def rewind_round(self, keep: torch.Tensor) -> None:
+        self.cache.rewind_round(keep)
 
 
 class PromptLookup:
@@ -599,7 +599,7 @@ class PromptLookup:
         index = (start[:, None] + torch.arange(proposals, device=device)[None, :]).clamp(0, size - 1)
         return history.gather(1, index)
 
-    def roll_back(self, keep: torch.Tensor) -> None:
+    def rewind_round(self, keep: torch.Tensor) -> None:
         pass
 
 
@@ -624,8 +624,8 @@ def speculative_round(model, cache, proposer, choice, last, unfinished, length, 
     # scan (the compiled round's int64 cumprod of the agreements gave 168 of 3 proposals on CUDA)
     first_reject = torch.where(agree, proposals, torch.arange(proposals, device=agree.device)).amin(dim=1)
     keep = first_reject.amin().reshape(1) + 1
-    cache.roll_back(keep)
-    proposer.roll_back(keep)
+    cache.rewind_round(keep)
+    proposer.rewind_round(keep)
     tokens, running = [], []
     for index in range(width):
         token = chosen[:, index]
@@ -713,7 +713,7 @@ class WallJudge:
 
 class SpeculativeLoop(DecodeLoop):
     """The decode loop with speculative rounds: `block_rounds` rounds per host read, each round's tokens and counts
-    in a record the host reads once per block. A round writes up to k + 1 cache positions before its rollback, so
+    in a record the host reads once per block. A round writes up to k + 1 cache positions before its rewind, so
     the rounds run while both caches have room for them; the last tokens are plain decode steps. With `fallback`,
     the host times every block that neither compiled nor captured (the read at its end synchronises) and runs plain
     blocks of `DEFAULT_BLOCK_STEPS` steps while they give more tokens per second than the rounds; a draft model's
@@ -784,7 +784,7 @@ class SpeculativeLoop(DecodeLoop):
     def run(self, first_logits, streamer) -> torch.Tensor:
         out: list[torch.Tensor] = []
         going = self._first_token(first_logits, streamer, out)
-        self.cache.enable_rollback(self.width)
+        self.cache.enable_rewind(self.width)
         self.proposer.start(self.width)
         judge = WallJudge(self.model, (self.batch, self.cache.max_cache_len, self.block_steps, self.use_graph),
                           (*self.proposer.judge_key, self.proposals))

@@ -31,7 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .cache_kimi_k3 import KimiK3Cache, KimiK3StaticCache
+from .cache_kimi_k3 import KimiK3Cache, KimiK3KDAStep, KimiK3StaticCache
 from .compat_kimi_k3 import CACHE_ARGUMENTS, CACHE_FIELD, activation_checkpointing_on, cache_in, given_cache
 from .configuration_kimi_k3 import KimiK3TextConfig, check_token_ids
 from .context_parallel_kimi_k3 import ContextParallel
@@ -226,21 +226,15 @@ class KimiK3DeltaAttention(nn.Module):
             q, k, v = q.masked_fill(padded, 0.0), k.masked_fill(padded, 0.0), v.masked_fill(padded, 0.0)
         pre_conv = (q, k, v)
 
-        conv_states, recurrent_state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
+        step = KimiK3KDAStep(cache, self.layer_idx, seq_len)  # the state, and where what a rewind needs goes
+        conv_states, recurrent_state = step.conv_states, step.recurrent_state
         if context_parallel is not None:
             # the K - 1 pre-conv rows before this rank's segment (context_parallel_kimi_k3.py)
             (q, k, v), conv_states, sequence_conv_states = context_parallel.conv_windows(
                 (q, k, v), self.conv_size - 1, self.layer_idx
             )
-        rewind = cache.rewind if cache is not None else None  # snapshots and rollback records (a growing cache)
-        # a static cache's speculative round records into its fixed buffers (docs/design.md, Going back)
-        static_record = cache is not None and cache.is_static and cache.records_rollback
-        recording = static_record or (rewind is not None and rewind.records_step())
-        # A fixed-shape step (one token, or a static verify of T tokens) runs the recurrent form: T tokens of it
-        # compute what T one-token decode steps compute, so speculative greedy decoding is plain greedy decoding
-        decode_step = seq_len == 1 or (cache is not None and cache.is_fixed_shape_step(seq_len))
-        qk_normalized = conv_normalizes_qk(q, k, recurrent_state, decode_step=decode_step, recording=recording,
-                                           context_parallel=context_parallel is not None)
+        qk_normalized = conv_normalizes_qk(q, k, recurrent_state, decode_step=step.decode_step,
+                                           recording=step.recording, context_parallel=context_parallel is not None)
         conv_fn = fast_or_reference("causal_conv1d", q)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         l2norm_head_dims = (self.head_dim, self.head_dim, 0) if qk_normalized else (0, 0, 0)
@@ -254,7 +248,7 @@ class KimiK3DeltaAttention(nn.Module):
         decay_logits = self.f_b_proj(self.f_a_proj(hidden_states)).view(heads_shape)
         A_log, dt_bias = local_shard(self.A_log), local_shard(self.dt_bias)
         if decay_in_chunk_kernel(decay_logits, A_log, dt_bias, lower_bound=self.lower_bound,
-                                 padded=token_mask is not None, recording=recording,
+                                 padded=token_mask is not None, recording=step.recording,
                                  context_parallel=context_parallel is not None):
             g, decay_gate = decay_logits, (A_log, dt_bias, self.lower_bound)
         else:
@@ -272,19 +266,9 @@ class KimiK3DeltaAttention(nn.Module):
                                                      self.config.kda_chunk_size, self.layer_idx)
             q_state, k_state, v_state = sequence_conv_states
         else:
-            if static_record:
-                cache.rollback.record(self.layer_idx, pre_conv, (q, k, v, g, beta))
-            elif recording:
-                # Speculative verify/draft step: keep what a rollback replays (the recurrence inputs and the
-                # pre-conv inputs of the conv windows), so rejected tokens never cost a re-projection or a re-run
-                # of the prefix
-                rewind.record_step(self.layer_idx, conv_states, recurrent_state, pre_conv, (q, k, v, g, beta))
-            snapshot_offsets = rewind.snapshot_offsets() if rewind is not None else []
-            core, final_state = self._recurrence(q, k, v, g, beta, recurrent_state, cache is not None,
-                                                 snapshot_offsets, pre_conv, conv_states, rewind, decay_gate,
-                                                 qk_normalized, decode_step)
-        if cache is not None:
-            cache.update_kda_state((q_state, k_state, v_state), final_state, self.layer_idx)
+            step.record(pre_conv, (q, k, v, g, beta))
+            core, final_state = self._recurrence(q, k, v, g, beta, step, pre_conv, decay_gate, qk_normalized)
+        step.write((q_state, k_state, v_state), final_state)
 
         if self.config.use_full_rank_gate:
             gate = self.g_proj(hidden_states)
@@ -293,23 +277,23 @@ class KimiK3DeltaAttention(nn.Module):
         core = self.o_norm(core, gate.view(heads_shape))
         return self.o_proj(core.reshape(batch, seq_len, -1))
 
-    def _recurrence(self, q, k, v, g, beta, state, keep_state, snapshot_offsets, pre_conv, conv_states, rewind,
-                    decay_gate=None, qk_normalized=False, decode_step=False):
-        """The delta rule over this forward's tokens. With snapshot offsets the chunked form runs segment by
-        segment, carrying the state exactly as it carries it between its own chunks, and hands the state at each
-        offset to the cache's rewind component."""
+    def _recurrence(self, q, k, v, g, beta, step, pre_conv, decay_gate=None, qk_normalized=False):
+        """The delta rule over this forward's tokens. Where the cache asks for snapshots, the chunked form runs
+        segment by segment, carrying the state exactly as it carries it between its own chunks, and hands the state
+        at each offset to the step."""
         seq_len = q.shape[1]
-        bounds = [0, *(o for o in snapshot_offsets if 0 < o < seq_len), seq_len]
-        outputs = []
+        offsets = step.snapshot_offsets
+        bounds = [0, *(o for o in offsets if 0 < o < seq_len), seq_len]
+        outputs, state = [], step.recurrent_state
         for start, end in zip(bounds[:-1], bounds[1:]):
             out, state = kda_recurrence(
                 q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end], state,
-                keep_state or end < seq_len, self.config.kda_chunk_size, decode_step=decode_step,
+                step.keeps_state or end < seq_len, self.config.kda_chunk_size, decode_step=step.decode_step,
                 gate=decay_gate, qk_normalized=qk_normalized,
             )
             outputs.append(out)
-            if end in snapshot_offsets:
-                rewind.save_snapshot(self.layer_idx, end, pre_conv, conv_states, state)
+            if end in offsets:
+                step.snapshot(end, pre_conv, state)
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), state
 
 
@@ -900,7 +884,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = True
-    # The KDA state can go back to any earlier token (rollback records, snapshots: KimiK3Cache.crop), so
+    # The KDA state can go back to any earlier token (rewind records, snapshots: KimiK3Cache.crop), so
     # transformers' assisted and prompt-lookup decoding may verify and reject draft tokens.
     _is_stateful = False
     _can_compile_fullgraph = True
@@ -1105,7 +1089,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         check_model_inputs(self, input_ids, inputs_embeds, attention_mask, cache)
         for key in ("output_hidden_states", "output_attentions", "output_router_logits"):
             kwargs.pop(key, None)  # recorded by capture_outputs
-        if cache is not None and cache.rewind is not None and cache.rewind.pending_tokens:
+        if cache is not None and cache.pending_tokens:
             self._replay_pending(cache)
         context_parallel = kwargs.get("context_parallel")
         if context_parallel is not None:
@@ -1131,9 +1115,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 raise ValueError("Packed sequences (restarting position_ids) cannot continue a cache")
             token_mask = self._token_mask(attention_mask, seq_len)
             if cache is not None:
-                cache.begin_step(batch, seq_len, token_mask, inputs_embeds.device)
-                if cache.rewind is not None:
-                    cache.rewind.keep_tokens(input_ids, token_mask, past_len)
+                cache.begin_step(batch, seq_len, token_mask, inputs_embeds.device, input_ids)
             mla_mask = self._mla_mask(attention_mask, document_ids, batch, seq_len, past_len, inputs_embeds.device)
             document_index = self._document_index(document_ids) if document_ids is not None else None
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
@@ -1170,7 +1152,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
     def _replay_pending(self, cache: KimiK3Cache) -> None:
         """Run the tokens a crop left pending (it went back to a snapshot below its target: docs/design.md, Going
         back) before this forward's own inputs: a prefill of them, without gradients, through the same forward."""
-        with cache.rewind.replay() as (input_ids, attention_mask), torch.no_grad():
+        with cache.replay() as (input_ids, attention_mask), torch.no_grad():
             self(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True)
 
     @staticmethod

@@ -11,27 +11,27 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Going back to an earlier token with the KDA layers, whose recurrent state cannot be cut like the MLA latents.
+"""Rewinding to an earlier token with the KDA layers, whose recurrent state cannot be cut like the MLA latents.
 
-`KimiK3Rewind` is a component of the growing `KimiK3Cache` (`cache.rewind`; a static cache has none). The KDA layers
-hand it what they record during a forward, the cache asks it for the states of an earlier token in `crop`, and the
-model runs the tokens it leaves pending. It holds (docs/design.md, Going back):
+`KimiK3Rewind` is the growing `KimiK3Cache`'s component (`cache.rewind`). The cache passes it what the KDA layers hand
+over through their step handles (`KimiK3KDAStep.record`, `.snapshot`) and asks it for the states of an earlier token
+in `crop`; the model runs the tokens it leaves pending (`cache.replay()`). It holds (docs/design.md, Rewinding):
 
-* Rollback records (speculative decoding): while past recording is on, every short forward records, per KDA layer,
+* Rewind records (speculative decoding): while past recording is on, every short forward records, per KDA layer,
   the state it started from and the per-token inputs of the recurrence (the pre-conv q/k/v projections and the
-  post-conv q, k, v, the decay g and beta). Going back inside the recorded span rebuilds the conv windows from the
+  post-conv q, k, v, the decay g and beta). Rewinding inside the recorded span rebuilds the conv windows from the
   pre-conv inputs and replays the recurrence from the recorded state up to the kept token, at once: no projection
   and no earlier token is recomputed, and nothing of the model runs.
 * Snapshots (prefix reuse): a prefill hands over the KDA states at multiples of `snapshot_interval` tokens (a
   512-token block for the prefix store), written by the chunked form itself as it passes them (optionally kept on
   another device). Under a byte budget they are kept sparse by `kept_snapshot_blocks`: every block end in a dense
   window before the cache's end, geometrically thinner further back.
-* The token ids (and padding mask) the cache has seen. Going back anywhere else restores the nearest snapshot at or
+* The token ids (and padding mask) the cache has seen. Rewinding anywhere else restores the nearest snapshot at or
   below the target and leaves the tokens from there to the target pending: the next forward of the model runs them
   first (`replay`), the same computation as a prefill of those tokens.
 
-`KimiK3StaticRollback` is the static cache's way back inside one speculative round (`cache.rollback`): the same
-record in fixed-address buffers, written and replayed with device-side indices, so that a round is one CUDA graph.
+`KimiK3StaticRewind` is the static cache's component (`cache.rewind`, once `enable_rewind` ran), for one speculative
+round: the same record in fixed-address buffers, written and replayed with device-side indices, so that a round is one CUDA graph.
 
 It computes with the ops (conv windows, the recurrence) and never refers to the model or to the cache.
 """
@@ -48,9 +48,9 @@ from .ops_kimi_k3 import conv_windows_after
 KDA_BLOCK_SIZE = 512
 DEFAULT_SNAPSHOT_BLOCKS = 40
 DEFAULT_SNAPSHOT_INTERVAL = KDA_BLOCK_SIZE * DEFAULT_SNAPSHOT_BLOCKS
-# Forwards longer than this are not recorded for rollback (a verify block is a handful of tokens; a prefill's
+# Forwards longer than this are not recorded for a rewind (a verify block is a handful of tokens; a prefill's
 # per-token inputs would cost far more than its snapshots)
-DEFAULT_MAX_ROLLBACK_TOKENS = 128
+DEFAULT_MAX_REWIND_TOKENS = 128
 
 
 def _snapshot_copy(tensor: torch.Tensor, device) -> torch.Tensor:
@@ -58,7 +58,7 @@ def _snapshot_copy(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor.detach().to(device, copy=True) if device is not None else tensor.detach().clone()
 
 
-class KimiK3KDARollbackRecord:
+class KimiK3KDARewindRecord:
     """What one KDA layer needs to roll back inside the recorded span: the state and conv windows it started from
     (references: a growing cache replaces, never overwrites, its tensors) and the per-token inputs of its conv and
     recurrence for the recorded tokens."""
@@ -96,8 +96,8 @@ class KimiK3KDARollbackRecord:
         return conv_states, state
 
 
-def rollback_bytes_per_token(config, dtype_bytes: int = 2) -> int:
-    """Rollback record bytes per verified token, from the config: per KDA layer the pre-conv and post-conv q, k, v
+def rewind_record_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """Rewind record bytes per verified token, from the config: per KDA layer the pre-conv and post-conv q, k, v
     (activation dtype), the f32 decay g (H x D) and the f32 beta (H). Compare with one KDA state, H x D x D f32 per
     layer: the record is about D / (6 * dtype_bytes / 4 + 1) times smaller."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -108,7 +108,7 @@ def rollback_bytes_per_token(config, dtype_bytes: int = 2) -> int:
 
 
 def kept_snapshot_blocks(num_blocks: int, dense_blocks: int) -> list[int]:
-    """The snapshot policy (docs/design.md, Going back): which block ends 1..num_blocks a cache of `num_blocks`
+    """The snapshot policy (docs/design.md, Rewinding): which block ends 1..num_blocks a cache of `num_blocks`
     whole blocks keeps, with a dense window of `dense_blocks` (w >= 1) blocks. Block i, at distance d = num_blocks - i
     from the end, is kept when i is a multiple of 2**level(d), level(d) = floor(log2(d // w + 1)): every block end
     for d < w, every 2nd for the next 2w blocks, every 4th for the next 4w, ... (w per level: about
@@ -132,7 +132,7 @@ def _check_option(name: str, value) -> None:
 
 
 class KimiK3Rewind:
-    """The growing cache's way back: KDA snapshots, rollback records and the token ids for replays.
+    """The growing cache's rewind: KDA snapshots, rewind records and the token ids for replays.
 
     `kda_layers`: the KDA layer indices (a snapshot is complete when each of them handed its state over).
     `snapshot_bytes_per_row`: one snapshot's bytes for one sequence (conv windows counted at f32, the most they
@@ -142,9 +142,9 @@ class KimiK3Rewind:
 
     def __init__(self, kda_layers: list[int], conv_kernel_size: int, chunk_size: int, snapshot_bytes_per_row: int,
                  snapshot_interval: int | None = None, snapshot_device: str | torch.device | None = None,
-                 max_snapshot_bytes: int | None = None, max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS):
+                 max_snapshot_bytes: int | None = None, max_rewind_tokens: int = DEFAULT_MAX_REWIND_TOKENS):
         for name, value in (("snapshot_interval", snapshot_interval), ("max_snapshot_bytes", max_snapshot_bytes),
-                            ("max_rollback_tokens", max_rollback_tokens)):
+                            ("max_rewind_tokens", max_rewind_tokens)):
             _check_option(name, value)
         if max_snapshot_bytes is not None and max_snapshot_bytes < snapshot_bytes_per_row:
             raise ValueError(
@@ -158,16 +158,16 @@ class KimiK3Rewind:
         self.snapshot_interval = snapshot_interval
         self.snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
         self.max_snapshot_bytes = max_snapshot_bytes
-        self.max_rollback_tokens = max_rollback_tokens
+        self.max_rewind_tokens = max_rewind_tokens
         # position -> {KDA layer -> (conv windows, f32 state)}
         self.snapshots: dict[int, dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = {}
         # The policy's dense window in blocks (None: not narrowed yet); only ever narrows (see kept_snapshot_blocks)
         self.dense_blocks: int | None = None
         self._planned: tuple[int, int] | None = None  # (blocks, batch size) the kept set was last planned for
-        self.replayed_tokens = 0  # tokens the model ran from `replay` (pending tokens after going back)
+        self.replayed_tokens = 0  # tokens the model ran from `replay` (pending tokens after rewinding)
         self.record_past = False
-        self._rollback: dict[int, KimiK3KDARollbackRecord] | None = None
-        self._rollback_base = 0  # position the rollback records start from
+        self._record: dict[int, KimiK3KDARewindRecord] | None = None
+        self._record_base = 0  # position the rewind records start from
         # Token ids (and padding mask) of every token the cache stands for; None once embeddings came in
         self._token_ids: torch.Tensor | None = None
         self._token_valid: torch.Tensor | None = None
@@ -183,7 +183,7 @@ class KimiK3Rewind:
     # Each forward: the cache opens and closes it, the model hands over its token ids
     def begin_step(self, position: int, batch_size: int, num_tokens: int) -> None:
         """Before the layers run (`position` tokens cached): where this forward's snapshots fall, and whether it is
-        recorded for rollback."""
+        recorded for a rewind."""
         self._step_start = position
         # Plan the kept set for the length this forward reaches: drop what it no longer keeps before the layers
         # run, and take only the kept ones the forward passes, so even its own snapshots never exceed the budget
@@ -193,13 +193,13 @@ class KimiK3Rewind:
         self._recording_step = False
         if not self.record_past or self._replaying:
             return
-        recorded = position - self._rollback_base if self._rollback is not None else 0
-        if self._rollback is not None and recorded + num_tokens > self.max_rollback_tokens:
-            self._rollback = None  # too long a span: start over from here
-        if num_tokens > self.max_rollback_tokens:
+        recorded = position - self._record_base if self._record is not None else 0
+        if self._record is not None and recorded + num_tokens > self.max_rewind_tokens:
+            self._record = None  # too long a span: start over from here
+        if num_tokens > self.max_rewind_tokens:
             return
-        if self._rollback is None:
-            self._rollback, self._rollback_base = {}, position
+        if self._record is None:
+            self._record, self._record_base = {}, position
         self._recording_step = True
 
     def keep_tokens(self, input_ids: torch.Tensor | None, token_mask: torch.Tensor | None, past_len: int) -> None:
@@ -227,14 +227,14 @@ class KimiK3Rewind:
     # ------------------------------------------------------------------------------------------------------------
     # What the KDA layers hand over
     def records_step(self) -> bool:
-        """Whether the KDA layers record this forward's inputs for rollback."""
+        """Whether the KDA layers record this forward's inputs for a rewind."""
         return self._recording_step
 
     def record_step(self, layer_idx: int, conv_states, recurrent_state, pre_conv, recurrence_inputs) -> None:
-        """A KDA layer's state before this forward and its per-token inputs (see `KimiK3KDARollbackRecord`)."""
-        record = self._rollback.get(layer_idx)
+        """A KDA layer's state before this forward and its per-token inputs (see `KimiK3KDARewindRecord`)."""
+        record = self._record.get(layer_idx)
         if record is None:
-            record = self._rollback[layer_idx] = KimiK3KDARollbackRecord(conv_states, recurrent_state)
+            record = self._record[layer_idx] = KimiK3KDARewindRecord(conv_states, recurrent_state)
         record.append(pre_conv, recurrence_inputs)
 
     def snapshot_offsets(self) -> list[int]:
@@ -286,33 +286,33 @@ class KimiK3Rewind:
         return sorted(wanted)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Going back
+    # Rewinding
     def activate_past_recording(self) -> None:
         self.record_past = True
 
     def forget_record(self) -> None:
-        """The live state becomes the base of any later rollback."""
-        self._rollback = None
+        """The live state becomes the base of any later rewind."""
+        self._record = None
 
-    def go_back(self, target: int, devices: dict) -> tuple[int, dict]:
-        """The way back to `target` tokens (fewer than the cache stands for): `(kept, states)`, the position the
+    def states_at(self, target: int, devices: dict) -> tuple[int, dict]:
+        """The rewind to `target` tokens (fewer than the cache stands for): `(kept, states)`, the position the
         cache keeps and the (conv windows, state) of each KDA layer there ((None, None): empty). Inside the recorded
         span `kept` is the target (the recorded recurrence replayed); otherwise it is the nearest complete snapshot
         at or below the target (copied onto `devices[layer]`), and the tokens up to the target stay pending for the
         next forward (`replay`)."""
-        if self._rollback is not None and self._rollback_base <= target:
+        if self._record is not None and self._record_base <= target:
             return self._replay_record(target)
         return self._restore_snapshot(target, devices)
 
     def _replay_record(self, target: int) -> tuple[int, dict]:
-        kept_tokens = target - self._rollback_base
+        kept_tokens = target - self._record_base
         states = {layer_idx: record.state_after(kept_tokens, self.conv_kernel_size, self.chunk_size)
-                  for layer_idx, record in self._rollback.items()}
+                  for layer_idx, record in self._record.items()}
         self._cut(target, target)
         return target, states
 
     def restore_position(self, target: int) -> int:
-        """Where going back to `target` (by a snapshot) starts: the nearest complete snapshot at or below it (0: the
+        """Where rewinding to `target` (by a snapshot) starts: the nearest complete snapshot at or below it (0: the
         empty state; the target itself without KDA layers). The tokens from there to the target are replayed."""
         if not self.kda_layers:
             return target  # nothing recurrent: the cut latents are the whole state
@@ -345,7 +345,7 @@ class KimiK3Rewind:
 
     def _cut(self, kept: int, target: int) -> None:
         """Keep the snapshots up to `kept` and the token ids up to `target` (pending from `kept` on)."""
-        self._rollback, self._planned = None, None
+        self._record, self._planned = None, None
         self.snapshots = {p: states for p, states in self.snapshots.items() if p <= kept}
         if self._token_ids is not None:
             self._token_ids = self._token_ids[:, :target]
@@ -355,13 +355,13 @@ class KimiK3Rewind:
 
     @property
     def pending_tokens(self) -> int:
-        """Tokens the cache stands for but has not computed yet (left by going back to a snapshot)."""
+        """Tokens the cache stands for but has not computed yet (left by rewinding to a snapshot)."""
         return 0 if self._pending_start is None else self._token_ids.shape[1] - self._pending_start
 
     @contextlib.contextmanager
     def replay(self):
         """While the model runs the pending tokens: yields their ids and the attention mask of the stored and pending
-        tokens (None without padding). Nothing of it is recorded for rollback, and its own token ids come back
+        tokens (None without padding). Nothing of it is recorded for a rewind, and its own token ids come back
         through `keep_tokens`."""
         start = self._pending_start
         input_ids = self._token_ids[:, start:]
@@ -378,29 +378,29 @@ class KimiK3Rewind:
     # ------------------------------------------------------------------------------------------------------------
     # Following the cache
     def copy(self) -> "KimiK3Rewind":
-        """For a new cache sharing this one's tensors: its own snapshot table, no rollback record, not recording."""
+        """For a new cache sharing this one's tensors: its own snapshot table, no rewind record, not recording."""
         copy = KimiK3Rewind.__new__(KimiK3Rewind)
         copy.__dict__.update(self.__dict__)
         copy.snapshots = dict(self.snapshots)
-        copy._rollback, copy.record_past, copy.replayed_tokens = None, False, 0
+        copy._record, copy.record_past, copy.replayed_tokens = None, False, 0
         return copy
 
     def map_batch(self, fn) -> None:
         """The cache's rows were reordered, repeated or selected: so are the snapshots and the token ids (pending
-        ones included); the rollback record is dropped."""
+        ones included); the rewind record is dropped."""
         self.snapshots = {position: {layer: (tuple(fn(c) for c in conv), fn(state))
                                      for layer, (conv, state) in states.items()}
                           for position, states in self.snapshots.items()}
         self._token_ids = None if self._token_ids is None else fn(self._token_ids)
         self._token_valid = None if self._token_valid is None else fn(self._token_valid)
-        self._rollback = None
+        self._record = None
         self._planned = None  # bytes per snapshot changed with the rows: the next forward plans again
         self._bound_snapshots()
 
     def reset(self) -> None:
         self.snapshots = {}
         self.dense_blocks, self._planned, self.replayed_tokens = None, None, 0
-        self._rollback = None
+        self._record = None
         self._token_ids, self._token_valid, self._replayable = None, None, True
         self._pending_start = None
 
@@ -418,15 +418,15 @@ class KimiK3Rewind:
         return sum(t.nbytes for states in self.snapshots.values() for conv, state in states.values()
                    for t in (*conv, state))
 
-    def rollback_bytes(self) -> dict[str, int]:
-        """Bytes the rollback records hold: `per_token` (recorded inputs per recorded token, all KDA layers),
+    def record_bytes(self) -> dict[str, int]:
+        """Bytes the rewind records hold: `per_token` (recorded inputs per recorded token, all KDA layers),
         `tokens` recorded, and `base_states` (the start states, shared with what the live cache held then)."""
-        if not self._rollback:
+        if not self._record:
             return {"per_token": 0, "tokens": 0, "base_states": 0}
-        base = sum(t.nbytes for r in self._rollback.values() if r.base_state is not None
+        base = sum(t.nbytes for r in self._record.values() if r.base_state is not None
                    for t in (*r.base_conv_states, r.base_state))
-        return {"per_token": sum(r.nbytes_per_token() for r in self._rollback.values()),
-                "tokens": next(iter(self._rollback.values())).num_tokens, "base_states": base}
+        return {"per_token": sum(r.nbytes_per_token() for r in self._record.values()),
+                "tokens": next(iter(self._record.values())).num_tokens, "base_states": base}
 
 
 def _window_at(base: torch.Tensor, inputs: torch.Tensor, keep: torch.Tensor, size: int) -> torch.Tensor:
@@ -441,14 +441,14 @@ def _window_at(base: torch.Tensor, inputs: torch.Tensor, keep: torch.Tensor, siz
     return torch.where(column < size, from_base, from_inputs.to(base.dtype))
 
 
-class KimiK3StaticRollback:
-    """The static cache's way back inside one speculative round (docs/design.md, Going back): fixed-address
+class KimiK3StaticRewind:
+    """The static cache's rewind inside one speculative round (docs/design.md, Rewinding): fixed-address
     buffers, written and read with device-side indices only, so that a round (draft steps, the verify, the
-    acceptance and this rollback) has fixed shapes and can be captured as one CUDA graph.
+    acceptance and this rewind) has fixed shapes and can be captured as one CUDA graph.
 
     `begin_round` copies every KDA layer's state and conv windows (the round's base) and restarts the record; each
     recorded forward writes its tokens' pre-conv q/k/v and recurrence inputs q, k, v, g, beta at the record's
-    device-side slot (`record`, then `advance`); `go_back(keep)` rebuilds the state after the first `keep` recorded
+    device-side slot (`record`, then `advance`); `states_at(keep)` rebuilds the state after the first `keep` recorded
     tokens ([1] long, on the device) by replaying the recurrence over all `width` slots from the base with g = 0
     and beta = 0 from token `keep` on (the identity update: exactly the state after `keep` tokens, with the shapes
     of every round), and gathers the conv windows ending at token `keep` from [base window, pre-conv inputs].
@@ -494,7 +494,7 @@ class KimiK3StaticRollback:
     def advance(self, num_tokens: int) -> None:
         self.slot.add_(num_tokens)
 
-    def go_back(self, keep: torch.Tensor, conv_kernel_size: int, chunk_size: int):
+    def states_at(self, keep: torch.Tensor, conv_kernel_size: int, chunk_size: int):
         """{KDA layer: (conv windows, f32 state)} after the first `keep` recorded tokens of the round."""
         out = {}
         index = torch.arange(self.width, device=keep.device)
@@ -517,7 +517,7 @@ __all__ = [
     "DEFAULT_SNAPSHOT_INTERVAL",
     "KDA_BLOCK_SIZE",
     "KimiK3Rewind",
-    "KimiK3StaticRollback",
+    "KimiK3StaticRewind",
     "kept_snapshot_blocks",
-    "rollback_bytes_per_token",
+    "rewind_record_bytes_per_token",
 ]

@@ -14,7 +14,7 @@
 """Serving helpers around `generate()`: prompt caches with KDA state snapshots and a block-hash prefix store (the
 draft model for speculative decoding, sliced from the target, is the package's `kimik3.draft`).
 
-Prefix reuse (docs/design.md, Going back: crop, prefix reuse, speculative decoding): a prompt is cut into 512-token
+Prefix reuse (docs/design.md, Rewinding: crop, prefix reuse, speculative decoding): a prompt is cut into 512-token
 blocks; each block's hash is chained with its predecessor's, so one hash names a whole prefix. A stored prompt cache can
 be reused up to the longest prefix the new prompt shares with it; the KDA states there come from the cache's snapshots
 (written by its prefill at block ends, kept sparse under its byte budget) or from a replay of the tokens after the
@@ -147,7 +147,7 @@ class KimiK3PrefixStore:
         self.hits += 1
         self.tokens_reused += tokens
         cache = self._entries[best_key][1].copy_prefix(tokens)
-        self.tokens_replayed += cache.rewind.pending_tokens
+        self.tokens_replayed += cache.pending_tokens
         return tokens, cache
 
     def bytes_held(self) -> int:
@@ -181,7 +181,7 @@ def _restored_at(cache: KimiK3Cache, tokens: int) -> int | None:
     """Where `cache.copy_prefix(tokens)` restores the KDA states from (the rest is replayed by its first forward),
     or None where it cannot (no token ids to replay)."""
     if tokens == cache.get_seq_length():
-        return tokens - cache.rewind.pending_tokens  # the live state
+        return tokens - cache.pending_tokens  # the live state
     restored = cache.rewind.restore_position(tokens)
     return restored if restored == tokens or cache.rewind.replayable else None
 

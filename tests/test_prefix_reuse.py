@@ -72,7 +72,7 @@ def test_left_padded_batch_reuses_its_prompt_cache_exactly(model):
     ids, full_mask = torch.cat([prefix, suffix], 1), torch.cat([mask, torch.ones(3, 3, dtype=torch.long)], 1)
     reused = _greedy(model, ids, attention_mask=full_mask, **{CACHE_FIELD: copy.deepcopy(cache)})
     _assert_same_run(reused, _greedy(model, ids, attention_mask=full_mask))
-    # Going back inside the padded prefix replays with the recorded padding (tokens 8..11, before the next forward)
+    # Rewinding inside the padded prefix replays with the recorded padding (tokens 8..11, before the next forward)
     cache.crop(11)
     with torch.no_grad():
         fresh = cache_of(model(prefix[:, :11], attention_mask=mask[:, :11], use_cache=True))
@@ -104,7 +104,7 @@ def test_crop_works_for_every_length(model, prefix, prompt_cache):
     for n in range(1, 30):
         calls, handle = _model_calls(model)
         cache = prompt_cache.copy_prefix(n)
-        assert cache.get_seq_length() == n and calls == []  # going back runs nothing of the model
+        assert cache.get_seq_length() == n and calls == []  # rewinding runs nothing of the model
         assert cache.rewind.pending_tokens == n % INTERVAL
         with torch.no_grad():
             model(prefix[:, n:n + 1], past_key_values=cache, use_cache=True)
@@ -198,7 +198,7 @@ def test_kimik3_memory_reports_snapshot_memory(capsys):
 
 @pytest.mark.parametrize("option, value", [("snapshot_interval", -4), ("snapshot_interval", True),
                                            ("snapshot_interval", 2.5), ("max_snapshot_bytes", 0),
-                                           ("max_rollback_tokens", -1), ("max_rollback_tokens", False)])
+                                           ("max_rewind_tokens", -1), ("max_rewind_tokens", False)])
 def test_cache_options_must_be_positive_integers(model, option, value):
     with pytest.raises(ValueError, match=f"{option} must be a positive integer or None, got {value!r}"):
         KimiK3Cache(model.config, **{option: value})
@@ -247,7 +247,7 @@ def test_crop_needing_a_replay_of_embeddings_is_refused_at_the_crop(model, prefi
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Hits at any block boundary (docs/design.md, Going back): snapshots at block ends written by the prefill itself,
+# Hits at any block boundary (docs/design.md, Rewinding): snapshots at block ends written by the prefill itself,
 # kept sparse under a byte budget by kept_snapshot_blocks
 
 BLOCK = 16  # the tiny model's KDA chunk size: a block end is a chunk end, as 512 is for the release's 64

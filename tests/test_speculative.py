@@ -8,7 +8,7 @@ from k3_test_utils import cache_of
 from kimik3.memory import load_text_config
 from kimik3.draft import slice_draft_model
 from kimik3.modeling.cache_kimi_k3 import KimiK3Cache, snapshot_bytes
-from kimik3.modeling.rewind_kimi_k3 import KimiK3Rewind, rollback_bytes_per_token
+from kimik3.modeling.rewind_kimi_k3 import KimiK3Rewind, rewind_record_bytes_per_token
 from kimik3.tiny import build_tiny_model
 
 
@@ -88,7 +88,7 @@ def test_rollback_is_the_state_of_the_shorter_sequence_and_small(model):
         cache.activate_past_recording(recurrent_states_to_keep=5)
         assert cache.is_recording_past() and cache.get_recurrent_states_to_keep() == 5
         model(block, past_key_values=cache, use_cache=True)
-        recorded = cache.rewind.rollback_bytes()
+        recorded = cache.rewind.record_bytes()
         cache.crop(-3)
         assert cache.rewind.pending_tokens == 0  # rolled back at the crop: nothing left for the model to run
         cache.crop(0)  # 5.25 crops by 0 after a round that kept every token: nothing removed, the record let go
@@ -110,10 +110,10 @@ def test_rollback_is_the_state_of_the_shorter_sequence_and_small(model):
                                    model(following, past_key_values=shorter).logits, atol=1e-5, rtol=0)
 
     assert recorded["tokens"] == 5
-    assert recorded["per_token"] == rollback_bytes_per_token(model.config, dtype_bytes=4)  # f32 tiny model
+    assert recorded["per_token"] == rewind_record_bytes_per_token(model.config, dtype_bytes=4)  # f32 tiny model
     # The release: the record per verified token is a small fraction of one set of KDA states
     release = load_text_config()
-    assert rollback_bytes_per_token(release) * 16 < snapshot_bytes(release)
+    assert rewind_record_bytes_per_token(release) * 16 < snapshot_bytes(release)
 
 
 def test_static_cache_refuses_assisted_decoding_by_name(model, repetitive_prompt):
@@ -130,7 +130,7 @@ def _ks_statistic(samples: torch.Tensor) -> float:
 
 
 def test_speculative_sampling_draws_from_the_target_distribution():
-    """Seeded: sample 72 tokens with a disagreeing draft (many rejections and rollbacks), then check every sampled
+    """Seeded: sample 72 tokens with a disagreeing draft (many rejections and rewinds), then check every sampled
     token against the target's own conditional distribution given the tokens before it (one uncached forward).
     Randomised probability-integral transforms of exact draws are i.i.d. uniform; a state that kept a rejected
     token would sample from other conditionals."""

@@ -1,6 +1,6 @@
-"""Speculative decoding on the static cache (modeling_kimik3/generate_kimi_k3.py, speculative rounds; the rollback:
-cache_kimi_k3.py `begin_round` / `roll_back`, rewind_kimi_k3.py `KimiK3StaticRollback`; docs/design.md, Decode loop
-and Going back): greedy speculative tokens are plain greedy tokens in fp32 with drafts that agree, disagree and
+"""Speculative decoding on the static cache (modeling_kimik3/generate_kimi_k3.py, speculative rounds; the rewind:
+cache_kimi_k3.py `begin_round` / `rewind_round`, rewind_kimi_k3.py `KimiK3StaticRewind`; docs/design.md, Decode loop
+and Rewinding): greedy speculative tokens are plain greedy tokens in fp32 with drafts that agree, disagree and
 partly agree and with prompt lookup; the acceptance the loop reports is the one the test computes from plain
 greedy runs; the rolled-back KDA states and conv windows are those of plain decoding of the kept tokens."""
 
@@ -119,7 +119,7 @@ def test_rolled_back_states_are_plain_decodings_of_the_kept_tokens(model, prompt
         verified, stepped = (KimiK3StaticCache(model.config, max_cache_len=32) for _ in range(2))
         for cache in (verified, stepped):
             model(input_ids=prompt, cache=cache)
-            cache.enable_rollback(4)
+            cache.enable_rewind(4)
             cache.begin_round()
         verify_logits = model(input_ids=new, cache=verified).logits
         step_logits = torch.cat([model(input_ids=new[:, index: index + 1], cache=stepped).logits
@@ -127,7 +127,7 @@ def test_rolled_back_states_are_plain_decodings_of_the_kept_tokens(model, prompt
         # the verify's T tokens see what T decode steps see (the cached keys, then their own causal prefix)
         torch.testing.assert_close(verify_logits, step_logits, atol=1e-5, rtol=0)
         for cache in (verified, stepped):
-            cache.roll_back(torch.tensor([keep]))
+            cache.rewind_round(torch.tensor([keep]))
             assert cache.get_seq_length() == prompt.shape[1] + keep
             assert cache.key_valid[0].sum().item() == prompt.shape[1] + keep
             for layer in cache.kda_layer_indices:

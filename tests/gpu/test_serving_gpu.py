@@ -1,4 +1,4 @@
-"""Prefix reuse and speculative decoding on CUDA, where the KDA recurrence, its rollback replay and the conv run
+"""Prefix reuse and speculative decoding on CUDA, where the KDA recurrence, its rewind replay and the conv run
 through the fast kernels (fla-core when importable), snapshots offloaded to CPU. Each reused or speculative run
 must give the plain run's tokens; on the reference ops its scores match to f32 rounding, and on the fast kernels
 (fla's chunked form uses tf32 dots) it may differ from the plain run by at most twice the plain run's own distance
@@ -72,7 +72,7 @@ def test_assisted_greedy_is_plain_greedy_on_cuda(model):
     plain = _greedy(model, ids)
     exact_scores = _exact_scores(model, plain, ids.shape[1])
     for assistance in ({"prompt_lookup_num_tokens": 4}, {"assistant_model": draft}):
-        with reference_only():  # the rollback replay alone: equal to f32 rounding
+        with reference_only():  # the rewind replay alone: equal to f32 rounding
             assisted = _greedy(model, ids, **assistance)
         _assert_same_tokens(assisted, plain_on_reference)
         assert _max_score_gap(assisted.scores, plain_on_reference.scores) < 1e-4
