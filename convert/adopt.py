@@ -16,7 +16,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
+from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT
 from kimik3.modeling.files_kimi_k3 import ADOPTION_RECORD_NAME, release_fingerprints
 from kimik3.remote_code import remote_code_entries
 
@@ -25,6 +25,7 @@ from .checkpoint import Checkpoint, read_source_file
 from .converter import open_source, processor_config
 from .engine import check_paths
 from .errors import ConversionError
+from .name_map import streamed_format
 from .plan import ConvertOptions, build_convert_plan
 from .schedule import output_config_dict
 
@@ -74,8 +75,7 @@ def _verbatim(ckpt: Checkpoint, name: str, data: bytes) -> bool:
 def adopt(src, dst, *, experts_format: str = DEFAULT_EXPERTS_FORMAT) -> dict:
     """Writes the adopted folder `dst` for the release-layout folder `src` (a Hub snapshot folder works: link to its
     names, which link into its blobs/). Returns a summary: the record, the bytes written, the links."""
-    if experts_format not in EXPERTS_FORMATS:
-        raise ConversionError(f"--experts-format {experts_format!r}: choose {' or '.join(EXPERTS_FORMATS)}")
+    streamed_format(experts_format)
     check_paths(src, dst)
     release, dst = Path(src), Path(os.path.abspath(dst))  # `.` or `out/` named as a folder with a parent
     if not release.is_dir():

@@ -7,8 +7,9 @@ import sys
 
 from kimik3.arguments import positive_int
 
-from .converter import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
+from .converter import DEFAULT_EXPERTS_FORMAT
 from .errors import ConversionError
+from .name_map import STREAMED_FORMATS
 
 
 def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
@@ -18,7 +19,7 @@ def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:
     p.add_argument("dst", help="output folder (created; resumed if it holds an unfinished run of the same job)")
     p.add_argument("--revision", help="Hub revision (commit) when SRC is a repo id; pin one")
     p.add_argument("--text-only", action="store_true", help="write KimiK3ForCausalLM alone (no vision tensors)")
-    p.add_argument("--experts-format", choices=EXPERTS_FORMATS, default=DEFAULT_EXPERTS_FORMAT,
+    p.add_argument("--experts-format", choices=STREAMED_FORMATS, default=DEFAULT_EXPERTS_FORMAT,
                    help="the config's experts_format, one of %(choices)s (default %(default)s): dense dequantises the "
                    "routed experts to bf16 (exact); mxfp4 keeps them packed")
     p.add_argument("--num-layers", type=positive_int, help="keep a prefix of N layers (re-scheduled to end with MLA)")
@@ -64,7 +65,7 @@ def _adopt_parser(prog: str = "kimik3 adopt") -> argparse.ArgumentParser:
                                 "is copied; the release folder is never written).")
     p.add_argument("src", help="the release-layout folder (its files stay where they are)")
     p.add_argument("dst", help="the folder to write (new, or an empty folder; outside SRC)")
-    p.add_argument("--experts-format", choices=EXPERTS_FORMATS, default=DEFAULT_EXPERTS_FORMAT,
+    p.add_argument("--experts-format", choices=STREAMED_FORMATS, default=DEFAULT_EXPERTS_FORMAT,
                    help="the config's experts_format, one of %(choices)s (default %(default)s): dense dequantises the "
                    "routed experts to bf16 at load (exact); mxfp4 keeps them packed")
     return p

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from transformers.utils.hub import convert_file_size_to_int
 from kimik3.hub_card import converted_model_card
-from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, EXPERTS_FORMATS
+from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT
 from kimik3.modeling.files_kimi_k3 import looks_like_local_path
 from kimik3.remote_code import remote_code_entries
 
@@ -12,6 +12,7 @@ from . import files
 from .checkpoint import Checkpoint
 from .engine import check_paths, check_threads, plan_shards_by_size, write_checkpoint
 from .errors import ConversionError
+from .name_map import streamed_format
 from .plan import ConvertOptions, RunContext, build_convert_plan
 from .schedule import output_config_dict
 
@@ -93,8 +94,7 @@ def convert(
     threads: int | None = None,
 ) -> dict:
     """Converts a release-layout checkpoint (folder or Hub id) into our layout in `dst`. Returns a summary dict."""
-    if experts_format not in EXPERTS_FORMATS:
-        raise ConversionError(f"--experts-format {experts_format!r}: choose {' or '.join(EXPERTS_FORMATS)}")
+    streamed_format(experts_format)
     check_threads(threads)
     check_paths(src, dst)
     options = ConvertOptions(

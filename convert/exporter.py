@@ -83,7 +83,7 @@ def export(src, dst, *, overwrite: bool = False, progress: bool = True, allow_un
         if dst.resolve() == ckpt.root.resolve() or ckpt.root.resolve() in dst.resolve().parents:
             raise ConversionError(f"{dst}: the destination is " + ("the source folder" if dst.resolve() ==
                                   ckpt.root.resolve() else f"inside the source folder {ckpt.root}"))
-        plan = build_export_plan(ckpt, context, "mxfp4", allow_unknown)
+        plan = build_export_plan(ckpt, context, allow_unknown=allow_unknown)
         shards = release_shards(plan.tensors, ckpt.text_config.num_hidden_layers)
         release_config = release_config_dict(ckpt.config)
         identity = {"source_index_sha256": ckpt.index_digest(), "config": release_config,

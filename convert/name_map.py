@@ -27,11 +27,12 @@ from kimik3.modeling.conversion_kimi_k3 import (
     EXPERT_PARTS,
     MOE_CHILD_PREFIXES,
     OUR_MOE_BLOCK,
-    OUR_PACKED_SUFFIXES,
     RELEASE_A_LOG_LENGTH,
-    RELEASE_EXPERT_SUFFIXES,
     RELEASE_MOE_BLOCK,
 )
+from kimik3.modeling.experts_format_kimi_k3 import DENSE, RELEASE, ExpertsFormat
+
+from .errors import ConversionError
 
 # ------------------------------------------------------------------------------------------------------------------
 # Conditions: a rule exists only where all of its conditions hold. Layer conditions read the layer's types; feature
@@ -189,12 +190,27 @@ EXPERT_RULES: tuple[ExpertRule, ...] = tuple(
     ExpertRule(_MLP + "experts." + fused, parts, _EXPERT_PART_SHAPES[fused]) for fused, parts in EXPERT_PARTS.items()
 )
 
-# Release suffixes of one expert part, by storage format; the suffixes of our fused tensor kept packed (in the order
+# The expert storages the offline converter streams: the release's own two (its coded format and plain bf16 parts),
+# each read and written in row blocks (plan.py). Another registered format (experts_format_kimi_k3.py) is a load
+# option of `from_pretrained`, which converts at load time through the format object.
+STREAMED_FORMATS: dict[str, ExpertsFormat] = {DENSE.name: DENSE, RELEASE.name: RELEASE}
+
+
+def streamed_format(name: str) -> ExpertsFormat:
+    if name not in STREAMED_FORMATS:
+        raise ConversionError(
+            f"--experts-format {name!r}: the converter writes {' or '.join(STREAMED_FORMATS)} (the release's expert "
+            "storages); load another registered format with from_pretrained(..., experts_format=...)"
+        )
+    return STREAMED_FORMATS[name]
+
+
+# Release suffixes of one expert part, by storage format; the suffixes of our fused tensor kept coded (in the order
 # of PACKED_SUFFIXES); our fused expert tensors relative to a layer (`mlp.experts.gate_up_proj`, ...). The engines
 # (plan.py, verifier.py) spell none of these names.
-PACKED_SUFFIXES = RELEASE_EXPERT_SUFFIXES["mxfp4"]
-PLAIN_SUFFIXES = RELEASE_EXPERT_SUFFIXES["dense"]
-FUSED_PACKED_SUFFIXES = tuple(OUR_PACKED_SUFFIXES[suffix] for suffix in PACKED_SUFFIXES)
+PACKED_SUFFIXES = RELEASE.release_suffixes
+PLAIN_SUFFIXES = DENSE.release_suffixes
+FUSED_PACKED_SUFFIXES = RELEASE.suffixes
 FUSED_EXPERTS = tuple(rule.ours.removeprefix(_LY) for rule in EXPERT_RULES)
 
 

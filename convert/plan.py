@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, RELEASE_EXPERTS_FORMAT
 from kimik3.modeling.conversion_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_PREFIX
+from kimik3.modeling.experts_format_kimi_k3 import DENSE, RELEASE, ExpertsFormat
 
 from . import files
 from . import name_map as nm
@@ -187,15 +188,15 @@ def _fused_rows(ckpt, name: str, expert: int, rows: tuple[int, int]) -> torch.Te
     return data.view(entry.torch_dtype).reshape(rows[1] - rows[0], cols)
 
 
-def export_expert_part(ckpt, ours: str, stored_format: str, expert: int, rows, suffix: str, cache, context):
+def export_expert_part(ckpt, ours: str, stored: ExpertsFormat, expert: int, rows, suffix: str, cache, context):
     """One release expert tensor (`weight_packed` / `weight_scale` / dense `weight`) from our fused tensors, which
-    are stored in `stored_format` ("dense" | "mxfp4")."""
+    are stored in `stored` (one of name_map.STREAMED_FORMATS)."""
 
     def where():
         return f"{ckpt.reader(ours + FUSED_SCALE).path}, tensor `{ours}{FUSED_SCALE}`"
 
     def quantized():
-        if stored_format == "mxfp4":
+        if stored is RELEASE:
             packed = _fused_rows(ckpt, ours + FUSED_PACKED, expert, rows)
             scale = _fused_rows(ckpt, ours + FUSED_SCALE, expert, rows)
             # the copied bytes are what the release's code decodes to bf16
@@ -207,7 +208,7 @@ def export_expert_part(ckpt, ours: str, stored_format: str, expert: int, rows, s
         return q_packed, q_scale
 
     def dense_values():
-        if stored_format == "mxfp4":
+        if stored is RELEASE:
             values = torch.empty(rows[1] - rows[0], ckpt.entry(ours + FUSED_PACKED).shape[-1] * 2,
                                  dtype=torch.bfloat16)
             dequantize_into(values, _fused_rows(ckpt, ours + FUSED_PACKED, expert, rows),
@@ -328,8 +329,9 @@ def _check_padded_heads(src, name: str, dtype: str, heads: int, usual: tuple[int
     return entry
 
 
-def _source_experts_format(src, classified: Classified, layer: int, prefix: str) -> str:
-    """How the source stores a layer's experts: "mxfp4" (`weight_packed` + `weight_scale`) or "dense" (`weight`)."""
+def _source_experts_format(src, classified: Classified, layer: int, prefix: str) -> ExpertsFormat:
+    """How the source stores a layer's experts: coded as the release (`weight_packed` + `weight_scale`) or dense
+    (`weight`)."""
     present = classified.expert_suffixes.get(layer, set())
     packed = bool(present & {PACKED, SCALE})
     if packed and PLAIN in present:
@@ -337,10 +339,10 @@ def _source_experts_format(src, classified: Classified, layer: int, prefix: str)
             f"{src.index_path}: layer {layer} mixes packed ({PACKED}/{SCALE}) and plain ({PLAIN}) experts "
             f"under `{prefix}model.layers.{layer}.{RELEASE_MOE_BLOCK}.experts`"
         )
-    return "dense" if present == {PLAIN} else "mxfp4"
+    return DENSE if present == {PLAIN} else RELEASE
 
 
-def _expert_part_sources(src, site: nm.Site, source_format: str, keep: int, symbols):
+def _expert_part_sources(src, site: nm.Site, source_format: ExpertsFormat, keep: int, symbols):
     """Validated release names of every kept expert's parts: [[(names of part 0), (names of part 1)], ...]."""
     logical = nm.shape_of(site.rule.part_shape, symbols)
     packed_shape, scale_shape = packed_shapes(logical)
@@ -350,7 +352,7 @@ def _expert_part_sources(src, site: nm.Site, source_format: str, keep: int, symb
         for part in site.rule.parts:
             base = site.release_expert(expert, part)
             why = f"expert {expert} `{part}` of MoE layer {site.release_layer}"
-            if source_format == "dense":
+            if source_format is DENSE:
                 _check_entry(src, f"{base}.{PLAIN}", "BF16", logical, why)
                 per_part.append((f"{base}.{PLAIN}",))
                 continue
@@ -417,8 +419,8 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
         if not 1 <= options.num_experts <= total_experts:
             raise ConversionError(f"--num-experts {options.num_experts}: the source has {total_experts} experts")
         keep = options.num_experts
-    experts_format = options.experts_format
-    out_text = output_text_config(text, mapping, keep if total_experts else None, experts_format)
+    experts_format = nm.streamed_format(options.experts_format)
+    out_text = output_text_config(text, mapping, keep if total_experts else None, experts_format.name)
     if out_text.num_experts and out_text.num_experts_per_token != text.num_experts_per_token:
         notes.append(f"num_experts_per_token lowered to {out_text.num_experts_per_token} (only {keep} experts kept)")
 
@@ -452,10 +454,10 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
     def add_experts(site: nm.Site):
         rule, src_layer = site.rule, site.release_layer
         source_format = _source_experts_format(src, classified, src_layer, src_prefix)
-        if experts_format == "mxfp4" and source_format == "dense":
+        if experts_format is RELEASE and source_format is DENSE:
             raise ConversionError(
-                f"{src.index_path}: --experts-format mxfp4 keeps packed experts, but layer {src_layer}'s experts "
-                "are plain bf16 (`.weight`); convert with --experts-format dense"
+                f"{src.index_path}: --experts-format {RELEASE.name} keeps packed experts, but layer {src_layer}'s "
+                f"experts are plain bf16 (`.weight`); convert with --experts-format {DENSE.name}"
             )
         parts = _expert_part_sources(src, site, source_format, keep, symbols)
         used.update(n for per_part in parts for names in per_part for n in names)
@@ -463,7 +465,7 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
         rows = sum(shape[0] for shape in logical)
         cols = logical[0][1]
         origin = f"experts:{site.release_expert('*', '|'.join(rule.parts))}"
-        if experts_format == "dense":
+        if experts_format is DENSE:
             spec = OutSpec(site.ours, "BF16", (keep, rows, cols))
             produce = fused_experts(src, parts, "dense", rows * cols * 2, options.chunk_bytes)
             tensors.append(OutTensor(spec, produce, origin + ":dense", site.group))
@@ -538,8 +540,9 @@ def _a_log_length(recorded, layer: int, default: int, ckpt) -> int:
 
 def build_export_plan(ckpt, context: RunContext, experts_format: str = RELEASE_EXPERTS_FORMAT,
                       allow_unknown: bool = False) -> ExportPlan:
-    """experts_format: "mxfp4" (the release layout: re-quantised, or split when kept packed) or "dense" (per-expert bf16
+    """experts_format: the release's (its layout: re-quantised, or split when kept packed) or dense (per-expert bf16
     `.weight`; what `verify` compares against the source)."""
+    experts_format = nm.streamed_format(experts_format)
     text = ckpt.text_config
     symbols = nm.dims(text, ckpt.vision_config)
     matches, unknown = _classify_ours(ckpt)
@@ -589,8 +592,8 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = RELEASE_E
         nonlocal requantised
         rule, ours, why = site.rule, site.ours, site.why
         packed = ours + FUSED_PACKED in ckpt.weight_map
-        stored_format = "mxfp4" if packed else "dense"
-        requantised = requantised or (experts_format == "mxfp4" and not packed)
+        stored = RELEASE if packed else DENSE
+        requantised = requantised or (experts_format is RELEASE and not packed)
         if not packed and ours not in ckpt.weight_map:
             raise ConversionError(f"{ckpt.index_path}: tensor `{ours}` (or `{ours}{FUSED_PACKED}`) is missing ({why})")
         logical = [nm.shape_of(rule.part_shape, symbols) for _ in rule.parts]
@@ -609,13 +612,13 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = RELEASE_E
             for part, (out_dim, in_dim) in zip(rule.parts, logical):
                 rows_range = (row, row + out_dim)
                 row += out_dim
-                if experts_format == "dense":
+                if experts_format is DENSE:
                     outputs = ((PLAIN, "BF16", (out_dim, in_dim)),)
                 else:
                     packed_shape, scale_shape = packed_shapes((out_dim, in_dim))
                     outputs = ((PACKED, "U8", packed_shape), (SCALE, "U8", scale_shape))
                 for suffix, dtype, shape in outputs:
-                    produce = export_expert_part(ckpt, ours, stored_format, expert, rows_range, suffix, cache, context)
+                    produce = export_expert_part(ckpt, ours, stored, expert, rows_range, suffix, cache, context)
                     tensors.append(OutTensor(OutSpec(f"{site.release_expert(expert, part)}.{suffix}", dtype, shape),
                                              produce, f"{ours}[{expert}, {rows_range[0]}:{rows_range[1]}]",
                                              site.group))

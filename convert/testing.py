@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from kimik3.configuration import release_layer_schedule, released_config_dict
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
+from kimik3.modeling.experts_format_kimi_k3 import RELEASE
 from kimik3.tokenizer_files import ranks_file_text, special_token_ids, tokenizer_config, train_ranks
 
 from . import name_map as nm
@@ -229,12 +230,13 @@ def write_release_checkpoint(
     linear_overrides: dict | None = None,
     vision_overrides: dict | None = None,
     vision: bool = True,
-    experts_format: str = "mxfp4",
+    experts_format: str = RELEASE.name,
     return_dense: bool = True,
 ) -> ReleaseFixture:
     """Writes the checkpoint to `dst` (created) and returns its config and, unless `return_dense=False`, the exact
     dense value of every tensor under its release name (experts as dense `...experts.{E}.{w}.weight`).
-    experts_format: "mxfp4" (as the release) or "dense" (plain bf16 `.weight` experts)."""
+    experts_format: the release's (coded, as the release ships them) or "dense" (plain bf16 `.weight` experts)."""
+    stored = nm.streamed_format(experts_format)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     config = tiny_release_config(num_layers, num_experts, config_overrides, vision_overrides, linear_overrides)
@@ -257,9 +259,10 @@ def write_release_checkpoint(
             if isinstance(rule, tuple):  # an expert part
                 expert_rule, part = rule
                 out_dim, in_dim = nm.shape_of(expert_rule.part_shape, symbols)
-                if experts_format == "mxfp4":
+                if stored is RELEASE:
                     packed, scale = random_mxfp4(gen, out_dim, in_dim)
-                    tensors[name + ".weight_packed"], tensors[name + ".weight_scale"] = packed, scale
+                    for suffix, value in zip(nm.PACKED_SUFFIXES, (packed, scale)):
+                        tensors[f"{name}.{suffix}"] = value
                     if return_dense:
                         fixture.dense[name + ".weight"] = dequantize_mxfp4(packed, scale)
                 else:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from kimik3.modeling.conversion_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_PREFIX
+from kimik3.modeling.experts_format_kimi_k3 import DENSE, RELEASE
 from kimik3.modeling.tokenization_kimi_k3 import NUM_RESERVED_SPECIAL
 
 from . import files, name_map as nm
@@ -155,7 +156,7 @@ def compare_tensors(src, conv, layer_map: list[int]) -> dict:
     conv_packed = any(n.endswith(nm.FUSED_EXPERTS[0] + FUSED_PACKED) for n in conv.weight_map)
     both_packed = src_packed and conv_packed
     requantised = {"tensors": 0, "sum_sq_err": 0.0, "sum_sq_ref": 0.0, "max_abs_err": 0.0}
-    plan = build_export_plan(conv, RunContext(), experts_format="mxfp4" if both_packed else "dense")
+    plan = build_export_plan(conv, RunContext(), experts_format=(RELEASE if both_packed else DENSE).name)
     heads = nm.dims(conv.text_config)["H"]
     mismatches, compared = [], 0
     lib = LibraryReader(src)
@@ -346,7 +347,7 @@ def _slicing(release, ours, provenance: dict) -> ConvertOptions:
     r_text, o_text = release.text_config, ours.text_config
     return ConvertOptions(
         text_only=not ours.composite,
-        experts_format="dense",
+        experts_format=DENSE.name,
         num_layers=o_text.num_hidden_layers if o_text.num_hidden_layers != r_text.num_hidden_layers else None,
         num_experts=o_text.num_experts if o_text.num_experts != r_text.num_experts else None,
         allow_unknown=provenance.get("options", {}).get("allow_unknown", False),
@@ -400,7 +401,7 @@ def compare_logits(src, converted: Path, options: ConvertOptions, num_tokens: in
                     tensor.copy_(_mxfp4_round_trip(tensor.detach())[0])
     config = copy.deepcopy(model.config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    text.experts_format = "dense"
+    text.experts_format = DENSE.name
     reference = type(model)(config).to(torch.float32)
     state = {t.spec.name: materialise(t) for t in build_convert_plan(src, options).tensors}
     missing, unexpected = reference.load_state_dict(state, strict=False)

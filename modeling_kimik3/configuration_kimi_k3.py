@@ -53,9 +53,8 @@ _RELEASE_TEXT_BOILERPLATE = {
 # dt_bias and short-conv channels sharded alike (`kimi_k3_heads`, parallel_kimi_k3.py), so the recurrent state is
 # sharded by head too; MLA q_b/kv_b/g colwise by head with the shared latent kv_a_proj_with_mqa replicated (its k_pe
 # part bypasses kv_b, hence `mla_kv_a_proj` for its gradient). o_proj rowwise (one all-reduce per attention). The
-# dense and shared-expert MLPs colwise/rowwise; routed experts sharded along their intermediate width, packed MXFP4
-# ones too (their codes and scales alike; down_proj in whole 32-value groups: `kimi_k3_mxfp4_rowwise`,
-# parallel_kimi_k3.py). The router, the LatentMoE down/norm/up projections, every RMSNorm and the Block AttnRes
+# dense and shared-expert MLPs colwise/rowwise; routed experts sharded along their intermediate width, with the
+# styles their format names (`ExpertsFormat.tp_styles`). The router, the LatentMoE down/norm/up projections, every RMSNorm and the Block AttnRes
 # pseudo-queries are replicated.
 _KDA_HEAD_PARAMETERS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 KIMI_K3_TP_PLAN = {
@@ -71,10 +70,8 @@ KIMI_K3_TP_PLAN = {
     "layers.*.mlp.shared_experts.gate_proj": "colwise",
     "layers.*.mlp.shared_experts.up_proj": "colwise",
     "layers.*.mlp.shared_experts.down_proj": "rowwise",
-    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-    "layers.*.mlp.experts.down_proj": "rowwise",
-    **{f"layers.*.mlp.experts.gate_up_proj_{part}": "packed_colwise" for part in ("packed", "scale")},
-    **{f"layers.*.mlp.experts.down_proj_{part}": "kimi_k3_mxfp4_rowwise" for part in ("packed", "scale")},
+    **{f"layers.*.mlp.experts.{stack}{suffix}": style for fmt in FORMATS.values() if fmt.tp_styles
+       for stack, style in fmt.tp_styles.items() for suffix in fmt.suffixes},
     "layers.*.mlp.experts": "moe_tp_experts",
 }
 # Expert parallel: whole experts per rank (Shard(0)), dense or packed (codes and scales), every rank running the

@@ -58,6 +58,9 @@ class ExpertsFormat:
     card_text: str
     provenance_text: str
     card_tag: str | None = None
+    # tensor parallel (`tp_plan="auto"`): the transformers parallel style of each stack's tensors (every suffix
+    # alike); both stacks split along the experts' intermediate width. None: the format does not shard by tensor.
+    tp_styles: dict[str, str] | None = None
 
     def run(self, x: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor, stacks, betas):
         """The routed experts' SiTU-GLU output over `stacks` (gate_up's tensors, then down's, in this format's order):
@@ -106,6 +109,7 @@ class DenseExperts(ExpertsFormat):
     summary = "dense bf16"
     card_text = "unpacked (the model's dtype)"
     provenance_text = "bf16 (exactly dequantised from the release's MXFP4)"
+    tp_styles = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
 
     def empty(self, shape, dtype):
         return (torch.empty(shape, dtype=dtype),)
@@ -138,6 +142,9 @@ class Mxfp4Experts(ExpertsFormat):
     summary = "MXFP4 (4.25 bits per value: 4-bit codes + one E8M0 scale byte per 32)"
     card_text = "MXFP4 (packed, dequantised on the fly)"
     provenance_text = "MXFP4 (kept packed)"
+    # down_proj's input dim is the split one: whole 32-value groups per rank, codes and scales alike
+    # (parallel_kimi_k3.py registers the style)
+    tp_styles = {"gate_up_proj": "packed_colwise", "down_proj": "kimi_k3_mxfp4_rowwise"}
     card_tag = "mxfp4"
     group_size = MXFP4_GROUP_SIZE
 

@@ -32,11 +32,13 @@ rank holding its share only.
 import torch
 from torch import nn
 
+from .experts_format_kimi_k3 import MXFP4
+
 
 HEAD_SHARD_STYLE = "kimi_k3_heads"
 # The from_pretrained options that ask transformers for tensor (or expert) parallelism.
 PARALLEL_LOAD_KWARGS = ("tp_plan", "tp_size", "distributed_config", "device_mesh")
-MXFP4_ROWWISE_STYLE = "kimi_k3_mxfp4_rowwise"
+MXFP4_ROWWISE_STYLE = MXFP4.tp_styles["down_proj"]
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -118,11 +120,12 @@ def check_whole_mxfp4_groups(module: nn.Module, param: str, tp_size: int, name: 
     `param` (a `*_packed` codes or `*_scale` tensor of `module`, split along its last dim). The groups are counted
     from the scales (one per group), so no group size is restated here."""
     name = name or param
-    stem, _, kind = param.rpartition("_")
-    scale = module._parameters.get(f"{stem}_scale") if kind in ("packed", "scale") else None
+    codes_suffix, scale_suffix = MXFP4.suffixes
+    suffix = next((s for s in MXFP4.suffixes if param.endswith(s)), None)
+    scale = module._parameters.get(param.removesuffix(suffix) + scale_suffix) if suffix else None
     if scale is None:
-        raise ValueError(f"`{name}`: the {MXFP4_ROWWISE_STYLE} style shards the codes (`*_packed`) and scales "
-                         "(`*_scale`) of packed MXFP4 tensors only")
+        raise ValueError(f"`{name}`: the {MXFP4_ROWWISE_STYLE} style shards the codes (`*{codes_suffix}`) and "
+                         f"scales (`*{scale_suffix}`) of packed MXFP4 tensors only")
     groups = scale.shape[-1]
     if groups % tp_size:
         raise ValueError(

@@ -94,3 +94,18 @@ def test_a_registered_format_is_a_value_and_runs_with_no_other_change(stand_in, 
     again.load_state_dict(state, strict=True)
     with torch.no_grad():
         assert torch.equal(again(ids).logits, coded(ids).logits)
+
+
+def test_the_offline_converter_names_the_formats_it_streams(stand_in, tmp_path):
+    """`kimik3 convert` and `adopt` stream the release's own two expert storages in row blocks; a format registered
+    elsewhere is a load option, and the converter says so before it reads or writes anything."""
+    from kimik3.convert.adopt import adopt
+    from kimik3.convert.converter import convert
+    from kimik3.convert.errors import ConversionError
+
+    for run in (convert, adopt):
+        dst = tmp_path / f"out-{run.__name__}"
+        with pytest.raises(ConversionError, match=r"'int8-row': the converter writes dense or mxfp4 .*"
+                                                  r"from_pretrained\(\.\.\., experts_format=\.\.\.\)"):
+            run(tmp_path / "no-such-release", dst, experts_format="int8-row")
+        assert not dst.exists()
