@@ -25,7 +25,7 @@ from .checkpoint import Checkpoint, read_source_file
 from .converter import open_source, processor_config
 from .engine import check_paths
 from .errors import ConversionError
-from .name_map import streamed_format
+from .plan import streamed_format
 from .plan import ConvertOptions, build_convert_plan
 from .schedule import output_config_dict
 

@@ -9,7 +9,7 @@ from kimik3.arguments import positive_int
 
 from .converter import DEFAULT_EXPERTS_FORMAT
 from .errors import ConversionError
-from .name_map import STREAMED_FORMATS
+from .plan import STREAMED_FORMATS
 
 
 def _convert_parser(prog: str = "kimik3 convert") -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ from . import files
 from .checkpoint import Checkpoint
 from .engine import check_paths, check_threads, plan_shards_by_size, write_checkpoint
 from .errors import ConversionError
-from .name_map import streamed_format
+from .plan import streamed_format
 from .plan import ConvertOptions, RunContext, build_convert_plan
 from .schedule import output_config_dict
 

@@ -20,7 +20,7 @@ from kimik3.modeling.conversion_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_P
 from kimik3.modeling.experts_format_kimi_k3 import DENSE, RELEASE, ExpertsFormat
 
 from . import files
-from . import name_map as nm
+from kimik3 import name_map as nm
 from .errors import ConversionError, shard_error
 from .mxfp4 import MXFP4_GROUP_SIZE, check_finite_decode, dequantize_into, packed_shapes, quantize_rows
 from .safetensors_io import DEFAULT_CHUNK_BYTES, DTYPES, E8M0, OutSpec, itemsize
@@ -29,6 +29,21 @@ from .safetensors_io import DEFAULT_CHUNK_BYTES, DTYPES, E8M0, OutSpec, itemsize
 # suffixes of our fused tensor kept packed.
 (PLAIN,), (PACKED, SCALE) = nm.PLAIN_SUFFIXES, nm.PACKED_SUFFIXES
 FUSED_PACKED, FUSED_SCALE = nm.FUSED_PACKED_SUFFIXES
+
+# The expert storages the offline converter streams: the release's own two (its coded format and plain bf16 parts),
+# each read and written in row blocks (here). Another registered format (experts_format_kimi_k3.py) is a load
+# option of `from_pretrained`, which converts at load time through the format object.
+STREAMED_FORMATS: dict[str, ExpertsFormat] = {DENSE.name: DENSE, RELEASE.name: RELEASE}
+
+
+def streamed_format(name: str) -> ExpertsFormat:
+    if name not in STREAMED_FORMATS:
+        raise ConversionError(
+            f"--experts-format {name!r}: the converter writes {' or '.join(STREAMED_FORMATS)} (the release's expert "
+            "storages); load another registered format with from_pretrained(..., experts_format=...)"
+        )
+    return STREAMED_FORMATS[name]
+
 
 TEXT_PREFIX = RELEASE_TEXT_PREFIX  # the release name map's (our composite model nests its text model alike)
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -419,7 +434,7 @@ def build_convert_plan(src, options: ConvertOptions) -> ConvertPlan:
         if not 1 <= options.num_experts <= total_experts:
             raise ConversionError(f"--num-experts {options.num_experts}: the source has {total_experts} experts")
         keep = options.num_experts
-    experts_format = nm.streamed_format(options.experts_format)
+    experts_format = streamed_format(options.experts_format)
     out_text = output_text_config(text, mapping, keep if total_experts else None, experts_format.name)
     if out_text.num_experts and out_text.num_experts_per_token != text.num_experts_per_token:
         notes.append(f"num_experts_per_token lowered to {out_text.num_experts_per_token} (only {keep} experts kept)")
@@ -542,7 +557,7 @@ def build_export_plan(ckpt, context: RunContext, experts_format: str = RELEASE_E
                       allow_unknown: bool = False) -> ExportPlan:
     """experts_format: the release's (its layout: re-quantised, or split when kept packed) or dense (per-expert bf16
     `.weight`; what `verify` compares against the source)."""
-    experts_format = nm.streamed_format(experts_format)
+    experts_format = streamed_format(experts_format)
     text = ckpt.text_config
     symbols = nm.dims(text, ckpt.vision_config)
     matches, unknown = _classify_ours(ckpt)

@@ -32,10 +32,10 @@ from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.modeling.experts_format_kimi_k3 import RELEASE
 from kimik3.tokenizer_files import ranks_file_text, special_token_ids, tokenizer_config, train_ranks
 
-from . import name_map as nm
+from kimik3 import name_map as nm
 from .checkpoint import INDEX_NAME, RELEASE_TOTAL_DIGITS, shard_file_name
 from .mxfp4 import MXFP4_GROUP_SIZE, dequantize_mxfp4, pack_codes
-from .plan import TEXT_PREFIX
+from .plan import TEXT_PREFIX, streamed_format
 
 # The tokenizer's ranks (the size `kimik3 tiny` uses); the vocabulary adds the 256 reserved specials.
 TINY_TOKENIZER_RANKS = 512
@@ -236,7 +236,7 @@ def write_release_checkpoint(
     """Writes the checkpoint to `dst` (created) and returns its config and, unless `return_dense=False`, the exact
     dense value of every tensor under its release name (experts as dense `...experts.{E}.{w}.weight`).
     experts_format: the release's (coded, as the release ships them) or "dense" (plain bf16 `.weight` experts)."""
-    stored = nm.streamed_format(experts_format)
+    stored = streamed_format(experts_format)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     config = tiny_release_config(num_layers, num_experts, config_overrides, vision_overrides, linear_overrides)

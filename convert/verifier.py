@@ -32,7 +32,9 @@ from kimik3.modeling.conversion_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_P
 from kimik3.modeling.experts_format_kimi_k3 import DENSE, RELEASE
 from kimik3.modeling.tokenization_kimi_k3 import NUM_RESERVED_SPECIAL
 
-from . import files, name_map as nm
+from kimik3 import name_map as nm
+
+from . import files
 from .checkpoint import Checkpoint
 from .converter import open_source
 from .errors import ConversionError, shard_error

@@ -205,94 +205,35 @@ def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
     return count * DTYPE_BYTES[dtype]
 
 
-def _kda_tensors(text, hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    heads, head_dim = text.linear_num_heads, text.linear_head_dim
-    width = heads * head_dim
-    conv = (width, 1, text.linear_conv_kernel_size)
-    tensors = {f"self_attn.{p}_proj.weight": ((width, hidden), "bf16") for p in "qkv"}
-    tensors.update({f"self_attn.{p}_conv1d.weight": (conv, "f32") for p in "qkv"})
-    tensors.update({
-        "self_attn.f_a_proj.weight": ((head_dim, hidden), "bf16"),
-        "self_attn.f_b_proj.weight": ((width, head_dim), "bf16"),
-        "self_attn.A_log": ((heads,), "f32"),
-        "self_attn.dt_bias": ((width,), "f32"),
-        "self_attn.b_proj.weight": ((heads, hidden), "bf16"),
-        "self_attn.o_norm.weight": ((head_dim,), "f32"),
-        "self_attn.o_proj.weight": ((hidden, width), "bf16"),
-    })
-    if text.use_full_rank_gate:
-        tensors["self_attn.g_proj.weight"] = ((width, hidden), "bf16")
-    else:
-        tensors["self_attn.g_a_proj.weight"] = ((head_dim, hidden), "bf16")
-        tensors["self_attn.g_b_proj.weight"] = ((width, head_dim), "bf16")
-    return tensors
-
-
-def _mla_tensors(text, hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    heads = text.num_attention_heads
-    tensors = {}
-    if text.q_lora_rank is None:
-        tensors["self_attn.q_proj.weight"] = ((heads * text.qk_head_dim, hidden), "bf16")
-    else:
-        tensors["self_attn.q_a_proj.weight"] = ((text.q_lora_rank, hidden), "bf16")
-        tensors["self_attn.q_a_layernorm.weight"] = ((text.q_lora_rank,), "bf16")
-        tensors["self_attn.q_b_proj.weight"] = ((heads * text.qk_head_dim, text.q_lora_rank), "bf16")
-    tensors["self_attn.kv_a_proj_with_mqa.weight"] = ((text.kv_lora_rank + text.qk_rope_head_dim, hidden), "bf16")
-    tensors["self_attn.kv_a_layernorm.weight"] = ((text.kv_lora_rank,), "bf16")
-    tensors["self_attn.kv_b_proj.weight"] = ((heads * (text.qk_nope_head_dim + text.v_head_dim), text.kv_lora_rank),
-                                             "bf16")
-    if text.mla_use_output_gate:
-        tensors["self_attn.g_proj.weight"] = ((heads * text.v_head_dim, hidden), "bf16")
-    tensors["self_attn.o_proj.weight"] = ((hidden, heads * text.v_head_dim), "bf16")
-    return tensors
-
-
-def _dense_mlp_tensors(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {
-        f"{prefix}.gate_proj.weight": ((intermediate, hidden), "bf16"),
-        f"{prefix}.up_proj.weight": ((intermediate, hidden), "bf16"),
-        f"{prefix}.down_proj.weight": ((hidden, intermediate), "bf16"),
-    }
-
-
-def _moe_tensors(text, hidden: int, experts_format: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    experts, inter = text.num_experts, text.moe_intermediate_size
-    latent = text.latent_size
-    tensors = {"mlp.gate.weight": ((experts, hidden), "bf16"),
-               "mlp.gate.e_score_correction_bias": ((experts,), "f32")}
-    import torch  # the format's own tensors, made on the meta device: their shapes and dtypes, no memory
-
-    fmt = _format(experts_format)
-    for name, (rows, cols) in (("gate_up_proj", (2 * inter, latent)), ("down_proj", (latent, inter))):
-        with torch.device("meta"):
-            stored = fmt.empty((experts, rows, cols), torch.bfloat16)
-        for suffix, tensor in zip(fmt.suffixes, stored):
-            tensors[f"mlp.experts.{name}{suffix}"] = (tuple(tensor.shape), _DTYPE_TAGS[str(tensor.dtype)])
-    if text.routed_expert_hidden_size is not None:
-        tensors["mlp.routed_expert_down_proj.weight"] = ((latent, hidden), "bf16")
-        if text.latent_moe_use_norm:
-            tensors["mlp.routed_expert_norm.weight"] = ((latent,), "bf16")
-        tensors["mlp.routed_expert_up_proj.weight"] = ((hidden, latent), "bf16")
-    if text.num_shared_experts:
-        tensors.update(_dense_mlp_tensors("mlp.shared_experts", hidden, inter * text.num_shared_experts))
-    return tensors
+_RELEASE_DTYPE_TAGS = {"BF16": "bf16", "F32": "f32", "U8": "u8"}
 
 
 def _layer_tensors(text, index: int, experts_format: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    hidden = text.hidden_size
-    is_kda = text.layer_types[index] == "linear_attention"
-    tensors = _kda_tensors(text, hidden) if is_kda else _mla_tensors(text, hidden)
-    if text.mlp_layer_types[index] == "sparse":
-        tensors.update(_moe_tensors(text, hidden, experts_format))
-    else:
-        tensors.update(_dense_mlp_tensors("mlp", hidden, text.intermediate_size))
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    if text.attn_res_block_size is not None:
-        norms += ["self_attention_res_norm", "mlp_res_norm"]
-        tensors["self_attention_res_proj.weight"] = ((1, hidden), "bf16")
-        tensors["mlp_res_proj.weight"] = ((1, hidden), "bf16")
-    tensors.update({f"{norm}.weight": ((hidden,), "bf16") for norm in norms})
+    """Layer `index`'s tensors (names relative to the layer) from the name map, the one parameter table that
+    `kimik3 convert` and the release load read too (kimik3/name_map.py): the release's dtypes, our shapes (A_log
+    without the release's padding), the routed experts as the format stores them (its own tensors, made on the meta
+    device: their shapes and dtypes, no memory)."""
+    import torch
+    from kimik3 import name_map as nm
+
+    symbols = nm.dims(text)
+    prefix = nm.fill(nm.LAYER_PREFIX, L=index)
+    tensors = {nm.fill(rule.ours, L=index).removeprefix(prefix): _rule_tensor(nm, rule, symbols)
+               for rule in nm.expected_layer_rules(text, index)}
+    fmt = _format(experts_format)
+    for rule in nm.expected_layer_expert_rules(text, index):
+        rows, cols = nm.shape_of(rule.part_shape, symbols)
+        with torch.device("meta"):
+            stored = fmt.empty((symbols["E"], rows * len(rule.parts), cols), torch.bfloat16)
+        for suffix, tensor in zip(fmt.suffixes, stored):
+            tensors[nm.fill(rule.ours, L=index).removeprefix(prefix) + suffix] = (
+                tuple(tensor.shape), _DTYPE_TAGS[str(tensor.dtype)])
     return tensors
+
+
+def _rule_tensor(nm, rule, symbols) -> tuple[tuple[int, ...], str]:
+    shape = (symbols["H"],) if rule.transform == "unpad_heads" else nm.shape_of(rule.shape, symbols)
+    return shape, _RELEASE_DTYPE_TAGS[rule.dtype]
 
 
 def _format(experts_format: str):
@@ -316,19 +257,17 @@ def weight_units(config, experts_format: str | None = None
     F32 tensors stay F32, packed MXFP4 experts are uint8 codes (two per byte) plus one E8M0 byte per 32 values.
     `experts_format`: "mxfp4" (packed) or "dense" (bf16); None, the release's (mxfp4)."""
     experts_format = _experts_format(experts_format)
+    from kimik3 import name_map as nm
+
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, vocab = text.hidden_size, text.vocab_size
-    units = [("embed", {"model.embed_tokens.weight": ((vocab, hidden), "bf16")})]
+    symbols = nm.dims(text)
+    model_level = {rule.ours: _rule_tensor(nm, rule, symbols) for rule in nm.expected_model_rules(text)}
+    embed = "model.embed_tokens.weight"
+    units = [("embed", {embed: model_level.pop(embed)})]
     for index in range(len(text.layer_types)):
         layer = _layer_tensors(text, index, experts_format)
         units.append((f"layers.{index}", {f"model.layers.{index}.{name}": spec for name, spec in layer.items()}))
-    head = {"model.norm.weight": ((hidden,), "bf16")}
-    if text.attn_res_block_size is not None:
-        head["model.output_attn_res_norm.weight"] = ((hidden,), "bf16")
-        head["model.output_attn_res_proj.weight"] = ((1, hidden), "bf16")
-    if not text.tie_word_embeddings:
-        head["lm_head.weight"] = ((vocab, hidden), "bf16")
-    units.append(("head", head))
+    units.append(("head", model_level))
     return units
 
 

@@ -24,7 +24,7 @@ The transforms are registered for `KimiK3ForCausalLM` (5.17+ applies no library 
 the only one applied) by the first from_pretrained (`check_release_load`), not at import; the composite class
 reaches it as its `language_model` sub-model, scoped to that prefix.
 Conversions are reversed by `save_pretrained`, which thus writes a release-loaded model back in the release layout.
-The names come from one table, the release name map below, from which `convert/name_map.py` generates the
+The names come from one table, the release name map below, from which `kimik3/name_map.py` generates the
 converter's rules as well; `tests/test_release_loading.py` runs both on every release tensor name pattern.
 """
 
@@ -64,7 +64,7 @@ from .saving_kimi_k3 import loaded_release_layout
 
 # ------------------------------------------------------------------------------------------------------------------
 # The release name map: the one table of how the release's tensor names become ours. The transforms below are built
-# from it, and so are the converter's rules (`convert/name_map.py` imports these names and generates its rules of the
+# from it, and so are the converter's rules (`kimik3/name_map.py` imports these names and generates its rules of the
 # MoE block, the experts and A_log from them).
 
 # The composite release nests the text model under this prefix (our composite model too; a text-only model drops it).

@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kimik3.configuration import RELEASED_CONFIG_PATH, TENSOR_PATTERNS_PATH
-from kimik3.convert import mxfp4, name_map as nm, safetensors_io as sio, schedule, testing
+from kimik3 import name_map as nm
+from kimik3.convert import mxfp4, safetensors_io as sio, schedule, testing
 from kimik3.convert.errors import ConversionError
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.modeling.saving_kimi_k3 import COMPOSITE_AUTO_MAP

@@ -1,6 +1,6 @@
 """from_pretrained straight from the release layout (modeling_kimik3/conversion_kimi_k3.py): equal logits and equal
 tensors to the `kimik3 convert` path (both expert formats; composite, remote-code and text-only folders), what
-save_pretrained writes, release-named errors for bad inputs, the name rules agreeing with convert/name_map.py on all
+save_pretrained writes, release-named errors for bad inputs, the name rules agreeing with kimik3/name_map.py on all
 60 release patterns, and peak memory while loading."""
 
 import json
@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import kimik3.convert as kc
 from k3_test_utils import run_forked
 from kimik3.configuration import released_config_dict
-from kimik3.convert import name_map as nm
+from kimik3 import name_map as nm
 from kimik3.convert import testing
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
 from kimik3.modeling.conversion_kimi_k3 import release_conversions
@@ -360,7 +360,7 @@ def test_experts_format_option_is_checked(release):
 
 # ----------------------------------------------------------------------------------------------------------------
 # One table of names (conversion_kimi_k3's release name map), two users: the loader's registered transforms and the
-# converter's rules (convert/name_map.py, generated from it) map every release pattern to the same name
+# converter's rules (kimik3/name_map.py, generated from it) map every release pattern to the same name
 
 
 def test_transforms_agree_with_the_name_map_on_all_release_patterns():

@@ -79,7 +79,7 @@ def _load_option(folder, value="bf16"):
                  ValueError, r"key `experts_format`: must be 'dense' or 'mxfp4', got 'bf16'",
                  id="config-experts-format-bf16"),
     pytest.param(lambda folder: kc.convert(folder, folder.parent / "never-written", experts_format="bf16"),
-                 ConversionError, r"--experts-format 'bf16': choose dense or mxfp4",
+                 ConversionError, r"--experts-format 'bf16': the converter writes dense or mxfp4",
                  id="convert-api-experts-format-bf16"),
 ])
 def test_expert_format_apis_refuse_other_names(config_folder, call, error, message):
@@ -96,9 +96,14 @@ def test_every_flag_and_api_reads_the_one_constant(monkeypatch, capsys):
 
     assert tuple(configuration.EXPERTS_FORMATS) == ("dense", "mxfp4")
     assert (configuration.DEFAULT_EXPERTS_FORMAT, configuration.RELEASE_EXPERTS_FORMAT) == ("dense", "mxfp4")
-    # the converter's parser and check use the constant itself, not a copy
-    assert convert_cli.EXPERTS_FORMATS is converter.EXPERTS_FORMATS is configuration.EXPERTS_FORMATS
-    assert convert_cli.DEFAULT_EXPERTS_FORMAT is configuration.DEFAULT_EXPERTS_FORMAT
+    # the converter's parser and check read its one table of the storages it streams, which holds the registry's
+    # own objects (the release's two)
+    from kimik3.convert import plan
+
+    assert convert_cli.STREAMED_FORMATS is plan.STREAMED_FORMATS
+    assert all(fmt is configuration.EXPERTS_FORMATS[name] for name, fmt in plan.STREAMED_FORMATS.items())
+    assert tuple(plan.STREAMED_FORMATS) == tuple(configuration.EXPERTS_FORMATS)
+    assert convert_cli.DEFAULT_EXPERTS_FORMAT is converter.DEFAULT_EXPERTS_FORMAT is configuration.DEFAULT_EXPERTS_FORMAT
     assert main(["memory", "--help"]) == 0
     assert "one of dense, mxfp4," in " ".join(capsys.readouterr().out.split())
     # a format registered in experts_format_kimi_k3 is a value everywhere
@@ -186,10 +191,10 @@ def test_the_release_name_map_is_one_table():
     (conversion_kimi_k3), from which the loader's transforms are built: name_map.py spells none of its names, nor do
     the engines that read and write expert tensors by them (plan.py, verifier.py), and both sides agree on every
     rule. (tests/test_release_loading.py runs both on the release's 60 name patterns.)"""
-    from kimik3.convert import name_map as nm
+    from kimik3 import name_map as nm
     from kimik3.modeling import conversion_kimi_k3 as names
 
-    literals = _string_literals(REPO / "convert" / "name_map.py")
+    literals = _string_literals(REPO / "kimik3" / "name_map.py")
     words = ("block_sparse_moe", "weight_packed", "weight_scale", "language_model")
     spelled = [s for s in sorted(literals)
                if any(word in s for word in words) or s in ("w1", "w2", "w3", "mlp.", "gate_up_proj_packed")]

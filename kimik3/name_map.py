@@ -30,9 +30,7 @@ from kimik3.modeling.conversion_kimi_k3 import (
     RELEASE_A_LOG_LENGTH,
     RELEASE_MOE_BLOCK,
 )
-from kimik3.modeling.experts_format_kimi_k3 import DENSE, RELEASE, ExpertsFormat
-
-from .errors import ConversionError
+from kimik3.modeling.experts_format_kimi_k3 import DENSE, RELEASE
 
 # ------------------------------------------------------------------------------------------------------------------
 # Conditions: a rule exists only where all of its conditions hold. Layer conditions read the layer's types; feature
@@ -93,7 +91,8 @@ class ExpertRule:
 
 
 # Release layer prefix and ours (the only layer-level rename is the MoE block's, block_sparse_moe -> mlp).
-_LY = "model.layers.{L}."
+LAYER_PREFIX = "model.layers.{L}."  # our layer tensors (and the release's) sit under it
+_LY = LAYER_PREFIX
 _ATT = _LY + "self_attn."
 _MOE = _LY + RELEASE_MOE_BLOCK + "."
 _MLP = _LY + OUR_MOE_BLOCK + "."
@@ -189,21 +188,6 @@ if _EXPERT_PART_SHAPES.keys() != EXPERT_PARTS.keys():  # a fused tensor the two 
 EXPERT_RULES: tuple[ExpertRule, ...] = tuple(
     ExpertRule(_MLP + "experts." + fused, parts, _EXPERT_PART_SHAPES[fused]) for fused, parts in EXPERT_PARTS.items()
 )
-
-# The expert storages the offline converter streams: the release's own two (its coded format and plain bf16 parts),
-# each read and written in row blocks (plan.py). Another registered format (experts_format_kimi_k3.py) is a load
-# option of `from_pretrained`, which converts at load time through the format object.
-STREAMED_FORMATS: dict[str, ExpertsFormat] = {DENSE.name: DENSE, RELEASE.name: RELEASE}
-
-
-def streamed_format(name: str) -> ExpertsFormat:
-    if name not in STREAMED_FORMATS:
-        raise ConversionError(
-            f"--experts-format {name!r}: the converter writes {' or '.join(STREAMED_FORMATS)} (the release's expert "
-            "storages); load another registered format with from_pretrained(..., experts_format=...)"
-        )
-    return STREAMED_FORMATS[name]
-
 
 # Release suffixes of one expert part, by storage format; the suffixes of our fused tensor kept coded (in the order
 # of PACKED_SUFFIXES); our fused expert tensors relative to a layer (`mlp.experts.gate_up_proj`, ...). The engines
