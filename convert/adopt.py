@@ -4,7 +4,7 @@ OUT_DIR gets what `kimik3 convert` writes around the tensors (our config.json wi
 experts_format, our code files, the tokenizer / processor / generation files as convert makes them) and, instead of
 converted shards, symlinks to the release's own files: its index (the weight_map as it is) and every shard it names,
 and each side file convert would copy verbatim. The loader reads the release layout as it is on disk
-(conversion_kimi_k3.check_release_load: renames, MXFP4 kept packed or dequantised), so loading OUT_DIR is loading the
+(release_layout_kimi_k3.check_release_load: renames, MXFP4 kept packed or dequantised), so loading OUT_DIR is loading the
 release's tensors through our code. The record `files_kimi_k3.ADOPTION_RECORD_NAME` names the one release folder the
 links may reach, which the folder checks of every load verify (docs/bad_inputs.md, "Loading a folder"). The release
 folder is only read; OUT_DIR is written into a temporary sibling and renamed when complete.
@@ -49,7 +49,7 @@ def _config(ckpt: Checkpoint, plan) -> dict:
     """convert's config.json for the whole model, with the release's quantization_config kept on the text config: the
     weights on disk are the release's, so the config says so; the loader hides it from transformers while it reads
     the experts itself, reads the release in step with its conversions, and puts it back so that save_pretrained
-    writes the release layout again (conversion_kimi_k3.check_release_load)."""
+    writes the release layout again (release_layout_kimi_k3.check_release_load)."""
     config = output_config_dict(ckpt.config, plan.text_config, text_only=False)
     quantization = getattr(ckpt.text_config, "quantization_config", None)
     if quantization is not None:

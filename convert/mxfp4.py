@@ -8,7 +8,7 @@ memory stays bounded whatever the expert size.
 
 import torch
 
-from kimik3.modeling.conversion_kimi_k3 import mxfp4_overflow_message
+from kimik3.modeling.release_layout_kimi_k3 import mxfp4_overflow_message
 from kimik3.modeling.experts_format_kimi_k3 import mxfp4_overflow
 from kimik3.modeling.ops_kimi_k3 import MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 from kimik3.modeling.configuration_kimi_k3 import DEFAULT_EXPERTS_FORMAT, RELEASE_EXPERTS_FORMAT
-from kimik3.modeling.conversion_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_PREFIX
+from kimik3.modeling.release_layout_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_PREFIX
 from kimik3.modeling.experts_format_kimi_k3 import DENSE, RELEASE, ExpertsFormat
 
 from . import files

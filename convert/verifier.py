@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 
 import torch
-from kimik3.modeling.conversion_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_PREFIX
+from kimik3.modeling.release_layout_kimi_k3 import RELEASE_MOE_BLOCK, RELEASE_TEXT_PREFIX
 from kimik3.modeling.experts_format_kimi_k3 import DENSE, RELEASE
 from kimik3.modeling.tokenization_kimi_k3 import NUM_RESERVED_SPECIAL
 

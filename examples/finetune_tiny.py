@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Train
 
 from kimik3.training import carry_tokenizer_files, checkpointing_arguments, enable_checkpointing
 from kimik3.training.data import ascii_encode, blocks, documents, load_text
-from kimik3.training.memory import ActivationMeter
+from kimik3.training.activations import ActivationMeter
 from kimik3.training.quantile_balancing import ExpertLoadCallback, QuantileBalancingCallback
 
 
@@ -130,7 +130,7 @@ def train(model_dir, steps=40, lora=False, balancing=False, packing=False, bf16=
 
 
 def activation_bytes(model_dir, lora=False, checkpointing=False, bf16=False, batch=8, seq_len=64):
-    """Bytes kept for backward by one training forward (kimik3.training.memory.ActivationMeter)."""
+    """Bytes kept for backward by one training forward (kimik3.training.activations.ActivationMeter)."""
     torch.manual_seed(0)
     model = load(model_dir).train()
     if lora:

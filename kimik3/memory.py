@@ -1,5 +1,5 @@
 """The cache-memory table of `kimik3 memory`: K3's hybrid cache vs the same depth all-MLA vs expanded K/V.
-(Activation memory during training is `kimik3.training.memory`.)"""
+(Activation memory during training is `kimik3.training.activations`.)"""
 
 import functools
 import math

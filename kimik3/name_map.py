@@ -2,7 +2,7 @@
 
 Everything the converter knows about names lives in the two tables below; the engines (`plan.py`) only evaluate
 them. How release names become ours (the text prefix, the MoE block's rename, the expert parts and their storage
-suffixes, A_log's padding) is the release name map of the remote code (`modeling_kimik3/conversion_kimi_k3.py`),
+suffixes, A_log's padding) is the release name map of the remote code (`modeling_kimik3/release_layout_kimi_k3.py`),
 from which the loader's transforms are built too: the rules of the MoE block and the experts below are generated
 from it, so `convert` and `from_pretrained` name every release tensor alike. A rule gives the release name pattern, our name pattern, the release dtype and shape (in config symbols), the
 condition under which the tensor exists, and the named transform. The same rows drive `convert` (release -> ours),
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from kimik3.modeling.conversion_kimi_k3 import (
+from kimik3.modeling.release_layout_kimi_k3 import (
     EXPERT_PARTS,
     MOE_CHILD_PREFIXES,
     OUR_MOE_BLOCK,
@@ -105,7 +105,7 @@ def _same(name, shape, dtype="BF16", when=(), transform="copy", scope="text"):
 def _moe(suffix, shape, dtype="BF16", when=("sparse",), transform="copy"):
     if not suffix.startswith(MOE_CHILD_PREFIXES):  # the loader would not rename it: the two would disagree
         raise AssertionError(f"{RELEASE_MOE_BLOCK}.{suffix}: not a child of the MoE block in the release name map "
-                             f"(conversion_kimi_k3.MOE_CHILD_PREFIXES = {MOE_CHILD_PREFIXES})")
+                             f"(release_layout_kimi_k3.MOE_CHILD_PREFIXES = {MOE_CHILD_PREFIXES})")
     return TensorRule(_MOE + suffix, _MLP + suffix, shape, dtype, when, transform)
 
 
@@ -184,7 +184,7 @@ TENSOR_RULES: tuple[TensorRule, ...] = (
 _EXPERT_PART_SHAPES = {"gate_up_proj": ("I", "DL"), "down_proj": ("DL", "I")}
 if _EXPERT_PART_SHAPES.keys() != EXPERT_PARTS.keys():  # a fused tensor the two tables name differently
     raise AssertionError(f"expert part shapes for {sorted(_EXPERT_PART_SHAPES)}, but the release name map fuses "
-                         f"{sorted(EXPERT_PARTS)} (conversion_kimi_k3.EXPERT_PARTS)")
+                         f"{sorted(EXPERT_PARTS)} (release_layout_kimi_k3.EXPERT_PARTS)")
 EXPERT_RULES: tuple[ExpertRule, ...] = tuple(
     ExpertRule(_MLP + "experts." + fused, parts, _EXPERT_PART_SHAPES[fused]) for fused, parts in EXPERT_PARTS.items()
 )

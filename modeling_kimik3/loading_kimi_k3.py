@@ -16,7 +16,7 @@ layout or the release's, with the load options of its own (`experts_format`, `ex
 `experts_cache_bytes`) and transformers' (device_map, tp_plan, distributed_config...). The model classes hand it
 transformers' own `from_pretrained` and know nothing of how the files become weights."""
 
-from .conversion_kimi_k3 import check_release_load, meta_skeleton
+from .release_layout_kimi_k3 import check_release_load, meta_skeleton
 from .experts_format_kimi_k3 import OFFER_ADAPTER_POINTS, is_experts_module
 from .offload_kimi_k3 import check_offload_request, load_with_experts_offloaded
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
@@ -25,7 +25,7 @@ from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 def load_pretrained(model_class, transformers_load, path, *args, experts_format: str | None = None,
                     experts_offload: str | None = None, experts_cache_bytes: int | None = None, **kwargs):
     """`transformers_load(path, *args, **kwargs)` (the class's transformers `from_pretrained`) through: the folder's
-    files checked first, the release layout converted as it loads (conversion_kimi_k3.check_release_load), the routed
+    files checked first, the release layout converted as it loads (release_layout_kimi_k3.check_release_load), the routed
     experts kept off the device when asked (offload_kimi_k3), and each experts module's adapter points placed beside
     its tensors (none under a parallel load)."""
     check_offload_request(experts_offload, experts_cache_bytes, kwargs, path)

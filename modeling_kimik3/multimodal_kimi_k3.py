@@ -349,7 +349,7 @@ class KimiK3TextBackbone(KimiK3PreTrainedModel):
     """`language_model` of the multimodal base model: the text model under `model`, so that its parameters keep the
     names of the composite checkpoint (`language_model.model.*`) without the head (`language_model.lm_head.weight`).
     A model class of its own, so that the release-layout conversions apply to it as to KimiK3ForCausalLM
-    (conversion_kimi_k3.register_release_conversions)."""
+    (release_layout_kimi_k3.register_release_conversions)."""
 
     def __init__(self, config: KimiK3TextConfig):
         super().__init__(config)

@@ -17,7 +17,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from .conversion_kimi_k3 import EXPERT_PARTS, RELEASE_TEXT_PREFIX, mxfp4_overflow_message, release_name
+from .release_layout_kimi_k3 import EXPERT_PARTS, RELEASE_TEXT_PREFIX, mxfp4_overflow_message, release_name
 from .experts_format_kimi_k3 import EXPERTS_FORMATS
 from .files_kimi_k3 import (
     _index_name,

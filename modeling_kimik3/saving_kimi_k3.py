@@ -267,7 +267,7 @@ def commit_files(api, repo_id: str, folder: Path, files, commit_message: str | N
 
 
 def _is_a_log_unpadding(conversion) -> bool:
-    """The A_log un-padding converter of conversion_kimi_k3.release_conversions (same source and target name)."""
+    """The A_log un-padding converter of release_layout_kimi_k3.release_conversions (same source and target name)."""
     return type(conversion).__name__ == "WeightConverter" and any(
         type(op).__name__ == "UnpadHeads" for op in getattr(conversion, "operations", ()))
 

@@ -383,9 +383,9 @@ def _file_tensors(folder: Path) -> dict[str, int]:
 
 
 def _our_name(release: str) -> str:
-    """The parameter a release tensor loads into (conversion_kimi_k3's release name map): per-expert parts into the
+    """The parameter a release tensor loads into (release_layout_kimi_k3's release name map): per-expert parts into the
     fused packed tensors, the MoE block renamed; any other name is ours already."""
-    from kimik3.modeling.conversion_kimi_k3 import (EXPERT_PARTS, MOE_CHILDREN, OUR_MOE_BLOCK, OUR_PACKED_SUFFIXES,
+    from kimik3.modeling.release_layout_kimi_k3 import (EXPERT_PARTS, MOE_CHILDREN, OUR_MOE_BLOCK, OUR_PACKED_SUFFIXES,
                                                     RELEASE_MOE_BLOCK)
 
     expert = re.fullmatch(rf"(.*\.){RELEASE_MOE_BLOCK}\.experts\.\d+\.(\w+)\.(weight_packed|weight_scale)", release)

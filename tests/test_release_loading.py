@@ -1,4 +1,4 @@
-"""from_pretrained straight from the release layout (modeling_kimik3/conversion_kimi_k3.py): equal logits and equal
+"""from_pretrained straight from the release layout (modeling_kimik3/release_layout_kimi_k3.py): equal logits and equal
 tensors to the `kimik3 convert` path (both expert formats; composite, remote-code and text-only folders), what
 save_pretrained writes, release-named errors for bad inputs, the name rules agreeing with kimik3/name_map.py on all
 60 release patterns, and peak memory while loading."""
@@ -19,7 +19,7 @@ from kimik3.configuration import released_config_dict
 from kimik3 import name_map as nm
 from kimik3.convert import testing
 from kimik3.modeling.configuration_kimi_k3 import KimiK3Config
-from kimik3.modeling.conversion_kimi_k3 import release_conversions
+from kimik3.modeling.release_layout_kimi_k3 import release_conversions
 from kimik3.modeling.files_kimi_k3 import KimiK3LoadError
 from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
 from kimik3.modeling.multimodal_kimi_k3 import KimiK3ForConditionalGeneration
@@ -359,7 +359,7 @@ def test_experts_format_option_is_checked(release):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# One table of names (conversion_kimi_k3's release name map), two users: the loader's registered transforms and the
+# One table of names (release_layout_kimi_k3's release name map), two users: the loader's registered transforms and the
 # converter's rules (kimik3/name_map.py, generated from it) map every release pattern to the same name
 
 
@@ -375,7 +375,7 @@ def test_transforms_agree_with_the_name_map_on_all_release_patterns():
     patterns = json.loads(PATTERNS.read_text())["patterns"]
     assert len(patterns) == 60
     for fmt in FORMATS:
-        from kimik3.modeling.conversion_kimi_k3 import register_release_conversions
+        from kimik3.modeling.release_layout_kimi_k3 import register_release_conversions
 
         register_release_conversions(fmt)
         mapping = get_model_conversion_mapping(tiny, add_legacy=False)
@@ -459,7 +459,7 @@ def test_peak_memory_while_loading_is_the_model_plus_less_than_one_layer(tmp_pat
 def test_finite_check_finds_a_value_past_its_first_blocks():
     """The scan goes block by block (FINITE_CHECK_BLOCK elements): an Inf in a later block, past a block boundary, of
     a tensor several blocks long is found and named at its own index; a NaN in the last, partial block too."""
-    from kimik3.modeling import conversion_kimi_k3 as conversion
+    from kimik3.modeling import release_layout_kimi_k3 as conversion
 
     block = conversion.FINITE_CHECK_BLOCK
     holder = torch.nn.Module()

@@ -7,7 +7,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from kimik3.training import checkpointing_arguments, enable_checkpointing
-from kimik3.training.memory import ActivationMeter
+from kimik3.training.activations import ActivationMeter
 from training_helpers import batch_of, load_tiny, losses, make_trainer, unigram_entropy
 
 

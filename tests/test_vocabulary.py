@@ -188,11 +188,11 @@ def test_each_shared_fact_is_defined_once():
 
 def test_the_release_name_map_is_one_table():
     """The converter's rules of the MoE block and the experts are generated from the remote code's release name map
-    (conversion_kimi_k3), from which the loader's transforms are built: name_map.py spells none of its names, nor do
+    (release_layout_kimi_k3), from which the loader's transforms are built: name_map.py spells none of its names, nor do
     the engines that read and write expert tensors by them (plan.py, verifier.py), and both sides agree on every
     rule. (tests/test_release_loading.py runs both on the release's 60 name patterns.)"""
     from kimik3 import name_map as nm
-    from kimik3.modeling import conversion_kimi_k3 as names
+    from kimik3.modeling import release_layout_kimi_k3 as names
 
     literals = _string_literals(REPO / "kimik3" / "name_map.py")
     words = ("block_sparse_moe", "weight_packed", "weight_scale", "language_model")

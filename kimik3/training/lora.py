@@ -128,7 +128,7 @@ def merge_and_unload(peft_model, safe_merge: bool = False, adapter_names: list[s
     experts this is PEFT's ``merge_and_unload`` alone."""
     from peft.tuners.lora import ParamWrapper
 
-    from kimik3.modeling.conversion_kimi_k3 import dense_experts_conversions
+    from kimik3.modeling.release_layout_kimi_k3 import dense_experts_conversions
     from kimik3.modeling.experts_format_kimi_k3 import DENSE, is_experts_module
 
     model = peft_model.get_base_model()
