@@ -64,9 +64,9 @@ def hub_repo_id(source) -> str | None:
 def _experts_format(name):
     """The experts format object of that name (modeling_kimik3/experts_format_kimi_k3.py); dense for a name it does
     not know (an older card's or provenance's)."""
-    from kimik3.modeling.experts_format_kimi_k3 import DENSE, EXPERTS_FORMATS
+    from kimik3.modeling.experts_format_kimi_k3 import DENSE, experts_format
 
-    return EXPERTS_FORMATS.get(name, DENSE) if isinstance(name, str) else DENSE
+    return experts_format(name, default=DENSE)
 
 
 def _metadata(base_model, relation, derived: bool, pipeline_tag: str, experts_format: str) -> str:

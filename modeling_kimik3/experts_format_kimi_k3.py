@@ -241,9 +241,12 @@ RELEASE = MXFP4
 DEFAULT = DENSE
 
 
-def experts_format(name, what: str = "experts_format") -> ExpertsFormat:
-    """The format called `name`, else a ValueError naming `what` and the formats there are."""
+def experts_format(name, what: str = "experts_format", default: ExpertsFormat | None = None) -> ExpertsFormat:
+    """The format called `name`; for a name no format has, `default` if given (a record written by another version
+    of the code), else a ValueError naming `what` and the formats there are."""
     fmt = EXPERTS_FORMATS.get(name) if isinstance(name, str) else None
+    if fmt is None and default is not None:
+        return default
     if fmt is None:
         allowed = " or ".join(repr(n) for n in EXPERTS_FORMATS)
         raise ValueError(f"{what}={name!r}: choose {allowed} (dense: bf16 experts; mxfp4: packed MXFP4 experts)")
