@@ -634,9 +634,7 @@ class KimiK3StaticCache(KimiK3Cache):
     def _map_batch(self, fn) -> None:
         if self.key_valid is not None:
             self.key_valid = fn(self.key_valid)
-        for layer in self.layers:
-            layer.map_batch(fn)
-        self.rewind, self.speculative_width, self.recording_round = None, None, False  # rows of another round
+        super()._map_batch(fn)
 
     @property
     def is_croppable(self) -> bool:
@@ -655,9 +653,13 @@ class KimiK3StaticCache(KimiK3Cache):
             "growing cache: leave cache_implementation unset)"
         )
 
+    def copy_prefix(self, num_tokens: int) -> "KimiK3Cache":
+        raise NotImplementedError("KimiK3Cache.copy_prefix: not supported for a static cache")
+
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        self._seen_tokens = 0
         self._has_past = False
         self.position = None
         self.key_valid = None

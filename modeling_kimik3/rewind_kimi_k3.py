@@ -508,6 +508,12 @@ class KimiK3StaticRewind:
             out[layer_idx] = (windows, state)
         return out
 
+    def map_batch(self, fn) -> None:
+        """The cache's rows were reordered, repeated or selected: so are the round's base and record."""
+        self.base = {layer_idx: (tuple(fn(w) for w in windows), fn(state))
+                     for layer_idx, (windows, state) in self.base.items()}
+        self.records = {layer_idx: tuple(fn(t) for t in record) for layer_idx, record in self.records.items()}
+
     def nbytes(self) -> int:
         return sum(t.nbytes for record in self.records.values() for t in record) + sum(
             t.nbytes for windows, state in self.base.values() for t in (*windows, state))

@@ -381,3 +381,26 @@ def test_a_later_call_falls_back_after_its_warm_up_rounds(model, drafts, prompt,
 def test_a_draft_that_is_not_kimi_k3_is_refused(model, prompt):
     with pytest.raises(ValueError, match=r"the draft \(Linear\) is not a Kimi K3 model"):
         speculative(model, prompt, max_new_tokens=4, assistant_model=torch.nn.Linear(2, 2))
+
+
+def test_a_round_after_the_rows_are_repeated_rewinds_every_row(model, prompt):
+    """transformers repeats a cache's rows (`batch_repeat_interleave`, e.g. num_return_sequences): the static
+    cache's rewind component repeats its round's base and record with them, so a round on the repeated cache rewinds
+    each row to the state a one-row cache reaches."""
+    new = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        single, repeated = (KimiK3StaticCache(model.config, max_cache_len=32) for _ in range(2))
+        for cache in (single, repeated):
+            model(input_ids=prompt, cache=cache)
+            cache.enable_rewind(4)
+        repeated.batch_repeat_interleave(2)
+        for cache, ids in ((single, new), (repeated, new.repeat(2, 1))):
+            cache.begin_round()
+            model(input_ids=ids, cache=cache)
+            cache.rewind_round(torch.tensor([2]))
+        for layer in single.kda_layer_indices:
+            for row in range(2):
+                torch.testing.assert_close(repeated.layers[layer].recurrent_state[row],
+                                           single.layers[layer].recurrent_state[0], atol=1e-6, rtol=0)
+        with pytest.raises(NotImplementedError, match="copy_prefix: not supported for a static cache"):
+            single.copy_prefix(2)
