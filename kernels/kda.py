@@ -44,7 +44,7 @@ _FLA_KDA = "fla.ops.kda"
 # without autograd can hand fla other operands, holding the same bf16 values, and round the output once:
 #   None           the operands' own dtype (bf16 intermediates)
 #   torch.float16  11 significant bits at bf16's bytes and tensor-core rate; fp16's range is kept by powers of two
-#                  (`_half_operands`); +3-5% on an 8K prefill (docs/benchmarks.md, fp32 and bf16 on CUDA)
+#                  (`_half_operands`); +3-5% on an 8K prefill (docs/benchmarks.md, fp32 and bf16 on CUDA against the references)
 #   torch.float32  TF32 dots and f32 intermediates; +6.7%
 KDA_CHUNK_OPERANDS = None
 

@@ -434,7 +434,7 @@ def _window_at(base: torch.Tensor, inputs: torch.Tensor, keep: torch.Tensor, siz
     [base window (size columns), the round's pre-conv inputs [B, width, C] transposed], `keep` in 1..width (the
     round's kept count, a min over its proposals). Each column is read from the side it lies in, through an index
     clamped into that side for the side it is not read from, so no gather reads outside its tensor (the form that
-    passed the compiled round's GPU test, docs/benchmarks.md, Prefix hits at any block and speculative rounds)."""
+    passed the compiled round's GPU test, docs/benchmarks.md, GPU tests)."""
     column = keep.to(base.device) + torch.arange(size, device=base.device)
     from_base = base.index_select(-1, column.clamp(max=size - 1))
     from_inputs = inputs.index_select(1, (column - size).clamp(0, inputs.shape[1] - 1)).transpose(1, 2)

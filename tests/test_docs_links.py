@@ -1,13 +1,17 @@
 """What the docs cite is there, and what is there is cited: every `benchmarks/results/...` file and `docs/...md` page
 that README.md and docs/*.md name exists, every file kept in benchmarks/results/ is cited by one of them (the folder
-keeps evidence, not a lab notebook), and no code comment outside tests/ names a measurement session or round, or a
-section of a reference file a user does not have (comments cite docs/architecture.md or docs/benchmarks.md by
-section name). Reads files only: no package import."""
+keeps evidence, not a lab notebook), a raw file removed from the tree is cited with the commit that holds it
+(`COMMIT:benchmarks/results/NAME`, checked against git where the commit is there), and no code comment outside tests/
+names a measurement session or round, or a section of a reference file a user does not have (comments cite
+docs/architecture.md or docs/benchmarks.md by section name). Reads files only (and git's listing of a commit): no
+package import."""
 
 import ast
 import fnmatch
 import io
 import re
+import shutil
+import subprocess
 import tokenize
 from pathlib import Path
 
@@ -21,6 +25,10 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # `run10_moe_few_rows`), or by a pattern naming its run (`h200_gpu_tests_run19_*.log`, `..._run{1,2,3}_*.json`).
 # A pattern without a run number (`h200_gpu_tests_run*.log`) says where logs live and cites none of them.
 RESULT_TOKEN = re.compile(r"^(?:(?:h100|h200|cpu_)[\w.{},*-]*|_?run\d[\w.{},*-]*)$")
+# A raw file removed from the tree is cited with the commit that still holds it: `a90b3e9:benchmarks/results/NAME`
+# (what `git show` takes). Such a citation names git history, not the tree, and is no result token.
+HISTORY_CITATION = re.compile(r"\b([0-9a-f]{7,40}):benchmarks/results/([\w.{},*-]+\w)")
+TREE_CITATION = re.compile(r"(?<![0-9a-f]:)benchmarks/results/([\w.{},*-]+\w)")
 ROUND = re.compile(r"\b(?:session|round|run)s? ?#?\d+", re.IGNORECASE)
 OUTSIDE_REFERENCE = re.compile(
     r"§|k3_math|k3_checkpoint|kernels_perf|peers_users|transformers_v5|shared/reference"
@@ -31,6 +39,16 @@ OUTSIDE_REFERENCE = re.compile(
 def _without_fences(text: str) -> str:
     """Fenced code blocks are commands: their `--out` paths are outputs, not citations."""
     return re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def _tree_citations(text: str) -> list[str]:
+    """The `benchmarks/results/NAME` paths of the prose: files the tree must hold."""
+    return TREE_CITATION.findall(_without_fences(text))
+
+
+def _history_citations(text: str) -> list[tuple[str, str]]:
+    """(commit, NAME) of the prose's `COMMIT:benchmarks/results/NAME`: files that commit must hold."""
+    return HISTORY_CITATION.findall(_without_fences(text))
 
 
 def _result_tokens(text: str) -> list[str]:
@@ -77,7 +95,7 @@ def test_every_cited_results_file_and_doc_page_exists():
     missing = []
     for doc, text in _doc_texts().items():
         prose = _without_fences(text)
-        for path in re.findall(r"benchmarks/results/([\w.{},*-]+\w)", prose):
+        for path in _tree_citations(text):
             if not any(fnmatch.fnmatchcase(n, p) for p in _expand_braces(path) for n in [*names, "README.md"]):
                 missing.append(f"{doc}: benchmarks/results/{path}")
         for token in _result_tokens(text):
@@ -115,6 +133,47 @@ def test_every_results_file_is_cited_and_listed():
 ])
 def test_citation_forms(token, name, cited):
     assert _cites(token, name) is cited
+
+
+@pytest.mark.parametrize("text, tree, history, tokens", [
+    pytest.param("(`benchmarks/results/h200_bench_k3_run1.json`)", ["h200_bench_k3_run1.json"], [],
+                 ["h200_bench_k3_run1.json"], id="tree-path-in-backticks"),
+    pytest.param("its log, benchmarks/results/h200_gpu_tests_run11.log, shows", ["h200_gpu_tests_run11.log"], [], [],
+                 id="tree-path-in-prose"),
+    pytest.param("(raw file removed; `a90b3e9:benchmarks/results/h200_bench_k3_run2_decode.json`)", [],
+                 [("a90b3e9", "h200_bench_k3_run2_decode.json")], [], id="history-citation"),
+    pytest.param("`a90b3e9:benchmarks/results/h200_gpu_tests_run19_*.log`", [],
+                 [("a90b3e9", "h200_gpu_tests_run19_*.log")], [], id="history-citation-pattern"),
+    pytest.param("```text\ngit show a90b3e9:benchmarks/results/h200_x.json\n```\n", [], [], [],
+                 id="history-citation-in-a-fence-is-a-command"),
+])
+def test_tree_and_history_citation_forms(text, tree, history, tokens):
+    assert _tree_citations(text) == tree
+    assert _history_citations(text) == history
+    assert _result_tokens(text) == tokens
+
+
+def _files_at(commit: str) -> list[str] | None:
+    """The names under benchmarks/results/ at a commit, or None where git or the commit is not there (an archive,
+    a shallow clone)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return None
+    listing = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:benchmarks/results/"], cwd=ROOT,
+                             capture_output=True, text=True)
+    return listing.stdout.split() if listing.returncode == 0 else None
+
+
+def test_history_citations_name_files_at_their_commit():
+    cited = {(doc, commit, name) for doc, text in _doc_texts().items() for commit, name in _history_citations(text)}
+    if not cited:
+        pytest.skip("no doc cites a raw file by commit")
+    listings = {commit: _files_at(commit) for _, commit, _ in cited}
+    checked = [(doc, commit, name) for doc, commit, name in sorted(cited) if listings[commit] is not None]
+    if not checked:
+        pytest.skip("git history of the cited commits is not in this checkout")
+    missing = [f"{doc}: {commit}:benchmarks/results/{name}" for doc, commit, name in checked
+               if not any(fnmatch.fnmatchcase(n, p) for p in _expand_braces(name) for n in listings[commit])]
+    assert not missing, "cited at a commit that does not hold it:\n" + "\n".join(missing)
 
 
 def _comments_and_docstrings(path: Path):
