@@ -1,0 +1,211 @@
+/* Copyright 2026 The Kimi K3 for transformers authors. Licensed under the Apache License, Version 2.0.
+ *
+ * K3's routed experts (SiTU-GLU) computed on the CPU over their packed MXFP4 bytes, where they live in host memory
+ * (docs/design.md, Routed experts computed where they live). No dequantised copy of a stack or an expert is made:
+ * each 32-value group of a weight row is decoded in registers (E2M1 code -> its value through a 16-entry table,
+ * times the group's E8M0 scale) and multiplied into every token routed to the expert while it is there.
+ *
+ * Numerics (docs/architecture.md, Stable LatentMoE; the reference is ops_kimi_k3.routed_experts over
+ * dequantize_mxfp4): gate and up = x . w accumulated in f32, rounded to the model's dtype; act = SiTU-GLU in f32
+ * (b1 tanh(a/b1) sigmoid(a) times b2 tanh(u/b2)), rounded to the dtype; out = act . down accumulated in f32,
+ * rounded to the dtype. The weights' values are exactly the reference's (code value times scale, both exact in f32);
+ * only the order of the f32 sums differs from a BLAS's.
+ *
+ * Plain C with OpenMP, built at first use by kimik3.kernels.mxfp4_host (-O3 -march=native): AVX-512 where the
+ * compiler targets it, AVX2 next, scalar C otherwise. Called through ctypes, which releases the GIL for the call.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32   /* values per E8M0 scale */
+#define HALF 16    /* bytes per group: two E2M1 codes a byte, the low nibble the even value */
+#define TOKENS 8   /* tokens one pass over a row serves (their accumulators stay in registers) */
+#define ROWS 16    /* weight rows per work item */
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* 2^(byte - 127) from its f32 bits, byte 0 the denormal 2^-127 and 255 inf, as ops_kimi_k3._e8m0_to_float */
+static inline float e8m0(uint8_t byte) {
+    uint32_t bits = byte == 0 ? (1u << 22) : ((uint32_t)byte << 23);
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* f32 -> bf16 -> f32, round to nearest even (torch's conversion); NaN stays NaN */
+static inline float round_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7f800000u) == 0x7f800000u) {
+        if (bits & 0x007fffffu) bits |= 0x00400000u;
+    } else {
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+    }
+    bits &= 0xffff0000u;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline float to_dtype(float value, int bf16) { return bf16 ? round_bf16(value) : value; }
+
+/* acc[t] = sum_k w[k] x_t[k] for one packed row (codes: K/2 bytes, scales: K/32 bytes) and `count` <= TOKENS
+ * tokens whose inputs are split into even and odd values: even_t = x_t[0::2], odd_t = x_t[1::2], each K/2 floats,
+ * token t's at `even + t * stride`. */
+static void row_dot(const uint8_t *codes, const uint8_t *scales, const float *even, const float *odd,
+                    int64_t stride, int64_t groups, int count, float *acc) {
+#if defined(__AVX512F__)
+    const __m512 table = _mm512_loadu_ps(E2M1);
+    const __m512i low_bits = _mm512_set1_epi32(15);
+    __m512 sums[TOKENS];
+    for (int t = 0; t < count; ++t) sums[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + g * HALF)));
+        __m512 scale = _mm512_set1_ps(e8m0(scales[g]));
+        __m512 w_even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, low_bits), table), scale);
+        __m512 w_odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), scale);
+        for (int t = 0; t < count; ++t) {
+            const float *e = even + t * stride + g * HALF, *o = odd + t * stride + g * HALF;
+            sums[t] = _mm512_fmadd_ps(w_even, _mm512_loadu_ps(e), sums[t]);
+            sums[t] = _mm512_fmadd_ps(w_odd, _mm512_loadu_ps(o), sums[t]);
+        }
+    }
+    for (int t = 0; t < count; ++t) acc[t] = _mm512_reduce_add_ps(sums[t]);
+#elif defined(__AVX2__)
+    /* 8 lanes: the magnitude from the table's first 8 entries (the low 3 bits), the sign from bit 3 */
+    const __m256 magnitudes = _mm256_loadu_ps(E2M1);
+    const __m256i low_bits = _mm256_set1_epi32(15), sign_bit = _mm256_set1_epi32(8);
+    __m256 sums[TOKENS];
+    for (int t = 0; t < count; ++t) sums[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m256 scale = _mm256_set1_ps(e8m0(scales[g]));
+        for (int h = 0; h < 2; ++h) {
+            __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + g * HALF + h * 8)));
+            __m256i lo = _mm256_and_si256(bytes, low_bits), hi = _mm256_srli_epi32(bytes, 4);
+            __m256 w_even = _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, lo),
+                                          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(lo, sign_bit), 28)));
+            __m256 w_odd = _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, hi),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(hi, sign_bit), 28)));
+            w_even = _mm256_mul_ps(w_even, scale);
+            w_odd = _mm256_mul_ps(w_odd, scale);
+            for (int t = 0; t < count; ++t) {
+                const float *e = even + t * stride + g * HALF + h * 8, *o = odd + t * stride + g * HALF + h * 8;
+                sums[t] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(e), sums[t]);
+                sums[t] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(o), sums[t]);
+            }
+        }
+    }
+    for (int t = 0; t < count; ++t) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(sums[t]), _mm256_extractf128_ps(sums[t], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        acc[t] = _mm_cvtss_f32(s);
+    }
+#else
+    for (int t = 0; t < count; ++t) acc[t] = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+        float scale = e8m0(scales[g]);
+        for (int j = 0; j < HALF; ++j) {
+            uint8_t byte = codes[g * HALF + j];
+            float w_even = E2M1[byte & 15] * scale, w_odd = E2M1[byte >> 4] * scale;
+            for (int t = 0; t < count; ++t)
+                acc[t] += w_even * even[t * stride + g * HALF + j] + w_odd * odd[t * stride + g * HALF + j];
+        }
+    }
+#endif
+}
+
+static inline float situ_glu(float gate, float up, float beta, float linear_beta, int has_linear_beta) {
+    float act = beta * tanhf(gate / beta) * (1.0f / (1.0f + expf(-gate)));
+    if (has_linear_beta) up = linear_beta * tanhf(up / linear_beta);
+    return act * up;
+}
+
+/* The routed experts of `n` experts for the rows of x grouped by expert: rows offsets[e] .. offsets[e+1] go to
+ * expert e, whose packed stacks are gate_up (codes [2I, K/2], scales [2I, K/32]; gate rows first) and down (codes
+ * [K, I/2], scales [K, I/32]). x_even / x_odd: [R, K/2] each (x split into its even and odd values). Writes
+ * out [R, K] (f32 holding values of the dtype) and uses hidden_even / hidden_odd [R, I/2] as workspace.
+ * Returns 0, or -1 when the workspace of the work lists cannot be allocated. */
+int k3_mxfp4_host_experts(const float *x_even, const float *x_odd, const int64_t *offsets, int n,
+                          const uint8_t *const *gate_up_codes, const uint8_t *const *gate_up_scales,
+                          const uint8_t *const *down_codes, const uint8_t *const *down_scales, int64_t K, int64_t I,
+                          float beta, float linear_beta, int has_linear_beta, int bf16, float *hidden_even,
+                          float *hidden_odd, float *out, int threads) {
+    /* work items: (expert, first weight row); the tokens of an expert are served TOKENS at a time inside one */
+    int64_t up_blocks = (I + ROWS - 1) / ROWS, down_blocks = (K + ROWS - 1) / ROWS;
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (first == NULL) return -1;
+    first[0] = 0;
+    for (int e = 0; e < n; ++e) first[e + 1] = first[e] + (offsets[e + 1] > offsets[e] ? 1 : 0);
+    int busy = (int)first[n];
+    int *which = (int *)malloc(sizeof(int) * (size_t)(busy > 0 ? busy : 1));
+    if (which == NULL) {
+        free(first);
+        return -1;
+    }
+    for (int e = 0, j = 0; e < n; ++e)
+        if (offsets[e + 1] > offsets[e]) which[j++] = e;
+    const int64_t half_k = K / 2, half_i = I / 2;
+
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < (int64_t)busy * up_blocks; ++item) {
+            int e = which[item / up_blocks];
+            int64_t row0 = (item % up_blocks) * ROWS, row1 = row0 + ROWS < I ? row0 + ROWS : I;
+            const uint8_t *codes = gate_up_codes[e], *scales = gate_up_scales[e];
+            for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += TOKENS) {
+                int count = (int)(offsets[e + 1] - r0 < TOKENS ? offsets[e + 1] - r0 : TOKENS);
+                for (int64_t i = row0; i < row1; ++i) {
+                    float gate[TOKENS], up[TOKENS];
+                    row_dot(codes + i * half_k, scales + i * (K / GROUP), x_even + r0 * half_k,
+                            x_odd + r0 * half_k, half_k, K / GROUP, count, gate);
+                    row_dot(codes + (I + i) * half_k, scales + (I + i) * (K / GROUP), x_even + r0 * half_k,
+                            x_odd + r0 * half_k, half_k, K / GROUP, count, up);
+                    float *hidden = (i & 1) ? hidden_odd : hidden_even;
+                    for (int t = 0; t < count; ++t)
+                        hidden[(r0 + t) * half_i + i / 2] = to_dtype(
+                            situ_glu(to_dtype(gate[t], bf16), to_dtype(up[t], bf16), beta, linear_beta,
+                                     has_linear_beta), bf16);
+                }
+            }
+        }
+        /* the implicit barrier of the loop above: every hidden value is written before the down rows read them */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < (int64_t)busy * down_blocks; ++item) {
+            int e = which[item / down_blocks];
+            int64_t row0 = (item % down_blocks) * ROWS, row1 = row0 + ROWS < K ? row0 + ROWS : K;
+            const uint8_t *codes = down_codes[e], *scales = down_scales[e];
+            for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += TOKENS) {
+                int count = (int)(offsets[e + 1] - r0 < TOKENS ? offsets[e + 1] - r0 : TOKENS);
+                for (int64_t k = row0; k < row1; ++k) {
+                    float acc[TOKENS];
+                    row_dot(codes + k * half_i, scales + k * (I / GROUP), hidden_even + r0 * half_i,
+                            hidden_odd + r0 * half_i, half_i, I / GROUP, count, acc);
+                    for (int t = 0; t < count; ++t) out[(r0 + t) * K + k] = to_dtype(acc[t], bf16);
+                }
+            }
+        }
+    }
+    free(which);
+    free(first);
+    return 0;
+}
+
+/* Which instruction set this build uses, for the benchmark's and the plan's records. */
+const char *k3_mxfp4_host_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}

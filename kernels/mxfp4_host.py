@@ -1,0 +1,168 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Packed MXFP4 routed experts computed on the CPU, over their bytes in host memory (`csrc/mxfp4_host_experts.c`;
+docs/design.md, Routed experts computed where they live).
+
+The C file is compiled at first use with the system's C compiler (`cc`, or `$CC`) and OpenMP, `-O3 -march=native`,
+into `$KIMIK3_KERNEL_CACHE` (default `~/.cache/kimik3/kernels`), under a name that hashes the source, the compiler
+and the flags; a build that fails leaves `library()` None and `unavailable_reason()` saying why, and the pure-PyTorch
+reference runs. ctypes releases the GIL for the call, so a Python thread can run it while the GPU works.
+
+`host_experts(x, offsets, gate_up, down, betas)` is the op: the rows of x grouped by expert, each expert's packed
+stacks as (codes, scales) views of its host tensors; it returns each row's expert output in x's dtype (f32 or bf16),
+the value `ops_kimi_k3.routed_experts` gives that row before the routing weights (tests/test_host_experts.py holds
+it against that reference).
+"""
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from kimik3.modeling.ops_kimi_k3 import MXFP4_GROUP_SIZE
+
+SOURCE = Path(__file__).with_name("csrc") / "mxfp4_host_experts.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KIMIK3_KERNEL_CACHE") or Path.home() / ".cache" / "kimik3" / "kernels")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build() -> ctypes.CDLL:
+    compiler = _compiler()
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or clang; or $CC) to build the host experts kernel")
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise OSError(f"{compiler} --version failed: {error}") from error
+    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode() + sys.platform.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"k3_mxfp4_host_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # built beside the target, then renamed: a library half written by a build that died is never loaded
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                                 text=True, timeout=300)
+            if run.returncode:
+                raise OSError(f"building the host experts kernel failed ({compiler}): {run.stderr.strip()[-2000:]}")
+            os.replace(built, target)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.k3_mxfp4_host_experts
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int]
+    lib.k3_mxfp4_host_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel library, built on the first call; None where it cannot be built (`unavailable_reason`)."""
+    with _lock:
+        if "lib" not in _state:
+            try:
+                _state["lib"], _state["reason"] = _build(), None
+            except (OSError, subprocess.SubprocessError) as error:
+                _state["lib"], _state["reason"] = None, str(error)
+        return _state["lib"]
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _state["reason"]
+
+
+def isa() -> str | None:
+    """The instruction set the build uses ("avx512", "avx2" or "scalar"), None without a build."""
+    lib = library()
+    return None if lib is None else lib.k3_mxfp4_host_isa().decode()
+
+
+def _pointers(tensors) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+def _check_stack(name: str, codes: torch.Tensor, scales: torch.Tensor, rows: int, k: int) -> None:
+    if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise TypeError(f"{name}: MXFP4 codes and scales are uint8, got {codes.dtype} and {scales.dtype}")
+    if tuple(codes.shape) != (rows, k // 2) or tuple(scales.shape) != (rows, k // MXFP4_GROUP_SIZE):
+        raise ValueError(f"{name}: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not make a packed "
+                         f"[{rows}, {k}] matrix (codes [{rows}, {k // 2}], scales [{rows}, {k // MXFP4_GROUP_SIZE}])")
+    if codes.device.type != "cpu" or scales.device.type != "cpu" or not codes.is_contiguous() \
+            or not scales.is_contiguous():
+        raise ValueError(f"{name}: the host kernel reads contiguous CPU tensors")
+
+
+def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.Tensor, torch.Tensor]],
+                 down: list[tuple[torch.Tensor, torch.Tensor]], beta: float | None, linear_beta: float | None,
+                 threads: int | None = None) -> torch.Tensor:
+    """x [R, K] (f32 or bf16, CPU): rows offsets[e] .. offsets[e+1] routed to expert e, whose packed stacks are
+    gate_up[e] = (codes [2I, K/2], scales [2I, K/32]) and down[e] = (codes [K, I/2], scales [K, I/32]). Returns
+    [R, K] in x's dtype: each row's expert output before the routing weight."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the host experts kernel is not available: {unavailable_reason()}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"host experts: x must be a [rows, K] f32 or bf16 CPU tensor, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    rows, k = x.shape
+    n = len(gate_up)
+    if len(down) != n or len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != rows \
+            or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"host experts: offsets {offsets} do not split {rows} rows among {n} experts")
+    if n == 0 or rows == 0:
+        return x.new_zeros(rows, k)
+    inter = gate_up[0][0].shape[0] // 2
+    if k % MXFP4_GROUP_SIZE or inter % MXFP4_GROUP_SIZE:
+        raise ValueError(f"host experts: K={k} and I={inter} must be multiples of {MXFP4_GROUP_SIZE}")
+    for e in range(n):
+        _check_stack(f"gate_up of expert {e}", *gate_up[e], 2 * inter, k)
+        _check_stack(f"down of expert {e}", *down[e], k, inter)
+    split = x.float().reshape(rows, k // 2, 2)
+    x_even, x_odd = split[..., 0].contiguous(), split[..., 1].contiguous()
+    hidden_even = torch.empty(rows, inter // 2)
+    hidden_odd = torch.empty(rows, inter // 2)
+    out = torch.empty(rows, k)
+    offsets_c = (ctypes.c_int64 * (n + 1))(*offsets)
+    status = lib.k3_mxfp4_host_experts(
+        x_even.data_ptr(), x_odd.data_ptr(), offsets_c, n,
+        _pointers([c for c, _ in gate_up]), _pointers([s for _, s in gate_up]),
+        _pointers([c for c, _ in down]), _pointers([s for _, s in down]), k, inter,
+        1.0 if beta is None else float(beta), 0.0 if linear_beta is None else float(linear_beta),
+        int(linear_beta is not None), int(x.dtype == torch.bfloat16),
+        hidden_even.data_ptr(), hidden_odd.data_ptr(), out.data_ptr(), int(threads or torch.get_num_threads()))
+    if status:
+        raise MemoryError("host experts: the kernel could not allocate its work lists")
+    return out.to(x.dtype)
+
+
+__all__ = ["host_experts", "isa", "library", "unavailable_reason"]

@@ -1,0 +1,133 @@
+"""The host experts kernel (kernels/csrc/mxfp4_host_experts.c through kimik3.kernels.mxfp4_host) against the
+reference (ops_kimi_k3: dequantize_mxfp4, F.linear, situ_glu, rounded where routed_experts rounds) on odd shapes,
+every E8M0 scale byte, f32 and bf16, and its refusals. The machines this suite runs on have a C compiler (gcc): a
+build that fails here fails the test, it is not skipped."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kimik3.kernels import mxfp4_host
+from kimik3.modeling.ops_kimi_k3 import dequantize_mxfp4, situ_glu
+
+
+def reference(x, offsets, gate_up, down, beta, linear_beta):
+    """Each row's expert output before its routing weight, as ops_kimi_k3.routed_experts computes it."""
+    outs = []
+    for e in range(len(gate_up)):
+        rows = x[offsets[e]:offsets[e + 1]]
+        if rows.shape[0] == 0:
+            continue
+        gate, up = F.linear(rows, dequantize_mxfp4(*gate_up[e], x.dtype)).chunk(2, dim=-1)
+        outs.append(F.linear(situ_glu(gate, up, beta, linear_beta), dequantize_mxfp4(*down[e], x.dtype)))
+    return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+
+
+def random_experts(counts, k, inter, generator, scale_bytes=(118, 130)):
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count)
+
+    def packed(rows, cols):
+        return (torch.randint(0, 256, (rows, cols // 2), generator=generator, dtype=torch.uint8),
+                torch.randint(*scale_bytes, (rows, cols // 32), generator=generator, dtype=torch.uint8))
+
+    return offsets, [packed(2 * inter, k) for _ in counts], [packed(k, inter) for _ in counts]
+
+
+def close(actual, expected, dtype):
+    # f32: the weights are the reference's exactly, only the order of the f32 sums differs (a few ulps of the
+    # largest partial sum); bf16: the same f32 sums rounded to bf16 may land one bf16 ulp apart
+    scale = expected.float().abs().max().clamp_min(1.0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6 * float(scale))
+    else:
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=2**-8 * float(scale))
+
+
+def test_the_kernel_builds_here():
+    assert mxfp4_host.unavailable_reason() is None
+    assert mxfp4_host.isa() in {"avx512", "avx2", "scalar"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,inter,counts", [(32, 32, [1]), (96, 64, [3, 0, 9]), (160, 96, [8, 1, 17, 2]),
+                                            (64, 160, [0, 0, 5])])
+def test_odd_shapes_match_the_reference(dtype, k, inter, counts):
+    generator = torch.Generator().manual_seed(k + inter + len(counts))
+    offsets, gate_up, down = random_experts(counts, k, inter, generator)
+    x = torch.randn(offsets[-1], k, generator=generator).to(dtype)
+    for betas in ((4.0, 25.0), (None, None)):
+        out = mxfp4_host.host_experts(x, offsets, gate_up, down, *betas)
+        assert out.dtype == dtype and out.shape == x.shape
+        close(out, reference(x, offsets, gate_up, down, *betas), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_scale_byte(dtype):
+    """Every E8M0 byte (0: the denormal 2^-127, 255: inf) as the scale of every group of gate_up, then of down (the
+    other at byte 127, 2^0). Where no partial sum can reach f32's largest value (6 x 2^(byte-127) x the sum of the
+    inputs' magnitudes below it), inf and NaN land exactly where the reference's do and the finite values agree as on
+    ordinary scales. Above it (here bytes 241 and up for down, 247 and up for gate_up: scales of 2^114 and more, which
+    no trained weight has; the load
+    refuses only groups that decode past the dtype's largest value), whether a sum overflows, and whether two
+    overflows of opposite sign meet as NaN, depends on the order of its terms, which differs between any two matmul
+    implementations (a BLAS's, a GPU's, this kernel's): those bytes are counted, not compared."""
+    generator = torch.Generator().manual_seed(1)
+    k, inter = 64, 32
+    offsets, gate_up, down = random_experts([3], k, inter, generator)
+    (gate_up_codes, _), (down_codes, _) = gate_up[0], down[0]
+    x = torch.randn(3, k, generator=generator).to(dtype)
+    one = 127
+    strict = edge = 0
+    for byte in range(256):
+        for where in ("gate_up", "down"):
+            gate_byte, down_byte = (byte, one) if where == "gate_up" else (one, byte)
+            stacks = ([(gate_up_codes, torch.full((2 * inter, k // 32), gate_byte, dtype=torch.uint8))],
+                      [(down_codes, torch.full((k, inter // 32), down_byte, dtype=torch.uint8))])
+            out = mxfp4_host.host_experts(x, offsets, *stacks, 4.0, 25.0)
+            expected = reference(x, offsets, *stacks, 4.0, 25.0)
+            # the largest sum magnitude below the scale: the inputs' (gate_up), SiTU's cap of 4 x 25 a value (down)
+            below = float(x.float().abs().sum(-1).max()) if where == "gate_up" else 100.0 * inter
+            if byte < 255 and 6.0 * 2.0 ** (byte - 127) * below < torch.finfo(torch.float32).max:
+                strict += 1
+                assert torch.equal(out.isnan(), expected.isnan()), (where, byte)
+                assert torch.equal(out.isinf(), expected.isinf()), (where, byte)
+                finite = expected.isfinite()
+                if finite.any():
+                    close(out[finite], expected[finite], dtype)
+            else:
+                edge += 1
+    assert strict > 450 and edge < 40  # the order-dependent band is the top of the byte range only
+
+
+def test_refusals_name_what_is_wrong():
+    generator = torch.Generator().manual_seed(2)
+    offsets, gate_up, down = random_experts([2, 1], 64, 32, generator)
+    x = torch.randn(3, 64, generator=generator)
+    with pytest.raises(ValueError, match=r"offsets \[0, 2, 2\] do not split 3 rows among 2 experts"):
+        mxfp4_host.host_experts(x, [0, 2, 2], gate_up, down, None, None)
+    with pytest.raises(ValueError, match="f32 or bf16 CPU tensor, got torch.float16"):
+        mxfp4_host.host_experts(x.half(), offsets, gate_up, down, None, None)
+    with pytest.raises(TypeError, match="gate_up of expert 1: MXFP4 codes and scales are uint8"):
+        mxfp4_host.host_experts(x, offsets, [gate_up[0], (gate_up[1][0].float(), gate_up[1][1])], down, None, None)
+    with pytest.raises(ValueError, match=r"down of expert 0: codes \(64, 8\) and scales \(64, 1\) do not make a "
+                                         r"packed \[64, 32\] matrix"):
+        mxfp4_host.host_experts(x, offsets, gate_up, [(down[0][0][:, :8].contiguous(), down[0][1]), down[1]],
+                                None, None)
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        mxfp4_host.host_experts(x, offsets, [(gate_up[0][0].t().contiguous().t(), gate_up[0][1]), gate_up[1]], down,
+                                None, None)
+
+
+def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    """No compiler: the library is None and the reason names it; the op refuses by name (the callers run the
+    reference, tests/test_offload_host_compute.py)."""
+    monkeypatch.setattr(mxfp4_host, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KIMIK3_KERNEL_CACHE", str(tmp_path / "cache"))
+    assert mxfp4_host.library() is None
+    assert "no-such-cc" in mxfp4_host.unavailable_reason()
+    with pytest.raises(RuntimeError, match="host experts kernel is not available: .*no-such-cc"):
+        mxfp4_host.host_experts(torch.zeros(1, 32), [0, 1], [], [], None, None)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
