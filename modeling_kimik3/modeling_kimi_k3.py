@@ -691,17 +691,27 @@ class KimiK3Experts(nn.Module):
             # the experts an unmerged adapter runs: the stored ones decoded plus its update, as a merged model's
             stacks, fmt = self.dense_stacks(updates[0].dtype, updates), DENSE_EXPERTS
         if self.offload is not None:
-            # experts kept in host memory: the chosen ones, compacted on this device (offload_kimi_k3.py)
+            # experts kept in host memory: the chosen ones, compacted on this device, or some computed on the CPU
+            # where they are (offload_kimi_k3.py)
             fetched = fetched if fetched is not None else self.fetch(top_indices, hidden_states.device)
+            if fetched.host_ids:
+                situ = None if self.config.hidden_act == "silu" else self._situ_betas()
+                return self.offload.routed_split(hidden_states, top_indices, top_weights, fetched, stacks, fmt,
+                                                 lambda x, i, w, s: self._run(x, i, w, s, fmt), situ)
             top_indices, stacks = fetched.wait()
+        return self._run(hidden_states, top_indices, top_weights, stacks, fmt)
+
+    def _situ_betas(self):
+        return self.config.activation_situ_beta, self.config.activation_situ_linear_beta
+
+    def _run(self, hidden_states, top_indices, top_weights, stacks, fmt):
         if self.config.hidden_act == "silu":
             # SwiGLU experts (Kimi-Linear-style configs): the fast experts are SiTU-only
             half, dtype = len(stacks) // 2, hidden_states.dtype
             gate_up, down = fmt.dense(stacks[:half], dtype), fmt.dense(stacks[half:], dtype)
             return routed_experts(hidden_states, top_indices, top_weights, gate_up, down,
                                   lambda gate, up: glu_activation(self.config, gate, up))
-        situ_betas = (self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
-        return fmt.run(hidden_states, top_indices, top_weights, stacks, situ_betas)
+        return fmt.run(hidden_states, top_indices, top_weights, stacks, self._situ_betas())
 
 
 class KimiK3SparseMoeBlock(nn.Module):
@@ -914,7 +924,8 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         errors naming the release tensor; a local folder's files are checked first.
 
         `experts_offload="host"` keeps the routed experts in host memory, `"disk"` maps them from the folder's shards,
-        with a device cache of at most `experts_cache_bytes` bytes of them, the model's `experts_cache`
+        with a device cache of at most `experts_cache_bytes` bytes of them, the model's `experts_cache`;
+        `experts_compute="host"` or `"auto"` computes the chosen experts the cache lacks on the CPU where they are
         (docs/design.md, Routed experts off the device)."""
         return load_pretrained(cls, super().from_pretrained, pretrained_model_name_or_path, *args,
                                experts_format=experts_format, experts_offload=experts_offload,

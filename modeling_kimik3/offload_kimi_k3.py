@@ -5,8 +5,10 @@ memory, pinned where CUDA exists; `experts_offload="disk"` maps them from the fo
 (file-backed, never read by transformers' loader: the OS pages them in from the disk when the cache asks for an
 expert). Everything else stays where the load put it. After a layer's router has chosen, `ExpertCache.fetch` moves
 only the chosen experts that the layer's device cache does not hold and returns a compact stack of the chosen experts
-on the compute device, with the routes renumbered into it. It imports no model file: the model hands it its class,
-its expert modules and their stacks."""
+on the compute device, with the routes renumbered into it. With `experts_compute="host"` (or "auto", decided per
+forward by `HostRates`) the chosen experts the device lacks are computed on the CPU where their bytes are instead
+(`routed_split`): only their inputs and outputs cross. It imports no model file: the model hands it its class, its
+expert modules and their stacks."""
 
 import contextlib
 import contextvars
@@ -31,6 +33,9 @@ from .files_kimi_k3 import (
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
 EXPERTS_OFFLOAD_MODES = ("host", "disk")
+# where the chosen experts the device's cache lacks are computed: copied to the device ("device"), on the CPU over
+# their bytes in host memory ("host"), or per forward whichever `HostRates` says is faster ("auto")
+EXPERTS_COMPUTE_MODES = ("device", "host", "auto")
 # experts_cache_bytes="auto": the cache takes what the GPU has free after the load, less the compact stack of one
 # layer's experts (a prefill may choose every one) and AUTO_RESERVE_FRACTION of the GPU's memory for the sequence's
 # cache and the forward's activations (at the release's size on one H200 that is 7 GB: its cache at 128K tokens and a
@@ -46,14 +51,49 @@ class ExpertsOffloadError(ValueError):
     pass
 
 
-def check_offload_request(experts_offload, experts_cache_bytes, load_kwargs: dict, pretrained=None) -> None:
+class HostRates:
+    """The rates a forward's choice between computing its missing experts on the CPU and copying them to the device
+    weighs (`experts_compute="auto"`): `copy_bytes_per_s` host -> device, `host_bytes_per_s` the CPU's rate over
+    packed expert bytes with one token per expert (a memory-bound pass), `host_flops` its rate with many tokens per
+    expert (compute-bound). `measure` times them on this machine; the defaults are ASSUMPTIONS (PCIe 5.0 x16 pinned
+    copies; a server socket's kernel at about 100 GB/s and 2 TFLOP/s) until then."""
+
+    def __init__(self, copy_bytes_per_s: float = 50e9, host_bytes_per_s: float = 100e9, host_flops: float = 2e12,
+                 measured: bool = False):
+        self.copy_bytes_per_s, self.host_bytes_per_s, self.host_flops = copy_bytes_per_s, host_bytes_per_s, host_flops
+        self.measured = measured
+
+    def __repr__(self) -> str:
+        return (f"HostRates(copy {self.copy_bytes_per_s / 1e9:.1f} GB/s, host {self.host_bytes_per_s / 1e9:.1f} GB/s, "
+                f"{self.host_flops / 1e12:.2f} TFLOP/s, {'measured' if self.measured else 'assumed'})")
+
+    def host_seconds(self, experts: int, routes: int, bytes_per_expert: int, flops_per_route: float) -> float:
+        return max(experts * bytes_per_expert / self.host_bytes_per_s, routes * flops_per_route / self.host_flops)
+
+    def copy_seconds(self, experts: int, bytes_per_expert: int) -> float:
+        return experts * bytes_per_expert / self.copy_bytes_per_s
+
+    def on_host(self, experts: int, routes: int, bytes_per_expert: int, flops_per_route: float) -> bool:
+        """Whether `experts` missing experts serving `routes` routes are computed faster on the CPU than copied."""
+        return self.host_seconds(experts, routes, bytes_per_expert, flops_per_route) < \
+            self.copy_seconds(experts, bytes_per_expert)
+
+
+def check_offload_request(experts_offload, experts_cache_bytes, load_kwargs: dict, pretrained=None,
+                          experts_compute: str | None = None) -> None:
     """The load options, checked before anything is read (`pretrained`: what the load is given, a local folder for
     the disk tier)."""
     if experts_offload is None:
-        if experts_cache_bytes is not None:
-            raise ExpertsOffloadError(f"experts_cache_bytes={experts_cache_bytes!r} needs experts_offload (one of "
-                                      f"{list(EXPERTS_OFFLOAD_MODES)}): without it every expert is on the device")
+        for key, value in (("experts_cache_bytes", experts_cache_bytes), ("experts_compute", experts_compute)):
+            if value is not None:
+                raise ExpertsOffloadError(f"{key}={value!r} needs experts_offload (one of "
+                                          f"{list(EXPERTS_OFFLOAD_MODES)}): without it every expert is on the device")
         return
+    if experts_compute is not None and (not isinstance(experts_compute, str)
+                                        or experts_compute not in EXPERTS_COMPUTE_MODES):
+        raise ExpertsOffloadError(f"experts_compute={experts_compute!r}: unknown; known: "
+                                  f"{list(EXPERTS_COMPUTE_MODES)} (where the chosen experts the device lacks are "
+                                  "computed)")
     if experts_offload not in EXPERTS_OFFLOAD_MODES:
         raise ExpertsOffloadError(f"experts_offload={experts_offload!r}: unknown; known: {list(EXPERTS_OFFLOAD_MODES)}")
     # the offload keeps whole expert stacks on one host and one device: a load split across ranks is refused
@@ -183,16 +223,36 @@ def _runs(positions: list[int], ids: list[int]) -> list[tuple[int, int, int]]:
     return [tuple(run) for run in runs]
 
 
+def _host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_betas) -> tuple[torch.Tensor, int]:
+    """(each host route's expert output, 1 if the format's CPU kernel computed them else 0). `rows` [R, Dl] on the
+    CPU, sorted by expert (`sorted_ids`); `stacks`: the layer's host stacks [E, ...] in the format's order."""
+    ids = torch.tensor(host_ids, dtype=torch.int64)
+    counts = torch.bincount(torch.searchsorted(ids, sorted_ids.long()), minlength=len(host_ids)).tolist()
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count)
+    if situ_betas is not None:
+        out = fmt.run_on_host(rows, offsets, stacks, host_ids, situ_betas)
+        if out is not None:
+            return out, 1
+    # the reference: the module's op over a copy of the chosen experts (a compact stack of them, not the layer's)
+    compact = tuple(stack.index_select(0, ids) for stack in stacks)
+    local = torch.searchsorted(ids, sorted_ids.long()).unsqueeze(-1)
+    return run(rows, local, torch.ones(local.shape), compact), 0
+
+
 class ExpertFetch:
     """The chosen experts of one layer's forward on their way to the device: `ExpertCache.fetch` has issued the
     copies (on the cache's copy stream on a GPU, so the work that does not need them runs meanwhile); `wait` makes the
     current stream wait for them, lets the cache keep its share of the moved experts, and returns what
-    `ExpertCache.gather` returns."""
+    `ExpertCache.gather` returns. `host_ids`: the chosen experts this forward computes on the CPU instead (none
+    copied; `routed_split`), in ascending id; `ids` / `chosen` are then the ones on the device."""
 
-    def __init__(self, cache, entries: OrderedDict, chosen: torch.Tensor, ids: list[int], top_indices: torch.Tensor,
-                 compact: tuple[torch.Tensor, ...], missed: list[int], event):
-        self.cache, self.entries, self.chosen, self.ids = cache, entries, chosen, ids
+    def __init__(self, cache, layer: int, chosen: torch.Tensor, ids: list[int], top_indices: torch.Tensor,
+                 compact: tuple[torch.Tensor, ...], missed: list[int], event, host_ids: list[int] = ()):
+        self.cache, self.layer, self.chosen, self.ids = cache, layer, chosen, ids
         self.top_indices, self.compact, self.missed, self.event = top_indices, compact, missed, event
+        self.host_ids = list(host_ids)
 
     def wait(self):
         if self.event is not None:
@@ -200,7 +260,7 @@ class ExpertFetch:
         # the moved experts the cache keeps: their own copies of the compact rows, on the current stream
         wanted = set(self.ids)
         for position in self.missed:
-            self.cache._keep(self.entries, self.ids[position], tuple(stack[position].clone() for stack in self.compact),
+            self.cache._keep(self.layer, self.ids[position], tuple(stack[position].clone() for stack in self.compact),
                              wanted)
         return torch.searchsorted(self.chosen, self.top_indices), self.compact
 
@@ -208,8 +268,16 @@ class ExpertFetch:
 class ExpertCache:
     """The device's expert cache of one model. Its byte budget is split evenly across the offloaded MoE layers; each
     layer keeps at most `capacity` experts and evicts its least recently used one first, never one its current
-    forward chose. A chosen expert that does not fit (a forward choosing more experts than a layer keeps, as a
-    prefill does) is moved for that forward only. Counts what moves (`moves`, `moved_bytes`) and what hits.
+    forward chose nor one `place` pinned. A chosen expert that does not fit (a forward choosing more experts than a
+    layer keeps, as a prefill does) is moved for that forward only. Counts what moves (`moves`, `moved_bytes`), what
+    hits, what the CPU computed (`host_experts`, `host_routes`, `kernel_calls`) and how often each layer routed to
+    each expert (`routes`, the frequencies `place_hot_experts` places by).
+
+    `compute` says where the chosen experts the layer lacks are computed: "device" (copied, the default), "host"
+    (on the CPU over their bytes, never copied) or "auto" (per forward, whichever `rates` says is faster for that
+    many experts and routes: the CPU at decode, the copy for a long prefill chunk). `host_kernel`: None runs the
+    format's CPU kernel where the model computes on CUDA and the reference elsewhere (a CPU model's logits stay the
+    reference's bit for bit); True or False forces it.
 
     On a GPU the host-to-device copies run on a copy stream of the cache's own while `side_stream` is true (the
     default), so that what a layer computes before its routed experts (the latent down-projection, the shared experts:
@@ -225,15 +293,23 @@ class ExpertCache:
         self.bytes_per_expert = bytes_per_expert
         self.capacity = per_layer // bytes_per_expert
         self.layers: dict[int, OrderedDict] = {}
+        self.pinned: dict[int, set] = {}
+        self.routes: dict[int, torch.Tensor] = {}
         self.moves = self.moved_bytes = self.hits = 0
+        self.host_experts = self.host_routes = self.kernel_calls = 0
+        self.compute = "device"
+        self.rates = HostRates()
+        self.host_kernel: bool | None = None
         self.side_stream = True
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._pool = None
 
     def resident_bytes(self) -> int:
         return sum(len(entries) for entries in self.layers.values()) * self.bytes_per_expert
 
     def clear(self) -> None:
         self.layers.clear()
+        self.pinned.clear()
 
     def _copy_stream(self, device: torch.device):
         if device.type != "cuda" or not self.side_stream:
@@ -242,6 +318,14 @@ class ExpertCache:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
+    def host_pool(self):
+        """The one worker thread the CPU's share of a forward runs on while this thread drives the device."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimik3-host-experts")
+        return self._pool
+
     def gather(self, layer: int, top_indices: torch.Tensor, source, device: torch.device):
         """(routes renumbered into the compact stacks, the compact stacks [U, ...] of the U chosen experts on
         `device`, in ascending expert id). `source`: the layer's stacks [E, ...] (host memory, or mapped from the
@@ -249,15 +333,33 @@ class ExpertCache:
         it runs over the full stacks: the same result, bit for bit. One host sync (the chosen ids)."""
         return self.fetch(layer, top_indices, source, device).wait()
 
-    def fetch(self, layer: int, top_indices: torch.Tensor, source, device: torch.device) -> ExpertFetch:
+    def _on_host(self, experts: int, routes: int, flops_per_route: float) -> bool:
+        if not experts or self.compute == "device":
+            return False
+        return self.compute == "host" or self.rates.on_host(experts, routes, self.bytes_per_expert, flops_per_route)
+
+    def fetch(self, layer: int, top_indices: torch.Tensor, source, device: torch.device,
+              flops_per_route: float = 0.0) -> ExpertFetch:
         """`gather`'s copies issued, not yet waited for (`ExpertFetch.wait`). The compact stacks are allocated on the
         current stream and the held experts copied into them there (device to device); the missed ones are copied
         from the host on the copy stream, one copy per run of consecutive ids and stack, once the copy stream has
-        waited for the current one (the stacks' memory is the current stream's)."""
-        chosen = torch.unique(top_indices)  # sorted
+        waited for the current one (the stacks' memory is the current stream's), unless this forward computes them
+        on the CPU (`compute`; the release's per-expert parts are always copied)."""
+        chosen, route_counts = torch.unique(top_indices, return_counts=True)  # sorted
         ids = chosen.tolist()
+        counts = self.routes.get(layer, torch.zeros(0, dtype=torch.int64))
+        if ids and ids[-1] >= counts.numel():  # grown to the largest id seen
+            counts = torch.cat([counts, counts.new_zeros(ids[-1] + 1 - counts.numel())])
+        self.routes[layer] = counts.index_add_(0, torch.tensor(ids, dtype=torch.int64), route_counts.cpu())
         entries = self.layers.setdefault(layer, OrderedDict())
         parts = source if isinstance(source, ExpertParts) else None
+        absent = [(expert, int(count)) for expert, count in zip(ids, route_counts.tolist()) if expert not in entries]
+        host_ids = []
+        if parts is None and self._on_host(len(absent), sum(c for _, c in absent), flops_per_route):
+            host_ids = [expert for expert, _ in absent]
+            ids = [expert for expert in ids if expert in entries]
+            chosen = torch.tensor(ids, dtype=chosen.dtype, device=chosen.device)
+            self.host_experts += len(host_ids)
         shapes = parts.shapes() if parts is not None else [(tuple(stack.shape[1:]), stack.dtype) for stack in source]
         compact = tuple(torch.empty((len(ids), *shape), dtype=dtype, device=device) for shape, dtype in shapes)
         missed = []
@@ -290,12 +392,32 @@ class ExpertCache:
                     event.record(stream)
             self.moves += len(missed)
             self.moved_bytes += len(missed) * self.bytes_per_expert
-        return ExpertFetch(self, entries, chosen, ids, top_indices, compact, missed, event)
+        return ExpertFetch(self, layer, chosen, ids, top_indices, compact, missed, event, host_ids)
 
-    def _keep(self, entries: OrderedDict, expert: int, piece, wanted: set) -> None:
+    def place(self, layer: int, experts: list[int], source, device: torch.device) -> None:
+        """Keeps `experts` of `layer` on `device` for good: copied now from `source` (the layer's stacks), never
+        evicted (hot experts: `place_hot_experts`). Refused beyond the layer's capacity."""
+        experts = sorted(set(int(e) for e in experts))
+        if len(experts) > self.capacity:
+            raise ExpertsOffloadError(f"placing {len(experts)} experts on the device in layer {layer} of the cache: "
+                                      f"it keeps {self.capacity} a layer (experts_cache_bytes)")
+        if isinstance(source, ExpertParts):
+            raise ExpertsOffloadError("placing experts mapped a tensor per expert from the release's shards: load "
+                                      "with experts_offload='host', or an adopted folder's converted copy")
+        entries = self.layers.setdefault(layer, OrderedDict())
+        for expert in [e for e in entries if e not in experts]:
+            del entries[expert]
+        for expert in experts:
+            if expert not in entries:
+                entries[expert] = tuple(stack[expert].to(device, copy=True) for stack in source)
+        self.pinned[layer] = set(experts)
+
+    def _keep(self, layer: int, expert: int, piece, wanted: set) -> None:
+        entries, pinned = self.layers[layer], self.pinned.get(layer, set())
         while len(entries) >= self.capacity:
-            oldest = next(iter(entries))
-            if oldest in wanted:  # every cached expert is one this forward uses: this one is moved for it alone
+            oldest = next((e for e in entries if e not in pinned), None)
+            if oldest is None or oldest in wanted:
+                # every cached expert is pinned or one this forward uses: this one is moved for it alone
                 return
             del entries[oldest]
         entries[expert] = piece
@@ -306,14 +428,51 @@ class LayerOffload:
     read from when not from its own stacks (`ExpertParts`, the release's per-expert tensors mapped from disk);
     `file_backed`: its stacks (or parts) are mapped from the folder's shards (the disk tier)."""
 
-    def __init__(self, cache: ExpertCache, layer: int, parts: ExpertParts | None = None, file_backed: bool = False):
+    def __init__(self, cache: ExpertCache, layer: int, parts: ExpertParts | None = None, file_backed: bool = False,
+                 flops_per_route: float = 0.0):
         self.cache = cache
         self.layer = layer
         self.parts = parts
         self.file_backed = file_backed
+        self.flops_per_route = flops_per_route  # one token through one expert: 2 x (2I x Dl + Dl x I)
 
     def fetch(self, top_indices, stacks, device) -> ExpertFetch:
-        return self.cache.fetch(self.layer, top_indices, stacks if self.parts is None else self.parts, device)
+        return self.cache.fetch(self.layer, top_indices, stacks if self.parts is None else self.parts, device,
+                                self.flops_per_route)
+
+    def routed_split(self, x, top_indices, top_weights, fetched: ExpertFetch, stacks, fmt, run, situ_betas):
+        """The routed experts' output when `fetched` computes some chosen experts on the CPU (`fetched.host_ids`):
+        every route's expert output (`run(rows, indices [R, 1], unit weights, stacks)`, the module's own op over the
+        compact device stacks; on the CPU the format's kernel over the host stacks' bytes, or `run` over a copy of
+        the chosen experts), then weighted and summed in f32 in the order `ops_kimi_k3.routed_experts` sums them
+        (routes sorted by expert, stable), rounded once: a CPU model gives the reference's logits bit for bit. The
+        CPU's share runs on the cache's worker thread while this one computes the device's. `situ_betas`: the
+        SiTU-GLU's betas, None for another activation (the kernel is SiTU-only)."""
+        cache = self.cache
+        num_tokens, top_k = top_indices.shape
+        flat = top_indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // top_k
+        sorted_ids = flat[order]
+        on_host = torch.isin(sorted_ids, torch.tensor(fetched.host_ids, dtype=flat.dtype, device=flat.device))
+        rows = x[token_of]
+        host_rows, host_sorted = rows[on_host].to("cpu"), sorted_ids[on_host].to("cpu")
+        use_kernel = cache.host_kernel if cache.host_kernel is not None else x.device.type == "cuda"
+        job = cache.host_pool().submit(_host_routes, host_rows, host_sorted, fetched.host_ids, stacks, fmt, run,
+                                       situ_betas if use_kernel else None)
+        device_rows = rows[~on_host]
+        per_route = torch.empty_like(rows)
+        if device_rows.shape[0]:
+            local = torch.searchsorted(fetched.chosen, sorted_ids[~on_host]).unsqueeze(-1)
+            _, compact = fetched.wait()
+            per_route[~on_host] = run(device_rows, local, torch.ones(local.shape, device=x.device), compact)
+        host_out, kernel = job.result()
+        per_route[on_host] = host_out.to(x.device)
+        cache.host_routes += host_rows.shape[0]
+        cache.kernel_calls += kernel
+        weighted = per_route.float() * top_weights.reshape(-1)[order].unsqueeze(-1).float()
+        combined = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+        return combined.index_add(0, token_of, weighted).to(x.dtype)
 
     def apply(self, module, fn) -> None:
         """`module._apply(fn)` (`model.to(...)`, `.cuda()`, `.half()`) for an offloaded expert module: its stacks stay
@@ -355,13 +514,13 @@ def check_savable(model) -> None:
 
 
 def offload_routed_experts(experts_modules, mode: str, cache_bytes: int | str, mapped: dict | None = None,
-                           device: torch.device | None = None) -> ExpertCache:
+                           device: torch.device | None = None, compute: str | None = None) -> ExpertCache:
     """Moves each module's stacks (`module.stacks()`) to host memory (pinned where CUDA exists), freezes them (the
     device's copies carry no gradient back) and gives each module its `LayerOffload`. Returns the model's cache.
     `mapped` ({module: its ExpertParts or None}, from `map_routed_experts`): modules whose experts are mapped from
     the shards, left where they are (a copy into pinned memory would read every byte of them); None: their own
     stacks are the mapped tensors. `device`: the CUDA device whose free memory sizes a cache_bytes="auto"."""
-    check_offload_request(mode, cache_bytes, {})
+    check_offload_request(mode, cache_bytes, {}, experts_compute=compute)
     mapped = mapped or {}
     if not experts_modules:
         raise ExpertsOffloadError(f"experts_offload={mode!r}: the model has no routed experts (no MoE layer)")
@@ -394,8 +553,84 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int | str, m
         cache_bytes = auto_cache_bytes(free, total, per_expert, experts_modules[0].num_experts, len(experts_modules))
     cache = ExpertCache(cache_bytes, len(experts_modules), per_expert)
     for layer, module in enumerate(experts_modules):
-        module.offload = LayerOffload(cache, layer, mapped.get(module), file_backed=module in mapped)
+        module.offload = LayerOffload(cache, layer, mapped.get(module), file_backed=module in mapped,
+                                      flops_per_route=6 * module.intermediate_size * module.latent_size)
+    cache.compute = compute or "device"
+    if cache.compute == "auto":
+        cache.rates = measure_host_rates(experts_modules[0], device)
     return cache
+
+
+def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
+    """The rates of `HostRates` timed on this machine with one offloaded expert module's own stacks: the CPU's share
+    (the format's kernel, or the reference where it has none) over one token of each of up to 8 experts, and 32
+    tokens of one; the copy of one expert to `device` (host memory to host memory where it is the CPU). Best of
+    `repeats`, after a warm-up."""
+    import time
+
+    stacks, fmt = module.stacks(), module.format
+    experts = min(8, module.num_experts)
+    latent = module.latent_size
+    betas = (module.config.activation_situ_beta, module.config.activation_situ_linear_beta)
+    target = torch.device(device) if device is not None else torch.device("cpu")
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            if target.type == "cuda":
+                torch.cuda.synchronize(target)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def host(tokens_each: int, count: int):
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        rows = torch.randn(tokens_each * count, latent).to(torch.float32 if dtype == torch.float32 else torch.bfloat16)
+        sorted_ids = torch.arange(count).repeat_interleave(tokens_each)
+        return lambda: _host_routes(rows, sorted_ids, list(range(count)), stacks, fmt,
+                                    lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas)
+
+    per_expert = expert_bytes(stacks)
+    one_token = best(host(1, experts))
+    many = 32
+    many_tokens = best(host(many, 1))
+    flops = 6 * module.intermediate_size * latent
+    piece = tuple(stack[0] for stack in stacks)
+    copy = best(lambda: [p.to(target, non_blocking=target.type == "cuda", copy=True) for p in piece])
+    return HostRates(copy_bytes_per_s=per_expert / copy, host_bytes_per_s=experts * per_expert / one_token,
+                     host_flops=many * flops / many_tokens, measured=True)
+
+
+def place_hot_experts(model, per_layer: int | None = None, routes: dict | None = None) -> dict[int, list[int]]:
+    """Keeps each offloaded layer's most routed experts on the device for good (`ExpertCache.place`): `routes`
+    ({layer: counts [E]}, default what the cache counted in the forwards so far, e.g. a calibration prompt's),
+    `per_layer` of them (default the cache's capacity). Returns {layer: the placed ids}."""
+    cache = getattr(model, "experts_cache", None)
+    if cache is None:
+        raise ExpertsOffloadError("place_hot_experts: the model's routed experts are not offloaded (experts_offload)")
+    routes = cache.routes if routes is None else routes
+    per_layer = cache.capacity if per_layer is None else per_layer
+    placed = {}
+    for module in model.modules():
+        offload = getattr(module, "offload", None)
+        if not isinstance(offload, LayerOffload):
+            continue
+        counts = routes.get(offload.layer)
+        if counts is None or int(counts.sum()) == 0:
+            raise ExpertsOffloadError(f"place_hot_experts: no routes counted for layer {offload.layer} of the cache: "
+                                      "run a forward (a calibration prompt) first, or pass routes")
+        top = torch.argsort(counts, descending=True, stable=True)[:per_layer]
+        hot = sorted(int(e) for e in top if int(counts[e]) > 0)
+        placed[offload.layer] = hot
+        cache.place(offload.layer, hot, offload.parts if offload.parts is not None else module.stacks(),
+                    _compute_device(model))
+    return placed
+
+
+def _compute_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
 
 
 # --- the disk tier: the routed experts kept out of transformers' loader, then mapped from the shards -------------
@@ -649,7 +884,7 @@ def _local_folder(path, load_kwargs) -> str:
 
 
 def load_with_experts_offloaded(load, model_class, path, load_args, load_kwargs: dict, mode: str, cache_bytes: int,
-                                names: list[str]):
+                                names: list[str], compute: str | None = None):
     """`load(path, ...)` (transformers' from_pretrained, returning (model, loading info)) with the routed experts of
     the modules `names` offloaded to `mode`'s tier and the model's `experts_cache` set: "host" through the device_map
     (`offload_device_map`), "disk" kept out of the load and mapped from the folder's shards after it."""
@@ -662,12 +897,14 @@ def load_with_experts_offloaded(load, model_class, path, load_args, load_kwargs:
     mapped = map_routed_experts(folder, model, on_disk, load_kwargs.get("variant")) if on_disk else {}
     modules = dict(model.named_modules())
     # "auto" reads the free memory of the device the model computes on (where its embeddings are)
-    device = model.get_input_embeddings().weight.device if cache_bytes == AUTO_CACHE else None
-    model.experts_cache = offload_routed_experts([modules[name] for name in tiers], mode, cache_bytes, mapped, device)
+    device = model.get_input_embeddings().weight.device
+    model.experts_cache = offload_routed_experts([modules[name] for name in tiers], mode, cache_bytes, mapped, device,
+                                                 compute)
     return loaded
 
 
-__all__ = ["AUTO_CACHE", "DEVICE_MAP_STRATEGIES", "EXPERTS_OFFLOAD_MODES", "ExpertCache", "ExpertFetch", "ExpertParts",
-           "ExpertsOffloadError", "LayerOffload", "ShardMapper", "auto_cache_bytes", "check_offload_request",
+__all__ = ["AUTO_CACHE", "DEVICE_MAP_STRATEGIES", "EXPERTS_COMPUTE_MODES", "EXPERTS_OFFLOAD_MODES", "ExpertCache",
+           "ExpertFetch", "ExpertParts", "ExpertsOffloadError", "HostRates", "LayerOffload", "measure_host_rates",
+           "place_hot_experts", "ShardMapper", "auto_cache_bytes", "check_offload_request",
            "check_savable", "expert_bytes", "experts_kept_out_of_the_load", "load_with_experts_offloaded",
            "map_routed_experts", "offload_device_map", "offload_routed_experts"]

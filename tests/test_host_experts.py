@@ -101,23 +101,26 @@ def test_every_scale_byte(dtype):
     assert strict > 450 and edge < 40  # the order-dependent band is the top of the byte range only
 
 
-def test_refusals_name_what_is_wrong():
+def _refusal_inputs():
     generator = torch.Generator().manual_seed(2)
     offsets, gate_up, down = random_experts([2, 1], 64, 32, generator)
-    x = torch.randn(3, 64, generator=generator)
-    with pytest.raises(ValueError, match=r"offsets \[0, 2, 2\] do not split 3 rows among 2 experts"):
-        mxfp4_host.host_experts(x, [0, 2, 2], gate_up, down, None, None)
-    with pytest.raises(ValueError, match="f32 or bf16 CPU tensor, got torch.float16"):
-        mxfp4_host.host_experts(x.half(), offsets, gate_up, down, None, None)
-    with pytest.raises(TypeError, match="gate_up of expert 1: MXFP4 codes and scales are uint8"):
-        mxfp4_host.host_experts(x, offsets, [gate_up[0], (gate_up[1][0].float(), gate_up[1][1])], down, None, None)
-    with pytest.raises(ValueError, match=r"down of expert 0: codes \(64, 8\) and scales \(64, 1\) do not make a "
-                                         r"packed \[64, 32\] matrix"):
-        mxfp4_host.host_experts(x, offsets, gate_up, [(down[0][0][:, :8].contiguous(), down[0][1]), down[1]],
-                                None, None)
-    with pytest.raises(ValueError, match="contiguous CPU tensors"):
-        mxfp4_host.host_experts(x, offsets, [(gate_up[0][0].t().contiguous().t(), gate_up[0][1]), gate_up[1]], down,
-                                None, None)
+    return torch.randn(3, 64, generator=generator), offsets, gate_up, down
+
+
+@pytest.mark.parametrize("edit, error, message", [
+    (lambda x, o, g, d: (x, [0, 2, 2], g, d), ValueError, r"offsets \[0, 2, 2\] do not split 3 rows among 2 experts"),
+    (lambda x, o, g, d: (x.half(), o, g, d), ValueError, "f32 or bf16 CPU tensor, got torch.float16"),
+    (lambda x, o, g, d: (x, o, [g[0], (g[1][0].float(), g[1][1])], d), TypeError,
+     "gate_up of expert 1: MXFP4 codes and scales are uint8"),
+    (lambda x, o, g, d: (x, o, g, [(d[0][0][:, :8].contiguous(), d[0][1]), d[1]]), ValueError,
+     r"down of expert 0: codes \(64, 8\) and scales \(64, 1\) do not make a packed \[64, 32\] matrix"),
+    (lambda x, o, g, d: (x, o, [(g[0][0].t().contiguous().t(), g[0][1]), g[1]], d), ValueError,
+     "contiguous CPU tensors"),
+], ids=["host-kernel-offsets", "host-kernel-dtype", "host-kernel-codes-dtype", "host-kernel-shape",
+        "host-kernel-not-contiguous"])
+def test_refusals_name_what_is_wrong(edit, error, message):
+    with pytest.raises(error, match=message):
+        mxfp4_host.host_experts(*edit(*_refusal_inputs()), None, None)
 
 
 def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch, tmp_path):

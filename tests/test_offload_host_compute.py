@@ -1,0 +1,184 @@
+"""Routed experts computed where they live (`experts_compute`): with the experts in host memory, the chosen experts
+the device's cache lacks run on the CPU over their bytes (or, per forward, are copied, whichever `HostRates` says is
+faster); every placement gives the logits and greedy tokens of the model held on one device, bit for bit in fp32
+(docs/design.md, Routed experts computed where they live). On a CPU-only machine host and device are one, so these
+run the placement's whole path (the split of the routes, the worker thread, the combine in the reference's order)
+with the reference on both sides; the CPU kernel's own agreement is tests/test_host_experts.py's."""
+
+import pytest
+import torch
+
+from k3_test_utils import offloaded_copy
+from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
+from kimik3.modeling.offload_kimi_k3 import (ExpertsOffloadError, HostRates, measure_host_rates,
+                                             place_hot_experts)
+
+
+@pytest.fixture(scope="module")
+def models():
+    dense = build_tiny_model(seed=5, num_experts=16, top_k=6)
+    return {"dense": dense, "mxfp4": packed_mxfp4_copy(dense)}
+
+
+def _split_rates(model, routes_per_expert: float = 4.0) -> HostRates:
+    """Rates under which a forward whose missing experts serve fewer than `routes_per_expert` routes each (decode)
+    computes them on the CPU and one with more (a prefill) copies them: the CPU's byte rate out of the way, its
+    flop rate set at the crossover for this model's expert size."""
+    module = next(m for m in model.modules() if getattr(m, "offload", None) is not None)
+    copy = 1e8
+    return HostRates(copy_bytes_per_s=copy, host_bytes_per_s=1e15,
+                     host_flops=routes_per_expert * module.offload.flops_per_route * copy
+                     / model.experts_cache.bytes_per_expert)
+
+
+def _placed(reference, compute, experts_per_layer=4, split=True):
+    model = offloaded_copy(reference, experts_per_layer=experts_per_layer)
+    model.experts_cache.compute = compute
+    if split:
+        model.experts_cache.rates = _split_rates(model)
+    return model
+
+
+def _decode(model, ids, steps):
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        logits, cache = [out.logits], out.past_key_values
+        for _ in range(steps):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+    return logits
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+@pytest.mark.parametrize("placement", ["host", "auto", "host+hot"])
+def test_every_placement_gives_the_one_device_logits(models, fmt, placement):
+    reference = models[fmt]
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    want = _decode(reference, ids, steps=4)
+    model = _placed(reference, placement.split("+")[0])
+    cache = model.experts_cache
+    if placement == "host+hot":
+        _decode(model, ids[:1, :5], steps=0)  # a calibration prompt: its routes are counted
+        placed = place_hot_experts(model)
+        assert all(len(hot) == cache.capacity for hot in placed.values())
+        assert placed == {layer: sorted(hot) for layer, hot in cache.pinned.items()}
+    got = _decode(model, ids, steps=4)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), (placement, step)
+    # the CPU computed routes in every placement; "host" never copies a missing expert, "auto" copied the prefill's
+    assert cache.host_routes > 0 and cache.host_experts > 0
+    if placement.startswith("host"):
+        assert cache.moves == 0
+    else:
+        assert cache.moves > 0
+    assert cache.kernel_calls == 0  # a CPU model runs the reference (the kernel is for a CUDA model's host share)
+
+
+def test_greedy_generation_and_a_cache_reused_across_calls(models):
+    reference = models["mxfp4"]
+    model = _placed(reference, "auto")
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    want = reference.generate(ids, **kwargs)
+    first = model.generate(ids, **kwargs)
+    routes_after_first = model.experts_cache.host_routes
+    second = model.generate(ids, **kwargs)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert model.experts_cache.host_routes > routes_after_first > 0
+
+
+def test_the_auto_choice_follows_the_rates(models):
+    """Few routes per missing expert: the CPU; a long prefill (many routes each): the copy. The rates decide, and
+    the choice is per forward."""
+    rates = HostRates(copy_bytes_per_s=50e9, host_bytes_per_s=200e9, host_flops=2e12)
+    bytes_per_expert, flops = 17_498_112, 6 * 3072 * 3584  # one K3 expert, packed; one route through it
+    assert rates.on_host(16, 16, bytes_per_expert, flops)          # decode, batch 1
+    assert rates.on_host(122, 128, bytes_per_expert, flops)        # decode, batch 8
+    assert not rates.on_host(896, 2048 * 16, bytes_per_expert, flops)  # a 2K prefill chunk
+    model = _placed(models["dense"], "auto")
+    prompt = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+    assert model.experts_cache.moves > 0 and model.experts_cache.host_routes == 0  # 64 tokens: copied
+    before = model.experts_cache.moves
+    with torch.no_grad():  # one token: 6 experts chosen, the cache holds 4 a layer, the missing ones on the CPU
+        model(out.logits[:1, -1:].argmax(-1), use_cache=False)
+    assert model.experts_cache.host_routes > 0 and model.experts_cache.moves == before
+
+
+def test_a_placement_pins_its_experts_against_eviction(models):
+    model = _placed(models["dense"], "device", experts_per_layer=3)
+    cache = model.experts_cache
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        model(ids)
+    placed = place_hot_experts(model, per_layer=2)
+    with torch.no_grad():
+        for seed in range(4):
+            model(torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(seed)))
+    for layer, hot in placed.items():
+        assert set(hot) <= set(cache.layers[layer])  # still held after forwards that evicted others
+
+
+def _place_over_capacity(model):
+    module = next(m for m in model.modules() if getattr(m, "offload", None) is not None)
+    model.experts_cache.place(0, [0, 1, 2], module.stacks(), "cpu")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda model, plain: place_hot_experts(model), "no routes counted for layer 0 of the cache: run a forward"),
+    (lambda model, plain: _place_over_capacity(model),
+     "placing 3 experts on the device in layer 0 of the cache: it keeps 2 a layer"),
+    (lambda model, plain: place_hot_experts(plain), "the model's routed experts are not offloaded"),
+], ids=["place-no-routes", "place-over-capacity", "place-not-offloaded"])
+def test_bad_placements_are_refused_by_name(models, call, message):
+    model = _placed(models["dense"], "host", experts_per_layer=2)
+    with pytest.raises(ExpertsOffloadError, match=message):
+        call(model, models["dense"])
+
+
+@pytest.mark.parametrize("offload, options, message", [
+    ("host", dict(experts_compute="gpu"), r"experts_compute='gpu': unknown; known: \['device', 'host', 'auto'\]"),
+    ("host", dict(experts_compute=True), r"experts_compute=True: unknown"),
+    (None, dict(experts_compute="host"), r"experts_compute='host' needs experts_offload"),
+], ids=["compute-unknown-mode", "compute-not-a-string", "compute-without-offload"])
+def test_bad_compute_options_are_refused_by_name(offload, options, message):
+    from kimik3.modeling.offload_kimi_k3 import check_offload_request
+
+    with pytest.raises(ExpertsOffloadError, match=message):
+        check_offload_request(offload, 10**6 if offload else None, {}, None, **options)
+
+
+def test_the_load_option_reaches_the_cache(models, tmp_path):
+    """`from_pretrained(..., experts_compute=...)` through the Auto classes of a saved folder: the cache computes
+    where it was told, and an unknown value is refused before anything is read."""
+    from transformers import AutoModelForCausalLM
+
+    models["mxfp4"].save_pretrained(tmp_path)
+    options = dict(experts_offload="host", experts_cache_bytes=10**6, trust_remote_code=True)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_compute="host", **options)
+    assert loaded.experts_cache.compute == "host"
+    # the folder's own copy of the code raises its own ExpertsOffloadError, a ValueError
+    with pytest.raises(ValueError, match="experts_compute='cpu': unknown"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, experts_compute="cpu", **options)
+
+
+def test_measured_rates_are_positive_and_say_so(models):
+    model = _placed(models["mxfp4"], "device")
+    module = next(m for m in model.modules() if getattr(m, "offload", None) is not None)
+    rates = measure_host_rates(module)
+    assert rates.measured and "measured" in repr(rates)
+    assert rates.copy_bytes_per_s > 0 and rates.host_bytes_per_s > 0 and rates.host_flops > 0
+
+
+def test_the_kernel_runs_the_cpu_share_when_asked(models):
+    """Forced on (as on a CUDA model), the format's kernel computes the host share: close to the reference (its
+    sums' order), not bit for bit."""
+    reference = models["mxfp4"]
+    model = _placed(reference, "host")
+    model.experts_cache.host_kernel = True
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert model.experts_cache.kernel_calls > 0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
