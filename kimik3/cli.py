@@ -10,9 +10,9 @@ from kimik3.arguments import bandwidth, context_tokens, gpu_memory_size, positiv
 
 PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context", "nodes", "gpus_per_node", "tp", "ep",
                      "prefill_chunk", "hbm_bandwidth", "experts_offload", "host_mem", "experts_cache", "h2d_bandwidth",
-                     "disk_bandwidth")
+                     "disk_bandwidth", "experts_compute", "measure")
 # the options of the offload tiers' plan, which need --experts-offload
-OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth", "disk_bandwidth")
+OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth", "disk_bandwidth", "experts_compute", "measure")
 # the options that ask for the per-rank plan of a parallel layout instead of the one-process layer split
 PARALLEL_PLAN_OPTIONS = ("nodes", "gpus_per_node", "tp", "ep", "prefill_chunk", "hbm_bandwidth")
 
@@ -123,10 +123,20 @@ def _offload_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
         return usage_error("argument --experts-offload: needs --host-mem (e.g. --host-mem 1500GB)")
     if args.disk_bandwidth is not None and args.experts_offload != "disk":
         return usage_error("argument --disk-bandwidth: only with --experts-offload disk")
+    rates = {}
+    if args.measure:
+        from kimik3.memory import measure_rates
+
+        measured = measure_rates(config, experts_format=args.experts_format)
+        rates = {"host_bytes_per_s": measured["host_bytes_per_s"], "host_flops": measured["host_flops"],
+                 "measured": measured}
+        if measured["h2d_bandwidth"] and args.h2d_bandwidth is None:
+            rates["h2d_bandwidth"] = measured["h2d_bandwidth"]
     try:
         plan = offload_plan(config, gpu_memory, args.host_mem[0] if args.host_mem else 0, context, args.batch,
                             experts_format=args.experts_format,
                             experts_cache=args.experts_cache and args.experts_cache[0], mode=args.experts_offload,
+                            experts_compute=args.experts_compute or "device", **rates,
                             **_given(args, "prefill_chunk", "h2d_bandwidth", "hbm_bandwidth", "disk_bandwidth"))
     except PlanError as exc:
         return usage_error(str(exc))
@@ -320,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--h2d-bandwidth", type=bandwidth,
                    help="with --experts-offload: host-to-device bytes/s, e.g. 55GB/s (default: 50 GB/s, an "
                         "assumption for PCIe 5.0 x16, not a measurement: measure yours)")
+    p.add_argument("--experts-compute", choices=RemoteCodeConstant("offload_kimi_k3", "EXPERTS_COMPUTE_MODES"),
+                   metavar="WHERE",
+                   help="with --experts-offload: where the chosen experts the GPU lacks are computed, as the load "
+                        "option experts_compute, one of %(choices)s (device: copied; host: on the CPU; auto: the faster "
+                        "per forward); default device")
+    p.add_argument("--measure", action="store_true", default=None,
+                   help="with --experts-offload: time this machine's DRAM read, the CPU's routed experts at the "
+                        "model's widths and (with CUDA) the pinned host-to-device copy, and plan with them")
     p.add_argument("--disk-bandwidth", type=bandwidth,
                    help="with --experts-offload disk: disk-to-host bytes/s, e.g. 14GB/s (default: 7 GB/s, an assumption "
                         "for one PCIe 4.0 NVMe SSD's sequential read, not a measurement: measure yours)")

@@ -769,6 +769,16 @@ H2D_BANDWIDTH_ASSUMED = 50e9
 # one that applies. Measure yours and pass --disk-bandwidth.
 DISK_BANDWIDTH_ASSUMED = 7e9
 H200_BF16_FLOPS = 989e12  # the H200's dense bf16 tensor-core peak (specification), for the prefill compute bound
+# The CPU computing the routed experts the GPU lacks (`experts_compute`): ASSUMPTIONS until `--measure` times them.
+# Bytes/s of the host kernel over packed experts with one token each (a memory-bound pass: a server socket's DRAM
+# reads 300-600 GB/s, a kernel reaches a fraction of it), and flop/s with many tokens each (compute-bound).
+HOST_EXPERTS_BYTES_ASSUMED = 100e9
+HOST_EXPERTS_FLOPS_ASSUMED = 2e12
+# What a plan keeps free on the GPU beyond the weights, the cache, the workspace and the expert cache: the CUDA
+# context (torch's on an H100/H200 takes about 0.5 GB; 1 GB reserved) and the caching allocator's slack between
+# blocks (a fraction of the device). ASSUMPTIONS, stated in the plan's GPU line.
+CUDA_CONTEXT_RESERVE = 10**9
+ALLOCATOR_RESERVE_FRACTION = 0.02
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -804,7 +814,9 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
                  experts_cache: int | None = None,
                  h2d_bandwidth: float = H2D_BANDWIDTH_ASSUMED, hbm_bandwidth: float = H200_HBM_BANDWIDTH,
                  bf16_flops: float = H200_BF16_FLOPS, mode: str = "host",
-                 disk_bandwidth: float = DISK_BANDWIDTH_ASSUMED) -> dict:
+                 disk_bandwidth: float = DISK_BANDWIDTH_ASSUMED, experts_compute: str = "device",
+                 host_bytes_per_s: float = HOST_EXPERTS_BYTES_ASSUMED,
+                 host_flops: float = HOST_EXPERTS_FLOPS_ASSUMED, measured: dict | None = None) -> dict:
     """One GPU with the routed experts in host memory (`from_pretrained(..., experts_offload="host",
     experts_cache_bytes=...)`): the GPU holds every other weight, the cache at `context`, the prefill chunk's
     workspace plus the compact stack of one layer's chosen experts (a prefill chooses up to all of them), and the
@@ -818,9 +830,17 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
     mode "disk" (`experts_offload="disk"`): the experts stay in the shards, mapped; `host_memory` is what the OS page
     cache may keep of them (0: none). A moved expert is in the page cache with probability page_cache / experts
     (uniform routing, as for the device cache); the others are read from the disk first, so a moved byte costs
-    1 / h2d_bandwidth + (1 - that fraction) / disk_bandwidth (no overlap counted)."""
-    from kimik3.modeling.offload_kimi_k3 import EXPERTS_OFFLOAD_MODES
+    1 / h2d_bandwidth + (1 - that fraction) / disk_bandwidth (no overlap counted).
 
+    experts_compute (the load option): "device" copies the missing experts as above; "host" computes them on the CPU,
+    a layer's share taking max(bytes / host_bytes_per_s, routes x 2 x expert parameters / host_flops) plus its
+    routes' inputs and outputs crossing PCIe (a page-cache miss of the disk tier adds its disk read); "auto" takes
+    the faster of the two per forward, as the load's HostRates do. `measured`: what `measure_rates` timed, recorded
+    in the plan. The GPU keeps CUDA_CONTEXT_RESERVE + ALLOCATOR_RESERVE_FRACTION of its memory free."""
+    from kimik3.modeling.offload_kimi_k3 import EXPERTS_COMPUTE_MODES, EXPERTS_OFFLOAD_MODES
+
+    if experts_compute not in EXPERTS_COMPUTE_MODES:
+        raise PlanError(f"argument --experts-compute: {experts_compute!r} is not one of {list(EXPERTS_COMPUTE_MODES)}")
     if mode not in EXPERTS_OFFLOAD_MODES:
         raise PlanError(f"argument --experts-offload: {mode!r} is not one of {list(EXPERTS_OFFLOAD_MODES)}")
     experts_format = _experts_format(experts_format)
@@ -844,7 +864,8 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
         return ws["total"], chosen * per_expert
 
     workspace, compact = device_transient(chunk)
-    after_weights = gpu_memory - rest
+    reserve = CUDA_CONTEXT_RESERVE + int(ALLOCATOR_RESERVE_FRACTION * gpu_memory)
+    after_weights = gpu_memory - rest - reserve
     left = after_weights - sum(cache) - workspace - compact
     minimum = moe_layers * per_expert
     if experts_cache is None:
@@ -861,42 +882,161 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
     page_cache = min(host_memory, experts_bytes) if disk else 0
     from_disk = 1 - page_cache / experts_bytes if disk else 0.0  # the share of moved bytes read from the disk
     move_s_per_byte = 1 / h2d_bandwidth + from_disk / disk_bandwidth
-    decode_moved = moe_layers * expected_moved_experts(experts, top_k, batch_size, cached) * per_expert
     gpu_read = decode_bytes(config, weights, units, cache, 1, 1, batch_size, experts_format)
-    decode_s = decode_moved * move_s_per_byte + gpu_read / hbm_bandwidth
     dense_params, expert_params = _active_matmul_params(config, experts_format)
     flops_per_token = 2 * (dense_params + moe_layers * top_k * expert_params)
+    host_s_per_byte = 1 / host_bytes_per_s + from_disk / disk_bandwidth
+    activation_bytes = 2 * 2 * text.latent_size  # a route's bf16 input to the host and its output back
+
+    def missing(tokens: int) -> tuple[float, float]:
+        """(experts one layer lacks, routes to them) in a forward of `tokens` tokens, expected."""
+        return (expected_moved_experts(experts, top_k, tokens, cached),
+                tokens * top_k * (1 - cached / experts))
+
+    def layer_seconds(tokens: int) -> dict:
+        """One MoE layer's missing experts: copied, or computed on the host; "auto" takes the faster."""
+        lacking, routes = missing(tokens)
+        copy = lacking * per_expert * move_s_per_byte
+        host = max(lacking * per_expert * host_s_per_byte, routes * 2 * expert_params / host_flops) \
+            + routes * activation_bytes / h2d_bandwidth
+        where = {"device": "device", "host": "host"}.get(experts_compute, "host" if host < copy else "device")
+        return {"copy_s": copy, "host_s": host, "where": where, "s": copy if where == "device" else host,
+                "moved_bytes": lacking * per_expert if where == "device" else 0.0,
+                "host_bytes": lacking * per_expert if where == "host" else 0.0}
+
+    decode_layer = layer_seconds(batch_size)
+    decode_s = moe_layers * decode_layer["s"] + gpu_read / hbm_bandwidth
+    decode_moved = moe_layers * decode_layer["moved_bytes"]
 
     def prefill(size: int) -> dict:
-        moved = moe_layers * expected_moved_experts(experts, top_k, size * batch_size, cached) * per_expert
-        transfer, compute = moved * move_s_per_byte, size * batch_size * flops_per_token / bf16_flops
-        return {"chunk": size, "moved_bytes": moved, "transfer_s": transfer, "compute_s": compute,
+        layer = layer_seconds(size * batch_size)
+        transfer, compute = moe_layers * layer["s"], size * batch_size * flops_per_token / bf16_flops
+        return {"chunk": size, "moved_bytes": moe_layers * layer["moved_bytes"], "where": layer["where"],
+                "host_bytes": moe_layers * layer["host_bytes"], "transfer_s": transfer, "compute_s": compute,
                 "bound_s": max(transfer, compute), "tokens_per_s": size * batch_size / max(transfer, compute)}
 
-    sizes = [2**p for p in range(9, 31) if 2**p <= context]
-    recommended = next((size for size in sizes if prefill(size)["transfer_s"] <= prefill(size)["compute_s"]), None)
     room = after_weights - sum(cache) - experts_cache
     largest_fitting = max((2**p for p in range(31) if 2**p <= context and sum(device_transient(2**p)) <= room),
                           default=None)
+    # one recommendation: the smallest power of two whose experts' time is under its compute, but never more than
+    # fits beside the expert cache (past it the largest that fits, transfer-bound)
+    sizes = [2**p for p in range(9, 31) if 2**p <= context]
+    balanced = next((size for size in sizes if prefill(size)["transfer_s"] <= prefill(size)["compute_s"]), None)
+    if largest_fitting is None:
+        recommended, why = None, "none fits beside the expert cache"
+    elif balanced is not None and balanced <= largest_fitting:
+        recommended, why = balanced, "balanced"
+    else:
+        recommended, why = largest_fitting, "largest fitting"
     host_fits = disk or experts_bytes <= host_memory  # on disk the shards hold them; the page cache is a bonus
     return {"mode": mode, "gpu_memory": gpu_memory, "host_memory": host_memory, "context": context,
             "batch": batch_size, "prefill_chunk": chunk, "experts_format": experts_format,
             "h2d_bandwidth": h2d_bandwidth, "hbm_bandwidth": hbm_bandwidth, "bf16_flops": bf16_flops,
+            "experts_compute": experts_compute, "host_bytes_per_s": host_bytes_per_s, "host_flops": host_flops,
+            "measured": measured or {},
             "disk_bandwidth": disk_bandwidth if disk else None,
             "moe_layers": moe_layers, "num_experts": experts, "top_k": top_k, "bytes_per_expert": per_expert,
             "host": {"experts": experts_bytes, "left": host_memory - (page_cache if disk else experts_bytes),
                      "fits": host_fits, "page_cache": page_cache, "from_disk": from_disk},
-            "gpu": {"weights": rest, "cache": sum(cache), "workspace": workspace, "compact_stack": compact,
+            "gpu": {"weights": rest, "reserve": reserve, "cache": sum(cache), "workspace": workspace,
+                    "compact_stack": compact,
                     "experts_cache": experts_cache, "left": left - experts_cache, "fits": left >= experts_cache},
             "cached_per_layer": cached, "hit_rate": cached / experts,
             "decode": {"moved_bytes": decode_moved, "gpu_bytes": gpu_read, "step_ms": decode_s * 1e3,
-                       "tokens_per_s": batch_size / decode_s},
+                       "tokens_per_s": batch_size / decode_s, "where": decode_layer["where"],
+                       "host_bytes": moe_layers * decode_layer["host_bytes"],
+                       "layer_copy_ms": decode_layer["copy_s"] * 1e3, "layer_host_ms": decode_layer["host_s"] * 1e3},
             "prefill": prefill(chunk),
-            "recommended_chunk": recommended,
+            "recommended_chunk": recommended, "recommended_why": why,
             "recommended": prefill(recommended) if recommended is not None else None,
             "largest_fitting_chunk": largest_fitting,
             "fits": host_fits and left >= experts_cache,
             "flops_per_token": flops_per_token}
+
+
+def measure_rates(config, experts_format: str | None = None, experts: int = 64, tokens: int = 32, repeats: int = 3,
+                  threads: int | None = None, buffer_bytes: int = 2 * 2**30) -> dict:
+    """Times this machine for `--measure`: the host's DRAM read (a reduction over a buffer of the experts' size, at
+    least `buffer_bytes`, by default larger than a server's last-level cache), the CPU's routed experts at the model's widths in its
+    experts format (the CPU kernel where it builds, else the reference: `offload_kimi_k3._host_routes`, what a load
+    runs) over one token of each of `experts` experts and over `tokens` tokens of one, and the pinned host-to-device
+    copy where CUDA is available. Best of `repeats` after a warm-up. Returns bytes/s and flop/s."""
+    import time
+
+    import torch
+
+    from kimik3.modeling.offload_kimi_k3 import _host_routes
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    threads = threads or torch.get_num_threads()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fmt = _format(_experts_format(experts_format))
+        inter, latent = text.moe_intermediate_size, text.latent_size
+        # every expert its own bytes, so a pass reads them from memory (the values do not change the time)
+        stacks = (*fmt.empty((experts, 2 * inter, latent), torch.bfloat16),
+                  *fmt.empty((experts, latent, inter), torch.bfloat16))
+        per_expert = sum(t[0].numel() * t.element_size() for t in stacks)
+        betas = (text.activation_situ_beta, text.activation_situ_linear_beta)
+
+        def run(x, i, w, compact):
+            return fmt.run(x, i, w, compact, betas)
+
+        def best(fn) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        rows_one = torch.randn(experts, latent).bfloat16()
+        one_token = best(lambda: _host_routes(rows_one, torch.arange(experts), list(range(experts)), stacks, fmt, run,
+                                              betas))
+        rows_many = torch.randn(tokens, latent).bfloat16()
+        many = best(lambda: _host_routes(rows_many, torch.zeros(tokens, dtype=torch.int64), [0], stacks, fmt, run,
+                                         betas))
+        _, kernel = _host_routes(rows_one[:1], torch.zeros(1, dtype=torch.int64), [0], stacks, fmt, run, betas)
+        buffer = torch.ones(max(buffer_bytes, experts * per_expert) // 8, dtype=torch.int64)
+        dram = buffer.numel() * 8 / best(lambda: buffer.sum())
+        del buffer
+        h2d = None
+        if torch.cuda.is_available():
+            pinned = torch.ones(2**30, dtype=torch.uint8).pin_memory()
+            device = torch.empty_like(pinned, device="cuda")
+
+            def copy():
+                device.copy_(pinned, non_blocking=True)
+                torch.cuda.synchronize()
+
+            h2d = pinned.numel() / best(copy)
+        if kernel:
+            from kimik3.kernels import mxfp4_host
+
+            name = f"kernel {mxfp4_host.isa()}"
+        else:
+            name = "reference (no CPU kernel for this format or it did not build)"
+        return {"dram_read_bytes_per_s": dram, "host_bytes_per_s": experts * per_expert / one_token,
+                "host_flops": tokens * 6 * inter * latent / many, "h2d_bandwidth": h2d, "host_kernel": name,
+                "threads": threads, "experts": experts, "tokens": tokens, "bytes_per_expert": per_expert}
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _rates_line(plan: dict) -> str:
+    measured = plan["measured"]
+    host = (f"the CPU's experts: {plan['host_bytes_per_s'] / 1e9:,.1f} GB/s of packed bytes at one token an expert, "
+            f"{plan['host_flops'] / 1e12:,.2f} TFLOP/s at many")
+    if measured.get("host_kernel"):
+        dram = measured.get("dram_read_bytes_per_s")
+        host += (f" (MEASURED: {measured['host_kernel']}, {measured['threads']} threads"
+                 + (f"; DRAM read {dram / 1e9:,.1f} GB/s, the kernel at {plan['host_bytes_per_s'] / dram:.0%} of it"
+                    if dram else "") + ")")
+    elif plan["host_bytes_per_s"] == HOST_EXPERTS_BYTES_ASSUMED:
+        host += " (ASSUMED: a server socket; --measure times this machine)"
+    return host
 
 
 def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
@@ -928,34 +1068,44 @@ def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
         f"{fmt(plan['gpu_memory'])}; context {plan['context']:,} tokens x batch {plan['batch']}; units: GB = 10^9 "
         "bytes, GiB = 2^30 bytes",
         host_line,
-        f"GPU: other weights {fmt(gpu['weights'])}, cache {fmt(gpu['cache'])}, workspace {fmt(gpu['workspace'])} "
-        f"+ compact expert stack {fmt(gpu['compact_stack'])} (prefill chunk {plan['prefill_chunk']:,}), expert "
-        f"cache {fmt(gpu['experts_cache'])}: "
+        f"GPU: other weights {fmt(gpu['weights'])}, reserved {fmt(gpu['reserve'])} (CUDA context "
+        f"{fmt(CUDA_CONTEXT_RESERVE)} + allocator {ALLOCATOR_RESERVE_FRACTION:.0%} of the GPU, ASSUMED), cache "
+        f"{fmt(gpu['cache'])}, workspace {fmt(gpu['workspace'])} + compact expert stack {fmt(gpu['compact_stack'])} "
+        f"(prefill chunk {plan['prefill_chunk']:,}), expert cache {fmt(gpu['experts_cache'])}: "
         + (f"FITS, {fmt(gpu['left'])} left" if gpu["fits"] else f"DOES NOT FIT ({fmt(-gpu['left'])} over)"),
         f"expert cache: {plan['cached_per_layer']} of {e} experts per MoE layer ({plan['moe_layers']} layers x "
         f"{plan['bytes_per_expert']:,} bytes an expert); expected hit rate under uniform routing "
         f"{plan['hit_rate']:.2%} (random weights route near uniformly: the worst case for a cache)",
+        _rates_line(plan),
         "",
-        f"expected experts moved per layer and forward of T tokens = {e} x (1 - (1 - {k}/{e})^T) (distinct chosen) "
-        f"x (1 - {plan['cached_per_layer']}/{e}) (not cached)",
-        f"decode step bound at batch {plan['batch']}: {moved(d['moved_bytes'])} + {fmt(d['gpu_bytes'])} read / "
-        f"{plan['hbm_bandwidth'] / 1e12:.2f} TB/s HBM = {d['step_ms']:,.1f} ms ({d['tokens_per_s']:,.2f} tokens/s; "
-        "no overlap counted)",
-        f"prefill chunk of {p['chunk']:,} tokens: transfer {p['transfer_s']:,.2f} s ({fmt(p['moved_bytes'])}), "
-        f"compute {p['compute_s']:,.2f} s at {plan['bf16_flops'] / 1e12:,.0f} TFLOP/s bf16 peak -> "
+        f"expected experts missing per layer and forward of T tokens = {e} x (1 - (1 - {k}/{e})^T) (distinct chosen) "
+        f"x (1 - {plan['cached_per_layer']}/{e}) (not cached); experts_compute={plan['experts_compute']!r}: "
+        + {"device": "copied to the GPU", "host": "computed on the CPU",
+           "auto": "copied or computed on the CPU, whichever is faster for that forward"}[plan["experts_compute"]],
+        f"decode step at batch {plan['batch']}: a layer's missing experts copied {d['layer_copy_ms']:,.2f} ms or "
+        f"computed on the CPU {d['layer_host_ms']:,.2f} ms -> {d['where']}; "
+        + (f"{moved(d['moved_bytes'])}" if d["where"] == "device" else
+           f"{fmt(d['host_bytes'])} read by the CPU")
+        + f" + {fmt(d['gpu_bytes'])} read / {plan['hbm_bandwidth'] / 1e12:.2f} TB/s HBM = {d['step_ms']:,.1f} ms "
+        f"({d['tokens_per_s']:,.2f} tokens/s; no overlap counted)",
+        f"prefill chunk of {p['chunk']:,} tokens: experts {p['transfer_s']:,.2f} s ({p['where']}: "
+        + (f"{fmt(p['moved_bytes'])} moved" if p["where"] == "device" else f"{fmt(p['host_bytes'])} read by the CPU")
+        + f"), compute {p['compute_s']:,.2f} s at {plan['bf16_flops'] / 1e12:,.0f} TFLOP/s bf16 peak -> "
         f"{p['tokens_per_s']:,.0f} tokens/s at best",
     ]
-    r = plan["recommended"]
+    r, fitting = plan["recommended"], plan["largest_fitting_chunk"]
+    fits_text = f"{fitting:,} tokens" if fitting is not None else "none, not even 1 token"
     if r is None:
-        lines.append(f"recommended prefill chunk: none up to {plan['context']:,} tokens has its transfer under its "
-                     "compute")
+        lines.append(f"recommended prefill chunk: none (the largest whose workspace fits beside the expert cache: "
+                     f"{fits_text})")
+    elif plan["recommended_why"] == "balanced":
+        lines.append(f"recommended prefill chunk: {r['chunk']:,} tokens, the smallest power of two whose experts' "
+                     f"time ({r['transfer_s']:,.2f} s) is under its compute ({r['compute_s']:,.2f} s): "
+                     f"{r['tokens_per_s']:,.0f} tokens/s at best (the largest that fits: {fits_text})")
     else:
-        lines.append(f"recommended prefill chunk: {r['chunk']:,} tokens, the smallest power of two whose transfer "
-                     f"({r['transfer_s']:,.2f} s) is under its compute ({r['compute_s']:,.2f} s): "
-                     f"{r['tokens_per_s']:,.0f} tokens/s at best")
-    fitting = plan["largest_fitting_chunk"]
-    lines.append("largest prefill chunk (a power of two) whose workspace fits beside the expert cache: "
-                 + (f"{fitting:,} tokens" if fitting is not None else "none, not even 1 token"))
+        lines.append(f"recommended prefill chunk: {r['chunk']:,} tokens, the largest whose workspace fits beside the "
+                     f"expert cache; its experts' time ({r['transfer_s']:,.2f} s) is over its compute "
+                     f"({r['compute_s']:,.2f} s): {r['tokens_per_s']:,.0f} tokens/s at best")
     lines.append("verdict: " + ("FITS" if plan["fits"] else "DOES NOT FIT") + (" (the GPU; the experts on disk)"
                                                                                if disk else " (host memory and GPU)"))
     return "\n".join(lines)

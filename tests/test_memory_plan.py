@@ -385,9 +385,70 @@ def test_release_on_one_h200_with_host_memory_says_what_fits_and_the_bounds(caps
                  "25GB/s"]) == 0
     out = capsys.readouterr().out
     assert "host memory: routed experts 1,446.46 GB of 1,000.00 GB: DOES NOT FIT (446.46 GB over)" in out
-    assert "25.0 GB/s host->device + " in out and "ASSUMED" not in out
+    assert "25.0 GB/s host->device + " in out and "host->device (ASSUMED" not in out
     assert "expert cache: 3 of 896 experts per MoE layer" in out
-    assert "recommended prefill chunk: 65,536 tokens" in out and "verdict: DOES NOT FIT" in out
+    # nothing fits beside that cache at batch 8: no chunk is recommended (the balanced one would be 65,536)
+    assert "recommended prefill chunk: none (the largest whose workspace fits beside the expert cache: none" in out
+    assert "verdict: DOES NOT FIT" in out
+
+
+def test_the_plan_recommends_one_prefill_chunk_that_fits(capsys):
+    """One recommendation: the balanced chunk when it fits, else the largest that fits, said once (before, 131,072
+    was recommended two lines above '2,048 is the largest that fits')."""
+    base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--host-mem",
+            "1500GB", "--context", "128K", "--prefill-chunk", "1024"]
+    assert main([*base, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["recommended_chunk"] == plan["largest_fitting_chunk"] == 1024
+    assert plan["recommended_why"] == "largest fitting" and plan["fits"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert out.count("recommended prefill chunk") == 1 and "largest prefill chunk" not in out
+    assert "recommended prefill chunk: 1,024 tokens, the largest whose workspace fits beside the expert cache" in out
+    # the GPU line says what it keeps back for the CUDA context and the allocator
+    assert "reserved 3.82 GB (CUDA context 1.00 GB + allocator 2% of the GPU, ASSUMED)" in out
+
+
+def test_host_compute_plan_weighs_the_cpu_against_the_copy(capsys):
+    from kimik3.memory import expected_moved_experts
+
+    base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--host-mem",
+            "1500GB", "--context", "128K", "--prefill-chunk", "1024", "--json"]
+    plans = {}
+    for where in ("device", "host", "auto"):
+        assert main([*base, "--experts-compute", where]) == 0
+        plans[where] = json.loads(capsys.readouterr().out)
+    host, device, auto = plans["host"], plans["device"], plans["auto"]
+    cached = host["cached_per_layer"]
+    lacking = expected_moved_experts(896, 16, 1, cached)
+    routes = 16 * (1 - cached / 896)
+    layer = max(lacking * 17_547_264 / 100e9, routes * 6 * 3072 * 3584 / 2e12) + routes * 4 * 3584 / 50e9
+    assert host["decode"]["layer_host_ms"] == pytest.approx(layer * 1e3)
+    assert host["decode"]["step_ms"] == pytest.approx((92 * layer + host["decode"]["gpu_bytes"] / 4.8e12) * 1e3)
+    assert host["decode"]["moved_bytes"] == 0 and host["decode"]["where"] == "host"
+    # at the assumed rates (the CPU's 100 GB/s against PCIe's 50) the CPU is faster at decode, the copy at prefill
+    assert auto["decode"]["step_ms"] == host["decode"]["step_ms"] < device["decode"]["step_ms"]
+    assert auto["prefill"]["where"] == "device" and host["prefill"]["where"] == "host"
+    assert auto["prefill"]["bound_s"] == pytest.approx(min(host["prefill"]["bound_s"], device["prefill"]["bound_s"]))
+
+
+def test_measure_times_this_machine_and_plans_with_it(capsys, monkeypatch):
+    import functools
+
+    import kimik3.memory
+
+    # at K3's widths, fewer experts and a smaller buffer than a real --measure (seconds, not a suite's share)
+    monkeypatch.setattr(kimik3.memory, "measure_rates", functools.partial(
+        kimik3.memory.measure_rates, experts=2, tokens=4, repeats=1, buffer_bytes=2**26))
+    base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--host-mem",
+            "1500GB", "--context", "128K", "--experts-compute", "auto", "--measure"]
+    assert main([*base, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    measured = plan["measured"]
+    assert measured["dram_read_bytes_per_s"] > 1e9 and measured["host_bytes_per_s"] > 1e8
+    assert plan["host_bytes_per_s"] == measured["host_bytes_per_s"] and plan["host_flops"] == measured["host_flops"]
+    assert measured["bytes_per_expert"] == plan["bytes_per_expert"] == 17_547_264
+    assert measured["host_kernel"].startswith("kernel ")  # the CPU kernel built here (the suite's machines have gcc)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -401,6 +462,10 @@ def test_release_on_one_h200_with_host_memory_says_what_fits_and_the_bounds(caps
                  id="memory-plan-host-mem-without-offload"),
     pytest.param(["--no-host-mem"], "argument --experts-offload: needs --host-mem",
                  id="memory-plan-offload-without-host-mem"),
+    pytest.param(["--no-offload", "--no-host-mem", "--measure"], "argument --measure: only with --experts-offload",
+                 id="memory-plan-measure-without-offload"),
+    pytest.param(["--experts-compute", "gpu"], "argument --experts-compute: invalid choice: 'gpu'",
+                 id="memory-plan-compute-unknown"),
     pytest.param(["--h2d-bandwidth", "50GBs"], "argument --h2d-bandwidth: '50GBs' is not a bandwidth",
                  id="memory-plan-offload-bandwidth-typo"),
 ])
