@@ -10,11 +10,14 @@ codes: the router's choices are near-uniform, the worst case for a cache of expe
 * prefill: `--prefill` tokens in one chunk (the experts each layer's routes choose cross once per chunk).
 
 The offload runs twice, side by side: its copies on the cache's copy stream (the default: the latent down-projection
-and the shared experts run while the chosen experts cross) and on the compute stream (`side_stream = False`). The
-`cpu_experts` rows time the other choice for a decode step: the chosen experts of one MoE layer run on the host,
-where their bytes are (the reference ops over the compact stack, bf16, every host core), against moving them.
+and the shared experts run while the chosen experts cross) and on the compute stream (`side_stream = False`). Then
+the chosen experts the cache lacks computed where they live (`experts_compute`): "host" (always on the CPU, the
+format's kernel over the packed bytes) and "auto" (per forward, whichever the rates measured at the start say is
+faster), the same decode and prefill. The `host_experts` rows time one MoE layer's share of a decode step on the CPU
+alone (the kernel, and the reference it replaces) against moving the same experts, with the host's measured DRAM
+read bandwidth and the kernel's fraction of it.
 
-    python benchmarks/bench_offload.py --out benchmarks/results/bench_offload.json
+    python benchmarks/bench_offload.py --out benchmarks/results/bench_offload.json [--sections gpu,offload,host,accelerate]
 
 `--cache-fraction` sets the device cache as a share of one layer's experts (default 0.25). Writes one JSON object;
 every section is also printed as it ends.
@@ -78,6 +81,9 @@ def decode(model, batch, context, steps, cache_stats=None):
         moves, hits = after["moves"] - before["moves"], after["hits"] - before["hits"]
         out.update(hit_rate=round(hits / max(hits + moves, 1), 4),
                    moved_bytes_per_step=(after["moved_bytes"] - before["moved_bytes"]) // len(steady))
+        if "host_routes" in after:
+            out.update(host_routes_per_step=(after["host_routes"] - before["host_routes"]) / len(steady),
+                       host_experts_per_step=(after["host_experts"] - before["host_experts"]) / len(steady))
     return out
 
 
@@ -99,32 +105,56 @@ def prefill(model, tokens, repeats=2):
             "peak_mem_gib": peak_gib()}
 
 
-def cpu_experts(module, batch, config, bandwidth, repeats=5):
-    """ms for one MoE layer's routed experts of a decode step run on the host from its (offloaded) stacks: the
-    chosen experts' codes gathered, dequantised and multiplied there in bf16 with every host core (the reference
-    ops, what a step would run), against the time the same experts take to cross to the device."""
-    from kimik3.modeling.offload_kimi_k3 import expert_bytes
-    from kimik3.modeling.ops_kimi_k3 import moe_experts_mxfp4
+def host_experts(module, batch, config, bandwidth, repeats=5):
+    """ms for one MoE layer's routed experts of a decode step at `batch` on the host, over its offloaded stacks: the
+    format's CPU kernel (what `experts_compute="host"` runs) and the reference (a compact copy of the chosen experts
+    dequantised and multiplied in bf16), every host core, against the time the same experts take to cross."""
+    from kimik3.kernels import mxfp4_host
+    from kimik3.modeling.offload_kimi_k3 import _host_routes, expert_bytes
 
     torch.set_num_threads(os.cpu_count())
     generator = torch.Generator().manual_seed(batch)
     top = torch.stack([torch.randperm(module.num_experts, generator=generator)[:config.num_experts_per_tok]
                        for _ in range(batch)])
-    x = torch.randn(batch, module.latent_size, generator=generator).to(torch.bfloat16)
-    weights = torch.full(top.shape, 1.0 / top.shape[1])
-    chosen = torch.unique(top)
+    flat = top.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = torch.randn(batch, module.latent_size, generator=generator).to(torch.bfloat16)[order // top.shape[1]]
+    sorted_ids = flat[order]
+    ids = torch.unique(flat).tolist()
+    betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
+    stacks, fmt = module.stacks(), module.format
+
+    def run(x, i, w, compact):
+        return fmt.run(x, i, w, compact, betas)
+
+    def median(situ):
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            _, kernel = _host_routes(rows, sorted_ids, ids, stacks, fmt, run, situ)
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[len(times[1:]) // 2], kernel
+
+    kernel_s, used = median(betas)
+    reference_s, _ = median(None)
+    moved = len(ids) * expert_bytes(stacks)
+    return {"batch": batch, "experts": len(ids), "host_threads": torch.get_num_threads(),
+            "kernel": mxfp4_host.isa() if used else f"not built: {mxfp4_host.unavailable_reason()}",
+            "ms_per_layer_kernel": round(kernel_s * 1e3, 3), "ms_per_layer_reference": round(reference_s * 1e3, 3),
+            "kernel_bytes_per_s": round(moved / kernel_s), "ms_per_layer_to_move_them": round(moved / bandwidth * 1e3, 3)}
+
+
+def dram_read_bytes_per_s(num_bytes=4 << 30, repeats=5):
+    """The host's memory read rate: a reduction over `num_bytes` (larger than a server's last-level cache), every
+    host core, the median of `repeats`."""
+    torch.set_num_threads(os.cpu_count())
+    buffer = torch.ones(num_bytes // 8, dtype=torch.int64)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        compact = [stack.index_select(0, chosen) for stack in module.stacks()]
-        moe_experts_mxfp4(x, torch.searchsorted(chosen, top), weights, *compact, config.activation_situ_beta,
-                          config.activation_situ_linear_beta)
+        buffer.sum()
         times.append(time.perf_counter() - start)
-    seconds = sorted(times[1:])[len(times[1:]) // 2]
-    moved = chosen.numel() * expert_bytes(module.stacks())
-    return {"batch": batch, "experts": chosen.numel(), "host_threads": torch.get_num_threads(),
-            "ms_per_layer_on_host": round(seconds * 1e3, 3),
-            "ms_per_layer_to_move_them": round(moved / bandwidth * 1e3, 3)}
+    return num_bytes / sorted(times[1:])[len(times[1:]) // 2]
 
 
 def main():
@@ -137,10 +167,14 @@ def main():
     parser.add_argument("--prefill", default="8192,65536", help="prefill chunk sizes, comma-separated")
     parser.add_argument("--cache-fraction", type=float, default=0.25)
     parser.add_argument("--skip-accelerate", action="store_true")
+    parser.add_argument("--sections", default="gpu,offload,host,accelerate",
+                        help="which to run, comma-separated: gpu (the slice on the GPU), offload (copies), host "
+                             "(experts_compute host/auto and the CPU kernel), accelerate")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     ensure_kimik3()
     from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
-    from kimik3.modeling.offload_kimi_k3 import expert_bytes, offload_routed_experts
+    from kimik3.modeling.offload_kimi_k3 import expert_bytes, measure_host_rates, offload_routed_experts
 
     results = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, "args": vars(args)}
 
@@ -167,21 +201,23 @@ def main():
 
     batches = (1, 8)
     chunks = [int(c) for c in args.prefill.split(",") if c]
-    for batch in batches:
-        emit(f"gpu.decode_b{batch}", decode(model, batch, args.context, args.steps))
-    for tokens in chunks:
-        emit(f"gpu.prefill_{tokens}", prefill(model, tokens))
+    if "gpu" in sections:
+        for batch in batches:
+            emit(f"gpu.decode_b{batch}", decode(model, batch, args.context, args.steps))
+        for tokens in chunks:
+            emit(f"gpu.prefill_{tokens}", prefill(model, tokens))
 
     capacity = max(1, int(args.experts * args.cache_fraction))
     cache = offload_routed_experts(experts, "host", capacity * per_expert * len(experts))
     free_cuda()
 
     def stats():
-        return {"moves": cache.moves, "hits": cache.hits, "moved_bytes": cache.moved_bytes}
+        return {"moves": cache.moves, "hits": cache.hits, "moved_bytes": cache.moved_bytes,
+                "host_experts": cache.host_experts, "host_routes": cache.host_routes}
 
     emit("offload.cache", {"experts_per_layer": cache.capacity, "budget_bytes": cache.budget_bytes,
                            "uniform_hit_rate": round(cache.capacity / args.experts, 4)})
-    for side_stream, tag in ((False, "offload_one_stream"), (True, "offload")):
+    for side_stream, tag in ((False, "offload_one_stream"), (True, "offload")) if "offload" in sections else ():
         cache.side_stream = side_stream
         cache.clear()
         for batch in batches:
@@ -194,10 +230,29 @@ def main():
             row["moved_bytes_per_prefill"] = (cache.moved_bytes - before) // 2  # warm-up + one timed call
             row["transfer_bound_s"] = round(row["moved_bytes_per_prefill"] / bandwidth, 3)
             emit(f"{tag}.prefill_{tokens}", row)
-    for batch in batches:
-        emit(f"cpu_experts.decode_b{batch}", cpu_experts(experts[0], batch, model.config, bandwidth))
+    if "host" in sections:
+        dram = dram_read_bytes_per_s()
+        emit("host.dram_read_bytes_per_s", round(dram))
+        for batch in batches:
+            row = host_experts(experts[0], batch, model.config, bandwidth)
+            row["kernel_fraction_of_dram_read"] = round(row["kernel_bytes_per_s"] / dram, 3)
+            emit(f"host_experts.decode_b{batch}", row)
+        cache.rates = measure_host_rates(experts[0], torch.device("cuda"))
+        emit("host.rates", {"copy_bytes_per_s": round(cache.rates.copy_bytes_per_s),
+                            "host_bytes_per_s": round(cache.rates.host_bytes_per_s),
+                            "host_flops": round(cache.rates.host_flops)})
+        cache.side_stream = True
+        for compute in ("host", "auto"):
+            cache.compute = compute
+            cache.clear()
+            for batch in batches:
+                row = decode(model, batch, args.context, args.steps, stats)
+                emit(f"compute_{compute}.decode_b{batch}", row)
+            for tokens in chunks:
+                emit(f"compute_{compute}.prefill_{tokens}", prefill(model, tokens, repeats=1))
+        cache.compute = "device"
 
-    if args.skip_accelerate:
+    if args.skip_accelerate or "accelerate" not in sections:
         return
     try:
         from accelerate import cpu_offload

@@ -458,8 +458,15 @@ class LayerOffload:
         rows = x[token_of]
         host_rows, host_sorted = rows[on_host].to("cpu"), sorted_ids[on_host].to("cpu")
         use_kernel = cache.host_kernel if cache.host_kernel is not None else x.device.type == "cuda"
-        job = cache.host_pool().submit(_host_routes, host_rows, host_sorted, fetched.host_ids, stacks, fmt, run,
-                                       situ_betas if use_kernel else None)
+        # the worker thread runs under this thread's grad and inference modes (thread-local in torch)
+        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+
+        def host_share():
+            with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]):
+                return _host_routes(host_rows, host_sorted, fetched.host_ids, stacks, fmt, run,
+                                    situ_betas if use_kernel else None)
+
+        job = cache.host_pool().submit(host_share)
         device_rows = rows[~on_host]
         per_route = torch.empty_like(rows)
         if device_rows.shape[0]:

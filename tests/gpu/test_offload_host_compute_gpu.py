@@ -1,0 +1,66 @@
+"""Routed experts computed where they live on a CUDA model (`experts_compute`; docs/design.md, Routed experts
+computed where they live): the chosen experts the device's cache lacks run on the CPU (the format's kernel over the
+packed bytes in pinned memory, on the cache's worker thread while the GPU computes its share), the routes' outputs
+come back and are summed in the reference's order. The CPU's f32 sums are not the GPU's, so in fp32 the logits agree
+within the two devices' rounding (not bit for bit, as the copy placements of test_offload_gpu.py do), and the greedy
+tokens are the same; in bf16 they stay within the one-device model's own distance from its fp32 logits."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available", allow_module_level=True)
+
+from k3_test_utils import offloaded_copy  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["dense", "mxfp4"])
+def on_gpu(request):
+    from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
+
+    model = build_tiny_model(seed=5, num_experts=16, top_k=6)
+    return (model if request.param == "dense" else packed_mxfp4_copy(model)).cuda().eval(), request.param
+
+
+def _computed_on_host(model, compute, experts_per_layer=4):
+    copied = offloaded_copy(model, experts_per_layer)
+    copied.experts_cache.compute = compute
+    return copied
+
+
+@pytest.mark.parametrize("compute", ["host", "auto"])
+def test_the_cpu_share_gives_the_gpu_models_logits_and_tokens(on_gpu, compute):
+    from kimik3.modeling.offload_kimi_k3 import measure_host_rates
+
+    model, fmt = on_gpu
+    placed = _computed_on_host(model, compute)
+    if compute == "auto":
+        module = next(m for m in placed.modules() if getattr(m, "offload", None) is not None)
+        placed.experts_cache.rates = measure_host_rates(module, torch.device("cuda"))
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.no_grad():
+        want, got = model(ids).logits, placed(ids).logits
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert torch.equal(placed.generate(ids, **kwargs), model.generate(ids, **kwargs))
+    cache = placed.experts_cache
+    if compute == "host":
+        assert cache.host_routes > 0 and cache.moves == 0
+        # the packed format runs its CPU kernel on a CUDA model; dense runs the reference on the CPU
+        assert (cache.kernel_calls > 0) == (fmt == "mxfp4")
+
+
+def test_bf16_stays_as_close_as_the_gpu_models_own_bf16(on_gpu):
+    model, _ = on_gpu
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.no_grad():
+        exact = model(ids).logits
+        half = model.to(torch.bfloat16)
+        try:
+            own = (half(ids).logits.float() - exact).abs().max().item()
+            placed = _computed_on_host(half, "host")
+            got = (placed(ids).logits.float() - exact).abs().max().item()
+        finally:
+            model.float()
+    assert placed.experts_cache.host_routes > 0
+    assert got <= 2 * own + 1e-3, (got, own)
