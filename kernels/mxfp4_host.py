@@ -79,9 +79,10 @@ def _build() -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.k3_mxfp4_host_isa.restype = ctypes.c_char_p
+    lib.k3_mxfp4_host_bf16_dot.restype = ctypes.c_int
     return lib
 
 
@@ -102,7 +103,7 @@ def unavailable_reason() -> str | None:
 
 
 def isa() -> str | None:
-    """The instruction set the build uses ("avx512", "avx2" or "scalar"), None without a build."""
+    """The instruction set the build uses ("avx512-bf16", "avx512", "avx2" or "scalar"), None without a build."""
     lib = library()
     return None if lib is None else lib.k3_mxfp4_host_isa().decode()
 
@@ -147,10 +148,13 @@ def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.
     for e in range(n):
         _check_stack(f"gate_up of expert {e}", *gate_up[e], 2 * inter, k)
         _check_stack(f"down of expert {e}", *down[e], k, inter)
-    split = x.float().reshape(rows, k // 2, 2)
+    # a bf16 model's rows stay bf16 where the build has AVX512-BF16 (its pair dot product); else f32 (exact)
+    bf16_dot = x.dtype == torch.bfloat16 and bool(lib.k3_mxfp4_host_bf16_dot())
+    work = torch.bfloat16 if bf16_dot else torch.float32
+    split = x.to(work).reshape(rows, k // 2, 2)
     x_even, x_odd = split[..., 0].contiguous(), split[..., 1].contiguous()
-    hidden_even = torch.empty(rows, inter // 2)
-    hidden_odd = torch.empty(rows, inter // 2)
+    hidden_even = torch.empty(rows, inter // 2, dtype=work)
+    hidden_odd = torch.empty(rows, inter // 2, dtype=work)
     out = torch.empty(rows, k)
     offsets_c = (ctypes.c_int64 * (n + 1))(*offsets)
     status = lib.k3_mxfp4_host_experts(
@@ -158,10 +162,11 @@ def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.
         _pointers([c for c, _ in gate_up]), _pointers([s for _, s in gate_up]),
         _pointers([c for c, _ in down]), _pointers([s for _, s in down]), k, inter,
         1.0 if beta is None else float(beta), 0.0 if linear_beta is None else float(linear_beta),
-        int(linear_beta is not None), int(x.dtype == torch.bfloat16),
+        int(linear_beta is not None), int(x.dtype == torch.bfloat16), int(bf16_dot),
         hidden_even.data_ptr(), hidden_odd.data_ptr(), out.data_ptr(), int(threads or torch.get_num_threads()))
     if status:
-        raise MemoryError("host experts: the kernel could not allocate its work lists")
+        raise MemoryError(f"host experts: the kernel failed (status {status}: -1 its work lists could not be "
+                          "allocated)")
     return out.to(x.dtype)
 
 

@@ -59,8 +59,9 @@ static inline float to_dtype(float value, int bf16) { return bf16 ? round_bf16(v
 /* acc[t] = sum_k w[k] x_t[k] for one packed row (codes: K/2 bytes, scales: K/32 bytes) and `count` <= TOKENS
  * tokens whose inputs are split into even and odd values: even_t = x_t[0::2], odd_t = x_t[1::2], each K/2 floats,
  * token t's at `even + t * stride`. */
-static void row_dot(const uint8_t *codes, const uint8_t *scales, const float *even, const float *odd,
-                    int64_t stride, int64_t groups, int count, float *acc) {
+static inline __attribute__((always_inline)) void row_dot_n(
+    const uint8_t *codes, const uint8_t *scales, const float *even, const float *odd, int64_t stride, int64_t groups,
+    const int count, float *acc) {
 #if defined(__AVX512F__) || defined(__AVX2__)
     /* the next row's codes and scales (contiguous after this one's) requested now: a work item walks its rows in
      * order, and the hardware prefetcher alone left one thread at a fraction of the memory's bandwidth */
@@ -159,22 +160,130 @@ static void row_dot(const uint8_t *codes, const uint8_t *scales, const float *ev
 #endif
 }
 
+/* as row_dot_bf16: one compile-time token count per case */
+static void row_dot(const uint8_t *codes, const uint8_t *scales, const float *even, const float *odd,
+                    int64_t stride, int64_t groups, int count, float *acc) {
+    switch (count) {
+    case 1: row_dot_n(codes, scales, even, odd, stride, groups, 1, acc); break;
+    case 2: row_dot_n(codes, scales, even, odd, stride, groups, 2, acc); break;
+    case 3: row_dot_n(codes, scales, even, odd, stride, groups, 3, acc); break;
+    case 4: row_dot_n(codes, scales, even, odd, stride, groups, 4, acc); break;
+    case 5: row_dot_n(codes, scales, even, odd, stride, groups, 5, acc); break;
+    case 6: row_dot_n(codes, scales, even, odd, stride, groups, 6, acc); break;
+    case 7: row_dot_n(codes, scales, even, odd, stride, groups, 7, acc); break;
+    default: row_dot_n(codes, scales, even, odd, stride, groups, TOKENS, acc); break;
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_BF16_DOT 1
+/* The same product for bf16 inputs (a bf16 model's activations, exact in bf16) with AVX512-BF16's pair dot
+ * product: two groups (64 values) a step, the codes decoded straight to bf16 (every E2M1 value is exact in bf16)
+ * by a 16-bit table lookup, the bf16 pairs multiplied and added into f32 lanes (lanes 0-7 the first group's,
+ * 8-15 the second's), each group's sum then scaled by its E8M0 value (a power of two) into the accumulator. The
+ * instruction treats bf16 inputs below 2^-126 as zero and flushes results below it (DAZ/FTZ). even / odd: the
+ * inputs' even and odd values as bf16 words, K/2 each, token t's at `even + t * stride`. */
+static const uint16_t E2M1_BF16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+                                       0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
+
+static inline __attribute__((always_inline)) void row_dot_bf16_n(
+    const uint8_t *codes, const uint8_t *scales, const uint16_t *even, const uint16_t *odd, int64_t stride,
+    int64_t groups, const int count, float *acc) {
+    for (int64_t byte = 0; byte < groups * HALF; byte += 64)
+        _mm_prefetch((const char *)(codes + groups * HALF + byte), _MM_HINT_T0);
+    for (int64_t byte = 0; byte < groups; byte += 64)
+        _mm_prefetch((const char *)(scales + groups + byte), _MM_HINT_T0);
+    const __m512i table = _mm512_loadu_si512((const void *)E2M1_BF16);
+    const __m512i low_bits = _mm512_set1_epi16(15);
+    __m512 sums[TOKENS];
+    for (int t = 0; t < count; ++t) sums[t] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 1 < groups; g += 2) {
+        __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + g * HALF)));
+        __m512bh w_even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, low_bits), table);
+        __m512bh w_odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+        __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(e8m0(scales[g])), _mm256_set1_ps(e8m0(scales[g + 1])), 1);
+        for (int t = 0; t < count; ++t) {
+            const uint16_t *e = even + t * stride + g * HALF, *o = odd + t * stride + g * HALF;
+            __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), w_even, (__m512bh)_mm512_loadu_si512((const void *)e));
+            part = _mm512_dpbf16_ps(part, w_odd, (__m512bh)_mm512_loadu_si512((const void *)o));
+            sums[t] = _mm512_fmadd_ps(part, scale, sums[t]);
+        }
+    }
+    if (g < groups) { /* an odd last group: the upper half of the vector masked off */
+        __m512i bytes = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(codes + g * HALF))));
+        __m512bh w_even = (__m512bh)_mm512_maskz_permutexvar_epi16(0xFFFF, _mm512_and_si512(bytes, low_bits), table);
+        __m512bh w_odd = (__m512bh)_mm512_maskz_permutexvar_epi16(0xFFFF, _mm512_srli_epi16(bytes, 4), table);
+        __m512 scale = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(e8m0(scales[g])));
+        for (int t = 0; t < count; ++t) {
+            const uint16_t *e = even + t * stride + g * HALF, *o = odd + t * stride + g * HALF;
+            __m512bh xe = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, e), xo = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, o);
+            __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), w_even, xe);
+            part = _mm512_dpbf16_ps(part, w_odd, xo);
+            sums[t] = _mm512_fmadd_ps(part, scale, sums[t]);
+        }
+    }
+    for (int t = 0; t < count; ++t) acc[t] = _mm512_reduce_add_ps(sums[t]);
+}
+
+/* the token count a compile-time constant in each case, so the sums stay in registers (an array indexed by a
+ * runtime count lived on the stack, one store and reload per product) */
+static void row_dot_bf16(const uint8_t *codes, const uint8_t *scales, const uint16_t *even, const uint16_t *odd,
+                         int64_t stride, int64_t groups, int count, float *acc) {
+    switch (count) {
+    case 1: row_dot_bf16_n(codes, scales, even, odd, stride, groups, 1, acc); break;
+    case 2: row_dot_bf16_n(codes, scales, even, odd, stride, groups, 2, acc); break;
+    case 3: row_dot_bf16_n(codes, scales, even, odd, stride, groups, 3, acc); break;
+    case 4: row_dot_bf16_n(codes, scales, even, odd, stride, groups, 4, acc); break;
+    case 5: row_dot_bf16_n(codes, scales, even, odd, stride, groups, 5, acc); break;
+    case 6: row_dot_bf16_n(codes, scales, even, odd, stride, groups, 6, acc); break;
+    case 7: row_dot_bf16_n(codes, scales, even, odd, stride, groups, 7, acc); break;
+    default: row_dot_bf16_n(codes, scales, even, odd, stride, groups, TOKENS, acc); break;
+    }
+}
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+static inline uint16_t bf16_bits(float value) { /* value already rounded to bf16 */
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+
 static inline float situ_glu(float gate, float up, float beta, float linear_beta, int has_linear_beta) {
     float act = beta * tanhf(gate / beta) * (1.0f / (1.0f + expf(-gate)));
     if (has_linear_beta) up = linear_beta * tanhf(up / linear_beta);
     return act * up;
 }
 
+/* row_dot or row_dot_bf16 over the inputs' rows from `first` (an element offset into even / odd) */
+static inline void dot(const uint8_t *codes, const uint8_t *scales, const void *even, const void *odd, int64_t first,
+                       int64_t stride, int64_t groups, int count, float *acc, int bf16_dot) {
+#if HAVE_BF16_DOT
+    if (bf16_dot) {
+        row_dot_bf16(codes, scales, (const uint16_t *)even + first, (const uint16_t *)odd + first, stride, groups,
+                     count, acc);
+        return;
+    }
+#endif
+    (void)bf16_dot;
+    row_dot(codes, scales, (const float *)even + first, (const float *)odd + first, stride, groups, count, acc);
+}
+
 /* The routed experts of `n` experts for the rows of x grouped by expert: rows offsets[e] .. offsets[e+1] go to
  * expert e, whose packed stacks are gate_up (codes [2I, K/2], scales [2I, K/32]; gate rows first) and down (codes
  * [K, I/2], scales [K, I/32]). x_even / x_odd: [R, K/2] each (x split into its even and odd values). Writes
- * out [R, K] (f32 holding values of the dtype) and uses hidden_even / hidden_odd [R, I/2] as workspace.
- * Returns 0, or -1 when the workspace of the work lists cannot be allocated. */
-int k3_mxfp4_host_experts(const float *x_even, const float *x_odd, const int64_t *offsets, int n,
+ * out [R, K] (f32 holding values of the dtype) and uses hidden_even / hidden_odd [R, I/2] as workspace. With
+ * `bf16_dot` (a bf16 model where the build has AVX512-BF16: k3_mxfp4_host_bf16_dot) the inputs and the workspace
+ * are bf16 words and the products run through row_dot_bf16; else they are f32. Returns 0, -1 when the work lists
+ * cannot be allocated, -2 for bf16_dot where it is not built or the model is not bf16. */
+int k3_mxfp4_host_experts(const void *x_even, const void *x_odd, const int64_t *offsets, int n,
                           const uint8_t *const *gate_up_codes, const uint8_t *const *gate_up_scales,
                           const uint8_t *const *down_codes, const uint8_t *const *down_scales, int64_t K, int64_t I,
-                          float beta, float linear_beta, int has_linear_beta, int bf16, float *hidden_even,
-                          float *hidden_odd, float *out, int threads) {
+                          float beta, float linear_beta, int has_linear_beta, int bf16, int bf16_dot,
+                          void *hidden_even, void *hidden_odd, float *out, int threads) {
+    if (bf16_dot && !(HAVE_BF16_DOT && bf16)) return -2;
     /* work items: (expert, first weight row); the tokens of an expert are served TOKENS at a time inside one */
     int64_t up_blocks = (I + ROWS - 1) / ROWS, down_blocks = (K + ROWS - 1) / ROWS;
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
@@ -202,15 +311,19 @@ int k3_mxfp4_host_experts(const float *x_even, const float *x_odd, const int64_t
                 int count = (int)(offsets[e + 1] - r0 < TOKENS ? offsets[e + 1] - r0 : TOKENS);
                 for (int64_t i = row0; i < row1; ++i) {
                     float gate[TOKENS], up[TOKENS];
-                    row_dot(codes + i * half_k, scales + i * (K / GROUP), x_even + r0 * half_k,
-                            x_odd + r0 * half_k, half_k, K / GROUP, count, gate);
-                    row_dot(codes + (I + i) * half_k, scales + (I + i) * (K / GROUP), x_even + r0 * half_k,
-                            x_odd + r0 * half_k, half_k, K / GROUP, count, up);
-                    float *hidden = (i & 1) ? hidden_odd : hidden_even;
-                    for (int t = 0; t < count; ++t)
-                        hidden[(r0 + t) * half_i + i / 2] = to_dtype(
-                            situ_glu(to_dtype(gate[t], bf16), to_dtype(up[t], bf16), beta, linear_beta,
-                                     has_linear_beta), bf16);
+                    dot(codes + i * half_k, scales + i * (K / GROUP), x_even, x_odd, r0 * half_k, half_k,
+                        K / GROUP, count, gate, bf16_dot);
+                    dot(codes + (I + i) * half_k, scales + (I + i) * (K / GROUP), x_even, x_odd, r0 * half_k,
+                        half_k, K / GROUP, count, up, bf16_dot);
+                    void *hidden = (i & 1) ? hidden_odd : hidden_even;
+                    for (int t = 0; t < count; ++t) {
+                        float value = to_dtype(situ_glu(to_dtype(gate[t], bf16), to_dtype(up[t], bf16), beta,
+                                                        linear_beta, has_linear_beta), bf16);
+                        if (bf16_dot)
+                            ((uint16_t *)hidden)[(r0 + t) * half_i + i / 2] = bf16_bits(value);
+                        else
+                            ((float *)hidden)[(r0 + t) * half_i + i / 2] = value;
+                    }
                 }
             }
         }
@@ -224,8 +337,8 @@ int k3_mxfp4_host_experts(const float *x_even, const float *x_odd, const int64_t
                 int count = (int)(offsets[e + 1] - r0 < TOKENS ? offsets[e + 1] - r0 : TOKENS);
                 for (int64_t k = row0; k < row1; ++k) {
                     float acc[TOKENS];
-                    row_dot(codes + k * half_i, scales + k * (I / GROUP), hidden_even + r0 * half_i,
-                            hidden_odd + r0 * half_i, half_i, I / GROUP, count, acc);
+                    dot(codes + k * half_i, scales + k * (I / GROUP), hidden_even, hidden_odd, r0 * half_i, half_i,
+                        I / GROUP, count, acc, bf16_dot);
                     for (int t = 0; t < count; ++t) out[(r0 + t) * K + k] = to_dtype(acc[t], bf16);
                 }
             }
@@ -236,9 +349,14 @@ int k3_mxfp4_host_experts(const float *x_even, const float *x_odd, const int64_t
     return 0;
 }
 
+/* Whether this build multiplies bf16 inputs with AVX512-BF16 (row_dot_bf16). */
+int k3_mxfp4_host_bf16_dot(void) { return HAVE_BF16_DOT; }
+
 /* Which instruction set this build uses, for the benchmark's and the plan's records. */
 const char *k3_mxfp4_host_isa(void) {
-#if defined(__AVX512F__)
+#if HAVE_BF16_DOT
+    return "avx512-bf16";
+#elif defined(__AVX512F__)
     return "avx512";
 #elif defined(__AVX2__)
     return "avx2";
