@@ -10,9 +10,10 @@ from kimik3.arguments import bandwidth, context_tokens, gpu_memory_size, positiv
 
 PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context", "nodes", "gpus_per_node", "tp", "ep",
                      "prefill_chunk", "hbm_bandwidth", "experts_offload", "host_mem", "experts_cache", "h2d_bandwidth",
-                     "disk_bandwidth", "experts_compute", "measure")
+                     "disk_bandwidth", "experts_compute", "measure", "host_bandwidth")
 # the options of the offload tiers' plan, which need --experts-offload
-OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth", "disk_bandwidth", "experts_compute", "measure")
+OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth", "disk_bandwidth", "experts_compute", "measure",
+                        "host_bandwidth")
 # the options that ask for the per-rank plan of a parallel layout instead of the one-process layer split
 PARALLEL_PLAN_OPTIONS = ("nodes", "gpus_per_node", "tp", "ep", "prefill_chunk", "hbm_bandwidth")
 
@@ -132,6 +133,17 @@ def _offload_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
                  "measured": measured}
         if measured["h2d_bandwidth"] and args.h2d_bandwidth is None:
             rates["h2d_bandwidth"] = measured["h2d_bandwidth"]
+    if args.host_bandwidth is not None:
+        # the plan is for a host of this DRAM bandwidth: the kernel at the fraction of it measured here (or assumed)
+        from kimik3.memory import HOST_KERNEL_FRACTION_ASSUMED
+
+        measured = rates.get("measured")
+        fraction = (measured["host_bytes_per_s"] / measured["dram_read_bytes_per_s"] if measured
+                    else HOST_KERNEL_FRACTION_ASSUMED)
+        rates["host_bytes_per_s"] = fraction * args.host_bandwidth
+        rates.setdefault("measured", {})["for_host_bandwidth"] = {"dram_read_bytes_per_s": args.host_bandwidth,
+                                                                  "kernel_fraction": fraction,
+                                                                  "fraction_measured": bool(measured)}
     try:
         plan = offload_plan(config, gpu_memory, args.host_mem[0] if args.host_mem else 0, context, args.batch,
                             experts_format=args.experts_format,
@@ -338,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure", action="store_true", default=None,
                    help="with --experts-offload: time this machine's DRAM read, the CPU's routed experts at the "
                         "model's widths and (with CUDA) the pinned host-to-device copy, and plan with them")
+    p.add_argument("--host-bandwidth", type=bandwidth,
+                   help="with --experts-offload: the DRAM read bytes/s of the host the plan is for, e.g. 300GB/s: the "
+                        "CPU's experts run at the kernel's fraction of it (measured with --measure, else the fraction "
+                        "docs/benchmarks.md records)")
     p.add_argument("--disk-bandwidth", type=bandwidth,
                    help="with --experts-offload disk: disk-to-host bytes/s, e.g. 14GB/s (default: 7 GB/s, an assumption "
                         "for one PCIe 4.0 NVMe SSD's sequential read, not a measurement: measure yours)")

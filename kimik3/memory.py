@@ -774,6 +774,10 @@ H200_BF16_FLOPS = 989e12  # the H200's dense bf16 tensor-core peak (specificatio
 # reads 300-600 GB/s, a kernel reaches a fraction of it), and flop/s with many tokens each (compute-bound).
 HOST_EXPERTS_BYTES_ASSUMED = 100e9
 HOST_EXPERTS_FLOPS_ASSUMED = 2e12
+# The host kernel's rate as a fraction of the host's DRAM read rate, for a plan told the DRAM bandwidth of another
+# host (`--host-bandwidth`) without measuring it: what the kernel reached at one token an expert on a 2-core Xeon
+# (docs/benchmarks.md, "Routed experts on the CPU"); `--measure` replaces it with this machine's.
+HOST_KERNEL_FRACTION_ASSUMED = 0.41
 # What a plan keeps free on the GPU beyond the weights, the cache, the workspace and the expert cache: the CUDA
 # context (torch's on an H100/H200 takes about 0.5 GB; 1 GB reserved) and the caching allocator's slack between
 # blocks (a fraction of the device). ASSUMPTIONS, stated in the plan's GPU line.
@@ -1029,7 +1033,13 @@ def _rates_line(plan: dict) -> str:
     measured = plan["measured"]
     host = (f"the CPU's experts: {plan['host_bytes_per_s'] / 1e9:,.1f} GB/s of packed bytes at one token an expert, "
             f"{plan['host_flops'] / 1e12:,.2f} TFLOP/s at many")
-    if measured.get("host_kernel"):
+    target = measured.get("for_host_bandwidth")
+    if target:
+        host += (f" (for a host reading {target['dram_read_bytes_per_s'] / 1e9:,.0f} GB/s from DRAM, ASSUMED: the "
+                 f"kernel at {target['kernel_fraction']:.0%} of it, "
+                 + ("as measured here" if target["fraction_measured"] else "the fraction docs/benchmarks.md records")
+                 + ")")
+    elif measured.get("host_kernel"):
         dram = measured.get("dram_read_bytes_per_s")
         host += (f" (MEASURED: {measured['host_kernel']}, {measured['threads']} threads"
                  + (f"; DRAM read {dram / 1e9:,.1f} GB/s, the kernel at {plan['host_bytes_per_s'] / dram:.0%} of it"

@@ -449,6 +449,29 @@ def test_measure_times_this_machine_and_plans_with_it(capsys, monkeypatch):
     assert plan["host_bytes_per_s"] == measured["host_bytes_per_s"] and plan["host_flops"] == measured["host_flops"]
     assert measured["bytes_per_expert"] == plan["bytes_per_expert"] == 17_547_264
     assert measured["host_kernel"].startswith("kernel ")  # the CPU kernel built here (the suite's machines have gcc)
+    # for another host: the kernel at the fraction of DRAM read measured here, times that host's bandwidth
+    assert main([*base, "--host-bandwidth", "300GB/s", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    target = plan["measured"]["for_host_bandwidth"]
+    assert target["fraction_measured"] and plan["host_bytes_per_s"] == pytest.approx(target["kernel_fraction"] * 3e11)
+
+
+def test_a_plan_for_another_hosts_dram_says_what_it_assumes(capsys):
+    from kimik3.memory import HOST_KERNEL_FRACTION_ASSUMED
+
+    base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--host-mem",
+            "1500GB", "--context", "128K", "--prefill-chunk", "1024", "--experts-compute", "auto"]
+    rates = {}
+    for bandwidth in ("200GB/s", "400GB/s"):
+        assert main([*base, "--host-bandwidth", bandwidth, "--json"]) == 0
+        rates[bandwidth] = json.loads(capsys.readouterr().out)
+    assert rates["200GB/s"]["host_bytes_per_s"] == pytest.approx(HOST_KERNEL_FRACTION_ASSUMED * 2e11)
+    # twice the DRAM: the CPU's share of a decode step halves
+    slow, fast = rates["200GB/s"]["decode"], rates["400GB/s"]["decode"]
+    assert fast["layer_host_ms"] < slow["layer_host_ms"] and fast["step_ms"] < slow["step_ms"]
+    assert main([*base, "--host-bandwidth", "300GB/s"]) == 0
+    assert ("for a host reading 300 GB/s from DRAM, ASSUMED: the kernel at 41% of it, the fraction "
+            "docs/benchmarks.md records") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [
