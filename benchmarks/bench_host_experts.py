@@ -43,7 +43,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads or os.cpu_count())
     from kimik3.kernels import mxfp4_host
     from kimik3.modeling.experts_format_kimi_k3 import MXFP4
-    from kimik3.modeling.offload_kimi_k3 import _host_routes
+    from kimik3.modeling.host_experts_kimi_k3 import host_routes
 
     inter, latent, top_k = 3072, 3584, 16
     betas = (4.0, 25.0)
@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
             for index in range(steps + 1):
                 rows, sorted_ids, ids = step(batch)
                 start = time.perf_counter()
-                _, used = _host_routes(rows, sorted_ids, ids, stacks, MXFP4, run, situ)
+                _, used = host_routes(rows, sorted_ids, ids, stacks, MXFP4, run, situ)
                 elapsed = time.perf_counter() - start
                 assert used == (name == "kernel"), f"the kernel did not run: {mxfp4_host.unavailable_reason()}"
                 if index:  # the first is a warm-up

@@ -110,7 +110,8 @@ def host_experts(module, batch, config, bandwidth, repeats=5):
     format's CPU kernel (what `experts_compute="host"` runs) and the reference (a compact copy of the chosen experts
     dequantised and multiplied in bf16), every host core, against the time the same experts take to cross."""
     from kimik3.kernels import mxfp4_host
-    from kimik3.modeling.offload_kimi_k3 import _host_routes, expert_bytes
+    from kimik3.modeling.host_experts_kimi_k3 import host_routes
+    from kimik3.modeling.offload_kimi_k3 import expert_bytes
 
     torch.set_num_threads(os.cpu_count())
     generator = torch.Generator().manual_seed(batch)
@@ -131,7 +132,7 @@ def host_experts(module, batch, config, bandwidth, repeats=5):
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            _, kernel = _host_routes(rows, sorted_ids, ids, stacks, fmt, run, situ)
+            _, kernel = host_routes(rows, sorted_ids, ids, stacks, fmt, run, situ)
             times.append(time.perf_counter() - start)
         return sorted(times[1:])[len(times[1:]) // 2], kernel
 
@@ -174,7 +175,8 @@ def main():
     sections = set(args.sections.split(","))
     ensure_kimik3()
     from kimik3.modeling.modeling_kimi_k3 import KimiK3Experts, KimiK3ForCausalLM
-    from kimik3.modeling.offload_kimi_k3 import expert_bytes, measure_host_rates, offload_routed_experts
+    from kimik3.modeling.host_experts_kimi_k3 import measure_host_rates
+    from kimik3.modeling.offload_kimi_k3 import expert_bytes, offload_routed_experts
 
     results = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, "args": vars(args)}
 

@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts-compute", choices=RemoteCodeConstant("offload_kimi_k3", "EXPERTS_COMPUTE_MODES"),
                    metavar="WHERE",
                    help="with --experts-offload: where the chosen experts the GPU lacks are computed, as the load "
-                        "option experts_compute, one of %(choices)s (device: copied; host: on the CPU; auto: the faster "
-                        "per forward); default device")
+                        "option experts_compute, one of %(choices)s (device: copied; host: on the CPU; auto: the "
+                        "faster per forward); default device")
     p.add_argument("--measure", action="store_true", default=None,
                    help="with --experts-offload: time this machine's DRAM read, the CPU's routed experts at the "
                         "model's widths and (with CUDA) the pinned host-to-device copy, and plan with them")

@@ -961,15 +961,16 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
 def measure_rates(config, experts_format: str | None = None, experts: int = 64, tokens: int = 32, repeats: int = 3,
                   threads: int | None = None, buffer_bytes: int = 2 * 2**30) -> dict:
     """Times this machine for `--measure`: the host's DRAM read (a reduction over a buffer of the experts' size, at
-    least `buffer_bytes`, by default larger than a server's last-level cache), the CPU's routed experts at the model's widths in its
-    experts format (the CPU kernel where it builds, else the reference: `offload_kimi_k3._host_routes`, what a load
-    runs) over one token of each of `experts` experts and over `tokens` tokens of one, and the pinned host-to-device
-    copy where CUDA is available. Best of `repeats` after a warm-up. Returns bytes/s and flop/s."""
+    least `buffer_bytes`, by default larger than a server's last-level cache), the CPU's routed experts at the model's
+    widths in its experts format (the CPU kernel where it builds, else the reference:
+    `host_experts_kimi_k3.host_routes`, what a load runs) over one token of each of `experts` experts and over `tokens`
+    tokens of one, and the pinned host-to-device copy where CUDA is available. Best of `repeats` after a warm-up.
+    Returns bytes/s and flop/s."""
     import time
 
     import torch
 
-    from kimik3.modeling.offload_kimi_k3 import _host_routes
+    from kimik3.modeling.host_experts_kimi_k3 import host_routes
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     threads = threads or torch.get_num_threads()
@@ -997,12 +998,12 @@ def measure_rates(config, experts_format: str | None = None, experts: int = 64, 
             return min(times)
 
         rows_one = torch.randn(experts, latent).bfloat16()
-        one_token = best(lambda: _host_routes(rows_one, torch.arange(experts), list(range(experts)), stacks, fmt, run,
+        one_token = best(lambda: host_routes(rows_one, torch.arange(experts), list(range(experts)), stacks, fmt, run,
                                               betas))
         rows_many = torch.randn(tokens, latent).bfloat16()
-        many = best(lambda: _host_routes(rows_many, torch.zeros(tokens, dtype=torch.int64), [0], stacks, fmt, run,
+        many = best(lambda: host_routes(rows_many, torch.zeros(tokens, dtype=torch.int64), [0], stacks, fmt, run,
                                          betas))
-        _, kernel = _host_routes(rows_one[:1], torch.zeros(1, dtype=torch.int64), [0], stacks, fmt, run, betas)
+        _, kernel = host_routes(rows_one[:1], torch.zeros(1, dtype=torch.int64), [0], stacks, fmt, run, betas)
         buffer = torch.ones(max(buffer_bytes, experts * per_expert) // 8, dtype=torch.int64)
         dram = buffer.numel() * 8 / best(lambda: buffer.sum())
         del buffer

@@ -10,8 +10,8 @@ import torch
 
 from k3_test_utils import offloaded_copy
 from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
-from kimik3.modeling.offload_kimi_k3 import (ExpertsOffloadError, HostRates, measure_host_rates,
-                                             place_hot_experts)
+from kimik3.modeling.host_experts_kimi_k3 import HostRates, measure_host_rates
+from kimik3.modeling.offload_kimi_k3 import ExpertsOffloadError, place_hot_experts
 
 
 @pytest.fixture(scope="module")

@@ -211,13 +211,15 @@ static inline __attribute__((always_inline)) void row_dot_bf16_n(
         }
     }
     if (g < groups) { /* an odd last group: the upper half of the vector masked off */
-        __m512i bytes = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(codes + g * HALF))));
+        __m128i last = _mm_loadu_si128((const __m128i *)(codes + g * HALF));
+        __m512i bytes = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(last));
         __m512bh w_even = (__m512bh)_mm512_maskz_permutexvar_epi16(0xFFFF, _mm512_and_si512(bytes, low_bits), table);
         __m512bh w_odd = (__m512bh)_mm512_maskz_permutexvar_epi16(0xFFFF, _mm512_srli_epi16(bytes, 4), table);
         __m512 scale = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(e8m0(scales[g])));
         for (int t = 0; t < count; ++t) {
             const uint16_t *e = even + t * stride + g * HALF, *o = odd + t * stride + g * HALF;
-            __m512bh xe = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, e), xo = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, o);
+            __m512bh xe = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, e);
+            __m512bh xo = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, o);
             __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), w_even, xe);
             part = _mm512_dpbf16_ps(part, w_odd, xo);
             sums[t] = _mm512_fmadd_ps(part, scale, sums[t]);

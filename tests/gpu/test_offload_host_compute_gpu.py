@@ -32,7 +32,7 @@ def _computed_on_host(model, compute, experts_per_layer=4):
 
 @pytest.mark.parametrize("compute", ["host", "auto"])
 def test_the_cpu_share_gives_the_gpu_models_logits_and_tokens(on_gpu, compute):
-    from kimik3.modeling.offload_kimi_k3 import measure_host_rates
+    from kimik3.modeling.host_experts_kimi_k3 import measure_host_rates
 
     model, fmt = on_gpu
     placed = _computed_on_host(model, compute)

@@ -1,0 +1,153 @@
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Routed experts computed where they live (docs/design.md, Routed experts computed where they live): with the
+experts in host memory (offload_kimi_k3.py), the chosen experts the device's cache lacks run on the CPU over their
+bytes instead of crossing to the device. `HostRates` weighs the two per forward, `measure_host_rates` times them,
+`host_routes` runs the CPU's share (the format's kernel, or the reference), `routed_split` runs a layer's routes on
+both sides and sums them in the reference's order. It imports nothing of the offload: the cache hands it what it
+needs."""
+
+import torch
+
+
+class HostRates:
+    """The rates a forward's choice between computing its missing experts on the CPU and copying them to the device
+    weighs (`experts_compute="auto"`): `copy_bytes_per_s` host -> device, `host_bytes_per_s` the CPU's rate over packed
+    expert bytes with one token per expert (a memory-bound pass), `host_flops` its rate with many tokens per expert
+    (compute-bound). `measure_host_rates` times them on this machine; the defaults are ASSUMPTIONS (PCIe 5.0 x16 pinned
+    copies; a server socket's kernel at about 100 GB/s and 2 TFLOP/s) until then."""
+
+    def __init__(self, copy_bytes_per_s: float = 50e9, host_bytes_per_s: float = 100e9, host_flops: float = 2e12,
+                 measured: bool = False):
+        self.copy_bytes_per_s, self.host_bytes_per_s, self.host_flops = copy_bytes_per_s, host_bytes_per_s, host_flops
+        self.measured = measured
+
+    def __repr__(self) -> str:
+        return (f"HostRates(copy {self.copy_bytes_per_s / 1e9:.1f} GB/s, host {self.host_bytes_per_s / 1e9:.1f} GB/s, "
+                f"{self.host_flops / 1e12:.2f} TFLOP/s, {'measured' if self.measured else 'assumed'})")
+
+    def host_seconds(self, experts: int, routes: int, bytes_per_expert: int, flops_per_route: float) -> float:
+        return max(experts * bytes_per_expert / self.host_bytes_per_s, routes * flops_per_route / self.host_flops)
+
+    def copy_seconds(self, experts: int, bytes_per_expert: int) -> float:
+        return experts * bytes_per_expert / self.copy_bytes_per_s
+
+    def on_host(self, experts: int, routes: int, bytes_per_expert: int, flops_per_route: float) -> bool:
+        """Whether `experts` missing experts serving `routes` routes are computed faster on the CPU than copied."""
+        return self.host_seconds(experts, routes, bytes_per_expert, flops_per_route) < \
+            self.copy_seconds(experts, bytes_per_expert)
+
+
+def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_betas) -> tuple[torch.Tensor, int]:
+    """(each host route's expert output, 1 if the format's CPU kernel computed them else 0). `rows` [R, Dl] on the
+    CPU, sorted by expert (`sorted_ids`); `stacks`: the layer's host stacks [E, ...] in the format's order."""
+    ids = torch.tensor(host_ids, dtype=torch.int64)
+    counts = torch.bincount(torch.searchsorted(ids, sorted_ids.long()), minlength=len(host_ids)).tolist()
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count)
+    if situ_betas is not None:
+        out = fmt.run_on_host(rows, offsets, stacks, host_ids, situ_betas)
+        if out is not None:
+            return out, 1
+    # the reference: the module's op over a copy of the chosen experts (a compact stack of them, not the layer's)
+    compact = tuple(stack.index_select(0, ids) for stack in stacks)
+    local = torch.searchsorted(ids, sorted_ids.long()).unsqueeze(-1)
+    return run(rows, local, torch.ones(local.shape), compact), 0
+
+
+def routed_split(cache, x, top_indices, top_weights, fetched, stacks, fmt, run, situ_betas):
+    """The routed experts' output when `fetched` computes some chosen experts on the CPU (`fetched.host_ids`), with
+    `cache` the model's ExpertCache: every route's expert output (`run(rows, indices [R, 1], unit weights, stacks)`, the
+    module's own op over the compact device stacks; on the CPU the format's kernel over the host stacks' bytes, or `run`
+    over a copy of the chosen experts), then weighted and summed in f32 in the order `ops_kimi_k3.routed_experts` sums
+    them (routes sorted by expert, stable), rounded once: a CPU model gives the reference's logits bit for bit. The
+    CPU's share runs on the cache's worker thread while this one computes the device's. `situ_betas`: the SiTU-GLU's
+    betas, None for another activation (the kernel is SiTU-only)."""
+    num_tokens, top_k = top_indices.shape
+    flat = top_indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k
+    sorted_ids = flat[order]
+    on_host = torch.isin(sorted_ids, torch.tensor(fetched.host_ids, dtype=flat.dtype, device=flat.device))
+    rows = x[token_of]
+    host_rows, host_sorted = rows[on_host].to("cpu"), sorted_ids[on_host].to("cpu")
+    use_kernel = cache.host_kernel if cache.host_kernel is not None else x.device.type == "cuda"
+    # the worker thread runs under this thread's grad and inference modes (thread-local in torch)
+    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+
+    def host_share():
+        with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]):
+            return host_routes(host_rows, host_sorted, fetched.host_ids, stacks, fmt, run,
+                               situ_betas if use_kernel else None)
+
+    job = cache.host_pool().submit(host_share)
+    device_rows = rows[~on_host]
+    per_route = torch.empty_like(rows)
+    if device_rows.shape[0]:
+        local = torch.searchsorted(fetched.chosen, sorted_ids[~on_host]).unsqueeze(-1)
+        _, compact = fetched.wait()
+        per_route[~on_host] = run(device_rows, local, torch.ones(local.shape, device=x.device), compact)
+    host_out, kernel = job.result()
+    per_route[on_host] = host_out.to(x.device)
+    cache.host_routes += host_rows.shape[0]
+    cache.kernel_calls += kernel
+    weighted = per_route.float() * top_weights.reshape(-1)[order].unsqueeze(-1).float()
+    combined = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    return combined.index_add(0, token_of, weighted).to(x.dtype)
+
+
+def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
+    """The rates of `HostRates` timed on this machine with one offloaded expert module's own stacks: the CPU's share
+    (the format's kernel, or the reference where it has none) over one token of each of up to 8 experts, and 32
+    tokens of one; the copy of one expert to `device` (host memory to host memory where it is the CPU). Best of
+    `repeats`, after a warm-up."""
+    import time
+
+    stacks, fmt = module.stacks(), module.format
+    experts = min(8, module.num_experts)
+    latent = module.latent_size
+    betas = (module.config.activation_situ_beta, module.config.activation_situ_linear_beta)
+    target = torch.device(device) if device is not None else torch.device("cpu")
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            if target.type == "cuda":
+                torch.cuda.synchronize(target)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def host(tokens_each: int, count: int):
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        rows = torch.randn(tokens_each * count, latent).to(torch.float32 if dtype == torch.float32 else torch.bfloat16)
+        sorted_ids = torch.arange(count).repeat_interleave(tokens_each)
+        return lambda: host_routes(rows, sorted_ids, list(range(count)), stacks, fmt,
+                                    lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas)
+
+    per_expert = sum(stack[0].numel() * stack.element_size() for stack in stacks)
+    one_token = best(host(1, experts))
+    many = 32
+    many_tokens = best(host(many, 1))
+    flops = 6 * module.intermediate_size * latent
+    piece = tuple(stack[0] for stack in stacks)
+    copy = best(lambda: [p.to(target, non_blocking=target.type == "cuda", copy=True) for p in piece])
+    return HostRates(copy_bytes_per_s=per_expert / copy, host_bytes_per_s=experts * per_expert / one_token,
+                     host_flops=many * flops / many_tokens, measured=True)
+
+
+__all__ = ["HostRates", "host_routes", "measure_host_rates", "routed_split"]
