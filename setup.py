@@ -24,7 +24,9 @@ setup(
     python_requires=">=3.10",
     packages=list(PACKAGE_DIRS),
     package_dir=PACKAGE_DIRS,
-    package_data={"kimik3.configuration": ["*.json", "*.jinja"], "kimik3.hub_card": ["*.md"]},
+    # the host experts kernel's C source is compiled at first use (kernels/mxfp4_host.py)
+    package_data={"kimik3.configuration": ["*.json", "*.jinja"], "kimik3.hub_card": ["*.md"],
+                  "kimik3.kernels": ["csrc/*.c"]},
     install_requires=[
         "torch>=2.4",
         "transformers>=5.17,<6",
@@ -36,8 +38,10 @@ setup(
         # image-processor classes are placeholders without Pillow
         "pillow",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist", "peft>=0.19.1", "trl>=1.16", "lm_eval>=0.4.13", "pillow"],
+    # serve: the web stack `transformers serve` uses; the tests talk to the server with the official openai client
+    extras_require={"test": ["pytest", "pytest-xdist", "peft>=0.19.1", "trl>=1.16", "lm_eval>=0.4.13", "pillow",
+                             "fastapi", "uvicorn", "openai", "httpx"],
                     "train": ["peft>=0.19.1", "trl>=1.16", "lm_eval>=0.4.13"], "gpu": ["fla-core>=0.5.2"],
-                    "vision": ["pillow"]},
+                    "vision": ["pillow"], "serve": ["fastapi", "uvicorn"]},
     entry_points={"console_scripts": ["kimik3=kimik3.cli:main"]},
 )

@@ -123,7 +123,9 @@ def build(model_cls, config):
         return model
     with torch.no_grad():  # random weights; never leave uninitialised memory (NaN/inf) in a parameter
         for p in model.parameters():
-            if not bool(torch.isfinite(p).all()):
+            # integer tensors (packed codes, scale bytes) are always finite; a packed format's adapter points are
+            # stride-0 views of one element (checking them would allocate a bool per dense value)
+            if p.is_floating_point() and 0 not in p.stride() and not bool(torch.isfinite(p).all()):
                 p.normal_(0.0, 0.02)
     return model
 

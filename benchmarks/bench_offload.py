@@ -58,9 +58,15 @@ def decode(model, batch, context, steps, cache_stats=None):
     from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
 
     ids = torch.randint(3, model.config.vocab_size - 1, (batch, context), device="cuda")
+    experts_cache = getattr(model, "experts_cache", None)
+    compute = getattr(experts_cache, "compute", None)
     with torch.inference_mode():
         cache = KimiK3Cache(model.config)
+        if compute == "host":  # the prompt is a prefill: "auto" decides it, as it would in use
+            experts_cache.compute = "auto"
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        if compute is not None:
+            experts_cache.compute = compute
         token = logits[:, -1:].argmax(-1)
         times, before = [], None
         for step in range(steps):
@@ -128,7 +134,7 @@ def host_experts(module, batch, config, bandwidth, repeats=5):
     def run(x, i, w, compact):
         return fmt.run(x, i, w, compact, betas)
 
-    def median(situ):
+    def median(situ, repeats=repeats):
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
@@ -137,7 +143,7 @@ def host_experts(module, batch, config, bandwidth, repeats=5):
         return sorted(times[1:])[len(times[1:]) // 2], kernel
 
     kernel_s, used = median(betas)
-    reference_s, _ = median(None)
+    reference_s, _ = median(None, repeats=1)  # seconds a call at b=8 on the reference
     moved = len(ids) * expert_bytes(stacks)
     return {"batch": batch, "experts": len(ids), "host_threads": torch.get_num_threads(),
             "kernel": mxfp4_host.isa() if used else f"not built: {mxfp4_host.unavailable_reason()}",
@@ -169,7 +175,8 @@ def main():
     parser.add_argument("--cache-fraction", type=float, default=0.25)
     parser.add_argument("--skip-accelerate", action="store_true")
     parser.add_argument("--sections", default="gpu,offload,host,accelerate",
-                        help="which to run, comma-separated: gpu (the slice on the GPU), offload (copies), host "
+                        help="which to run, comma-separated: gpu (the slice on the GPU), offload (copies on the copy "
+                             "stream), one_stream (copies on the compute stream), host "
                              "(experts_compute host/auto and the CPU kernel), accelerate")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -211,6 +218,7 @@ def main():
 
     capacity = max(1, int(args.experts * args.cache_fraction))
     cache = offload_routed_experts(experts, "host", capacity * per_expert * len(experts))
+    model.experts_cache = cache  # as a loaded model holds it (decode reads its `compute`)
     free_cuda()
 
     def stats():
@@ -219,7 +227,9 @@ def main():
 
     emit("offload.cache", {"experts_per_layer": cache.capacity, "budget_bytes": cache.budget_bytes,
                            "uniform_hit_rate": round(cache.capacity / args.experts, 4)})
-    for side_stream, tag in ((False, "offload_one_stream"), (True, "offload")) if "offload" in sections else ():
+    placements = [(False, "offload_one_stream")] if "one_stream" in sections else []
+    placements += [(True, "offload")] if "offload" in sections else []
+    for side_stream, tag in placements:
         cache.side_stream = side_stream
         cache.clear()
         for batch in batches:
@@ -250,7 +260,9 @@ def main():
             for batch in batches:
                 row = decode(model, batch, args.context, args.steps, stats)
                 emit(f"compute_{compute}.decode_b{batch}", row)
-            for tokens in chunks:
+            # every route of a long chunk on the CPU runs at its compute rate (minutes a chunk): prefill is
+            # "auto"'s, which copies a chunk's experts once the rates say so
+            for tokens in chunks if compute == "auto" else ():
                 emit(f"compute_{compute}.prefill_{tokens}", prefill(model, tokens, repeats=1))
         cache.compute = "device"
 

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""`kimik3 serve`'s engine (kimik3/serve.py) against sequential `generate()`, side by side in one run, on the
+bench_k3.py model (random bf16 weights, K3's widths, 8 layers, 64 experts) on one GPU:
+
+  concurrency   N requests (a `--prompt`-token prompt each, `--new-tokens` greedy tokens) submitted at once to the
+                engine, for N in --concurrency: tokens/s over all of them, mean and max request latency, mean time
+                to first token; against `generate()` of the same prompts one after the other (eager, dynamic cache:
+                the engine's own forward), timed over --sequential of them
+  agent         an agent-like session: a --shared-prefix-token prefix (system prompt and tools), then --turns turns,
+                each prompt the previous one + the reply + --turn-tokens new tokens: time to first token a turn with
+                the prefix store, and without it (every turn read whole)
+
+The engine is driven directly (its jobs and mailboxes, no HTTP: the web layer's cost is not measured here).
+
+    python benchmarks/bench_serve.py --out benchmarks/results/bench_serve.json
+    python benchmarks/bench_serve.py --quick        # CPU smoke test on a tiny model
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+async def run_jobs(engine, prompts, new_tokens, stagger=0.0):
+    """Submits one greedy job a prompt; returns per job (seconds to the first token, seconds to the end, tokens)."""
+    from kimik3.serve import Job, Sampling
+
+    loop = asyncio.get_running_loop()
+    start = time.perf_counter()
+
+    async def one(ids, delay):
+        await asyncio.sleep(delay)
+        job = Job(ids, Sampling(max_tokens=new_tokens, temperature=0.0), loop)
+        submitted = time.perf_counter()
+        engine.submit([job])
+        first = None
+        while True:
+            item = await job.mailbox.get()
+            if item is None:
+                break
+            if isinstance(item, Exception):
+                raise item
+            if first is None:
+                first = time.perf_counter() - submitted
+        return first, time.perf_counter() - submitted, list(job.new_ids)
+
+    rows = await asyncio.gather(*(one(ids, i * stagger) for i, ids in enumerate(prompts)))
+    return rows, time.perf_counter() - start
+
+
+def sequential(model, prompts, new_tokens):
+    times, outputs = [], []
+    with torch.no_grad():
+        for ids in prompts:
+            sync()
+            start = time.perf_counter()
+            out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False)
+            sync()
+            times.append(time.perf_counter() - start)
+            outputs.append(out[0, len(ids):].tolist())
+    return times, outputs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--sequential", type=int, default=4)
+    parser.add_argument("--shared-prefix", type=int, default=32768)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-tokens", type=int, default=256)
+    parser.add_argument("--prefill-chunk", type=int, default=2048)
+    args = parser.parse_args()
+
+    from kimik3.serve import Engine
+
+    if args.quick:
+        from kimik3.tiny import build_tiny_model
+
+        model = build_tiny_model(seed=0).eval()
+        args.concurrency, args.prompt, args.new_tokens, args.sequential = "1,4", 40, 8, 2
+        args.shared_prefix, args.turns, args.turn_tokens, args.prefill_chunk = 600, 2, 20, 64
+        env = {"device": "cpu"}
+    else:
+        import bench_k3
+
+        from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+
+        model = bench_k3.build(KimiK3ForCausalLM, bench_k3.k3_config(8, 64)).eval()
+        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    model.generation_config.eos_token_id = None  # every request runs its --new-tokens
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return torch.randint(3, vocab - 1, (n,), generator=generator).tolist()
+
+    results = {"env": env, "args": vars(args)}
+
+    def emit(key, value):
+        results[key] = value
+        print(json.dumps({key: value}), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = [ids(args.prompt) for _ in range(max(levels))]
+    times, reference = sequential(model, prompts[:1] + prompts[:args.sequential], args.new_tokens)
+    per_request = sorted(times[1:])[len(times[1:]) // 2]  # after one warm-up
+    emit("sequential_generate", {"requests": args.sequential, "s_per_request": round(per_request, 4),
+                                 "tokens_per_s": round(args.new_tokens / per_request, 1)})
+    engine = Engine(model, None, max_requests=max(levels) + 1, prefill_chunk=args.prefill_chunk,
+                    prefix_cache_bytes=0)
+    try:
+        asyncio.run(run_jobs(engine, prompts[:1], args.new_tokens))  # warm-up
+        for level in levels:
+            rows, wall = asyncio.run(run_jobs(engine, prompts[:level], args.new_tokens))
+            same = all(tokens == want for (_, _, tokens), want in zip(rows, reference[1:]))
+            emit(f"engine_c{level}", {
+                "requests": level, "wall_s": round(wall, 4), "tokens_per_s": round(level * args.new_tokens / wall, 1),
+                "speedup_vs_sequential": round(level * per_request / wall, 2),
+                "mean_latency_s": round(sum(r[1] for r in rows) / level, 4),
+                "max_latency_s": round(max(r[1] for r in rows), 4),
+                "mean_ttft_s": round(sum(r[0] for r in rows) / level, 4),
+                "greedy_equal_to_generate": same if level <= args.sequential else "not compared"})
+    finally:
+        engine.stop()
+
+    prefix = ids(args.shared_prefix)
+    # the first session is a warm-up (kernels autotuned for the prefill's snapshot offsets and the turns' lengths)
+    for label, store in (("warmup", True), ("prefix_store", True), ("no_store", False)):
+        engine = Engine(model, None, max_requests=4, prefill_chunk=args.prefill_chunk,
+                        prefix_cache_bytes=(8 << 30) if store else 0)
+        try:
+            # a session of its own: the shared prefix, then its own first message
+            prompt, turns = prefix + ids(args.turn_tokens), []
+            for turn in range(args.turns):
+                computed = engine.stats["prompt_tokens_computed"]
+                (row,), _ = asyncio.run(run_jobs(engine, [prompt], args.new_tokens))
+                turns.append({"turn": turn + 1, "prompt_tokens": len(prompt), "ttft_s": round(row[0], 4),
+                              "prompt_tokens_computed": engine.stats["prompt_tokens_computed"] - computed})
+                prompt = prompt + row[2] + ids(args.turn_tokens)
+        finally:
+            engine.stop()
+        if label != "warmup":
+            emit(f"agent_{label}", turns)
+
+
+if __name__ == "__main__":
+    main()
