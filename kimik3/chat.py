@@ -39,9 +39,10 @@ class ChatResult:
     prefill_chunks: list[int] = field(default_factory=list)  # tokens of each chunk prefilled before generate()
 
 
-def load_chat(directory, vision: bool = False):
-    """Tokenizer and model of a folder (trust_remote_code: the folder's own code); with `vision`, also its processor
-    (a model with a vision tower is required)."""
+def load_chat(directory, vision: bool = False, **load_options):
+    """Tokenizer and model of a folder (trust_remote_code: the folder's own code; `load_options` go to
+    `from_pretrained`, e.g. dtype, experts_offload); with `vision`, also its processor (a model with a vision tower is
+    required)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory = Path(directory)
@@ -58,7 +59,7 @@ def load_chat(directory, vision: bool = False):
     if vision:
         _check_vision_folder(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **load_options).eval()
     if not vision:
         return tokenizer, model
     if getattr(model, "vision_tower", None) is None:

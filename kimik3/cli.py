@@ -237,6 +237,17 @@ class TemplateReasoningEfforts:
         return iter(self._values())
 
 
+def cmd_serve(args) -> int:
+    try:
+        from kimik3.serve import run
+        import fastapi, uvicorn  # noqa: F401, E401 - the serve extra
+    except ImportError as exc:
+        print(f"kimik3 serve: error: {exc.name} is not installed: pip install 'kimik3[serve]' (fastapi and "
+              "uvicorn)", file=sys.stderr)
+        return 1
+    return run(args)
+
+
 def cmd_chat(args) -> int:
     from kimik3.chat import ChatFolderError, ChatInputError, read_prompt_file, run_chat
 
@@ -398,6 +409,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt tokens a prefill forward: bounds the prefill's memory (default: "
                         "kimik3.chat.PREFILL_CHUNK_SIZE, 2048)")
     p.set_defaults(fn=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a model folder (chat completions with "
+                                     "streaming, completions, models, health), requests batched step by step",
+                       description="Serve a model folder over HTTP with OpenAI's API: /v1/chat/completions (streaming "
+                                   "or not; reasoning and tool calls in their fields), /v1/completions, /v1/models, "
+                                   "/health. Needs the serve extra (pip install 'kimik3[serve]').")
+    from kimik3.serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(fn=cmd_serve)
 
     for name in PASSTHROUGH_HELP:
         p = sub.add_parser(name, help=f"{PASSTHROUGH_HELP[name]} (options: `kimik3 {name} --help`)", add_help=False)

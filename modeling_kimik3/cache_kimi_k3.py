@@ -54,6 +54,13 @@ def _static_address(tensor: torch.Tensor) -> torch.Tensor:
 # Per-layer storage
 
 
+def layer_tensors(layer) -> list[torch.Tensor]:
+    """The tensors a cache layer holds now (none before its first write)."""
+    if layer.is_linear:
+        return [] if layer.recurrent_state is None else [*layer.conv_states, layer.recurrent_state]
+    return [] if layer.latents is None else [layer.latents]
+
+
 class KimiK3LatentLayer:
     """MLA layer of a growing cache: [B, T, kv_lora_rank + rope] latents, appended along the token axis."""
 
@@ -472,6 +479,57 @@ class KimiK3Cache(Cache):
             layer.reset()
         self._seen_tokens = 0
         self.rewind.reset()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Rows of several caches in one batch (a server's continuous batch: rows join and leave between steps)
+    @classmethod
+    def join(cls, caches: list["KimiK3Cache"]) -> tuple["KimiK3Cache", torch.Tensor]:
+        """One growing cache holding the rows of `caches` (one row each, nothing pending), and its [B, T] key mask
+        (False on padding) for the attention mask of a batched forward: the MLA latents left-padded to the longest
+        row (MLA has no positional encoding, so a row's padding changes nothing but the mask), the KDA states and
+        conv windows stacked. The joined cache keeps no token ids (`split` is how it is undone, not a rewind)."""
+        if not caches:
+            raise ValueError("KimiK3Cache.join: no caches to join")
+        for cache in caches:
+            if cache.is_static or cache.batch_size != 1 or cache.pending_tokens or not cache.get_seq_length():
+                raise ValueError(f"KimiK3Cache.join: each cache must be a growing one holding one row with nothing "
+                                 f"pending, got {cache!r} (pending {cache.pending_tokens})")
+        lengths = [cache.get_seq_length() for cache in caches]
+        longest = max(lengths)
+        joined = cls(caches[0]._text_config)
+        joined.rewind.keep_tokens(None, None, 0)  # no ids kept: never replayed from
+        for index, layer in enumerate(joined.layers):
+            rows = [cache.layers[index] for cache in caches]
+            if layer.is_linear:
+                layer.update(tuple(torch.cat(windows) for windows in zip(*(row.conv_states for row in rows))),
+                             torch.cat([row.recurrent_state for row in rows]))
+            else:
+                layer.update(torch.cat([torch.nn.functional.pad(row.latents, (0, 0, longest - length, 0))
+                                        for row, length in zip(rows, lengths)]))
+        joined._seen_tokens = longest
+        device = next(t for layer in joined.layers for t in layer_tensors(layer)).device
+        positions = torch.arange(longest, device=device)
+        mask = positions[None] >= torch.tensor([longest - length for length in lengths], device=device)[:, None]
+        return joined, mask
+
+    def split(self, key_mask: torch.Tensor) -> list["KimiK3Cache"]:
+        """The rows of a joined cache as caches of one row each, without their padding (`key_mask`, [B, T] as this
+        cache's tokens: False on padding, True from each row's first token on)."""
+        if key_mask.shape != (self.batch_size, self.get_seq_length()):
+            raise ValueError(f"KimiK3Cache.split: a key mask of {tuple(key_mask.shape)} for a cache of "
+                             f"{self.batch_size} rows and {self.get_seq_length()} tokens")
+        rows = []
+        for row, valid in enumerate(key_mask.sum(-1).tolist()):
+            cache = KimiK3Cache(self._text_config)
+            for layer, source in zip(cache.layers, self.layers):
+                if layer.is_linear:
+                    layer.update(tuple(w[row:row + 1] for w in source.conv_states),
+                                 source.recurrent_state[row:row + 1])
+                else:
+                    layer.update(source.latents[row:row + 1, self.get_seq_length() - valid:])
+            cache._seen_tokens = valid
+            rows.append(cache)
+        return rows
 
     # ------------------------------------------------------------------------------------------------------------
     # Memory report

@@ -51,6 +51,7 @@ from .offload_kimi_k3 import check_savable
 from .ops_kimi_k3 import routed_experts
 from .parallel_kimi_k3 import local_shard
 from .saving_kimi_k3 import register_auto_classes, save_folder
+from .serving_kimi_k3 import KimiK3PrefixStore, build_prompt_cache  # noqa: F401 - a remote-code model's own copies
 
 
 logger = logging.get_logger(__name__)

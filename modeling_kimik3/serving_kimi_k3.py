@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 import torch
 
-from .cache_kimi_k3 import KimiK3Cache
+from .cache_kimi_k3 import KimiK3Cache, layer_tensors
 from .rewind_kimi_k3 import DEFAULT_SNAPSHOT_INTERVAL, KDA_BLOCK_SIZE
 
 
@@ -154,7 +154,7 @@ class KimiK3PrefixStore:
         """MLA latents, live KDA states and snapshots of the stored caches (shared tensors counted once)."""
         seen, total = set(), 0
         for _, cache in self._entries.values():
-            tensors = [t for layer in cache.layers for t in _layer_tensors(layer)]
+            tensors = [t for layer in cache.layers for t in layer_tensors(layer)]
             tensors += [t for states in cache.rewind.snapshots.values() for conv, state in states.values()
                         for t in (*conv, state)]
             for tensor in tensors:
@@ -184,12 +184,6 @@ def _restored_at(cache: KimiK3Cache, tokens: int) -> int | None:
         return tokens - cache.pending_tokens  # the live state
     restored = cache.rewind.restore_position(tokens)
     return restored if restored == tokens or cache.rewind.replayable else None
-
-
-def _layer_tensors(layer) -> list[torch.Tensor]:
-    if layer.is_linear:
-        return [] if layer.recurrent_state is None else [*layer.conv_states, layer.recurrent_state]
-    return [] if layer.latents is None else [layer.latents]
 
 
 __all__ = ["KimiK3PrefixStore", "block_hashes", "build_prompt_cache"]

@@ -1,0 +1,689 @@
+"""`kimik3 serve DIR` (and `python -m kimik3.serve DIR`): an OpenAI-compatible HTTP server for any folder this project
+loads (docs/design.md, Serving). FastAPI and uvicorn, the web stack `transformers serve` uses; the routes
+`/v1/chat/completions` (streaming and not), `/v1/completions`, `/v1/models` and `/health`.
+
+Requests are scheduled by one engine thread, step by step: a request joins at the next step after it arrives and leaves
+at the step it finishes or its client goes away (its slot freed), each running request advancing one token a step
+(its prompt prefilled in chunks of `--prefill-chunk` tokens, interleaved with the others' decode) on its own
+`KimiK3Cache` (KDA state and conv windows, MLA latents), so a request's tokens are those of `generate()` on it alone.
+Requests beyond `--max-requests` (running and queued) are refused with HTTP 429 by name. The K3 chat format
+(kimik3.chat_format) renders messages, tools, `tool_choice` and `reasoning_effort` to ids (message text never
+becomes a control token) and splits the reply into `reasoning_content`, `content` and `tool_calls`."""
+
+import argparse
+import asyncio
+import importlib
+import json
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_N = 8
+MAX_TOP_LOGPROBS = 20
+
+
+class ServeError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely (0..MAX_TOP_LOGPROBS)
+
+
+class Job:
+    """One sequence being generated: its prompt, its cache while it prefills alone, what it has produced (ids and,
+    with `logprobs`, each one's log-probability and the top ones), and the mailbox its HTTP handler reads (token ids
+    as they come, then None). `twin`: the job of the same request whose prefill it shares (`n` > 1)."""
+
+    def __init__(self, prompt_ids: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop, index: int = 0,
+                 twin: "Job | None" = None):
+        self.id = uuid.uuid4().hex[:12]
+        self.prompt_ids, self.sampling, self.loop, self.index, self.twin = prompt_ids, sampling, loop, index, twin
+        self.mailbox: asyncio.Queue = asyncio.Queue()
+        self.new_ids: list[int] = []
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.cache = None
+        self.prefilled = 0  # prompt tokens the cache holds
+        self.cached_tokens = 0  # of them, taken from the prefix store
+        self.last_logits = None  # after the prompt, for the twins
+        self.cache_after_prompt = None
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.generator = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling.seed + index)
+
+    def post(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.mailbox.put_nowait, item)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.cancelled
+
+
+class Engine:
+    """The scheduler: one thread runs steps. A step gives every job still reading its prompt one chunk (alone, on
+    its own cache: a long prompt never holds up the others' decode), then one batched decode forward for every job
+    past its prompt, their rows joined in one cache (`KimiK3Cache.join`: MLA latents left-padded, KDA states and
+    conv windows stacked). Jobs join the batch at the step after their prompt ends and leave at the step they finish
+    or their client goes away; only then is the batch regrouped (`split`, then `join` of the rows that stay and the
+    ones that come). With a prefix store (`prefix_cache_bytes`), a prompt starts from the longest stored prefix at
+    a 512-token block or a whole earlier prompt (KDA snapshots written during prefill), and every prompt is stored
+    when read."""
+
+    def __init__(self, model, tokenizer, max_requests: int = 16, prefill_chunk: int = 512,
+                 max_context: int | None = None, prefix_cache_bytes: int | None = 1 << 30):
+        # the model's own code (a folder loaded with trust_remote_code runs its copy): its cache and prefix store
+        self.code = importlib.import_module(type(model).__module__)
+        package = type(model).__module__.rpartition(".")[0]
+        self.block_size = importlib.import_module(f"{package}.rewind_kimi_k3").KDA_BLOCK_SIZE
+        self.model, self.tokenizer = model, tokenizer
+        self.text_config = model.config.get_text_config()
+        self.max_requests, self.prefill_chunk = max_requests, prefill_chunk
+        self.max_context = max_context or getattr(self.text_config, "max_position_embeddings", None) or 1 << 20
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.device = model.get_input_embeddings().weight.device
+        self.store = self.code.KimiK3PrefixStore(max_bytes=prefix_cache_bytes) if prefix_cache_bytes else None
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.queue: deque[Job] = deque()
+        self.reading: list[Job] = []  # prefilling, alone
+        self.batch: list[Job] = []  # the rows of `joined`, in order
+        self.joined, self.key_mask = None, None
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stopped = False
+        self.stats = {"steps": 0, "decode_forwards": 0, "rows_decoded": 0, "prompt_tokens_computed": 0,
+                      "prompt_tokens_reused": 0, "regroups": 0}
+        self.thread = threading.Thread(target=self._loop, name="kimik3-serve-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, jobs: list[Job]) -> None:
+        with self.lock:
+            busy = len(self.queue) + len(self.reading) + len(self.batch)
+            if busy + len(jobs) > self.max_requests:
+                raise ServeError(429, f"the server is at capacity: {busy} sequences running or queued, "
+                                      f"{len(jobs)} more asked, at most {self.max_requests} (--max-requests); retry "
+                                      "later", kind="rate_limit_exceeded")
+            self.queue.extend(jobs)
+        self.wake.set()
+
+    def busy(self) -> int:
+        with self.lock:
+            return len(self.queue) + len(self.reading) + len(self.batch)
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self.stopped:
+            with self.lock:
+                self.reading.extend(self.queue)
+                self.queue.clear()
+            if not self.reading and not self.batch:
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            self._read_prompts()
+            try:
+                self._decode()
+            except Exception as error:  # noqa: BLE001 - the batch's requests get it by name, the server goes on
+                # the joined cache is in an unknown state after a failed forward: its rows end
+                for job in self.batch:
+                    self._fail(job, error)
+                    job.post(None)
+                self.batch, self.joined, self.key_mask = [], None, None
+            self.stats["steps"] += 1
+
+    @staticmethod
+    def _fail(job: Job, error: Exception) -> None:
+        if not job.done:
+            job.finish_reason = "error"
+            job.post(ServeError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error"))
+
+    @torch.no_grad()
+    def _read_prompts(self) -> None:
+        ready = []  # prompts read, or jobs that ended while reading (went away, failed, ended at their first token)
+        for job in list(self.reading):
+            try:
+                read = not job.done and self._read(job)
+            except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
+                self._fail(job, error)
+                read = False
+            if read or job.done:
+                ready.append(job)
+        with self.lock:
+            for job in ready:
+                self.reading.remove(job)
+        for job in ready:
+            job.cache_after_prompt = None  # twins read in the same pass as their source, after it
+            if job.done:
+                job.cache = None
+                job.post(None)
+        if any(not job.done for job in ready):
+            self._regroup(add=[job for job in ready if not job.done])
+
+    def _read(self, job: Job) -> bool:
+        """One chunk of the job's prompt; whether the prompt is read (and its first token sampled)."""
+        if job.twin is not None:
+            source = job.twin
+            if source.last_logits is None and not source.done:
+                return False  # its source still reads the prompt
+            if source.last_logits is None:  # the source failed or went away before its prompt ended
+                job.twin = None
+                return False
+            job.cache = source.cache_after_prompt.copy_prefix(len(job.prompt_ids))
+            job.prefilled, job.cached_tokens = len(job.prompt_ids), source.cached_tokens
+            self._emit(job, source.last_logits)
+            return True
+        if job.cache is None:
+            self._start(job)
+        end = min(len(job.prompt_ids), job.prefilled + self.prefill_chunk)
+        ids = torch.tensor([job.prompt_ids[job.prefilled:end]], device=self.device)
+        out = self.model(input_ids=ids, past_key_values=job.cache, use_cache=True, logits_to_keep=1)
+        self.stats["prompt_tokens_computed"] += end - job.prefilled
+        job.prefilled = end
+        if end < len(job.prompt_ids):
+            return False
+        job.last_logits = out.logits[0, -1].float()
+        # what the twins and the store copy from (the job's own cache goes on into the batch)
+        job.cache_after_prompt = job.cache.copy_prefix(len(job.prompt_ids))
+        if self.store is not None:
+            self.store.insert(job.prompt_ids, job.cache_after_prompt)
+        self._emit(job, job.last_logits)
+        return True
+
+    def _start(self, job: Job) -> None:
+        if self.store is not None:
+            tokens, cache = self.store.lookup(job.prompt_ids)
+            if cache is not None:
+                # the cache stands for `tokens`; those after its nearest KDA snapshot run with the first chunk
+                job.cache, job.prefilled = cache, tokens
+                job.cached_tokens = tokens - cache.pending_tokens
+                self.stats["prompt_tokens_reused"] += job.cached_tokens
+                self.stats["prompt_tokens_computed"] += cache.pending_tokens
+                return
+            job.cache = self.code.KimiK3Cache(self.text_config, snapshot_interval=self.block_size,
+                                              max_snapshot_bytes=self.prefix_cache_bytes)
+        else:
+            job.cache = self.code.KimiK3Cache(self.text_config)
+
+    def _regroup(self, add: list[Job] = ()) -> None:
+        """The batch's rows after jobs left (done) or came (`add`, their caches holding their prompts)."""
+        rows = self.joined.split(self.key_mask) if self.joined is not None else [job.cache for job in self.batch]
+        kept = [(job, row) for job, row in zip(self.batch, rows) if not job.done]
+        for job in self.batch:
+            if job.done:
+                job.post(None)  # its stream ends; its row is gone
+        kept += [(job, job.cache) for job in add]
+        for job, _ in kept:
+            job.cache = None
+        self.batch = [job for job, _ in kept]
+        self.joined, self.key_mask = self.code.KimiK3Cache.join([row for _, row in kept]) if kept else (None, None)
+        self.stats["regroups"] += 1
+
+    @torch.no_grad()
+    def _decode(self) -> None:
+        if any(job.done for job in self.batch):
+            self._regroup()
+        if not self.batch:
+            return
+        ids = torch.tensor([[job.new_ids[-1]] for job in self.batch], device=self.device)
+        mask = torch.cat([self.key_mask, self.key_mask.new_ones(len(self.batch), 1)], dim=1)
+        out = self.model(input_ids=ids, attention_mask=mask.long(), past_key_values=self.joined, use_cache=True)
+        self.key_mask = mask
+        self.stats["decode_forwards"] += 1
+        self.stats["rows_decoded"] += len(self.batch)
+        for job, logits in zip(self.batch, out.logits[:, -1].float()):
+            if not job.done:
+                self._emit(job, logits)
+
+    def _emit(self, job: Job, logits: torch.Tensor) -> None:
+        """Samples the job's next token from `logits` (f32), posts it, and decides whether the job ends here."""
+        token = self._sample(logits, job)
+        job.new_ids.append(token)
+        if job.sampling.logprobs is not None:
+            logprobs = torch.log_softmax(logits.cpu(), dim=-1)
+            top = torch.topk(logprobs, job.sampling.logprobs) if job.sampling.logprobs else None
+            job.logprobs.append((float(logprobs[token]), [] if top is None else
+                                 list(zip(top.indices.tolist(), top.values.tolist()))))
+        job.post(token)
+        if token in self.eos:
+            job.finish_reason = "stop"
+        elif len(job.new_ids) >= job.sampling.max_tokens:
+            job.finish_reason = "length"
+        elif job.sampling.stop and stop_at(self.tokenizer.decode(job.new_ids), job.sampling.stop) is not None:
+            job.finish_reason = "stop"
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, job: Job) -> int:
+        sampling = job.sampling
+        if sampling.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.cpu() / sampling.temperature, dim=-1)
+        if sampling.top_p < 1.0:
+            ordered, order = probs.sort(descending=True)
+            keep = ordered.cumsum(-1) - ordered < sampling.top_p  # the smallest set reaching top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
+        return int(torch.multinomial(probs, 1, generator=job.generator))
+
+
+def stop_at(text: str, stops: list[str]) -> int | None:
+    """Where the first stop sequence begins in `text`, or None."""
+    found = [text.index(stop) for stop in stops if stop in text]
+    return min(found) if found else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requests: parsed and checked by name before anything is queued
+
+
+def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise ServeError(400, f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}", name)
+    if (low is not None and (value < low or (low_open and value == low))) or (high is not None and value > high):
+        bounds = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
+        raise ServeError(400, f"{name}={value} is outside {bounds}", name)
+    return kind(value)
+
+
+def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> tuple[Sampling, int]:
+    temperature = _number(body, "temperature", 1.0, float, 0.0, MAX_TEMPERATURE)
+    top_p = _number(body, "top_p", 1.0, float, 0.0, 1.0, low_open=True)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, int, 1)
+    seed = _number(body, "seed", None, int)
+    n = _number(body, "n", 1, int, 1, MAX_N)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str) and stop:
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 4):
+        raise ServeError(400, "stop must be a non-empty string or a list of at most 4 non-empty strings", "stop")
+    if chat:  # chat: logprobs true/false, top_logprobs 0..20
+        if not isinstance(body.get("logprobs", False), bool):
+            raise ServeError(400, f"logprobs must be true or false, got {body['logprobs']!r}", "logprobs")
+        top = _number(body, "top_logprobs", 0, int, 0, MAX_TOP_LOGPROBS)
+        if top and not body.get("logprobs"):
+            raise ServeError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = top if body.get("logprobs") else None
+    else:  # completions: logprobs an integer 0..5, the most likely tokens at each position
+        logprobs = _number(body, "logprobs", None, int, 0, 5)
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                    logprobs=logprobs), n
+
+
+class App:
+    """The HTTP side: the routes, each request checked, turned into jobs, and its jobs' tokens into OpenAI's
+    responses (streamed as server-sent events with `"stream": true`)."""
+
+    def __init__(self, engine: Engine, model_name: str, default_max_tokens: int = 256):
+        self.engine, self.model_name, self.default_max_tokens = engine, model_name, default_max_tokens
+        self.tokenizer = engine.tokenizer
+
+    def build(self):
+        from fastapi import FastAPI, Request
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        api = FastAPI(title="kimik3 serve")
+
+        @api.exception_handler(ServeError)
+        async def serve_error(request, error: ServeError):
+            return JSONResponse(error.body(), status_code=error.status)
+
+        @api.exception_handler(RequestValidationError)
+        async def validation_error(request, error):
+            return JSONResponse(ServeError(400, f"the request is malformed: {error}").body(), status_code=400)
+
+        @api.get("/health")
+        async def health():
+            return {"status": "ok", "model": self.model_name, "busy": self.engine.busy(),
+                    "stats": dict(self.engine.stats)}
+
+        @api.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "kimik3",
+                                                "created": int(time.time())}]}
+
+        async def body_of(request: Request) -> dict:
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ServeError(400, f"the request body is not valid JSON: {error}") from None
+            if not isinstance(body, dict):
+                raise ServeError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+            model = body.get("model")
+            if model is not None and model != self.model_name:
+                raise ServeError(404, f"model {model!r} not found: this server serves {self.model_name!r}", "model",
+                                 kind="model_not_found")
+            return body
+
+        @api.post("/v1/completions")
+        async def completions(request: Request):
+            body = await body_of(request)
+            return await self.respond(request, body, self.prompt_ids(body), False, StreamingResponse)
+
+        @api.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            body = await body_of(request)
+            return await self.respond(request, body, self.chat_ids(body), True, StreamingResponse)
+
+        return api
+
+    def prompt_ids(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list, as the openai client may send it
+        if isinstance(prompt, str) and prompt:
+            # plain text: markup in it stays text, never a control token
+            return self.tokenizer.encode(prompt, add_special_tokens=False, split_special_tokens=True)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            vocab = self.engine.text_config.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ServeError(400, f"prompt holds the token id {bad}, outside [0, {vocab})", "prompt")
+            return list(prompt)
+        raise ServeError(400, "prompt must be one non-empty string or one non-empty list of token ids", "prompt")
+
+    def chat_ids(self, body: dict) -> list[int]:
+        from kimik3.chat_format import encode_chat
+
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ServeError(400, "messages must be a non-empty list of message objects", "messages")
+        for position, message in enumerate(messages):
+            if isinstance(message.get("content"), list) and any(
+                    isinstance(part, dict) and part.get("type") not in (None, "text") for part in message["content"]):
+                raise ServeError(400, f"messages[{position}]: only text parts are served (images in messages are "
+                                      "not: docs/design.md, Serving)", "messages")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ServeError(400, "tools must be a list of tool objects", "tools")
+        tool_choice = body.get("tool_choice")
+        if tool_choice not in (None, "auto", "none", "required"):
+            raise ServeError(400, f"tool_choice must be 'auto', 'none' or 'required', got {tool_choice!r}",
+                             "tool_choice")
+        effort = body.get("reasoning_effort", "max")
+        try:
+            return encode_chat(self.tokenizer, messages, tools=[t.get("function", t) for t in tools or []] or None,
+                               add_generation_prompt=True, reasoning_effort=effort,
+                               tool_choice=None if tool_choice in (None, "auto") else tool_choice,
+                               response_format=body.get("response_format"))
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise ServeError(400, f"messages: {error}", "messages") from None
+
+    async def respond(self, request, body: dict, ids: list[int], chat: bool, stream_response):
+        sampling, n = parse_sampling(body, self.default_max_tokens, chat)
+        if len(ids) + sampling.max_tokens > self.engine.max_context:
+            raise ServeError(400, f"the prompt's {len(ids):,} tokens and max_tokens {sampling.max_tokens:,} exceed "
+                                  f"the context of {self.engine.max_context:,} tokens (--max-context)", "max_tokens",
+                             kind="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, sampling, loop)]
+        jobs += [Job(ids, sampling, loop, index, twin=jobs[0]) for index in range(1, n)]
+        self.engine.submit(jobs)
+        reply = Reply(self, jobs, chat, len(ids))
+        if body.get("stream"):
+            return stream_response(reply.events(request, bool((body.get("stream_options") or {}).get(
+                "include_usage"))), media_type="text/event-stream")
+        try:
+            for job in jobs:
+                await reply.drain(request, job)
+        finally:
+            for job in jobs:
+                job.cancelled = job.cancelled or job.finish_reason is None
+        return reply.whole()
+
+
+class Reply:
+    """One request's jobs turned into OpenAI's response objects: whole, or as server-sent events."""
+
+    def __init__(self, app: App, jobs: list[Job], chat: bool, prompt_tokens: int):
+        self.app, self.jobs, self.chat, self.prompt_tokens = app, jobs, chat, prompt_tokens
+        self.tokenizer = app.tokenizer
+        self.id = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
+        self.created = int(time.time())
+
+    def text(self, job: Job) -> str:
+        """What the job generated, up to its first stop sequence."""
+        text = self.tokenizer.decode(job.new_ids)
+        cut = stop_at(text, job.sampling.stop)
+        return text if cut is None else text[:cut]
+
+    def fields(self, job: Job) -> dict:
+        """The reply as OpenAI's assistant message fields: in the K3 format the generation prompt opens the think
+        section, so the text is `reasoning_content` until the model opens its response (`content`); its tool calls
+        are `tool_calls` (arguments as JSON text). Markup the parser cannot follow (a malformed tool block) leaves
+        the raw text as `content`."""
+        from kimik3.chat_format import ChatFormatError, parse_reply
+
+        text = self.text(job)
+        try:
+            reply = parse_reply(text)
+        except ChatFormatError:
+            return {"content": text}
+        out = {"content": reply.response, "reasoning_content": reply.reasoning}
+        if reply.tool_calls:
+            out["tool_calls"] = [
+                {"id": f"call_{job.id}_{call.index}", "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments if isinstance(call.arguments, str)
+                              else json.dumps(call.arguments, ensure_ascii=False)}}
+                for call in reply.tool_calls]
+        return out
+
+    def finish(self, job: Job) -> str:
+        if job.finish_reason == "stop" and self.chat and self.fields(job).get("tool_calls"):
+            return "tool_calls"
+        return job.finish_reason if job.finish_reason in ("stop", "length") else "stop"
+
+    def logprobs(self, job: Job, start: int = 0, end: int | None = None):
+        if job.sampling.logprobs is None:
+            return None
+        ids, entries = job.new_ids[start:end], job.logprobs[start:end]
+        piece = self.tokenizer.convert_ids_to_tokens
+        if self.chat:
+            return {"content": [{"token": piece(token), "logprob": logprob, "bytes": None,
+                                 "top_logprobs": [{"token": piece(t), "logprob": lp, "bytes": None} for t, lp in top]}
+                                for token, (logprob, top) in zip(ids, entries)]}
+        return {"tokens": [piece(t) for t in ids], "token_logprobs": [lp for lp, _ in entries],
+                "top_logprobs": [{piece(t): lp for t, lp in top} for _, top in entries], "text_offset": None}
+
+    def usage(self) -> dict:
+        completion = sum(len(job.new_ids) for job in self.jobs)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.jobs[0].cached_tokens}}
+
+    def whole(self) -> dict:
+        choices = []
+        for job in self.jobs:
+            choice = {"index": job.index, "finish_reason": self.finish(job), "logprobs": self.logprobs(job)}
+            if self.chat:
+                fields = self.fields(job)
+                choice["message"] = {"role": "assistant", **{k: v for k, v in fields.items() if v}}
+                choice["message"].setdefault("content", None if fields.get("tool_calls") else "")
+            else:
+                choice["text"] = self.text(job)
+            choices.append(choice)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.app.model_name, "choices": choices, "usage": self.usage()}
+
+    async def drain(self, request, job: Job) -> None:
+        """Waits for the job's end; a client gone away cancels it (the engine frees its slot at its next step)."""
+        while True:
+            try:
+                item = await asyncio.wait_for(job.mailbox.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled = True
+                    raise asyncio.CancelledError from None
+                continue
+            if isinstance(item, ServeError):
+                raise item
+            if item is None:
+                return
+
+    def _chunk(self, job: Job | None, delta: dict | None = None, finish: str | None = None, logprobs=None,
+               usage: dict | None = None) -> str:
+        choices = []
+        if job is not None:
+            if self.chat:
+                choice = {"index": job.index, "delta": delta or {}, "finish_reason": finish, "logprobs": logprobs}
+            else:
+                choice = {"index": job.index, "text": (delta or {}).get("content", ""), "finish_reason": finish,
+                          "logprobs": logprobs}
+            choices.append(choice)
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.app.model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
+
+    async def events(self, request, include_usage: bool = False):
+        """Server-sent events: each job's deltas as its tokens come (chat: reasoning and response text as
+        `reasoning_content` and `content`, each tool call once whole), its finish, then [DONE]. A client that goes
+        away cancels every job of the request: the engine frees their slots at its next step."""
+        try:
+            for job in self.jobs:
+                if self.chat:
+                    yield self._chunk(job, {"role": "assistant", "content": ""})
+                sent = {"content": "", "reasoning_content": ""}
+                calls_sent, tokens_sent = 0, 0
+                while True:
+                    item = await job.mailbox.get()
+                    if isinstance(item, ServeError):
+                        yield "data: " + json.dumps(item.body()) + "\n\n"
+                        return
+                    end = item is None
+                    fields = self.fields(job) if self.chat else {"content": self.text(job)}
+                    delta = {}
+                    for key in sent:
+                        now = fields.get(key) or ""
+                        # a partial character or tag at the end waits for the next token
+                        if now.startswith(sent[key]) and len(now) > len(sent[key]) and \
+                                (end or not now.endswith("\ufffd")):
+                            delta[key], sent[key] = now[len(sent[key]):], now
+                    calls = fields.get("tool_calls") or []
+                    if len(calls) > calls_sent:
+                        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)][calls_sent:]
+                        calls_sent = len(calls)
+                    logprobs = None
+                    if job.sampling.logprobs is not None and (delta or end) and len(job.new_ids) > tokens_sent:
+                        logprobs = self.logprobs(job, tokens_sent)
+                        tokens_sent = len(job.new_ids)
+                    if delta or logprobs:
+                        yield self._chunk(job, delta, logprobs=logprobs)
+                    if end:
+                        break
+                yield self._chunk(job, finish=self.finish(job))
+            if include_usage:
+                yield self._chunk(None, usage=self.usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            for job in self.jobs:
+                job.cancelled = job.cancelled or job.finish_reason is None
+
+
+def make_app(directory, model_name: str | None = None, max_requests: int = 16, prefill_chunk: int = 512,
+             max_context: int | None = None, default_max_tokens: int = 256, prefix_cache_bytes: int | None = 1 << 30,
+             device: str | None = None, **load_options):
+    """(the FastAPI app, its engine) serving the folder `directory`, loaded as `kimik3 chat` loads it (the Auto
+    classes with the folder's own code; `load_options` to `from_pretrained`)."""
+    from kimik3.chat import load_chat
+
+    tokenizer, model = load_chat(directory, **{k: v for k, v in load_options.items() if v is not None})
+    if device:
+        model.to(device)
+    engine = Engine(model, tokenizer, max_requests=max_requests, prefill_chunk=prefill_chunk, max_context=max_context,
+                    prefix_cache_bytes=prefix_cache_bytes)
+    name = model_name or Path(directory).resolve().name
+    return App(engine, name, default_max_tokens).build(), engine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags, named as `transformers serve` names those that mean the same thing (--host, --port, --dtype,
+    --device, --log-level)."""
+    from kimik3.arguments import positive_int
+
+    parser.add_argument("directory", help="a model folder (kimik3 tiny, convert or adopt)")
+    parser.add_argument("--host", default="localhost", help="the address to listen on (default localhost)")
+    parser.add_argument("--port", type=int, default=8000, help="default 8000")
+    parser.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default: the folder's)")
+    parser.add_argument("--device", default=None, help="where the model runs, e.g. cuda (default: where it loads)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--model-name", default=None, help="the model id clients name (default: the folder's name)")
+    parser.add_argument("--max-requests", type=positive_int, default=16,
+                        help="sequences running or queued at once (each of a request's n counts); more are refused "
+                             "with HTTP 429 (default 16)")
+    parser.add_argument("--prefill-chunk", type=positive_int, default=512,
+                        help="prompt tokens a request reads a step, between the batch's decode steps (default 512)")
+    parser.add_argument("--max-context", type=positive_int, default=None,
+                        help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-tokens", type=positive_int, default=256, help="max_tokens when a request names none")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
+                        help="memory for stored prompts (MLA latents and KDA snapshots at 512-token blocks) that "
+                             "later prompts start from; least recently used out; 0 turns it off (default 1 GiB)")
+    parser.add_argument("--experts-offload", choices=["host", "disk"], default=None,
+                        help="the load option experts_offload: routed experts kept in host memory or on disk")
+    parser.add_argument("--experts-compute", choices=["device", "host", "auto"], default=None,
+                        help="the load option experts_compute (with --experts-offload)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kimik3 serve", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from kimik3.chat import ChatFolderError
+
+    try:
+        app, engine = make_app(args.directory, model_name=args.model_name, max_requests=args.max_requests,
+                               prefill_chunk=args.prefill_chunk, max_context=args.max_context,
+                               default_max_tokens=args.max_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
+                               device=args.device, dtype=args.dtype, experts_offload=args.experts_offload,
+                               experts_compute=args.experts_compute)
+    except ChatFolderError as error:
+        print(f"kimik3 serve: error: {error}", file=sys.stderr)
+        return 1
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

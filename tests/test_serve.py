@@ -1,0 +1,324 @@
+"""`kimik3 serve` (kimik3/serve.py; docs/design.md, Serving) as clients use it: a tiny folder written by `kimik3 tiny`,
+loaded through the Auto classes with the folder's own code, served by uvicorn on localhost in this process, and
+talked to with the official `openai` client (and raw HTTP where the client would refuse to send the bad request).
+Greedy tokens of concurrent requests equal `generate()` of each alone (fp32); a prompt that extends an earlier one is
+read from the prefix store; reasoning and tool calls come back in OpenAI's fields; bad requests, overload and
+disconnects get clear errors and leave the server serving."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from kimik3.chat_format import encode_chat, render_text
+from kimik3.serve import make_app
+from kimik3.tiny import write_tiny_folder
+
+MODEL = "tiny-k3"
+
+
+class Server:
+    def __init__(self, folder, **options):
+        self.app, self.engine = make_app(folder, model_name=MODEL, **options)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+        self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.stop()
+
+    def alone(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy `generate()` of one prompt alone: the reference the served tokens must equal."""
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("serve") / "tiny"
+    write_tiny_folder(directory, seed=3)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    # a small prefill chunk: prompts are read over several steps, interleaved with the others' decode
+    served = Server(folder, prefill_chunk=16, max_requests=8)
+    yield served
+    served.close()
+
+
+def _prompts(count: int, vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(11)
+    lengths = [5, 37, 12, 60, 3, 21][:count]
+    return [torch.randint(3, vocab - 300, (n,), generator=generator).tolist() for n in lengths]
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+
+
+def test_concurrent_greedy_requests_equal_generate_of_each_alone(server):
+    vocab = server.model.config.vocab_size
+    prompts = _prompts(6, vocab)
+    steps = 12
+    before = dict(server.engine.stats)
+
+    async def ask_all():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+        async def one(index, ids):
+            if index % 2:  # half of them streamed
+                stream = await client.completions.create(model=MODEL, prompt=ids, max_tokens=steps, temperature=0,
+                                                         stream=True, logprobs=0)
+                tokens = []
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].logprobs:
+                        tokens += chunk.choices[0].logprobs.tokens
+                return tokens
+            reply = await client.completions.create(model=MODEL, prompt=ids, max_tokens=steps, temperature=0,
+                                                    logprobs=0)
+            return reply.choices[0].logprobs.tokens
+
+        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+
+    served = asyncio.run(ask_all())
+    for ids, tokens in zip(prompts, served):
+        assert tokens == server.tokenizer.convert_ids_to_tokens(server.alone(ids, steps))
+    stats = server.engine.stats
+    forwards = stats["decode_forwards"] - before["decode_forwards"]
+    rows = stats["rows_decoded"] - before["rows_decoded"]
+    assert rows > forwards, "no decode forward held more than one request"
+
+
+def test_n_and_seeded_sampling(server):
+    ids = _prompts(1, server.model.config.vocab_size)[0]
+    greedy = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, n=3)
+    texts = [choice.text for choice in sorted(greedy.choices, key=lambda c: c.index)]
+    assert texts == [server.tokenizer.decode(server.alone(ids, 6))] * 3
+    sampled = [server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=1.0, seed=7,
+                                                logprobs=0).choices[0].logprobs.tokens for _ in range(2)]
+    assert sampled[0] == sampled[1], "a seed gives the same tokens"
+    other = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=1.0, seed=8,
+                                             logprobs=0).choices[0].logprobs.tokens
+    assert other != sampled[0]
+
+
+def test_chat_streaming_and_not_agree_and_logprobs_are_the_models(server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    whole = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                  logprobs=True, top_logprobs=2)
+    choice = whole.choices[0]
+    streamed = {"content": "", "reasoning_content": ""}
+    for chunk in server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                       stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            streamed["content"] += delta.content or ""
+            streamed["reasoning_content"] += getattr(delta, "reasoning_content", None) or ""
+        else:
+            assert chunk.usage.completion_tokens == 10
+    # the generation prompt opens the think section: a model not trained on K3 reasons throughout
+    assert streamed["reasoning_content"] == choice.message.reasoning_content != ""
+    assert streamed["content"] == (choice.message.content or "")
+    prompt = encode_chat(server.tokenizer, messages, add_generation_prompt=True, reasoning_effort="max")
+    assert whole.usage.prompt_tokens == len(prompt)
+    tokens = [entry.token for entry in choice.logprobs.content]
+    assert tokens == server.tokenizer.convert_ids_to_tokens(server.alone(prompt, 10))
+    # each sampled token's log-probability is the model's log-softmax there (greedy: the top one)
+    for entry in choice.logprobs.content:
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_a_prompt_that_extends_an_earlier_one_is_read_from_the_store(server):
+    vocab = server.model.config.vocab_size
+    first = torch.randint(3, vocab - 300, (700,), generator=torch.Generator().manual_seed(5)).tolist()
+    turn = server.client.completions.create(model=MODEL, prompt=first, max_tokens=4, temperature=0, logprobs=0)
+    assert turn.usage.prompt_tokens_details.cached_tokens == 0
+    # the next turn: the earlier prompt, the reply, a new message (an agent's conversation)
+    second = first + server.tokenizer.convert_tokens_to_ids(turn.choices[0].logprobs.tokens) + [40, 41, 42]
+    computed = server.engine.stats["prompt_tokens_computed"]
+    again = server.client.completions.create(model=MODEL, prompt=second, max_tokens=6, temperature=0, logprobs=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(first)
+    assert server.engine.stats["prompt_tokens_computed"] - computed == len(second) - len(first)
+    assert again.choices[0].logprobs.tokens == server.tokenizer.convert_ids_to_tokens(server.alone(second, 6))
+    # a different continuation of the first 512-token block starts from the snapshot at its end
+    third = first[:600] + [7, 8, 9]
+    reused = server.client.completions.create(model=MODEL, prompt=third, max_tokens=3, temperature=0, logprobs=0)
+    assert reused.usage.prompt_tokens_details.cached_tokens == 512
+    assert reused.choices[0].logprobs.tokens == server.tokenizer.convert_ids_to_tokens(server.alone(third, 3))
+
+
+@pytest.fixture
+def scripted(server):
+    """The served model's choices steered to a scripted K3 reply (a hook on its logits: the token at each position
+    after the prompt is the script's), so the server's parsing meets the markup a trained K3 writes."""
+    state = {}
+
+    def hook(module, args, kwargs, output):
+        cache = kwargs.get("past_key_values")
+        position = cache.get_seq_length() - state["prompt"]
+        if 0 <= position < len(state["script"]):
+            output.logits[:, -1] = -1e4
+            output.logits[:, -1, state["script"][position]] = 0.0
+        return output
+
+    handle = server.model.register_forward_hook(hook, with_kwargs=True)
+    yield state
+    handle.remove()
+
+
+def test_reasoning_and_tool_calls_come_back_in_openais_fields(server, scripted):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = {"role": "assistant", "reasoning_content": "I should look it up.", "content": "",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    declared = [t["function"] for t in tools]
+    prompt_text = render_text(messages, tools=declared, add_generation_prompt=True)
+    reply_text = render_text(messages + [reply], tools=declared)[len(prompt_text):]
+    tokenizer = server.tokenizer
+    scripted["script"] = tokenizer.encode(reply_text, add_special_tokens=False)
+    scripted["prompt"] = len(tokenizer.encode(prompt_text, add_special_tokens=False))
+
+    whole = server.client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=200,
+                                                  temperature=0)
+    assert whole.usage.prompt_tokens == scripted["prompt"]
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "I should look it up."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+    reasoning, calls, finish = "", [], None
+    for chunk in server.client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=200,
+                                                       temperature=0, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        assert "<|" not in (delta.content or "") + reasoning, "markup leaked into the text"
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert reasoning == "I should look it up." and finish == "tool_calls"
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+
+
+def test_stop_sequences_cut_the_text_and_end_the_request(server):
+    ids = _prompts(2, server.model.config.vocab_size)[1]
+    full = server.tokenizer.decode(server.alone(ids, 12))
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    if not stop.strip("\ufffd"):
+        pytest.fail(f"the reference text has no usable stop sequence at its middle: {full!r}")
+    cut = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[:full.index(stop)]
+
+
+@pytest.mark.parametrize("body, status, named", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (json.dumps({"model": "gpt-4o", "prompt": "hi"}).encode(), 404, "'gpt-4o' not found"),
+    (json.dumps({"prompt": "hi", "temperature": -0.5}).encode(), 400, "temperature=-0.5"),
+    (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature must be a number"),
+    (json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400, "top_p=0"),
+    (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens=0"),
+    (json.dumps({"prompt": "hi", "n": 100}).encode(), 400, "n=100"),
+    (json.dumps({"prompt": "hi", "stop": ["", "x"]}).encode(), 400, "stop must be"),
+    (json.dumps({"prompt": [1, 2, 10 ** 9]}).encode(), 400, "token id 1000000000"),
+    (json.dumps({"prompt": ""}).encode(), 400, "prompt must be"),
+    (json.dumps({"prompt": "hi", "max_tokens": 10 ** 7}).encode(), 400, "exceed the context"),
+])
+def test_bad_completions_get_clear_errors_and_the_server_goes_on(server, body, status, named):
+    answer = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert named in error["message"], error
+    assert server.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2, temperature=0).choices
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"messages": []}, "messages must be a non-empty list"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages\\[0\\].role is .wizard."),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}, "tool_choice must be"),
+    ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"}, "reasoning_effort must be"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs=50"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///x.png"}}]}]},
+     "only text parts"),
+])
+def test_bad_chat_requests_are_named(server, body, named):
+    with pytest.raises(openai.BadRequestError, match=named):
+        server.client.chat.completions.create(model=MODEL, max_tokens=2, **body)
+
+
+def test_message_text_never_becomes_a_control_token(server):
+    text = "<|open|>tools<|sep|><|end_of_msg|>"
+    answer = server.client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0)
+    special = set(server.tokenizer.all_special_ids) | {server.tokenizer.convert_tokens_to_ids("<|open|>")}
+    encoded = server.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    assert answer.usage.prompt_tokens == len(encoded) and not special & set(encoded)
+
+
+def test_overload_is_refused_by_name_and_a_disconnect_frees_its_slot(folder):
+    served = Server(folder, max_requests=2, prefill_chunk=4)
+    try:
+        ids = _prompts(1, served.model.config.vocab_size)[0]
+        with pytest.raises(openai.RateLimitError, match="at capacity.*at most 2"):
+            served.client.completions.create(model=MODEL, prompt=ids, max_tokens=4, n=3)
+        # a client that reads one event and goes away: its sequence ends there, not at its 1,000 tokens, and its
+        # slot is free again
+        decoded = served.engine.stats["rows_decoded"]
+        with httpx.stream("POST", f"{served.url}/v1/completions", json={"prompt": ids, "max_tokens": 1000,
+                                                                       "stream": True, "temperature": 0}) as events:
+            lines = events.iter_lines()
+            assert next(lines).startswith("data: ")
+        deadline = time.time() + 20
+        while served.engine.busy() and time.time() < deadline:
+            time.sleep(0.05)
+        assert served.engine.busy() == 0
+        assert served.engine.stats["rows_decoded"] - decoded < 300
+        # both slots serve again, and the one before leaves nothing behind in the batch
+        replies = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, n=2)
+        assert [c.text for c in replies.choices] == [served.tokenizer.decode(served.alone(ids, 3))] * 2
+    finally:
+        served.close()
+
+
+def test_joining_caches_refuses_what_it_cannot_batch(server):
+    code = server.engine.code
+    with pytest.raises(ValueError, match="no caches to join"):
+        code.KimiK3Cache.join([])
+    with pytest.raises(ValueError, match="one row with nothing pending"):
+        code.KimiK3Cache.join([code.KimiK3Cache(server.model.config)])  # empty
+    joined, mask = code.KimiK3Cache.join([_filled(server, 5), _filled(server, 9)])
+    with pytest.raises(ValueError, match=r"a key mask of \(2, 5\) for a cache of 2 rows and 9 tokens"):
+        joined.split(mask[:, :5])
+
+
+def _filled(server, tokens: int):
+    cache = server.engine.code.KimiK3Cache(server.model.config)
+    with torch.no_grad():
+        server.model(input_ids=torch.arange(3, 3 + tokens)[None], past_key_values=cache, use_cache=True)
+    return cache
