@@ -174,6 +174,9 @@ def main():
     parser.add_argument("--prefill", default="8192,65536", help="prefill chunk sizes, comma-separated")
     parser.add_argument("--cache-fraction", type=float, default=0.25)
     parser.add_argument("--skip-accelerate", action="store_true")
+    parser.add_argument("--host-threads", default="",
+                        help="comma-separated thread counts of the host kernel (KIMIK3_HOST_THREADS) to decode with "
+                             "under experts_compute='host', after the host section (e.g. 16,15,12)")
     parser.add_argument("--sections", default="gpu,offload,host,accelerate",
                         help="which to run, comma-separated: gpu (the slice on the GPU), offload (copies on the copy "
                              "stream), one_stream (copies on the compute stream), host "
@@ -265,6 +268,14 @@ def main():
             for tokens in chunks if compute == "auto" else ():
                 emit(f"compute_{compute}.prefill_{tokens}", prefill(model, tokens, repeats=1))
         cache.compute = "device"
+    for threads in [int(t) for t in args.host_threads.split(",") if t]:
+        os.environ["KIMIK3_HOST_THREADS"] = str(threads)
+        cache.compute, cache.side_stream = "host", True
+        cache.clear()
+        for batch in batches:
+            emit(f"compute_host_threads{threads}.decode_b{batch}", decode(model, batch, args.context, args.steps, stats))
+        cache.compute = "device"
+        os.environ.pop("KIMIK3_HOST_THREADS")
 
     if args.skip_accelerate or "accelerate" not in sections:
         return

@@ -445,7 +445,7 @@ class App:
         sampling, n = parse_sampling(body, self.default_max_tokens, chat)
         if len(ids) + sampling.max_tokens > self.engine.max_context:
             raise ServeError(400, f"the prompt's {len(ids):,} tokens and max_tokens {sampling.max_tokens:,} exceed "
-                                  f"the context of {self.engine.max_context:,} tokens (--max-context)", "max_tokens",
+                                  f"the context of {self.engine.max_context:,} tokens (--max-model-len)", "max_tokens",
                              kind="context_length_exceeded")
         loop = asyncio.get_running_loop()
         jobs = [Job(ids, sampling, loop)]
@@ -646,7 +646,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with HTTP 429 (default 16)")
     parser.add_argument("--prefill-chunk", type=positive_int, default=512,
                         help="prompt tokens a request reads a step, between the batch's decode steps (default 512)")
-    parser.add_argument("--max-context", type=positive_int, default=None,
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
     parser.add_argument("--max-tokens", type=positive_int, default=256, help="max_tokens when a request names none")
     parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
@@ -671,7 +671,7 @@ def run(args) -> int:
 
     try:
         app, engine = make_app(args.directory, model_name=args.model_name, max_requests=args.max_requests,
-                               prefill_chunk=args.prefill_chunk, max_context=args.max_context,
+                               prefill_chunk=args.prefill_chunk, max_context=args.max_model_len,
                                default_max_tokens=args.max_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
                                device=args.device, dtype=args.dtype, experts_offload=args.experts_offload,
                                experts_compute=args.experts_compute)

@@ -25,6 +25,7 @@ NOT_RUN = {
     "kimik3 verify  moonshotai/Kimi-K3": "needs the released checkpoint",
     "kimik3 export  ./my-finetune": "needs a fine-tuned folder; export is tested in test_convert_roundtrip.py",
     "python examples/finetune_tiny.py": "a 10-step fine-tune (about 10 s); its quiet path is in test_quiet_paths.py",
+    "kimik3 serve K3_DIR": "a server that runs until stopped; tests/test_serve.py serves a tiny folder",
 }
 # Python blocks not run, by their first line: what they need that a CPU test does not have.
 PYTHON_NOT_RUN = {
@@ -34,6 +35,7 @@ PYTHON_NOT_RUN = {
     "16 GPUs under torchrun (the sharded load of packed experts on two gloo ranks: tests/test_parallel.py)",
     "offloaded = AutoModelForCausalLM.from_pretrained(\"kimi-k3-hf\", trust_remote_code=True,": "the released model "
     "on one GPU with its routed experts in host memory (the mechanism on the tiny model: tests/test_offload.py)",
+    "from openai import OpenAI": "a running `kimik3 serve` (tests/test_serve.py talks to one with the openai client)",
 }
 
 

@@ -250,7 +250,10 @@ def test_stop_sequences_cut_the_text_and_end_the_request(server):
     (json.dumps({"prompt": [1, 2, 10 ** 9]}).encode(), 400, "token id 1000000000"),
     (json.dumps({"prompt": ""}).encode(), 400, "prompt must be"),
     (json.dumps({"prompt": "hi", "max_tokens": 10 ** 7}).encode(), 400, "exceed the context"),
-])
+], ids=["serve-body-not-json", "serve-body-not-an-object", "serve-unknown-model", "serve-temperature-negative",
+        "serve-temperature-not-a-number", "serve-top-p-zero", "serve-max-tokens-zero", "serve-n-too-many",
+        "serve-empty-stop-sequence", "serve-token-id-outside-vocabulary", "serve-empty-prompt",
+        "serve-prompt-over-the-context"])
 def test_bad_completions_get_clear_errors_and_the_server_goes_on(server, body, status, named):
     answer = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
     assert answer.status_code == status
@@ -267,7 +270,8 @@ def test_bad_completions_get_clear_errors_and_the_server_goes_on(server, body, s
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs=50"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///x.png"}}]}]},
      "only text parts"),
-])
+], ids=["serve-chat-no-messages", "serve-chat-unknown-role", "serve-chat-tool-choice-unknown",
+        "serve-chat-reasoning-effort-unknown", "serve-chat-top-logprobs-over-20", "serve-chat-image-part"])
 def test_bad_chat_requests_are_named(server, body, named):
     with pytest.raises(openai.BadRequestError, match=named):
         server.client.chat.completions.create(model=MODEL, max_tokens=2, **body)
