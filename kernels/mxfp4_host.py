@@ -123,15 +123,15 @@ def _check_stack(name: str, codes: torch.Tensor, scales: torch.Tensor, rows: int
         raise ValueError(f"{name}: the host kernel reads contiguous CPU tensors")
 
 
-def default_threads() -> int:
-    """The kernel's threads when a call names none: `KIMIK3_HOST_THREADS` where set (e.g. every core but the one
-    driving a GPU), else torch's intra-op thread count."""
+def thread_count(suggested: int | None = None) -> int:
+    """The kernel's threads: `KIMIK3_HOST_THREADS` where set, else `suggested` (the caller's), else torch's intra-op
+    thread count."""
     given = os.environ.get("KIMIK3_HOST_THREADS", "")
     if given:
         if not given.isdigit() or int(given) < 1:
             raise ValueError(f"KIMIK3_HOST_THREADS={given!r}: give a whole number of threads, at least 1")
         return int(given)
-    return torch.get_num_threads()
+    return suggested or torch.get_num_threads()
 
 
 def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.Tensor, torch.Tensor]],
@@ -174,7 +174,7 @@ def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.
         _pointers([c for c, _ in down]), _pointers([s for _, s in down]), k, inter,
         1.0 if beta is None else float(beta), 0.0 if linear_beta is None else float(linear_beta),
         int(linear_beta is not None), int(x.dtype == torch.bfloat16), int(bf16_dot),
-        hidden_even.data_ptr(), hidden_odd.data_ptr(), out.data_ptr(), int(threads or default_threads()))
+        hidden_even.data_ptr(), hidden_odd.data_ptr(), out.data_ptr(), thread_count(threads))
     if status:
         raise MemoryError(f"host experts: the kernel failed (status {status}: -1 its work lists could not be "
                           "allocated)")

@@ -49,16 +49,25 @@ class HostRates:
             self.copy_seconds(experts, bytes_per_expert)
 
 
-def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_betas) -> tuple[torch.Tensor, int]:
+def host_threads(device: torch.device) -> int | None:
+    """The CPU share's threads beside a model on `device`: on a GPU, every core torch uses but one, which the thread
+    driving the GPU keeps (with all of them, one of the kernel's threads shares a core with that thread's waits, and a
+    kernel thread taken off its core holds the layer's share up); None (the kernel's default) for a CPU model."""
+    return max(1, torch.get_num_threads() - 1) if device.type == "cuda" else None
+
+
+def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_betas,
+                threads: int | None = None) -> tuple[torch.Tensor, int]:
     """(each host route's expert output, 1 if the format's CPU kernel computed them else 0). `rows` [R, Dl] on the
-    CPU, sorted by expert (`sorted_ids`); `stacks`: the layer's host stacks [E, ...] in the format's order."""
+    CPU, sorted by expert (`sorted_ids`); `stacks`: the layer's host stacks [E, ...] in the format's order;
+    `threads`: the kernel's (None: its default)."""
     ids = torch.tensor(host_ids, dtype=torch.int64)
     counts = torch.bincount(torch.searchsorted(ids, sorted_ids.long()), minlength=len(host_ids)).tolist()
     offsets = [0]
     for count in counts:
         offsets.append(offsets[-1] + count)
     if situ_betas is not None:
-        out = fmt.run_on_host(rows, offsets, stacks, host_ids, situ_betas)
+        out = fmt.run_on_host(rows, offsets, stacks, host_ids, situ_betas, threads)
         if out is not None:
             return out, 1
     # the reference: the module's op over a copy of the chosen experts (a compact stack of them, not the layer's)
@@ -90,7 +99,7 @@ def routed_split(cache, x, top_indices, top_weights, fetched, stacks, fmt, run, 
     def host_share():
         with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]):
             return host_routes(host_rows, host_sorted, fetched.host_ids, stacks, fmt, run,
-                               situ_betas if use_kernel else None)
+                               situ_betas if use_kernel else None, host_threads(x.device))
 
     job = cache.host_pool().submit(host_share)
     device_rows = rows[~on_host]
@@ -137,7 +146,7 @@ def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
         rows = torch.randn(tokens_each * count, latent).to(torch.float32 if dtype == torch.float32 else torch.bfloat16)
         sorted_ids = torch.arange(count).repeat_interleave(tokens_each)
         return lambda: host_routes(rows, sorted_ids, list(range(count)), stacks, fmt,
-                                    lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas)
+                                    lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas, host_threads(target))
 
     per_expert = sum(stack[0].numel() * stack.element_size() for stack in stacks)
     one_token = best(host(1, experts))
@@ -150,4 +159,4 @@ def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
                      host_flops=many * flops / many_tokens, measured=True)
 
 
-__all__ = ["HostRates", "host_routes", "measure_host_rates", "routed_split"]
+__all__ = ["HostRates", "host_routes", "host_threads", "measure_host_rates", "routed_split"]

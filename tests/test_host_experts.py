@@ -134,3 +134,30 @@ def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="host experts kernel is not available: .*no-such-cc"):
         mxfp4_host.host_experts(torch.zeros(1, 32), [0, 1], [], [], None, None)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-3"], ids=["host-threads-zero", "host-threads-not-a-number",
+                                                          "host-threads-negative"])
+def test_the_thread_count_from_the_environment_is_checked(monkeypatch, value):
+    monkeypatch.setenv("KIMIK3_HOST_THREADS", value)
+    with pytest.raises(ValueError, match=f"KIMIK3_HOST_THREADS='{value}': give a whole number of threads"):
+        mxfp4_host.thread_count(4)
+
+
+def test_the_thread_count_beside_a_gpu_leaves_the_driving_thread_a_core(monkeypatch):
+    from kimik3.modeling.host_experts_kimi_k3 import host_threads
+
+    monkeypatch.delenv("KIMIK3_HOST_THREADS", raising=False)
+    assert host_threads(torch.device("cpu")) is None
+    assert host_threads(torch.device("cuda")) == max(1, torch.get_num_threads() - 1)
+    assert mxfp4_host.thread_count(None) == torch.get_num_threads()
+    assert mxfp4_host.thread_count(3) == 3
+    # the kernel runs on the count it is given: one thread and two give the same values (each row's sums are one
+    # thread's, whichever thread takes the row)
+    generator = torch.Generator().manual_seed(9)
+    offsets, gate_up, down = random_experts([3, 2], 64, 64, generator)
+    x = torch.randn(5, 64, generator=generator)
+    one = mxfp4_host.host_experts(x, offsets, gate_up, down, 4.0, 25.0, threads=1)
+    assert torch.equal(mxfp4_host.host_experts(x, offsets, gate_up, down, 4.0, 25.0, threads=2), one)
+    monkeypatch.setenv("KIMIK3_HOST_THREADS", "2")
+    assert mxfp4_host.thread_count(3) == 2  # the environment wins: a measurement's knob

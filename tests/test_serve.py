@@ -61,7 +61,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(folder):
     # a small prefill chunk: prompts are read over several steps, interleaved with the others' decode
-    served = Server(folder, prefill_chunk=16, max_requests=8)
+    served = Server(folder, prefill_chunk=24, max_requests=8)
     yield served
     served.close()
 
@@ -194,7 +194,7 @@ def test_reasoning_and_tool_calls_come_back_in_openais_fields(server, scripted):
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    reply = {"role": "assistant", "reasoning_content": "I should look it up.", "content": "",
+    reply = {"role": "assistant", "reasoning_content": "Look.", "content": "",
              "tool_calls": [{"id": "c1", "type": "function",
                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     declared = [t["function"] for t in tools]
@@ -209,7 +209,7 @@ def test_reasoning_and_tool_calls_come_back_in_openais_fields(server, scripted):
     assert whole.usage.prompt_tokens == scripted["prompt"]
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.reasoning_content == "I should look it up."
+    assert choice.message.reasoning_content == "Look."
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
@@ -221,7 +221,7 @@ def test_reasoning_and_tool_calls_come_back_in_openais_fields(server, scripted):
         assert "<|" not in (delta.content or "") + reasoning, "markup leaked into the text"
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
-    assert reasoning == "I should look it up." and finish == "tool_calls"
+    assert reasoning == "Look." and finish == "tool_calls"
     assert [c.function.name for c in calls] == ["get_weather"]
     assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
 
@@ -285,8 +285,9 @@ def test_message_text_never_becomes_a_control_token(server):
     assert answer.usage.prompt_tokens == len(encoded) and not special & set(encoded)
 
 
-def test_overload_is_refused_by_name_and_a_disconnect_frees_its_slot(folder):
-    served = Server(folder, max_requests=2, prefill_chunk=4)
+def test_overload_is_refused_by_name_and_a_disconnect_frees_its_slot(server):
+    served = server
+    served.engine.max_requests = 2
     try:
         ids = _prompts(1, served.model.config.vocab_size)[0]
         with pytest.raises(openai.RateLimitError, match="at capacity.*at most 2"):
@@ -307,7 +308,7 @@ def test_overload_is_refused_by_name_and_a_disconnect_frees_its_slot(folder):
         replies = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, n=2)
         assert [c.text for c in replies.choices] == [served.tokenizer.decode(served.alone(ids, 3))] * 2
     finally:
-        served.close()
+        served.engine.max_requests = 8
 
 
 def test_joining_caches_refuses_what_it_cannot_batch(server):
