@@ -119,6 +119,8 @@ class Engine:
         self.thread.start()
 
     def submit(self, jobs: list[Job]) -> None:
+        if self.stopped or not self.thread.is_alive():
+            raise ServeError(503, "the server's engine is not running; restart the server", kind="server_error")
         with self.lock:
             busy = len(self.queue) + len(self.reading) + len(self.batch)
             if busy + len(jobs) > self.max_requests:
@@ -146,11 +148,11 @@ class Engine:
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
-            self._read_prompts()
             try:
+                self._read_prompts()
                 self._decode()
             except Exception as error:  # noqa: BLE001 - the batch's requests get it by name, the server goes on
-                # the joined cache is in an unknown state after a failed forward: its rows end
+                # the joined cache is in an unknown state after a failed forward or regroup: its rows end
                 for job in self.batch:
                     self._fail(job, error)
                     job.post(None)
@@ -364,8 +366,10 @@ class App:
 
         @api.get("/health")
         async def health():
-            return {"status": "ok", "model": self.model_name, "busy": self.engine.busy(),
-                    "stats": dict(self.engine.stats)}
+            alive = self.engine.thread.is_alive()
+            return JSONResponse({"status": "ok" if alive else "engine stopped", "model": self.model_name,
+                                 "busy": self.engine.busy(), "stats": dict(self.engine.stats)},
+                                status_code=200 if alive else 503)
 
         @api.get("/v1/models")
         async def models():

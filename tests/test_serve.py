@@ -327,3 +327,28 @@ def _filled(server, tokens: int):
     with torch.no_grad():
         server.model(input_ids=torch.arange(3, 3 + tokens)[None], past_key_values=cache, use_cache=True)
     return cache
+
+
+def test_a_forward_that_fails_ends_its_request_alone_and_the_server_goes_on(server):
+    poison = 761  # a prompt holding this id makes the model raise (a stand-in for a failing kernel)
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and bool((ids == poison).any()):
+            raise RuntimeError("the model refused this prompt")
+
+    handle = server.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        async def both():
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+            good = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0)
+            bad = client.completions.create(model=MODEL, prompt=[5, poison, 7], max_tokens=6, temperature=0)
+            return await asyncio.gather(good, bad, return_exceptions=True)
+
+        good, bad = asyncio.run(both())
+    finally:
+        handle.remove()
+    assert isinstance(bad, openai.InternalServerError)
+    assert "generation failed: RuntimeError: the model refused this prompt" in str(bad)
+    assert good.choices[0].text == server.tokenizer.decode(server.alone([5, 6, 7, 8], 6))
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
