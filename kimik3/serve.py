@@ -92,11 +92,13 @@ class Engine:
     when read."""
 
     def __init__(self, model, tokenizer, max_requests: int = 16, prefill_chunk: int = 512,
-                 max_context: int | None = None, prefix_cache_bytes: int | None = 1 << 30):
+                 max_context: int | None = None, prefix_cache_bytes: int | None = 1 << 30,
+                 max_cache_bytes: int | None = None):
         # the model's own code (a folder loaded with trust_remote_code runs its copy): its cache and prefix store
         self.code = importlib.import_module(type(model).__module__)
         package = type(model).__module__.rpartition(".")[0]
         self.block_size = importlib.import_module(f"{package}.rewind_kimi_k3").KDA_BLOCK_SIZE
+        self.cache_code = importlib.import_module(f"{package}.cache_kimi_k3")
         self.model, self.tokenizer = model, tokenizer
         self.text_config = model.config.get_text_config()
         self.max_requests, self.prefill_chunk = max_requests, prefill_chunk
@@ -106,6 +108,8 @@ class Engine:
         self.device = model.get_input_embeddings().weight.device
         self.store = self.code.KimiK3PrefixStore(max_bytes=prefix_cache_bytes) if prefix_cache_bytes else None
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.max_cache_bytes = max_cache_bytes
+        self.dtype_bytes = model.get_input_embeddings().weight.element_size()
         self.queue: deque[Job] = deque()
         self.reading: list[Job] = []  # prefilling, alone
         self.batch: list[Job] = []  # the rows of `joined`, in order
@@ -118,15 +122,31 @@ class Engine:
         self.thread = threading.Thread(target=self._loop, name="kimik3-serve-engine", daemon=True)
         self.thread.start()
 
+    def cache_bytes(self, job: Job) -> int:
+        """What the job's cache holds at its longest (prompt + max_tokens: MLA latents, KDA states and windows)."""
+        tokens = len(job.prompt_ids) + job.sampling.max_tokens
+        return self.cache_code.analytic_cache_bytes(self.text_config, tokens, dtype_bytes=self.dtype_bytes)["total"]
+
     def submit(self, jobs: list[Job]) -> None:
         if self.stopped or not self.thread.is_alive():
             raise ServeError(503, "the server's engine is not running; restart the server", kind="server_error")
+        asked = sum(self.cache_bytes(job) for job in jobs) if self.max_cache_bytes else 0
+        if asked > (self.max_cache_bytes or asked):
+            raise ServeError(400, f"the request's caches would hold {asked:,} bytes at prompt + max_tokens, more than "
+                                  f"the server's {self.max_cache_bytes:,} (--max-cache-bytes): lower max_tokens or n",
+                             "max_tokens")
         with self.lock:
-            busy = len(self.queue) + len(self.reading) + len(self.batch)
+            live = [*self.queue, *self.reading, *self.batch]
+            busy = len(live)
             if busy + len(jobs) > self.max_requests:
                 raise ServeError(429, f"the server is at capacity: {busy} sequences running or queued, "
                                       f"{len(jobs)} more asked, at most {self.max_requests} (--max-requests); retry "
                                       "later", kind="rate_limit_exceeded")
+            held = sum(self.cache_bytes(job) for job in live if not job.done) if self.max_cache_bytes else 0
+            if self.max_cache_bytes and held + asked > self.max_cache_bytes:
+                raise ServeError(429, f"the server's caches are full: the running sequences may hold {held:,} bytes, "
+                                      f"this request {asked:,} more, at most {self.max_cache_bytes:,} "
+                                      "(--max-cache-bytes); retry later", kind="rate_limit_exceeded")
             self.queue.extend(jobs)
         self.wake.set()
 
@@ -619,7 +639,7 @@ class Reply:
 
 def make_app(directory, model_name: str | None = None, max_requests: int = 16, prefill_chunk: int = 512,
              max_context: int | None = None, default_max_tokens: int = 256, prefix_cache_bytes: int | None = 1 << 30,
-             device: str | None = None, **load_options):
+             max_cache_bytes: int | None = None, device: str | None = None, **load_options):
     """(the FastAPI app, its engine) serving the folder `directory`, loaded as `kimik3 chat` loads it (the Auto
     classes with the folder's own code; `load_options` to `from_pretrained`)."""
     from kimik3.chat import load_chat
@@ -628,7 +648,7 @@ def make_app(directory, model_name: str | None = None, max_requests: int = 16, p
     if device:
         model.to(device)
     engine = Engine(model, tokenizer, max_requests=max_requests, prefill_chunk=prefill_chunk, max_context=max_context,
-                    prefix_cache_bytes=prefix_cache_bytes)
+                    prefix_cache_bytes=prefix_cache_bytes, max_cache_bytes=max_cache_bytes)
     name = model_name or Path(directory).resolve().name
     return App(engine, name, default_max_tokens).build(), engine
 
@@ -656,6 +676,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
                         help="memory for stored prompts (MLA latents and KDA snapshots at 512-token blocks) that "
                              "later prompts start from; least recently used out; 0 turns it off (default 1 GiB)")
+    parser.add_argument("--max-cache-bytes", type=positive_int, default=None,
+                        help="a byte budget for the running sequences' caches, each counted at prompt + max_tokens "
+                             "(MLA latents, KDA states); a request beyond it is refused with HTTP 429 (default: none, "
+                             "--max-requests alone)")
     parser.add_argument("--experts-offload", choices=["host", "disk"], default=None,
                         help="the load option experts_offload: routed experts kept in host memory or on disk")
     parser.add_argument("--experts-compute", choices=["device", "host", "auto"], default=None,
@@ -677,6 +701,7 @@ def run(args) -> int:
         app, engine = make_app(args.directory, model_name=args.model_name, max_requests=args.max_requests,
                                prefill_chunk=args.prefill_chunk, max_context=args.max_model_len,
                                default_max_tokens=args.max_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
+                               max_cache_bytes=args.max_cache_bytes,
                                device=args.device, dtype=args.dtype, experts_offload=args.experts_offload,
                                experts_compute=args.experts_compute)
     except ChatFolderError as error:

@@ -18,7 +18,8 @@ import torch
 import uvicorn
 
 from kimik3.chat_format import encode_chat, render_text
-from kimik3.serve import make_app
+from kimik3.modeling.cache_kimi_k3 import analytic_cache_bytes
+from kimik3.serve import Job, Sampling, make_app
 from kimik3.tiny import write_tiny_folder
 
 MODEL = "tiny-k3"
@@ -352,3 +353,26 @@ def test_a_forward_that_fails_ends_its_request_alone_and_the_server_goes_on(serv
     assert "generation failed: RuntimeError: the model refused this prompt" in str(bad)
     assert good.choices[0].text == server.tokenizer.decode(server.alone([5, 6, 7, 8], 6))
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_a_byte_budget_refuses_what_the_caches_could_not_hold(server):
+    ids = list(range(5, 45))
+    one = server.engine.cache_bytes(Job(ids, Sampling(max_tokens=8), None))
+    assert one == analytic_cache_bytes(server.model.config, 48, dtype_bytes=4)["total"]
+    server.engine.max_cache_bytes = one  # one such sequence at a time
+    try:
+        with pytest.raises(openai.BadRequestError, match="more than the server's [0-9,]+ \\(--max-cache-bytes\\)"):
+            server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8, n=2)
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 8,
+                                                                       "stream": True, "temperature": 0}) as running:
+            lines = running.iter_lines()
+            assert next(lines).startswith("data: ")  # its first token: its cache is held now
+            with pytest.raises(openai.RateLimitError, match="caches are full"):
+                server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8)
+            list(lines)
+        deadline = time.time() + 20
+        while server.engine.busy() and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8).choices
+    finally:
+        server.engine.max_cache_bytes = None
