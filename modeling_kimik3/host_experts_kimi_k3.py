@@ -49,13 +49,6 @@ class HostRates:
             self.copy_seconds(experts, bytes_per_expert)
 
 
-def host_threads(device: torch.device) -> int | None:
-    """The CPU share's threads beside a model on `device`: on a GPU, every core torch uses but one, which the thread
-    driving the GPU keeps (with all of them, one of the kernel's threads shares a core with that thread's waits, and a
-    kernel thread taken off its core holds the layer's share up); None (the kernel's default) for a CPU model."""
-    return max(1, torch.get_num_threads() - 1) if device.type == "cuda" else None
-
-
 def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_betas,
                 threads: int | None = None) -> tuple[torch.Tensor, int]:
     """(each host route's expert output, 1 if the format's CPU kernel computed them else 0). `rows` [R, Dl] on the
@@ -99,7 +92,7 @@ def routed_split(cache, x, top_indices, top_weights, fetched, stacks, fmt, run, 
     def host_share():
         with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]):
             return host_routes(host_rows, host_sorted, fetched.host_ids, stacks, fmt, run,
-                               situ_betas if use_kernel else None, host_threads(x.device))
+                               situ_betas if use_kernel else None)
 
     job = cache.host_pool().submit(host_share)
     device_rows = rows[~on_host]
@@ -146,7 +139,7 @@ def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
         rows = torch.randn(tokens_each * count, latent).to(torch.float32 if dtype == torch.float32 else torch.bfloat16)
         sorted_ids = torch.arange(count).repeat_interleave(tokens_each)
         return lambda: host_routes(rows, sorted_ids, list(range(count)), stacks, fmt,
-                                    lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas, host_threads(target))
+                                    lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas)
 
     per_expert = sum(stack[0].numel() * stack.element_size() for stack in stacks)
     one_token = best(host(1, experts))
@@ -159,4 +152,4 @@ def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
                      host_flops=many * flops / many_tokens, measured=True)
 
 
-__all__ = ["HostRates", "host_routes", "host_threads", "measure_host_rates", "routed_split"]
+__all__ = ["HostRates", "host_routes", "measure_host_rates", "routed_split"]

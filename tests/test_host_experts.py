@@ -144,12 +144,8 @@ def test_the_thread_count_from_the_environment_is_checked(monkeypatch, value):
         mxfp4_host.thread_count(4)
 
 
-def test_the_thread_count_beside_a_gpu_leaves_the_driving_thread_a_core(monkeypatch):
-    from kimik3.modeling.host_experts_kimi_k3 import host_threads
-
+def test_the_thread_count_is_the_callers_or_the_environments(monkeypatch):
     monkeypatch.delenv("KIMIK3_HOST_THREADS", raising=False)
-    assert host_threads(torch.device("cpu")) is None
-    assert host_threads(torch.device("cuda")) == max(1, torch.get_num_threads() - 1)
     assert mxfp4_host.thread_count(None) == torch.get_num_threads()
     assert mxfp4_host.thread_count(3) == 3
     # the kernel runs on the count it is given: one thread and two give the same values (each row's sums are one
