@@ -2,13 +2,14 @@
 loads (docs/design.md, Serving). FastAPI and uvicorn, the web stack `transformers serve` uses; the routes
 `/v1/chat/completions` (streaming and not), `/v1/completions`, `/v1/models` and `/health`.
 
-Requests are scheduled by one engine thread, step by step: a request joins at the next step after it arrives and leaves
-at the step it finishes or its client goes away (its slot freed), each running request advancing one token a step
-(its prompt prefilled in chunks of `--prefill-chunk` tokens, interleaved with the others' decode) on its own
-`KimiK3Cache` (KDA state and conv windows, MLA latents), so a request's tokens are those of `generate()` on it alone.
-Requests beyond `--max-requests` (running and queued) are refused with HTTP 429 by name. The K3 chat format
-(kimik3.chat_format) renders messages, tools, `tool_choice` and `reasoning_effort` to ids (message text never
-becomes a control token) and splits the reply into `reasoning_content`, `content` and `tool_calls`."""
+One engine thread runs steps (`Engine`): each prompt is read in `--prefill-chunk` pieces on its own cache, one piece a
+step, and every request past its prompt advances by one token in one batched decode forward over a joined cache
+(`KimiK3Cache.join`); requests join the batch when their prompt is read and leave when they finish or their client
+goes away. A greedy request's tokens are those of `generate()` on it alone. Prompts start from the prefix store where
+an earlier prompt or a 512-token block of one matches. Requests beyond `--max-requests` or `--max-cache-bytes` are
+refused with HTTP 429 by name. The K3 chat format (kimik3.chat_format) renders messages, tools, `tool_choice` and
+`reasoning_effort` to ids (message text never becomes a control token), and the reply is split into
+`reasoning_content`, `content` and `tool_calls` (`Reply`)."""
 
 import argparse
 import asyncio
