@@ -263,8 +263,10 @@ class Engine:
         kept += [(job, job.cache) for job in add]
         for job, _ in kept:
             job.cache = None
-        self.batch = [job for job, _ in kept]
-        self.joined, self.key_mask = self.code.KimiK3Cache.join([row for _, row in kept]) if kept else (None, None)
+        # the batch first: if the join fails, the loop ends these jobs by name (none is left waiting)
+        self.batch, self.joined, self.key_mask = [job for job, _ in kept], None, None
+        if kept:
+            self.joined, self.key_mask = self.code.KimiK3Cache.join([row for _, row in kept])
         self.stats["regroups"] += 1
 
     @torch.no_grad()

@@ -67,12 +67,11 @@ class ExpertsFormat:
         the format's op, fast where a twin applies (ops_kimi_k3.moe_experts for the maths)."""
         return fast_or_reference(self.op, x)(x, top_indices, top_weights, *stacks, *betas)
 
-    def run_on_host(self, x: torch.Tensor, offsets: list[int], stacks, experts: list[int], situ_betas,
-                    threads: int | None = None):
+    def run_on_host(self, x: torch.Tensor, offsets: list[int], stacks, experts: list[int], situ_betas):
         """The SiTU-GLU experts `experts` (ids into the layer's host stacks [E, ...], this format's order) over rows
         of x on the CPU (rows offsets[i] .. offsets[i+1] to experts[i]), each row's output before its routing weight,
-        by a CPU kernel over the stored bytes on `threads` threads (None: the kernel's default); None where the format
-        has none (the caller runs the reference: host_experts_kimi_k3.host_routes)."""
+        by a CPU kernel over the stored bytes; None where the format has none (the caller runs the reference:
+        host_experts_kimi_k3.host_routes)."""
         return None
 
     def empty(self, shape: tuple[int, int, int], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -176,7 +175,7 @@ class Mxfp4Experts(ExpertsFormat):
     def bytes_per_weight(self, dtype_bytes):
         return 0.5 + 1 / MXFP4_GROUP_SIZE
 
-    def run_on_host(self, x, offsets, stacks, experts, situ_betas, threads=None):
+    def run_on_host(self, x, offsets, stacks, experts, situ_betas):
         # kimik3.kernels.mxfp4_host: the packed bytes multiplied where they are (no dequantised copy); absent from a
         # folder's copy of the code without the package, or unbuildable (no C compiler): the reference runs
         try:
@@ -187,7 +186,7 @@ class Mxfp4Experts(ExpertsFormat):
             return None
         gate_codes, gate_scales, down_codes, down_scales = stacks
         return mxfp4_host.host_experts(x, offsets, [(gate_codes[e], gate_scales[e]) for e in experts],
-                                       [(down_codes[e], down_scales[e]) for e in experts], *situ_betas, threads)
+                                       [(down_codes[e], down_scales[e]) for e in experts], *situ_betas)
 
     def size_problem(self, sizes):
         for key, value in sizes.items():

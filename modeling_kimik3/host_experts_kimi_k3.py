@@ -49,18 +49,16 @@ class HostRates:
             self.copy_seconds(experts, bytes_per_expert)
 
 
-def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_betas,
-                threads: int | None = None) -> tuple[torch.Tensor, int]:
+def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_betas) -> tuple[torch.Tensor, int]:
     """(each host route's expert output, 1 if the format's CPU kernel computed them else 0). `rows` [R, Dl] on the
-    CPU, sorted by expert (`sorted_ids`); `stacks`: the layer's host stacks [E, ...] in the format's order;
-    `threads`: the kernel's (None: its default)."""
+    CPU, sorted by expert (`sorted_ids`); `stacks`: the layer's host stacks [E, ...] in the format's order."""
     ids = torch.tensor(host_ids, dtype=torch.int64)
     counts = torch.bincount(torch.searchsorted(ids, sorted_ids.long()), minlength=len(host_ids)).tolist()
     offsets = [0]
     for count in counts:
         offsets.append(offsets[-1] + count)
     if situ_betas is not None:
-        out = fmt.run_on_host(rows, offsets, stacks, host_ids, situ_betas, threads)
+        out = fmt.run_on_host(rows, offsets, stacks, host_ids, situ_betas)
         if out is not None:
             return out, 1
     # the reference: the module's op over a copy of the chosen experts (a compact stack of them, not the layer's)

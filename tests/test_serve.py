@@ -185,11 +185,14 @@ def scripted(server):
     state = {}
 
     def hook(module, args, kwargs, output):
-        cache = kwargs.get("past_key_values")
-        position = cache.get_seq_length() - state["prompt"]
-        if 0 <= position < len(state["script"]):
-            output.logits[:, -1] = -1e4
-            output.logits[:, -1, state["script"][position]] = 0.0
+        # each row's tokens after this forward: its attention mask's in a batched decode, else the cache's
+        mask = kwargs.get("attention_mask")
+        lengths = mask.sum(-1).tolist() if mask is not None else [kwargs["past_key_values"].get_seq_length()]
+        for row, length in enumerate(lengths):
+            position = length - state["prompt"]
+            if 0 <= position < len(state["script"]):
+                output.logits[row, -1] = -1e4
+                output.logits[row, -1, state["script"][position]] = 0.0
         return output
 
     handle = server.model.register_forward_hook(hook, with_kwargs=True)
@@ -212,23 +215,29 @@ def test_reasoning_and_tool_calls_come_back_in_openais_fields(server, scripted):
     scripted["script"] = tokenizer.encode(reply_text, add_special_tokens=False)
     scripted["prompt"] = len(tokenizer.encode(prompt_text, add_special_tokens=False))
 
-    whole = server.client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=200,
-                                                  temperature=0)
+    async def both():  # together: one batched decode serves the two (the script is the same at each position)
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
+            async def streamed():
+                reasoning, calls, finish = "", [], None
+                async for chunk in await client.chat.completions.create(
+                        model=MODEL, messages=messages, tools=tools, max_tokens=200, temperature=0, stream=True):
+                    delta = chunk.choices[0].delta
+                    reasoning += getattr(delta, "reasoning_content", None) or ""
+                    assert "<|" not in (delta.content or "") + reasoning, "markup leaked into the text"
+                    calls += delta.tool_calls or []
+                    finish = chunk.choices[0].finish_reason or finish
+                return reasoning, calls, finish
+
+            return await asyncio.gather(client.chat.completions.create(
+                model=MODEL, messages=messages, tools=tools, max_tokens=200, temperature=0), streamed())
+
+    whole, (reasoning, calls, finish) = asyncio.run(both())
     assert whole.usage.prompt_tokens == scripted["prompt"]
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.reasoning_content == "Look."
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-
-    reasoning, calls, finish = "", [], None
-    for chunk in server.client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=200,
-                                                       temperature=0, stream=True):
-        delta = chunk.choices[0].delta
-        reasoning += getattr(delta, "reasoning_content", None) or ""
-        assert "<|" not in (delta.content or "") + reasoning, "markup leaked into the text"
-        calls += delta.tool_calls or []
-        finish = chunk.choices[0].finish_reason or finish
     assert reasoning == "Look." and finish == "tool_calls"
     assert [c.function.name for c in calls] == ["get_weather"]
     assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
@@ -383,3 +392,16 @@ def test_a_byte_budget_refuses_what_the_caches_could_not_hold(server):
         assert server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8).choices
     finally:
         server.engine.max_cache_bytes = None
+
+
+def test_a_batch_that_cannot_be_joined_ends_its_requests_by_name(server, monkeypatch):
+    def refuse(cls, caches):
+        raise RuntimeError("no room to join")
+
+    monkeypatch.setattr(server.engine.code.KimiK3Cache, "join", classmethod(refuse))
+    with pytest.raises(openai.InternalServerError, match="generation failed: RuntimeError: no room to join"):
+        server.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0)
+    monkeypatch.undo()
+    assert server.engine.busy() == 0
+    reply = server.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0)
+    assert reply.choices[0].text == server.tokenizer.decode(server.alone([5, 6, 7], 3))
