@@ -58,7 +58,7 @@ class Server:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     directory = tmp_path_factory.mktemp("serve") / "tiny"
-    write_tiny_folder(directory, seed=3)
+    write_tiny_folder(directory, num_hidden_layers=2, seed=3)  # one KDA and one MLA layer, one MoE
     return directory
 
 
