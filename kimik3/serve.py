@@ -95,9 +95,10 @@ class Engine:
     def __init__(self, model, tokenizer, max_requests: int = 16, prefill_chunk: int = 512,
                  max_context: int | None = None, prefix_cache_bytes: int | None = 1 << 30,
                  max_cache_bytes: int | None = None):
-        # the model's own code (a folder loaded with trust_remote_code runs its copy): its cache and prefix store
-        self.code = importlib.import_module(type(model).__module__)
+        # the model's own code (a folder loaded with trust_remote_code runs its copy): its cache and prefix store,
+        # through the text model's module (a folder with a vision tower loads the multimodal one, which imports it)
         package = type(model).__module__.rpartition(".")[0]
+        self.code = importlib.import_module(f"{package}.modeling_kimi_k3")
         self.block_size = importlib.import_module(f"{package}.rewind_kimi_k3").KDA_BLOCK_SIZE
         self.cache_code = importlib.import_module(f"{package}.cache_kimi_k3")
         self.model, self.tokenizer = model, tokenizer

@@ -408,3 +408,25 @@ def test_a_batch_that_cannot_be_joined_ends_its_requests_by_name(server, monkeyp
     assert server.engine.busy() == 0
     reply = server.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0)
     assert reply.choices[0].text == server.tokenizer.decode(server.alone([5, 6, 7], 3))
+
+
+def test_a_folder_with_a_vision_tower_serves_text(tmp_path):
+    """The composite model (kimik3 tiny --vision) loads its multimodal class; the engine finds its cache and store
+    through the text model's module of the same copy of the code."""
+    from fastapi.testclient import TestClient
+
+    write_tiny_folder(tmp_path / "vision", num_hidden_layers=2, seed=4, vision=True)
+    app, engine = make_app(tmp_path / "vision", model_name=MODEL)
+    try:
+        assert type(engine.model).__name__ == "KimiK3ForConditionalGeneration"
+        messages = [{"role": "user", "content": "Describe nothing."}]
+        with TestClient(app) as client:
+            answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4,
+                                                               "temperature": 0, "logprobs": True}).json()
+        prompt = encode_chat(engine.tokenizer, messages, add_generation_prompt=True, reasoning_effort="max")
+        with torch.no_grad():
+            want = engine.model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):]
+        tokens = [entry["token"] for entry in answer["choices"][0]["logprobs"]["content"]]
+        assert tokens == engine.tokenizer.convert_ids_to_tokens(want.tolist())
+    finally:
+        engine.stop()
