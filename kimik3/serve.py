@@ -657,6 +657,15 @@ def make_app(directory, model_name: str | None = None, max_requests: int = 16, p
     return App(engine, name, default_max_tokens).build(), engine
 
 
+def experts_cache_bytes(text: str):
+    """argparse type: a whole number of bytes, or auto."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of bytes or auto")
+    return int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags, named as `transformers serve` names those that mean the same thing (--host, --port, --dtype,
     --device, --log-level)."""
@@ -686,6 +695,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--max-requests alone)")
     parser.add_argument("--experts-offload", choices=["host", "disk"], default=None,
                         help="the load option experts_offload: routed experts kept in host memory or on disk")
+    parser.add_argument("--experts-cache-bytes", type=experts_cache_bytes, default=None,
+                        help="the load option experts_cache_bytes (with --experts-offload): the device's expert "
+                             "cache in bytes, or auto")
     parser.add_argument("--experts-compute", choices=["device", "host", "auto"], default=None,
                         help="the load option experts_compute (with --experts-offload)")
 
@@ -705,10 +717,10 @@ def run(args) -> int:
         app, engine = make_app(args.directory, model_name=args.model_name, max_requests=args.max_requests,
                                prefill_chunk=args.prefill_chunk, max_context=args.max_model_len,
                                default_max_tokens=args.max_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
-                               max_cache_bytes=args.max_cache_bytes,
+                               max_cache_bytes=args.max_cache_bytes, experts_cache_bytes=args.experts_cache_bytes,
                                device=args.device, dtype=args.dtype, experts_offload=args.experts_offload,
                                experts_compute=args.experts_compute)
-    except ChatFolderError as error:
+    except (ChatFolderError, ValueError, OSError) as error:  # a folder or load option refused by name
         print(f"kimik3 serve: error: {error}", file=sys.stderr)
         return 1
     try:

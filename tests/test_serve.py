@@ -430,3 +430,31 @@ def test_a_folder_with_a_vision_tower_serves_text(tmp_path):
         assert tokens == engine.tokenizer.convert_ids_to_tokens(want.tolist())
     finally:
         engine.stop()
+
+
+def test_an_offloaded_load_serves_the_same_tokens(folder, server):
+    """`--experts-offload host` (the load option): the routed experts stay in host memory behind a small device
+    cache, and the served greedy tokens are those of the model held whole."""
+    from fastapi.testclient import TestClient
+
+    app, engine = make_app(folder, model_name=MODEL, experts_offload="host", experts_cache_bytes=10 ** 5)
+    try:
+        with TestClient(app) as client:
+            answer = client.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0,
+                                                          "logprobs": 0}).json()
+        assert engine.model.experts_cache.moves > 0
+        assert answer["choices"][0]["logprobs"]["tokens"] == \
+            server.tokenizer.convert_ids_to_tokens(server.alone([5, 6, 7, 8], 4))
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--experts-offload", "host"], "experts_offload='host' needs experts_cache_bytes"),
+    (["--experts-cache-bytes", "lots"], "argument --experts-cache-bytes: 'lots': give a whole number of bytes or auto"),
+], ids=["serve-offload-without-a-cache", "serve-cache-bytes-not-a-number"])
+def test_the_command_refuses_load_options_by_name(folder, capsys, argv, named):
+    from kimik3.cli import main
+
+    assert main(["serve", str(folder), *argv]) in (1, 2)
+    assert named in capsys.readouterr().err
