@@ -9,11 +9,12 @@ codes: the router's choices are near-uniform, the worst case for a cache of expe
   the bound those bytes give at the measured host-to-device bandwidth (pinned memory);
 * prefill: `--prefill` tokens in one chunk (the experts each layer's routes choose cross once per chunk).
 
-The offload runs twice, side by side: its copies on the cache's copy stream (the default: the latent down-projection
-and the shared experts run while the chosen experts cross) and on the compute stream (`side_stream = False`). Then
-the chosen experts the cache lacks computed where they live (`experts_compute`): "host" (always on the CPU, the
-format's kernel over the packed bytes) and "auto" (per forward, whichever the rates measured at the start say is
-faster), the same decode and prefill. The `host_experts` rows time one MoE layer's share of a decode step on the CPU
+The offload copies on the cache's copy stream (section `offload`: the latent down-projection and the shared experts
+run while the chosen experts cross), and with `one_stream` also on the compute stream (`side_stream = False`). Then
+(section `host`) the chosen experts the cache lacks computed where they live (`experts_compute`): "host" (always on
+the CPU, the format's kernel over the packed bytes; decode only, a long chunk's every route on the CPU takes
+minutes) and "auto" (per forward, whichever the rates measured at the start say is faster), decode and prefill;
+`--host-threads` repeats the "host" decode at other kernel thread counts. The `host_experts` rows time one MoE layer's share of a decode step on the CPU
 alone (the kernel, and the reference it replaces) against moving the same experts, with the host's measured DRAM
 read bandwidth and the kernel's fraction of it.
 
