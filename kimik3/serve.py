@@ -288,6 +288,8 @@ class Engine:
 
     def _emit(self, job: Job, logits: torch.Tensor) -> None:
         """Samples the job's next token from `logits` (f32), posts it, and decides whether the job ends here."""
+        if not bool(torch.isfinite(logits).all()):  # never a token picked from NaN: the request ends by name
+            raise FloatingPointError(f"the model's logits hold non-finite values after {len(job.new_ids)} tokens")
         token = self._sample(logits, job)
         job.new_ids.append(token)
         if job.sampling.logprobs is not None:

@@ -347,15 +347,24 @@ def _filled(server, tokens: int):
 
 
 def test_a_forward_that_fails_ends_its_request_alone_and_the_server_goes_on(server):
-    poison = 761  # a prompt holding this id makes the model raise (a stand-in for a failing kernel)
+    poison, nan = 761, 762  # prompts holding these ids make the model raise / give NaN logits (a failing kernel)
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids")
         if ids is not None and bool((ids == poison).any()):
             raise RuntimeError("the model refused this prompt")
 
+    def poisoned_logits(module, args, kwargs, output):
+        ids = kwargs.get("input_ids")
+        if ids is not None and bool((ids == nan).any()):
+            output.logits[:] = float("nan")
+        return output
+
     handle = server.model.register_forward_pre_hook(hook, with_kwargs=True)
+    logits_handle = server.model.register_forward_hook(poisoned_logits, with_kwargs=True)
     try:
+        with pytest.raises(openai.InternalServerError, match="non-finite values after 0 tokens"):
+            server.client.completions.create(model=MODEL, prompt=[5, nan, 7], max_tokens=3, temperature=0)
         async def both():
             async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
                 good = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
@@ -365,6 +374,7 @@ def test_a_forward_that_fails_ends_its_request_alone_and_the_server_goes_on(serv
         good, bad = asyncio.run(both())
     finally:
         handle.remove()
+        logits_handle.remove()
     assert isinstance(bad, openai.InternalServerError)
     assert "generation failed: RuntimeError: the model refused this prompt" in str(bad)
     assert good.choices[0].text == server.tokenizer.decode(server.alone([5, 6, 7, 8], 4))
