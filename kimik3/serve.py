@@ -99,7 +99,6 @@ class Engine:
         # through the text model's module (a folder with a vision tower loads the multimodal one, which imports it)
         package = type(model).__module__.rpartition(".")[0]
         self.code = importlib.import_module(f"{package}.modeling_kimi_k3")
-        self.block_size = importlib.import_module(f"{package}.rewind_kimi_k3").KDA_BLOCK_SIZE
         self.cache_code = importlib.import_module(f"{package}.cache_kimi_k3")
         self.model, self.tokenizer = model, tokenizer
         self.text_config = model.config.get_text_config()
@@ -249,7 +248,8 @@ class Engine:
                 self.stats["prompt_tokens_reused"] += job.cached_tokens
                 self.stats["prompt_tokens_computed"] += cache.pending_tokens
                 return
-            job.cache = self.code.KimiK3Cache(self.text_config, snapshot_interval=self.block_size,
+            # KDA snapshots at the store's block ends: a hit at any block restores the state there
+            job.cache = self.code.KimiK3Cache(self.text_config, snapshot_interval=self.store.block_size,
                                               max_snapshot_bytes=self.prefix_cache_bytes)
         else:
             job.cache = self.code.KimiK3Cache(self.text_config)
@@ -489,8 +489,7 @@ class App:
             for job in jobs:
                 await reply.drain(request, job)
         finally:
-            for job in jobs:
-                job.cancelled = job.cancelled or job.finish_reason is None
+            reply.let_go()
         return reply.whole()
 
 
@@ -502,6 +501,12 @@ class Reply:
         self.tokenizer = app.tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
         self.created = int(time.time())
+
+    def let_go(self) -> None:
+        """The response is done with its jobs (sent, failed, or its client gone): the unfinished ones are cancelled,
+        and the engine frees their rows at its next step."""
+        for job in self.jobs:
+            job.cancelled = job.cancelled or job.finish_reason is None
 
     def text(self, job: Job) -> str:
         """What the job generated, up to its first stop sequence."""
@@ -639,8 +644,7 @@ class Reply:
                 yield self._chunk(None, usage=self.usage())
             yield "data: [DONE]\n\n"
         finally:
-            for job in self.jobs:
-                job.cancelled = job.cancelled or job.finish_reason is None
+            self.let_go()
 
 
 def make_app(directory, model_name: str | None = None, max_requests: int = 16, prefill_chunk: int = 512,
