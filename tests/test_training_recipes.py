@@ -69,8 +69,12 @@ def test_lora_recipe_saves_an_adapter_whose_merge_loads_as_the_adapted_model(ran
         with adapted_model.disable_adapter():
             base = adapted_model(ids).logits
         merged = _load(work / "lora-merged")(ids).logits
-    torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
-    assert (merged - base).abs().max() > 1e-3  # the adapter was trained away from zero
+    effect = float((adapted - base).abs().max())
+    assert effect > 1e-2  # the adapter was trained away from zero
+    # merging moves the adapter into the weights, so fp32 rounds differently (W x + B A x against (W + B A) x through
+    # every layer): measured 1e-5 to 3e-5 on logits of size ~1 depending on the CPU. A wrong merge (scale, transpose,
+    # a module left out) misses by a share of the adapter's whole effect, so the bound is a thousandth of that effect
+    assert float((merged - adapted).abs().max()) < 1e-3 * effect
     assert len(_logged_losses(stdout)) >= 8 + 4 and all(math.isfinite(x) for x in _logged_losses(stdout))
 
 
