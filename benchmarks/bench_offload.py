@@ -14,7 +14,8 @@ run while the chosen experts cross), and with `one_stream` also on the compute s
 (section `host`) the chosen experts the cache lacks computed where they live (`experts_compute`): "host" (always on
 the CPU, the format's kernel over the packed bytes; decode only, a long chunk's every route on the CPU takes
 minutes) and "auto" (per forward, whichever the rates measured at the start say is faster), decode and prefill;
-`--host-threads` repeats the "host" decode at other kernel thread counts. The `host_experts` rows time one MoE layer's share of a decode step on the CPU
+`--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times the CPU route's
+stages per MoE layer (the whole call, the CPU's share, the wait before it). The `host_experts` rows time one MoE layer's share of a decode step on the CPU
 alone (the kernel, and the reference it replaces) against moving the same experts, with the host's measured DRAM
 read bandwidth and the kernel's fraction of it.
 
@@ -152,6 +153,45 @@ def host_experts(module, batch, config, bandwidth, repeats=5):
             "kernel_bytes_per_s": round(moved / kernel_s), "ms_per_layer_to_move_them": round(moved / bandwidth * 1e3, 3)}
 
 
+def split_timings(model, cache, moe_layers, batch, context, steps):
+    """Where a decode step's CPU route spends its time, per MoE layer (`experts_compute="host"`): the whole
+    `routed_split` call, the CPU's share inside it (`host_routes`: the kernel and its bookkeeping, on the worker
+    thread), and the wait from the call's start to that share's start (the rows reaching host memory, the thread
+    handing over). Medians over the steady steps' layers; the step's own time beside them."""
+    from kimik3.modeling import host_experts_kimi_k3, offload_kimi_k3
+
+    spans = {"split": [], "host": [], "until_host": []}
+    split, host = offload_kimi_k3.routed_split, host_experts_kimi_k3.host_routes
+    started = []
+
+    def timed_split(*args, **kwargs):
+        started.append(time.perf_counter())
+        out = split(*args, **kwargs)
+        spans["split"].append(time.perf_counter() - started[-1])
+        return out
+
+    def timed_host(*args, **kwargs):
+        begin = time.perf_counter()
+        spans["until_host"].append(begin - started[-1])
+        out = host(*args, **kwargs)
+        spans["host"].append(time.perf_counter() - begin)
+        return out
+
+    offload_kimi_k3.routed_split, host_experts_kimi_k3.host_routes = timed_split, timed_host
+    try:
+        cache.compute = "host"
+        cache.clear()
+        row = decode(model, batch, context, steps)
+    finally:
+        offload_kimi_k3.routed_split, host_experts_kimi_k3.host_routes = split, host
+        cache.compute = "device"
+    for name, values in spans.items():  # the steady steps' layers (a layer whose experts were all held ran no split)
+        steady = sorted(values[-(steps - 2) * moe_layers:])
+        row[f"{name}_ms_median"] = round(steady[len(steady) // 2] * 1e3, 3)
+    row["splits"] = len(spans["split"])
+    return row
+
+
 def dram_read_bytes_per_s(num_bytes=4 << 30, repeats=5):
     """The host's memory read rate: a reduction over `num_bytes` (larger than a server's last-level cache), every
     host core, the median of `repeats`."""
@@ -181,7 +221,8 @@ def main():
     parser.add_argument("--sections", default="gpu,offload,host,accelerate",
                         help="which to run, comma-separated: gpu (the slice on the GPU), offload (copies on the copy "
                              "stream), one_stream (copies on the compute stream), host "
-                             "(experts_compute host/auto and the CPU kernel), accelerate")
+                             "(experts_compute host/auto and the CPU kernel), split (where the CPU route's time goes, "
+                             "per MoE layer), accelerate")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     ensure_kimik3()
@@ -269,6 +310,11 @@ def main():
             for tokens in chunks if compute == "auto" else ():
                 emit(f"compute_{compute}.prefill_{tokens}", prefill(model, tokens, repeats=1))
         cache.compute = "device"
+    if "split" in sections:
+        cache.side_stream = True
+        for batch in batches:
+            emit(f"split.decode_b{batch}", split_timings(model, cache, len(experts), batch, args.context,
+                                                          args.steps))
     for threads in [int(t) for t in args.host_threads.split(",") if t]:
         os.environ["KIMIK3_HOST_THREADS"] = str(threads)
         cache.compute, cache.side_stream = "host", True

@@ -1,5 +1,5 @@
 """argparse value types shared by the `kimik3` command and `kimik3 convert` (a usage error, exit code 2, names the
-bad value)."""
+bad value), and `kimik3 serve`'s flags."""
 
 import argparse
 
@@ -60,3 +60,47 @@ def bandwidth(text: str) -> float:
                                          "4.8TB/s (4.8*10^12 bytes/s)")
     scale = {"T": 10**12, "G": 10**9, None: 1}[match.group(2) and match.group(2).upper()]
     return float(match.group(1)) * scale
+
+
+def experts_cache_bytes(text: str):
+    """argparse type: a whole number of bytes, or auto."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of bytes or auto")
+    return int(text)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`kimik3 serve`'s flags, named as `transformers serve` names those that mean the same thing (--host, --port,
+    --dtype, --device, --log-level). Here, not in kimik3.serve, so that building the command's parser imports no
+    torch (a usage error or --help answers at once)."""
+    parser.add_argument("directory", help="a model folder (kimik3 tiny, convert or adopt)")
+    parser.add_argument("--host", default="localhost", help="the address to listen on (default localhost)")
+    parser.add_argument("--port", type=int, default=8000, help="default 8000")
+    parser.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default: the folder's)")
+    parser.add_argument("--device", default=None, help="where the model runs, e.g. cuda (default: where it loads)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--model-name", default=None, help="the model id clients name (default: the folder's name)")
+    parser.add_argument("--max-requests", type=positive_int, default=16,
+                        help="sequences running or queued at once (each of a request's n counts); more are refused "
+                             "with HTTP 429 (default 16)")
+    parser.add_argument("--prefill-chunk", type=positive_int, default=512,
+                        help="prompt tokens a request reads a step, between the batch's decode steps (default 512)")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-tokens", type=positive_int, default=256, help="max_tokens when a request names none")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
+                        help="memory for stored prompts (MLA latents and KDA snapshots at 512-token blocks) that "
+                             "later prompts start from; least recently used out; 0 turns it off (default 1 GiB)")
+    parser.add_argument("--max-cache-bytes", type=positive_int, default=None,
+                        help="a byte budget for the running sequences' caches, each counted at prompt + max_tokens "
+                             "(MLA latents, KDA states); a request beyond it is refused with HTTP 429 (default: none, "
+                             "--max-requests alone)")
+    parser.add_argument("--experts-offload", choices=["host", "disk"], default=None,
+                        help="the load option experts_offload: routed experts kept in host memory or on disk")
+    parser.add_argument("--experts-cache-bytes", type=experts_cache_bytes, default=None,
+                        help="the load option experts_cache_bytes (with --experts-offload): the device's expert "
+                             "cache in bytes, or auto")
+    parser.add_argument("--experts-compute", choices=["device", "host", "auto"], default=None,
+                        help="the load option experts_compute (with --experts-offload)")

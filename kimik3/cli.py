@@ -403,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="an image (local path or file:// URL) attached to the first turn; needs a model with a "
                         "vision tower")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="generation limit a turn (default 64)")
-    p.add_argument("--reasoning-effort", choices=TemplateReasoningEfforts(), default="max",
-                   help="the chat template's reasoning effort (default max)")
+    # a metavar, so that argparse lists the choices only for --help (building the parser would import them)
+    p.add_argument("--reasoning-effort", choices=TemplateReasoningEfforts(), default="max", metavar="EFFORT",
+                   help="the chat template's reasoning effort: %(choices)s (default max)")
     p.add_argument("--prefill-chunk-size", type=positive_int, metavar="TOKENS",
                    help="prompt tokens a prefill forward: bounds the prefill's memory (default: "
                         "kimik3.chat.PREFILL_CHUNK_SIZE, 2048)")
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                        description="Serve a model folder over HTTP with OpenAI's API: /v1/chat/completions (streaming "
                                    "or not; reasoning and tool calls in their fields), /v1/completions, /v1/models, "
                                    "/health. Needs the serve extra (pip install 'kimik3[serve]').")
-    from kimik3.serve import add_arguments as add_serve_arguments
+    from kimik3.arguments import add_serve_arguments
 
     add_serve_arguments(p)
     p.set_defaults(fn=cmd_serve)

@@ -67,6 +67,14 @@ def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_be
     return run(rows, local, torch.ones(local.shape), compact), 0
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (on the CPU) on `device`: on a GPU through pinned memory (torch's caching host allocator), so the copy
+    is queued on the current stream and the CPU goes on, instead of a pageable copy that waits for the stream."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def routed_split(cache, x, top_indices, top_weights, fetched, stacks, fmt, run, situ_betas):
     """The routed experts' output when `fetched` computes some chosen experts on the CPU (`fetched.host_ids`), with
     `cache` the model's ExpertCache: every route's expert output (`run(rows, indices [R, 1], unit weights, stacks)`, the
@@ -74,38 +82,58 @@ def routed_split(cache, x, top_indices, top_weights, fetched, stacks, fmt, run, 
     over a copy of the chosen experts), then weighted and summed in f32 in the order `ops_kimi_k3.routed_experts` sums
     them (routes sorted by expert, stable), rounded once: a CPU model gives the reference's logits bit for bit. The
     CPU's share runs on the cache's worker thread while this one computes the device's. `situ_betas`: the SiTU-GLU's
-    betas, None for another activation (the kernel is SiTU-only)."""
+    betas, None for another activation (the kernel is SiTU-only).
+
+    On a GPU nothing here waits for the device: the split is worked out on the CPU from the routes `fetch` read
+    (`fetched.top_cpu`), its index vectors cross in one queued copy, the CPU's rows come back into pinned memory on an
+    event the worker thread waits for, and its outputs go out the same way; the device's share and the sums are queued
+    behind them."""
     num_tokens, top_k = top_indices.shape
-    flat = top_indices.reshape(-1)
+    device = x.device
+    flat = fetched.top_cpu.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // top_k
     sorted_ids = flat[order]
-    on_host = torch.isin(sorted_ids, torch.tensor(fetched.host_ids, dtype=flat.dtype, device=flat.device))
-    rows = x[token_of]
-    host_rows, host_sorted = rows[on_host].to("cpu"), sorted_ids[on_host].to("cpu")
-    use_kernel = cache.host_kernel if cache.host_kernel is not None else x.device.type == "cuda"
+    on_host = torch.isin(sorted_ids, torch.tensor(fetched.host_ids, dtype=flat.dtype))
+    host_at, device_at = on_host.nonzero().squeeze(1), (~on_host).nonzero().squeeze(1)
+    host_sorted = sorted_ids[host_at]
+    local = torch.searchsorted(torch.tensor(fetched.ids, dtype=flat.dtype), sorted_ids[device_at])
+    pieces = (order, token_of, host_at, device_at, local)
+    order_d, token_d, host_at_d, device_at_d, local_d = to_device(torch.cat(pieces), device).split(
+        [piece.numel() for piece in pieces])
+    host_tokens = token_d.index_select(0, host_at_d)
+    if device.type == "cuda":
+        host_rows = torch.empty((host_at.numel(), x.shape[-1]), dtype=x.dtype, pin_memory=True)
+        host_rows.copy_(x.index_select(0, host_tokens), non_blocking=True)
+        rows_ready = torch.cuda.Event()
+        rows_ready.record()
+    else:
+        host_rows, rows_ready = x.index_select(0, host_tokens), None
+    use_kernel = cache.host_kernel if cache.host_kernel is not None else device.type == "cuda"
     # the worker thread runs under this thread's grad and inference modes (thread-local in torch)
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
     def host_share():
+        if rows_ready is not None:
+            rows_ready.synchronize()
         with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]):
             return host_routes(host_rows, host_sorted, fetched.host_ids, stacks, fmt, run,
                                situ_betas if use_kernel else None)
 
     job = cache.host_pool().submit(host_share)
-    device_rows = rows[~on_host]
-    per_route = torch.empty_like(rows)
-    if device_rows.shape[0]:
-        local = torch.searchsorted(fetched.chosen, sorted_ids[~on_host]).unsqueeze(-1)
+    per_route = torch.empty((flat.numel(), x.shape[-1]), dtype=x.dtype, device=device)
+    if device_at.numel():
         _, compact = fetched.wait()
-        per_route[~on_host] = run(device_rows, local, torch.ones(local.shape, device=x.device), compact)
+        device_rows = x.index_select(0, token_d.index_select(0, device_at_d))
+        per_route.index_copy_(0, device_at_d, run(device_rows, local_d.unsqueeze(-1),
+                                                   torch.ones((device_at.numel(), 1), device=device), compact))
     host_out, kernel = job.result()
-    per_route[on_host] = host_out.to(x.device)
-    cache.host_routes += host_rows.shape[0]
+    per_route.index_copy_(0, host_at_d, to_device(host_out, device))
+    cache.host_routes += host_at.numel()
     cache.kernel_calls += kernel
-    weighted = per_route.float() * top_weights.reshape(-1)[order].unsqueeze(-1).float()
-    combined = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
-    return combined.index_add(0, token_of, weighted).to(x.dtype)
+    weighted = per_route.float() * top_weights.reshape(-1).index_select(0, order_d).unsqueeze(-1).float()
+    combined = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=device)
+    return combined.index_add(0, token_d, weighted).to(x.dtype)
 
 
 def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:

@@ -30,7 +30,7 @@ from .files_kimi_k3 import (
     read_json,
     read_safetensors_header,
 )
-from .host_experts_kimi_k3 import HostRates, measure_host_rates, routed_split
+from .host_experts_kimi_k3 import HostRates, measure_host_rates, routed_split, to_device
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
 EXPERTS_OFFLOAD_MODES = ("host", "disk")
@@ -201,13 +201,16 @@ class ExpertFetch:
     copies (on the cache's copy stream on a GPU, so the work that does not need them runs meanwhile); `wait` makes the
     current stream wait for them, lets the cache keep its share of the moved experts, and returns what
     `ExpertCache.gather` returns. `host_ids`: the chosen experts this forward computes on the CPU instead (none
-    copied; `routed_split`), in ascending id; `ids` / `chosen` are then the ones on the device."""
+    copied; `routed_split`), in ascending id; `ids` / `chosen` are then the ones on the device. `top_cpu`: the
+    routes as read from the device once (`routed_split` works out its split from them without reading again)."""
 
     def __init__(self, cache, layer: int, chosen: torch.Tensor, ids: list[int], top_indices: torch.Tensor,
-                 compact: tuple[torch.Tensor, ...], missed: list[int], event, host_ids: list[int] = ()):
+                 compact: tuple[torch.Tensor, ...], missed: list[int], event, host_ids: list[int] = (),
+                 top_cpu: torch.Tensor | None = None):
         self.cache, self.layer, self.chosen, self.ids = cache, layer, chosen, ids
         self.top_indices, self.compact, self.missed, self.event = top_indices, compact, missed, event
         self.host_ids = list(host_ids)
+        self.top_cpu = top_indices.to("cpu") if top_cpu is None else top_cpu
 
     def wait(self):
         if self.event is not None:
@@ -300,12 +303,17 @@ class ExpertCache:
         from the host on the copy stream, one copy per run of consecutive ids and stack, once the copy stream has
         waited for the current one (the stacks' memory is the current stream's), unless this forward computes them
         on the CPU (`compute`; the release's per-expert parts are always copied)."""
-        chosen, route_counts = torch.unique(top_indices, return_counts=True)  # sorted
-        ids = chosen.tolist()
+        # the forward's one read of its routes from the device: what is chosen, and how often, is counted here
+        top_cpu = top_indices.to("cpu")
+        per_expert = torch.bincount(top_cpu.reshape(-1).long())
+        chosen_cpu = per_expert.nonzero().squeeze(1)  # ascending
+        route_counts = per_expert[chosen_cpu]
+        ids = chosen_cpu.tolist()
+        chosen = to_device(chosen_cpu.to(top_indices.dtype), top_indices.device)
         counts = self.routes.get(layer, torch.zeros(0, dtype=torch.int64))
         if ids and ids[-1] >= counts.numel():  # grown to the largest id seen
             counts = torch.cat([counts, counts.new_zeros(ids[-1] + 1 - counts.numel())])
-        self.routes[layer] = counts.index_add_(0, torch.tensor(ids, dtype=torch.int64), route_counts.cpu())
+        self.routes[layer] = counts.index_add_(0, chosen_cpu, route_counts)
         entries = self.layers.setdefault(layer, OrderedDict())
         parts = source if isinstance(source, ExpertParts) else None
         absent = [(expert, int(count)) for expert, count in zip(ids, route_counts.tolist()) if expert not in entries]
@@ -313,7 +321,7 @@ class ExpertCache:
         if parts is None and self._on_host(len(absent), sum(c for _, c in absent), flops_per_route):
             host_ids = [expert for expert, _ in absent]
             ids = [expert for expert in ids if expert in entries]
-            chosen = torch.tensor(ids, dtype=chosen.dtype, device=chosen.device)
+            chosen = to_device(torch.tensor(ids, dtype=chosen.dtype), chosen.device)
             self.host_experts += len(host_ids)
         shapes = parts.shapes() if parts is not None else [(tuple(stack.shape[1:]), stack.dtype) for stack in source]
         compact = tuple(torch.empty((len(ids), *shape), dtype=dtype, device=device) for shape, dtype in shapes)
@@ -347,7 +355,7 @@ class ExpertCache:
                     event.record(stream)
             self.moves += len(missed)
             self.moved_bytes += len(missed) * self.bytes_per_expert
-        return ExpertFetch(self, layer, chosen, ids, top_indices, compact, missed, event, host_ids)
+        return ExpertFetch(self, layer, chosen, ids, top_indices, compact, missed, event, host_ids, top_cpu)
 
     def place(self, layer: int, experts: list[int], source, device: torch.device) -> None:
         """Keeps `experts` of `layer` on `device` for good: copied now from `source` (the layer's stacks), never

@@ -320,6 +320,20 @@ def test_tiny_bad_arguments_exit_two_in_a_real_process(tmp_path, args, fragment)
     assert "Traceback" not in result.stderr and not (tmp_path / "t").exists()
 
 
+def test_a_usage_error_answers_before_torch_or_transformers_is_imported(tmp_path):
+    """Building the command's parser (every subcommand's flags, `serve`'s and `chat`'s choices included) imports
+    neither, so a bad argument or --help answers at once."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['kimik3', 'tiny', sys.argv[1], '--layers', '0']\n"
+            "try:\n"
+            "    runpy.run_module('kimik3.cli', run_name='__main__')\n"
+            "except SystemExit as exit:\n"
+            "    print(exit.code, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))\n")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split() == ["2", "[]"], result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("setup, overwrite, fragment", [
     pytest.param(lambda d: (d / "notes.txt").write_text("mine"), False, "not empty; pass --overwrite",
                  id="tiny-not-empty"),
