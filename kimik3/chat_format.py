@@ -336,63 +336,107 @@ def parse_reply(text: str) -> ParsedReply:
     `...reasoning<|close|>think<|sep|><|open|>response<|sep|>Hi<|close|>response<|sep|><|close|>message<|sep|>`.
     The leading `<|open|>message ...<|sep|><|open|>think<|sep|>` may be present or not. A malformed tool block raises
     ChatFormatError (the caller can retry the generation)."""
-    reply = ParsedReply()
-    stack: list[str] = []
-    position = 0
-    pending_call = None
-    pending_arg = None
-    buffer = []
-    if not text.startswith(OPEN + "message"):
-        stack = ["message", "think"]  # the text continues the generation prompt, inside <|open|>think<|sep|>
-    while position < len(text):
-        o = text.find(OPEN, position)
-        c = text.find(CLOSE, position)
-        nxt = min(x for x in (o, c, len(text)) if x >= 0)
-        buffer.append(text[position:nxt])
-        if nxt == len(text):
-            break
-        sep = text.find(SEP, nxt)
-        if sep < 0:
-            break  # cut mid-tag: what came before stays
-        inner = text[nxt + len(OPEN if nxt == o else CLOSE):sep]
-        chunk = "".join(buffer)
-        buffer = []
-        current = stack[-1] if stack else None
-        if nxt == o:
-            tag, attrs = _parse_attributes(inner)
-            if current in ("think", "response") and chunk:
-                _append(reply, current, chunk)
-            stack.append(tag)
-            if tag == "call":
-                pending_call = ToolCall(attrs.get("tool", ""), {}, int(attrs.get("index", len(reply.tool_calls) + 1)))
-            elif tag == "argument":
-                pending_arg = (attrs.get("key", ""), attrs.get("type", "string"))
-        else:
-            tag = inner.strip()
-            if tag != current:
-                raise ChatFormatError(f"</{tag}> closes <{current}>: the reply's markup is not well nested")
-            if tag in ("think", "response"):
-                _append(reply, tag, chunk)
-            elif tag == "argument" and pending_call is not None and pending_arg is not None:
-                key, kind = pending_arg
-                pending_call.arguments[key] = _typed(chunk, kind)
-                pending_arg = None
-            elif tag == "json" and pending_call is not None:
-                try:
-                    pending_call.arguments = json.loads(chunk)
-                except json.JSONDecodeError:
-                    pending_call.arguments = chunk
-            elif tag == "call" and pending_call is not None:
-                reply.tool_calls.append(pending_call)
-                pending_call = None
-            elif tag == "message":
-                reply.complete = True
-            stack.pop()
-        position = sep + len(SEP)
-    rest = "".join(buffer).replace(END_OF_MSG, "")
-    if stack and stack[-1] in ("think", "response") and rest:
-        _append(reply, stack[-1], rest)
-    return reply
+    return ReplyParser().feed(text).reply()
+
+
+class ReplyParser:
+    """`parse_reply` fed piece by piece, as a reply streams: `feed(more)` goes over what it has not settled (the text
+    after the last whole tag; plain text already searched for tags is not searched again) and `reply()` is
+    `parse_reply` of everything fed so far, so a streamed reply costs its length once, not once a token. A malformed
+    tag raises ChatFormatError from `feed`, as it would from `parse_reply` of every longer text."""
+
+    HEAD = OPEN + "message"
+
+    def __init__(self):
+        self.text = ""
+        self._reply = ParsedReply()
+        self._stack: list[str] | None = None  # decided once the text shows whether it opens with HEAD
+        self._position = 0  # the unsettled text begins here, after the last whole tag
+        self._clear = 0  # text[_position:_clear] holds no tag's start
+        self._cut: int | None = None  # a tag begins here whose <|sep|> has not come yet
+        self._pending_call: ToolCall | None = None
+        self._pending_arg: tuple[str, str] | None = None
+
+    def feed(self, more: str) -> "ReplyParser":
+        self.text += more
+        if self._stack is None:
+            if len(self.text) < len(self.HEAD) and self.HEAD.startswith(self.text):
+                return self  # too short to tell
+            # without the head the text continues the generation prompt, inside <|open|>think<|sep|>
+            self._stack = [] if self.text.startswith(self.HEAD) else ["message", "think"]
+        self._advance()
+        return self
+
+    def _advance(self) -> None:
+        text, reply, stack = self.text, self._reply, self._stack
+        longest = max(len(OPEN), len(CLOSE))
+        while True:
+            start = max(self._position, self._clear)
+            o, c = text.find(OPEN, start), text.find(CLOSE, start)
+            if o < 0 and c < 0:
+                self._clear, self._cut = max(self._position, len(text) - longest + 1), None
+                return
+            nxt = min(x for x in (o, c) if x >= 0)
+            sep = text.find(SEP, nxt)
+            if sep < 0:  # cut mid-tag: what came before stays
+                self._clear, self._cut = nxt, nxt
+                return
+            inner = text[nxt + len(OPEN if nxt == o else CLOSE):sep]
+            chunk = text[self._position:nxt]
+            current = stack[-1] if stack else None
+            if nxt == o:
+                tag, attrs = _parse_attributes(inner)
+                if current in ("think", "response") and chunk:
+                    _append(reply, current, chunk)
+                stack.append(tag)
+                if tag == "call":
+                    self._pending_call = ToolCall(attrs.get("tool", ""), {},
+                                                  int(attrs.get("index", len(reply.tool_calls) + 1)))
+                elif tag == "argument":
+                    self._pending_arg = (attrs.get("key", ""), attrs.get("type", "string"))
+            else:
+                tag = inner.strip()
+                if tag != current:
+                    raise ChatFormatError(f"</{tag}> closes <{current}>: the reply's markup is not well nested")
+                call = self._pending_call
+                if tag in ("think", "response"):
+                    _append(reply, tag, chunk)
+                elif tag == "argument" and call is not None and self._pending_arg is not None:
+                    key, kind = self._pending_arg
+                    call.arguments[key] = _typed(chunk, kind)
+                    self._pending_arg = None
+                elif tag == "json" and call is not None:
+                    try:
+                        call.arguments = json.loads(chunk)
+                    except json.JSONDecodeError:
+                        call.arguments = chunk
+                elif tag == "call" and call is not None:
+                    reply.tool_calls.append(call)
+                    self._pending_call = None
+                elif tag == "message":
+                    reply.complete = True
+                stack.pop()
+            self._position = self._clear = sep + len(SEP)
+
+    def reply(self) -> ParsedReply:
+        """What the text fed so far says: the settled sections, plus the unsettled text of an open think or
+        response section (up to a tag still being written)."""
+        if self._stack is None:
+            return ReplyParser._whole(self.text)
+        reply = ParsedReply(self._reply.reasoning, self._reply.response, list(self._reply.tool_calls),
+                            self._reply.complete)
+        rest = self.text[self._position:self._cut].replace(END_OF_MSG, "")
+        if self._stack and self._stack[-1] in ("think", "response") and rest:
+            _append(reply, self._stack[-1], rest)
+        return reply
+
+    @staticmethod
+    def _whole(text: str) -> ParsedReply:
+        """A text too short to tell whether it opens with the head, parsed as if it were all there is."""
+        parser = ReplyParser()
+        parser.text, parser._stack = text, [] if text.startswith(ReplyParser.HEAD) else ["message", "think"]
+        parser._advance()
+        return parser.reply()
 
 
 def _append(reply: ParsedReply, section: str, text: str):

@@ -70,12 +70,17 @@ class Job:
         self.cache_after_prompt = None
         self.finish_reason: str | None = None
         self.cancelled = False
+        self.decoded: TextSoFar | None = None  # the engine's, from the first token on
         self.generator = None
         if sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed + index)
 
     def post(self, item) -> None:
         self.loop.call_soon_threadsafe(self.mailbox.put_nowait, item)
+
+    def visible(self, ended: bool) -> str:
+        """What the job generated that a client may see: `TextSoFar.visible`, or nothing before its first token."""
+        return "" if self.decoded is None else self.decoded.visible(ended)
 
     @property
     def done(self) -> bool:
@@ -297,12 +302,15 @@ class Engine:
             top = torch.topk(logprobs, job.sampling.logprobs) if job.sampling.logprobs else None
             job.logprobs.append((float(logprobs[token]), [] if top is None else
                                  list(zip(top.indices.tolist(), top.values.tolist()))))
+        if job.decoded is None:
+            job.decoded = TextSoFar(self.tokenizer, job.sampling.stop)
+        job.decoded.add(token)
         job.post(token)
         if token in self.eos:
             job.finish_reason = "stop"
         elif len(job.new_ids) >= job.sampling.max_tokens:
             job.finish_reason = "length"
-        elif job.sampling.stop and stop_at(self.tokenizer.decode(job.new_ids), job.sampling.stop) is not None:
+        elif job.decoded.state[1] is not None:  # a stop sequence
             job.finish_reason = "stop"
 
     @staticmethod
@@ -322,6 +330,48 @@ def stop_at(text: str, stops: list[str]) -> int | None:
     """Where the first stop sequence begins in `text`, or None."""
     found = [text.index(stop) for stop in stops if stop in text]
     return min(found) if found else None
+
+
+class TextSoFar:
+    """A job's generated text, decoded as its tokens come, and where its first stop sequence begins. Each token is
+    decoded with the few before it that do not end on a whole character (a byte-level token can end inside one), and
+    the stop sequences are looked for only in what is new (and the stop's length before it), so a token costs the
+    same at the end of a long reply as at its start; `state[0]` equals decoding all the ids at once. `state` is one
+    (text, stop) pair, assigned whole: the HTTP side reads it while the engine's thread adds tokens."""
+
+    def __init__(self, tokenizer, stops=()):
+        self.tokenizer, self.stops = tokenizer, list(stops)
+        self.longest = max((len(stop) for stop in self.stops), default=0)
+        self.state: tuple[str, int | None] = ("", None)
+        self._settled, self._pending = "", []  # text of whole characters; ids after it
+
+    def add(self, token: int) -> None:
+        self._pending.append(token)
+        window = self.tokenizer.decode(self._pending)
+        text, stop = self._settled + window, self.state[1]
+        if stop is None and self.stops:
+            # the settled text was searched up to its end; a stop may straddle that end
+            start = max(0, len(self._settled) - self.longest + 1)
+            found = stop_at(text[start:], self.stops)
+            stop = None if found is None else start + found
+        if not window.endswith("\ufffd"):
+            self._settled, self._pending = text, []
+        self.state = (text, stop)
+
+    def visible(self, ended: bool) -> str:
+        """The text up to its first stop sequence; while the job runs, less what may yet change: a character whose
+        bytes have not all come (decoded as U+FFFD for now) and an end that may become a stop sequence. It only ever
+        grows, so a stream sends each character once."""
+        text, stop = self.state
+        if stop is not None:
+            return text[:stop]
+        if ended:
+            return text
+        text = text.rstrip("\ufffd")
+        for held in range(min(self.longest - 1, len(text)), 0, -1):
+            if any(s.startswith(text[-held:]) for s in self.stops):
+                return text[:-held]
+        return text
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -510,20 +560,19 @@ class Reply:
 
     def text(self, job: Job) -> str:
         """What the job generated, up to its first stop sequence."""
-        text = self.tokenizer.decode(job.new_ids)
-        cut = stop_at(text, job.sampling.stop)
-        return text if cut is None else text[:cut]
+        return job.visible(ended=True)
 
-    def fields(self, job: Job) -> dict:
+    def fields(self, job: Job, parser=None) -> dict:
         """The reply as OpenAI's assistant message fields: in the K3 format the generation prompt opens the think
         section, so the text is `reasoning_content` until the model opens its response (`content`); its tool calls
         are `tool_calls` (arguments as JSON text). Markup the parser cannot follow (a malformed tool block) leaves
-        the raw text as `content`."""
+        the raw text as `content`. `parser`: a `ReplyParser` the stream has fed the text so far (else the whole
+        text is parsed)."""
         from kimik3.chat_format import ChatFormatError, parse_reply
 
-        text = self.text(job)
+        text = parser.text if parser is not None else self.text(job)
         try:
-            reply = parse_reply(text)
+            reply = parser.reply() if parser is not None else parse_reply(text)
         except ChatFormatError:
             return {"content": text}
         out = {"content": reply.response, "reasoning_content": reply.reasoning}
@@ -607,19 +656,30 @@ class Reply:
         """Server-sent events: each job's deltas as its tokens come (chat: reasoning and response text as
         `reasoning_content` and `content`, each tool call once whole), its finish, then [DONE]. A client that goes
         away cancels every job of the request: the engine frees their slots at its next step."""
+        from kimik3.chat_format import ChatFormatError, ReplyParser
+
         try:
             for job in self.jobs:
                 if self.chat:
                     yield self._chunk(job, {"role": "assistant", "content": ""})
                 sent = {"content": "", "reasoning_content": ""}
                 calls_sent, tokens_sent = 0, 0
+                parser = ReplyParser() if self.chat else None  # fed what becomes visible, once
                 while True:
                     item = await job.mailbox.get()
                     if isinstance(item, ServeError):
                         yield "data: " + json.dumps(item.body()) + "\n\n"
                         return
                     end = item is None
-                    fields = self.fields(job) if self.chat else {"content": self.text(job)}
+                    text = job.visible(end)
+                    if parser is None:
+                        fields = {"content": text}
+                    else:
+                        try:
+                            parser.feed(text[len(parser.text):])
+                        except ChatFormatError:
+                            pass  # malformed markup: `fields` gives the raw text, as for the whole reply
+                        fields = self.fields(job, parser)
                     delta = {}
                     for key in sent:
                         now = fields.get(key) or ""

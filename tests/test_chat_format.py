@@ -3,12 +3,13 @@ conversations; the reply parser recovers reasoning, response and typed tool call
 streamed text on a tiny folder (the `kimik3 chat` program: tests/test_chat_cli.py)."""
 
 import json
+import random
 
 import pytest
 from transformers import TextStreamer
 
 from kimik3.chat import chat, load_chat
-from kimik3.chat_format import ChatFormatError, encode_chat, parse_reply, render_segments, render_text
+from kimik3.chat_format import ChatFormatError, ReplyParser, encode_chat, parse_reply, render_segments, render_text
 from kimik3.modeling.tokenization_kimi_k3 import KimiK3Tokenizer
 from kimik3.tiny import TINY_NUM_RANKS, write_tiny_folder
 
@@ -193,6 +194,42 @@ def test_parser_recovers_reasoning_response_and_typed_tool_calls():
         parse_reply('<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
                     '<|open|>call tool="f" index="1"<|sep|><|open|>argument key="n" type="number"<|sep|>abc'
                     '<|close|>argument<|sep|>')
+
+
+def _outcome(parse):
+    try:
+        reply = parse()
+    except ChatFormatError as error:
+        return "error", str(error)
+    return reply.reasoning, reply.response, [(c.name, c.arguments, c.index) for c in reply.tool_calls], reply.complete
+
+
+def test_the_parser_fed_in_pieces_says_what_parsing_each_prefix_whole_says():
+    """A streamed reply is parsed as it grows (kimik3 serve): at every point the pieces fed so far must read as the
+    whole text up to there does, whatever the pieces' bounds (inside a tag, a marker, an argument), nesting errors
+    included. Random replies of the format's markup, tags cut short and markers written out as plain text."""
+    words = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "think", "response", "message", "tools", "call",
+             "argument", "json", ' tool="f"', ' key="k"', ' type="integer"', ' type="string"', "hello ", "12",
+             '{"a": 1}', "<|", "op", "en|>", "x", "é", " "]
+    opening = "why<|close|>think<|sep|><|open|>response<|sep|>"
+    rng = random.Random(5)
+    prefixes = errors = 0
+    for _ in range(1500):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(0, 30)))
+        text = (opening if rng.random() < 0.5 else "") + text
+        text = ("<|open|>message" if rng.random() < 0.2 else "") + text
+        parser, fed, failed = ReplyParser(), 0, None
+        for cut in sorted({rng.randint(0, len(text)) for _ in range(8)} | {len(text)}):
+            whole = _outcome(lambda: parse_reply(text[:cut]))
+            if failed is None:
+                try:
+                    parser.feed(text[fed:cut])
+                except ChatFormatError as error:
+                    failed = ("error", str(error))
+                fed = cut
+            assert (failed or _outcome(parser.reply)) == whole, text[:cut]
+            prefixes, errors = prefixes + 1, errors + (whole[0] == "error")
+    assert prefixes > 5000 and 0 < errors < prefixes / 4  # both kinds of outcome were met
 
 
 class RecordingStreamer(TextStreamer):

@@ -21,7 +21,7 @@ import uvicorn
 
 from kimik3.chat_format import encode_chat, render_text
 from kimik3.modeling.cache_kimi_k3 import analytic_cache_bytes
-from kimik3.serve import Job, Sampling, make_app
+from kimik3.serve import Job, Sampling, TextSoFar, make_app, stop_at
 from kimik3.tiny import write_tiny_folder
 
 MODEL = "tiny-k3"
@@ -252,6 +252,48 @@ def test_stop_sequences_cut_the_text_and_end_the_request(server):
     cut = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == full[:full.index(stop)]
+    # streamed, the deltas never run ahead into a stop sequence's first characters
+    streamed = [chunk.choices[0] for chunk in server.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=8, temperature=0, stop=[stop, stop + "never"], stream=True)]
+    assert "".join(c.text for c in streamed) == full[:full.index(stop)]
+    assert streamed[-1].finish_reason == "stop"
+
+
+class CountingTokenizer:
+    """The served tokenizer, counting the ids it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids)
+
+
+def test_the_text_so_far_is_the_whole_decoding_at_every_token_at_a_cost_that_does_not_grow(server):
+    """Every token's text is the decoding of all ids so far (characters split across byte-level tokens included),
+    the first stop sequence is where searching the whole text finds it, the visible text never shows a stop's first
+    characters before the request ends; and the ids decoded per token do not grow with the reply (decoding the
+    whole reply at every token, as the server did, costs the square of its length)."""
+    tokenizer = server.tokenizer
+    generator = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, server.model.config.vocab_size, (600,), generator=generator).tolist()
+    whole = tokenizer.decode(ids)
+    stops = [whole[400:403], "\x00never"]
+    counting = CountingTokenizer(tokenizer)
+    decoded, shown = TextSoFar(counting, stops), ""
+    for step in range(len(ids)):
+        decoded.add(ids[step])
+        text, stop = decoded.state
+        assert text == tokenizer.decode(ids[:step + 1])
+        assert stop == stop_at(text, stops)
+        visible = decoded.visible(ended=False)
+        assert visible.startswith(shown) and not any(s in visible for s in stops)
+        if stop is None:
+            assert not any(text[len(visible):].startswith(s) for s in stops)
+        shown = visible
+    assert decoded.visible(ended=True) == whole[:stop_at(whole, stops)] and decoded.state[1] is not None
+    assert counting.decoded < 3 * len(ids)  # whole decodes would be len(ids) ** 2 / 2
 
 
 @pytest.mark.parametrize("body, status, named", [
