@@ -236,8 +236,10 @@ class Engine:
         if end < len(job.prompt_ids):
             return False
         job.last_logits = out.logits[0, -1].float()
-        # what the twins and the store copy from (the job's own cache goes on into the batch)
-        job.cache_after_prompt = job.cache.copy_prefix(len(job.prompt_ids))
+        # what the twins and the store copy from (the job's own cache goes on into the batch); none when neither
+        # wants it
+        if self.store is not None or any(other.twin is job for other in self.reading):
+            job.cache_after_prompt = job.cache.copy_prefix(len(job.prompt_ids))
         if self.store is not None:
             self.store.insert(job.prompt_ids, job.cache_after_prompt)
         self._emit(job, job.last_logits)

@@ -259,6 +259,23 @@ def test_stop_sequences_cut_the_text_and_end_the_request(server):
     assert streamed[-1].finish_reason == "stop"
 
 
+def test_the_prompts_cache_is_copied_only_for_twins_or_the_store(server, monkeypatch):
+    """After its prompt a job's cache goes on into the batch; a copy of it is made only for the request's other `n`
+    sequences or for the prefix store, never for nobody."""
+    copies = []
+    cache_class = server.engine.code.KimiK3Cache
+    copy_prefix = cache_class.copy_prefix
+    monkeypatch.setattr(cache_class, "copy_prefix", lambda self, *a: copies.append(1) or copy_prefix(self, *a))
+    ids = list(range(7, 40))
+    expected = server.tokenizer.decode(server.alone(ids, 3))
+    for store, n, made in ((server.engine.store, 1, 1), (None, 1, 0), (None, 2, 2)):
+        monkeypatch.setattr(server.engine, "store", store)
+        copies.clear()
+        reply = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, n=n)
+        assert [c.text for c in reply.choices] == [expected] * n
+        assert len(copies) == made, (store is not None, n)  # the source's copy, and each twin's own
+
+
 class CountingTokenizer:
     """The served tokenizer, counting the ids it is asked to decode."""
 
