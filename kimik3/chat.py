@@ -57,7 +57,7 @@ def load_chat(directory, vision: bool = False, **load_options):
     read_json(directory / "config.json", error=lambda where, message: ChatFolderError(f"{where}: {message}"))
     _check_our_code(directory)
     if vision:
-        _check_vision_folder(directory)
+        check_vision_folder(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **load_options).eval()
     if not vision:
@@ -85,7 +85,7 @@ def _check_our_code(directory: Path):
             f"{directory} K3_DIR` (a copy in our layout), then `kimik3 chat K3_DIR`")
 
 
-def _check_vision_folder(directory: Path):
+def check_vision_folder(directory: Path):
     """Before any weight is read: the config must describe a vision tower and the folder hold a processor."""
     try:
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))

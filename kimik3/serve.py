@@ -71,6 +71,9 @@ class Job:
         self.finish_reason: str | None = None
         self.cancelled = False
         self.decoded: TextSoFar | None = None  # the engine's, from the first token on
+        # the prompt's images (pixel_values, grid_thws) and the end of their placeholder rows: read in one forward
+        self.images: dict | None = None
+        self.images_end = 0
         self.generator = None
         if sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed + index)
@@ -229,8 +232,13 @@ class Engine:
         if job.cache is None:
             self._start(job)
         end = min(len(job.prompt_ids), job.prefilled + self.prefill_chunk)
+        extra = {}
+        if job.images is not None and job.prefilled == 0:
+            # the images run in the prefill's first forward, which reaches past their placeholder rows
+            end = max(end, job.images_end)
+            extra = {key: value.to(self.device) for key, value in job.images.items()}
         ids = torch.tensor([job.prompt_ids[job.prefilled:end]], device=self.device)
-        out = self.model(input_ids=ids, past_key_values=job.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, past_key_values=job.cache, use_cache=True, logits_to_keep=1, **extra)
         self.stats["prompt_tokens_computed"] += end - job.prefilled
         job.prefilled = end
         if end < len(job.prompt_ids):
@@ -238,15 +246,16 @@ class Engine:
         job.last_logits = out.logits[0, -1].float()
         # what the twins and the store copy from (the job's own cache goes on into the batch); none when neither
         # wants it
-        if self.store is not None or any(other.twin is job for other in self.reading):
+        stored = self.store is not None and job.images is None  # ids alone do not tell two images apart
+        if stored or any(other.twin is job for other in self.reading):
             job.cache_after_prompt = job.cache.copy_prefix(len(job.prompt_ids))
-        if self.store is not None:
+        if stored:
             self.store.insert(job.prompt_ids, job.cache_after_prompt)
         self._emit(job, job.last_logits)
         return True
 
     def _start(self, job: Job) -> None:
-        if self.store is not None:
+        if self.store is not None and job.images is None:
             tokens, cache = self.store.lookup(job.prompt_ids)
             if cache is not None:
                 # the cache stands for `tokens`; those after its nearest KDA snapshot run with the first chunk
@@ -423,9 +432,11 @@ class App:
     """The HTTP side: the routes, each request checked, turned into jobs, and its jobs' tokens into OpenAI's
     responses (streamed as server-sent events with `"stream": true`)."""
 
-    def __init__(self, engine: Engine, model_name: str, default_max_tokens: int = 256):
+    def __init__(self, engine: Engine, model_name: str, default_max_tokens: int = 256, processor=None,
+                 no_images: str = "this model has no vision tower"):
         self.engine, self.model_name, self.default_max_tokens = engine, model_name, default_max_tokens
         self.tokenizer = engine.tokenizer
+        self.processor, self.no_images = processor, no_images  # images in messages, or why not
 
     def build(self):
         from fastapi import FastAPI, Request
@@ -476,7 +487,8 @@ class App:
         @api.post("/v1/chat/completions")
         async def chat_completions(request: Request):
             body = await body_of(request)
-            return await self.respond(request, body, self.chat_ids(body), True, StreamingResponse)
+            ids, images = self.chat_ids(body)
+            return await self.respond(request, body, ids, True, StreamingResponse, images)
 
         return api
 
@@ -496,17 +508,16 @@ class App:
             return list(prompt)
         raise ServeError(400, "prompt must be one non-empty string or one non-empty list of token ids", "prompt")
 
-    def chat_ids(self, body: dict) -> list[int]:
+    def chat_ids(self, body: dict) -> tuple[list[int], dict | None]:
+        """The chat prompt's ids, and its images (pixel_values, grid_thws; None without): messages rendered by the K3
+        chat format, with images by the folder's processor (the same template; each image's placeholder rows
+        expanded)."""
         from kimik3.chat_format import encode_chat
 
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ServeError(400, "messages must be a non-empty list of message objects", "messages")
-        for position, message in enumerate(messages):
-            if isinstance(message.get("content"), list) and any(
-                    isinstance(part, dict) and part.get("type") not in (None, "text") for part in message["content"]):
-                raise ServeError(400, f"messages[{position}]: only text parts are served (images in messages are "
-                                      "not: docs/design.md, Serving)", "messages")
+        messages, images = self.read_images(messages)
         tools = body.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ServeError(400, "tools must be a list of tool objects", "tools")
@@ -514,16 +525,58 @@ class App:
         if tool_choice not in (None, "auto", "none", "required"):
             raise ServeError(400, f"tool_choice must be 'auto', 'none' or 'required', got {tool_choice!r}",
                              "tool_choice")
-        effort = body.get("reasoning_effort", "max")
+        options = dict(tools=[t.get("function", t) for t in tools or []] or None, add_generation_prompt=True,
+                       reasoning_effort=body.get("reasoning_effort", "max"),
+                       tool_choice=None if tool_choice in (None, "auto") else tool_choice,
+                       response_format=body.get("response_format"))
         try:
-            return encode_chat(self.tokenizer, messages, tools=[t.get("function", t) for t in tools or []] or None,
-                               add_generation_prompt=True, reasoning_effort=effort,
-                               tool_choice=None if tool_choice in (None, "auto") else tool_choice,
-                               response_format=body.get("response_format"))
+            if not images:
+                return encode_chat(self.tokenizer, messages, **options), None
+            inputs = self.processor.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                        return_tensors="pt", **options)
         except (ValueError, TypeError, KeyError, AttributeError) as error:
             raise ServeError(400, f"messages: {error}", "messages") from None
+        return inputs["input_ids"][0].tolist(), {key: inputs[key] for key in ("pixel_values", "grid_thws")}
 
-    async def respond(self, request, body: dict, ids: list[int], chat: bool, stream_response):
+    def read_images(self, messages: list[dict]) -> tuple[list[dict], int]:
+        """The messages with each `image_url` part as the processor's image part (the picture decoded), and how
+        many there were. Only `data:` URLs are read: the server fetches nothing and opens no file a client names."""
+        from kimik3.modeling.image_processing_kimi_k3 import load_image_source
+
+        count, out = 0, []
+        for position, message in enumerate(messages):
+            content = message.get("content")
+            if not isinstance(content, list):
+                out.append(message)
+                continue
+            parts = []
+            for index, part in enumerate(content):
+                where = f"messages[{position}].content[{index}]"
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in (None, "text"):
+                    parts.append(part)
+                    continue
+                if kind != "image_url":
+                    raise ServeError(400, f"{where}: parts of type {kind!r} are not served (text and image_url are)",
+                                     "messages")
+                if self.processor is None:
+                    raise ServeError(400, f"{where}: an image, but {self.no_images}", "messages")
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url[:5].lower() == "data:":
+                    raise ServeError(400, f"{where}.image_url: only data: URLs (base64) are read; the server fetches "
+                                          "no URL and opens no file a request names", "messages")
+                try:
+                    picture = load_image_source(url)
+                except ValueError as error:
+                    raise ServeError(400, f"{where}.image_url: {str(error).removeprefix('Kimi K3 image processor: ')}",
+                                     "messages") from None
+                parts.append({"type": "image", "image": picture})
+                count += 1
+            out.append({**message, "content": parts})
+        return out, count
+
+    async def respond(self, request, body: dict, ids: list[int], chat: bool, stream_response, images=None):
         sampling, n = parse_sampling(body, self.default_max_tokens, chat)
         if len(ids) + sampling.max_tokens > self.engine.max_context:
             raise ServeError(400, f"the prompt's {len(ids):,} tokens and max_tokens {sampling.max_tokens:,} exceed "
@@ -532,6 +585,10 @@ class App:
         loop = asyncio.get_running_loop()
         jobs = [Job(ids, sampling, loop)]
         jobs += [Job(ids, sampling, loop, index, twin=jobs[0]) for index in range(1, n)]
+        if images is not None:  # the twins copy the first job's cache after the prompt: the images run once
+            media = getattr(self.engine.model.config, "media_placeholder_token_id", None)
+            jobs[0].images = images
+            jobs[0].images_end = max((i + 1 for i, t in enumerate(ids) if t == media), default=0)
         self.engine.submit(jobs)
         reply = Reply(self, jobs, chat, len(ids))
         if body.get("stream"):
@@ -721,8 +778,19 @@ def make_app(directory, model_name: str | None = None, max_requests: int = 16, p
         model.to(device)
     engine = Engine(model, tokenizer, max_requests=max_requests, prefill_chunk=prefill_chunk, max_context=max_context,
                     prefix_cache_bytes=prefix_cache_bytes, max_cache_bytes=max_cache_bytes)
+    processor, no_images = None, "this model has no vision tower"
+    if getattr(model, "vision_tower", None) is not None:
+        from kimik3.chat import ChatFolderError, check_vision_folder
+
+        try:
+            check_vision_folder(Path(directory))
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(directory, trust_remote_code=True)
+        except (ChatFolderError, OSError, ValueError) as error:  # text is still served; images say why not
+            no_images = f"the folder's processor did not load ({error})"
     name = model_name or Path(directory).resolve().name
-    return App(engine, name, default_max_tokens).build(), engine
+    return App(engine, name, default_max_tokens, processor, no_images).build(), engine
 
 
 def main(argv=None) -> int:

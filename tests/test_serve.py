@@ -344,10 +344,14 @@ def test_bad_completions_get_clear_errors_and_the_server_goes_on(server, body, s
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}, "tool_choice must be"),
     ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"}, "reasoning_effort must be"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs=50"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///x.png"}}]}]},
-     "only text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                                                       "iVBORw0KGgo="}}]}]},
+     "messages\\[0\\].content\\[0\\]: an image, but this model has no vision tower"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]}]},
+     "parts of type 'input_audio' are not served"),
 ], ids=["serve-chat-no-messages", "serve-chat-unknown-role", "serve-chat-tool-choice-unknown",
-        "serve-chat-reasoning-effort-unknown", "serve-chat-top-logprobs-over-20", "serve-chat-image-part"])
+        "serve-chat-reasoning-effort-unknown", "serve-chat-top-logprobs-over-20", "serve-chat-image-part",
+        "serve-chat-audio-part"])
 def test_bad_chat_requests_are_named(server, body, named):
     with pytest.raises(openai.BadRequestError, match=named):
         server.client.chat.completions.create(model=MODEL, max_tokens=2, **body)
@@ -479,26 +483,109 @@ def test_a_batch_that_cannot_be_joined_ends_its_requests_by_name(server, monkeyp
     assert reply.choices[0].text == server.tokenizer.decode(server.alone([5, 6, 7], 3))
 
 
-def test_a_folder_with_a_vision_tower_serves_text(tmp_path):
-    """The composite model (kimik3 tiny --vision) loads its multimodal class; the engine finds its cache and store
-    through the text model's module of the same copy of the code."""
+def _data_url(picture) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize("url, named", [
+    ("https://example.com/cat.png", "only data: URLs"),
+    ("file:///etc/hostname", "only data: URLs"),
+    ("/etc/hostname", "only data: URLs"),
+    ("data:image/png;base64,@@@", "not valid base64"),
+    ("data:image/png;base64,aGVsbG8=", "not an image file"),
+], ids=["serve-image-https-url", "serve-image-file-url", "serve-image-path", "serve-image-bad-base64",
+        "serve-image-not-an-image"])
+def test_bad_images_are_named_and_nothing_is_fetched(vision_app, url, named):
+    app, _ = vision_app
+    message = {"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                           {"type": "image_url", "image_url": {"url": url}}]}
+    answer = app.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 2})
+    assert answer.status_code == 400
+    error = answer.json()["error"]["message"]
+    assert error.startswith("messages[0].content[1].image_url: ") and named in error, error
+
+
+@pytest.fixture(scope="module")
+def vision_app(tmp_path_factory):
+    """A folder with a vision tower (kimik3 tiny --vision) served through FastAPI's test client: the composite model
+    loads its multimodal class; the engine finds its cache and store through the text model's module of the same
+    copy of the code, and the folder's processor reads the images."""
     from fastapi.testclient import TestClient
 
-    write_tiny_folder(tmp_path / "vision", num_hidden_layers=2, seed=4, vision=True)
-    app, engine = make_app(tmp_path / "vision", model_name=MODEL)
+    folder = tmp_path_factory.mktemp("serve_vision") / "vision"
+    write_tiny_folder(folder, num_hidden_layers=2, seed=4, vision=True)
+    app, engine = make_app(folder, model_name=MODEL, prefill_chunk=16)
     try:
-        assert type(engine.model).__name__ == "KimiK3ForConditionalGeneration"
-        messages = [{"role": "user", "content": "Describe nothing."}]
         with TestClient(app) as client:
-            answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4,
-                                                               "temperature": 0, "logprobs": True}).json()
-        prompt = encode_chat(engine.tokenizer, messages, add_generation_prompt=True, reasoning_effort="max")
-        with torch.no_grad():
-            want = engine.model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):]
-        tokens = [entry["token"] for entry in answer["choices"][0]["logprobs"]["content"]]
-        assert tokens == engine.tokenizer.convert_ids_to_tokens(want.tolist())
+            yield client, engine
     finally:
         engine.stop()
+
+
+def test_a_folder_with_a_vision_tower_serves_text_and_images(vision_app):
+    """Text as the text model's prompt; an image in a message (a data: URL) read by the folder's processor in the
+    prefill's first forward, though the prompt is read 16 tokens a step: greedy tokens equal `generate()` of the
+    processor's inputs, also for a request of n=2 (one prefill, the twin copying it) and streamed."""
+    from PIL import Image
+
+    client, engine = vision_app
+    assert type(engine.model).__name__ == "KimiK3ForConditionalGeneration"
+    messages = [{"role": "user", "content": "Describe nothing."}]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                       "logprobs": True}).json()
+    prompt = encode_chat(engine.tokenizer, messages, add_generation_prompt=True, reasoning_effort="max")
+    with torch.no_grad():
+        want = engine.model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):]
+    tokens = [entry["token"] for entry in answer["choices"][0]["logprobs"]["content"]]
+    assert tokens == engine.tokenizer.convert_ids_to_tokens(want.tolist())
+
+    def noise(seed):
+        pixels = torch.randint(0, 256, (112, 140, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        return Image.fromarray(pixels.numpy())
+
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(engine.model.name_or_path, trust_remote_code=True)
+
+    def generated(image):
+        local = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                              {"type": "image", "image": image}]}]
+        inputs = processor.apply_chat_template(local, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                               return_tensors="pt", reasoning_effort="max")
+        with torch.no_grad():
+            out = engine.model.generate(**inputs, max_new_tokens=4, do_sample=False)
+            first = torch.log_softmax(engine.model(**inputs).logits[0, -1].float(), dim=-1)
+        return out[0, inputs["input_ids"].shape[1]:].tolist(), inputs["input_ids"][0], first
+
+    picture = noise(1)
+    want, prompt, first = generated(picture)
+    length = len(prompt)
+    rows = (prompt == engine.model.config.media_placeholder_token_id).nonzero()[:, 0].tolist()
+    assert rows[0] // 16 != rows[-1] // 16  # the image's rows cross a boundary of the prompt's 16-token chunks
+    sent = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                         {"type": "image_url", "image_url": {"url": _data_url(picture)}}]}]
+    answer = client.post("/v1/chat/completions", json={"messages": sent, "max_tokens": 4, "temperature": 0, "n": 2,
+                                                       "logprobs": True, "top_logprobs": 20}).json()
+    assert answer["usage"]["prompt_tokens"] == length
+    top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    ids = engine.tokenizer.convert_tokens_to_ids([entry["token"] for entry in top])
+    served = torch.tensor([entry["logprob"] for entry in top])
+    # the first token's 20 likeliest log-probabilities are the model's with this picture, not with another
+    mine, others = (served - first[ids]).abs().max(), (served - generated(noise(2))[2][ids]).abs().max()
+    assert mine < 1e-5 and others > 1e-3  # measured 5e-7 and 1e-2
+    for choice in answer["choices"]:  # n=2: one prefill, the twin copying its cache
+        assert [e["token"] for e in choice["logprobs"]["content"]] == engine.tokenizer.convert_ids_to_tokens(want)
+    with client.stream("POST", "/v1/chat/completions", json={"messages": sent, "max_tokens": 4, "temperature": 0,
+                                                             "stream": True, "logprobs": True}) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    streamed = [e["token"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == engine.tokenizer.convert_ids_to_tokens(want)
 
 
 def test_an_offloaded_load_serves_the_same_tokens(folder, server):
