@@ -106,7 +106,7 @@ def routed_split(cache, x, top_indices, top_weights, fetched, stacks, fmt, run, 
         host_rows = torch.empty((host_at.numel(), x.shape[-1]), dtype=x.dtype, pin_memory=True)
         host_rows.copy_(x.index_select(0, host_tokens), non_blocking=True)
         rows_ready = torch.cuda.Event()
-        rows_ready.record()
+        rows_ready.record(torch.cuda.current_stream(device))
     else:
         host_rows, rows_ready = x.index_select(0, host_tokens), None
     use_kernel = cache.host_kernel if cache.host_kernel is not None else device.type == "cuda"
