@@ -614,3 +614,40 @@ def test_the_command_refuses_load_options_by_name(folder, capsys, argv, named):
 
     assert main(["serve", str(folder), *argv]) in (1, 2)
     assert named in capsys.readouterr().err
+
+
+def test_the_command_serves_from_a_process_of_its_own_and_stops_cleanly(folder, server, tmp_path):
+    """`kimik3 serve DIR --port P` as a user starts it (the console entry's code, a fresh interpreter, outside the
+    checkout): it answers the openai client with the tokens `generate()` gives, and an interrupt (Ctrl-C) stops it
+    with exit code 0 and no traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "kimik3.cli", "serve", str(folder), "--host", "127.0.0.1",
+                                "--port", str(port), "--log-level", "warning"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while process.poll() is None and time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
+            assert [m.id for m in client.models.list().data] == [folder.name]  # the folder's name by default
+            reply = client.completions.create(model=folder.name, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
+        assert reply.choices[0].text == server.tokenizer.decode(server.alone([5, 6, 7, 8], 4))
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            _, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, err = process.communicate()
+    assert process.returncode == 0 and "Traceback" not in err, err[-3000:]
