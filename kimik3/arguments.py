@@ -104,3 +104,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "cache in bytes, or auto")
     parser.add_argument("--experts-compute", choices=["device", "host", "auto"], default=None,
                         help="the load option experts_compute (with --experts-offload)")
+    parser.add_argument("--tp-plan", choices=["auto"], default=None,
+                        help="the load option tp_plan: tensor parallel over the ranks of torchrun (torchrun "
+                             "--nproc-per-node N -m kimik3.serve DIR --tp-plan auto); rank 0 serves, every rank "
+                             "computes")

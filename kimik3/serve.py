@@ -69,7 +69,9 @@ class Job:
         self.last_logits = None  # after the prompt, for the twins
         self.cache_after_prompt = None
         self.finish_reason: str | None = None
-        self.cancelled = False
+        self.key = -1  # the engine's number for it (the same on every rank under tensor parallelism)
+        self.cancel_asked = False  # by its HTTP side, at any time
+        self.cancelled = False  # by the engine, at the start of a step
         self.decoded: TextSoFar | None = None  # the engine's, from the first token on
         # the prompt's images (pixel_values, grid_thws) and the end of their placeholder rows: read in one forward
         self.images: dict | None = None
@@ -79,7 +81,12 @@ class Job:
             self.generator = torch.Generator().manual_seed(sampling.seed + index)
 
     def post(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.mailbox.put_nowait, item)
+        if self.loop is not None:  # a job mirrored on another rank has no client
+            self.loop.call_soon_threadsafe(self.mailbox.put_nowait, item)
+
+    def cancel(self) -> None:
+        """The client went away or is done with it: the engine ends it at its next step."""
+        self.cancel_asked = True
 
     def visible(self, ended: bool) -> str:
         """What the job generated that a client may see: `TextSoFar.visible`, or nothing before its first token."""
@@ -88,6 +95,61 @@ class Job:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.cancelled
+
+
+FINISH_REASONS = (None, "stop", "length")
+FINISH_CODES = {reason: code for code, reason in enumerate(FINISH_REASONS)}
+
+
+class Replicas:
+    """The engine's ranks under tensor parallelism, and what the leader (rank 0) tells the others, as int64 tensors
+    broadcast from it (no pickling): at each step's start the jobs that came (prompt, twin, `n` index, max_tokens)
+    and the ones cancelled, or that the engine stops; after each forward, the token a job drew and how it ended."""
+
+    def __init__(self, rank: int, wire: torch.device):
+        self.rank, self.wire = rank, wire
+
+    @classmethod
+    def of(cls, device: torch.device) -> "Replicas | None":
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        # NCCL moves CUDA tensors only; gloo CPU ones
+        wire = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return cls(dist.get_rank(), wire)
+
+    def _broadcast(self, values: list[int] | None) -> list[int]:
+        import torch.distributed as dist
+
+        length = torch.tensor([len(values) if values is not None else 0], dtype=torch.int64, device=self.wire)
+        dist.broadcast(length, src=0)
+        data = (torch.tensor(values, dtype=torch.int64, device=self.wire) if values is not None else
+                torch.empty(int(length), dtype=torch.int64, device=self.wire))
+        if int(length):
+            dist.broadcast(data, src=0)
+        return data.tolist()
+
+    def send_step(self, came: list[Job], cancelled: list[Job], stop: bool) -> None:
+        values = [int(stop), len(came), len(cancelled), *(job.key for job in cancelled)]
+        for job in came:
+            twin = job.twin.key if job.twin is not None else -1
+            values += [job.key, twin, job.index, job.sampling.max_tokens, len(job.prompt_ids), *job.prompt_ids]
+        self._broadcast(values)
+
+    def receive_step(self) -> tuple[list[tuple], list[int], bool]:
+        values = self._broadcast(None)
+        stop, came, cancelled = values[:3]
+        keys, at, specs = values[3:3 + cancelled], 3 + cancelled, []
+        for _ in range(came):
+            key, twin, index, max_tokens, length = values[at:at + 5]
+            specs.append((key, twin, index, max_tokens, values[at + 5:at + 5 + length]))
+            at += 5 + length
+        return specs, keys, bool(stop)
+
+    def share(self, choice: tuple[int, int] | None) -> tuple[int, int]:
+        token, code = self._broadcast(list(choice) if choice is not None else None)
+        return token, code
 
 
 class Engine:
@@ -128,6 +190,14 @@ class Engine:
         self.stopped = False
         self.stats = {"steps": 0, "decode_forwards": 0, "rows_decoded": 0, "prompt_tokens_computed": 0,
                       "prompt_tokens_reused": 0, "regroups": 0}
+        # Under tensor parallelism (torchrun, a model loaded with a tp_plan) every rank runs this engine, since every
+        # forward is a collective: rank 0 (the leader) takes the requests and samples, and at each step start tells
+        # the other ranks which jobs came and which were cancelled, and after each forward the token each job drew
+        # and whether it ended, so every rank runs the same forwards on the same caches (`Replicas`).
+        self.replicas = Replicas.of(self.device)
+        self.leader = self.replicas is None or self.replicas.rank == 0
+        self.by_key: dict[int, Job] = {}
+        self.next_key = 0
         self.thread = threading.Thread(target=self._loop, name="kimik3-serve-engine", daemon=True)
         self.thread.start()
 
@@ -156,6 +226,8 @@ class Engine:
                 raise ServeError(429, f"the server's caches are full: the running sequences may hold {held:,} bytes, "
                                       f"this request {asked:,} more, at most {self.max_cache_bytes:,} "
                                       "(--max-cache-bytes); retry later", kind="rate_limit_exceeded")
+            for job in jobs:
+                job.key, self.next_key = self.next_key, self.next_key + 1
             self.queue.extend(jobs)
         self.wake.set()
 
@@ -169,13 +241,11 @@ class Engine:
         self.thread.join(timeout=10)
 
     def _loop(self) -> None:
-        while not self.stopped:
-            with self.lock:
-                self.reading.extend(self.queue)
-                self.queue.clear()
+        while not self._begin_step():
             if not self.reading and not self.batch:
-                self.wake.wait(0.05)
-                self.wake.clear()
+                if self.leader:
+                    self.wake.wait(0.05)
+                    self.wake.clear()
                 continue
             try:
                 self._read_prompts()
@@ -185,8 +255,40 @@ class Engine:
                 for job in self.batch:
                     self._fail(job, error)
                     job.post(None)
+                    self._forget(job)
                 self.batch, self.joined, self.key_mask = [], None, None
             self.stats["steps"] += 1
+
+    def _begin_step(self) -> bool:
+        """The jobs that came and those whose clients cancelled them, taken in at a step's start (the leader's from its
+        queue and flags, sent to the other ranks; theirs received); whether the engine stops."""
+        if self.leader:
+            with self.lock:
+                came = list(self.queue)
+                self.queue.clear()
+                self.reading.extend(came)
+            cancelled = [job for job in (*self.reading, *self.batch) if job.cancel_asked and not job.cancelled]
+            stop = self.stopped
+            if self.replicas is not None:
+                self.replicas.send_step(came, cancelled, stop)
+        else:
+            specs, keys, stop = self.replicas.receive_step()
+            came = []
+            for key, twin, index, max_tokens, prompt in specs:  # a twin comes after its source, in one step
+                job = Job(prompt, Sampling(max_tokens=max_tokens), None, index, self.by_key.get(twin))
+                job.key = key
+                self.by_key[key] = job
+                came.append(job)
+            self.reading.extend(came)
+            cancelled = [self.by_key[key] for key in keys if key in self.by_key]
+        for job in came:
+            self.by_key[job.key] = job
+        for job in cancelled:
+            job.cancelled = True
+        return stop
+
+    def _forget(self, job: Job) -> None:
+        self.by_key.pop(job.key, None)
 
     @staticmethod
     def _fail(job: Job, error: Exception) -> None:
@@ -213,6 +315,7 @@ class Engine:
             if job.done:
                 job.cache = None
                 job.post(None)
+                self._forget(job)
         if any(not job.done for job in ready):
             self._regroup(add=[job for job in ready if not job.done])
 
@@ -277,6 +380,7 @@ class Engine:
         for job in self.batch:
             if job.done:
                 job.post(None)  # its stream ends; its row is gone
+                self._forget(job)
         kept += [(job, job.cache) for job in add]
         for job, _ in kept:
             job.cache = None
@@ -303,9 +407,24 @@ class Engine:
                 self._emit(job, logits)
 
     def _emit(self, job: Job, logits: torch.Tensor) -> None:
-        """Samples the job's next token from `logits` (f32), posts it, and decides whether the job ends here."""
-        if not bool(torch.isfinite(logits).all()):  # never a token picked from NaN: the request ends by name
+        """Samples the job's next token from `logits` (f32), posts it, and decides whether the job ends here: the
+        leader does, and tells the other ranks (`Replicas.share`), whose copy of the job takes the same token and
+        end."""
+        finite = self._choose(job, logits) if self.leader else None
+        if self.replicas is not None:
+            token, code = self.replicas.share(None if finite is None else
+                                              (job.new_ids[-1] if finite else -1, FINISH_CODES[job.finish_reason]))
+            if not self.leader and token >= 0:
+                job.new_ids.append(token)
+                job.finish_reason = FINISH_REASONS[code]
+            finite = token >= 0
+        if not finite:  # never a token picked from NaN: the request ends by name
             raise FloatingPointError(f"the model's logits hold non-finite values after {len(job.new_ids)} tokens")
+
+    def _choose(self, job: Job, logits: torch.Tensor) -> bool:
+        """`_emit`'s choice on the leader; False (nothing chosen) for logits that are not all finite."""
+        if not bool(torch.isfinite(logits).all()):
+            return False
         token = self._sample(logits, job)
         job.new_ids.append(token)
         if job.sampling.logprobs is not None:
@@ -323,6 +442,7 @@ class Engine:
             job.finish_reason = "length"
         elif job.decoded.state[1] is not None:  # a stop sequence
             job.finish_reason = "stop"
+        return True
 
     @staticmethod
     def _sample(logits: torch.Tensor, job: Job) -> int:
@@ -561,6 +681,9 @@ class App:
                                      "messages")
                 if self.processor is None:
                     raise ServeError(400, f"{where}: an image, but {self.no_images}", "messages")
+                if self.engine.replicas is not None:
+                    raise ServeError(400, f"{where}: images are not served under tensor parallelism yet (the ranks "
+                                          "would need the pixels too)", "messages")
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url[:5].lower() == "data:":
@@ -615,7 +738,8 @@ class Reply:
         """The response is done with its jobs (sent, failed, or its client gone): the unfinished ones are cancelled,
         and the engine frees their rows at its next step."""
         for job in self.jobs:
-            job.cancelled = job.cancelled or job.finish_reason is None
+            if job.finish_reason is None:
+                job.cancel()
 
     def text(self, job: Job) -> str:
         """What the job generated, up to its first stop sequence."""
@@ -687,7 +811,7 @@ class Reply:
                 item = await asyncio.wait_for(job.mailbox.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    job.cancelled = True
+                    job.cancel()
                     raise asyncio.CancelledError from None
                 continue
             if isinstance(item, ServeError):
@@ -802,20 +926,41 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    import os
+
     import uvicorn
 
     from kimik3.chat import ChatFolderError
 
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if (args.tp_plan is None) != (ranks == 1):
+        print(f"kimik3 serve: error: --tp-plan auto runs under torchrun and torchrun's {ranks} rank(s) need it: "
+              "torchrun --nproc-per-node N -m kimik3.serve DIR --tp-plan auto", file=sys.stderr)
+        return 2
+    if args.tp_plan is not None and args.device is not None:
+        print("kimik3 serve: error: --device with --tp-plan: each rank takes its own GPU (LOCAL_RANK)",
+              file=sys.stderr)
+        return 2
+    if ranks > 1:
+        import torch.distributed as dist
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         app, engine = make_app(args.directory, model_name=args.model_name, max_requests=args.max_requests,
                                prefill_chunk=args.prefill_chunk, max_context=args.max_model_len,
                                default_max_tokens=args.max_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
                                max_cache_bytes=args.max_cache_bytes, experts_cache_bytes=args.experts_cache_bytes,
                                device=args.device, dtype=args.dtype, experts_offload=args.experts_offload,
-                               experts_compute=args.experts_compute)
+                               experts_compute=args.experts_compute, tp_plan=args.tp_plan)
     except (ChatFolderError, ValueError, OSError) as error:  # a folder or load option refused by name
         print(f"kimik3 serve: error: {error}", file=sys.stderr)
         return 1
+    if not engine.leader:  # a rank that computes: it follows rank 0's steps until rank 0 stops
+        engine.thread.join()
+        return 0
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -171,6 +171,7 @@ def fresh_python(tmp_path_factory):
 # one launch of two ranks (`two_rank_runs`), the files of the one fresh interpreter (`fresh_python`: starting it
 # imports torch and transformers, ~8 s of CPU on a 2-core machine). Every other file is a group of its own.
 SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "two_rank_launch",
+                 "test_serve_parallel": "two_rank_launch",
                  "test_remote_code": "fresh_interpreter", "test_hub_card": "fresh_interpreter",
                  "test_adopt": "fresh_interpreter", "test_release_loading": "fresh_interpreter"}
 # The groups that take longest, handed out first (longest first), so the two workers end together rather than one

@@ -608,7 +608,8 @@ def test_an_offloaded_load_serves_the_same_tokens(folder, server):
 @pytest.mark.parametrize("argv, named", [
     (["--experts-offload", "host"], "experts_offload='host' needs experts_cache_bytes"),
     (["--experts-cache-bytes", "lots"], "argument --experts-cache-bytes: 'lots': give a whole number of bytes or auto"),
-], ids=["serve-offload-without-a-cache", "serve-cache-bytes-not-a-number"])
+    (["--tp-plan", "auto"], "--tp-plan auto runs under torchrun and torchrun's 1 rank(s) need it"),
+], ids=["serve-offload-without-a-cache", "serve-cache-bytes-not-a-number", "serve-tp-plan-without-torchrun"])
 def test_the_command_refuses_load_options_by_name(folder, capsys, argv, named):
     from kimik3.cli import main
 

@@ -1,6 +1,7 @@
 """What the CPU suite runs in one launch of 2 gloo ranks (one start of two processes instead of one per test file):
 the tensor/expert-parallel plans of tests/parallel_worker.py, the same plans with the experts kept packed
-(tests/packed_parallel_worker.py), then the context-parallel and FSDP2 checks of tests/context_parallel_worker.py.
+(tests/packed_parallel_worker.py), the context-parallel and FSDP2 checks of tests/context_parallel_worker.py, then
+`kimik3 serve`'s engine under tensor parallelism (tests/serve_parallel_worker.py, writing PARALLEL_OUT/serve).
 The conftest fixture `two_rank_runs` forks the two ranks and calls `main` in each, with torchrun's environment; it
 also runs under torchrun, as below, and each worker runs alone (the GPU tests launch them with NCCL).
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import context_parallel_worker
 import packed_parallel_worker
 import parallel_worker
+import serve_parallel_worker
 
 
 def main(argv: list[str]) -> None:
@@ -26,6 +28,8 @@ def main(argv: list[str]) -> None:
         parallel_worker.run_modes(model_dir, Path(parallel_out), modes)
         packed_parallel_worker.run_all(model_dir, Path(parallel_out) / packed_parallel_worker.PACKED_OUT)
         context_parallel_worker.run_all(Path(context_parallel_out))
+        (Path(parallel_out) / "serve").mkdir(exist_ok=True)
+        serve_parallel_worker.run_all(model_dir, Path(parallel_out) / "serve")
     finally:
         dist.destroy_process_group()
 
