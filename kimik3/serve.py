@@ -890,6 +890,18 @@ class Reply:
             self.let_go()
 
 
+def tensor_parallel_options(plan: str) -> dict:
+    """`from_pretrained`'s options for the tensor-parallel `plan` over this process group: a `DistributedConfig`
+    where the installed transformers takes the plan there (a bare `tp_plan=` is deprecated from 5.18 on), else
+    `tp_plan`."""
+    import torch.distributed as dist
+    from transformers.distributed import DistributedConfig
+
+    if "tp_plan" in getattr(DistributedConfig, "__dataclass_fields__", {}):
+        return {"distributed_config": DistributedConfig(tp_size=dist.get_world_size(), tp_plan=plan)}
+    return {"tp_plan": plan}
+
+
 def make_app(directory, model_name: str | None = None, max_requests: int = 16, prefill_chunk: int = 512,
              max_context: int | None = None, default_max_tokens: int = 256, prefix_cache_bytes: int | None = 1 << 30,
              max_cache_bytes: int | None = None, device: str | None = None, **load_options):
@@ -897,7 +909,10 @@ def make_app(directory, model_name: str | None = None, max_requests: int = 16, p
     classes with the folder's own code; `load_options` to `from_pretrained`)."""
     from kimik3.chat import load_chat
 
-    tokenizer, model = load_chat(directory, **{k: v for k, v in load_options.items() if v is not None})
+    load_options = {k: v for k, v in load_options.items() if v is not None}
+    if "tp_plan" in load_options:
+        load_options.update(tensor_parallel_options(load_options.pop("tp_plan")))
+    tokenizer, model = load_chat(directory, **load_options)
     if device:
         model.to(device)
     engine = Engine(model, tokenizer, max_requests=max_requests, prefill_chunk=prefill_chunk, max_context=max_context,
@@ -959,6 +974,10 @@ def run(args) -> int:
         print(f"kimik3 serve: error: {error}", file=sys.stderr)
         return 1
     if not engine.leader:  # a rank that computes: it follows rank 0's steps until rank 0 stops
+        import signal
+
+        # torchrun hands Ctrl-C to every rank: rank 0 stops the engine, which tells this one to end
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         engine.thread.join()
         return 0
     try:

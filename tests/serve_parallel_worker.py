@@ -78,6 +78,9 @@ def run_all(model_dir: str, out_dir: Path) -> None:
     thread.join(timeout=10)
     stats = dict(engine.stats)
     engine.stop()
+    # what this rank holds of the first layer's output projection: half of it, if the plan sharded the model
+    weight = dict(engine.model.named_parameters())["model.layers.0.self_attn.o_proj.weight"]
+    held = list((weight.to_local() if hasattr(weight, "to_local") else weight).shape)
     (out_dir / "served.json").write_text(json.dumps({
         "prompts": PROMPTS, "tokens": [tokens[0] for tokens in served], "twins": twins, "chat": chat_text,
-        "after": after[0], "stats": stats}))
+        "after": after[0], "stats": stats, "o_proj_held": held}))

@@ -29,11 +29,14 @@ def alone(two_rank_runs):
             out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
         return out[0, len(ids):].tolist()
 
-    return generate, tokenizer
+    return generate, tokenizer, model
 
 
 def test_tensor_parallel_serving_gives_one_process_greedy_tokens(served, alone):
-    generate, tokenizer = alone
+    generate, tokenizer, model = alone
+    # the served model was sharded: rank 0 held half of the first layer's output projection (its input features)
+    rows, columns = model.model.layers[0].self_attn.o_proj.weight.shape
+    assert served["o_proj_held"] == [rows, columns // 2]
     for prompt, tokens in zip(served["prompts"], served["tokens"]):
         assert tokens == tokenizer.convert_ids_to_tokens(generate(prompt, 6))
     first = tokenizer.convert_ids_to_tokens(generate(served["prompts"][0], 6))
