@@ -178,8 +178,8 @@ SHARED_GROUPS = {"test_parallel": "two_rank_launch", "test_context_parallel": "t
 # starting a long group while the other has finished; the rest go in xdist's order (most tests first). Seconds summed
 # from `--durations=0` of a two-worker run on a 2-core machine (only the order matters). No file is near
 # half the suite, so the file groups stay whole: the longest bounds the wall time only when it is.
-GROUP_SECONDS = {"test_readme": 25, "fresh_interpreter": 18, "two_rank_launch": 17, "test_training_recipes": 17,
-                 "test_serve": 12,
+GROUP_SECONDS = {"test_readme": 21, "fresh_interpreter": 18, "two_rank_launch": 25, "test_training_recipes": 17,
+                 "test_serve": 16,
                  "test_training": 11, "test_peft_paths": 10, "test_quantile_balancing_model": 10,
                  "test_static_cache": 9, "test_speculative_static": 7, "test_decode_loop": 6, "test_prefix_reuse": 6,
                  "test_convert_roundtrip": 5, "test_convert_memory": 5, "test_training_lora_packed": 5,
