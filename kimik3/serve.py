@@ -432,15 +432,16 @@ class Engine:
             top = torch.topk(logprobs, job.sampling.logprobs) if job.sampling.logprobs else None
             job.logprobs.append((float(logprobs[token]), [] if top is None else
                                  list(zip(top.indices.tolist(), top.values.tolist()))))
-        if job.decoded is None:
+        if job.decoded is None and self.tokenizer is not None:  # (an engine driven without one only counts tokens)
             job.decoded = TextSoFar(self.tokenizer, job.sampling.stop)
-        job.decoded.add(token)
+        if job.decoded is not None:
+            job.decoded.add(token)
         job.post(token)
         if token in self.eos:
             job.finish_reason = "stop"
         elif len(job.new_ids) >= job.sampling.max_tokens:
             job.finish_reason = "length"
-        elif job.decoded.state[1] is not None:  # a stop sequence
+        elif job.decoded is not None and job.decoded.state[1] is not None:  # a stop sequence
             job.finish_reason = "stop"
         return True
 

@@ -652,3 +652,24 @@ def test_the_command_serves_from_a_process_of_its_own_and_stops_cleanly(folder, 
             process.kill()
             _, err = process.communicate()
     assert process.returncode == 0 and "Traceback" not in err, err[-3000:]
+
+
+def test_an_engine_without_a_tokenizer_counts_tokens(server):
+    """The engine driven directly, as benchmarks/bench_serve.py drives it on a random-weight model with no
+    tokenizer: its jobs get generate()'s greedy tokens (there is no text to decode, no stop sequence to look for)."""
+    from kimik3.serve import Engine
+
+    engine = Engine(server.model, None, max_requests=2, prefill_chunk=16, prefix_cache_bytes=0)
+
+    async def one():
+        job = Job([5, 6, 7, 8, 9], Sampling(max_tokens=4, temperature=0.0), asyncio.get_running_loop())
+        engine.submit([job])
+        while (item := await job.mailbox.get()) is not None:
+            assert not isinstance(item, Exception), item
+        return job
+
+    try:
+        job = asyncio.run(one())
+    finally:
+        engine.stop()
+    assert job.new_ids == server.alone([5, 6, 7, 8, 9], 4) and job.decoded is None
