@@ -102,9 +102,10 @@ FINISH_CODES = {reason: code for code, reason in enumerate(FINISH_REASONS)}
 
 
 class Replicas:
-    """The engine's ranks under tensor parallelism, and what the leader (rank 0) tells the others, as int64 tensors
-    broadcast from it (no pickling): at each step's start the jobs that came (prompt, twin, `n` index, max_tokens)
-    and the ones cancelled, or that the engine stops; after each forward, the token a job drew and how it ended."""
+    """The engine's ranks under tensor parallelism, and what the leader (rank 0) tells the others, as tensors
+    broadcast from it (no pickling): at each step's start the jobs that came (prompt, twin, `n` index, max_tokens,
+    and a prompt's images: their grids, the end of their placeholder rows, then their pixels) and the ones cancelled,
+    or that the engine stops; after each forward, the token a job drew and how it ended."""
 
     def __init__(self, rank: int, wire: torch.device):
         self.rank, self.wire = rank, wire
@@ -130,12 +131,29 @@ class Replicas:
             dist.broadcast(data, src=0)
         return data.tolist()
 
+    def _broadcast_pixels(self, pixels: torch.Tensor | None, shape: list[int]) -> torch.Tensor:
+        import torch.distributed as dist
+
+        data = (pixels.to(self.wire, torch.float32).contiguous() if pixels is not None else
+                torch.empty(shape, dtype=torch.float32, device=self.wire))
+        dist.broadcast(data, src=0)
+        return data.cpu()
+
     def send_step(self, came: list[Job], cancelled: list[Job], stop: bool) -> None:
         values = [int(stop), len(came), len(cancelled), *(job.key for job in cancelled)]
         for job in came:
             twin = job.twin.key if job.twin is not None else -1
             values += [job.key, twin, job.index, job.sampling.max_tokens, len(job.prompt_ids), *job.prompt_ids]
+            if job.images is None:
+                values.append(0)
+            else:
+                grids, pixels = job.images["grid_thws"], job.images["pixel_values"]
+                values += [1, job.images_end, grids.shape[0], *grids.reshape(-1).tolist(), pixels.dim(),
+                           *pixels.shape]
         self._broadcast(values)
+        for job in came:
+            if job.images is not None:
+                self._broadcast_pixels(job.images["pixel_values"], [])
 
     def receive_step(self) -> tuple[list[tuple], list[int], bool]:
         values = self._broadcast(None)
@@ -143,8 +161,22 @@ class Replicas:
         keys, at, specs = values[3:3 + cancelled], 3 + cancelled, []
         for _ in range(came):
             key, twin, index, max_tokens, length = values[at:at + 5]
-            specs.append((key, twin, index, max_tokens, values[at + 5:at + 5 + length]))
-            at += 5 + length
+            prompt, at = values[at + 5:at + 5 + length], at + 5 + length
+            images = None
+            if values[at]:
+                end, count = values[at + 1:at + 3]
+                grids = torch.tensor(values[at + 3:at + 3 + 3 * count], dtype=torch.int64).reshape(count, 3)
+                at += 3 + 3 * count
+                shape, at = values[at + 1:at + 1 + values[at]], at + 1 + values[at]
+                images = (end, grids, shape)
+            else:
+                at += 1
+            specs.append((key, twin, index, max_tokens, prompt, images))
+        for position, (*spec, images) in enumerate(specs):
+            if images is not None:
+                end, grids, shape = images
+                specs[position] = (*spec, (end, {"pixel_values": self._broadcast_pixels(None, shape),
+                                                 "grid_thws": grids}))
         return specs, keys, bool(stop)
 
     def share(self, choice: tuple[int, int] | None) -> tuple[int, int]:
@@ -274,9 +306,11 @@ class Engine:
         else:
             specs, keys, stop = self.replicas.receive_step()
             came = []
-            for key, twin, index, max_tokens, prompt in specs:  # a twin comes after its source, in one step
+            for key, twin, index, max_tokens, prompt, images in specs:  # a twin comes after its source, in one step
                 job = Job(prompt, Sampling(max_tokens=max_tokens), None, index, self.by_key.get(twin))
                 job.key = key
+                if images is not None:
+                    job.images_end, job.images = images
                 self.by_key[key] = job
                 came.append(job)
             self.reading.extend(came)
@@ -682,9 +716,6 @@ class App:
                                      "messages")
                 if self.processor is None:
                     raise ServeError(400, f"{where}: an image, but {self.no_images}", "messages")
-                if self.engine.replicas is not None:
-                    raise ServeError(400, f"{where}: images are not served under tensor parallelism yet (the ranks "
-                                          "would need the pixels too)", "messages")
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url[:5].lower() == "data:":

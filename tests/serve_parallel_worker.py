@@ -1,8 +1,8 @@
 """Helper for tests/test_serve_parallel.py, run by the two-rank launch (tests/two_rank_worker.py): `kimik3 serve`'s
-engine under tensor parallelism, rank 0 serving over HTTP and every rank computing. Rank 0 sends concurrent requests
-with the openai client (completions of different lengths, one of n=2, a streamed chat, a stream its client leaves
-early, then one more request) and writes what came back to OUT/served.json; the other rank follows rank 0's steps
-until rank 0 stops the engine.
+engine under tensor parallelism on a tiny folder with a vision tower (OUT/vision), rank 0 serving over HTTP and every
+rank computing. Rank 0 sends concurrent requests with the openai client (completions of different lengths, one of
+n=2, a streamed chat, a chat with an image, a stream its client leaves early, then one more request) and writes what
+came back to OUT/served.json; the other rank follows rank 0's steps until rank 0 stops the engine.
 
     torchrun --standalone --nproc-per-node 2 tests/two_rank_worker.py ...   (see there)
 """
@@ -27,9 +27,14 @@ def run_all(model_dir: str, out_dir: Path) -> None:
     import uvicorn
 
     from kimik3.serve import make_app
+    from kimik3.tiny import write_tiny_folder
 
+    folder = out_dir / "vision"
+    if dist.get_rank() == 0:
+        write_tiny_folder(folder, seed=6, vision=True)
+    dist.barrier()
     # fp32: the ranks' partial sums are reduced in another order than one process adds them; greedy tokens must agree
-    app, engine = make_app(model_dir, model_name="tiny", prefill_chunk=16, max_requests=8, dtype="float32",
+    app, engine = make_app(folder, model_name="tiny", prefill_chunk=16, max_requests=8, dtype="float32",
                            tp_plan="auto")
     if dist.get_rank() != 0:
         engine.thread.join(timeout=240)
@@ -60,6 +65,14 @@ def run_all(model_dir: str, out_dir: Path) -> None:
                     text += (getattr(delta, "reasoning_content", None) or "") + (delta.content or "" if delta else "")
                 return text
 
+            async def with_image():
+                reply = await client.chat.completions.create(
+                    model="tiny", max_tokens=4, temperature=0, logprobs=True, top_logprobs=20,
+                    messages=[{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                           {"type": "image_url", "image_url": {"url": image_url()}}]}])
+                content = reply.choices[0].logprobs.content
+                return [e.token for e in content], [(t.token, t.logprob) for t in content[0].top_logprobs]
+
             async def left_early():
                 stream = await client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=200,
                                                          temperature=0, stream=True)
@@ -68,19 +81,37 @@ def run_all(model_dir: str, out_dir: Path) -> None:
                 await stream.close()
 
             results = await asyncio.gather(*(completion(p) for p in PROMPTS), completion(PROMPTS[0], n=2), chat(),
-                                           left_early())
+                                           with_image(), left_early())
             after = await completion(PROMPTS[2])  # the ranks still agree after a cancellation
             return results, after
 
     results, after = asyncio.run(requests())
-    *served, twins, chat_text, _ = results
+    *served, twins, chat_text, image, _ = results
     server.should_exit = True
     thread.join(timeout=10)
     stats = dict(engine.stats)
     engine.stop()
     # what this rank holds of the first layer's output projection: half of it, if the plan sharded the model
-    weight = dict(engine.model.named_parameters())["model.layers.0.self_attn.o_proj.weight"]
+    weight = next(p for n, p in engine.model.named_parameters() if n.endswith("layers.0.self_attn.o_proj.weight"))
     held = list((weight.to_local() if hasattr(weight, "to_local") else weight).shape)
     (out_dir / "served.json").write_text(json.dumps({
         "prompts": PROMPTS, "tokens": [tokens[0] for tokens in served], "twins": twins, "chat": chat_text,
-        "after": after[0], "stats": stats, "o_proj_held": held}))
+        "after": after[0], "stats": stats, "o_proj_held": held, "image": image}))
+
+
+def picture():
+    """The test's image: noise, so that it moves the tiny model's logits measurably."""
+    import torch
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (112, 140, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    return Image.fromarray(pixels.numpy())
+
+
+def image_url() -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    picture().save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
