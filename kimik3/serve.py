@@ -13,6 +13,7 @@ refused with HTTP 429 by name. The K3 chat format (kimik3.chat_format) renders m
 
 import argparse
 import asyncio
+import hashlib
 import importlib
 import json
 import sys
@@ -76,6 +77,8 @@ class Job:
         # the prompt's images (pixel_values, grid_thws) and the end of their placeholder rows: read in one forward
         self.images: dict | None = None
         self.images_end = 0
+        self.images_read = False  # by a forward, or standing in a prefix the store gave back
+        self.store_key: list[int] | None = None  # what the prefix store knows the prompt by (`Engine._store_key`)
         self.generator = None
         if sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed + index)
@@ -209,6 +212,7 @@ class Engine:
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.device = model.get_input_embeddings().weight.device
+        self.media_id = getattr(model.config, "media_placeholder_token_id", None)  # an image's placeholder rows
         self.store = self.code.KimiK3PrefixStore(max_bytes=prefix_cache_bytes) if prefix_cache_bytes else None
         self.prefix_cache_bytes = prefix_cache_bytes
         self.max_cache_bytes = max_cache_bytes
@@ -370,10 +374,11 @@ class Engine:
             self._start(job)
         end = min(len(job.prompt_ids), job.prefilled + self.prefill_chunk)
         extra = {}
-        if job.images is not None and job.prefilled == 0:
-            # the images run in the prefill's first forward, which reaches past their placeholder rows
+        if job.images is not None and not job.images_read:
+            # the images run in the prompt's first forward, which reaches past their placeholder rows
             end = max(end, job.images_end)
             extra = {key: value.to(self.device) for key, value in job.images.items()}
+            job.images_read = True
         ids = torch.tensor([job.prompt_ids[job.prefilled:end]], device=self.device)
         out = self.model(input_ids=ids, past_key_values=job.cache, use_cache=True, logits_to_keep=1, **extra)
         self.stats["prompt_tokens_computed"] += end - job.prefilled
@@ -383,17 +388,61 @@ class Engine:
         job.last_logits = out.logits[0, -1].float()
         # what the twins and the store copy from (the job's own cache goes on into the batch); none when neither
         # wants it
-        stored = self.store is not None and job.images is None  # ids alone do not tell two images apart
-        if stored or any(other.twin is job for other in self.reading):
+        if self.store is not None or any(other.twin is job for other in self.reading):
             job.cache_after_prompt = job.cache.copy_prefix(len(job.prompt_ids))
-        if stored:
-            self.store.insert(job.prompt_ids, job.cache_after_prompt)
+        if self.store is not None:
+            self.store.insert(self._store_key(job), job.cache_after_prompt)
         self._emit(job, job.last_logits)
         return True
 
+    def _store_key(self, job: Job) -> list[int]:
+        """The ids the prefix store knows a prompt by: its own, except each image's placeholder rows, which become
+        ids drawn from a hash of that image's pixels and grid (negative: no token has them). So a prompt matches a
+        stored one through an image only if it holds the same image (an agent's later turns, the screenshot of the
+        first one in them), and ids alone never stand for two pictures."""
+        if job.images is None:
+            return job.prompt_ids
+        if job.store_key is None:
+            pixels = job.images["pixel_values"].to("cpu", torch.float32).contiguous()
+            grids = job.images["grid_thws"].to("cpu", torch.int64)
+            digests = [int.from_bytes(hashlib.blake2b(part.numpy().tobytes() + grid.numpy().tobytes(),
+                                                      digest_size=8).digest(), "little")
+                       for part, grid in zip(pixels.split(grids.prod(-1).tolist()), grids)]
+            key, image, row, previous = [], -1, 0, False
+            for token in job.prompt_ids:
+                pad = token == self.media_id
+                image, row = (image + 1, 0) if pad and not previous else (image, row)
+                key.append(-1 - (digests[image] + row) % (1 << 62) if pad else token)
+                row, previous = row + pad, pad
+            job.store_key = key
+        return job.store_key
+
+    def _image_runs(self, job: Job) -> list[tuple[int, int]]:
+        """Where each image's placeholder rows are in the prompt: (start, end), in the images' order."""
+        runs = []
+        for position, token in enumerate(job.prompt_ids):
+            if token == self.media_id:
+                if runs and runs[-1][1] == position:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([position, position + 1])
+        return [tuple(run) for run in runs]
+
+    def _holds_images(self, job: Job, tokens: int, cache) -> bool:
+        """Whether a stored prefix of `tokens` (its KDA state restored `cache.pending_tokens` before its end) can
+        start a prompt with images: only if its restored state is past every image's rows (the model reads images
+        in a prompt's first forward only, and a replay cannot run rows without their pixels)."""
+        restored = tokens - cache.pending_tokens
+        return all(end <= restored for _, end in self._image_runs(job))
+
     def _start(self, job: Job) -> None:
-        if self.store is not None and job.images is None:
-            tokens, cache = self.store.lookup(job.prompt_ids)
+        if self.store is not None:
+            tokens, cache = self.store.lookup(self._store_key(job))
+            if cache is not None and job.images is not None:
+                if self._holds_images(job, tokens, cache):
+                    job.images_read = True  # the images stand in the stored state
+                else:
+                    cache = None  # the images would have to run on a cache that holds tokens: read the prompt whole
             if cache is not None:
                 # the cache stands for `tokens`; those after its nearest KDA snapshot run with the first chunk
                 job.cache, job.prefilled = cache, tokens

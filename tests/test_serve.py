@@ -673,3 +673,47 @@ def test_an_engine_without_a_tokenizer_counts_tokens(server):
     finally:
         engine.stop()
     assert job.new_ids == server.alone([5, 6, 7, 8, 9], 4) and job.decoded is None
+
+
+def test_the_prefix_store_knows_images_by_their_pixels(vision_app):
+    """A prompt with images is stored under ids whose image rows stand for the images' pixels: a later prompt with
+    the same images and text up to a 512-token block (an agent's next turn) starts from the stored state there, past
+    the images; one whose first image differs reuses nothing, though every id but its image rows agrees. Every
+    reply's first-token log-probabilities are one process's (within 1e-5)."""
+    from transformers import AutoProcessor
+
+    client, engine = vision_app
+    processor = AutoProcessor.from_pretrained(engine.model.name_or_path, trust_remote_code=True)
+    words = "The river bends twice before it reaches the sea, and the ferry waits where the water runs slow. " * 9
+
+    def noise(seed):
+        from PIL import Image
+
+        pixels = torch.randint(0, 256, (112, 140, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        return Image.fromarray(pixels.numpy())
+
+    def ask(first, second, question):
+        sent = [{"type": "image_url", "image_url": {"url": _data_url(first)}},
+                {"type": "image_url", "image_url": {"url": _data_url(second)}}, {"type": "text", "text": words + question}]
+        local = [{"type": "image", "image": first}, {"type": "image", "image": second},
+                 {"type": "text", "text": words + question}]
+        answer = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": sent}], "max_tokens": 1, "temperature": 0, "logprobs": True,
+            "top_logprobs": 20}).json()
+        inputs = processor.apply_chat_template([{"role": "user", "content": local}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True, return_tensors="pt",
+                                               reasoning_effort="max")
+        with torch.no_grad():
+            first_token = torch.log_softmax(engine.model(**inputs).logits[0, -1].float(), dim=-1)
+        assert "choices" in answer, answer
+        top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        ids = engine.tokenizer.convert_tokens_to_ids([entry["token"] for entry in top])
+        served = torch.tensor([entry["logprob"] for entry in top])
+        assert (served - first_token[ids]).abs().max() < 1e-5
+        rows = (inputs["input_ids"][0] == engine.media_id).nonzero()[:, 0].tolist()
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"], rows
+
+    cached, rows = ask(noise(11), noise(12), "Which is brighter?")
+    assert cached == 0 and len(rows) == 40 and rows[-1] < 512  # both images' rows before the first block's end
+    assert ask(noise(11), noise(12), "Which is darker?")[0] == 512  # from the first block's stored state
+    assert ask(noise(14), noise(12), "Which is darker?")[0] == 0  # another first image: nothing reused
