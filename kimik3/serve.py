@@ -493,10 +493,22 @@ class Engine:
         """Samples the job's next token from `logits` (f32), posts it, and decides whether the job ends here: the
         leader does, and tells the other ranks (`Replicas.share`), whose copy of the job takes the same token and
         end."""
-        finite = self._choose(job, logits) if self.leader else None
+        failed = None
+        if self.leader:
+            try:
+                finite = self._choose(job, logits)
+            except Exception as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised here
+                if self.replicas is None:
+                    raise
+                failed, finite = error, False
         if self.replicas is not None:
-            token, code = self.replicas.share(None if finite is None else
-                                              (job.new_ids[-1] if finite else -1, FINISH_CODES[job.finish_reason]))
+            token, code = self.replicas.share(None if not self.leader else
+                                              (-2 if failed else job.new_ids[-1] if finite else -1,
+                                               FINISH_CODES[job.finish_reason]))
+            if failed is not None:
+                raise failed
+            if token == -2:  # the leader's choice raised; it ends the job (or the batch) there too
+                raise RuntimeError("rank 0 could not choose the next token (its error is in rank 0's response)")
             if not self.leader and token >= 0:
                 job.new_ids.append(token)
                 job.finish_reason = FINISH_REASONS[code]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 PROMPTS = [[5, 17, 99, 3, 42], list(range(20, 60)), [9, 1, 120, 33, 8, 77, 2, 50, 61, 62, 63, 64, 65, 66, 67, 68, 69,
                                                       70, 71, 72, 73, 74, 75]]
 NEW_TOKENS = 6
+FAILING = [3, 3, 3, 3]
 CHAT = [{"role": "user", "content": "Which river flows through Vienna?"}]
 
 
@@ -34,12 +35,21 @@ def run_all(model_dir: str, out_dir: Path) -> None:
         write_tiny_folder(folder, seed=6, vision=True)
     dist.barrier()
     # fp32: the ranks' partial sums are reduced in another order than one process adds them; greedy tokens must agree
-    app, engine = make_app(folder, model_name="tiny", prefill_chunk=16, max_requests=8, dtype="float32",
+    app, engine = make_app(folder, model_name="tiny", prefill_chunk=16, max_requests=12, dtype="float32",
                            tp_plan="auto")
     if dist.get_rank() != 0:
         engine.thread.join(timeout=240)
         assert not engine.thread.is_alive(), "rank 0 never stopped the engine"
         return
+    # rank 0's sampler fails for one prompt: the other rank must hear of it, end that job too and go on
+    sample = engine._sample
+
+    def failing(logits, job):
+        if job.prompt_ids == FAILING:
+            raise ValueError("a sampler that fails on purpose")
+        return sample(logits, job)
+
+    engine._sample = failing
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -80,13 +90,20 @@ def run_all(model_dir: str, out_dir: Path) -> None:
                     break
                 await stream.close()
 
+            async def failing():
+                try:
+                    await completion(FAILING)
+                except openai.InternalServerError as error:
+                    return str(error)
+                return "no error"
+
             results = await asyncio.gather(*(completion(p) for p in PROMPTS), completion(PROMPTS[0], n=2), chat(),
-                                           with_image(), left_early())
-            after = await completion(PROMPTS[2])  # the ranks still agree after a cancellation
+                                           with_image(), left_early(), failing())
+            after = await completion(PROMPTS[2])  # the ranks still agree after a cancellation and a failure
             return results, after
 
     results, after = asyncio.run(requests())
-    *served, twins, chat_text, image, _ = results
+    *served, twins, chat_text, image, _, failure = results
     server.should_exit = True
     thread.join(timeout=10)
     stats = dict(engine.stats)
@@ -96,7 +113,7 @@ def run_all(model_dir: str, out_dir: Path) -> None:
     held = list((weight.to_local() if hasattr(weight, "to_local") else weight).shape)
     (out_dir / "served.json").write_text(json.dumps({
         "prompts": PROMPTS, "tokens": [tokens[0] for tokens in served], "twins": twins, "chat": chat_text,
-        "after": after[0], "stats": stats, "o_proj_held": held, "image": image}))
+        "after": after[0], "stats": stats, "o_proj_held": held, "image": image, "failure": failure}))
 
 
 def picture():

@@ -1,8 +1,9 @@
 """`kimik3 serve` under tensor parallelism (docs/design.md, Serving): two gloo ranks load a tiny folder with a vision
 tower with `tp_plan="auto"`, rank 0 serves over HTTP and both compute (tests/serve_parallel_worker.py, in the suite's
-one launch of two ranks). Concurrent requests of different lengths, one of n=2, a streamed chat, a chat with an image
-and a stream its client leaves early get the greedy tokens one process gives each alone (fp32), and a request after
-the cancellation still does: the ranks ran the same steps throughout."""
+one launch of two ranks). Concurrent requests of different lengths, one of n=2, a streamed chat, a chat with an image,
+a stream its client leaves early and one whose sampling fails on rank 0 (a 500 naming the error, on every rank); the
+others get the greedy tokens one process gives each alone (fp32), and a request after them still does: the ranks ran
+the same steps throughout."""
 
 import json
 
@@ -47,6 +48,8 @@ def test_tensor_parallel_serving_gives_one_process_greedy_tokens(served, alone):
     reply = parse_reply(tokenizer.decode(generate(chat, 8)))
     assert served["chat"] == reply.reasoning + reply.response
     assert served["stats"]["decode_forwards"] > 0 and served["stats"]["regroups"] > 1
+    # rank 0's sampler failed for one request: that request got a 500 naming the error, the others their tokens
+    assert "generation failed: ValueError: a sampler that fails on purpose" in served["failure"]
 
 
 def test_an_image_served_under_tensor_parallelism_is_read_by_every_rank(served, alone, two_rank_runs):
