@@ -84,8 +84,12 @@ class Job:
             self.generator = torch.Generator().manual_seed(sampling.seed + index)
 
     def post(self, item) -> None:
-        if self.loop is not None:  # a job mirrored on another rank has no client
+        if self.loop is None:  # a job mirrored on another rank has no client
+            return
+        try:
             self.loop.call_soon_threadsafe(self.mailbox.put_nowait, item)
+        except RuntimeError:  # its event loop is closed (the server is going down): nobody is left to read it
+            pass
 
     def cancel(self) -> None:
         """The client went away or is done with it: the engine ends it at its next step."""
