@@ -228,8 +228,8 @@ class Engine:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopped = False
-        self.stats = {"steps": 0, "decode_forwards": 0, "rows_decoded": 0, "prompt_tokens_computed": 0,
-                      "prompt_tokens_reused": 0, "regroups": 0}
+        self.stats = {"steps": 0, "decode_forwards": 0, "rows_decoded": 0, "prefill_forwards": 0,
+                      "prompt_tokens_computed": 0, "prompt_tokens_reused": 0, "regroups": 0}
         # Under tensor parallelism (torchrun, a model loaded with a tp_plan) every rank runs this engine, since every
         # forward is a collective: rank 0 (the leader) takes the requests and samples, and at each step start tells
         # the other ranks which jobs came and which were cancelled, and after each forward the token each job drew
@@ -341,9 +341,10 @@ class Engine:
     @torch.no_grad()
     def _read_prompts(self) -> None:
         ready = []  # prompts read, or jobs that ended while reading (went away, failed, ended at their first token)
+        together = self._read_together()
         for job in list(self.reading):
             try:
-                read = not job.done and self._read(job)
+                read = not job.done and (self._prompt_read(job) if job in together else self._read(job))
             except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
                 self._fail(job, error)
                 read = False
@@ -386,10 +387,61 @@ class Engine:
         ids = torch.tensor([job.prompt_ids[job.prefilled:end]], device=self.device)
         out = self.model(input_ids=ids, past_key_values=job.cache, use_cache=True, logits_to_keep=1, **extra)
         self.stats["prompt_tokens_computed"] += end - job.prefilled
+        self.stats["prefill_forwards"] += 1
         job.prefilled = end
         if end < len(job.prompt_ids):
             return False
         job.last_logits = out.logits[0, -1].float()
+        return self._prompt_read(job)
+
+    def _read_together(self) -> set:
+        """Prompts that fit in one chunk and start from nothing (no stored prefix, no images, not a twin), read
+        several in one forward: left-padded to the longest of a group whose padded tokens fit in `prefill_chunk`
+        (MLA has no positional encoding and the KDA layers skip the padding, so each row is its prompt alone), the
+        batch's cache then split into one per prompt. A burst of short requests costs one forward a group instead of
+        one a request. Returns the jobs read, their first token not yet sampled (`_prompt_read`)."""
+        fresh = []
+        for job in self.reading:
+            if job.done or job.cache is not None or job.twin is not None or job.images is not None or \
+                    len(job.prompt_ids) > self.prefill_chunk:
+                continue
+            self._start(job)  # a stored prefix: it goes on alone, from there
+            if job.prefilled == 0:
+                fresh.append(job)
+        groups, group = [], []
+        for job in fresh:
+            if group and (len(group) + 1) * max(len(j.prompt_ids) for j in (*group, job)) > self.prefill_chunk:
+                groups.append(group)
+                group = []
+            group.append(job)
+        groups.append(group)
+        read = set()
+        for group in (g for g in groups if len(g) > 1):
+            try:
+                self._read_group(group)
+            except Exception as error:  # noqa: BLE001 - these requests get it by name, the others go on
+                for job in group:
+                    self._fail(job, error)
+                continue
+            read.update(group)
+        return read
+
+    def _read_group(self, group: list[Job]) -> None:
+        longest = max(len(job.prompt_ids) for job in group)
+        ids = torch.tensor([[0] * (longest - len(job.prompt_ids)) + job.prompt_ids for job in group],
+                           device=self.device)
+        mask = torch.tensor([[0] * (longest - len(job.prompt_ids)) + [1] * len(job.prompt_ids) for job in group],
+                            device=self.device)
+        cache = self.code.KimiK3Cache(self.text_config)
+        out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.stats["prompt_tokens_computed"] += int(mask.sum())
+        self.stats["prefill_forwards"] += 1
+        for job, row, logits in zip(group, cache.split(mask.bool()), out.logits[:, -1].float()):
+            job.cache, job.prefilled, job.last_logits = row, len(job.prompt_ids), logits
+
+    def _prompt_read(self, job: Job) -> bool:
+        """After a job's whole prompt is in its cache and `last_logits` hold its next token's: a copy for its twins
+        and the store, then its first token."""
         # what the twins and the store copy from (the job's own cache goes on into the batch); none when neither
         # wants it
         if self.store is not None or any(other.twin is job for other in self.reading):

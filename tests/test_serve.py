@@ -717,3 +717,33 @@ def test_the_prefix_store_knows_images_by_their_pixels(vision_app):
     assert cached == 0 and len(rows) == 40 and rows[-1] < 512  # both images' rows before the first block's end
     assert ask(noise(11), noise(12), "Which is darker?")[0] == 512  # from the first block's stored state
     assert ask(noise(14), noise(12), "Which is darker?")[0] == 0  # another first image: nothing reused
+
+
+def test_short_prompts_that_come_together_are_read_in_one_forward(server):
+    """Fresh prompts that fit in a chunk, taken in at one step, are read in one left-padded forward and split into
+    their own caches: each job's greedy tokens are generate()'s of it alone, and a later prompt extending one of them
+    starts from that prompt stored whole."""
+    from kimik3.serve import Engine
+
+    engine = Engine(server.model, server.tokenizer, max_requests=8, prefill_chunk=64)
+    prompts = [[5, 6, 7], list(range(10, 30)), list(range(40, 51))]  # padded to 20 tokens: 3 x 20 <= 64
+
+    async def run(batch):
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, Sampling(max_tokens=4, temperature=0.0), loop) for ids in batch]
+        engine.submit(jobs)  # one call: taken in at one step
+        for job in jobs:
+            while (item := await job.mailbox.get()) is not None:
+                assert not isinstance(item, Exception), item
+        return jobs
+
+    try:
+        jobs = asyncio.run(run(prompts))
+        assert engine.stats["prefill_forwards"] == 1 and engine.stats["prompt_tokens_computed"] == 34
+        for job, ids in zip(jobs, prompts):
+            assert job.new_ids == server.alone(ids, 4)
+        longer = prompts[1] + [7, 8, 9]
+        (job,) = asyncio.run(run([longer]))
+        assert job.cached_tokens == 20 and job.new_ids == server.alone(longer, 4)
+    finally:
+        engine.stop()
