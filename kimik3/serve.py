@@ -402,8 +402,10 @@ class Engine:
         one a request. Returns the jobs read, their first token not yet sampled (`_prompt_read`)."""
         fresh = []
         for job in self.reading:
+            # (beyond the store's block a prompt read alone writes the KDA snapshot a later block hit needs)
+            longest = self.prefill_chunk if self.store is None else min(self.prefill_chunk, self.store.block_size)
             if job.done or job.cache is not None or job.twin is not None or job.images is not None or \
-                    len(job.prompt_ids) > self.prefill_chunk:
+                    len(job.prompt_ids) > longest:
                 continue
             self._start(job)  # a stored prefix: it goes on alone, from there
             if job.prefilled == 0:
