@@ -399,7 +399,8 @@ class Engine:
         several in one forward: left-padded to the longest of a group whose padded tokens fit in `prefill_chunk`
         (MLA has no positional encoding and the KDA layers skip the padding, so each row is its prompt alone), the
         batch's cache then split into one per prompt. A burst of short requests costs one forward a group instead of
-        one a request. Returns the jobs read, their first token not yet sampled (`_prompt_read`)."""
+        one a request. A group whose forward fails is read job by job (its own caches untouched), so only the prompt
+        that fails ends its request. Returns the jobs read, their first token not yet sampled (`_prompt_read`)."""
         fresh = []
         for job in self.reading:
             # (beyond the store's block a prompt read alone writes the KDA snapshot a later block hit needs)
@@ -421,9 +422,7 @@ class Engine:
         for group in (g for g in groups if len(g) > 1):
             try:
                 self._read_group(group)
-            except Exception as error:  # noqa: BLE001 - these requests get it by name, the others go on
-                for job in group:
-                    self._fail(job, error)
+            except Exception:  # noqa: BLE001 - each is read alone then, so a prompt that fails ends its request alone
                 continue
             read.update(group)
         return read
