@@ -25,17 +25,6 @@ torch.set_num_threads(int(_threads))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    """What collection imported (torch, transformers, the clients: over a million objects) lives to the end of the
-    session: after one last collection it is moved out of the collector's sight. Python's full collections walked all
-    of it again, about 0.25 s each, a dozen times a file group and five more as pytest ends."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
