@@ -402,13 +402,17 @@ class Engine:
         one a request. A group whose forward fails is read job by job (its own caches untouched), so only the prompt
         that fails ends its request. Returns the jobs read, their first token not yet sampled (`_prompt_read`)."""
         fresh = []
+        # (beyond the store's block a prompt read alone writes the KDA snapshot a later block hit needs)
+        longest = self.prefill_chunk if self.store is None else min(self.prefill_chunk, self.store.block_size)
         for job in self.reading:
-            # (beyond the store's block a prompt read alone writes the KDA snapshot a later block hit needs)
-            longest = self.prefill_chunk if self.store is None else min(self.prefill_chunk, self.store.block_size)
             if job.done or job.cache is not None or job.twin is not None or job.images is not None or \
                     len(job.prompt_ids) > longest:
                 continue
-            self._start(job)  # a stored prefix: it goes on alone, from there
+            try:
+                self._start(job)  # a stored prefix: it goes on alone, from there
+            except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
+                self._fail(job, error)
+                continue
             if job.prefilled == 0:
                 fresh.append(job)
         groups, group = [], []
