@@ -74,9 +74,7 @@ class Job:
         self.cancel_asked = False  # by its HTTP side, at any time
         self.cancelled = False  # by the engine, at the start of a step
         self.decoded: TextSoFar | None = None  # the engine's, from the first token on
-        # the prompt's images (pixel_values, grid_thws) and the end of their placeholder rows: read in one forward
-        self.images: dict | None = None
-        self.images_end = 0
+        self.images: dict | None = None  # the prompt's images (pixel_values, grid_thws): read in one forward
         self.images_read = False  # by a forward, or standing in a prefix the store gave back
         self.store_key: list[int] | None = None  # what the prefix store knows the prompt by (`Engine._store_key`)
         self.generator = None
@@ -111,7 +109,7 @@ FINISH_CODES = {reason: code for code, reason in enumerate(FINISH_REASONS)}
 class Replicas:
     """The engine's ranks under tensor parallelism, and what the leader (rank 0) tells the others, as tensors
     broadcast from it (no pickling): at each step's start the jobs that came (prompt, twin, `n` index, max_tokens,
-    and a prompt's images: their grids, the end of their placeholder rows, then their pixels) and the ones cancelled,
+    and a prompt's images: their grids, then their pixels) and the ones cancelled,
     or that the engine stops; after each forward, the token a job drew and how it ended."""
 
     def __init__(self, rank: int, wire: torch.device):
@@ -155,8 +153,7 @@ class Replicas:
                 values.append(0)
             else:
                 grids, pixels = job.images["grid_thws"], job.images["pixel_values"]
-                values += [1, job.images_end, grids.shape[0], *grids.reshape(-1).tolist(), pixels.dim(),
-                           *pixels.shape]
+                values += [1, grids.shape[0], *grids.reshape(-1).tolist(), pixels.dim(), *pixels.shape]
         self._broadcast(values)
         for job in came:
             if job.images is not None:
@@ -171,19 +168,18 @@ class Replicas:
             prompt, at = values[at + 5:at + 5 + length], at + 5 + length
             images = None
             if values[at]:
-                end, count = values[at + 1:at + 3]
-                grids = torch.tensor(values[at + 3:at + 3 + 3 * count], dtype=torch.int64).reshape(count, 3)
-                at += 3 + 3 * count
+                count = values[at + 1]
+                grids = torch.tensor(values[at + 2:at + 2 + 3 * count], dtype=torch.int64).reshape(count, 3)
+                at += 2 + 3 * count
                 shape, at = values[at + 1:at + 1 + values[at]], at + 1 + values[at]
-                images = (end, grids, shape)
+                images = (grids, shape)
             else:
                 at += 1
             specs.append((key, twin, index, max_tokens, prompt, images))
         for position, (*spec, images) in enumerate(specs):
             if images is not None:
-                end, grids, shape = images
-                specs[position] = (*spec, (end, {"pixel_values": self._broadcast_pixels(None, shape),
-                                                 "grid_thws": grids}))
+                grids, shape = images
+                specs[position] = (*spec, {"pixel_values": self._broadcast_pixels(None, shape), "grid_thws": grids})
         return specs, keys, bool(stop)
 
     def share(self, choice: tuple[int, int] | None) -> tuple[int, int]:
@@ -307,6 +303,7 @@ class Engine:
                 came = list(self.queue)
                 self.queue.clear()
                 self.reading.extend(came)
+            self.by_key.update((job.key, job) for job in came)
             cancelled = [job for job in (*self.reading, *self.batch) if job.cancel_asked and not job.cancelled]
             stop = self.stopped
             if self.replicas is not None:
@@ -316,15 +313,11 @@ class Engine:
             came = []
             for key, twin, index, max_tokens, prompt, images in specs:  # a twin comes after its source, in one step
                 job = Job(prompt, Sampling(max_tokens=max_tokens), None, index, self.by_key.get(twin))
-                job.key = key
-                if images is not None:
-                    job.images_end, job.images = images
+                job.key, job.images = key, images
                 self.by_key[key] = job
                 came.append(job)
             self.reading.extend(came)
             cancelled = [self.by_key[key] for key in keys if key in self.by_key]
-        for job in came:
-            self.by_key[job.key] = job
         for job in cancelled:
             job.cancelled = True
         return stop
@@ -381,7 +374,7 @@ class Engine:
         extra = {}
         if job.images is not None and not job.images_read:
             # the images run in the prompt's first forward, which reaches past their placeholder rows
-            end = max(end, job.images_end)
+            end = max(end, self._image_runs(job)[-1][1])
             extra = {key: value.to(self.device) for key, value in job.images.items()}
             job.images_read = True
         ids = torch.tensor([job.prompt_ids[job.prefilled:end]], device=self.device)
@@ -469,12 +462,9 @@ class Engine:
             digests = [int.from_bytes(hashlib.blake2b(part.numpy().tobytes() + grid.numpy().tobytes(),
                                                       digest_size=8).digest(), "little")
                        for part, grid in zip(pixels.split(grids.prod(-1).tolist()), grids)]
-            key, image, row, previous = [], -1, 0, False
-            for token in job.prompt_ids:
-                pad = token == self.media_id
-                image, row = (image + 1, 0) if pad and not previous else (image, row)
-                key.append(-1 - (digests[image] + row) % (1 << 62) if pad else token)
-                row, previous = row + pad, pad
+            key = list(job.prompt_ids)
+            for (start, end), digest in zip(self._image_runs(job), digests):
+                key[start:end] = [-1 - (digest + row) % (1 << 62) for row in range(end - start)]
             job.store_key = key
         return job.store_key
 
@@ -862,10 +852,7 @@ class App:
         loop = asyncio.get_running_loop()
         jobs = [Job(ids, sampling, loop)]
         jobs += [Job(ids, sampling, loop, index, twin=jobs[0]) for index in range(1, n)]
-        if images is not None:  # the twins copy the first job's cache after the prompt: the images run once
-            media = getattr(self.engine.model.config, "media_placeholder_token_id", None)
-            jobs[0].images = images
-            jobs[0].images_end = max((i + 1 for i, t in enumerate(ids) if t == media), default=0)
+        jobs[0].images = images  # the twins copy the first job's cache after the prompt: the images run once
         self.engine.submit(jobs)
         reply = Reply(self, jobs, chat, len(ids))
         if body.get("stream"):
