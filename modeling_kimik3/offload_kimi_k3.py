@@ -205,12 +205,11 @@ class ExpertFetch:
     routes as read from the device once (`routed_split` works out its split from them without reading again)."""
 
     def __init__(self, cache, layer: int, chosen: torch.Tensor, ids: list[int], top_indices: torch.Tensor,
-                 compact: tuple[torch.Tensor, ...], missed: list[int], event, host_ids: list[int] = (),
-                 top_cpu: torch.Tensor | None = None):
+                 compact: tuple[torch.Tensor, ...], missed: list[int], event, host_ids: list[int],
+                 top_cpu: torch.Tensor):
         self.cache, self.layer, self.chosen, self.ids = cache, layer, chosen, ids
         self.top_indices, self.compact, self.missed, self.event = top_indices, compact, missed, event
-        self.host_ids = list(host_ids)
-        self.top_cpu = top_indices.to("cpu") if top_cpu is None else top_cpu
+        self.host_ids, self.top_cpu = list(host_ids), top_cpu
 
     def wait(self):
         if self.event is not None:

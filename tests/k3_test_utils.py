@@ -123,3 +123,21 @@ def refresh_adoption_fingerprints(adopted) -> None:
     record = json.loads(path.read_text())
     record["fingerprints"] = release_fingerprints(record["release"], record["links"])
     path.write_text(json.dumps(record, indent=2, sort_keys=True))
+
+
+def noise_image(seed: int, width: int = 140, height: int = 112):
+    """A picture of random pixels: it moves a tiny random model's logits measurably, where a flat colour barely does."""
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return Image.fromarray(pixels.numpy())
+
+
+def data_url(picture) -> str:
+    """`picture` as a `data:image/png;base64,...` URL, as an OpenAI client sends an image."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

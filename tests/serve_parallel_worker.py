@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from k3_test_utils import data_url, noise_image
+
 PROMPTS = [[5, 17, 99, 3, 42], list(range(20, 60)), [9, 1, 120, 33, 8, 77, 2, 50, 61, 62, 63, 64, 65, 66, 67, 68, 69,
                                                       70, 71, 72, 73, 74, 75]]
 NEW_TOKENS = 6
@@ -76,10 +78,10 @@ def run_all(model_dir: str, out_dir: Path) -> None:
                 return text
 
             async def with_image():
+                image = {"type": "image_url", "image_url": {"url": data_url(noise_image(1))}}
                 reply = await client.chat.completions.create(
                     model="tiny", max_tokens=4, temperature=0, logprobs=True, top_logprobs=20,
-                    messages=[{"role": "user", "content": [{"type": "text", "text": "What is it?"},
-                                                           {"type": "image_url", "image_url": {"url": image_url()}}]}])
+                    messages=[{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}])
                 content = reply.choices[0].logprobs.content
                 return [e.token for e in content], [(t.token, t.logprob) for t in content[0].top_logprobs]
 
@@ -115,20 +117,3 @@ def run_all(model_dir: str, out_dir: Path) -> None:
         "prompts": PROMPTS, "tokens": [tokens[0] for tokens in served], "twins": twins, "chat": chat_text,
         "after": after[0], "stats": stats, "o_proj_held": held, "image": image, "failure": failure}))
 
-
-def picture():
-    """The test's image: noise, so that it moves the tiny model's logits measurably."""
-    import torch
-    from PIL import Image
-
-    pixels = torch.randint(0, 256, (112, 140, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    return Image.fromarray(pixels.numpy())
-
-
-def image_url() -> str:
-    import base64
-    import io
-
-    buffer = io.BytesIO()
-    picture().save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

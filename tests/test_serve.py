@@ -23,6 +23,7 @@ from kimik3.chat_format import encode_chat, render_text
 from kimik3.modeling.cache_kimi_k3 import analytic_cache_bytes
 from kimik3.serve import Job, Sampling, TextSoFar, make_app, stop_at
 from kimik3.tiny import write_tiny_folder
+from k3_test_utils import data_url, noise_image
 
 MODEL = "tiny-k3"
 
@@ -483,15 +484,6 @@ def test_a_batch_that_cannot_be_joined_ends_its_requests_by_name(server, monkeyp
     assert reply.choices[0].text == server.tokenizer.decode(server.alone([5, 6, 7], 3))
 
 
-def _data_url(picture) -> str:
-    import base64
-    import io
-
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 @pytest.mark.parametrize("url, named", [
     ("https://example.com/cat.png", "only data: URLs"),
     ("file:///etc/hostname", "only data: URLs"),
@@ -531,8 +523,6 @@ def test_a_folder_with_a_vision_tower_serves_text_and_images(vision_app):
     """Text as the text model's prompt; an image in a message (a data: URL) read by the folder's processor in the
     prefill's first forward, though the prompt is read 16 tokens a step: greedy tokens equal `generate()` of the
     processor's inputs, also for a request of n=2 (one prefill, the twin copying it) and streamed."""
-    from PIL import Image
-
     client, engine = vision_app
     assert type(engine.model).__name__ == "KimiK3ForConditionalGeneration"
     messages = [{"role": "user", "content": "Describe nothing."}]
@@ -543,10 +533,6 @@ def test_a_folder_with_a_vision_tower_serves_text_and_images(vision_app):
         want = engine.model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):]
     tokens = [entry["token"] for entry in answer["choices"][0]["logprobs"]["content"]]
     assert tokens == engine.tokenizer.convert_ids_to_tokens(want.tolist())
-
-    def noise(seed):
-        pixels = torch.randint(0, 256, (112, 140, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-        return Image.fromarray(pixels.numpy())
 
     from transformers import AutoProcessor
 
@@ -562,13 +548,13 @@ def test_a_folder_with_a_vision_tower_serves_text_and_images(vision_app):
             first = torch.log_softmax(engine.model(**inputs).logits[0, -1].float(), dim=-1)
         return out[0, inputs["input_ids"].shape[1]:].tolist(), inputs["input_ids"][0], first
 
-    picture = noise(1)
+    picture = noise_image(1)
     want, prompt, first = generated(picture)
     length = len(prompt)
     rows = (prompt == engine.model.config.media_placeholder_token_id).nonzero()[:, 0].tolist()
     assert rows[0] // 16 != rows[-1] // 16  # the image's rows cross a boundary of the prompt's 16-token chunks
     sent = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
-                                         {"type": "image_url", "image_url": {"url": _data_url(picture)}}]}]
+                                         {"type": "image_url", "image_url": {"url": data_url(picture)}}]}]
     answer = client.post("/v1/chat/completions", json={"messages": sent, "max_tokens": 4, "temperature": 0, "n": 2,
                                                        "logprobs": True, "top_logprobs": 20}).json()
     assert answer["usage"]["prompt_tokens"] == length
@@ -576,7 +562,7 @@ def test_a_folder_with_a_vision_tower_serves_text_and_images(vision_app):
     ids = engine.tokenizer.convert_tokens_to_ids([entry["token"] for entry in top])
     served = torch.tensor([entry["logprob"] for entry in top])
     # the first token's 20 likeliest log-probabilities are the model's with this picture, not with another
-    mine, others = (served - first[ids]).abs().max(), (served - generated(noise(2))[2][ids]).abs().max()
+    mine, others = (served - first[ids]).abs().max(), (served - generated(noise_image(2))[2][ids]).abs().max()
     assert mine < 1e-5 and others > 1e-3  # measured 5e-7 and 1e-2
     for choice in answer["choices"]:  # n=2: one prefill, the twin copying its cache
         assert [e["token"] for e in choice["logprobs"]["content"]] == engine.tokenizer.convert_ids_to_tokens(want)
@@ -686,15 +672,10 @@ def test_the_prefix_store_knows_images_by_their_pixels(vision_app):
     processor = AutoProcessor.from_pretrained(engine.model.name_or_path, trust_remote_code=True)
     words = "The river bends twice before it reaches the sea, and the ferry waits where the water runs slow. " * 9
 
-    def noise(seed):
-        from PIL import Image
-
-        pixels = torch.randint(0, 256, (112, 140, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-        return Image.fromarray(pixels.numpy())
-
     def ask(first, second, question):
-        sent = [{"type": "image_url", "image_url": {"url": _data_url(first)}},
-                {"type": "image_url", "image_url": {"url": _data_url(second)}}, {"type": "text", "text": words + question}]
+        sent = [{"type": "image_url", "image_url": {"url": data_url(first)}},
+                {"type": "image_url", "image_url": {"url": data_url(second)}},
+                {"type": "text", "text": words + question}]
         local = [{"type": "image", "image": first}, {"type": "image", "image": second},
                  {"type": "text", "text": words + question}]
         answer = client.post("/v1/chat/completions", json={
@@ -713,10 +694,10 @@ def test_the_prefix_store_knows_images_by_their_pixels(vision_app):
         rows = (inputs["input_ids"][0] == engine.media_id).nonzero()[:, 0].tolist()
         return answer["usage"]["prompt_tokens_details"]["cached_tokens"], rows
 
-    cached, rows = ask(noise(11), noise(12), "Which is brighter?")
+    cached, rows = ask(noise_image(11), noise_image(12), "Which is brighter?")
     assert cached == 0 and len(rows) == 40 and rows[-1] < 512  # both images' rows before the first block's end
-    assert ask(noise(11), noise(12), "Which is darker?")[0] == 512  # from the first block's stored state
-    assert ask(noise(14), noise(12), "Which is darker?")[0] == 0  # another first image: nothing reused
+    assert ask(noise_image(11), noise_image(12), "Which is darker?")[0] == 512  # from the first block's stored state
+    assert ask(noise_image(14), noise_image(12), "Which is darker?")[0] == 0  # another first image: nothing reused
 
 
 def test_short_prompts_that_come_together_are_read_in_one_forward(server):

@@ -55,8 +55,9 @@ def test_tensor_parallel_serving_gives_one_process_greedy_tokens(served, alone):
 def test_an_image_served_under_tensor_parallelism_is_read_by_every_rank(served, alone, two_rank_runs):
     """The image's pixels reach the other rank with the step that brings its job: the first token's 20 likeliest
     log-probabilities are one process's with that picture (and far from those without it)."""
-    import serve_parallel_worker
     from transformers import AutoProcessor
+
+    from k3_test_utils import noise_image
 
     generate, tokenizer, model = alone
     processor = AutoProcessor.from_pretrained(two_rank_runs["parallel"] / "serve" / "vision", trust_remote_code=True)
@@ -71,7 +72,7 @@ def test_an_image_served_under_tensor_parallelism_is_read_by_every_rank(served, 
 
     tokens, top = served["image"]
     want, first = first_logprobs([{"type": "text", "text": "What is it?"},
-                                  {"type": "image", "image": serve_parallel_worker.picture()}])
+                                  {"type": "image", "image": noise_image(1)}])
     assert tokens == tokenizer.convert_ids_to_tokens(want)
     ids = tokenizer.convert_tokens_to_ids([token for token, _ in top])
     values = torch.tensor([value for _, value in top])
