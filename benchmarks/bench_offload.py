@@ -15,8 +15,9 @@ run while the chosen experts cross), and with `one_stream` also on the compute s
 the CPU, the format's kernel over the packed bytes; decode only, a long chunk's every route on the CPU takes
 minutes) and "auto" (per forward, whichever the rates measured at the start say is faster), decode and prefill;
 `--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times the CPU route's
-stages per MoE layer (the whole call, the CPU's share, the wait before it). The `host_experts` rows time one MoE layer's share of a decode step on the CPU
-alone (the kernel, and the reference it replaces) against moving the same experts, with the host's measured DRAM
+stages per MoE layer (the whole call, the CPU's share, the wait before it) and section `profile` writes torch's
+profiler table of a few such steps at batch 1 (`--profile-out`). The `host_experts` rows time one MoE layer's share of
+a decode step on the CPU alone (the kernel, and the reference it replaces) against moving the same experts, with the host's measured DRAM
 read bandwidth and the kernel's fraction of it.
 
     python benchmarks/bench_offload.py --out benchmarks/results/bench_offload.json [--sections gpu,offload,host,accelerate]
@@ -192,6 +193,25 @@ def split_timings(model, cache, moe_layers, batch, context, steps):
     return row
 
 
+def profile_table(model, cache, context, steps=4, rows=40):
+    """torch.profiler's table (CPU and CUDA self-time, the top `rows` ops) of `steps` batch-1 decode steps under
+    `experts_compute="host"`, after the same warm-up as `decode`: where the CPU route's time goes that the stage
+    timings do not name (synchronisations, copies, the device idle while the CPU computes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache.compute, cache.side_stream = "host", True
+    cache.clear()
+    decode(model, 1, context, 4)  # warm the cache and the kernel
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            decode(model, 1, context, steps)
+    finally:
+        cache.compute = "device"
+    averages = prof.key_averages()
+    return "\n\n".join(averages.table(sort_by=key, row_limit=rows)
+                        for key in ("self_cpu_time_total", "self_cuda_time_total"))
+
+
 def dram_read_bytes_per_s(num_bytes=4 << 30, repeats=5):
     """The host's memory read rate: a reduction over `num_bytes` (larger than a server's last-level cache), every
     host core, the median of `repeats`."""
@@ -218,11 +238,13 @@ def main():
     parser.add_argument("--host-threads", default="",
                         help="comma-separated thread counts of the host kernel (KIMIK3_HOST_THREADS) to decode with "
                              "under experts_compute='host', after the host section (e.g. 16,15,12)")
+    parser.add_argument("--profile-out", default="bench_offload_profile.txt")
     parser.add_argument("--sections", default="gpu,offload,host,accelerate",
                         help="which to run, comma-separated: gpu (the slice on the GPU), offload (copies on the copy "
                              "stream), one_stream (copies on the compute stream), host "
                              "(experts_compute host/auto and the CPU kernel), split (where the CPU route's time goes, "
-                             "per MoE layer), accelerate")
+                             "per MoE layer), profile (torch.profiler's table of b=1 host decode steps, to "
+                             "--profile-out), accelerate")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     ensure_kimik3()
@@ -315,6 +337,9 @@ def main():
         for batch in batches:
             emit(f"split.decode_b{batch}", split_timings(model, cache, len(experts), batch, args.context,
                                                           args.steps))
+    if "profile" in sections:
+        Path(args.profile_out).write_text(profile_table(model, cache, args.context))
+        emit("profile", {"written": args.profile_out})
     for threads in [int(t) for t in args.host_threads.split(",") if t]:
         os.environ["KIMIK3_HOST_THREADS"] = str(threads)
         cache.compute, cache.side_stream = "host", True
