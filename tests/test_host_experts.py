@@ -35,6 +35,20 @@ def random_experts(counts, k, inter, generator, scale_bytes=(118, 130)):
     return offsets, [packed(2 * inter, k) for _ in counts], [packed(k, inter) for _ in counts]
 
 
+def magnitudes(x, offsets, gate_up, down, beta, linear_beta):
+    """Each output's sum of its terms' magnitudes, |SiTU-GLU(x W_gu)| |W_down|: what the f32 rounding of a sum in
+    another order is proportional to (a term misread moves an output by about its share of this, far more)."""
+    outs = []
+    for e in range(len(gate_up)):
+        rows = x[offsets[e]:offsets[e + 1]].float()
+        if rows.shape[0] == 0:
+            continue
+        gate, up = F.linear(rows, dequantize_mxfp4(*gate_up[e], torch.float32)).chunk(2, dim=-1)
+        outs.append(F.linear(situ_glu(gate, up, beta, linear_beta).abs(),
+                             dequantize_mxfp4(*down[e], torch.float32).abs()))
+    return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1], dtype=torch.float32)
+
+
 def close(actual, expected, dtype):
     # f32: the weights are the reference's exactly, only the order of the f32 sums differs (a few ulps of the
     # largest partial sum); bf16: the same f32 sums rounded to bf16 may land one bf16 ulp apart
@@ -60,7 +74,15 @@ def test_odd_shapes_match_the_reference(dtype, k, inter, counts):
     for betas in ((4.0, 25.0), (None, None)):
         out = mxfp4_host.host_experts(x, offsets, gate_up, down, *betas)
         assert out.dtype == dtype and out.shape == x.shape
-        close(out, reference(x, offsets, gate_up, down, *betas), dtype)
+        expected = reference(x, offsets, gate_up, down, *betas)
+        if dtype == torch.float32:
+            # f32 sums of K then I terms in another order than the BLAS's: a few ulps of each output's magnitudes
+            # (an output near cancellation differs by more than a few ulps of the largest output, as on AMD's BLAS)
+            allowed = 4 * (k + inter) * 2.0**-24 * magnitudes(x, offsets, gate_up, down, *betas)
+            excess = (out - expected).abs() - allowed
+            assert excess.max() <= 0, f"{int((excess > 0).sum())} outputs past their rounding bound"
+        else:
+            close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
