@@ -15,7 +15,7 @@ run while the chosen experts cross), and with `one_stream` also on the compute s
 the CPU, the format's kernel over the packed bytes; decode only, a long chunk's every route on the CPU takes
 minutes) and "auto" (per forward, whichever the rates measured at the start say is faster), decode and prefill;
 `--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times the CPU route's
-stages per MoE layer (the whole call, the CPU's share, the wait before it) and section `profile` writes torch's
+stages per MoE layer (the whole route, the CPU's share, the waits before and after it) and section `profile` writes torch's
 profiler table of a few such steps at batch 1 (`--profile-out`). The `host_experts` rows time one MoE layer's share of
 a decode step on the CPU alone (the kernel, and the reference it replaces) against moving the same experts, with the host's measured DRAM
 read bandwidth and the kernel's fraction of it.
@@ -155,41 +155,51 @@ def host_experts(module, batch, config, bandwidth, repeats=5):
 
 
 def split_timings(model, cache, moe_layers, batch, context, steps):
-    """Where a decode step's CPU route spends its time, per MoE layer (`experts_compute="host"`): the whole
-    `routed_split` call, the CPU's share inside it (`host_routes`: the kernel and its bookkeeping, on the worker
-    thread), and the wait from the call's start to that share's start (the rows reaching host memory, the thread
-    handing over). Medians over the steady steps' layers; the step's own time beside them."""
+    """Where a decode step's CPU route spends its time, per MoE layer (`experts_compute="host"`): `route`, from the
+    CPU's share starting (`HostShare`, which the block starts before its shared experts) to `routed_split` returning
+    the layer's sum; `host`, the CPU's share itself (`host_routes`: the kernel and its bookkeeping, on the worker
+    thread); `until_host`, the wait from the route's start to that share's start (the rows reaching host memory, the
+    thread handing over); `after_host`, from its end to the route's (the outputs queued back, the sums). The route's
+    own cost is `route - host`. Medians over the steady steps' layers; the step's own time beside them."""
     from kimik3.modeling import host_experts_kimi_k3, offload_kimi_k3
 
-    spans = {"split": [], "host": [], "until_host": []}
-    split, host = offload_kimi_k3.routed_split, host_experts_kimi_k3.host_routes
-    started = []
+    spans = {"route": [], "host": [], "until_host": [], "after_host": []}
+    share, split, host = offload_kimi_k3.HostShare, offload_kimi_k3.routed_split, host_experts_kimi_k3.host_routes
+    started, ended = [], []
+
+    class TimedShare(share):
+        def __init__(self, *args, **kwargs):
+            started.append(time.perf_counter())
+            super().__init__(*args, **kwargs)
 
     def timed_split(*args, **kwargs):
-        started.append(time.perf_counter())
         out = split(*args, **kwargs)
-        spans["split"].append(time.perf_counter() - started[-1])
+        now = time.perf_counter()
+        spans["route"].append(now - started[-1])
+        spans["after_host"].append(now - ended[-1])
         return out
 
     def timed_host(*args, **kwargs):
         begin = time.perf_counter()
         spans["until_host"].append(begin - started[-1])
         out = host(*args, **kwargs)
-        spans["host"].append(time.perf_counter() - begin)
+        ended.append(time.perf_counter())
+        spans["host"].append(ended[-1] - begin)
         return out
 
-    offload_kimi_k3.routed_split, host_experts_kimi_k3.host_routes = timed_split, timed_host
+    patched = (TimedShare, timed_split, timed_host)
+    offload_kimi_k3.HostShare, offload_kimi_k3.routed_split, host_experts_kimi_k3.host_routes = patched
     try:
         cache.compute = "host"
         cache.clear()
         row = decode(model, batch, context, steps)
     finally:
-        offload_kimi_k3.routed_split, host_experts_kimi_k3.host_routes = split, host
+        offload_kimi_k3.HostShare, offload_kimi_k3.routed_split, host_experts_kimi_k3.host_routes = share, split, host
         cache.compute = "device"
     for name, values in spans.items():  # the steady steps' layers (a layer whose experts were all held ran no split)
         steady = sorted(values[-(steps - 2) * moe_layers:])
         row[f"{name}_ms_median"] = round(steady[len(steady) // 2] * 1e3, 3)
-    row["splits"] = len(spans["split"])
+    row["splits"] = len(spans["route"])
     return row
 
 

@@ -14,9 +14,9 @@
 """Routed experts computed where they live (docs/design.md, Routed experts computed where they live): with the
 experts in host memory (offload_kimi_k3.py), the chosen experts the device's cache lacks run on the CPU over their
 bytes instead of crossing to the device. `HostRates` weighs the two per forward, `measure_host_rates` times them,
-`host_routes` runs the CPU's share (the format's kernel, or the reference), `routed_split` runs a layer's routes on
-both sides and sums them in the reference's order. It imports nothing of the offload: the cache hands it what it
-needs."""
+`host_routes` runs the CPU's share (the format's kernel, or the reference), `HostShare` starts it on a worker thread
+as soon as a layer's rows are queued, `routed_split` runs a layer's routes on both sides and sums them in the
+reference's order. It imports nothing of the offload: the cache hands it what it needs."""
 
 import torch
 
@@ -75,61 +75,80 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+class HostShare:
+    """The CPU's share of one layer's forward, started (`start`) as soon as the layer's latent rows are queued: the
+    route split is worked out on the CPU from the routes `fetch` read (`fetched.top_cpu`), every row of `x` crosses to
+    host memory in one queued copy, and the cache's worker thread waits for it, gathers the CPU routes' rows there and
+    runs them (`host_routes`) while the calling thread goes on queueing the device's work (the shared experts, the
+    device's share). `result()` is (the CPU routes' outputs, in pinned memory on a GPU, 1 if the format's kernel
+    computed them else 0)."""
+
+    def __init__(self, cache, x, fetched, stacks, fmt, run, situ_betas):
+        top_k = fetched.top_cpu.shape[-1]
+        flat = fetched.top_cpu.reshape(-1)
+        self.order = torch.argsort(flat, stable=True)
+        self.token_of = self.order // top_k
+        sorted_ids = flat[self.order]
+        on_host = torch.isin(sorted_ids, torch.tensor(fetched.host_ids, dtype=flat.dtype))
+        self.host_at, self.device_at = on_host.nonzero().squeeze(1), (~on_host).nonzero().squeeze(1)
+        self.local = torch.searchsorted(torch.tensor(fetched.ids, dtype=flat.dtype), sorted_ids[self.device_at])
+        host_sorted, host_tokens = sorted_ids[self.host_at], self.token_of[self.host_at]
+        if x.device.type == "cuda":
+            # all rows (a decode step's few): no device-side gather, so nothing waits for the indices to cross first
+            rows = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            rows.copy_(x, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(x.device))
+        else:
+            rows, ready = x, None
+        use_kernel = cache.host_kernel if cache.host_kernel is not None else x.device.type == "cuda"
+        # the worker thread runs under this thread's grad and inference modes (thread-local in torch)
+        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        pinned = x.device.type == "cuda"
+
+        def share():
+            if ready is not None:
+                ready.synchronize()
+            with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]):
+                out, kernel = host_routes(rows.index_select(0, host_tokens), host_sorted, fetched.host_ids, stacks,
+                                          fmt, run, situ_betas if use_kernel else None)
+                if pinned:  # the way back is then one queued copy
+                    out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out)
+            return out, kernel
+
+        self._job = cache.host_pool().submit(share)
+
+    def result(self) -> tuple[torch.Tensor, int]:
+        return self._job.result()
+
+
 def routed_split(cache, x, top_indices, top_weights, fetched, stacks, fmt, run, situ_betas):
     """The routed experts' output when `fetched` computes some chosen experts on the CPU (`fetched.host_ids`), with
     `cache` the model's ExpertCache: every route's expert output (`run(rows, indices [R, 1], unit weights, stacks)`, the
     module's own op over the compact device stacks; on the CPU the format's kernel over the host stacks' bytes, or `run`
     over a copy of the chosen experts), then weighted and summed in f32 in the order `ops_kimi_k3.routed_experts` sums
-    them (routes sorted by expert, stable), rounded once: a CPU model gives the reference's logits bit for bit. The
-    CPU's share runs on the cache's worker thread while this one computes the device's. `situ_betas`: the SiTU-GLU's
-    betas, None for another activation (the kernel is SiTU-only).
+    them (routes sorted by expert, stable), rounded once: a CPU model gives the reference's logits bit for bit.
+    `situ_betas`: the SiTU-GLU's betas, None for another activation (the kernel is SiTU-only).
 
-    On a GPU nothing here waits for the device: the split is worked out on the CPU from the routes `fetch` read
-    (`fetched.top_cpu`), its index vectors cross in one queued copy, the CPU's rows come back into pinned memory on an
-    event the worker thread waits for, and its outputs go out the same way; the device's share and the sums are queued
-    behind them."""
-    num_tokens, top_k = top_indices.shape
+    The CPU's share is `fetched.host_share` where the caller started it (the MoE block does, before it queues the
+    shared experts), else started here. On a GPU nothing here waits for the device but the CPU's share: the split's
+    index vectors cross in one queued copy, the CPU's outputs come back from pinned memory, the device's share and the
+    sums are queued behind them."""
+    share = fetched.host_share or HostShare(cache, x, fetched, stacks, fmt, run, situ_betas)
+    num_tokens = top_indices.shape[0]
     device = x.device
-    flat = fetched.top_cpu.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token_of = order // top_k
-    sorted_ids = flat[order]
-    on_host = torch.isin(sorted_ids, torch.tensor(fetched.host_ids, dtype=flat.dtype))
-    host_at, device_at = on_host.nonzero().squeeze(1), (~on_host).nonzero().squeeze(1)
-    host_sorted = sorted_ids[host_at]
-    local = torch.searchsorted(torch.tensor(fetched.ids, dtype=flat.dtype), sorted_ids[device_at])
-    pieces = (order, token_of, host_at, device_at, local)
+    pieces = (share.order, share.token_of, share.host_at, share.device_at, share.local)
     order_d, token_d, host_at_d, device_at_d, local_d = to_device(torch.cat(pieces), device).split(
         [piece.numel() for piece in pieces])
-    host_tokens = token_d.index_select(0, host_at_d)
-    if device.type == "cuda":
-        host_rows = torch.empty((host_at.numel(), x.shape[-1]), dtype=x.dtype, pin_memory=True)
-        host_rows.copy_(x.index_select(0, host_tokens), non_blocking=True)
-        rows_ready = torch.cuda.Event()
-        rows_ready.record(torch.cuda.current_stream(device))
-    else:
-        host_rows, rows_ready = x.index_select(0, host_tokens), None
-    use_kernel = cache.host_kernel if cache.host_kernel is not None else device.type == "cuda"
-    # the worker thread runs under this thread's grad and inference modes (thread-local in torch)
-    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-
-    def host_share():
-        if rows_ready is not None:
-            rows_ready.synchronize()
-        with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]):
-            return host_routes(host_rows, host_sorted, fetched.host_ids, stacks, fmt, run,
-                               situ_betas if use_kernel else None)
-
-    job = cache.host_pool().submit(host_share)
-    per_route = torch.empty((flat.numel(), x.shape[-1]), dtype=x.dtype, device=device)
-    if device_at.numel():
+    per_route = torch.empty((share.order.numel(), x.shape[-1]), dtype=x.dtype, device=device)
+    if share.device_at.numel():
         _, compact = fetched.wait()
         device_rows = x.index_select(0, token_d.index_select(0, device_at_d))
         per_route.index_copy_(0, device_at_d, run(device_rows, local_d.unsqueeze(-1),
-                                                   torch.ones((device_at.numel(), 1), device=device), compact))
-    host_out, kernel = job.result()
-    per_route.index_copy_(0, host_at_d, to_device(host_out, device))
-    cache.host_routes += host_at.numel()
+                                                   torch.ones((share.device_at.numel(), 1), device=device), compact))
+    host_out, kernel = share.result()
+    per_route.index_copy_(0, host_at_d, host_out.to(device, non_blocking=True))
+    cache.host_routes += share.host_at.numel()
     cache.kernel_calls += kernel
     weighted = per_route.float() * top_weights.reshape(-1).index_select(0, order_d).unsqueeze(-1).float()
     combined = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=device)
@@ -178,4 +197,4 @@ def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
                      host_flops=many * flops / many_tokens, measured=True)
 
 
-__all__ = ["HostRates", "host_routes", "measure_host_rates", "routed_split"]
+__all__ = ["HostRates", "HostShare", "host_routes", "measure_host_rates", "routed_split"]

@@ -696,11 +696,24 @@ class KimiK3Experts(nn.Module):
             # where they are (offload_kimi_k3.py)
             fetched = fetched if fetched is not None else self.fetch(top_indices, hidden_states.device)
             if fetched.host_ids:
-                situ = None if self.config.hidden_act == "silu" else self._situ_betas()
-                return self.offload.routed_split(hidden_states, top_indices, top_weights, fetched, stacks, fmt,
-                                                 lambda x, i, w, s: self._run(x, i, w, s, fmt), situ)
+                return self.offload.routed_split(hidden_states, top_indices, top_weights, fetched,
+                                                 *self._host_share_args())
             top_indices, stacks = fetched.wait()
         return self._run(hidden_states, top_indices, top_weights, stacks, fmt)
+
+    def start_host_share(self, hidden_states: torch.Tensor, fetched) -> None:
+        """Starts the CPU's share of `fetched` (its chosen experts computed on the CPU) over `hidden_states` on the
+        cache's worker thread, where `fetch` chose some; `forward` then only adds the device's share. The block calls
+        it before queueing its shared experts, so the CPU computes while the GPU does."""
+        # (an adapter on offloaded experts is refused by `forward`: nothing is started for it)
+        if fetched is not None and fetched.host_ids and not nn.utils.parametrize.is_parametrized(self):
+            self.offload.start_host_share(hidden_states, fetched, *self._host_share_args())
+
+    def _host_share_args(self):
+        # (host stacks, format, the module's op, SiTU betas or None): what the CPU's share runs
+        fmt = self.format
+        situ = None if self.config.hidden_act == "silu" else self._situ_betas()
+        return self.stacks(), fmt, lambda x, i, w, s: self._run(x, i, w, s, fmt), situ
 
     def _situ_betas(self):
         return self.config.activation_situ_beta, self.config.activation_situ_linear_beta
@@ -742,6 +755,8 @@ class KimiK3SparseMoeBlock(nn.Module):
         # (a wrapped expert module, such as peft's ParamWrapper of a LoRA on the stacks, is called as it is)
         fetched = self.experts.fetch(top_indices, flat.device) if isinstance(self.experts, KimiK3Experts) else None
         routed = self.routed_expert_down_proj(flat) if self.is_latent else flat
+        if fetched is not None:  # experts computed on the CPU start on its rows now, while the GPU goes on
+            self.experts.start_host_share(routed, fetched)
         shared = self.shared_experts(flat) if self.config.num_shared_experts else None
         # f32 under expert parallelism (the ranks' partial sums), rounded once here; the three-argument call is the
         # one transformers' expert-parallel dispatch wraps (no offload there)

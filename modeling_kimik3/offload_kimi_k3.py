@@ -30,7 +30,7 @@ from .files_kimi_k3 import (
     read_json,
     read_safetensors_header,
 )
-from .host_experts_kimi_k3 import HostRates, measure_host_rates, routed_split, to_device
+from .host_experts_kimi_k3 import HostRates, HostShare, measure_host_rates, routed_split, to_device
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
 EXPERTS_OFFLOAD_MODES = ("host", "disk")
@@ -202,7 +202,8 @@ class ExpertFetch:
     current stream wait for them, lets the cache keep its share of the moved experts, and returns what
     `ExpertCache.gather` returns. `host_ids`: the chosen experts this forward computes on the CPU instead (none
     copied; `routed_split`), in ascending id; `ids` / `chosen` are then the ones on the device. `top_cpu`: the
-    routes as read from the device once (`routed_split` works out its split from them without reading again)."""
+    routes as read from the device once (`routed_split` works out its split from them without reading again).
+    `host_share`: the CPU's share once started (`LayerOffload.start_host_share`)."""
 
     def __init__(self, cache, layer: int, chosen: torch.Tensor, ids: list[int], top_indices: torch.Tensor,
                  compact: tuple[torch.Tensor, ...], missed: list[int], event, host_ids: list[int],
@@ -210,6 +211,7 @@ class ExpertFetch:
         self.cache, self.layer, self.chosen, self.ids = cache, layer, chosen, ids
         self.top_indices, self.compact, self.missed, self.event = top_indices, compact, missed, event
         self.host_ids, self.top_cpu = list(host_ids), top_cpu
+        self.host_share = None
 
     def wait(self):
         if self.event is not None:
@@ -308,7 +310,6 @@ class ExpertCache:
         chosen_cpu = per_expert.nonzero().squeeze(1)  # ascending
         route_counts = per_expert[chosen_cpu]
         ids = chosen_cpu.tolist()
-        chosen = to_device(chosen_cpu.to(top_indices.dtype), top_indices.device)
         counts = self.routes.get(layer, torch.zeros(0, dtype=torch.int64))
         if ids and ids[-1] >= counts.numel():  # grown to the largest id seen
             counts = torch.cat([counts, counts.new_zeros(ids[-1] + 1 - counts.numel())])
@@ -320,8 +321,8 @@ class ExpertCache:
         if parts is None and self._on_host(len(absent), sum(c for _, c in absent), flops_per_route):
             host_ids = [expert for expert, _ in absent]
             ids = [expert for expert in ids if expert in entries]
-            chosen = to_device(torch.tensor(ids, dtype=chosen.dtype), chosen.device)
             self.host_experts += len(host_ids)
+        chosen = to_device(torch.tensor(ids, dtype=top_indices.dtype), top_indices.device)
         shapes = parts.shapes() if parts is not None else [(tuple(stack.shape[1:]), stack.dtype) for stack in source]
         compact = tuple(torch.empty((len(ids), *shape), dtype=dtype, device=device) for shape, dtype in shapes)
         missed = []
@@ -401,6 +402,11 @@ class LayerOffload:
     def fetch(self, top_indices, stacks, device) -> ExpertFetch:
         return self.cache.fetch(self.layer, top_indices, stacks if self.parts is None else self.parts, device,
                                 self.flops_per_route)
+
+    def start_host_share(self, x, fetched: ExpertFetch, stacks, fmt, run, situ_betas) -> None:
+        """Starts the CPU's share of `fetched` over the rows `x` (host_experts_kimi_k3.HostShare), once."""
+        if fetched.host_ids and fetched.host_share is None:
+            fetched.host_share = HostShare(self.cache, x, fetched, stacks, fmt, run, situ_betas)
 
     def routed_split(self, x, top_indices, top_weights, fetched: ExpertFetch, stacks, fmt, run, situ_betas):
         """The layer's routed experts when `fetched` computes some on the CPU (host_experts_kimi_k3.routed_split)."""
