@@ -16,7 +16,7 @@ the CPU, the format's kernel over the packed bytes; decode only, a long chunk's 
 minutes) and "auto" (per forward, whichever the rates measured at the start say is faster), decode and prefill;
 `--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times the CPU route's
 stages per MoE layer (the whole route, the CPU's share, the waits before and after it) and section `profile` writes torch's
-profiler table of a few such steps at batch 1 (`--profile-out`). The `host_experts` rows time one MoE layer's share of
+profiler table of a few such steps at batch 1 (`--profile-out`; `--profile-trace` for their timeline). The `host_experts` rows time one MoE layer's share of
 a decode step on the CPU alone (the kernel, and the reference it replaces) against moving the same experts, with the host's measured DRAM
 read bandwidth and the kernel's fraction of it.
 
@@ -27,6 +27,7 @@ every section is also printed as it ends.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -55,9 +56,9 @@ def h2d_bytes_per_s(num_bytes=1 << 30, repeats=5):
     return num_bytes / times[len(times) // 2]
 
 
-def decode(model, batch, context, steps, cache_stats=None):
+def decode(model, batch, context, steps, cache_stats=None, around_steps=contextlib.nullcontext):
     """ms per eager decode step (median of the steps after the first 2) and, with the offload, what the expert cache
-    did over the timed steps."""
+    did over the timed steps. `around_steps()`: a context the steps run in (not the prompt: a profiler's)."""
     from kimik3.modeling.cache_kimi_k3 import KimiK3Cache
 
     ids = torch.randint(3, model.config.vocab_size - 1, (batch, context), device="cuda")
@@ -72,15 +73,16 @@ def decode(model, batch, context, steps, cache_stats=None):
             experts_cache.compute = compute
         token = logits[:, -1:].argmax(-1)
         times, before = [], None
-        for step in range(steps):
-            if step == 2 and cache_stats is not None:
-                before = cache_stats()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
-            token = logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        with around_steps():
+            for step in range(steps):
+                if step == 2 and cache_stats is not None:
+                    before = cache_stats()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+                token = logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
     steady = sorted(times[2:])
     out = {"batch": batch, "context": context, "steps_timed": len(steady),
            "ms_per_step": round(steady[len(steady) // 2] * 1e3, 3), "tokens_per_s": round(batch / steady[len(steady)
@@ -203,21 +205,24 @@ def split_timings(model, cache, moe_layers, batch, context, steps):
     return row
 
 
-def profile_table(model, cache, context, steps=4, rows=40):
+def profile_table(model, cache, context, steps=4, rows=40, trace=None):
     """torch.profiler's table (CPU and CUDA self-time, the top `rows` ops) of `steps` batch-1 decode steps under
-    `experts_compute="host"`, after the same warm-up as `decode`: where the CPU route's time goes that the stage
-    timings do not name (synchronisations, copies, the device idle while the CPU computes)."""
+    `experts_compute="host"` (the steps alone, not the prompt), after the same warm-up as `decode`: where the CPU
+    route's time goes that the stage timings do not name (synchronisations, copies, the device idle while the CPU
+    computes). `trace`: a path for the steps' Chrome trace too (every thread's and the GPU's timeline)."""
     from torch.profiler import ProfilerActivity, profile
 
     cache.compute, cache.side_stream = "host", True
     cache.clear()
     decode(model, 1, context, 4)  # warm the cache and the kernel
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            decode(model, 1, context, steps)
+        decode(model, 1, context, steps, around_steps=lambda: profiler)
     finally:
         cache.compute = "device"
-    averages = prof.key_averages()
+    if trace:
+        profiler.export_chrome_trace(trace)
+    averages = profiler.key_averages()
     return "\n\n".join(averages.table(sort_by=key, row_limit=rows)
                         for key in ("self_cpu_time_total", "self_cuda_time_total"))
 
@@ -249,6 +254,7 @@ def main():
                         help="comma-separated thread counts of the host kernel (KIMIK3_HOST_THREADS) to decode with "
                              "under experts_compute='host', after the host section (e.g. 16,15,12)")
     parser.add_argument("--profile-out", default="bench_offload_profile.txt")
+    parser.add_argument("--profile-trace", default="", help="also write the profiled steps' Chrome trace here")
     parser.add_argument("--sections", default="gpu,offload,host,accelerate",
                         help="which to run, comma-separated: gpu (the slice on the GPU), offload (copies on the copy "
                              "stream), one_stream (copies on the compute stream), host "
@@ -348,7 +354,7 @@ def main():
             emit(f"split.decode_b{batch}", split_timings(model, cache, len(experts), batch, args.context,
                                                           args.steps))
     if "profile" in sections:
-        Path(args.profile_out).write_text(profile_table(model, cache, args.context))
+        Path(args.profile_out).write_text(profile_table(model, cache, args.context, trace=args.profile_trace))
         emit("profile", {"written": args.profile_out})
     for threads in [int(t) for t in args.host_threads.split(",") if t]:
         os.environ["KIMIK3_HOST_THREADS"] = str(threads)
