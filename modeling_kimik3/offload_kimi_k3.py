@@ -198,22 +198,30 @@ def _runs(positions: list[int], ids: list[int]) -> list[tuple[int, int, int]]:
 
 class ExpertFetch:
     """The chosen experts of one layer's forward on their way to the device: `ExpertCache.fetch` has issued the
-    copies (on the cache's copy stream on a GPU, so the work that does not need them runs meanwhile); `wait` makes the
-    current stream wait for them, lets the cache keep its share of the moved experts, and returns what
-    `ExpertCache.gather` returns. `host_ids`: the chosen experts this forward computes on the CPU instead (none
-    copied; `routed_split`), in ascending id; `ids` / `chosen` are then the ones on the device. `top_cpu`: the
-    routes as read from the device once (`routed_split` works out its split from them without reading again).
-    `host_share`: the CPU's share once started (`LayerOffload.start_host_share`)."""
+    copies of the missed ones (on the cache's copy stream on a GPU, so the work that does not need them runs
+    meanwhile); `wait` adds the held ones (device to device, on the current stream), makes the current stream wait for
+    the copies, lets the cache keep its share of the moved experts, and returns what `ExpertCache.gather` returns.
+    The held experts' copies and the chosen ids' crossing wait for `wait` so that nothing the device's share alone
+    needs delays what starts before it (the copies of the missed experts, the CPU's share). `host_ids`: the chosen
+    experts this forward computes on the CPU instead (none copied; `routed_split`), in ascending id; `ids` are then
+    the ones on the device. `top_cpu`: the routes as read from the device once (`routed_split` works out its split
+    from them without reading again). `host_share`: the CPU's share once started (`LayerOffload.start_host_share`)."""
 
-    def __init__(self, cache, layer: int, chosen: torch.Tensor, ids: list[int], top_indices: torch.Tensor,
-                 compact: tuple[torch.Tensor, ...], missed: list[int], event, host_ids: list[int],
-                 top_cpu: torch.Tensor):
-        self.cache, self.layer, self.chosen, self.ids = cache, layer, chosen, ids
-        self.top_indices, self.compact, self.missed, self.event = top_indices, compact, missed, event
+    def __init__(self, cache, layer: int, ids: list[int], top_indices: torch.Tensor,
+                 compact: tuple[torch.Tensor, ...] | None, held: list[tuple[int, tuple]], missed: list[int], event,
+                 host_ids: list[int], top_cpu: torch.Tensor):
+        self.cache, self.layer, self.ids, self.top_indices = cache, layer, ids, top_indices
+        self.compact, self.held, self.missed, self.event = compact, held, missed, event
         self.host_ids, self.top_cpu = list(host_ids), top_cpu
         self.host_share = None
 
     def wait(self):
+        if self.compact is None:  # every chosen expert held: each compact stack is one stack of the held pieces
+            self.compact = tuple(torch.stack(pieces) for pieces in zip(*(held for _, held in self.held)))
+        else:
+            for position, held in self.held:
+                for out, piece in zip(self.compact, held):
+                    out[position].copy_(piece)
         if self.event is not None:
             torch.cuda.current_stream(self.compact[0].device).wait_event(self.event)
         # the moved experts the cache keeps: their own copies of the compact rows, on the current stream
@@ -221,7 +229,8 @@ class ExpertFetch:
         for position in self.missed:
             self.cache._keep(self.layer, self.ids[position], tuple(stack[position].clone() for stack in self.compact),
                              wanted)
-        return torch.searchsorted(self.chosen, self.top_indices), self.compact
+        chosen = to_device(torch.tensor(self.ids, dtype=self.top_indices.dtype), self.top_indices.device)
+        return torch.searchsorted(chosen, self.top_indices), self.compact
 
 
 class ExpertCache:
@@ -299,11 +308,11 @@ class ExpertCache:
 
     def fetch(self, layer: int, top_indices: torch.Tensor, source, device: torch.device,
               flops_per_route: float = 0.0) -> ExpertFetch:
-        """`gather`'s copies issued, not yet waited for (`ExpertFetch.wait`). The compact stacks are allocated on the
-        current stream and the held experts copied into them there (device to device); the missed ones are copied
-        from the host on the copy stream, one copy per run of consecutive ids and stack, once the copy stream has
-        waited for the current one (the stacks' memory is the current stream's), unless this forward computes them
-        on the CPU (`compute`; the release's per-expert parts are always copied)."""
+        """`gather`'s copies issued, not yet waited for (`ExpertFetch.wait`). With experts to move, the compact stacks
+        are allocated on the current stream and the missed experts copied into them from the host on the copy stream,
+        one copy per run of consecutive ids and stack, once the copy stream has waited for the current one (the
+        stacks' memory is the current stream's), unless this forward computes them on the CPU (`compute`; the
+        release's per-expert parts are always copied); the held ones are added by `wait`."""
         # the forward's one read of its routes from the device: what is chosen, and how often, is counted here
         top_cpu = top_indices.to("cpu")
         per_expert = torch.bincount(top_cpu.reshape(-1).long())
@@ -322,19 +331,20 @@ class ExpertCache:
             host_ids = [expert for expert, _ in absent]
             ids = [expert for expert in ids if expert in entries]
             self.host_experts += len(host_ids)
-        chosen = to_device(torch.tensor(ids, dtype=top_indices.dtype), top_indices.device)
-        shapes = parts.shapes() if parts is not None else [(tuple(stack.shape[1:]), stack.dtype) for stack in source]
-        compact = tuple(torch.empty((len(ids), *shape), dtype=dtype, device=device) for shape, dtype in shapes)
-        missed = []
+        held, missed = [], []
         for position, expert in enumerate(ids):
-            held = entries.get(expert)
-            if held is None:
+            pieces = entries.get(expert)
+            if pieces is None:
                 missed.append(position)
                 continue
             entries.move_to_end(expert)
             self.hits += 1
-            for out, piece in zip(compact, held):
-                out[position].copy_(piece)
+            held.append((position, pieces))
+        compact = None
+        if missed or not held:
+            shapes = parts.shapes() if parts is not None else [(tuple(stack.shape[1:]), stack.dtype)
+                                                                for stack in source]
+            compact = tuple(torch.empty((len(ids), *shape), dtype=dtype, device=device) for shape, dtype in shapes)
         event = None
         if missed:
             stream = self._copy_stream(device)
@@ -355,7 +365,7 @@ class ExpertCache:
                     event.record(stream)
             self.moves += len(missed)
             self.moved_bytes += len(missed) * self.bytes_per_expert
-        return ExpertFetch(self, layer, chosen, ids, top_indices, compact, missed, event, host_ids, top_cpu)
+        return ExpertFetch(self, layer, ids, top_indices, compact, held, missed, event, host_ids, top_cpu)
 
     def place(self, layer: int, experts: list[int], source, device: torch.device) -> None:
         """Keeps `experts` of `layer` on `device` for good: copied now from `source` (the layer's stacks), never
