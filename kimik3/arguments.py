@@ -94,9 +94,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory for stored prompts (MLA latents and KDA snapshots at 512-token blocks) that "
                              "later prompts start from; least recently used out; 0 turns it off (default 1 GiB)")
     parser.add_argument("--max-cache-bytes", type=positive_int, default=None,
-                        help="a byte budget for the running sequences' caches, each counted at prompt + max_tokens "
-                             "(MLA latents, KDA states); a request beyond it is refused with HTTP 429 (default: none, "
-                             "--max-requests alone)")
+                        help="a byte budget for the running sequences' caches: the KDA states of --max-requests "
+                             "sequences, the rest a fixed pool of MLA latent pages; prompts wait for pages, and a "
+                             "decode step that finds none preempts the sequence that arrived last (recomputed later); "
+                             "a sequence the pool could never hold at prompt + max_tokens is a 400 (default: none, a "
+                             "pool that grows)")
+    parser.add_argument("--block-size", type=positive_int, default=64,
+                        help="tokens a page of MLA latents holds in the running batch's pool (default 64)")
     parser.add_argument("--experts-offload", choices=["host", "disk"], default=None,
                         help="the load option experts_offload: routed experts kept in host memory or on disk")
     parser.add_argument("--experts-cache-bytes", type=experts_cache_bytes, default=None,

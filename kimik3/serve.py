@@ -3,13 +3,15 @@ loads (docs/design.md, Serving). FastAPI and uvicorn, the web stack `transformer
 `/v1/chat/completions` (streaming and not), `/v1/completions`, `/v1/models` and `/health`.
 
 One engine thread runs steps (`Engine`): each prompt is read in `--prefill-chunk` pieces on its own cache, one piece a
-step, and every request past its prompt advances by one token in one batched decode forward over a joined cache
-(`KimiK3Cache.join`); requests join the batch when their prompt is read and leave when they finish or their client
-goes away. A greedy request's tokens are those of `generate()` on it alone. Prompts start from the prefix store where
-an earlier prompt or a 512-token block of one matches. Requests beyond `--max-requests` or `--max-cache-bytes` are
-refused with HTTP 429 by name. The K3 chat format (kimik3.chat_format) renders messages, tools, `tool_choice` and
-`reasoning_effort` to ids (message text never becomes a control token), and the reply is split into
-`reasoning_content`, `content` and `tool_calls` (`Reply`)."""
+step, and every request past its prompt advances by one token in one batched decode forward over a paged cache
+(`KimiK3PagedCache`: MLA latents in pages of `--block-size` tokens, read through each row's block table); requests
+join the batch when their prompt is read and leave when they finish or their client goes away. A greedy request's
+tokens are those of `generate()` on it alone. Prompts start from the prefix store where an earlier prompt or a
+512-token block of one matches. Requests beyond `--max-requests` are refused with HTTP 429 by name; under
+`--max-cache-bytes` prompts wait for pages, and a decode step that finds none preempts the sequence that arrived last
+(recomputed later from its prompt and the tokens it produced). The K3 chat format (kimik3.chat_format) renders
+messages, tools, `tool_choice` and `reasoning_effort` to ids (message text never becomes a control token), and the
+reply is split into `reasoning_content`, `content` and `tool_calls` (`Reply`)."""
 
 import argparse
 import asyncio
@@ -77,9 +79,18 @@ class Job:
         self.images: dict | None = None  # the prompt's images (pixel_values, grid_thws): read in one forward
         self.images_read = False  # by a forward, or standing in a prefix the store gave back
         self.store_key: list[int] | None = None  # what the prefix store knows the prompt by (`Engine._store_key`)
+        self.pages = 0  # pool pages set aside for its cache while it reads (under --max-cache-bytes)
+        # after a preemption: the prompt and the tokens produced but its last (whose latents the batch held); read
+        # again like a prompt, then the job rejoins the batch and its last token is decoded
+        self.resume_ids: list[int] | None = None
         self.generator = None
         if sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed + index)
+
+    @property
+    def read_ids(self) -> list[int]:
+        """What the job's cache must hold before it joins the batch: its prompt, or what a preemption took."""
+        return self.prompt_ids if self.resume_ids is None else self.resume_ids
 
     def post(self, item) -> None:
         if self.loop is None:  # a job mirrored on another rank has no client
@@ -190,16 +201,18 @@ class Replicas:
 class Engine:
     """The scheduler: one thread runs steps. A step gives every job still reading its prompt one chunk (alone, on
     its own cache: a long prompt never holds up the others' decode), then one batched decode forward for every job
-    past its prompt, their rows joined in one cache (`KimiK3Cache.join`: MLA latents left-padded, KDA states and
-    conv windows stacked). Jobs join the batch at the step after their prompt ends and leave at the step they finish
-    or their client goes away; only then is the batch regrouped (`split`, then `join` of the rows that stay and the
-    ones that come). With a prefix store (`prefix_cache_bytes`), a prompt starts from the longest stored prefix at
-    a 512-token block or a whole earlier prompt (KDA snapshots written during prefill), and every prompt is stored
-    when read."""
+    past its prompt, their rows in one paged cache (`KimiK3PagedCache`: MLA latents in pages of `block_size` tokens
+    through a block table per row, KDA states and conv windows stacked per row). Jobs join the batch at the step
+    after their prompt ends (their latents written into pages once) and leave at the step they finish or their client
+    goes away (their pages freed, nothing copied for the others). With `max_cache_bytes` the pool is fixed: a prompt
+    starts reading only when the pages its cache will take are free, and a decode step that finds too few free pages
+    preempts the sequence that arrived last (`_make_room`). With a prefix store (`prefix_cache_bytes`), a prompt
+    starts from the longest stored prefix at a 512-token block or a whole earlier prompt (KDA snapshots written
+    during prefill), and every prompt is stored when read."""
 
     def __init__(self, model, tokenizer, max_requests: int = 16, prefill_chunk: int = 512,
                  max_context: int | None = None, prefix_cache_bytes: int | None = 1 << 30,
-                 max_cache_bytes: int | None = None):
+                 max_cache_bytes: int | None = None, block_size: int = 64):
         # the model's own code (a folder loaded with trust_remote_code runs its copy): its cache and prefix store,
         # through the text model's module (a folder with a vision tower loads the multimodal one, which imports it)
         package = type(model).__module__.rpartition(".")[0]
@@ -217,15 +230,18 @@ class Engine:
         self.prefix_cache_bytes = prefix_cache_bytes
         self.max_cache_bytes = max_cache_bytes
         self.dtype_bytes = model.get_input_embeddings().weight.element_size()
+        self.block_size = block_size
+        self.paged = self.cache_code.KimiK3PagedCache(self.text_config, block_size=block_size,
+                                                      num_pages=self._pool_pages(max_cache_bytes, max_requests))
         self.queue: deque[Job] = deque()
-        self.reading: list[Job] = []  # prefilling, alone
-        self.batch: list[Job] = []  # the rows of `joined`, in order
-        self.joined, self.key_mask = None, None
+        self.reading: list[Job] = []  # prefilling, alone (a preempted job again, first in line)
+        self.batch: list[Job] = []  # the rows of `paged`, in order
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopped = False
         self.stats = {"steps": 0, "decode_forwards": 0, "rows_decoded": 0, "prefill_forwards": 0,
-                      "prompt_tokens_computed": 0, "prompt_tokens_reused": 0, "regroups": 0}
+                      "prompt_tokens_computed": 0, "prompt_tokens_reused": 0, "regroups": 0, "preemptions": 0,
+                      "tokens_recomputed": 0, "latent_bytes_copied": 0, "pages_held": 0}
         # Under tensor parallelism (torchrun, a model loaded with a tp_plan) every rank runs this engine, since every
         # forward is a collective: rank 0 (the leader) takes the requests and samples, and at each step start tells
         # the other ranks which jobs came and which were cancelled, and after each forward the token each job drew
@@ -237,19 +253,39 @@ class Engine:
         self.thread = threading.Thread(target=self._loop, name="kimik3-serve-engine", daemon=True)
         self.thread.start()
 
-    def cache_bytes(self, job: Job) -> int:
-        """What the job's cache holds at its longest (prompt + max_tokens: MLA latents, KDA states and windows)."""
-        tokens = len(job.prompt_ids) + job.sampling.max_tokens
-        return self.cache_code.analytic_cache_bytes(self.text_config, tokens, dtype_bytes=self.dtype_bytes)["total"]
+    def _pool_pages(self, max_cache_bytes: int | None, max_requests: int) -> int | None:
+        """The pool's pages under a byte budget (None: no budget, a pool that grows): what the budget leaves after
+        the KDA states and conv windows of `max_requests` sequences (fixed-size, one set a sequence), in pages of
+        `block_size` tokens over every MLA layer, less the pool's zero page."""
+        size = self.block_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"block_size={size!r} (--block-size) must be a whole number of tokens >= 1")
+        if max_cache_bytes is None:
+            return None
+        page = self.cache_code.paged_page_bytes(self.text_config, size, self.dtype_bytes)
+        states = max_requests * self.cache_code.snapshot_bytes(self.text_config, dtype_bytes=self.dtype_bytes)
+        if max_cache_bytes < states + 2 * page:
+            raise ValueError(f"max_cache_bytes={max_cache_bytes:,} (--max-cache-bytes) holds no page: the KDA states "
+                             f"of {max_requests} sequences (--max-requests) take {states:,} bytes, and a page of "
+                             f"{size} tokens (--block-size) over the MLA layers {page:,} (one page, and the zero page "
+                             f"that padding reads); give at least {states + 2 * page:,}")
+        return (max_cache_bytes - states) // page - 1  # the pool's zero page counts too
+
+    def pages_at_longest(self, job: Job) -> int:
+        """The pages a job's row holds at its longest (prompt + max_tokens)."""
+        return self.cache_code.pages_for(len(job.prompt_ids) + job.sampling.max_tokens, self.block_size)
 
     def submit(self, jobs: list[Job]) -> None:
         if self.stopped or not self.thread.is_alive():
             raise ServeError(503, "the server's engine is not running; restart the server", kind="server_error")
-        asked = sum(self.cache_bytes(job) for job in jobs) if self.max_cache_bytes else 0
-        if asked > (self.max_cache_bytes or asked):
-            raise ServeError(400, f"the request's caches would hold {asked:,} bytes at prompt + max_tokens, more than "
-                                  f"the server's {self.max_cache_bytes:,} (--max-cache-bytes): lower max_tokens or n",
-                             "max_tokens")
+        pool = self.paged.num_pages
+        longest = max(self.pages_at_longest(job) for job in jobs)
+        if pool is not None and longest > pool:
+            page = self.cache_code.paged_page_bytes(self.text_config, self.block_size, self.dtype_bytes)
+            raise ServeError(400, f"a sequence of this request would hold {longest * page:,} bytes of MLA latents at "
+                                  f"prompt + max_tokens ({longest} pages of {self.block_size} tokens), more than the "
+                                  f"server's pool of {pool * page:,} ({pool} pages; --max-cache-bytes): lower "
+                                  "max_tokens", "max_tokens")
         with self.lock:
             live = [*self.queue, *self.reading, *self.batch]
             busy = len(live)
@@ -257,11 +293,6 @@ class Engine:
                 raise ServeError(429, f"the server is at capacity: {busy} sequences running or queued, "
                                       f"{len(jobs)} more asked, at most {self.max_requests} (--max-requests); retry "
                                       "later", kind="rate_limit_exceeded")
-            held = sum(self.cache_bytes(job) for job in live if not job.done) if self.max_cache_bytes else 0
-            if self.max_cache_bytes and held + asked > self.max_cache_bytes:
-                raise ServeError(429, f"the server's caches are full: the running sequences may hold {held:,} bytes, "
-                                      f"this request {asked:,} more, at most {self.max_cache_bytes:,} "
-                                      "(--max-cache-bytes); retry later", kind="rate_limit_exceeded")
             for job in jobs:
                 job.key, self.next_key = self.next_key, self.next_key + 1
             self.queue.extend(jobs)
@@ -287,13 +318,15 @@ class Engine:
                 self._read_prompts()
                 self._decode()
             except Exception as error:  # noqa: BLE001 - the batch's requests get it by name, the server goes on
-                # the joined cache is in an unknown state after a failed forward or regroup: its rows end
+                # the paged cache is in an unknown state after a failed forward or regroup: its rows end
                 for job in self.batch:
                     self._fail(job, error)
                     job.post(None)
                     self._forget(job)
-                self.batch, self.joined, self.key_mask = [], None, None
+                self.batch = []
+                self.paged.reset()
             self.stats["steps"] += 1
+            self.stats["pages_held"] = self.paged.pages_held
 
     def _begin_step(self) -> bool:
         """The jobs that came and those whose clients cancelled them, taken in at a step's start (the leader's from its
@@ -334,10 +367,12 @@ class Engine:
     @torch.no_grad()
     def _read_prompts(self) -> None:
         ready = []  # prompts read, or jobs that ended while reading (went away, failed, ended at their first token)
+        self._set_pages_aside()
         together = self._read_together()
         for job in list(self.reading):
             try:
-                read = not job.done and (self._prompt_read(job) if job in together else self._read(job))
+                read = not job.done and self._may_read(job) and \
+                    (self._prompt_read(job) if job in together else self._read(job))
             except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
                 self._fail(job, error)
                 read = False
@@ -348,6 +383,7 @@ class Engine:
                 self.reading.remove(job)
         for job in ready:
             job.cache_after_prompt = None  # twins read in the same pass as their source, after it
+            job.pages = 0  # what it set aside its row takes now (or it ended)
             if job.done:
                 job.cache = None
                 job.post(None)
@@ -361,7 +397,9 @@ class Engine:
             source = job.twin
             if source.last_logits is None and not source.done:
                 return False  # its source still reads the prompt
-            if source.last_logits is None:  # the source failed or went away before its prompt ended
+            if source.cache_after_prompt is None:
+                # the source failed or went away before its prompt ended, or read it at a step this job could not
+                # (no pages free then): it reads the prompt itself
                 job.twin = None
                 return False
             job.cache = source.cache_after_prompt.copy_prefix(len(job.prompt_ids))
@@ -370,20 +408,23 @@ class Engine:
             return True
         if job.cache is None:
             self._start(job)
-        end = min(len(job.prompt_ids), job.prefilled + self.prefill_chunk)
+        ids = job.read_ids
+        end = min(len(ids), job.prefilled + self.prefill_chunk)
         extra = {}
         if job.images is not None and not job.images_read:
             # the images run in the prompt's first forward, which reaches past their placeholder rows
             end = max(end, self._image_runs(job)[-1][1])
             extra = {key: value.to(self.device) for key, value in job.images.items()}
             job.images_read = True
-        ids = torch.tensor([job.prompt_ids[job.prefilled:end]], device=self.device)
-        out = self.model(input_ids=ids, past_key_values=job.cache, use_cache=True, logits_to_keep=1, **extra)
-        self.stats["prompt_tokens_computed"] += end - job.prefilled
+        chunk = torch.tensor([ids[job.prefilled:end]], device=self.device)
+        out = self.model(input_ids=chunk, past_key_values=job.cache, use_cache=True, logits_to_keep=1, **extra)
+        self.stats["tokens_recomputed" if job.resume_ids else "prompt_tokens_computed"] += end - job.prefilled
         self.stats["prefill_forwards"] += 1
         job.prefilled = end
-        if end < len(job.prompt_ids):
+        if end < len(ids):
             return False
+        if job.resume_ids is not None:
+            return True  # it rejoins the batch, which decodes its last token: nothing is sampled here
         job.last_logits = out.logits[0, -1].float()
         return self._prompt_read(job)
 
@@ -399,7 +440,7 @@ class Engine:
         longest = self.prefill_chunk if self.store is None else min(self.prefill_chunk, self.store.block_size)
         for job in self.reading:
             if job.done or job.cache is not None or job.twin is not None or job.images is not None or \
-                    len(job.prompt_ids) > longest:
+                    job.resume_ids is not None or not self._may_read(job) or len(job.prompt_ids) > longest:
                 continue
             try:
                 self._start(job)  # a stored prefix: it goes on alone, from there
@@ -488,7 +529,10 @@ class Engine:
 
     def _start(self, job: Job) -> None:
         if self.store is not None:
-            tokens, cache = self.store.lookup(self._store_key(job))
+            key = self._store_key(job)
+            if job.resume_ids is not None:  # the prompt (stored when first read) and the tokens it produced
+                key = key + job.resume_ids[len(job.prompt_ids):]
+            tokens, cache = self.store.lookup(key)
             if cache is not None and job.images is not None:
                 if self._holds_images(job, tokens, cache):
                     job.images_read = True  # the images stand in the stored state
@@ -497,8 +541,11 @@ class Engine:
             if cache is not None:
                 # the cache stands for `tokens`; those after its nearest KDA snapshot run with the first chunk
                 job.cache, job.prefilled = cache, tokens
+                self.stats["prompt_tokens_reused"] += tokens - cache.pending_tokens
+                if job.resume_ids is not None:
+                    self.stats["tokens_recomputed"] += cache.pending_tokens
+                    return  # its usage keeps what its first read reused
                 job.cached_tokens = tokens - cache.pending_tokens
-                self.stats["prompt_tokens_reused"] += job.cached_tokens
                 self.stats["prompt_tokens_computed"] += cache.pending_tokens
                 return
             # KDA snapshots at the store's block ends: a hit at any block restores the state there
@@ -508,32 +555,84 @@ class Engine:
             job.cache = self.code.KimiK3Cache(self.text_config)
 
     def _regroup(self, add: list[Job] = ()) -> None:
-        """The batch's rows after jobs left (done) or came (`add`, their caches holding their prompts)."""
-        rows = self.joined.split(self.key_mask) if self.joined is not None else [job.cache for job in self.batch]
-        kept = [(job, row) for job, row in zip(self.batch, rows) if not job.done]
+        """The batch's rows after jobs left (done: their pages freed) or came (`add`, their caches holding what they
+        read: written into pages once)."""
+        gone = [row for row, job in enumerate(self.batch) if job.done]
         for job in self.batch:
             if job.done:
                 job.post(None)  # its stream ends; its row is gone
                 self._forget(job)
-        kept += [(job, job.cache) for job in add]
-        for job, _ in kept:
-            job.cache = None
-        # the batch first: if the join fails, the loop ends these jobs by name (none is left waiting)
-        self.batch, self.joined, self.key_mask = [job for job, _ in kept], None, None
-        if kept:
-            self.joined, self.key_mask = self.code.KimiK3Cache.join([row for _, row in kept])
+        # the batch first: if adding rows fails, the loop ends these jobs by name (none is left waiting)
+        self.batch = [job for job in self.batch if not job.done] + list(add)
+        self.paged.remove_rows(gone)
+        copied = self.paged.latent_bytes_copied
+        caches = [job.cache for job in add]
+        for job in add:
+            job.cache, job.resume_ids = None, None
+        self.paged.add_rows(caches)
+        self.stats["latent_bytes_copied"] += self.paged.latent_bytes_copied - copied
         self.stats["regroups"] += 1
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The pool under --max-cache-bytes: pages set aside for prompts being read, preemption when a step finds none
+    def _may_read(self, job: Job) -> bool:
+        return self.paged.num_pages is None or job.pages > 0
+
+    def _pages_aside(self) -> int:
+        return sum(job.pages for job in self.reading if not job.done)
+
+    def _set_pages_aside(self) -> None:
+        """Jobs that have not started reading start, in line (a preempted job first, then by arrival), while the
+        pages their caches will take when they join are free beside those set aside for the others and those the
+        batch's next step takes; the first that does not fit waits, and those after it with it (a long prompt is not
+        passed over for ever)."""
+        if self.paged.num_pages is None:
+            return
+        # the batch's next step keeps its pages: a prompt that took them would be the first preempted
+        free = self.paged.free_pages - self._pages_aside() - self.paged.pages_needed(1)
+        for job in self.reading:
+            if job.done or job.pages:
+                continue
+            wanted = self.cache_code.pages_for(len(job.read_ids), self.block_size)
+            if wanted > free:
+                return
+            job.pages, free = wanted, free - wanted
+
+    def _make_room(self) -> None:
+        """Before a decode step under a fixed pool: while the batch's next tokens need more pages than are free
+        beside those set aside, the sequence that arrived last among those holding pages or having pages set aside
+        gives them up (`_preempt`). The one that arrived first is never preempted while another holds pages, and
+        fits alone (`submit` refuses a sequence the pool could never hold), so every sequence ends."""
+        if self.paged.num_pages is None:
+            return
+        while self.batch and self.paged.pages_needed(1) > self.paged.free_pages - self._pages_aside():
+            holders = [*self.batch, *(job for job in self.reading if job.pages and not job.done)]
+            self._preempt(max(holders, key=lambda job: job.key))
+
+    def _preempt(self, job: Job) -> None:
+        """The job's pages (or those set aside for it) go back to the pool. A job in the batch is read again from its
+        prompt and the tokens it produced (from the prefix store's longest match, which holds its prompt), then
+        rejoins and goes on: its client sees the tokens it would have seen."""
+        if job in self.batch:
+            row = self.batch.index(job)
+            self.paged.remove_rows([row])
+            self.batch.pop(row)
+            job.resume_ids = job.prompt_ids + job.new_ids[:-1]
+            with self.lock:
+                self.reading.insert(0, job)
+        job.cache, job.prefilled, job.pages, job.twin, job.images_read = None, 0, 0, None, False
+        self.stats["preemptions"] += 1
 
     @torch.no_grad()
     def _decode(self) -> None:
         if any(job.done for job in self.batch):
             self._regroup()
+        self._make_room()
         if not self.batch:
             return
         ids = torch.tensor([[job.new_ids[-1]] for job in self.batch], device=self.device)
-        mask = torch.cat([self.key_mask, self.key_mask.new_ones(len(self.batch), 1)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=mask.long(), past_key_values=self.joined, use_cache=True)
-        self.key_mask = mask
+        mask = self.paged.attention_mask(1).to(self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, past_key_values=self.paged, use_cache=True)
         self.stats["decode_forwards"] += 1
         self.stats["rows_decoded"] += len(self.batch)
         for job, logits in zip(self.batch, out.logits[:, -1].float()):
@@ -1045,7 +1144,8 @@ def tensor_parallel_options(plan: str) -> dict:
 
 def make_app(directory, model_name: str | None = None, max_requests: int = 16, prefill_chunk: int = 512,
              max_context: int | None = None, default_max_tokens: int = 256, prefix_cache_bytes: int | None = 1 << 30,
-             max_cache_bytes: int | None = None, device: str | None = None, **load_options):
+             max_cache_bytes: int | None = None, device: str | None = None, block_size: int = 64,
+             **load_options):
     """(the FastAPI app, its engine) serving the folder `directory`, loaded as `kimik3 chat` loads it (the Auto
     classes with the folder's own code; `load_options` to `from_pretrained`)."""
     from kimik3.chat import load_chat
@@ -1057,7 +1157,7 @@ def make_app(directory, model_name: str | None = None, max_requests: int = 16, p
     if device:
         model.to(device)
     engine = Engine(model, tokenizer, max_requests=max_requests, prefill_chunk=prefill_chunk, max_context=max_context,
-                    prefix_cache_bytes=prefix_cache_bytes, max_cache_bytes=max_cache_bytes)
+                    prefix_cache_bytes=prefix_cache_bytes, max_cache_bytes=max_cache_bytes, block_size=block_size)
     processor, no_images = None, "this model has no vision tower"
     if getattr(model, "vision_tower", None) is not None:
         from kimik3.chat import ChatFolderError, check_vision_folder
@@ -1108,7 +1208,8 @@ def run(args) -> int:
         app, engine = make_app(args.directory, model_name=args.model_name, max_requests=args.max_requests,
                                prefill_chunk=args.prefill_chunk, max_context=args.max_model_len,
                                default_max_tokens=args.max_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
-                               max_cache_bytes=args.max_cache_bytes, experts_cache_bytes=args.experts_cache_bytes,
+                               max_cache_bytes=args.max_cache_bytes, block_size=args.block_size,
+                               experts_cache_bytes=args.experts_cache_bytes,
                                device=args.device, dtype=args.dtype, experts_offload=args.experts_offload,
                                experts_compute=args.experts_compute, tp_plan=args.tp_plan)
     except (ChatFolderError, ValueError, OSError) as error:  # a folder or load option refused by name

@@ -14,11 +14,13 @@
 """The hybrid Kimi K3 cache: compressed MLA latents + KDA conv windows and f32 recurrent states.
 
 Laid out like transformers' caches: a `Cache` holding one layer object per model layer, built from
-`config.layer_types`, in a growing (`KimiK3Cache`) and a static (`KimiK3StaticCache`) variant.
+`config.layer_types`, in a growing (`KimiK3Cache`) and a static (`KimiK3StaticCache`) variant, and a paged one for a
+server's running batch (`KimiK3PagedCache`: rows come and go between forwards).
 
 * `KimiK3LatentLayer` (MLA): `kv_lora_rank + qk_rope_head_dim` values per token (the normalised latent followed by
   the shared, unrotated k_pe), never expanded K/V. Appended per forward; `KimiK3StaticLatentLayer` preallocates
-  `max_cache_len` tokens and writes in place.
+  `max_cache_len` tokens and writes in place; `KimiK3PagedLatentLayer` is a pool of fixed-size pages that the paged
+  cache's block tables index (one table per row, the same for every MLA layer).
 * `KimiK3KDAStateLayer` (KDA): the last `K - 1` pre-conv inputs of q, k and v and the [H, Dk, Dv] f32 state.
   Replaced per forward; `KimiK3StaticKDAStateLayer` copies into buffers that keep their addresses.
 
@@ -58,6 +60,8 @@ def layer_tensors(layer) -> list[torch.Tensor]:
     """The tensors a cache layer holds now (none before its first write)."""
     if layer.is_linear:
         return [] if layer.recurrent_state is None else [*layer.conv_states, layer.recurrent_state]
+    if isinstance(layer, KimiK3PagedLatentLayer):
+        return [] if layer.pages is None else [layer.pages]
     return [] if layer.latents is None else [layer.latents]
 
 
@@ -481,40 +485,10 @@ class KimiK3Cache(Cache):
         self.rewind.reset()
 
     # ------------------------------------------------------------------------------------------------------------
-    # Rows of several caches in one batch (a server's continuous batch: rows join and leave between steps)
-    @classmethod
-    def join(cls, caches: list["KimiK3Cache"]) -> tuple["KimiK3Cache", torch.Tensor]:
-        """One growing cache holding the rows of `caches` (one row each, nothing pending), and its [B, T] key mask
-        (False on padding) for the attention mask of a batched forward: the MLA latents left-padded to the longest
-        row (MLA has no positional encoding, so a row's padding changes nothing but the mask), the KDA states and
-        conv windows stacked. The joined cache keeps no token ids (`split` is how it is undone, not a rewind)."""
-        if not caches:
-            raise ValueError("KimiK3Cache.join: no caches to join")
-        for cache in caches:
-            if cache.is_static or cache.batch_size != 1 or cache.pending_tokens or not cache.get_seq_length():
-                raise ValueError(f"KimiK3Cache.join: each cache must be a growing one holding one row with nothing "
-                                 f"pending, got {cache!r} (pending {cache.pending_tokens})")
-        lengths = [cache.get_seq_length() for cache in caches]
-        longest = max(lengths)
-        joined = cls(caches[0]._text_config)
-        joined.rewind.keep_tokens(None, None, 0)  # no ids kept: never replayed from
-        for index, layer in enumerate(joined.layers):
-            rows = [cache.layers[index] for cache in caches]
-            if layer.is_linear:
-                layer.update(tuple(torch.cat(windows) for windows in zip(*(row.conv_states for row in rows))),
-                             torch.cat([row.recurrent_state for row in rows]))
-            else:
-                layer.update(torch.cat([torch.nn.functional.pad(row.latents, (0, 0, longest - length, 0))
-                                        for row, length in zip(rows, lengths)]))
-        joined._seen_tokens = longest
-        device = next(t for layer in joined.layers for t in layer_tensors(layer)).device
-        positions = torch.arange(longest, device=device)
-        mask = positions[None] >= torch.tensor([longest - length for length in lengths], device=device)[:, None]
-        return joined, mask
-
+    # A batched prefill's rows as caches of their own (a server reads short prompts together: docs/design.md, Serving)
     def split(self, key_mask: torch.Tensor) -> list["KimiK3Cache"]:
-        """The rows of a joined cache as caches of one row each, without their padding (`key_mask`, [B, T] as this
-        cache's tokens: False on padding, True from each row's first token on)."""
+        """The rows of a left-padded batch as caches of one row each, without their padding (`key_mask`, [B, T] as
+        this cache's tokens: False on padding, True from each row's first token on)."""
         if key_mask.shape != (self.batch_size, self.get_seq_length()):
             raise ValueError(f"KimiK3Cache.split: a key mask of {tuple(key_mask.shape)} for a cache of "
                              f"{self.batch_size} rows and {self.get_seq_length()} tokens")
@@ -727,6 +701,327 @@ class KimiK3StaticCache(KimiK3Cache):
         self._round_start = None
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# A server's running batch: MLA latents in pages (docs/design.md, Serving)
+
+
+def pages_for(num_tokens: int, block_size: int) -> int:
+    """Pages of `block_size` tokens that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class KimiK3PagedLatentLayer:
+    """MLA layer of a paged cache: a pool of [pages, block_size, kv_lora_rank + rope] latents. Which pages hold a
+    row's tokens is the cache's block table (the same for every MLA layer: each layer stores the same tokens); the
+    layer only writes latents at flat slots (page * block_size + offset) and reads them back gathered. Page 0 is
+    never handed out and stays zero: a row's padding in a gathered batch reads it."""
+
+    is_linear = False
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.pages: torch.Tensor | None = None
+
+    def allocate(self, num_pages: int, like: torch.Tensor) -> None:
+        """A pool of `num_pages` pages (page 0 included) of `like`'s width, dtype and device; a larger pool keeps
+        the pages already written (one copy of the pool: the growing pool's doubling)."""
+        pool = like.new_zeros(num_pages, self.block_size, like.shape[-1])
+        if self.pages is not None:
+            pool[: self.pages.shape[0]] = self.pages
+        self.pages = pool
+
+    def write(self, slots: torch.Tensor, latents: torch.Tensor) -> None:
+        """`latents` [N, R + P] into the flat `slots` [N]."""
+        flat = self.pages.view(-1, self.pages.shape[-1])
+        flat.index_copy_(0, slots.to(flat.device), latents.to(flat.dtype))
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """The latents at the flat `slots` [B, T] as [B, T, R + P] (the reference gather: one index_select)."""
+        flat = self.pages.view(-1, self.pages.shape[-1])
+        return flat.index_select(0, slots.to(flat.device).reshape(-1)).view(*slots.shape, flat.shape[-1])
+
+    def page_bytes(self) -> int:
+        return 0 if self.pages is None else self.pages[0].nbytes
+
+    @property
+    def batch_size(self) -> int:
+        return 0  # rows are the cache's block tables, not an axis of the pool
+
+    def live_bytes(self) -> dict[str, int]:
+        return {"mla_kv": 0}  # the cache counts the pages its rows hold (`KimiK3PagedCache.live_bytes`)
+
+    def reset(self) -> None:
+        if self.pages is not None:
+            self.pages.zero_()
+
+
+class KimiK3PagedCache(KimiK3Cache):
+    """The running batch of a server (docs/design.md, Serving): `KimiK3PagedCache(config, block_size=64,
+    num_pages=N)`. MLA latents live in a pool of `num_pages` pages of `block_size` tokens per MLA layer, and each row
+    has a block table (the pages holding its tokens, in order); KDA states and conv windows are stacked per row, as
+    in the growing cache (fixed-size, rewritten by every forward). Between forwards rows come (`add_rows`: a
+    one-row growing cache's latents written into pages once) and go (`remove_rows`: their pages freed, no other
+    row's latents copied). A forward gives every row the same number of new, real tokens: they are appended into
+    each row's last page (a new page when it is full; `pages_needed` says how many a forward of T tokens takes),
+    and each MLA layer reads its rows through their block tables, gathered and left-padded to the longest row (MLA
+    has no positional encoding, so a row's padding changes nothing but the mask, `attention_mask`). Without
+    `num_pages` the pool doubles when it runs out (one copy of the pool each time); with it, taking more pages than
+    are free is an error: the caller frees pages first (the server preempts a sequence). It cannot crop, copy a
+    prefix, record a rewind or reorder rows."""
+
+    def __init__(self, config, block_size: int = 64, num_pages: int | None = None):
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"KimiK3PagedCache: block_size={block_size!r} must be a whole number of tokens >= 1")
+        if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"KimiK3PagedCache: num_pages={num_pages!r} must be a whole number >= 1 (None: a pool "
+                             "that grows)")
+        self.block_size, self.num_pages = block_size, num_pages
+        super().__init__(config)
+        self.block_tables: list[list[int]] = []  # per row, the pages holding its tokens in order
+        self.lengths: list[int] = []  # per row, the tokens it holds
+        self.free: list[int] = []  # pages to hand out (page 0 never is)
+        self.latent_bytes_copied = 0  # rows' latents written into pages by add_rows
+        self.pool_bytes_copied = 0  # a growing pool's copies of itself
+        self._pool_pages = 0  # pages in each layer's pool, page 0 included
+        self._step_slots: dict | None = None  # this forward's (write, read) slots, by device
+
+    def _new_layer(self, layer_type: str) -> KimiK3PagedLatentLayer | KimiK3KDAStateLayer:
+        return KimiK3KDAStateLayer() if layer_type == "linear_attention" else KimiK3PagedLatentLayer(self.block_size)
+
+    @property
+    def mla_layers(self) -> list[KimiK3PagedLatentLayer]:
+        return [layer for layer in self.layers if not layer.is_linear]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Pages
+    @property
+    def free_pages(self) -> int:
+        """Pages that can be handed out now (a growing pool: those before it grows)."""
+        return len(self.free) if self._pool_pages else (self.num_pages or 0)
+
+    @property
+    def pages_held(self) -> int:
+        return sum(len(table) for table in self.block_tables)
+
+    def pages_needed(self, num_tokens: int = 1) -> int:
+        """The new pages a forward of `num_tokens` tokens a row takes."""
+        return sum(pages_for(length + num_tokens, self.block_size) - len(table)
+                   for length, table in zip(self.lengths, self.block_tables))
+
+    def _take(self, count: int) -> list[int]:
+        if count > len(self.free):
+            if self.num_pages is not None:
+                raise ValueError(f"KimiK3PagedCache: {count} pages asked, {len(self.free)} free of {self.num_pages}: "
+                                 "free pages first (remove_rows)")
+            self._grow(max(2 * self._pool_pages, self._pool_pages + count - len(self.free)))
+        taken, self.free = self.free[len(self.free) - count:], self.free[:len(self.free) - count]
+        return taken
+
+    def _grow(self, pool_pages: int, like: list[torch.Tensor] | None = None) -> None:
+        """Every MLA layer's pool to `pool_pages` pages (`like`: a tensor per MLA layer giving the first pool its
+        width, dtype and device, each layer's where that layer's latents are)."""
+        for index, layer in enumerate(self.mla_layers):
+            self.pool_bytes_copied += 0 if layer.pages is None else layer.pages.nbytes
+            layer.allocate(pool_pages, layer.pages if like is None else like[index])
+        # lowest pages handed out first (the list is taken from its end)
+        self.free = list(range(pool_pages - 1, max(self._pool_pages, 1) - 1, -1)) + self.free
+        self._pool_pages = pool_pages
+
+    def _slots(self, row: int, start: int, end: int) -> torch.Tensor:
+        """The flat slots of a row's tokens start .. end - 1."""
+        tokens = torch.arange(start, end)
+        return torch.tensor(self.block_tables[row])[tokens // self.block_size] * self.block_size + \
+            tokens % self.block_size
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Rows coming and going between forwards
+    def add_rows(self, caches: list[KimiK3Cache]) -> None:
+        """Append the rows of `caches` (growing caches of one row each, nothing pending): each row's MLA latents
+        written into pages of its own (`pages_for(tokens, block_size)`), its KDA states and conv windows stacked
+        after the rows here. The caches are not changed."""
+        if not caches:
+            return
+        for cache in caches:
+            if isinstance(cache, KimiK3PagedCache) or cache.is_static or cache.batch_size != 1 or \
+                    cache.pending_tokens or not cache.get_seq_length():
+                raise ValueError(f"KimiK3PagedCache.add_rows: each cache must be a growing one holding one row with "
+                                 f"nothing pending, got {cache!r} (pending {cache.pending_tokens})")
+        lengths = [cache.get_seq_length() for cache in caches]
+        wanted = sum(pages_for(length, self.block_size) for length in lengths)
+        if self.num_pages is not None and wanted > self.free_pages:
+            raise ValueError(f"KimiK3PagedCache.add_rows: the rows take {wanted} pages of {self.block_size} tokens, "
+                             f"{self.free_pages} are free of {self.num_pages}")
+        if not self._pool_pages:  # the first rows: each layer's pool in their dtype, on their device
+            self._grow(1 + (self.num_pages or max(wanted, 16)),
+                       [source.latents for source in caches[0].layers if not source.is_linear])
+        for cache, length in zip(caches, lengths):
+            self.block_tables.append(self._take(pages_for(length, self.block_size)))
+            self.lengths.append(length)
+            slots = self._slots(len(self.lengths) - 1, 0, length)
+            for layer, source in zip(self.layers, cache.layers):
+                if not layer.is_linear:
+                    layer.write(slots, source.latents[0])
+                    self.latent_bytes_copied += source.latents.nbytes
+        for index in self.kda_layer_indices:
+            layer, rows = self.layers[index], [cache.layers[index] for cache in caches]
+            windows = [row.conv_states for row in rows]
+            states = [row.recurrent_state for row in rows]
+            if layer.recurrent_state is not None:
+                windows, states = [layer.conv_states, *windows], [layer.recurrent_state, *states]
+            layer.update(tuple(torch.cat(parts) for parts in zip(*windows)), torch.cat(states))
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop the rows at `rows`: their pages go back to the free list (nothing is copied for the latents of the
+        rows that stay; their KDA states are restacked, as every forward rewrites them)."""
+        gone = set(rows)
+        if not gone:
+            return
+        if not gone <= set(range(len(self.lengths))):
+            raise ValueError(f"KimiK3PagedCache.remove_rows({sorted(gone)}): the cache holds {len(self.lengths)} rows")
+        for row in sorted(gone):
+            self.free.extend(reversed(self.block_tables[row]))
+        kept = [row for row in range(len(self.lengths)) if row not in gone]
+        self.block_tables = [self.block_tables[row] for row in kept]
+        self.lengths = [self.lengths[row] for row in kept]
+        for index in self.kda_layer_indices:
+            layer = self.layers[index]
+            if not kept:
+                layer.reset()
+                continue
+            keep = torch.tensor(kept, device=layer.recurrent_state.device)
+            layer.update(tuple(window.index_select(0, keep.to(window.device)) for window in layer.conv_states),
+                         layer.recurrent_state.index_select(0, keep))
+
+    def attention_mask(self, num_tokens: int = 1) -> torch.Tensor:
+        """[B, longest + num_tokens] long padding mask of a forward of `num_tokens` new tokens a row: 0 on each row's
+        left padding, 1 on its tokens and the new ones."""
+        longest = self.get_seq_length()
+        device = next((layer.pages.device for layer in self.mla_layers if layer.pages is not None), None)
+        positions = torch.arange(longest + num_tokens, device=device)
+        starts = torch.tensor([longest - length for length in self.lengths], device=device)
+        return (positions[None] >= starts[:, None]).long()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # What the model calls, in forward order
+    def begin_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
+                   device: torch.device, input_ids: torch.Tensor | None = None) -> None:
+        """Pages for the new tokens (each row's last page, then new ones), and the slots every MLA layer writes and
+        reads in this forward."""
+        if batch_size != len(self.lengths):
+            raise ValueError(f"KimiK3PagedCache: a forward of {batch_size} rows on a cache of {len(self.lengths)}")
+        if token_mask is not None:
+            raise ValueError("KimiK3PagedCache: every new token of a forward must be real (padding is the cache's: "
+                             "pass attention_mask=cache.attention_mask(num_tokens))")
+        for row, length in enumerate(self.lengths):
+            missing = pages_for(length + num_tokens, self.block_size) - len(self.block_tables[row])
+            if missing > 0:
+                self.block_tables[row] += self._take(missing)
+        # every row's tokens right-aligned at the longest row's end; the new ones are the last num_tokens columns
+        lengths = torch.tensor(self.lengths) + num_tokens
+        longest = int(lengths.max())
+        tables = torch.zeros(batch_size, max(len(table) for table in self.block_tables), dtype=torch.long)
+        for row, table in enumerate(self.block_tables):
+            tables[row, :len(table)] = torch.tensor(table)
+        # the slots are computed where the pool is: only the tables (a page id per block) cross from the host
+        pool = self.mla_layers[0].pages
+        tables, lengths = tables.to(pool.device), lengths.to(pool.device)
+        tokens = torch.arange(longest, device=pool.device)[None] - (longest - lengths)[:, None]  # < 0: padding
+        padding = tokens < 0
+        tokens = tokens.clamp(min=0)
+        read = tables.gather(1, tokens // self.block_size) * self.block_size + tokens % self.block_size
+        read = read.masked_fill(padding, 0)
+        write = read[:, longest - num_tokens:].reshape(-1)
+        # moved once per device the MLA layers sit on (a model spread over devices), not once per layer
+        self._step_slots = {pool.device: (write, read)}
+
+    def update_latents(self, latents: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Write the [B, T, R + P] new latents into the rows' pages; returns every row's latents so far, gathered
+        through its block table and left-padded to the longest row (the padding reads page 0: zeros)."""
+        layer = self.layers[layer_idx]
+        device = layer.pages.device
+        if device not in self._step_slots:
+            write, read = next(iter(self._step_slots.values()))
+            self._step_slots[device] = (write.to(device), read.to(device))
+        write, read = self._step_slots[device]
+        layer.write(write, latents.reshape(-1, latents.shape[-1]))
+        return layer.gather(read)
+
+    def advance(self, num_tokens: int) -> None:
+        self.lengths = [length + num_tokens for length in self.lengths]
+        self._step_slots = None
+
+    def records_step(self) -> bool:
+        return False
+
+    def snapshot_offsets(self) -> list[int]:
+        return []
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """The longest row's tokens (the others are left-padded to it)."""
+        return max(self.lengths, default=0)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def live_bytes(self) -> dict[str, int]:
+        """Bytes the rows hold: their pages in every MLA layer's pool, their KDA states and conv windows (the pool
+        itself: `pool_bytes()`)."""
+        report = {"mla_kv": self.pages_held * sum(layer.page_bytes() for layer in self.mla_layers),
+                  "kda_state": 0, "kda_conv": 0}
+        for index in self.kda_layer_indices:
+            for kind, num_bytes in self.layers[index].live_bytes().items():
+                report[kind] += num_bytes
+        report["total"] = sum(report.values())
+        return report
+
+    def pool_bytes(self) -> int:
+        """Bytes of every MLA layer's pool, held or free (page 0 included)."""
+        return sum(0 if layer.pages is None else layer.pages.nbytes for layer in self.mla_layers)
+
+    def reset(self) -> None:
+        """No rows; every page free (the pool stays allocated)."""
+        for layer in self.layers:
+            if layer.is_linear:
+                layer.reset()
+        self.free = list(range(self._pool_pages - 1, 0, -1))
+        self.block_tables, self.lengths, self._step_slots = [], [], None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # What a paged batch does not do
+    def _refuse(self, what: str):
+        return NotImplementedError(f"KimiK3PagedCache.{what}: not supported for the paged batch of a server (rows "
+                                   "come and go with add_rows / remove_rows; rewinds are the growing cache's)")
+
+    def crop(self, max_length: int) -> None:
+        raise self._refuse("crop")
+
+    def copy_prefix(self, num_tokens: int) -> "KimiK3Cache":
+        raise self._refuse("copy_prefix")
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+        raise self._refuse("activate_past_recording")
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def _map_batch(self, fn) -> None:
+        raise self._refuse("reorder_cache / batch_select_indices / batch_repeat_interleave")
+
+    def split(self, key_mask):
+        raise self._refuse("split")
+
+
+def paged_page_bytes(config, block_size: int, dtype_bytes: int = 2) -> int:
+    """Bytes of one page of `block_size` tokens in every MLA layer's pool (what one page of a row holds)."""
+    return analytic_cache_bytes(config, block_size, dtype_bytes=dtype_bytes)["mla_kv"]
+
+
 def analytic_cache_bytes(config, num_tokens: int, batch_size: int = 1, dtype_bytes: int = 2) -> dict[str, int]:
     """What `KimiK3Cache.live_bytes()` holds after `num_tokens` tokens, from the config alone.
 
@@ -757,7 +1052,10 @@ def snapshot_bytes(config, batch_size: int = 1, dtype_bytes: int = 2) -> int:
 
 __all__ = [
     "KimiK3Cache",
+    "KimiK3PagedCache",
     "KimiK3StaticCache",
     "analytic_cache_bytes",
+    "paged_page_bytes",
+    "pages_for",
     "snapshot_bytes",
 ]

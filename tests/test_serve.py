@@ -8,6 +8,7 @@ disconnects get clear errors and leave the server serving."""
 import asyncio
 import gc
 import json
+import re
 import socket
 import threading
 import time
@@ -20,7 +21,6 @@ import torch
 import uvicorn
 
 from kimik3.chat_format import encode_chat, render_text
-from kimik3.modeling.cache_kimi_k3 import analytic_cache_bytes
 from kimik3.serve import Job, Sampling, TextSoFar, make_app, stop_at
 from kimik3.tiny import write_tiny_folder
 from k3_test_utils import data_url, noise_image
@@ -392,15 +392,18 @@ def test_overload_is_refused_by_name_and_a_disconnect_frees_its_slot(server):
         served.engine.max_requests = 8
 
 
-def test_joining_caches_refuses_what_it_cannot_batch(server):
-    code = server.engine.code
-    with pytest.raises(ValueError, match="no caches to join"):
-        code.KimiK3Cache.join([])
+def test_the_paged_batch_refuses_what_it_cannot_hold(server):
+    code, config = server.engine.cache_code, server.model.config
     with pytest.raises(ValueError, match="one row with nothing pending"):
-        code.KimiK3Cache.join([code.KimiK3Cache(server.model.config)])  # empty
-    joined, mask = code.KimiK3Cache.join([_filled(server, 5), _filled(server, 9)])
-    with pytest.raises(ValueError, match=r"a key mask of \(2, 5\) for a cache of 2 rows and 9 tokens"):
-        joined.split(mask[:, :5])
+        code.KimiK3PagedCache(config).add_rows([code.KimiK3Cache(config)])  # empty
+    paged = code.KimiK3PagedCache(config, block_size=4, num_pages=3)
+    with pytest.raises(ValueError, match="the rows take 5 pages of 4 tokens, 3 are free of 3"):  # 2 + 3
+        paged.add_rows([_filled(server, 5), _filled(server, 9)])
+    assert paged.pages_held == 0  # nothing taken
+    with pytest.raises(NotImplementedError, match="KimiK3PagedCache.crop"):
+        paged.crop(2)
+    with pytest.raises(ValueError, match=r"a key mask of \(1, 5\) for a cache of 1 rows and 9 tokens"):
+        _filled(server, 9).split(torch.ones(1, 5, dtype=torch.bool))
 
 
 def _filled(server, tokens: int):
@@ -445,41 +448,131 @@ def test_a_forward_that_fails_ends_its_request_alone_and_the_server_goes_on(serv
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
 
 
-def test_a_byte_budget_refuses_what_the_caches_could_not_hold(server):
-    ids = list(range(5, 45))
-    one = server.engine.cache_bytes(Job(ids, Sampling(max_tokens=8), None))
-    assert one == analytic_cache_bytes(server.model.config, 48, dtype_bytes=4)["total"]
-    server.engine.max_cache_bytes = one  # one such sequence at a time
+def test_rows_come_and_go_through_pages_without_copying_the_others(server):
+    """The paged batch (KimiK3PagedCache): a row coming writes its own latents into pages once, a row leaving frees its
+    pages and copies nothing; every row decodes generate()'s greedy tokens (fp32) throughout, and the pages held are
+    those its tokens fill (a new page each time one is full)."""
+    code, model, size = server.engine.cache_code, server.model, 4
+    prompts = [list(range(5, 8)), list(range(10, 30)), list(range(40, 49)), list(range(60, 73))]
+    paged = code.KimiK3PagedCache(model.config, block_size=size)
+    rows, tokens = [], []
+
+    def come(ids):
+        cache = code.KimiK3Cache(model.config)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits
+        copied = paged.latent_bytes_copied
+        paged.add_rows([cache])
+        assert paged.latent_bytes_copied - copied == cache.layers[1].latents.nbytes  # its own latents, once
+        rows.append(ids)
+        tokens.append([int(logits[0, -1].argmax())])
+
+    def step():
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([[t[-1]] for t in tokens]), attention_mask=paged.attention_mask(1),
+                        past_key_values=paged, use_cache=True)
+        for row, produced in enumerate(tokens):
+            produced.append(int(out.logits[row, -1].argmax()))
+        lengths = [len(ids) + len(produced) - 1 for ids, produced in zip(rows, tokens)]
+        assert paged.pages_held == sum(-(-length // size) for length in lengths)
+
+    for ids in prompts[:3]:
+        come(ids)
+    for _ in range(3):
+        step()
+    copied, free = paged.latent_bytes_copied, paged.free_pages
+    held = len(paged.block_tables[1])
+    paged.remove_rows([1])  # the longest leaves: nothing is copied, its pages are free again
+    assert paged.latent_bytes_copied == copied and paged.free_pages == free + held
+    done = [(rows.pop(1), tokens.pop(1))]
+    come(prompts[3])  # into the pages it freed (the pool grows no more)
+    assert paged.free_pages == free + held - -(-len(prompts[3]) // size) and paged.latent_bytes_copied == \
+        copied + len(prompts[3]) * model.config.mla_cache_dim * 4
+    for _ in range(4):
+        step()
+    for ids, produced in done + list(zip(rows, tokens)):
+        assert produced == server.alone(ids, len(produced))
+
+
+def _budget(server, pages: int, size: int, sequences: int) -> int:
+    """A --max-cache-bytes that leaves `pages` pages of `size` tokens beside the KDA states of `sequences`."""
+    code, config = server.engine.cache_code, server.model.config
+    return sequences * code.snapshot_bytes(config, dtype_bytes=4) + (pages + 1) * code.paged_page_bytes(config, size, 4)
+
+
+def test_a_byte_budget_preempts_the_sequence_that_arrived_last_and_its_tokens_do_not_change(server):
+    """Under --max-cache-bytes the pool holds a fixed number of pages: sequences are admitted though their longest
+    caches do not fit together, and when a decode step finds no free page the one that arrived last gives its pages
+    up, is read again later (its prompt from the prefix store, then the tokens it had produced) and goes on; every
+    client gets generate()'s greedy tokens. A sequence the pool could never hold is a 400 naming the budget."""
+    from kimik3.serve import Engine, ServeError
+
+    size, pool = 4, 12
+    engine = Engine(server.model, server.tokenizer, max_requests=3, prefill_chunk=16, block_size=size,
+                    max_cache_bytes=_budget(server, pool, size, 3))
+    preempted = []  # (the job's number, its tokens, the numbers of those holding pages, whether a page was short)
+    preempt = engine._preempt
+
+    def watched(job):
+        holders = [other.key for other in (*engine.batch, *engine.reading) if other in engine.batch or other.pages]
+        short = engine.paged.pages_needed(1) > engine.paged.free_pages - engine._pages_aside()
+        preempted.append((job.key, len(job.new_ids), holders, short))
+        preempt(job)
+
+    engine._preempt = watched
+    prompts = [list(range(5, 15)), list(range(20, 34)), list(range(40, 46))]  # 3 + 4 + 2 pages; 6 + 7 + 5 at the end
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, Sampling(max_tokens=12, temperature=0.0), loop) for ids in prompts]
+        engine.submit(jobs)  # one step takes them in, in this order
+        for job in jobs:
+            while (item := await job.mailbox.get()) is not None:
+                assert not isinstance(item, Exception), item
+        return jobs
+
     try:
-        with pytest.raises(openai.BadRequestError, match="more than the server's [0-9,]+ \\(--max-cache-bytes\\)"):
-            server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8, n=2)
-        with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 8,
-                                                                       "stream": True, "temperature": 0}) as running:
-            lines = running.iter_lines()
-            assert next(lines).startswith("data: ")  # its first token: its cache is held now
-            with pytest.raises(openai.RateLimitError, match="caches are full"):
-                server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8)
-            list(lines)
-        deadline = time.time() + 20
-        while server.engine.busy() and time.time() < deadline:
-            time.sleep(0.05)
-        assert server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8).choices
+        assert engine.paged.num_pages == pool
+        with pytest.raises(ServeError, match=r"the server's pool of [0-9,]+ \(12 pages; --max-cache-bytes\)"):
+            engine.submit([Job(prompts[0], Sampling(max_tokens=40), None)])  # 50 tokens: 13 pages
+        jobs = asyncio.run(run())
+        for job, ids in zip(jobs, prompts):
+            assert job.new_ids == server.alone(ids, 12)
+        assert preempted and preempted[0][0] == jobs[2].key and engine.stats["preemptions"] == len(preempted)
+        for key, _, holders, short in preempted:  # only when pages were short, the last to arrive of those holding
+            assert short and key == max(holders)
+        # each time from the stored prompt: only the tokens it had produced but its last are computed again
+        assert engine.stats["tokens_recomputed"] == sum(produced - 1 for _, produced, _, _ in preempted)
+        assert engine.paged.pages_held == 0 and engine.paged.free_pages == pool
+        assert engine.paged.pool_bytes() + 3 * engine.cache_code.snapshot_bytes(server.model.config, dtype_bytes=4) \
+            <= engine.max_cache_bytes
     finally:
-        server.engine.max_cache_bytes = None
+        engine.stop()
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"block_size": 0}, "block_size=0 (--block-size) must be a whole number of tokens >= 1"),
+    ({"max_cache_bytes": 1000}, "max_cache_bytes=1,000 (--max-cache-bytes) holds no page"),
+], ids=["serve-block-size-not-positive", "serve-cache-budget-below-a-page"])
+def test_a_pool_that_cannot_work_is_refused_by_flag(server, options, named):
+    from kimik3.serve import Engine
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        Engine(server.model, server.tokenizer, max_requests=2, **options)
 
 
 def test_a_batch_that_cannot_be_joined_ends_its_requests_by_name(server, monkeypatch):
-    def refuse(cls, caches):
+    def refuse(self, caches):
         raise RuntimeError("no room to join")
 
-    monkeypatch.setattr(server.engine.code.KimiK3Cache, "join", classmethod(refuse))
+    monkeypatch.setattr(server.engine.cache_code.KimiK3PagedCache, "add_rows", refuse)
     with pytest.raises(openai.InternalServerError, match="generation failed: RuntimeError: no room to join"):
         server.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0)
     monkeypatch.undo()
     deadline = time.time() + 20  # the error reaches the client as the engine clears the batch
     while server.engine.busy() and time.time() < deadline:
         time.sleep(0.02)
-    assert server.engine.busy() == 0
+    assert server.engine.busy() == 0 and server.engine.paged.pages_held == 0
     reply = server.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0)
     assert reply.choices[0].text == server.tokenizer.decode(server.alone([5, 6, 7], 3))
 

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+# Copyright 2026 The Kimi K3 for transformers authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""What the paged running batch of `kimik3 serve` (KimiK3PagedCache; docs/design.md, Serving) copies and costs:
+
+  regroup   the engine driven on a tiny model (`kimik3 tiny`, fp32, one MLA layer) with 12 requests of 50-500 tokens
+            joining and leaving: the latent bytes the regroups copied (the engine's `latent_bytes_copied`: each
+            joining row's own latents) against what a left-padded batch rebuilt at every regroup copies (every row
+            padded to the longest, computed from the rows after each regroup); with --max-cache-bytes, the
+            preemptions and the tokens recomputed
+  step      one MLA layer's cache work in a decode step at K3's latent width (576 values, bf16; 8 rows of 1K-4K
+            tokens): the paged cache's write + gather (and its slot set-up, once a step) against torch.cat of the
+            padded batch, on the CPU or --device
+
+    python benchmarks/bench_serve_pages.py
+    python benchmarks/bench_serve_pages.py --max-cache-bytes 400000 --device cuda
+"""
+
+import argparse
+import asyncio
+import importlib
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+
+
+def regroup(max_cache_bytes: int | None, block_size: int) -> dict:
+    from kimik3.chat import load_chat
+    from kimik3.serve import Engine, Job, Sampling
+    from kimik3.tiny import write_tiny_folder
+
+    folder = tempfile.mkdtemp() + "/tiny"
+    write_tiny_folder(folder, num_hidden_layers=2, seed=3)
+    _, model = load_chat(folder)
+    config = model.config
+    per_token = config.mla_cache_dim * 4 * sum(kind == "full_attention" for kind in config.layer_types)
+    engine = Engine(model, None, max_requests=16, prefill_chunk=64, prefix_cache_bytes=0, block_size=block_size,
+                    max_cache_bytes=max_cache_bytes)
+    padded = []
+    regroup_rows = engine._regroup
+
+    def counted(add=()):
+        regroup_rows(add)
+        lengths = engine.paged.lengths
+        padded.append(len(lengths) * max(lengths, default=0) * per_token)
+
+    engine._regroup = counted
+    generator = torch.Generator().manual_seed(0)
+    lengths = [50, 400, 120, 300, 80, 250, 200, 350, 60, 150, 500, 90]
+    max_tokens = [8, 64, 16, 48, 24, 32, 40, 12, 56, 20, 28, 36]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for index, (length, tokens) in enumerate(zip(lengths, max_tokens)):
+            ids = torch.randint(3, 400, (length,), generator=generator).tolist()
+            jobs.append(Job(ids, Sampling(max_tokens=tokens, temperature=0.0), loop))
+            engine.submit(jobs[-1:])
+            await asyncio.sleep(0.005 * (index % 3))
+        for job in jobs:
+            while await job.mailbox.get() is not None:
+                pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.stop()
+    stats = engine.stats
+    return {"regroups": stats["regroups"], "paged_bytes": stats["latent_bytes_copied"],
+            "padded_bytes": sum(padded), "pool_bytes_copied": engine.paged.pool_bytes_copied,
+            "pool_bytes": engine.paged.pool_bytes(), "preemptions": stats["preemptions"],
+            "tokens_recomputed": stats["tokens_recomputed"], "prompt_bytes": sum(lengths) * per_token}
+
+
+def step(device: str, repeats: int = 20) -> dict:
+    cache_code = importlib.import_module("kimik3.modeling.cache_kimi_k3")
+    width, lengths = 576, [1024, 4096, 2048, 3000, 1500, 3500, 2500, 4000]
+    rows, longest = len(lengths), max(lengths)
+    config = SimpleNamespace(layer_types=["full_attention"], linear_num_heads=1, linear_head_dim=1,
+                             linear_conv_kernel_size=2, kda_chunk_size=64, mla_cache_dim=width)
+    options = {"dtype": torch.bfloat16, "device": device}
+    dense, new = torch.randn(rows, longest, width, **options), torch.randn(rows, 1, width, **options)
+
+    def timed(fn) -> float:
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / repeats * 1e3
+
+    report = {"cat_ms": timed(lambda: torch.cat([dense, new], dim=1))}
+    for size in (16, 64):
+        paged = cache_code.KimiK3PagedCache(config, block_size=size)
+        caches = []
+        for length in lengths:
+            cache = cache_code.KimiK3Cache(config)
+            cache.layers[0].update(torch.randn(1, length, width, **options))
+            cache._seen_tokens = length
+            caches.append(cache)
+        paged.add_rows(caches)
+
+        def decode_step():
+            paged.begin_step(rows, 1, None, None)
+            paged.update_latents(new, 0)
+
+        report[f"paged_{size}_ms"] = timed(decode_step)
+        report[f"paged_{size}_setup_ms"] = timed(lambda: paged.begin_step(rows, 1, None, None))
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-cache-bytes", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    moved = regroup(args.max_cache_bytes, args.block_size)
+    print(f"regroup: {moved['regroups']} regroups; latents copied {moved['paged_bytes']:,} bytes paged "
+          f"({moved['paged_bytes'] / moved['regroups']:,.0f} a regroup) against {moved['padded_bytes']:,} for a "
+          f"padded batch rebuilt each time ({moved['padded_bytes'] / moved['regroups']:,.0f} a regroup); the prompts "
+          f"hold {moved['prompt_bytes']:,}; pool {moved['pool_bytes']:,} bytes, its growth copied "
+          f"{moved['pool_bytes_copied']:,}; {moved['preemptions']} preemptions, {moved['tokens_recomputed']} tokens "
+          "recomputed")
+    cost = step(args.device)
+    print(f"step ({args.device}, one MLA layer, 8 rows of 1K-4K tokens, bf16): torch.cat of the padded batch "
+          f"{cost['cat_ms']:.2f} ms; paged write + gather {cost['paged_16_ms']:.2f} ms at 16-token pages "
+          f"(set-up {cost['paged_16_setup_ms']:.2f}), {cost['paged_64_ms']:.2f} ms at 64 "
+          f"(set-up {cost['paged_64_setup_ms']:.2f})")
+
+
+if __name__ == "__main__":
+    main()
