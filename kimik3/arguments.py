@@ -62,6 +62,19 @@ def bandwidth(text: str) -> float:
     return float(match.group(1)) * scale
 
 
+def milliseconds(text: str) -> float:
+    """argparse type: a duration in milliseconds, a finite number >= 0 (e.g. 3.5); returns seconds."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: give milliseconds as a number >= 0, e.g. 3.5")
+    return value / 1e3
+
+
 def experts_cache_bytes(text: str):
     """argparse type: a whole number of bytes, or auto."""
     if text == "auto":

@@ -5,15 +5,17 @@ import argparse
 import json
 import sys
 
-from kimik3.arguments import bandwidth, context_tokens, gpu_memory_size, positive_int, text_config_file, token_counts
+from kimik3.arguments import (bandwidth, context_tokens, gpu_memory_size, milliseconds, positive_int, text_config_file,
+                              token_counts)
 
 
 PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context", "nodes", "gpus_per_node", "tp", "ep",
                      "prefill_chunk", "hbm_bandwidth", "experts_offload", "host_mem", "experts_cache", "h2d_bandwidth",
-                     "disk_bandwidth", "experts_compute", "measure", "host_bandwidth")
+                     "disk_bandwidth", "experts_compute", "measure", "host_bandwidth", "eager_layer_ms",
+                     "host_route_ms")
 # the options of the offload tiers' plan, which need --experts-offload
 OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth", "disk_bandwidth", "experts_compute", "measure",
-                        "host_bandwidth")
+                        "host_bandwidth", "eager_layer_ms", "host_route_ms")
 # the options that ask for the per-rank plan of a parallel layout instead of the one-process layer split
 PARALLEL_PLAN_OPTIONS = ("nodes", "gpus_per_node", "tp", "ep", "prefill_chunk", "hbm_bandwidth")
 
@@ -149,6 +151,9 @@ def _offload_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
                             experts_format=args.experts_format,
                             experts_cache=args.experts_cache and args.experts_cache[0], mode=args.experts_offload,
                             experts_compute=args.experts_compute or "device", **rates,
+                            **{name: value for name, value in (("eager_layer_s", args.eager_layer_ms),
+                                                               ("host_route_s", args.host_route_ms))
+                               if value is not None},
                             **_given(args, "prefill_chunk", "h2d_bandwidth", "hbm_bandwidth", "disk_bandwidth"))
     except PlanError as exc:
         return usage_error(str(exc))
@@ -365,6 +370,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --experts-offload: the DRAM read bytes/s of the host the plan is for, e.g. 300GB/s: the "
                         "CPU's experts run at the kernel's fraction of it (measured with --measure, else the fraction "
                         "docs/benchmarks.md records)")
+    p.add_argument("--eager-layer-ms", type=milliseconds,
+                   help="with --experts-offload: milliseconds one decoder layer takes in an eager decode step (such a "
+                        "model decodes eagerly; default 3.5, measured on an H100's host: bench_offload.py's gpu "
+                        "section at 2 and 4 layers gives yours)")
+    p.add_argument("--host-route-ms", type=milliseconds,
+                   help="with --experts-offload: milliseconds a MoE layer computing experts on the CPU spends on the "
+                        "route beyond the kernel (default 1.1, measured on an H100's host: bench_offload.py's split "
+                        "section gives yours)")
     p.add_argument("--disk-bandwidth", type=bandwidth,
                    help="with --experts-offload disk: disk-to-host bytes/s, e.g. 14GB/s (default: 7 GB/s, an assumption "
                         "for one PCIe 4.0 NVMe SSD's sequential read, not a measurement: measure yours)")
