@@ -76,7 +76,7 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class HostShare:
-    """The CPU's share of one layer's forward, started (`start`) as soon as the layer's latent rows are queued: the
+    """The CPU's share of one layer's forward, started when made, as soon as the layer's latent rows are queued: the
     route split is worked out on the CPU from the routes `fetch` read (`fetched.top_cpu`), every row of `x` crosses to
     host memory in one queued copy, and the cache's worker thread waits for it, gathers the CPU routes' rows there and
     runs them (`host_routes`) while the calling thread goes on queueing the device's work (the shared experts, the
