@@ -80,6 +80,7 @@ class Job:
         self.images_read = False  # by a forward, or standing in a prefix the store gave back
         self.store_key: list[int] | None = None  # what the prefix store knows the prompt by (`Engine._store_key`)
         self.pages = 0  # pool pages set aside for its cache while it reads (under --max-cache-bytes)
+        self.admitted = False  # whether they were set aside (a twin whose prompt fills whole pages sets none aside)
         # after a preemption: the prompt and the tokens produced but its last (whose latents the batch held); read
         # again like a prompt, then the job rejoins the batch and its last token is decoded
         self.resume_ids: list[int] | None = None
@@ -383,7 +384,7 @@ class Engine:
                 self.reading.remove(job)
         for job in ready:
             job.cache_after_prompt = None  # twins read in the same pass as their source, after it
-            job.pages = 0  # what it set aside its row takes now (or it ended)
+            job.pages, job.admitted = 0, False  # what it set aside its row takes now (or it ended)
             if job.done:
                 job.cache = None
                 job.post(None)
@@ -399,8 +400,13 @@ class Engine:
                 return False  # its source still reads the prompt
             if source.cache_after_prompt is None:
                 # the source failed or went away before its prompt ended, or read it at a step this job could not
-                # (no pages free then): it reads the prompt itself
-                job.twin = None
+                # (no pages free then): it reads the prompt itself, into pages of its own, which are set aside anew
+                job.twin, job.pages, job.admitted = None, 0, False
+                return False
+            if source.done and self.paged.num_pages is not None:
+                # the source ended at its first token and does not join: under a fixed pool this job set aside its
+                # partial page only, so it reads the prompt itself into pages of its own, set aside anew
+                job.twin, job.pages, job.admitted = None, 0, False
                 return False
             job.cache = source.cache_after_prompt.copy_prefix(len(job.prompt_ids))
             job.prefilled, job.cached_tokens = len(job.prompt_ids), source.cached_tokens
@@ -567,16 +573,18 @@ class Engine:
         self.paged.remove_rows(gone)
         copied = self.paged.latent_bytes_copied
         caches = [job.cache for job in add]
+        # a twin joins beside its source (read in the same pass, `_read`): it holds the source's full prompt pages
+        twins = [add.index(job.twin) if job.twin in add[:position] else None for position, job in enumerate(add)]
         for job in add:
             job.cache, job.resume_ids = None, None
-        self.paged.add_rows(caches)
+        self.paged.add_rows(caches, twins)
         self.stats["latent_bytes_copied"] += self.paged.latent_bytes_copied - copied
         self.stats["regroups"] += 1
 
     # ------------------------------------------------------------------------------------------------------------
     # The pool under --max-cache-bytes: pages set aside for prompts being read, preemption when a step finds none
     def _may_read(self, job: Job) -> bool:
-        return self.paged.num_pages is None or job.pages > 0
+        return self.paged.num_pages is None or job.admitted
 
     def _pages_aside(self) -> int:
         return sum(job.pages for job in self.reading if not job.done)
@@ -591,12 +599,14 @@ class Engine:
         # the batch's next step keeps its pages: a prompt that took them would be the first preempted
         free = self.paged.free_pages - self._pages_aside() - self.paged.pages_needed(1)
         for job in self.reading:
-            if job.done or job.pages:
+            if job.done or job.admitted:
                 continue
             wanted = self.cache_code.pages_for(len(job.read_ids), self.block_size)
+            if job.twin is not None:  # it will hold its source's full pages (`_regroup`): its partial page alone
+                wanted = self.cache_code.pages_for(len(job.read_ids) % self.block_size, self.block_size)
             if wanted > free:
                 return
-            job.pages, free = wanted, free - wanted
+            job.pages, job.admitted, free = wanted, True, free - wanted
 
     def _make_room(self) -> None:
         """Before a decode step under a fixed pool: while the batch's next tokens need more pages than are free
@@ -621,6 +631,7 @@ class Engine:
             with self.lock:
                 self.reading.insert(0, job)
         job.cache, job.prefilled, job.pages, job.twin, job.images_read = None, 0, 0, None, False
+        job.admitted = False
         self.stats["preemptions"] += 1
 
     @torch.no_grad()

@@ -771,7 +771,13 @@ class KimiK3PagedCache(KimiK3Cache):
     has no positional encoding, so a row's padding changes nothing but the mask, `attention_mask`). Without
     `num_pages` the pool doubles when it runs out (one copy of the pool each time); with it, taking more pages than
     are free is an error: the caller frees pages first (the server preempts a sequence). It cannot crop, copy a
-    prefix, record a rewind or reorder rows."""
+    prefix, record a rewind or reorder rows.
+
+    Rows may share pages (`add_rows(..., twins=)`: the `n` sequences of one request, which hold the same prompt).
+    Every held page has a reference count, the rows whose block tables hold it; a page goes back to the free list
+    only when its last holder leaves (`remove_rows`), and `pages_held` counts it once. Only full pages are shared: a
+    row appends into its last page, so a partial last page is each row's own copy (copy-on-write taken at the join,
+    where the rows are still equal), and a row's decode never writes a page another row reads."""
 
     def __init__(self, config, block_size: int = 64, num_pages: int | None = None):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -784,6 +790,7 @@ class KimiK3PagedCache(KimiK3Cache):
         self.block_tables: list[list[int]] = []  # per row, the pages holding its tokens in order
         self.lengths: list[int] = []  # per row, the tokens it holds
         self.free: list[int] = []  # pages to hand out (page 0 never is)
+        self.refs: dict[int, int] = {}  # per held page, the rows whose block tables hold it
         self.latent_bytes_copied = 0  # rows' latents written into pages by add_rows
         self.pool_bytes_copied = 0  # a growing pool's copies of itself
         self._pool_pages = 0  # pages in each layer's pool, page 0 included
@@ -805,7 +812,8 @@ class KimiK3PagedCache(KimiK3Cache):
 
     @property
     def pages_held(self) -> int:
-        return sum(len(table) for table in self.block_tables)
+        """Pages some row holds, a page that rows share counted once."""
+        return len(self.refs)
 
     def pages_needed(self, num_tokens: int = 1) -> int:
         """The new pages a forward of `num_tokens` tokens a row takes."""
@@ -819,7 +827,16 @@ class KimiK3PagedCache(KimiK3Cache):
                                  "free pages first (remove_rows)")
             self._grow(max(2 * self._pool_pages, self._pool_pages + count - len(self.free)))
         taken, self.free = self.free[len(self.free) - count:], self.free[:len(self.free) - count]
+        self.refs.update((page, 1) for page in taken)
         return taken
+
+    def _release(self, table: list[int]) -> None:
+        """A leaving row's references: each page of `table` goes back to the free list when no other row holds it."""
+        for page in reversed(table):
+            self.refs[page] -= 1
+            if not self.refs[page]:
+                del self.refs[page]
+                self.free.append(page)
 
     def _grow(self, pool_pages: int, like: list[torch.Tensor] | None = None) -> None:
         """Every MLA layer's pool to `pool_pages` pages (`like`: a tensor per MLA layer giving the first pool its
@@ -839,10 +856,15 @@ class KimiK3PagedCache(KimiK3Cache):
 
     # ------------------------------------------------------------------------------------------------------------
     # Rows coming and going between forwards
-    def add_rows(self, caches: list[KimiK3Cache]) -> None:
+    def add_rows(self, caches: list[KimiK3Cache], twins: list[int | None] | None = None) -> None:
         """Append the rows of `caches` (growing caches of one row each, nothing pending): each row's MLA latents
         written into pages of its own (`pages_for(tokens, block_size)`), its KDA states and conv windows stacked
-        after the rows here. The caches are not changed."""
+        after the rows here. The caches are not changed.
+
+        `twins[i]` (None: a row of its own): the position j < i in `caches` of a cache holding the same tokens as
+        cache i (the `n` sequences of one request after their shared prompt; the caller vouches that the tokens are
+        the same, the lengths are checked). Row i then holds row j's full pages (a reference each) and writes only its
+        last, partial page's tokens into a page of its own: that is the page both rows append to next."""
         if not caches:
             return
         for cache in caches:
@@ -851,21 +873,40 @@ class KimiK3PagedCache(KimiK3Cache):
                 raise ValueError(f"KimiK3PagedCache.add_rows: each cache must be a growing one holding one row with "
                                  f"nothing pending, got {cache!r} (pending {cache.pending_tokens})")
         lengths = [cache.get_seq_length() for cache in caches]
-        wanted = sum(pages_for(length, self.block_size) for length in lengths)
+        twins = [None] * len(caches) if twins is None else list(twins)
+        if len(twins) != len(caches):
+            raise ValueError(f"KimiK3PagedCache.add_rows: {len(twins)} twins for {len(caches)} caches (one entry "
+                             "a cache: None, or the position of an earlier cache holding the same tokens)")
+        for row, twin in enumerate(twins):
+            if twin is not None and (isinstance(twin, bool) or not isinstance(twin, int) or not 0 <= twin < row or
+                                     lengths[twin] != lengths[row]):
+                raise ValueError(f"KimiK3PagedCache.add_rows: twins[{row}]={twin!r} must be None or the position of "
+                                 f"an earlier cache of the same length ({lengths[row]} tokens; the lengths are "
+                                 f"{lengths})")
+        # a twin takes a page only for its partial last page (none when its tokens fill whole pages)
+        own = [pages_for(length, self.block_size) if twin is None else pages_for(length % self.block_size,
+                                                                                   self.block_size)
+               for length, twin in zip(lengths, twins)]
+        wanted = sum(own)
         if self.num_pages is not None and wanted > self.free_pages:
             raise ValueError(f"KimiK3PagedCache.add_rows: the rows take {wanted} pages of {self.block_size} tokens, "
                              f"{self.free_pages} are free of {self.num_pages}")
         if not self._pool_pages:  # the first rows: each layer's pool in their dtype, on their device
             self._grow(1 + (self.num_pages or max(wanted, 16)),
                        [source.latents for source in caches[0].layers if not source.is_linear])
-        for cache, length in zip(caches, lengths):
-            self.block_tables.append(self._take(pages_for(length, self.block_size)))
+        first = len(self.lengths)
+        for cache, length, twin, count in zip(caches, lengths, twins, own):
+            shared = [] if twin is None else self.block_tables[first + twin][:length // self.block_size]
+            for page in shared:
+                self.refs[page] += 1
+            start = len(shared) * self.block_size  # the tokens from here on are written into the row's own pages
+            self.block_tables.append(shared + self._take(count))
             self.lengths.append(length)
-            slots = self._slots(len(self.lengths) - 1, 0, length)
+            slots = self._slots(len(self.lengths) - 1, start, length)
             for layer, source in zip(self.layers, cache.layers):
                 if not layer.is_linear:
-                    layer.write(slots, source.latents[0])
-                    self.latent_bytes_copied += source.latents.nbytes
+                    layer.write(slots, source.latents[0, start:])
+                    self.latent_bytes_copied += source.latents[0, start:].nbytes
         for index in self.kda_layer_indices:
             layer, rows = self.layers[index], [cache.layers[index] for cache in caches]
             windows = [row.conv_states for row in rows]
@@ -883,7 +924,7 @@ class KimiK3PagedCache(KimiK3Cache):
         if not gone <= set(range(len(self.lengths))):
             raise ValueError(f"KimiK3PagedCache.remove_rows({sorted(gone)}): the cache holds {len(self.lengths)} rows")
         for row in sorted(gone):
-            self.free.extend(reversed(self.block_tables[row]))
+            self._release(self.block_tables[row])
         kept = [row for row in range(len(self.lengths)) if row not in gone]
         self.block_tables = [self.block_tables[row] for row in kept]
         self.lengths = [self.lengths[row] for row in kept]
@@ -989,7 +1030,7 @@ class KimiK3PagedCache(KimiK3Cache):
             if layer.is_linear:
                 layer.reset()
         self.free = list(range(self._pool_pages - 1, 0, -1))
-        self.block_tables, self.lengths, self._step_slots = [], [], None
+        self.block_tables, self.lengths, self.refs, self._step_slots = [], [], {}, None
 
     # ------------------------------------------------------------------------------------------------------------
     # What a paged batch does not do

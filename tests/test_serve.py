@@ -494,6 +494,50 @@ def test_rows_come_and_go_through_pages_without_copying_the_others(server):
         assert produced == server.alone(ids, len(produced))
 
 
+def test_twins_share_their_prompts_full_pages_and_each_copies_its_partial_page(server):
+    """Rows holding the same prompt (the `n` sequences of one request) share its full pages, reference-counted: a
+    twin writes only its partial last page into a page of its own (copy-on-write where the rows append), the pages
+    held count a shared page once, a row leaving frees only the pages no other row holds, and every row decodes
+    generate()'s greedy tokens after a first token of its own (a shared partial page would mix the rows' latents)."""
+    code, model, size = server.engine.cache_code, server.model, 4
+    ids, firsts = list(range(5, 19)), [30, 31, 32]  # 14 tokens: 3 full pages and 2 tokens of a fourth
+    row_bytes = model.config.mla_cache_dim * 4  # one token's latents in the one MLA layer (fp32)
+    source = code.KimiK3Cache(model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), past_key_values=source, use_cache=True)
+    paged = code.KimiK3PagedCache(model.config, block_size=size)
+    with pytest.raises(ValueError, match=re.escape("twins[1]=0 must be None or the position of an earlier cache of "
+                                                   "the same length (9 tokens; the lengths are [14, 9])")):
+        paged.add_rows([source, _filled(server, 9)], twins=[None, 0])  # case paged-twins-of-another-length
+    assert paged.pages_held == 0 and paged.latent_bytes_copied == 0  # nothing taken
+    paged.add_rows([source, source.copy_prefix(14), source.copy_prefix(14)], twins=[None, 0, 0])
+    assert paged.latent_bytes_copied == (14 + 2 * 2) * row_bytes  # the prompt once, then a partial page a twin
+    tables = paged.block_tables
+    assert tables[1][:3] == tables[2][:3] == tables[0][:3] and len({t[3] for t in tables}) == 3
+    assert paged.pages_held == 4 + 1 + 1
+    tokens, alone = [[first] for first in firsts], [source.copy_prefix(14) for _ in firsts]
+    for _ in range(4):
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([[t[-1]] for t in tokens]), attention_mask=paged.attention_mask(1),
+                        past_key_values=paged, use_cache=True).logits[:, -1]
+            # each row on a cache of its own: the logits agree to rounding (1.5e-7 measured; 5e-3 off with the
+            # partial page shared, though the tiny model's greedy tokens happen to survive that)
+            own = torch.cat([model(input_ids=torch.tensor([[t[-1]]]), past_key_values=cache,
+                                   use_cache=True).logits[:, -1] for t, cache in zip(tokens, alone)])
+        torch.testing.assert_close(out, own, atol=1e-5, rtol=0)
+        for row, produced in enumerate(tokens):
+            produced.append(int(out[row].argmax()))
+    # 18 tokens a row: 5 pages each, the first 3 shared
+    assert paged.pages_held == 5 + 2 * 2 == len({page for table in paged.block_tables for page in table})
+    shared, free = paged.block_tables[0][:3], paged.free_pages
+    paged.remove_rows([0])  # the source leaves: its own 2 pages are free, the 3 its twins hold are not
+    assert paged.free_pages == free + 2 and not set(shared) & set(paged.free) and paged.pages_held == 7
+    paged.remove_rows([0, 1])
+    assert paged.pages_held == 0 and sorted(paged.free) == list(range(1, paged._pool_pages))  # each page once
+    for first, produced in zip(firsts, tokens):
+        assert produced[1:] == server.alone(ids + [first], 4)
+
+
 def _budget(server, pages: int, size: int, sequences: int) -> int:
     """A --max-cache-bytes that leaves `pages` pages of `size` tokens beside the KDA states of `sequences`."""
     code, config = server.engine.cache_code, server.model.config
@@ -550,6 +594,114 @@ def test_a_byte_budget_preempts_the_sequence_that_arrived_last_and_its_tokens_do
         engine.stop()
 
 
+def _run_jobs(jobs_of):
+    """The jobs `jobs_of(loop)` gives, submitted in one call each list, until each has ended."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        groups = jobs_of(loop)
+        for engine, jobs in groups:
+            engine.submit(jobs)
+        for _, jobs in groups:
+            for job in jobs:
+                while (item := await job.mailbox.get()) is not None:
+                    assert not isinstance(item, Exception), item
+        for engine, _ in groups:  # a job's stream ends as its row leaves the batch, in the engine's thread
+            while engine.busy():
+                await asyncio.sleep(0.005)
+        return [jobs for _, jobs in groups]
+
+    return asyncio.run(run())
+
+
+def _request(ids, sampling, loop, n):
+    """The jobs of one request of `n` sequences, as the HTTP side makes them (kimik3.serve.App.respond)."""
+    jobs = [Job(ids, sampling, loop)]
+    return jobs + [Job(ids, sampling, loop, index, twin=jobs[0]) for index in range(1, n)]
+
+
+def test_the_n_sequences_of_a_request_share_the_prompts_pages_and_keep_their_tokens(server):
+    """n=3 in the engine: the twins hold the first sequence's full prompt pages and write only the prompt's partial
+    page each (exact bytes), pages held count the shared pages once at every decode step and all are free at the end;
+    greedy twins give generate()'s tokens, seeded sampled twins (seed + index) the tokens of three n=1 requests with
+    their seeds, which share nothing."""
+    from kimik3.serve import Engine
+
+    size, ids = 4, list(range(5, 19))  # 14 tokens: 3 full pages and 2 tokens of a fourth
+    row_bytes = server.model.config.mla_cache_dim * 4  # a token's latents in the one MLA layer (fp32)
+    engine = Engine(server.model, server.tokenizer, max_requests=3, prefill_chunk=16, block_size=size,
+                    prefix_cache_bytes=None)  # (16: the n=1 prompts are read alone, as the first twin is)
+    steps = []  # after each decode forward of three rows: pages held, and those its rows' tokens fill
+    decode = engine._decode
+
+    def watched():
+        decode()
+        if len(engine.batch) == 3:
+            steps.append((engine.paged.pages_held, sum(-(-length // size) for length in engine.paged.lengths)))
+
+    engine._decode = watched
+    try:
+        results = {}
+        for name, sampling, n in (("greedy", Sampling(max_tokens=6, temperature=0.0), 3),
+                                  ("sampled", Sampling(max_tokens=6, temperature=1.0, seed=7), 3),
+                                  ("alone", None, 1)):
+            copied, steps[:] = engine.stats["latent_bytes_copied"], []
+            if n == 3:
+                [jobs] = _run_jobs(lambda loop: [(engine, _request(ids, sampling, loop, 3))])
+            else:  # three requests at once, each with one twin's seed: rows of their own
+                jobs = [job for [job] in _run_jobs(lambda loop: [
+                    (engine, [Job(ids, Sampling(max_tokens=6, temperature=1.0, seed=7 + i), loop)])
+                    for i in range(3)])]
+            results[name] = ([job.new_ids for job in jobs], engine.stats["latent_bytes_copied"] - copied, list(steps))
+        greedy, sampled, alone = results["greedy"], results["sampled"], results["alone"]
+        assert greedy[0] == [server.alone(ids, 6)] * 3
+        assert sampled[0] == alone[0] and len({tuple(t) for t in sampled[0]}) > 1  # the twins' draws differ
+        # bytes written into pages: the prompt once and a partial page a twin, against the prompt a row
+        assert greedy[1] == sampled[1] == (14 + 2 * 2) * row_bytes and alone[1] == 3 * 14 * row_bytes
+        for shared in (greedy[2], sampled[2]):
+            assert shared and all(held == filled - 2 * 3 for held, filled in shared)  # 3 pages held once, not thrice
+        assert alone[2] and all(held == filled for held, filled in alone[2])
+        engine.stop()
+        assert engine.paged.pages_held == 0 and sorted(engine.paged.free) == list(range(1, engine.paged._pool_pages))
+    finally:
+        engine.stop()
+
+
+def test_a_twin_preempted_under_a_byte_budget_frees_only_its_own_pages_and_keeps_its_tokens(server):
+    """n=3 greedy under a pool that cannot hold the three sequences at their longest: the twin that arrived last is
+    preempted while it shares the prompt's pages; it gives up only the pages no other row holds (none is freed twice
+    or while held), is read again and rejoins, and every sequence ends with generate()'s tokens and every page
+    free."""
+    from kimik3.serve import Engine
+
+    # 12 tokens: 3 whole pages shared (a twin sets no page aside while it reads); 23 at the end, 6 + 3 + 3 pages
+    size, pool, ids = 4, 10, list(range(5, 17))
+    engine = Engine(server.model, server.tokenizer, max_requests=3, prefill_chunk=16, block_size=size,
+                    max_cache_bytes=_budget(server, pool, size, 3))
+    seen = []  # per preemption: the job's `n` index, the pages it shared with the first row
+    preempt = engine._preempt
+
+    def watched(job):
+        paged = engine.paged
+        tables = {other: paged.block_tables[row] for row, other in enumerate(engine.batch)}
+        held = set(tables.get(job, []))
+        others = {page for other, table in tables.items() if other is not job for page in table}
+        seen.append((job.index, len(held & others)))
+        preempt(job)
+        free = paged.free
+        assert len(set(free)) == len(free) and not others & set(free)  # nothing freed twice, nor held by another
+        assert set(free) == set(range(1, pool + 1)) - others and paged.pages_held == len(others)
+
+    engine._preempt = watched
+    try:
+        [jobs] = _run_jobs(lambda loop: [(engine, _request(ids, Sampling(max_tokens=12, temperature=0.0), loop, 3))])
+        assert [job.new_ids for job in jobs] == [server.alone(ids, 12)] * 3
+        assert (2, 3) in seen  # the last twin, sharing the prompt's 3 pages
+        engine.stop()
+        assert engine.paged.pages_held == 0 and sorted(engine.paged.free) == list(range(1, pool + 1))
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("options, named", [
     ({"block_size": 0}, "block_size=0 (--block-size) must be a whole number of tokens >= 1"),
     ({"max_cache_bytes": 1000}, "max_cache_bytes=1,000 (--max-cache-bytes) holds no page"),
@@ -562,7 +714,7 @@ def test_a_pool_that_cannot_work_is_refused_by_flag(server, options, named):
 
 
 def test_a_batch_that_cannot_be_joined_ends_its_requests_by_name(server, monkeypatch):
-    def refuse(self, caches):
+    def refuse(self, caches, twins=None):
         raise RuntimeError("no room to join")
 
     monkeypatch.setattr(server.engine.cache_code.KimiK3PagedCache, "add_rows", refuse)
