@@ -19,6 +19,9 @@
             joining row's own latents) against what a left-padded batch rebuilt at every regroup copies (every row
             padded to the longest, computed from the rows after each regroup); with --max-cache-bytes, the
             preemptions and the tokens recomputed
+  twins     the same engine with 3 requests of n=4 (sampled, seeded; prompts of 130-500 tokens, 16 tokens each):
+            latent bytes written into pages and the most pages held at a decode step, with the twins sharing their
+            prompt's full pages and with every twin writing pages of its own (as before the sharing)
   step      one MLA layer's cache work in a decode step at K3's latent width (576 values, bf16; 8 rows of 1K-4K
             tokens): the paged cache's write + gather (and its slot set-up, once a step) against torch.cat of the
             padded batch, on the CPU or --device
@@ -85,6 +88,55 @@ def regroup(max_cache_bytes: int | None, block_size: int) -> dict:
             "tokens_recomputed": stats["tokens_recomputed"], "prompt_bytes": sum(lengths) * per_token}
 
 
+def twins(block_size: int) -> dict:
+    from kimik3.chat import load_chat
+    from kimik3.serve import Engine, Job, Sampling
+    from kimik3.tiny import write_tiny_folder
+
+    folder = tempfile.mkdtemp() + "/tiny"
+    write_tiny_folder(folder, num_hidden_layers=2, seed=3)
+    _, model = load_chat(folder)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 400, (length,), generator=generator).tolist() for length in (300, 500, 130)]
+    report = {}
+    for shared in (True, False):
+        engine = Engine(model, None, max_requests=12, prefill_chunk=64, prefix_cache_bytes=0, block_size=block_size)
+        if not shared:  # every twin written into pages of its own
+            add_rows = engine.paged.add_rows
+            engine.paged.add_rows = lambda caches, twins=None: add_rows(caches)
+        peak, decode = [0], engine._decode
+
+        def watched():
+            decode()
+            peak[0] = max(peak[0], engine.paged.pages_held)
+
+        engine._decode = watched
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            requests = []
+            for ids in prompts:
+                sampling = Sampling(max_tokens=16, temperature=1.0, seed=5)
+                jobs = [Job(ids, sampling, loop)]
+                jobs += [Job(ids, sampling, loop, index, twin=jobs[0]) for index in range(1, 4)]
+                engine.submit(jobs)
+                requests.append(jobs)
+            for jobs in requests:
+                for job in jobs:
+                    while await job.mailbox.get() is not None:
+                        pass
+            return [job.new_ids for jobs in requests for job in jobs]
+
+        try:
+            tokens = asyncio.run(run())
+        finally:
+            engine.stop()
+        report["shared" if shared else "own"] = {"bytes": engine.stats["latent_bytes_copied"], "peak_pages": peak[0],
+                                                 "tokens": tokens}
+    report["same_tokens"] = report["shared"]["tokens"] == report["own"]["tokens"]
+    return report
+
+
 def step(device: str, repeats: int = 20) -> dict:
     cache_code = importlib.import_module("kimik3.modeling.cache_kimi_k3")
     width, lengths = 576, [1024, 4096, 2048, 3000, 1500, 3500, 2500, 4000]
@@ -139,6 +191,11 @@ def main() -> None:
           f"hold {moved['prompt_bytes']:,}; pool {moved['pool_bytes']:,} bytes, its growth copied "
           f"{moved['pool_bytes_copied']:,}; {moved['preemptions']} preemptions, {moved['tokens_recomputed']} tokens "
           "recomputed")
+    pair = twins(args.block_size)
+    print(f"twins ({args.block_size}-token pages, 3 requests of n=4): latents written into pages "
+          f"{pair['shared']['bytes']:,} bytes shared against {pair['own']['bytes']:,} each twin its own; most pages "
+          f"held at a step {pair['shared']['peak_pages']} against {pair['own']['peak_pages']}; the same tokens: "
+          f"{pair['same_tokens']}")
     cost = step(args.device)
     print(f"step ({args.device}, one MLA layer, 8 rows of 1K-4K tokens, bf16): torch.cat of the padded batch "
           f"{cost['cat_ms']:.2f} ms; paged write + gather {cost['paged_16_ms']:.2f} ms at 16-token pages "
