@@ -57,7 +57,8 @@ class Sampling:
 class Job:
     """One sequence being generated: its prompt, its cache while it prefills alone, what it has produced (ids and,
     with `logprobs`, each one's log-probability and the top ones), and the mailbox its HTTP handler reads (token ids
-    as they come, then None). `twin`: the job of the same request whose prefill it shares (`n` > 1)."""
+    as they come, then None). `twin`: the job of the same request whose prefill it shares (`n` > 1), and in the paged
+    batch the prompt's full pages."""
 
     def __init__(self, prompt_ids: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop, index: int = 0,
                  twin: "Job | None" = None):
@@ -204,7 +205,8 @@ class Engine:
     its own cache: a long prompt never holds up the others' decode), then one batched decode forward for every job
     past its prompt, their rows in one paged cache (`KimiK3PagedCache`: MLA latents in pages of `block_size` tokens
     through a block table per row, KDA states and conv windows stacked per row). Jobs join the batch at the step
-    after their prompt ends (their latents written into pages once) and leave at the step they finish or their client
+    after their prompt ends (their latents written into pages once; the `n` sequences of a request share the prompt's
+    full pages) and leave at the step they finish or their client
     goes away (their pages freed, nothing copied for the others). With `max_cache_bytes` the pool is fixed: a prompt
     starts reading only when the pages its cache will take are free, and a decode step that finds too few free pages
     preempts the sequence that arrived last (`_make_room`). With a prefix store (`prefix_cache_bytes`), a prompt
