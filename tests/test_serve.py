@@ -702,6 +702,32 @@ def test_a_twin_preempted_under_a_byte_budget_frees_only_its_own_pages_and_keeps
         engine.stop()
 
 
+def test_a_twin_that_cannot_join_beside_its_first_sequence_reads_the_prompt_into_pages_of_its_own(server):
+    """Under a pool that holds one sequence, the twin (which would set aside only its partial page) cannot start
+    beside its first sequence: it waits, then reads the prompt itself, setting its full pages aside anew; both get
+    generate()'s tokens, each prompt is written into pages whole, and no page is left held."""
+    from kimik3.serve import Engine
+
+    size, pool, ids = 4, 4, list(range(5, 19))  # 14 tokens + 2: 4 pages, the whole pool
+    engine = Engine(server.model, server.tokenizer, max_requests=2, prefill_chunk=16, block_size=size,
+                    max_cache_bytes=_budget(server, pool, size, 2))
+    reads, read = [], engine._read  # per chunk read: the job's `n` index, whether it reads for itself, pages aside
+
+    def watched(job):
+        reads.append((job.index, job.twin is None, job.pages))
+        return read(job)
+
+    engine._read = watched
+    try:
+        [jobs] = _run_jobs(lambda loop: [(engine, _request(ids, Sampling(max_tokens=2, temperature=0.0), loop, 2))])
+        assert [job.new_ids for job in jobs] == [server.alone(ids, 2)] * 2
+        assert (1, False, 1) in reads and reads[-1] == (1, True, 4)  # its partial page aside, then its own 4
+        assert engine.stats["latent_bytes_copied"] == 2 * 14 * server.model.config.mla_cache_dim * 4
+        assert engine.stats["preemptions"] == 0 and engine.paged.pages_held == 0 and engine.paged.free_pages == pool
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("options, named", [
     ({"block_size": 0}, "block_size=0 (--block-size) must be a whole number of tokens >= 1"),
     ({"max_cache_bytes": 1000}, "max_cache_bytes=1,000 (--max-cache-bytes) holds no page"),
