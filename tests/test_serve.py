@@ -506,10 +506,6 @@ def test_twins_share_their_prompts_full_pages_and_each_copies_its_partial_page(s
     with torch.no_grad():
         model(input_ids=torch.tensor([ids]), past_key_values=source, use_cache=True)
     paged = code.KimiK3PagedCache(model.config, block_size=size)
-    with pytest.raises(ValueError, match=re.escape("twins[1]=0 must be None or the position of an earlier cache of "
-                                                   "the same length (9 tokens; the lengths are [14, 9])")):
-        paged.add_rows([source, _filled(server, 9)], twins=[None, 0])  # case paged-twins-of-another-length
-    assert paged.pages_held == 0 and paged.latent_bytes_copied == 0  # nothing taken
     paged.add_rows([source, source.copy_prefix(14), source.copy_prefix(14)], twins=[None, 0, 0])
     assert paged.latent_bytes_copied == (14 + 2 * 2) * row_bytes  # the prompt once, then a partial page a twin
     tables = paged.block_tables
@@ -592,6 +588,19 @@ def test_a_byte_budget_preempts_the_sequence_that_arrived_last_and_its_tokens_do
             <= engine.max_cache_bytes
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("lengths, twins, named", [
+    ((14, 9), [None, 0], "twins[1]=0 must be None or the position of an earlier cache of the same length (9 tokens; "
+                         "the lengths are [14, 9])"),
+    ((9, 9), [1, None], "twins[0]=1 must be None or the position of an earlier cache of the same length"),
+    ((9, 9), [None], "1 twins for 2 caches"),
+], ids=["paged-twins-of-another-length", "paged-twin-of-a-later-row", "paged-twins-not-one-a-cache"])
+def test_rows_that_cannot_share_pages_are_refused_by_name(server, lengths, twins, named):
+    paged = server.engine.cache_code.KimiK3PagedCache(server.model.config, block_size=4)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        paged.add_rows([_filled(server, length) for length in lengths], twins=twins)
+    assert paged.pages_held == 0 and paged.latent_bytes_copied == 0  # nothing taken
 
 
 def _run_jobs(jobs_of):
