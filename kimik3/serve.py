@@ -400,14 +400,10 @@ class Engine:
             source = job.twin
             if source.last_logits is None and not source.done:
                 return False  # its source still reads the prompt
-            if source.cache_after_prompt is None:
+            if source.cache_after_prompt is None or (source.done and self.paged.num_pages is not None):
                 # the source failed or went away before its prompt ended, or read it at a step this job could not
-                # (no pages free then): it reads the prompt itself, into pages of its own, which are set aside anew
-                job.twin, job.pages, job.admitted = None, 0, False
-                return False
-            if source.done and self.paged.num_pages is not None:
-                # the source ended at its first token and does not join: under a fixed pool this job set aside its
-                # partial page only, so it reads the prompt itself into pages of its own, set aside anew
+                # (no pages free then), or ended at its first token and does not join (under a fixed pool this job
+                # set aside its partial page only): it reads the prompt itself, into pages of its own, set aside anew
                 job.twin, job.pages, job.admitted = None, 0, False
                 return False
             job.cache = source.cache_after_prompt.copy_prefix(len(job.prompt_ids))
@@ -632,8 +628,7 @@ class Engine:
             job.resume_ids = job.prompt_ids + job.new_ids[:-1]
             with self.lock:
                 self.reading.insert(0, job)
-        job.cache, job.prefilled, job.pages, job.twin, job.images_read = None, 0, 0, None, False
-        job.admitted = False
+        job.cache, job.prefilled, job.pages, job.twin, job.images_read, job.admitted = None, 0, 0, None, False, False
         self.stats["preemptions"] += 1
 
     @torch.no_grad()
