@@ -14,7 +14,10 @@ run while the chosen experts cross), and with `one_stream` also on the compute s
 (section `host`) the chosen experts the cache lacks computed where they live (`experts_compute`): "host" (always on
 the CPU, the format's kernel over the packed bytes; decode only, a long chunk's every route on the CPU takes
 minutes) and "auto" (per forward, whichever the rates measured at the start say is faster), decode and prefill;
-`--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times the CPU route's
+section `loop` times generate()'s decode loop on a static cache (`loop_decode`: the slice on the GPU captured
+whole, and with the experts in host memory the step captured piece by piece between the routes' reads, each of
+"device", "host" and "auto"; section `loop_held`: every expert placed on the GPU, so that only the routes' reads
+and the pieces differ from the slice on the GPU); `--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times the CPU route's
 stages per MoE layer (the whole route, the CPU's share, the waits before and after it) and section `profile` writes torch's
 profiler table of a few such steps at batch 1 (`--profile-out`; `--profile-trace` for their timeline). The `host_experts` rows time one MoE layer's share of
 a decode step on the CPU alone (the kernel, and the reference it replaces) against moving the same experts, with the host's measured DRAM
@@ -95,6 +98,47 @@ def decode(model, batch, context, steps, cache_stats=None, around_steps=contextl
         if "host_routes" in after:
             out.update(host_routes_per_step=(after["host_routes"] - before["host_routes"]) / len(steady),
                        host_experts_per_step=(after["host_experts"] - before["host_experts"]) / len(steady))
+    return out
+
+
+def loop_decode(model, batch, context, blocks=8, warm_blocks=2, profiler=None):
+    """ms per step of generate()'s decode loop on a static cache (greedy, 8 steps a block): the whole step captured
+    as one CUDA graph for a model on the GPU, the step captured piece by piece between the routes' reads with the
+    experts in host memory (generate_kimi_k3's `piecewise_decode_step`). Timed between the loop's host reads (each
+    ends a block), after the first token's read and `warm_blocks` blocks (compile, warm-up, capture); `compile_s`:
+    the first call's wall time beyond its steady blocks. `profiler` (a cProfile.Profile): enabled over the timed
+    blocks."""
+    from kimik3.modeling import generate_kimi_k3 as loop
+
+    ids = torch.randint(3, model.config.vocab_size - 1, (batch, context), device="cuda")
+    reads, read = [], loop.DecodeLoop._read
+
+    def timed_read(this, count, *args):
+        going = read(this, count, *args)
+        reads.append((time.perf_counter(), count))
+        if profiler is not None and len(reads) == 1 + warm_blocks:
+            profiler.enable()
+        return going
+
+    loop.DecodeLoop._read = timed_read
+    try:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            loop.generate(ids, model=model, cache_implementation="static", do_sample=False,
+                          max_new_tokens=1 + loop.DEFAULT_BLOCK_STEPS * (warm_blocks + blocks))
+        wall = time.perf_counter() - start
+    finally:
+        loop.DecodeLoop._read = read
+        if profiler is not None:
+            profiler.disable()
+    steady = reads[1 + warm_blocks:]
+    seconds = (steady[-1][0] - reads[warm_blocks][0]) / sum(count for _, count in steady)
+    out = {"batch": batch, "context": context, "steps_timed": sum(count for _, count in steady),
+           "ms_per_step": round(seconds * 1e3, 3), "tokens_per_s": round(batch / seconds, 2),
+           "compile_s": round(wall - seconds * loop.DEFAULT_BLOCK_STEPS * (warm_blocks + blocks), 1)}
+    cache = getattr(model, "experts_cache", None)
+    if cache is not None:
+        out["compute"] = cache.compute
     return out
 
 
@@ -258,7 +302,10 @@ def main():
     parser.add_argument("--sections", default="gpu,offload,host,accelerate",
                         help="which to run, comma-separated: gpu (the slice on the GPU), offload (copies on the copy "
                              "stream), one_stream (copies on the compute stream), host "
-                             "(experts_compute host/auto and the CPU kernel), split (where the CPU route's time goes, "
+                             "(experts_compute host/auto and the CPU kernel), loop (generate()'s decode loop: the "
+                             "slice captured whole on the GPU, piecewise with the experts in host memory), loop_held (piecewise with every "
+                             "expert placed on the GPU), "
+                             "split (where the CPU route's time goes, "
                              "per MoE layer), profile (torch.profiler's table of b=1 host decode steps, to "
                              "--profile-out), accelerate")
     args = parser.parse_args()
@@ -298,6 +345,9 @@ def main():
             emit(f"gpu.decode_b{batch}", decode(model, batch, args.context, args.steps))
         for tokens in chunks:
             emit(f"gpu.prefill_{tokens}", prefill(model, tokens))
+    if "loop" in sections:  # the slice on the GPU through the captured decode loop: the GPU's side captured whole
+        for batch in batches:
+            emit(f"gpu.loop_decode_b{batch}", loop_decode(model, batch, args.context))
 
     capacity = max(1, int(args.experts * args.cache_fraction))
     cache = offload_routed_experts(experts, "host", capacity * per_expert * len(experts))
@@ -348,12 +398,43 @@ def main():
             for tokens in chunks if compute == "auto" else ():
                 emit(f"compute_{compute}.prefill_{tokens}", prefill(model, tokens, repeats=1))
         cache.compute = "device"
+    if "loop" in sections:  # the decode loop with the step captured piece by piece between the routes' reads
+        if "host" not in sections:  # "auto" decides by the rates measured here
+            cache.rates = measure_host_rates(experts[0], torch.device("cuda"))
+        cache.side_stream = True
+        for compute in ("device", "host", "auto"):
+            cache.compute = compute
+            cache.clear()
+            for batch in batches:
+                emit(f"loop_{compute}.decode_b{batch}", loop_decode(model, batch, args.context))
+        cache.compute = "device"
+    if "loop_held" in sections:  # every expert placed on the GPU: what the routes' reads and the pieces cost alone
+        cache.compute, cache.capacity = "device", args.experts
+        cache.clear()
+        for module in experts:
+            cache.place(module.offload.layer, list(range(args.experts)), module.stacks(), torch.device("cuda"))
+        # batch 1: at 8 the compact stacks of the chosen experts no longer fit beside every expert
+        emit("held.decode_b1", decode(model, 1, args.context, args.steps, stats))
+        emit("loop_held.decode_b1", loop_decode(model, 1, args.context))
+        if "profile" in sections:  # where the host's time goes in steady piecewise steps (the device idles then)
+            import cProfile
+            import io
+            import pstats
+
+            profiler = cProfile.Profile()
+            loop_decode(model, 1, args.context, blocks=4, profiler=profiler)
+            text = io.StringIO()
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+            Path(args.profile_out).write_text(text.getvalue())
+            emit("loop_held.profile", {"written": args.profile_out})
+        cache.clear()
     if "split" in sections:
         cache.side_stream = True
         for batch in batches:
             emit(f"split.decode_b{batch}", split_timings(model, cache, len(experts), batch, args.context,
                                                           args.steps))
-    if "profile" in sections:
+    if "profile" in sections and "loop_held" not in sections:
         Path(args.profile_out).write_text(profile_table(model, cache, args.context, trace=args.profile_trace))
         emit("profile", {"written": args.profile_out})
     for threads in [int(t) for t in args.host_threads.split(",") if t]:

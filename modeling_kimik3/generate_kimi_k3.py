@@ -190,8 +190,6 @@ def loop_refusal(model, logits_processor, stopping_criteria, generation_config, 
     if has_eos and getattr(cache, "_is_user_defined", False):
         # a block runs on after the last row stopped, and a cache the caller keeps would hold those steps
         return "a cache passed in, with eos ids (the loop may run past the last token)"
-    if getattr(model, "experts_cache", None) is not None:
-        return "routed experts in host memory"
     if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
         return "a model split across devices"
     if torch.distributed.is_available() and torch.distributed.is_initialized() and \
@@ -229,6 +227,9 @@ def decode_loop(model, input_ids, logits_processor, stopping_criteria, generatio
         streamer.put(input_ids.cpu())
     reason = "synced_gpus" if synced_gpus else loop_refusal(model, logits_processor, stopping_criteria,
                                                             generation_config, model_kwargs)
+    if reason is None and speculative and _experts_off_device(model):
+        # a round is captured whole, and the host reads each layer's routes inside it
+        reason = "speculative rounds with routed experts in host memory"
     if reason is None and speculative:
         reason = speculation_refusal(model, decode_draft, decode_proposals, logits_processor)
         if reason is not None:
@@ -399,6 +400,40 @@ def compiled_decode_step():
     return _COMPILED_STEP
 
 
+_PIECEWISE_STEP = None
+# how the piecewise step compiles: inductor's pieces, each captured and replayed by torch's cudagraph trees (which
+# keep the weights and the static cache's buffers in place and let a piece write the cache)
+PIECEWISE_OPTIONS = {"mode": "reduce-overhead"}
+
+
+def _experts_off_device(model) -> bool:
+    """Whether the model keeps its routed experts in host memory (`experts_offload`): the host reads each MoE
+    layer's routes during the step, so the step cannot be one graph."""
+    return getattr(model, "experts_cache", None) is not None
+
+
+def piecewise_decode_step():
+    """`decode_step` for a model whose routed experts live in host memory, compiled once per process: the expert
+    module's offloaded calls (where the host reads the routes, moves experts, starts the CPU's share) are
+    `torch.compiler.disable`d, so the step breaks its graph there and nowhere else, and torch's cudagraph trees
+    capture each piece between two reads as a CUDA graph and replay it (`PIECEWISE_OPTIONS`). Each layer is its own
+    compiled frame (the cache is indexed by its number), hence the recompile limits scaled by the layers; the layers'
+    pieces are the same graphs, so inductor's cache compiles each kind once."""
+    global _PIECEWISE_STEP
+    if _PIECEWISE_STEP is None:
+        compiled = torch.compile(decode_step, dynamic=False, **PIECEWISE_OPTIONS)
+
+        def step(model, *args):
+            layers = model.config.get_text_config().num_hidden_layers
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out: reuse them
+            with torch._dynamo.config.patch(recompile_limit=4 * layers + 8,
+                                            accumulated_recompile_limit=16 * layers + 256):
+                return compiled(model, *args)
+
+        _PIECEWISE_STEP = step
+    return _PIECEWISE_STEP
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The loop
 
@@ -428,8 +463,11 @@ class DecodeLoop:
         self.keys = row_keys(0 if seed is None else seed, batch, device)
         self.row = torch.zeros(1, dtype=torch.long, device=device)
         self.record = torch.zeros(block_steps, batch + 1, dtype=torch.long, device=device)
-        self.step_fn = compiled_decode_step() if compiled else decode_step
-        self.use_graph = compiled and device.type == "cuda"
+        piecewise = _experts_off_device(model)
+        self.step_fn = decode_step if not compiled else piecewise_decode_step() if piecewise \
+            else compiled_decode_step()
+        # a step whose host reads routes is captured piece by piece (its compiled step's own graphs), not whole
+        self.use_graph = compiled and device.type == "cuda" and not piecewise
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps_run = 0
 

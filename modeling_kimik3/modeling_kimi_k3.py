@@ -654,7 +654,14 @@ class KimiK3Experts(nn.Module):
         """With the experts kept in host memory, starts moving the chosen ones to `device` and returns the move
         (`offload_kimi_k3.ExpertFetch`) for `forward`; None otherwise. The block calls it right after its router, so
         that the copies overlap what it computes before the routed experts."""
-        return None if self.offload is None else self.offload.fetch(top_indices, self.stacks(), device)
+        return None if self.offload is None else self._fetch_offloaded(top_indices, device)
+
+    # The host reads the routes in these three (offload_kimi_k3.py): a compiled decode step breaks its graph at each
+    # call, so the pieces between the reads are its captured graphs (docs/design.md, Routed experts computed where
+    # they live)
+    @torch.compiler.disable
+    def _fetch_offloaded(self, top_indices: torch.Tensor, device: torch.device):
+        return self.offload.fetch(top_indices, self.stacks(), device)
 
     def forward(self, hidden_states: torch.Tensor, top_indices: torch.Tensor, top_weights: torch.Tensor,
                 fetched=None):
@@ -692,15 +699,21 @@ class KimiK3Experts(nn.Module):
             # the experts an unmerged adapter runs: the stored ones decoded plus its update, as a merged model's
             stacks, fmt = self.dense_stacks(updates[0].dtype, updates), DENSE_EXPERTS
         if self.offload is not None:
-            # experts kept in host memory: the chosen ones, compacted on this device, or some computed on the CPU
-            # where they are (offload_kimi_k3.py)
-            fetched = fetched if fetched is not None else self.fetch(top_indices, hidden_states.device)
-            if fetched.host_ids:
-                return self.offload.routed_split(hidden_states, top_indices, top_weights, fetched,
-                                                 *self._host_share_args())
-            top_indices, stacks = fetched.wait()
+            return self._routed_offloaded(hidden_states, top_indices, top_weights, fetched)
         return self._run(hidden_states, top_indices, top_weights, stacks, fmt)
 
+    @torch.compiler.disable
+    def _routed_offloaded(self, hidden_states, top_indices, top_weights, fetched):
+        # experts kept in host memory: the chosen ones, compacted on this device, or some computed on the CPU where
+        # they are (offload_kimi_k3.py)
+        fetched = fetched if fetched is not None else self._fetch_offloaded(top_indices, hidden_states.device)
+        if fetched.host_ids:
+            return self.offload.routed_split(hidden_states, top_indices, top_weights, fetched,
+                                             *self._host_share_args())
+        top_indices, stacks = fetched.wait()
+        return self._run(hidden_states, top_indices, top_weights, stacks, self.format)
+
+    @torch.compiler.disable
     def start_host_share(self, hidden_states: torch.Tensor, fetched) -> None:
         """Starts the CPU's share of `fetched` (its chosen experts computed on the CPU) over `hidden_states` on the
         cache's worker thread, where `fetch` chose some; `forward` then only adds the device's share. The block calls

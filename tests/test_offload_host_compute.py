@@ -182,3 +182,40 @@ def test_the_kernel_runs_the_cpu_share_when_asked(models):
         got, want = model(ids).logits, reference(ids).logits
     assert model.experts_cache.kernel_calls > 0
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_compiled_loop_breaks_its_step_only_where_the_host_reads_routes(monkeypatch):
+    """With the experts in host memory the decode loop's compiled step is piecewise (generate_kimi_k3's
+    `piecewise_decode_step`): the graph breaks at the expert module's offloaded calls and nowhere else (a break
+    anywhere else would be a piece CUDA cannot capture, or a sync inside one), a second generation with a new cache
+    compiles nothing new, and the tokens are the one-device model's. The backend records the pieces (on CUDA, torch's
+    cudagraph trees capture them: tests/gpu/test_offload_host_compute_gpu.py)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import kimik3.modeling.generate_kimi_k3 as loop
+
+    pieces = []
+
+    def recording(graph, inputs):
+        pieces.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(loop, "PIECEWISE_OPTIONS", {"backend": recording})
+    monkeypatch.setattr(loop, "_PIECEWISE_STEP", None)
+    reference = build_tiny_model(num_hidden_layers=2, seed=1, num_experts=16, top_k=6).eval()
+    model = _placed(reference, "host")
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=5, do_sample=False, cache_implementation="static", decode_block_steps=2)
+    want = loop.generate(ids, model=reference, decode_compile=False, **kwargs)
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(loop.generate(ids, model=model, decode_compile=True, **kwargs), want)
+    compiled = len(pieces)
+    assert compiled > 0 and model.experts_cache.host_routes > 0
+    offloaded_calls = ("_fetch_offloaded", "start_host_share", "_routed_offloaded")
+    breaks = counters["graph_break"]
+    assert breaks and all(any(name in reason for name in offloaded_calls) for reason in breaks), list(breaks)
+    assert torch.equal(loop.generate(ids, model=model, decode_compile=True, **kwargs), want)
+    assert len(pieces) == compiled
+    torch._dynamo.reset()

@@ -63,3 +63,38 @@ def test_bf16_stays_as_close_as_the_gpu_models_own_bf16(on_gpu):
         got = (placed(ids).logits.float() - exact).abs().max().item()
     assert placed.experts_cache.host_routes > 0
     assert got <= 2 * own + 1e-3, (got, own)
+
+
+@pytest.mark.parametrize("compute", ["device", "host"])
+def test_the_decode_loop_captures_the_step_piece_by_piece(on_gpu, compute, monkeypatch):
+    """With the experts in host memory the decode loop compiles its step with a graph break at each read of the
+    routes (generate_kimi_k3's `piecewise_decode_step`) and torch's cudagraph trees capture every piece: none is
+    skipped (`cudagraph_or_error` turns a skip into an error), CUDA graphs are captured, and the greedy tokens are
+    the GPU model's."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    from kimik3.modeling import generate_kimi_k3 as loop
+
+    model, _ = on_gpu
+    placed = _computed_on_host(model, compute)
+    captures, graph = [], torch.cuda.graph
+
+    def counted(*args, **kwargs):
+        captures.append(1)
+        return graph(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "graph", counted)
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
+    monkeypatch.setattr(loop, "_PIECEWISE_STEP", None)
+    torch._dynamo.reset()
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(8)).cuda()
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static")
+    want = loop.generate(ids, model=model, decode_compile=False, **kwargs)
+    got = loop.generate(ids, model=placed, decode_compile=True, **kwargs)
+    assert torch.equal(got, want)
+    moe_layers = sum(1 for m in placed.modules() if getattr(m, "offload", None) is not None)
+    assert len(captures) >= 2 * moe_layers  # at least the pieces before and after each layer's routed experts
+    cache = placed.experts_cache
+    assert (cache.host_routes > 0) == (compute == "host")
+    torch._dynamo.reset()
