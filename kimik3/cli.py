@@ -11,11 +11,11 @@ from kimik3.arguments import (bandwidth, context_tokens, gpu_memory_size, millis
 
 PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context", "nodes", "gpus_per_node", "tp", "ep",
                      "prefill_chunk", "hbm_bandwidth", "experts_offload", "host_mem", "experts_cache", "h2d_bandwidth",
-                     "disk_bandwidth", "experts_compute", "measure", "host_bandwidth", "eager_layer_ms",
+                     "disk_bandwidth", "experts_compute", "measure", "host_bandwidth", "piecewise_layer_ms",
                      "host_route_ms")
 # the options of the offload tiers' plan, which need --experts-offload
 OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth", "disk_bandwidth", "experts_compute", "measure",
-                        "host_bandwidth", "eager_layer_ms", "host_route_ms")
+                        "host_bandwidth", "piecewise_layer_ms", "host_route_ms")
 # the options that ask for the per-rank plan of a parallel layout instead of the one-process layer split
 PARALLEL_PLAN_OPTIONS = ("nodes", "gpus_per_node", "tp", "ep", "prefill_chunk", "hbm_bandwidth")
 
@@ -151,7 +151,7 @@ def _offload_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
                             experts_format=args.experts_format,
                             experts_cache=args.experts_cache and args.experts_cache[0], mode=args.experts_offload,
                             experts_compute=args.experts_compute or "device", **rates,
-                            **{name: value for name, value in (("eager_layer_s", args.eager_layer_ms),
+                            **{name: value for name, value in (("piecewise_layer_s", args.piecewise_layer_ms),
                                                                ("host_route_s", args.host_route_ms))
                                if value is not None},
                             **_given(args, "prefill_chunk", "h2d_bandwidth", "hbm_bandwidth", "disk_bandwidth"))
@@ -370,10 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --experts-offload: the DRAM read bytes/s of the host the plan is for, e.g. 300GB/s: the "
                         "CPU's experts run at the kernel's fraction of it (measured with --measure, else the fraction "
                         "docs/benchmarks.md records)")
-    p.add_argument("--eager-layer-ms", type=milliseconds,
-                   help="with --experts-offload: milliseconds one decoder layer takes in an eager decode step (such a "
-                        "model decodes eagerly; default 3.5, measured on an H100's host: bench_offload.py's gpu "
-                        "section at 2 and 4 layers gives yours)")
+    p.add_argument("--piecewise-layer-ms", type=milliseconds,
+                   help="with --experts-offload: milliseconds a MoE layer adds to a decode step beyond the GPU's own "
+                        "time (the decode loop captures the step between the routes' reads; default 1.5, measured on "
+                        "an H100's host: bench_offload.py's loop and loop_held sections give yours)")
     p.add_argument("--host-route-ms", type=milliseconds,
                    help="with --experts-offload: milliseconds a MoE layer computing experts on the CPU spends on the "
                         "route beyond the kernel (default 1.1, measured on an H100's host: bench_offload.py's split "

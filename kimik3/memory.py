@@ -778,12 +778,14 @@ HOST_EXPERTS_FLOPS_ASSUMED = 2e12
 # host (`--host-bandwidth`) without measuring it: what the kernel reached at one token an expert on an H100's 16-core
 # host (docs/benchmarks.md, "Routed experts computed on the host's CPU"); `--measure` replaces it with this machine's.
 HOST_KERNEL_FRACTION_ASSUMED = 0.53
-# A decode step with the routed experts off the device runs eagerly (the captured decode loop cannot hold the host
-# reads of each layer's routes: generate_kimi_k3's loop declines such a model), and at small batches an eager step is
-# bound by the CPU launching each layer's ops, not by the GPU. Seconds one decoder layer takes so, at K3's widths: an
-# ASSUMPTION, the slope of eager decode steps over 2 and 4 layers of the benchmark slice measured on an H100's host
-# (docs/benchmarks.md, "Routed experts computed on the host's CPU"); `--eager-layer-ms` gives yours.
-EAGER_LAYER_S_ASSUMED = 3.5e-3
+# A decode step with the routed experts off the device runs in the decode loop piecewise: the GPU's side is captured
+# between the host's reads of each MoE layer's routes (generate_kimi_k3's `piecewise_decode_step`), and at each read
+# the GPU idles while the host reads the routes, moves or hands off the experts, replays the next pieces and launches
+# the device's share of the routed experts eagerly. Seconds one MoE layer adds so beyond the GPU's own time: an
+# ASSUMPTION, (the piecewise step with every expert held on the GPU - the slice's step captured whole) / MoE layers,
+# (8.21..8.61 - 3.94) / 3 ms on an H100's host (docs/benchmarks.md, "Routed experts computed on the host's CPU");
+# `--piecewise-layer-ms` gives yours.
+PIECEWISE_LAYER_S_ASSUMED = 1.5e-3
 # Seconds a MoE layer whose missing experts run on the CPU spends on the route itself, beyond the kernel (the split,
 # the rows crossing to host memory, the worker's hand-off, the outputs back and the sums): an ASSUMPTION, measured by
 # bench_offload's split section on the same host (same section of docs/benchmarks.md); `--host-route-ms` gives yours.
@@ -831,14 +833,15 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
                  disk_bandwidth: float = DISK_BANDWIDTH_ASSUMED, experts_compute: str = "device",
                  host_bytes_per_s: float = HOST_EXPERTS_BYTES_ASSUMED,
                  host_flops: float = HOST_EXPERTS_FLOPS_ASSUMED, measured: dict | None = None,
-                 eager_layer_s: float = EAGER_LAYER_S_ASSUMED, host_route_s: float = HOST_ROUTE_S_ASSUMED) -> dict:
+                 piecewise_layer_s: float = PIECEWISE_LAYER_S_ASSUMED, host_route_s: float = HOST_ROUTE_S_ASSUMED) -> dict:
     """One GPU with the routed experts in host memory (`from_pretrained(..., experts_offload="host",
     experts_cache_bytes=...)`): the GPU holds every other weight, the cache at `context`, the prefill chunk's
     workspace plus the compact stack of one layer's chosen experts (a prefill chooses up to all of them), and the
     expert cache: `experts_cache` bytes, default all that is left. Raises PlanError for a cache the GPU cannot hold
     or one below the load's minimum (one expert per MoE layer).
-    Decode step bound = routed bytes moved / h2d_bandwidth + the larger of the GPU's own HBM bound and the eager
-    step's launch bound (layers x `eager_layer_s`: such a model decodes eagerly), no overlap counted; bytes moved =
+    Decode step bound = routed bytes moved / h2d_bandwidth + the GPU's own HBM bound + MoE layers x
+    `piecewise_layer_s` (the decode loop's step is captured between the routes' reads; each read costs that), no
+    overlap counted; bytes moved =
     MoE layers x expected_moved_experts(batch) x bytes of one expert. Prefill chunk bound: the larger of
     its transfer (each layer's chosen experts cross once, expected_moved_experts(chunk x batch)) and its compute
     at bf16 peak (2 x active matmul parameters a token; attention's score products not counted).
@@ -922,8 +925,8 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
                 "host_bytes": lacking * per_expert if where == "host" else 0.0}
 
     decode_layer = layer_seconds(batch_size)
-    eager_s = text.num_hidden_layers * eager_layer_s
-    decode_s = moe_layers * decode_layer["s"] + max(gpu_read / hbm_bandwidth, eager_s)
+    piecewise_s = moe_layers * piecewise_layer_s
+    decode_s = moe_layers * decode_layer["s"] + gpu_read / hbm_bandwidth + piecewise_s
     decode_moved = moe_layers * decode_layer["moved_bytes"]
 
     def prefill(size: int) -> dict:
@@ -951,7 +954,7 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
             "batch": batch_size, "prefill_chunk": chunk, "experts_format": experts_format,
             "h2d_bandwidth": h2d_bandwidth, "hbm_bandwidth": hbm_bandwidth, "bf16_flops": bf16_flops,
             "experts_compute": experts_compute, "host_bytes_per_s": host_bytes_per_s, "host_flops": host_flops,
-            "measured": measured or {}, "eager_layer_s": eager_layer_s, "host_route_s": host_route_s,
+            "measured": measured or {}, "piecewise_layer_s": piecewise_layer_s, "host_route_s": host_route_s,
             "disk_bandwidth": disk_bandwidth if disk else None,
             "moe_layers": moe_layers, "num_experts": experts, "top_k": top_k, "bytes_per_expert": per_expert,
             "host": {"experts": experts_bytes, "left": host_memory - (page_cache if disk else experts_bytes),
@@ -961,7 +964,7 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
                     "experts_cache": experts_cache, "left": left - experts_cache, "fits": left >= experts_cache},
             "cached_per_layer": cached, "hit_rate": cached / experts,
             "decode": {"moved_bytes": decode_moved, "gpu_bytes": gpu_read, "step_ms": decode_s * 1e3,
-                       "gpu_ms": gpu_read / hbm_bandwidth * 1e3, "eager_ms": eager_s * 1e3,
+                       "gpu_ms": gpu_read / hbm_bandwidth * 1e3, "piecewise_ms": piecewise_s * 1e3,
                        "tokens_per_s": batch_size / decode_s, "where": decode_layer["where"],
                        "host_bytes": moe_layers * decode_layer["host_bytes"],
                        "layer_copy_ms": decode_layer["copy_s"] * 1e3, "layer_host_ms": decode_layer["host_s"] * 1e3},
@@ -1073,8 +1076,8 @@ def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
     experts = _format(plan["experts_format"]).summary
     assumed = " (ASSUMED: PCIe 5.0 x16, not measured)" if plan["h2d_bandwidth"] == H2D_BANDWIDTH_ASSUMED else ""
     e, k = plan["num_experts"], plan["top_k"]
-    eager_assumed = (", ASSUMED: measured on an H100's host; --eager-layer-ms gives yours"
-                     if plan["eager_layer_s"] == EAGER_LAYER_S_ASSUMED else "")
+    piecewise_assumed = (", ASSUMED: measured on an H100's host; --piecewise-layer-ms gives yours"
+                         if plan["piecewise_layer_s"] == PIECEWISE_LAYER_S_ASSUMED else "")
     route_assumed = (", ASSUMED: measured on an H100's host; --host-route-ms gives yours"
                      if plan["host_route_s"] == HOST_ROUTE_S_ASSUMED else "")
     disk = plan["mode"] == "disk"
@@ -1117,10 +1120,10 @@ def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
         f"included{route_assumed}) -> {d['where']}; "
         + (f"{moved(d['moved_bytes'])}" if d["where"] == "device" else
            f"{fmt(d['host_bytes'])} read by the CPU")
-        + f" + the larger of {fmt(d['gpu_bytes'])} read / {plan['hbm_bandwidth'] / 1e12:.2f} TB/s HBM "
-        f"({d['gpu_ms']:,.1f} ms) and the eager step's launches ({text.num_hidden_layers} layers x "
-        f"{plan['eager_layer_s'] * 1e3:,.2f} ms = {d['eager_ms']:,.1f} ms{eager_assumed}) = {d['step_ms']:,.1f} ms "
-        f"({d['tokens_per_s']:,.2f} tokens/s; no overlap counted)",
+        + f" + {fmt(d['gpu_bytes'])} read / {plan['hbm_bandwidth'] / 1e12:.2f} TB/s HBM ({d['gpu_ms']:,.1f} ms) + "
+        f"the piecewise-captured loop's reads of the routes ({plan['moe_layers']} MoE layers x "
+        f"{plan['piecewise_layer_s'] * 1e3:,.2f} ms = {d['piecewise_ms']:,.1f} ms{piecewise_assumed}) = "
+        f"{d['step_ms']:,.1f} ms ({d['tokens_per_s']:,.2f} tokens/s; no overlap counted)",
         f"prefill chunk of {p['chunk']:,} tokens: experts {p['transfer_s']:,.2f} s ({p['where']}: "
         + (f"{fmt(p['moved_bytes'])} moved" if p["where"] == "device" else f"{fmt(p['host_bytes'])} read by the CPU")
         + f"), compute {p['compute_s']:,.2f} s at {plan['bf16_flops'] / 1e12:,.0f} TFLOP/s bf16 peak -> "

@@ -368,7 +368,7 @@ def test_expected_moved_experts_equal_the_offload_caches_counters(experts, top_k
 
 
 def test_release_on_one_h200_with_host_memory_says_what_fits_and_the_bounds(capsys):
-    from kimik3.memory import EAGER_LAYER_S_ASSUMED, H2D_BANDWIDTH_ASSUMED, expected_moved_experts
+    from kimik3.memory import H2D_BANDWIDTH_ASSUMED, PIECEWISE_LAYER_S_ASSUMED, expected_moved_experts
 
     base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--context",
             "128K"]
@@ -378,11 +378,12 @@ def test_release_on_one_h200_with_host_memory_says_what_fits_and_the_bounds(caps
     assert plan["gpu"]["experts_cache"] == plan["gpu"]["experts_cache"] + plan["gpu"]["left"]  # default: all left
     moved = 92 * expected_moved_experts(896, 16, 1, plan["cached_per_layer"]) * 17_547_264
     assert plan["decode"]["moved_bytes"] == pytest.approx(moved)
-    # beside the experts, the larger of the GPU's HBM read and the eager step's launches (93 layers at the assumed
-    # per-layer cost: an offloaded model decodes eagerly), which is the larger at batch 1
-    eager = 93 * EAGER_LAYER_S_ASSUMED
-    assert eager > plan["decode"]["gpu_bytes"] / 4.8e12 and plan["decode"]["eager_ms"] == pytest.approx(eager * 1e3)
-    assert plan["decode"]["step_ms"] == pytest.approx((moved / H2D_BANDWIDTH_ASSUMED + eager) * 1e3)
+    # beside the experts, the GPU's HBM read and the piecewise-captured loop's reads of the routes (92 MoE layers at
+    # the assumed cost of each)
+    pieces = 92 * PIECEWISE_LAYER_S_ASSUMED
+    assert plan["decode"]["piecewise_ms"] == pytest.approx(pieces * 1e3)
+    gpu = plan["decode"]["gpu_bytes"] / 4.8e12
+    assert plan["decode"]["step_ms"] == pytest.approx((moved / H2D_BANDWIDTH_ASSUMED + gpu + pieces) * 1e3)
     # a prefill chunk of C tokens moves each layer's distinct chosen experts once: at 8K all 896 (less the cached)
     assert main([*base, "--host-mem", "1000GB", "--batch", "8", "--experts-cache", "5GB", "--h2d-bandwidth",
                  "25GB/s"]) == 0
@@ -413,7 +414,7 @@ def test_the_plan_recommends_one_prefill_chunk_that_fits(capsys):
 
 
 def test_host_compute_plan_weighs_the_cpu_against_the_copy(capsys):
-    from kimik3.memory import EAGER_LAYER_S_ASSUMED, HOST_ROUTE_S_ASSUMED, expected_moved_experts
+    from kimik3.memory import HOST_ROUTE_S_ASSUMED, PIECEWISE_LAYER_S_ASSUMED, expected_moved_experts
 
     base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--host-mem",
             "1500GB", "--context", "128K", "--prefill-chunk", "1024", "--json"]
@@ -428,8 +429,8 @@ def test_host_compute_plan_weighs_the_cpu_against_the_copy(capsys):
     layer = max(lacking * 17_547_264 / 100e9, routes * 6 * 3072 * 3584 / 2e12) + routes * 4 * 3584 / 50e9 \
         + HOST_ROUTE_S_ASSUMED  # the route's own cost, beyond the kernel
     assert host["decode"]["layer_host_ms"] == pytest.approx(layer * 1e3)
-    eager = max(93 * EAGER_LAYER_S_ASSUMED, host["decode"]["gpu_bytes"] / 4.8e12)
-    assert host["decode"]["step_ms"] == pytest.approx((92 * layer + eager) * 1e3)
+    rest = host["decode"]["gpu_bytes"] / 4.8e12 + 92 * PIECEWISE_LAYER_S_ASSUMED
+    assert host["decode"]["step_ms"] == pytest.approx((92 * layer + rest) * 1e3)
     assert host["decode"]["moved_bytes"] == 0 and host["decode"]["where"] == "host"
     # at the assumed rates (the CPU's 100 GB/s against PCIe's 50) the CPU is faster at decode, the copy at prefill
     assert auto["decode"]["step_ms"] == host["decode"]["step_ms"] < device["decode"]["step_ms"]
@@ -479,32 +480,34 @@ def test_a_plan_for_another_hosts_dram_says_what_it_assumes(capsys):
             "docs/benchmarks.md records") in capsys.readouterr().out
 
 
-def test_the_plan_counts_the_eager_step_and_the_cpu_route_and_takes_yours(capsys):
-    """An offloaded model decodes eagerly: the step is bound by the CPU launching its layers' ops, and a MoE layer
-    computing on the CPU pays its route beside the kernel. Both are stated as assumed until given."""
+def test_the_plan_counts_the_reads_of_the_routes_and_the_cpu_route_and_takes_yours(capsys):
+    """An offloaded model's decode step is captured between the host's reads of each MoE layer's routes, and each
+    read costs the step time with the GPU idle; a MoE layer computing on the CPU also pays its route beside the
+    kernel. Both are stated as assumed until given."""
     base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--host-mem",
             "1500GB", "--context", "128K", "--prefill-chunk", "1024", "--experts-compute", "host"]
     plans = {}
-    for name, extra in (("assumed", []), ("given", ["--eager-layer-ms", "0.5", "--host-route-ms", "0.25"]),
-                        ("none", ["--eager-layer-ms", "0", "--host-route-ms", "0"])):
+    for name, extra in (("assumed", []), ("given", ["--piecewise-layer-ms", "0.5", "--host-route-ms", "0.25"]),
+                        ("none", ["--piecewise-layer-ms", "0", "--host-route-ms", "0"])):
         assert main([*base, *extra, "--json"]) == 0
         plans[name] = json.loads(capsys.readouterr().out)
     assumed, given, none = (plans[n]["decode"] for n in ("assumed", "given", "none"))
-    assert plans["given"]["eager_layer_s"] == 0.5e-3 and plans["given"]["host_route_s"] == 0.25e-3
-    assert given["eager_ms"] == pytest.approx(93 * 0.5) and none["eager_ms"] == 0
+    assert plans["given"]["piecewise_layer_s"] == 0.5e-3 and plans["given"]["host_route_s"] == 0.25e-3
+    assert given["piecewise_ms"] == pytest.approx(92 * 0.5) and none["piecewise_ms"] == 0
     # the route is a layer's fixed cost: the layer's share moves by it alone, the step by it per MoE layer
     assert given["layer_host_ms"] - none["layer_host_ms"] == pytest.approx(0.25)
-    assert given["step_ms"] - none["step_ms"] == pytest.approx(92 * 0.25 + 93 * 0.5 - none["gpu_ms"])
+    assert given["step_ms"] - none["step_ms"] == pytest.approx(92 * 0.25 + 92 * 0.5)
     # with neither, the step is the CPU's experts and the GPU's HBM read
     assert none["step_ms"] == pytest.approx(92 * none["layer_host_ms"] + none["gpu_ms"])
     assert assumed["step_ms"] > given["step_ms"] > none["step_ms"]
     assert main(base) == 0
     out = capsys.readouterr().out
-    assert "the eager step's launches (93 layers x 3.50 ms = 325.5 ms, ASSUMED: measured on an H100's host" in out
+    assert ("the piecewise-captured loop's reads of the routes (92 MoE layers x 1.50 ms = 138.0 ms, ASSUMED: "
+            "measured on an H100's host") in out
     assert "(the route's own 1.10 ms included, ASSUMED: measured on an H100's host" in out
-    assert main([*base, "--eager-layer-ms", "0.5", "--host-route-ms", "0.25"]) == 0
+    assert main([*base, "--piecewise-layer-ms", "0.5", "--host-route-ms", "0.25"]) == 0
     out = capsys.readouterr().out
-    assert "93 layers x 0.50 ms = 46.5 ms)" in out and "the route's own 0.25 ms included)" in out
+    assert "92 MoE layers x 0.50 ms = 46.0 ms)" in out and "the route's own 0.25 ms included)" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -524,12 +527,13 @@ def test_the_plan_counts_the_eager_step_and_the_cpu_route_and_takes_yours(capsys
                  id="memory-plan-compute-unknown"),
     pytest.param(["--h2d-bandwidth", "50GBs"], "argument --h2d-bandwidth: '50GBs' is not a bandwidth",
                  id="memory-plan-offload-bandwidth-typo"),
-    pytest.param(["--eager-layer-ms", "-1"], "argument --eager-layer-ms: '-1' is not a duration",
-                 id="memory-plan-eager-layer-negative"),
+    pytest.param(["--piecewise-layer-ms", "-1"], "argument --piecewise-layer-ms: '-1' is not a duration",
+                 id="memory-plan-piecewise-layer-negative"),
     pytest.param(["--host-route-ms", "nan"], "argument --host-route-ms: 'nan' is not a duration",
                  id="memory-plan-host-route-not-a-number"),
-    pytest.param(["--no-offload", "--no-host-mem", "--eager-layer-ms", "2"],
-                 "argument --eager-layer-ms: only with --experts-offload", id="memory-plan-eager-layer-without-offload"),
+    pytest.param(["--no-offload", "--no-host-mem", "--piecewise-layer-ms", "2"],
+                 "argument --piecewise-layer-ms: only with --experts-offload",
+                 id="memory-plan-piecewise-layer-without-offload"),
 ])
 def test_offload_plan_bad_input_exits_2_naming_the_option(capsys, argv, message):
     argv = list(argv)
