@@ -260,11 +260,9 @@ class Engine:
         """The pool's pages under a byte budget (None: no budget, a pool that grows): what the budget leaves after
         the KDA states and conv windows of `max_requests` sequences (fixed-size, one set a sequence), in pages of
         `block_size` tokens over every MLA layer, less the pool's zero page."""
-        size = self.block_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"block_size={size!r} (--block-size) must be a whole number of tokens >= 1")
         if max_cache_bytes is None:
-            return None
+            return None  # the pool checks the page size (cache_kimi_k3.check_block_size)
+        size = self.block_size
         page = self.cache_code.paged_page_bytes(self.text_config, size, self.dtype_bytes)
         states = max_requests * self.cache_code.snapshot_bytes(self.text_config, dtype_bytes=self.dtype_bytes)
         if max_cache_bytes < states + 2 * page:

@@ -705,6 +705,15 @@ class KimiK3StaticCache(KimiK3Cache):
 # A server's running batch: MLA latents in pages (docs/design.md, Serving)
 
 
+def check_block_size(block_size) -> int:
+    """A page's size in tokens (`KimiK3PagedCache`'s `block_size`, the server's `--block-size`): a whole number
+    >= 1, else a ValueError naming it."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"KimiK3PagedCache: block_size={block_size!r} (--block-size) must be a whole number of tokens "
+                         ">= 1")
+    return block_size
+
+
 def pages_for(num_tokens: int, block_size: int) -> int:
     """Pages of `block_size` tokens that hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
@@ -780,8 +789,7 @@ class KimiK3PagedCache(KimiK3Cache):
     where the rows are still equal), and a row's decode never writes a page another row reads."""
 
     def __init__(self, config, block_size: int = 64, num_pages: int | None = None):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"KimiK3PagedCache: block_size={block_size!r} must be a whole number of tokens >= 1")
+        check_block_size(block_size)
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
             raise ValueError(f"KimiK3PagedCache: num_pages={num_pages!r} must be a whole number >= 1 (None: a pool "
                              "that grows)")
@@ -1060,7 +1068,7 @@ class KimiK3PagedCache(KimiK3Cache):
 
 def paged_page_bytes(config, block_size: int, dtype_bytes: int = 2) -> int:
     """Bytes of one page of `block_size` tokens in every MLA layer's pool (what one page of a row holds)."""
-    return analytic_cache_bytes(config, block_size, dtype_bytes=dtype_bytes)["mla_kv"]
+    return analytic_cache_bytes(config, check_block_size(block_size), dtype_bytes=dtype_bytes)["mla_kv"]
 
 
 def analytic_cache_bytes(config, num_tokens: int, batch_size: int = 1, dtype_bytes: int = 2) -> dict[str, int]:
