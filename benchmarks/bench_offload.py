@@ -17,9 +17,11 @@ minutes) and "auto" (per forward, whichever the rates measured at the start say 
 section `loop` times generate()'s decode loop on a static cache (`loop_decode`: the slice on the GPU captured
 whole, and with the experts in host memory the step captured piece by piece between the routes' reads, each of
 "device", "host" and "auto"; section `loop_held`: every expert placed on the GPU, so that only the routes' reads
-and the pieces differ from the slice on the GPU); `--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times the CPU route's
-stages per MoE layer (the whole route, the CPU's share, the waits before and after it) and section `profile` writes torch's
-profiler table of a few such steps at batch 1 (`--profile-out`; `--profile-trace` for their timeline). The `host_experts` rows time one MoE layer's share of
+and the pieces differ from the slice on the GPU; with `profile`, a cProfile of the steady blocks to
+`--profile-out`); `--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times
+the CPU route's stages per MoE layer (the whole route, the CPU's share, the waits before and after it) and section
+`profile` writes torch's profiler table of a few such steps at batch 1 (`--profile-out`; `--profile-trace` for
+their timeline). The `host_experts` rows time one MoE layer's share of
 a decode step on the CPU alone (the kernel, and the reference it replaces) against moving the same experts, with the host's measured DRAM
 read bandwidth and the kernel's fraction of it.
 
@@ -303,8 +305,8 @@ def main():
                         help="which to run, comma-separated: gpu (the slice on the GPU), offload (copies on the copy "
                              "stream), one_stream (copies on the compute stream), host "
                              "(experts_compute host/auto and the CPU kernel), loop (generate()'s decode loop: the "
-                             "slice captured whole on the GPU, piecewise with the experts in host memory), loop_held (piecewise with every "
-                             "expert placed on the GPU), "
+                             "slice captured whole on the GPU, piecewise with the experts in host memory), "
+                             "loop_held (piecewise with every expert placed on the GPU), "
                              "split (where the CPU route's time goes, "
                              "per MoE layer), profile (torch.profiler's table of b=1 host decode steps, to "
                              "--profile-out), accelerate")

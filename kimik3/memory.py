@@ -783,7 +783,7 @@ HOST_KERNEL_FRACTION_ASSUMED = 0.53
 # the GPU idles while the host reads the routes, moves or hands off the experts, replays the next pieces and launches
 # the device's share of the routed experts eagerly. Seconds one MoE layer adds so beyond the GPU's own time: an
 # ASSUMPTION, (the piecewise step with every expert held on the GPU - the slice's step captured whole) / MoE layers,
-# (8.21..8.61 - 3.94) / 3 ms on an H100's host (docs/benchmarks.md, "Routed experts computed on the host's CPU");
+# (8.22..8.61 - 3.94) / 3 ms on an H100's host (docs/benchmarks.md, "The decode loop captured piece by piece");
 # `--piecewise-layer-ms` gives yours.
 PIECEWISE_LAYER_S_ASSUMED = 1.5e-3
 # Seconds a MoE layer whose missing experts run on the CPU spends on the route itself, beyond the kernel (the split,
@@ -833,7 +833,8 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
                  disk_bandwidth: float = DISK_BANDWIDTH_ASSUMED, experts_compute: str = "device",
                  host_bytes_per_s: float = HOST_EXPERTS_BYTES_ASSUMED,
                  host_flops: float = HOST_EXPERTS_FLOPS_ASSUMED, measured: dict | None = None,
-                 piecewise_layer_s: float = PIECEWISE_LAYER_S_ASSUMED, host_route_s: float = HOST_ROUTE_S_ASSUMED) -> dict:
+                 piecewise_layer_s: float = PIECEWISE_LAYER_S_ASSUMED,
+                 host_route_s: float = HOST_ROUTE_S_ASSUMED) -> dict:
     """One GPU with the routed experts in host memory (`from_pretrained(..., experts_offload="host",
     experts_cache_bytes=...)`): the GPU holds every other weight, the cache at `context`, the prefill chunk's
     workspace plus the compact stack of one layer's chosen experts (a prefill chooses up to all of them), and the

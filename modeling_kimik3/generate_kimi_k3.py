@@ -417,8 +417,7 @@ def piecewise_decode_step():
     module's offloaded calls (where the host reads the routes, moves experts, starts the CPU's share) are
     `torch.compiler.disable`d, so the step breaks its graph there and nowhere else, and torch's cudagraph trees
     capture each piece between two reads as a CUDA graph and replay it (`PIECEWISE_OPTIONS`). Each layer is its own
-    compiled frame (the cache is indexed by its number), hence the recompile limits scaled by the layers; the layers'
-    pieces are the same graphs, so inductor's cache compiles each kind once."""
+    compiled frame (the cache is indexed by its number), hence the recompile limits scaled by the layers."""
     global _PIECEWISE_STEP
     if _PIECEWISE_STEP is None:
         compiled = torch.compile(decode_step, dynamic=False, **PIECEWISE_OPTIONS)
