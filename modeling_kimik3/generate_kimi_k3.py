@@ -412,6 +412,18 @@ def _experts_off_device(model) -> bool:
     return getattr(model, "experts_cache", None) is not None
 
 
+def _recompile_limits(per_frame: int, overall: int) -> dict:
+    """dynamo's recompile limits under the names this torch has (`cache_size_limit` before torch 2.6)."""
+    config = torch._dynamo.config
+    per_name = next(n for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n))
+    limits = {per_name: per_frame}
+    overall_name = next((n for n in ("accumulated_recompile_limit", "accumulated_cache_size_limit")
+                         if hasattr(config, n)), None)
+    if overall_name is not None:
+        limits[overall_name] = overall
+    return limits
+
+
 def piecewise_decode_step():
     """`decode_step` for a model whose routed experts live in host memory, compiled once per process: the expert
     module's offloaded calls (where the host reads the routes, moves experts, starts the CPU's share) are
@@ -425,8 +437,7 @@ def piecewise_decode_step():
         def step(model, *args):
             layers = model.config.get_text_config().num_hidden_layers
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out: reuse them
-            with torch._dynamo.config.patch(recompile_limit=4 * layers + 8,
-                                            accumulated_recompile_limit=16 * layers + 256):
+            with torch._dynamo.config.patch(_recompile_limits(4 * layers + 8, 16 * layers + 256)):
                 return compiled(model, *args)
 
         _PIECEWISE_STEP = step

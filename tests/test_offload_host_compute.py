@@ -219,3 +219,32 @@ def test_the_compiled_loop_breaks_its_step_only_where_the_host_reads_routes(monk
     assert torch.equal(loop.generate(ids, model=model, decode_compile=True, **kwargs), want)
     assert len(pieces) == compiled
     torch._dynamo.reset()
+
+
+def test_the_piecewise_step_raises_dynamos_recompile_limits_with_the_layers(monkeypatch):
+    """Each decoder layer is its own compiled frame of the piecewise step (the cache is indexed by its number): under
+    dynamo's default limit (8 versions of a frame) a 93-layer model would run every layer past the 8th eagerly,
+    silently. The step's call raises the limits with the layers; the limits outside it stay as they were."""
+    import types
+
+    import torch._dynamo
+
+    import kimik3.modeling.generate_kimi_k3 as loop
+
+    seen = []
+
+    def step(model, *args):
+        seen.append(torch._dynamo.config.recompile_limit)
+        return args
+
+    monkeypatch.setattr(loop, "decode_step", step)
+    monkeypatch.setattr(loop, "PIECEWISE_OPTIONS", {"backend": "eager"})
+    monkeypatch.setattr(loop, "_PIECEWISE_STEP", None)
+    before = torch._dynamo.config.recompile_limit
+    text = types.SimpleNamespace(num_hidden_layers=93)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(get_text_config=lambda: text))
+    torch._dynamo.reset()
+    loop.piecewise_decode_step()(model, torch.zeros(1))
+    assert seen and seen[0] >= 2 * 93 > before
+    assert torch._dynamo.config.recompile_limit == before
+    torch._dynamo.reset()
