@@ -485,7 +485,8 @@ def _reading_in_step_with_the_conversions(enabled: bool):
     """transformers' loader reads tensors on a thread pool ahead of the conversion ops: on a release checkpoint that
     is most of the checkpoint again in memory before the experts are dequantised. Read in step with the ops
     (HF_DEACTIVATE_ASYNC_LOAD, the loader's own switch, read when it starts), the memory beyond the model stays below
-    one converted layer whatever the model's size (tests/test_release_loading.py). A user's own setting wins."""
+    one and a half converted layers whatever the model's size (tests/test_release_loading.py). A user's own setting
+    wins."""
     if not enabled or "HF_DEACTIVATE_ASYNC_LOAD" in os.environ:
         yield
         return

@@ -437,12 +437,14 @@ def measure_loading(big, small):
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads RssAnon from Linux /proc/self/status")
-def test_peak_memory_while_loading_is_the_model_plus_less_than_one_layer(tmp_path):
+def test_peak_memory_while_loading_is_the_model_plus_less_than_one_and_a_half_layers(tmp_path):
     """transformers' default loading (no HF_DEACTIVATE_ASYNC_LOAD from the user), which a release load switches to
-    reading in step with the conversions: the process's own memory beyond the model stays below one dequantised
-    layer, whatever the model's size. The threaded read-ahead gave 3.2 and 8.1 layers at 4 and 16 layers; reading in
-    step left 1.8-2.0, of which 1.1-1.3 were the finite check's fixed 16M-element blocks (a layer here is 25 MB): with
-    2M-element blocks 0.6 remain. Sampled every 0.2 ms while loading."""
+    reading in step with the conversions: the process's own memory beyond the model stays below one and a half
+    dequantised layers, whatever the model's size. The threaded read-ahead gave 3.2 and 8.1 layers at 4 and 16
+    layers; reading in step left 1.8-2.0, of which 1.1-1.3 were the finite check's fixed 16M-element blocks (a layer
+    here is 25 MB); with 2M-element blocks 0.55-1.08 remain (16 loads of this checkpoint on a 2-core AMD EPYC VM, the
+    code before and after 2026-12-06's changes alike: the bound of one layer failed one run in four there). Sampled
+    every 0.2 ms while loading."""
     wide = {"hidden_size": 256, "moe_intermediate_size": 256, "routed_expert_hidden_size": 256,
             "intermediate_size": 256, "vocab_size": 1024}
     big = testing.write_release_checkpoint(tmp_path / "big", num_layers=8, num_experts=64, config_overrides=wide,
@@ -453,7 +455,7 @@ def test_peak_memory_while_loading_is_the_model_plus_less_than_one_layer(tmp_pat
     assert returncode == 0 and measured is not None, error
     layer = 64 * 3 * 256 * 256 * 2  # one layer's experts dequantised to bf16: what one layer shard becomes
     assert measured["model"] > 6 * layer, measured
-    assert measured["growth"] < measured["model"] + layer, measured
+    assert measured["growth"] < measured["model"] + 1.5 * layer, measured
 
 
 def test_finite_check_finds_a_value_past_its_first_blocks():
