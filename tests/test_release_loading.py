@@ -442,7 +442,7 @@ def test_peak_memory_while_loading_is_the_model_plus_less_than_one_and_a_half_la
     reading in step with the conversions: the process's own memory beyond the model stays below one and a half
     dequantised layers, whatever the model's size. The threaded read-ahead gave 3.2 and 8.1 layers at 4 and 16
     layers; reading in step left 1.8-2.0, of which 1.1-1.3 were the finite check's fixed 16M-element blocks (a layer
-    here is 25 MB); with 2M-element blocks 0.55-1.08 remain (16 loads of this checkpoint on a 2-core AMD EPYC VM, the
+    here is 25 MB); with 2M-element blocks 0.55-1.08 remain (24 loads of this checkpoint on a 2-core AMD EPYC VM, the
     code before and after 2026-12-06's changes alike: the bound of one layer failed one run in four there). Sampled
     every 0.2 ms while loading."""
     wide = {"hidden_size": 256, "moe_intermediate_size": 256, "routed_expert_hidden_size": 256,
