@@ -80,8 +80,9 @@ class Job:
         self.images: dict | None = None  # the prompt's images (pixel_values, grid_thws): read in one forward
         self.images_read = False  # by a forward, or standing in a prefix the store gave back
         self.store_key: list[int] | None = None  # what the prefix store knows the prompt by (`Engine._store_key`)
-        self.pages = 0  # pool pages set aside for its cache while it reads (under --max-cache-bytes)
-        self.admitted = False  # whether they were set aside (a twin whose prompt fills whole pages sets none aside)
+        # pool pages set aside for its cache while it reads (under --max-cache-bytes); None until they are (0: a twin
+        # whose prompt fills whole pages needs none of its own)
+        self.pages: int | None = None
         # after a preemption: the prompt and the tokens produced but its last (whose latents the batch held); read
         # again like a prompt, then the job rejoins the batch and its last token is decoded
         self.resume_ids: list[int] | None = None
@@ -384,7 +385,7 @@ class Engine:
                 self.reading.remove(job)
         for job in ready:
             job.cache_after_prompt = None  # twins read in the same pass as their source, after it
-            job.pages, job.admitted = 0, False  # what it set aside its row takes now (or it ended)
+            job.pages = None  # what it set aside its row takes now (or it ended)
             if job.done:
                 job.cache = None
                 job.post(None)
@@ -402,7 +403,7 @@ class Engine:
                 # the source failed or went away before its prompt ended, or read it at a step this job could not
                 # (no pages free then), or ended at its first token and does not join (under a fixed pool this job
                 # set aside its partial page only): it reads the prompt itself, into pages of its own, set aside anew
-                job.twin, job.pages, job.admitted = None, 0, False
+                job.twin, job.pages = None, None
                 return False
             job.cache = source.cache_after_prompt.copy_prefix(len(job.prompt_ids))
             job.prefilled, job.cached_tokens = len(job.prompt_ids), source.cached_tokens
@@ -580,10 +581,10 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------
     # The pool under --max-cache-bytes: pages set aside for prompts being read, preemption when a step finds none
     def _may_read(self, job: Job) -> bool:
-        return self.paged.num_pages is None or job.admitted
+        return self.paged.num_pages is None or job.pages is not None
 
     def _pages_aside(self) -> int:
-        return sum(job.pages for job in self.reading if not job.done)
+        return sum(job.pages for job in self.reading if job.pages and not job.done)
 
     def _set_pages_aside(self) -> None:
         """Jobs that have not started reading start, in line (a preempted job first, then by arrival), while the
@@ -595,14 +596,13 @@ class Engine:
         # the batch's next step keeps its pages: a prompt that took them would be the first preempted
         free = self.paged.free_pages - self._pages_aside() - self.paged.pages_needed(1)
         for job in self.reading:
-            if job.done or job.admitted:
+            if job.done or job.pages is not None:
                 continue
-            wanted = self.cache_code.pages_for(len(job.read_ids), self.block_size)
-            if job.twin is not None:  # it will hold its source's full pages (`_regroup`): its partial page alone
-                wanted = self.cache_code.pages_for(len(job.read_ids) % self.block_size, self.block_size)
+            # a twin will hold its source's full pages (`_regroup`)
+            wanted = self.cache_code.own_pages(len(job.read_ids), self.block_size, job.twin is not None)
             if wanted > free:
                 return
-            job.pages, job.admitted, free = wanted, True, free - wanted
+            job.pages, free = wanted, free - wanted
 
     def _make_room(self) -> None:
         """Before a decode step under a fixed pool: while the batch's next tokens need more pages than are free
@@ -626,7 +626,7 @@ class Engine:
             job.resume_ids = job.prompt_ids + job.new_ids[:-1]
             with self.lock:
                 self.reading.insert(0, job)
-        job.cache, job.prefilled, job.pages, job.twin, job.images_read, job.admitted = None, 0, 0, None, False, False
+        job.cache, job.prefilled, job.pages, job.twin, job.images_read = None, 0, None, None, False
         self.stats["preemptions"] += 1
 
     @torch.no_grad()

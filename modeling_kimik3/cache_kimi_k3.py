@@ -719,6 +719,13 @@ def pages_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def own_pages(num_tokens: int, block_size: int, twin: bool = False) -> int:
+    """Pages a row joining with `num_tokens` tokens takes of its own: all it needs, or for a twin (which holds its
+    source's full pages, `KimiK3PagedCache.add_rows`) its partial last page alone (none when the tokens fill whole
+    pages)."""
+    return pages_for(num_tokens % block_size if twin else num_tokens, block_size)
+
+
 class KimiK3PagedLatentLayer:
     """MLA layer of a paged cache: a pool of [pages, block_size, kv_lora_rank + rope] latents. Which pages hold a
     row's tokens is the cache's block table (the same for every MLA layer: each layer stores the same tokens); the
@@ -892,9 +899,7 @@ class KimiK3PagedCache(KimiK3Cache):
                                  f"an earlier cache of the same length ({lengths[row]} tokens; the lengths are "
                                  f"{lengths})")
         # a twin takes a page only for its partial last page (none when its tokens fill whole pages)
-        own = [pages_for(length, self.block_size) if twin is None else pages_for(length % self.block_size,
-                                                                                   self.block_size)
-               for length, twin in zip(lengths, twins)]
+        own = [own_pages(length, self.block_size, twin is not None) for length, twin in zip(lengths, twins)]
         wanted = sum(own)
         if self.num_pages is not None and wanted > self.free_pages:
             raise ValueError(f"KimiK3PagedCache.add_rows: the rows take {wanted} pages of {self.block_size} tokens, "
