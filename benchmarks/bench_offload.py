@@ -411,6 +411,7 @@ def main():
                 emit(f"loop_{compute}.decode_b{batch}", loop_decode(model, batch, args.context))
         cache.compute = "device"
     if "loop_held" in sections:  # every expert placed on the GPU: what the routes' reads and the pieces cost alone
+        budgeted = cache.capacity  # back at the end: the sections after this one run under the budget
         cache.compute, cache.capacity = "device", args.experts
         cache.clear()
         for module in experts:
@@ -431,6 +432,7 @@ def main():
             Path(args.profile_out).write_text(text.getvalue())
             emit("loop_held.profile", {"written": args.profile_out})
         cache.clear()
+        cache.capacity = budgeted
     if "split" in sections:
         cache.side_stream = True
         for batch in batches:
