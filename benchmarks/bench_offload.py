@@ -18,7 +18,10 @@ section `loop` times generate()'s decode loop on a static cache (`loop_decode`: 
 whole, and with the experts in host memory the step captured piece by piece between the routes' reads, each of
 "device", "host" and "auto"; section `loop_held`: every expert placed on the GPU, so that only the routes' reads
 and the pieces differ from the slice on the GPU; with `profile`, a cProfile of the steady blocks to
-`--profile-out`); `--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times
+`--profile-out`); section `stream` runs "host" with the routes read by the host (`in_stream = False`), then
+computed on the CPU in the stream's order (the default on CUDA: no read, the loop's step captured whole), eager and
+in the loop, and `stream_held` the latter with every expert placed on the GPU (the stream's host step then computes
+nothing: its fixed cost per layer); `--host-threads` repeats the "host" decode at other kernel thread counts; section `split` times
 the CPU route's stages per MoE layer (the whole route, the CPU's share, the waits before and after it) and section
 `profile` writes torch's profiler table of a few such steps at batch 1 (`--profile-out`; `--profile-trace` for
 their timeline). The `host_experts` rows time one MoE layer's share of
@@ -306,7 +309,9 @@ def main():
                              "stream), one_stream (copies on the compute stream), host "
                              "(experts_compute host/auto and the CPU kernel), loop (generate()'s decode loop: the "
                              "slice captured whole on the GPU, piecewise with the experts in host memory), "
-                             "loop_held (piecewise with every expert placed on the GPU), "
+                             "loop_gpu (loop's first part alone), loop_held (piecewise with every expert placed on the GPU), stream (experts_compute "
+                             "host with the routes read by the host, then computed in the stream's order: eager and "
+                             "the decode loop), stream_held (streamed with every expert placed on the GPU), "
                              "split (where the CPU route's time goes, "
                              "per MoE layer), profile (torch.profiler's table of b=1 host decode steps, to "
                              "--profile-out), accelerate")
@@ -347,7 +352,7 @@ def main():
             emit(f"gpu.decode_b{batch}", decode(model, batch, args.context, args.steps))
         for tokens in chunks:
             emit(f"gpu.prefill_{tokens}", prefill(model, tokens))
-    if "loop" in sections:  # the slice on the GPU through the captured decode loop: the GPU's side captured whole
+    if "loop" in sections or "loop_gpu" in sections:  # the slice on the GPU through the captured decode loop
         for batch in batches:
             emit(f"gpu.loop_decode_b{batch}", loop_decode(model, batch, args.context))
 
@@ -388,7 +393,7 @@ def main():
         emit("host.rates", {"copy_bytes_per_s": round(cache.rates.copy_bytes_per_s),
                             "host_bytes_per_s": round(cache.rates.host_bytes_per_s),
                             "host_flops": round(cache.rates.host_flops)})
-        cache.side_stream = True
+        cache.side_stream, cache.in_stream = True, False  # the routes read by the host (section stream: both)
         for compute in ("host", "auto"):
             cache.compute = compute
             cache.clear()
@@ -403,7 +408,7 @@ def main():
     if "loop" in sections:  # the decode loop with the step captured piece by piece between the routes' reads
         if "host" not in sections:  # "auto" decides by the rates measured here
             cache.rates = measure_host_rates(experts[0], torch.device("cuda"))
-        cache.side_stream = True
+        cache.side_stream, cache.in_stream = True, False  # the routes read by the host (section stream: both)
         for compute in ("device", "host", "auto"):
             cache.compute = compute
             cache.clear()
@@ -433,6 +438,25 @@ def main():
             emit("loop_held.profile", {"written": args.profile_out})
         cache.clear()
         cache.capacity = budgeted
+    if "stream" in sections:  # "host" with the routes read by the host against computed in the stream's order
+        cache.compute, cache.side_stream = "host", True
+        for in_stream, tag in ((False, "read"), (None, "stream")):
+            cache.in_stream = in_stream
+            cache.clear()
+            for batch in batches:
+                emit(f"{tag}.decode_b{batch}", decode(model, batch, args.context, args.steps, stats))
+                emit(f"{tag}.loop_decode_b{batch}", loop_decode(model, batch, args.context))
+        cache.in_stream, cache.compute = None, "device"
+    if "stream_held" in sections:  # every expert placed on the GPU, streamed: what the stream's host step costs alone
+        budgeted = cache.capacity
+        cache.compute, cache.capacity = "host", args.experts
+        cache.clear()
+        for module in experts:
+            cache.place(module.offload.layer, list(range(args.experts)), module.stacks(), torch.device("cuda"))
+        emit("stream_held.decode_b1", decode(model, 1, args.context, args.steps, stats))
+        emit("stream_held.loop_decode_b1", loop_decode(model, 1, args.context))
+        cache.clear()
+        cache.capacity, cache.compute = budgeted, "device"
     if "split" in sections:
         cache.side_stream = True
         for batch in batches:

@@ -39,6 +39,8 @@ import torch
 
 from kimik3.modeling.ops_kimi_k3 import MXFP4_GROUP_SIZE
 
+from ._base import custom_op
+
 SOURCE = Path(__file__).with_name("csrc") / "mxfp4_host_experts.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _lock = threading.Lock()
@@ -81,6 +83,8 @@ def _build() -> ctypes.CDLL:
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.k3_host_routes_step.restype = None
+    lib.k3_host_routes_step.argtypes = [ctypes.c_void_p]
     lib.k3_mxfp4_host_isa.restype = ctypes.c_char_p
     lib.k3_mxfp4_host_bf16_dot.restype = ctypes.c_int
     return lib
@@ -181,4 +185,170 @@ def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.
     return out.to(x.dtype)
 
 
-__all__ = ["host_experts", "isa", "library", "unavailable_reason"]
+# --------------------------------------------------------------------------------------------------------------
+# One MoE layer's routes computed on the CPU in a CUDA stream's order (`k3_host_routes_step` in the C file): the
+# layer's rows and routes are copied into pinned host memory, a host function (cuLaunchHostFunc) runs the step when
+# the stream reaches it, and its outputs are copied back, all queued on the stream, so the thread that drives the GPU
+# never reads the routes and a decode step captures whole in one CUDA graph (the three are capturable: two copies
+# and a host node). The step's buffers have fixed addresses, as a captured graph needs.
+
+
+class _RouteStepArgs(ctypes.Structure):
+    # the C struct k3_route_step, field for field
+    _fields_ = [(name, ctypes.c_int64) for name in ("tokens", "top_k", "K", "I", "num_experts")] + \
+        [(name, ctypes.c_void_p) for name in ("x", "ids", "out", "gate_up_codes", "gate_up_scales", "down_codes",
+                                              "down_scales", "held", "routes")] + \
+        [("beta", ctypes.c_float), ("linear_beta", ctypes.c_float)] + \
+        [(name, ctypes.c_int) for name in ("has_linear_beta", "bf16", "bf16_dot", "threads")] + \
+        [(name, ctypes.c_void_p) for name in ("order", "count", "offsets", "chosen", "x_even", "x_odd",
+                                              "hidden_even", "hidden_odd", "work")] + \
+        [("status", ctypes.c_int)]
+
+
+STEP_STATUS = {-1: "its work lists could not be allocated", -3: "a route's expert id is out of range"}
+
+
+class ExpertTable:
+    """One layer's host stacks as the step reads them: each expert's four pointers (gate_up codes and scales, down
+    codes and scales), `held` [E] (nonzero: the device computes that expert's routes; the step leaves them out) and
+    `routes` [E] (int64, the routes the steps counted per expert). Holds the stacks, so the pointers stay valid."""
+
+    def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
+                 routes: torch.Tensor):
+        num_experts, rows, half_k = gate_up[0].shape
+        k, inter = 2 * half_k, rows // 2
+        for e in (0, num_experts - 1):
+            _check_stack(f"gate_up of expert {e}", gate_up[0][e], gate_up[1][e], 2 * inter, k)
+            _check_stack(f"down of expert {e}", down[0][e], down[1][e], k, inter)
+        if routes.dtype != torch.int64 or routes.shape != (num_experts,) or routes.device.type != "cpu" \
+                or not routes.is_contiguous():
+            raise ValueError(f"the routes' counts must be a contiguous int64 CPU tensor of {num_experts} values, got "
+                             f"{routes.dtype} {tuple(routes.shape)} on {routes.device}")
+        self.stacks = (*gate_up, *down)
+        self.num_experts, self.k, self.inter = num_experts, k, inter
+        self.pointers = [_pointers(list(stack.unbind(0))) for stack in self.stacks]
+        self.held = torch.zeros(num_experts, dtype=torch.uint8)
+        self.routes = routes
+
+
+class HostRouteStep:
+    """The CPU's step for one layer's routes of `tokens` tokens x `top_k` (`table`: the layer's experts) in `dtype`
+    (f32 or bf16): `run(x, ids)` returns [tokens x top_k, K] in dtype, each route's expert output before its routing
+    weight, in the order ops_kimi_k3.routed_experts takes the routes (by expert, stable), zero for the routes to held
+    experts. On CUDA it is queued on the current stream (nothing waits); on the CPU it runs at once."""
+
+    def __init__(self, table: ExpertTable, tokens: int, top_k: int, dtype: torch.dtype, beta: float,
+                 linear_beta: float | None, pinned: bool, threads: int | None = None):
+        lib = library()
+        if lib is None:
+            raise RuntimeError(f"the host experts kernel is not available: {unavailable_reason()}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"host route step: the model's dtype must be f32 or bf16, got {dtype}")
+        k, inter, num_experts = table.k, table.inter, table.num_experts
+        if k % MXFP4_GROUP_SIZE or inter % MXFP4_GROUP_SIZE:
+            raise ValueError(f"host route step: K={k} and I={inter} must be multiples of {MXFP4_GROUP_SIZE}")
+        routes = tokens * top_k
+        bf16_dot = dtype == torch.bfloat16 and bool(lib.k3_mxfp4_host_bf16_dot())
+        work = torch.bfloat16 if bf16_dot else torch.float32
+        self.table, self.tokens, self.top_k, self.dtype = table, tokens, top_k, dtype
+        self.x = torch.empty(tokens, k, dtype=dtype, pin_memory=pinned)
+        self.ids = torch.empty(tokens, top_k, dtype=torch.int64, pin_memory=pinned)
+        self.out = torch.empty(routes, k, dtype=dtype, pin_memory=pinned)
+        self.workspace = [torch.empty(routes, dtype=torch.int64), torch.empty(num_experts, dtype=torch.int64),
+                          torch.empty(num_experts + 1, dtype=torch.int64),
+                          torch.empty(4 * num_experts, dtype=torch.int64),  # pointers
+                          torch.empty(routes, k // 2, dtype=work), torch.empty(routes, k // 2, dtype=work),
+                          torch.empty(routes, inter // 2, dtype=work), torch.empty(routes, inter // 2, dtype=work),
+                          torch.empty(routes, k, dtype=torch.float32)]
+        order, count, offsets, chosen, x_even, x_odd, hidden_even, hidden_odd, out_f32 = \
+            (t.data_ptr() for t in self.workspace)
+        gate_up_codes, gate_up_scales, down_codes, down_scales = (ctypes.addressof(p) for p in table.pointers)
+        self.args = _RouteStepArgs(
+            tokens, top_k, k, inter, num_experts, self.x.data_ptr(), self.ids.data_ptr(), self.out.data_ptr(),
+            gate_up_codes, gate_up_scales, down_codes, down_scales, table.held.data_ptr(), table.routes.data_ptr(),
+            float(beta), 0.0 if linear_beta is None else float(linear_beta), int(linear_beta is not None),
+            int(dtype == torch.bfloat16), int(bf16_dot), thread_count(threads), order, count, offsets, chosen,
+            x_even, x_odd, hidden_even, hidden_odd, out_f32, 0)
+        self.function = ctypes.cast(lib.k3_host_routes_step, ctypes.c_void_p).value
+
+    def check(self) -> None:
+        """Raises if the last step that ran failed (it wrote zeros): a queued step cannot raise, the next call does."""
+        status = self.args.status
+        if status:
+            self.args.status = 0
+            raise RuntimeError(f"the host route step failed (status {status}: {STEP_STATUS.get(status, 'unknown')})")
+
+    def run(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        self.check()
+        if tuple(x.shape) != tuple(self.x.shape) or x.dtype != self.dtype or tuple(ids.shape) != tuple(self.ids.shape):
+            raise ValueError(f"host route step: built for x {tuple(self.x.shape)} {self.dtype} and routes "
+                             f"{tuple(self.ids.shape)}, given {tuple(x.shape)} {x.dtype} and {tuple(ids.shape)}")
+        if x.device.type != "cuda":
+            self.x.copy_(x)
+            self.ids.copy_(ids)
+            library().k3_host_routes_step(ctypes.addressof(self.args))
+            self.check()
+            return self.out.clone()
+        x, ids = x.contiguous(), ids.to(torch.int64).contiguous()
+        out = torch.empty(self.out.shape, dtype=self.dtype, device=x.device)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
+        driver = _driver()
+        with torch.cuda.device(x.device):
+            _cuda("cuMemcpyDtoHAsync_v2", driver.cuMemcpyDtoHAsync_v2(
+                self.x.data_ptr(), x.data_ptr(), self.x.numel() * self.x.element_size(), stream))
+            _cuda("cuMemcpyDtoHAsync_v2", driver.cuMemcpyDtoHAsync_v2(
+                self.ids.data_ptr(), ids.data_ptr(), self.ids.numel() * 8, stream))
+            _cuda("cuLaunchHostFunc", driver.cuLaunchHostFunc(stream, self.function, ctypes.addressof(self.args)))
+            _cuda("cuMemcpyHtoDAsync_v2", driver.cuMemcpyHtoDAsync_v2(
+                out.data_ptr(), self.out.data_ptr(), self.out.numel() * self.out.element_size(), stream))
+        return out
+
+
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library (the copies and the host function are driver calls on torch's stream)."""
+    with _lock:
+        if "driver" not in _state:
+            driver = ctypes.CDLL("libcuda.so.1")
+            driver.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            driver.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t,
+                                                    ctypes.c_void_p]
+            driver.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                                    ctypes.c_void_p]
+            for fn in (driver.cuLaunchHostFunc, driver.cuMemcpyDtoHAsync_v2, driver.cuMemcpyHtoDAsync_v2):
+                fn.restype = ctypes.c_int
+            _state["driver"] = driver
+        return _state["driver"]
+
+
+def _cuda(name: str, result: int) -> None:
+    if result:
+        raise RuntimeError(f"{name} failed with CUresult {result}")
+
+
+# The steps a model made, by number: the custom op takes the number (an int is a constant of a compiled graph)
+_STEPS: list[HostRouteStep] = []
+
+
+def register_step(step: HostRouteStep) -> int:
+    with _lock:
+        _STEPS.append(step)
+        return len(_STEPS) - 1
+
+
+@custom_op("host_routes")
+def _host_routes_op(x: torch.Tensor, ids: torch.Tensor, step: int) -> torch.Tensor:
+    return _STEPS[step].run(x, ids)
+
+
+@_host_routes_op.register_fake
+def _(x, ids, step):
+    return x.new_empty(ids.numel(), x.shape[-1])
+
+
+def host_routes_in_stream(x: torch.Tensor, ids: torch.Tensor, step: int) -> torch.Tensor:
+    """`HostRouteStep.run` of the registered step `step` as one graph node (`torch.ops.kimik3.host_routes`)."""
+    return torch.ops.kimik3.host_routes(x, ids, step)
+
+
+__all__ = ["ExpertTable", "HostRouteStep", "host_experts", "host_routes_in_stream", "isa", "library", "register_step",
+           "unavailable_reason"]

@@ -74,6 +74,12 @@ class ExpertsFormat:
         host_experts_kimi_k3.host_routes)."""
         return None
 
+    def host_route_kernels(self):
+        """The module whose host step computes a layer's routes on the CPU in a CUDA stream's order
+        (host_experts_kimi_k3.StreamedRoutes: `ExpertTable`, `HostRouteStep`, `register_step`,
+        `host_routes_in_stream`), None where the format has none."""
+        return None
+
     def empty(self, shape: tuple[int, int, int], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """New tensors of a stack of dense shape [E, rows, K] (their values are the load's to write)."""
         raise NotImplementedError
@@ -187,6 +193,13 @@ class Mxfp4Experts(ExpertsFormat):
         gate_codes, gate_scales, down_codes, down_scales = stacks
         return mxfp4_host.host_experts(x, offsets, [(gate_codes[e], gate_scales[e]) for e in experts],
                                        [(down_codes[e], down_scales[e]) for e in experts], *situ_betas)
+
+    def host_route_kernels(self):
+        try:
+            from kimik3.kernels import mxfp4_host
+        except ImportError:
+            return None
+        return mxfp4_host if mxfp4_host.library() is not None else None
 
     def size_problem(self, sizes):
         for key, value in sizes.items():

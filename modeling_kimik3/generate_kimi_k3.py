@@ -407,9 +407,20 @@ PIECEWISE_OPTIONS = {"mode": "reduce-overhead"}
 
 
 def _experts_off_device(model) -> bool:
-    """Whether the model keeps its routed experts in host memory (`experts_offload`): the host reads each MoE
-    layer's routes during the step, so the step cannot be one graph."""
+    """Whether the model keeps its routed experts in host memory (`experts_offload`)."""
     return getattr(model, "experts_cache", None) is not None
+
+
+def _routes_read_by_host(model, batch: int) -> bool:
+    """Whether some MoE layer of a model with its experts in host memory has the host read its routes during a
+    decode step of `batch` rows, so that the step cannot be one graph; the layers that compute their routes in the
+    stream's order instead (offload_kimi_k3.LayerOffload.streams) get what their step uses made here, before any
+    compile traces it."""
+    if not _experts_off_device(model):
+        return False
+    embeddings = model.get_input_embeddings().weight
+    modules = [m for m in model.modules() if getattr(m, "offload", None) is not None and hasattr(m, "prepare_stream")]
+    return not all([m.prepare_stream(batch, embeddings.dtype, embeddings.device) for m in modules])
 
 
 def _recompile_limits(per_frame: int, overall: int) -> dict:
@@ -473,7 +484,7 @@ class DecodeLoop:
         self.keys = row_keys(0 if seed is None else seed, batch, device)
         self.row = torch.zeros(1, dtype=torch.long, device=device)
         self.record = torch.zeros(block_steps, batch + 1, dtype=torch.long, device=device)
-        piecewise = _experts_off_device(model)
+        piecewise = _routes_read_by_host(model, batch)
         self.step_fn = decode_step if not compiled else piecewise_decode_step() if piecewise \
             else compiled_decode_step()
         # a step whose host reads routes is captured piece by piece (its compiled step's own graphs), not whole

@@ -150,9 +150,90 @@ def routed_split(cache, x, top_indices, top_weights, fetched, stacks, fmt, run, 
     per_route.index_copy_(0, host_at_d, host_out.to(device, non_blocking=True))
     cache.host_routes += share.host_at.numel()
     cache.kernel_calls += kernel
-    weighted = per_route.float() * top_weights.reshape(-1).index_select(0, order_d).unsqueeze(-1).float()
-    combined = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=device)
-    return combined.index_add(0, token_d, weighted).to(x.dtype)
+    return sum_routes(per_route, order_d, token_d, top_weights, num_tokens)
+
+
+def sum_routes(per_route, order, token_of, top_weights, num_tokens: int) -> torch.Tensor:
+    """Each token's routes summed as `ops_kimi_k3.routed_experts` sums them: `per_route` [R, Dl] the routes' expert
+    outputs in the order `order` takes them (routes sorted by expert, stable), `token_of` each one's token, weighted
+    in f32, added in that order into an f32 sum per token, rounded once to the outputs' dtype."""
+    weighted = per_route.float() * top_weights.reshape(-1).index_select(0, order).unsqueeze(-1).float()
+    combined = torch.zeros(num_tokens, per_route.shape[-1], dtype=torch.float32, device=per_route.device)
+    return combined.index_add(0, token_of, weighted).to(per_route.dtype)
+
+
+# Decode steps of up to this many tokens compute an offloaded layer's routes on the CPU in the stream's order
+# (`StreamedRoutes`); longer forwards (a prefill chunk) read their routes on the host, whose split takes them once per
+# forward (`routed_split`): the step's buffers are made per token count and kept, which a prefill's many counts would
+# multiply.
+STREAM_MAX_TOKENS = 64
+
+
+class StreamedRoutes:
+    """One offloaded layer's routes computed on the CPU in the device's stream order (docs/design.md, Routed experts
+    computed where they live): the format's host step (`kernels`: kimik3.kernels.mxfp4_host) is queued between the
+    copy of the layer's rows and routes into pinned memory and the copy of its outputs back, so no host thread reads
+    the routes and a decode step captures as one CUDA graph. The routes to the experts the cache placed on the device
+    for good (`ExpertCache.place`) run there, over a compact stack of them and a map from expert to its place in it;
+    the step leaves them out. Every route is summed on the device in the reference's order (`sum_routes`).
+
+    A step (pinned buffers of fixed address) is made per (tokens, dtype, device) and kept. Making one cannot be
+    traced: a compiled decode step finds its steps made (`prepare`, which the decode loop calls)."""
+
+    def __init__(self, kernels, stacks, routes: torch.Tensor, top_k: int, situ_betas):
+        self.kernels = kernels
+        self.table = kernels.ExpertTable(stacks[:2], stacks[2:], routes)
+        self.top_k, self.situ_betas = top_k, situ_betas
+        self.steps: dict[tuple, int] = {}
+        self.placement = -1  # the cache's placement the device share was built for (ExpertCache.placements)
+        self.placed = False
+        self.slots = self.compact = None
+
+    @torch.compiler.disable
+    def prepare(self, tokens: int, dtype: torch.dtype, device: torch.device) -> int:
+        """The number of the step for `tokens` tokens in `dtype` on `device`, made if new."""
+        key = (tokens, dtype, device)
+        if key not in self.steps:
+            step = self.kernels.HostRouteStep(self.table, tokens, self.top_k, dtype, *self.situ_betas,
+                                              pinned=device.type == "cuda")
+            self.steps[key] = self.kernels.register_step(step)
+        return self.steps[key]
+
+    @torch.compiler.disable
+    def place(self, placement: int, entries: dict, placed, device: torch.device) -> None:
+        """The device's share for the experts placed for good (`placed`, ids; `entries` the cache's {expert: its
+        tensors on the device} for the layer): one compact stack of them, which the entries become views of (the
+        placed experts are held once)."""
+        experts = sorted(e for e in placed if e in entries)
+        self.table.held.zero_()
+        self.placed = bool(experts)
+        self.slots = self.compact = None
+        if experts:
+            self.table.held[experts] = 1
+            self.compact = tuple(torch.stack(stack) for stack in zip(*(entries[e] for e in experts)))
+            for slot, expert in enumerate(experts):
+                entries[expert] = tuple(stack[slot] for stack in self.compact)
+            slots = torch.full((self.table.num_experts,), -1, dtype=torch.int64)
+            slots[experts] = torch.arange(len(experts))
+            self.slots = slots.to(device)
+        self.placement = placement
+
+    def __call__(self, x, top_indices, top_weights, run):
+        """The layer's routed experts' output [T, Dl] for rows x [T, Dl] (`run`: the module's op, for the device's
+        share)."""
+        key = (x.shape[0], x.dtype, x.device)
+        step = self.steps[key] if key in self.steps else self.prepare(*key)
+        host_out = self.kernels.host_routes_in_stream(x, top_indices, step)
+        flat = top_indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // top_indices.shape[-1]
+        per_route = host_out
+        if self.placed:
+            slot = self.slots.index_select(0, flat.index_select(0, order))
+            device_out = run(x.index_select(0, token_of), slot.clamp(min=0).unsqueeze(-1),
+                             torch.ones((slot.numel(), 1), device=x.device), self.compact)
+            per_route = torch.where((slot >= 0).unsqueeze(-1), device_out, host_out)
+        return sum_routes(per_route, order, token_of, top_weights, x.shape[0])
 
 
 def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
@@ -197,4 +278,5 @@ def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
                      host_flops=many * flops / many_tokens, measured=True)
 
 
-__all__ = ["HostRates", "HostShare", "host_routes", "measure_host_rates", "routed_split"]
+__all__ = ["STREAM_MAX_TOKENS", "HostRates", "HostShare", "StreamedRoutes", "host_routes", "measure_host_rates",
+           "routed_split", "sum_routes"]

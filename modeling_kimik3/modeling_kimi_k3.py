@@ -654,7 +654,15 @@ class KimiK3Experts(nn.Module):
         """With the experts kept in host memory, starts moving the chosen ones to `device` and returns the move
         (`offload_kimi_k3.ExpertFetch`) for `forward`; None otherwise. The block calls it right after its router, so
         that the copies overlap what it computes before the routed experts."""
-        return None if self.offload is None else self._fetch_offloaded(top_indices, device)
+        if self.offload is None or self._streams(top_indices, device):
+            return None
+        return self._fetch_offloaded(top_indices, device)
+
+    def _streams(self, top_indices: torch.Tensor, device: torch.device) -> bool:
+        # experts in host memory computed on the CPU in the device's stream order: no read of the routes by the host
+        # (offload_kimi_k3.LayerOffload.streams)
+        situ = None if self.config.hidden_act == "silu" else self._situ_betas()
+        return self.offload.streams(top_indices.shape[0], device, self.format, situ)
 
     # The host reads the routes in these three (offload_kimi_k3.py): a compiled decode step breaks its graph at each
     # call, so the pieces between the reads are its captured graphs (docs/design.md, Routed experts computed where
@@ -699,6 +707,8 @@ class KimiK3Experts(nn.Module):
             # the experts an unmerged adapter runs: the stored ones decoded plus its update, as a merged model's
             stacks, fmt = self.dense_stacks(updates[0].dtype, updates), DENSE_EXPERTS
         if self.offload is not None:
+            if self._streams(top_indices, hidden_states.device):
+                return self.offload.stream_routes(hidden_states, top_indices, top_weights, *self._host_share_args())
             return self._routed_offloaded(hidden_states, top_indices, top_weights, fetched)
         return self._run(hidden_states, top_indices, top_weights, stacks, fmt)
 
@@ -721,6 +731,14 @@ class KimiK3Experts(nn.Module):
         # (an adapter on offloaded experts is refused by `forward`: nothing is started for it)
         if fetched is not None and fetched.host_ids and not nn.utils.parametrize.is_parametrized(self):
             self.offload.start_host_share(hidden_states, fetched, *self._host_share_args())
+
+    def prepare_stream(self, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a forward of `tokens` tokens computes the routes in the stream's order (offloaded experts); makes
+        what it uses if so, so that a compiled decode step finds it made."""
+        if self.offload is None:
+            return False
+        stacks, fmt, _, situ = self._host_share_args()
+        return self.offload.prepare_stream(tokens, dtype, device, stacks, fmt, situ)
 
     def _host_share_args(self):
         # (host stacks, format, the module's op, SiTU betas or None): what the CPU's share runs

@@ -30,7 +30,15 @@ from .files_kimi_k3 import (
     read_json,
     read_safetensors_header,
 )
-from .host_experts_kimi_k3 import HostRates, HostShare, measure_host_rates, routed_split, to_device
+from .host_experts_kimi_k3 import (
+    STREAM_MAX_TOKENS,
+    HostRates,
+    HostShare,
+    StreamedRoutes,
+    measure_host_rates,
+    routed_split,
+    to_device,
+)
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
 
 EXPERTS_OFFLOAD_MODES = ("host", "disk")
@@ -249,7 +257,13 @@ class ExpertCache:
 
     On a GPU the host-to-device copies run on a copy stream of the cache's own while `side_stream` is true (the
     default), so that what a layer computes before its routed experts (the latent down-projection, the shared experts:
-    `KimiK3SparseMoeBlock`) overlaps them; with `side_stream = False` they run on the current stream, in order."""
+    `KimiK3SparseMoeBlock`) overlaps them; with `side_stream = False` they run on the current stream, in order.
+
+    `in_stream`: with compute "host", a forward of up to STREAM_MAX_TOKENS tokens on CUDA computes every route to an
+    expert not placed on the device (`place`) on the CPU in the stream's order (`StreamedRoutes`: no read of the
+    routes by the host, one CUDA graph a decode step) where the format has a host step (packed MXFP4, SiTU, the
+    package's kernel built); None (the default) there, True on the CPU too (its step runs at once), False never (the
+    routes read on the host, `fetch`)."""
 
     def __init__(self, budget_bytes: int, num_layers: int, bytes_per_expert: int):
         per_layer = budget_bytes // num_layers
@@ -269,6 +283,8 @@ class ExpertCache:
         self.rates = HostRates()
         self.host_kernel: bool | None = None
         self.side_stream = True
+        self.in_stream: bool | None = None
+        self.placements = 0  # counts `place` calls: a layer's streamed routes rebuild their device share after one
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pool = None
 
@@ -384,6 +400,7 @@ class ExpertCache:
             if expert not in entries:
                 entries[expert] = tuple(stack[expert].to(device, copy=True) for stack in source)
         self.pinned[layer] = set(experts)
+        self.placements += 1
 
     def _keep(self, layer: int, expert: int, piece, wanted: set) -> None:
         entries, pinned = self.layers[layer], self.pinned.get(layer, set())
@@ -402,16 +419,61 @@ class LayerOffload:
     `file_backed`: its stacks (or parts) are mapped from the folder's shards (the disk tier)."""
 
     def __init__(self, cache: ExpertCache, layer: int, parts: ExpertParts | None = None, file_backed: bool = False,
-                 flops_per_route: float = 0.0):
+                 flops_per_route: float = 0.0, top_k: int = 1):
         self.cache = cache
         self.layer = layer
         self.parts = parts
         self.file_backed = file_backed
         self.flops_per_route = flops_per_route  # one token through one expert: 2 x (2I x Dl + Dl x I)
+        self.top_k = top_k
+        # the streamed routes (`streams`): None until known, False where the format has no host step
+        self.stream: StreamedRoutes | bool | None = None
 
     def fetch(self, top_indices, stacks, device) -> ExpertFetch:
         return self.cache.fetch(self.layer, top_indices, stacks if self.parts is None else self.parts, device,
                                 self.flops_per_route)
+
+    def streams(self, tokens: int, device: torch.device, fmt, situ_betas) -> bool:
+        """Whether a forward of `tokens` tokens on `device` computes this layer's routes in the stream's order
+        (`ExpertCache.in_stream`)."""
+        cache = self.cache
+        if cache.compute != "host" or self.parts is not None or tokens > STREAM_MAX_TOKENS or situ_betas is None \
+                or cache.in_stream is False or (cache.in_stream is None and device.type != "cuda"):
+            return False
+        if self.stream is None:
+            self.stream = False if fmt.host_route_kernels() is None else None
+        return self.stream is not False
+
+    @torch.compiler.disable
+    def _streamed(self, stacks, fmt, situ_betas, device) -> StreamedRoutes:
+        # made at the first streamed forward (a compiled step finds it made: `prepare_stream`)
+        if self.stream is None:
+            counts = self.cache.routes.get(self.layer, torch.zeros(0, dtype=torch.int64))
+            num_experts = stacks[0].shape[0]
+            if counts.numel() < num_experts:  # the step counts into every expert's place
+                counts = torch.cat([counts, counts.new_zeros(num_experts - counts.numel())])
+                self.cache.routes[self.layer] = counts
+            self.stream = StreamedRoutes(fmt.host_route_kernels(), stacks, counts, self.top_k, situ_betas)
+        if self.stream.placement != self.cache.placements:
+            self.stream.place(self.cache.placements, self.cache.layers.setdefault(self.layer, OrderedDict()),
+                              self.cache.pinned.get(self.layer, ()), device)
+        return self.stream
+
+    def prepare_stream(self, tokens: int, dtype: torch.dtype, device: torch.device, stacks, fmt,
+                       situ_betas) -> bool:
+        """Whether a forward of `tokens` tokens streams; makes what it uses if so, so that a compiled step finds it
+        (the decode loop calls it before its first step)."""
+        if not self.streams(tokens, device, fmt, situ_betas):
+            return False
+        self._streamed(stacks, fmt, situ_betas, device).prepare(tokens, dtype, device)
+        return True
+
+    def stream_routes(self, x, top_indices, top_weights, stacks, fmt, run, situ_betas):
+        """The layer's routed experts computed in the stream's order (`StreamedRoutes`)."""
+        stream = self.stream
+        if not isinstance(stream, StreamedRoutes) or stream.placement != self.cache.placements:
+            stream = self._streamed(stacks, fmt, situ_betas, x.device)
+        return stream(x, top_indices, top_weights, run)
 
     def start_host_share(self, x, fetched: ExpertFetch, stacks, fmt, run, situ_betas) -> None:
         """Starts the CPU's share of `fetched` over the rows `x` (host_experts_kimi_k3.HostShare), once."""
@@ -502,7 +564,8 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int | str, m
     cache = ExpertCache(cache_bytes, len(experts_modules), per_expert)
     for layer, module in enumerate(experts_modules):
         module.offload = LayerOffload(cache, layer, mapped.get(module), file_backed=module in mapped,
-                                      flops_per_route=6 * module.intermediate_size * module.latent_size)
+                                      flops_per_route=6 * module.intermediate_size * module.latent_size,
+                                      top_k=module.config.num_experts_per_token)
     cache.compute = compute or "device"
     if cache.compute == "auto":
         cache.rates = measure_host_rates(experts_modules[0], device)

@@ -179,3 +179,60 @@ def test_the_thread_count_is_the_callers_or_the_environments(monkeypatch):
     assert torch.equal(mxfp4_host.host_experts(x, offsets, gate_up, down, 4.0, 25.0, threads=2), one)
     monkeypatch.setenv("KIMIK3_HOST_THREADS", "2")
     assert mxfp4_host.thread_count(3) == 2  # the environment wins: a measurement's knob
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The host step (`HostRouteStep`: one layer's routes in a CUDA stream's order; run at once on the CPU here)
+
+
+def _stacks(num_experts, k, inter, generator):
+    def packed(rows, cols):
+        return (torch.randint(0, 256, (num_experts, rows, cols // 2), generator=generator, dtype=torch.uint8),
+                torch.randint(118, 130, (num_experts, rows, cols // 32), generator=generator, dtype=torch.uint8))
+
+    return packed(2 * inter, k), packed(k, inter)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_experts,k,inter,tokens,top_k,held", [
+    (7, 96, 64, 3, 4, []), (7, 96, 64, 3, 4, [2, 5]), (5, 32, 160, 1, 5, [0, 1, 2, 3, 4]), (9, 160, 32, 6, 2, [8])])
+def test_the_host_step_gives_each_route_in_the_references_order(dtype, num_experts, k, inter, tokens, top_k, held):
+    """Each route's expert output at its place in the order routed_experts takes the routes (by expert, stable), the
+    routes to held experts (the device's) left zero, every route counted for its expert."""
+    generator = torch.Generator().manual_seed(num_experts * k + tokens)
+    gate_up, down = _stacks(num_experts, k, inter, generator)
+    counts = torch.zeros(num_experts, dtype=torch.int64)
+    table = mxfp4_host.ExpertTable(gate_up, down, counts)
+    table.held[held] = 1
+    step = mxfp4_host.HostRouteStep(table, tokens, top_k, dtype, 4.0, 25.0, pinned=False)
+    x = torch.randn(tokens, k, generator=generator).to(dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    got = mxfp4_host.host_routes_in_stream(x, ids, mxfp4_host.register_step(step))
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    for place, route in enumerate(order.tolist()):
+        expert, token = int(ids.reshape(-1)[route]), route // top_k
+        if expert in held:
+            assert not got[place].any()
+        else:
+            want = reference(x[token:token + 1], [0, 1], [(gate_up[0][expert], gate_up[1][expert])],
+                             [(down[0][expert], down[1][expert])], 4.0, 25.0)
+            close(got[place:place + 1], want, dtype)
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=num_experts))
+
+
+def test_the_host_step_refuses_a_bad_route_and_other_shapes():
+    generator = torch.Generator().manual_seed(3)
+    gate_up, down = _stacks(4, 64, 32, generator)
+    table = mxfp4_host.ExpertTable(gate_up, down, torch.zeros(4, dtype=torch.int64))
+    step = mxfp4_host.HostRouteStep(table, 2, 2, torch.float32, 4.0, None, pinned=False)
+    x = torch.randn(2, 64, generator=generator)
+    with pytest.raises(RuntimeError, match="status -3: a route's expert id is out of range"):
+        step.run(x, torch.tensor([[0, 4], [1, 2]]))
+    assert not step.out.any()  # nothing half computed is left as an output
+    assert torch.equal(step.run(x, torch.tensor([[0, 3], [1, 2]])) != 0, torch.ones(4, 64, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"built for x \(2, 64\) torch.float32 and routes \(2, 2\), given \(3, 64\)"):
+        step.run(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"routes' counts must be a contiguous int64 CPU tensor of 4 values"):
+        mxfp4_host.ExpertTable(gate_up, down, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="the model's dtype must be f32 or bf16, got torch.float16"):
+        mxfp4_host.HostRouteStep(table, 2, 2, torch.float16, 4.0, None, pinned=False)

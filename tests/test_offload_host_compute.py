@@ -256,3 +256,72 @@ def test_the_piecewise_step_raises_dynamos_recompile_limits_with_the_layers(monk
     assert seen and seen[0] >= 2 * 93 > before
     assert torch._dynamo.config.recompile_limit == before
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("hot", [False, True], ids=["streamed", "streamed+hot"])
+def test_streamed_routes_give_the_one_device_tokens_and_read_no_route(models, hot, monkeypatch):
+    """experts_compute="host" with the routes computed on the CPU in the stream's order (`in_stream`; on CUDA the
+    default, forced here on the CPU, where the step runs at once): the host step (the format's kernel) computes every
+    route to an expert not placed on the device, and no route is read by the host (`ExpertCache.fetch` is never
+    called) for forwards up to STREAM_MAX_TOKENS tokens; a longer one reads them. The kernel's f32 sums run in its
+    own order, so the logits are close to the one-device model's (not bit for bit), the greedy tokens equal. Placed
+    experts run on the device over one compact stack, which the cache's entries become views of."""
+    import kimik3.modeling.offload_kimi_k3 as offload
+    from kimik3.modeling.host_experts_kimi_k3 import StreamedRoutes
+
+    reference = models["mxfp4"]
+    model = _placed(reference, "host", split=False)
+    cache = model.experts_cache
+    cache.in_stream = True
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    if hot:
+        _decode(model, ids[:1, :5], steps=0)  # a calibration prompt, its routes counted by the host step
+        place_hot_experts(model)
+    reads = []
+    fetch = offload.ExpertCache.fetch
+    monkeypatch.setattr(offload.ExpertCache, "fetch", lambda self, *a, **k: reads.append(a[1].shape) or
+                        fetch(self, *a, **k))
+    monkeypatch.setattr(offload, "STREAM_MAX_TOKENS", 16)  # the 18-token prompt reads its routes, decode does not
+    want, got = _decode(reference, ids, steps=4), _decode(model, ids, steps=4)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    layers = [m.offload for m in model.modules() if getattr(m, "offload", None) is not None]
+    assert len(reads) == len(layers) and all(shape[0] == 18 for shape in reads)  # the prompt's forward only
+    assert all(isinstance(layer.stream, StreamedRoutes) and layer.stream.placed == hot for layer in layers)
+    for layer in layers:  # every decode route counted (the prompt's by the read, the calibration's by the step)
+        assert int(cache.routes[layer.layer].sum()) == (5 * 6 if hot else 0) + 18 * 6 + 4 * 2 * 6
+    if hot:
+        stream = layers[0].stream
+        for slot, expert in enumerate(sorted(cache.pinned[0])):
+            assert cache.layers[0][expert][0].data_ptr() == stream.compact[0][slot].data_ptr()
+        assert int(stream.table.held.sum()) == cache.capacity
+
+
+def test_a_streamed_step_compiles_as_one_graph_and_the_loop_captures_it_whole(models):
+    """Streamed, the MoE block has no graph break (fullgraph compiles it; the host step is one custom op), and the
+    decode loop does not take the piecewise step (`_routes_read_by_host` is false once the steps are made); its
+    tokens are the one-device model's. On CUDA the loop captures a block of steps as one graph
+    (tests/gpu/test_offload_host_compute_gpu.py)."""
+    import torch._dynamo
+
+    import kimik3.modeling.generate_kimi_k3 as loop
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3SparseMoeBlock
+
+    reference = packed_mxfp4_copy(build_tiny_model(num_hidden_layers=2, seed=1, num_experts=16, top_k=6)).eval()
+    model = _placed(reference, "host", split=False)
+    model.experts_cache.in_stream = True
+    assert loop._routes_read_by_host(model, 2) is False
+    assert loop._routes_read_by_host(model, 1000) is True  # a forward past STREAM_MAX_TOKENS reads its routes
+    block = next(m for m in model.modules() if isinstance(m, KimiK3SparseMoeBlock))
+    rows = torch.randn(2, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(8))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = block(rows)
+        got = torch.compile(block, backend="eager", fullgraph=True, dynamic=False)(rows)
+    torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=5, do_sample=False, cache_implementation="static", decode_block_steps=2,
+                  decode_compile=False)
+    assert torch.equal(loop.generate(ids, model=model, **kwargs), loop.generate(ids, model=reference, **kwargs))

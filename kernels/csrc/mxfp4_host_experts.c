@@ -366,3 +366,118 @@ const char *k3_mxfp4_host_isa(void) {
     return "scalar";
 #endif
 }
+
+/* One MoE layer's routes computed on the CPU in a GPU stream's order (docs/design.md, Routed experts computed where
+ * they live): k3_host_routes_step is a CUDA host function (cuLaunchHostFunc), queued after the copies of the layer's
+ * rows and routes into pinned host memory and before the copy of its outputs back, so that a decode step is one
+ * queue (one CUDA graph) with no read of the routes by the thread that drives the GPU. It reads nothing but its
+ * argument and the memory it points to, and calls no CUDA function (a host function may not).
+ *
+ * The routes are taken in the order ops_kimi_k3.routed_experts takes them (by expert, stable: a counting sort), the
+ * routes to experts held on the device (`held[e]` nonzero) are left out, and each other route's expert output (before
+ * its routing weight, in the model's dtype) is written at its place in that order: out [R, K], R = tokens x top_k.
+ * The device fills the held routes' rows and sums every route in that order, as the eager split does. */
+typedef struct {
+    int64_t tokens, top_k, K, I, num_experts;
+    const void *x;        /* [tokens, K], the model's dtype (bf16 words or f32), pinned */
+    const int64_t *ids;   /* [tokens, top_k] the routes' experts, pinned */
+    void *out;            /* [R, K], the model's dtype, pinned */
+    const uint8_t *const *gate_up_codes, *const *gate_up_scales, *const *down_codes, *const *down_scales; /* [E] */
+    const uint8_t *held;  /* [E] nonzero: the device computes that expert's routes */
+    int64_t *routes;      /* [E] routes counted per expert (the placement's frequencies) */
+    float beta, linear_beta;
+    int has_linear_beta, bf16, bf16_dot, threads;
+    /* workspace for R rows, the model's layer alone: */
+    int64_t *order, *count, *offsets;  /* [R], [E], [E + 1] */
+    const uint8_t **chosen;            /* [4 E]: the chosen experts' pointers, four lists */
+    void *x_even, *x_odd, *hidden_even, *hidden_odd;  /* [R, K/2] x2, [R, I/2] x2 (bf16 words or f32) */
+    float *work;                       /* [R, K] */
+    int status;           /* 0, or why the last step wrote zeros: -1 allocation, -3 an expert id out of range */
+} k3_route_step;
+
+static inline float load_dtype(const void *base, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)base)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+void k3_host_routes_step(void *arg) {
+    k3_route_step *s = (k3_route_step *)arg;
+    const int64_t R = s->tokens * s->top_k, E = s->num_experts, K = s->K, half_k = K / 2;
+    const size_t row_bytes = (size_t)K * (s->bf16 ? 2 : 4);
+    memset(s->out, 0, (size_t)R * row_bytes);
+    memset(s->count, 0, sizeof(int64_t) * (size_t)E);
+    for (int64_t r = 0; r < R; ++r) {
+        int64_t e = s->ids[r];
+        if (e < 0 || e >= E) {
+            s->status = -3;
+            return;
+        }
+        s->count[e] += 1;
+    }
+    for (int64_t e = 0; e < E; ++e) s->routes[e] += s->count[e];
+    /* stable counting sort: position of each route in the by-expert order, the held experts' routes included */
+    int64_t *start = s->offsets; /* reused: start of each expert's run in the full order */
+    start[0] = 0;
+    for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + s->count[e];
+    for (int64_t r = 0; r < R; ++r) s->order[start[s->ids[r]]++] = r;
+    /* the host's experts in ascending id, their rows gathered (split into even and odd values) in that order */
+    int n = 0;
+    int64_t rows = 0, first = 0;
+    int64_t *host_offsets = s->count; /* reused: offsets into the gathered rows, n + 1 of them */
+    const uint8_t **gu_c = s->chosen, **gu_s = s->chosen + E, **dn_c = s->chosen + 2 * E, **dn_s = s->chosen + 3 * E;
+    /* walk the full order expert by expert (start[] now holds each run's end) */
+    int64_t run_begin = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        int64_t run_end = start[e];
+        if (run_end > run_begin && !s->held[e]) {
+            gu_c[n] = s->gate_up_codes[e];
+            gu_s[n] = s->gate_up_scales[e];
+            dn_c[n] = s->down_codes[e];
+            dn_s[n] = s->down_scales[e];
+            host_offsets[n] = first;
+            for (int64_t p = run_begin; p < run_end; ++p) {
+                int64_t token = s->order[p] / s->top_k;
+                for (int64_t j = 0; j < half_k; ++j) {
+                    float even = load_dtype(s->x, token * K + 2 * j, s->bf16);
+                    float odd = load_dtype(s->x, token * K + 2 * j + 1, s->bf16);
+                    if (s->bf16_dot) {
+                        ((uint16_t *)s->x_even)[rows * half_k + j] = bf16_bits(even);
+                        ((uint16_t *)s->x_odd)[rows * half_k + j] = bf16_bits(odd);
+                    } else {
+                        ((float *)s->x_even)[rows * half_k + j] = even;
+                        ((float *)s->x_odd)[rows * half_k + j] = odd;
+                    }
+                }
+                s->order[rows] = p; /* gathered row `rows` goes to order position p (rows <= p: read before) */
+                ++rows;
+            }
+            first = rows;
+            ++n;
+        }
+        run_begin = run_end;
+    }
+    host_offsets[n] = rows;
+    if (n) {
+        int status = k3_mxfp4_host_experts(s->x_even, s->x_odd, host_offsets, n, gu_c, gu_s, dn_c, dn_s, K, s->I,
+                                           s->beta, s->linear_beta, s->has_linear_beta, s->bf16, s->bf16_dot,
+                                           s->hidden_even, s->hidden_odd, s->work, s->threads);
+        if (status) {
+            s->status = status;
+            return;
+        }
+    }
+    for (int64_t j = 0; j < rows; ++j) {
+        int64_t p = s->order[j];
+        const float *src = s->work + j * K;
+        if (s->bf16) {
+            uint16_t *dst = (uint16_t *)s->out + p * K;
+            for (int64_t k = 0; k < K; ++k) dst[k] = bf16_bits(src[k]);
+        } else {
+            memcpy((float *)s->out + p * K, src, sizeof(float) * (size_t)K);
+        }
+    }
+    s->status = 0;
+}

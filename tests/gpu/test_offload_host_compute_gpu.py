@@ -24,9 +24,10 @@ def on_gpu(request):
     return (model if request.param == "dense" else packed_mxfp4_copy(model)).cuda().eval(), request.param
 
 
-def _computed_on_host(model, compute, experts_per_layer=4):
+def _computed_on_host(model, compute, experts_per_layer=4, in_stream=None):
     copied = offloaded_copy(model, experts_per_layer)
     copied.experts_cache.compute = compute
+    copied.experts_cache.in_stream = in_stream
     return copied
 
 
@@ -35,7 +36,7 @@ def test_the_cpu_share_gives_the_gpu_models_logits_and_tokens(on_gpu, compute):
     from kimik3.modeling.host_experts_kimi_k3 import measure_host_rates
 
     model, fmt = on_gpu
-    placed = _computed_on_host(model, compute)
+    placed = _computed_on_host(model, compute, in_stream=False)  # the routes read by the host (streamed: below)
     if compute == "auto":
         module = next(m for m in placed.modules() if getattr(m, "offload", None) is not None)
         placed.experts_cache.rates = measure_host_rates(module, torch.device("cuda"))
@@ -59,7 +60,7 @@ def test_bf16_stays_as_close_as_the_gpu_models_own_bf16(on_gpu):
         exact = model(ids).logits
         half = copy.deepcopy(model).to(torch.bfloat16)
         own = (half(ids).logits.float() - exact).abs().max().item()
-        placed = _computed_on_host(half, "host")
+        placed = _computed_on_host(half, "host", in_stream=False)
         got = (placed(ids).logits.float() - exact).abs().max().item()
     assert placed.experts_cache.host_routes > 0
     assert got <= 2 * own + 1e-3, (got, own)
@@ -77,7 +78,7 @@ def test_the_decode_loop_captures_the_step_piece_by_piece(on_gpu, compute, monke
     from kimik3.modeling import generate_kimi_k3 as loop
 
     model, _ = on_gpu
-    placed = _computed_on_host(model, compute)
+    placed = _computed_on_host(model, compute, in_stream=False)
     captures, graph = [], torch.cuda.graph
 
     def counted(*args, **kwargs):
@@ -98,3 +99,65 @@ def test_the_decode_loop_captures_the_step_piece_by_piece(on_gpu, compute, monke
     cache = placed.experts_cache
     assert (cache.host_routes > 0) == (compute == "host")
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("hot", [False, True])
+def test_streamed_routes_run_in_one_captured_decode_step(hot, monkeypatch):
+    """experts_compute="host" on CUDA computes the routes on the CPU in the stream's order (host_experts_kimi_k3's
+    `StreamedRoutes`): no host read of the routes, so the decode loop compiles its step whole (fullgraph) and
+    captures each block as one CUDA graph. Eager logits within the two devices' rounding, the loop's greedy tokens
+    the GPU model's, the routes counted by the host step (and with experts placed on the GPU, those run there)."""
+    import torch._dynamo
+
+    from kimik3.modeling import generate_kimi_k3 as loop
+    from kimik3.modeling.offload_kimi_k3 import place_hot_experts
+    from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
+
+    model = packed_mxfp4_copy(build_tiny_model(seed=5, num_experts=16, top_k=6)).cuda().eval()
+    placed = _computed_on_host(model, "host")
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.no_grad():
+        if hot:
+            placed(ids[:1, :5])  # a calibration prompt (streamed: 5 tokens), its routes counted by the step
+            assert all(len(e) == placed.experts_cache.capacity for e in place_hot_experts(placed).values())
+        want, got = model(ids).logits, placed(ids).logits
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    assert loop._routes_read_by_host(placed, 2) is False
+    layers = [m.offload for m in placed.modules() if getattr(m, "offload", None) is not None]
+    assert all(layer.stream.placed == hot for layer in layers)
+    counted = sum(int(layer.cache.routes[layer.layer].sum()) for layer in layers)
+    assert counted >= len(layers) * (2 * 9 * 6)
+
+    captures, graph = [], torch.cuda.graph
+
+    def count(*args, **kwargs):
+        captures.append(1)
+        return graph(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "graph", count)
+    torch._dynamo.reset()
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static",
+                  decode_block_steps=4)
+    want = loop.generate(ids, model=model, decode_compile=False, **kwargs)
+    got = loop.generate(ids, model=placed, decode_compile=True, **kwargs)
+    assert torch.equal(got, want)
+    assert 1 <= len(captures) <= 2  # the loop's own graphs (a block of steps, a one-step tail): the step whole
+    torch._dynamo.reset()
+
+
+def test_streamed_routes_in_bf16_stay_as_close_as_the_gpu_models_own_bf16():
+    from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
+
+    model = packed_mxfp4_copy(build_tiny_model(seed=5, num_experts=16, top_k=6)).cuda().eval()
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.no_grad():
+        exact = model(ids).logits
+        half = copy.deepcopy(model).to(torch.bfloat16)
+        own = (half(ids).logits.float() - exact).abs().max().item()
+        placed = _computed_on_host(half, "host")
+        got = (placed(ids).logits.float() - exact).abs().max().item()
+    from kimik3.modeling.host_experts_kimi_k3 import StreamedRoutes
+
+    assert all(isinstance(m.offload.stream, StreamedRoutes) for m in placed.modules()
+               if getattr(m, "offload", None) is not None)
+    assert got <= 2 * own + 1e-3, (got, own)
