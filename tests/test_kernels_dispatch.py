@@ -565,6 +565,14 @@ def _custom_op_cases():
                         torch.tensor([0, 1, 3, 4], dtype=torch.int32)),
                        (randn(2, 64), packed, scale, torch.tensor([0, 0, 0, 2], dtype=torch.int32))],
     }
+    # the host step's op (kimik3.kernels.mxfp4_host): one layer's routes on the CPU, the step registered by number
+    host = importlib.import_module(kernels.__name__ + ".mxfp4_host")
+    gate_up = ops.quantize_mxfp4(randn(5, 64, 64))
+    table = host.ExpertTable(gate_up, ops.quantize_mxfp4(randn(5, 64, 32)), torch.zeros(5, dtype=torch.int64))
+    cases["host_routes"] = [
+        (randn(3, 64, dtype=dtype), torch.tensor([[0, 4], [4, 1], [2, 0]]),
+         host.register_step(host.HostRouteStep(table, 3, 2, dtype, 4.0, 25.0, pinned=False)))
+        for dtype in (torch.float32, torch.bfloat16)]
     assert set(cases) == set(registered)
     return cases
 
@@ -627,7 +635,8 @@ def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
         packed = mxfp4.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)  # GEMV size
         plain = moe.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0)
         prefill = torch.ops.kimik3.mxfp4_grouped_gemm(*cases["mxfp4_grouped_gemm"][0])
-        return routed, h, o, state, y, new_conv, mixed, attended, dense, prefill, packed, plain
+        host = torch.ops.kimik3.host_routes(*cases["host_routes"][0])
+        return routed, h, o, state, y, new_conv, mixed, attended, dense, prefill, packed, plain, host
 
     graphs = []
 
@@ -649,8 +658,8 @@ def test_custom_ops_compile_into_one_graph_without_breaks(monkeypatch):
     # the packed experts' routing around the custom grouped matmul computes the reference packed experts
     reference = ops.moe_experts_mxfp4(x, idx, w, gu_packed, gu_scale, d_packed, d_scale, 4.0, 25.0)
     torch.testing.assert_close(compiled[0], reference, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(compiled[-2], reference, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(compiled[-1], ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), rtol=1e-2,
+    torch.testing.assert_close(compiled[-3], reference, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(compiled[-2], ops.moe_experts(x, idx, w, gate_up, down, 4.0, 25.0), rtol=1e-2,
                                atol=1e-2)
     torch._dynamo.reset()
 

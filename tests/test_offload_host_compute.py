@@ -258,7 +258,7 @@ def test_the_piecewise_step_raises_dynamos_recompile_limits_with_the_layers(monk
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("hot", [False, True], ids=["streamed", "streamed+hot"])
+@pytest.mark.parametrize("hot", [False, True])
 def test_streamed_routes_give_the_one_device_tokens_and_read_no_route(models, hot, monkeypatch):
     """experts_compute="host" with the routes computed on the CPU in the stream's order (`in_stream`; on CUDA the
     default, forced here on the CPU, where the step runs at once): the host step (the format's kernel) computes every
