@@ -175,8 +175,11 @@ def with_setting(module, name, value, fn):
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """E[# distinct experts hit] when each of `batch` tokens picks top_k of num_experts uniformly."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+    """host_experts_kimi_k3.expected_distinct_experts (the model's own formula)."""
+    ensure_kimik3()
+    from kimik3.modeling.host_experts_kimi_k3 import expected_distinct_experts as distinct
+
+    return distinct(num_experts, top_k, batch)
 
 
 def uniform_routed_counts(tokens: int, num_experts: int, top_k: int, device="cpu") -> torch.Tensor:

@@ -301,7 +301,8 @@ def main():
     parser.add_argument("--skip-accelerate", action="store_true")
     parser.add_argument("--host-threads", default="",
                         help="comma-separated thread counts of the host kernel (KIMIK3_HOST_THREADS) to decode with "
-                             "under experts_compute='host', after the host section (e.g. 16,15,12)")
+                             "under experts_compute='host' (eager and in the decode loop; streamed on CUDA), after the "
+                             "other sections (e.g. 16,15,12)")
     parser.add_argument("--profile-out", default="bench_offload_profile.txt")
     parser.add_argument("--profile-trace", default="", help="also write the profiled steps' Chrome trace here")
     parser.add_argument("--sections", default="gpu,offload,host,accelerate",
@@ -311,7 +312,8 @@ def main():
                              "slice captured whole on the GPU, piecewise with the experts in host memory), "
                              "loop_gpu (loop's first part alone), loop_held (piecewise with every expert placed on the GPU), stream (experts_compute "
                              "host with the routes read by the host, then computed in the stream's order: eager and "
-                             "the decode loop), stream_held (streamed with every expert placed on the GPU), "
+                             "the decode loop), stream_auto (the same, auto), dram (the host's DRAM read and the kernel "
+                             "alone), stream_held (streamed with every expert placed on the GPU), "
                              "split (where the CPU route's time goes, "
                              "per MoE layer), profile (torch.profiler's table of b=1 host decode steps, to "
                              "--profile-out), accelerate")
@@ -438,10 +440,23 @@ def main():
             emit("loop_held.profile", {"written": args.profile_out})
         cache.clear()
         cache.capacity = budgeted
-    if "stream" in sections:  # "host" with the routes read by the host against computed in the stream's order
-        cache.compute, cache.side_stream = "host", True
-        for in_stream, tag in ((False, "read"), (None, "stream")):
-            cache.in_stream = in_stream
+    if "dram" in sections:  # the host's DRAM read and the kernel alone over one layer's chosen experts
+        dram = dram_read_bytes_per_s()
+        emit("host.dram_read_bytes_per_s", round(dram))
+        for batch in batches:
+            row = host_experts(experts[0], batch, model.config, bandwidth)
+            row["kernel_fraction_of_dram_read"] = round(row["kernel_bytes_per_s"] / dram, 3)
+            emit(f"host_experts.decode_b{batch}", row)
+    if "stream" in sections or "stream_auto" in sections:
+        # "host" with the routes read by the host against computed in the stream's order; "auto" (streamed where
+        # the rates measured here say the CPU is faster)
+        runs = [("host", False, "read"), ("host", None, "stream")] if "stream" in sections else []
+        runs += [("auto", None, "stream_auto")] if "stream_auto" in sections else []
+        if "stream_auto" in sections:
+            cache.rates = measure_host_rates(experts[0], torch.device("cuda"))
+        cache.side_stream = True
+        for compute, in_stream, tag in runs:
+            cache.compute, cache.in_stream = compute, in_stream
             cache.clear()
             for batch in batches:
                 emit(f"{tag}.decode_b{batch}", decode(model, batch, args.context, args.steps, stats))
@@ -471,6 +486,7 @@ def main():
         cache.clear()
         for batch in batches:
             emit(f"compute_host_threads{threads}.decode_b{batch}", decode(model, batch, args.context, args.steps, stats))
+            emit(f"compute_host_threads{threads}.loop_decode_b{batch}", loop_decode(model, batch, args.context))
         cache.compute = "device"
         os.environ.pop("KIMIK3_HOST_THREADS")
 

@@ -284,12 +284,14 @@ class HostRouteStep:
             raise ValueError(f"host route step: built for x {tuple(self.x.shape)} {self.dtype} and routes "
                              f"{tuple(self.ids.shape)}, given {tuple(x.shape)} {x.dtype} and {tuple(ids.shape)}")
         if x.device.type != "cuda":
+            self.args.threads = thread_count()
             self.x.copy_(x)
             self.ids.copy_(ids)
             library().k3_host_routes_step(ctypes.addressof(self.args))
             self.check()
             return self.out.clone()
         x, ids = x.contiguous(), ids.to(torch.int64).contiguous()
+        self.args.threads = thread_count()  # read by the host function when it runs (a replayed graph: the last)
         out = torch.empty(self.out.shape, dtype=self.dtype, device=x.device)
         stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
         driver = _driver()

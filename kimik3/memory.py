@@ -797,19 +797,14 @@ CUDA_CONTEXT_RESERVE = 10**9
 ALLOCATOR_RESERVE_FRACTION = 0.02
 
 
-def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
-    """Expected distinct experts one MoE layer's router chooses for `tokens` tokens under uniform routing: each token
-    picks top_k distinct of num_experts, tokens independently, so an expert is missed by all with probability
-    (1 - top_k / num_experts) ** tokens."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
-
-
 def expected_moved_experts(num_experts: int, top_k: int, tokens: int, cached: int) -> float:
     """Expected experts one layer moves in a forward of `tokens` tokens when its cache holds `cached` experts: the
     chosen ones it lacks. Under uniform routing the cache's contents (whatever its policy) are independent of this
     forward's choice, so each chosen expert is cached with probability cached / num_experts (once the cache is
     full: the steady state of a long decode)."""
     cached = min(cached, num_experts)
+    from kimik3.modeling.host_experts_kimi_k3 import expected_distinct_experts
+
     return expected_distinct_experts(num_experts, top_k, tokens) * (1 - cached / num_experts)
 
 
@@ -858,6 +853,7 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
     adds its disk read); "auto" takes
     the faster of the two per forward, as the load's HostRates do. `measured`: what `measure_rates` timed, recorded
     in the plan. The GPU keeps CUDA_CONTEXT_RESERVE + ALLOCATOR_RESERVE_FRACTION of its memory free."""
+    from kimik3.modeling.host_experts_kimi_k3 import expected_distinct_experts
     from kimik3.modeling.offload_kimi_k3 import EXPERTS_COMPUTE_MODES, EXPERTS_OFFLOAD_MODES
 
     if experts_compute not in EXPERTS_COMPUTE_MODES:

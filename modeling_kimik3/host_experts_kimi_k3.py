@@ -48,6 +48,21 @@ class HostRates:
         return self.host_seconds(experts, routes, bytes_per_expert, flops_per_route) < \
             self.copy_seconds(experts, bytes_per_expert)
 
+    def streams(self, tokens: int, num_experts: int, top_k: int, bytes_per_expert: int,
+                flops_per_route: float) -> bool:
+        """Whether a forward of `tokens` tokens computes its routes on the CPU in the stream's order under "auto"
+        (decided before its routes are known, so for the experts it is expected to choose under uniform routing:
+        `expected_distinct_experts`)."""
+        return self.on_host(round(expected_distinct_experts(num_experts, top_k, tokens)), tokens * top_k,
+                            bytes_per_expert, flops_per_route)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts one MoE layer's router chooses for `tokens` tokens under uniform routing: each token
+    picks top_k distinct of num_experts, tokens independently, so an expert is missed by all with probability
+    (1 - top_k / num_experts) ** tokens."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
 
 def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_betas) -> tuple[torch.Tensor, int]:
     """(each host route's expert output, 1 if the format's CPU kernel computed them else 0). `rows` [R, Dl] on the
@@ -278,5 +293,5 @@ def measure_host_rates(module, device=None, repeats: int = 3) -> HostRates:
                      host_flops=many * flops / many_tokens, measured=True)
 
 
-__all__ = ["STREAM_MAX_TOKENS", "HostRates", "HostShare", "StreamedRoutes", "host_routes", "measure_host_rates",
-           "routed_split", "sum_routes"]
+__all__ = ["STREAM_MAX_TOKENS", "HostRates", "HostShare", "StreamedRoutes", "expected_distinct_experts", "host_routes",
+           "measure_host_rates", "routed_split", "sum_routes"]

@@ -259,8 +259,9 @@ class ExpertCache:
     default), so that what a layer computes before its routed experts (the latent down-projection, the shared experts:
     `KimiK3SparseMoeBlock`) overlaps them; with `side_stream = False` they run on the current stream, in order.
 
-    `in_stream`: with compute "host", a forward of up to STREAM_MAX_TOKENS tokens on CUDA computes every route to an
-    expert not placed on the device (`place`) on the CPU in the stream's order (`StreamedRoutes`: no read of the
+    `in_stream`: with compute "host" (or "auto" where `rates.streams` says the CPU is faster for the experts a forward
+    of that many tokens is expected to choose), a forward of up to STREAM_MAX_TOKENS tokens on CUDA computes every
+    route to an expert not placed on the device (`place`) on the CPU in the stream's order (`StreamedRoutes`: no read of the
     routes by the host, one CUDA graph a decode step) where the format has a host step (packed MXFP4, SiTU, the
     package's kernel built); None (the default) there, True on the CPU too (its step runs at once), False never (the
     routes read on the host, `fetch`)."""
@@ -419,13 +420,13 @@ class LayerOffload:
     `file_backed`: its stacks (or parts) are mapped from the folder's shards (the disk tier)."""
 
     def __init__(self, cache: ExpertCache, layer: int, parts: ExpertParts | None = None, file_backed: bool = False,
-                 flops_per_route: float = 0.0, top_k: int = 1):
+                 flops_per_route: float = 0.0, top_k: int = 1, num_experts: int = 1):
         self.cache = cache
         self.layer = layer
         self.parts = parts
         self.file_backed = file_backed
         self.flops_per_route = flops_per_route  # one token through one expert: 2 x (2I x Dl + Dl x I)
-        self.top_k = top_k
+        self.top_k, self.num_experts = top_k, num_experts
         # the streamed routes (`streams`): None until known, False where the format has no host step
         self.stream: StreamedRoutes | bool | None = None
 
@@ -437,8 +438,11 @@ class LayerOffload:
         """Whether a forward of `tokens` tokens on `device` computes this layer's routes in the stream's order
         (`ExpertCache.in_stream`)."""
         cache = self.cache
-        if cache.compute != "host" or self.parts is not None or tokens > STREAM_MAX_TOKENS or situ_betas is None \
+        if cache.compute == "device" or self.parts is not None or tokens > STREAM_MAX_TOKENS or situ_betas is None \
                 or cache.in_stream is False or (cache.in_stream is None and device.type != "cuda"):
+            return False
+        if cache.compute == "auto" and not cache.rates.streams(tokens, self.num_experts, self.top_k,
+                                                               cache.bytes_per_expert, self.flops_per_route):
             return False
         if self.stream is None:
             self.stream = False if fmt.host_route_kernels() is None else None
@@ -565,7 +569,7 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int | str, m
     for layer, module in enumerate(experts_modules):
         module.offload = LayerOffload(cache, layer, mapped.get(module), file_backed=module in mapped,
                                       flops_per_route=6 * module.intermediate_size * module.latent_size,
-                                      top_k=module.config.num_experts_per_token)
+                                      top_k=module.config.num_experts_per_token, num_experts=module.num_experts)
     cache.compute = compute or "device"
     if cache.compute == "auto":
         cache.rates = measure_host_rates(experts_modules[0], device)
