@@ -210,8 +210,8 @@ STEP_STATUS = {-1: "its work lists could not be allocated", -3: "a route's exper
 
 class ExpertTable:
     """One layer's host stacks as the step reads them: each expert's four pointers (gate_up codes and scales, down
-    codes and scales), `held` [E] (nonzero: the device computes that expert's routes; the step leaves them out) and
-    `routes` [E] (int64, the routes the steps counted per expert). Holds the stacks, so the pointers stay valid."""
+    codes and scales) and `routes` [E] (int64, the routes the steps counted per expert). Holds the stacks, so the
+    pointers stay valid."""
 
     def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
                  routes: torch.Tensor):
@@ -227,15 +227,15 @@ class ExpertTable:
         self.stacks = (*gate_up, *down)
         self.num_experts, self.k, self.inter = num_experts, k, inter
         self.pointers = [_pointers(list(stack.unbind(0))) for stack in self.stacks]
-        self.held = torch.zeros(num_experts, dtype=torch.uint8)
         self.routes = routes
 
 
 class HostRouteStep:
     """The CPU's step for one layer's routes of `tokens` tokens x `top_k` (`table`: the layer's experts) in `dtype`
     (f32 or bf16): `run(x, ids)` returns [tokens x top_k, K] in dtype, each route's expert output before its routing
-    weight, in the order ops_kimi_k3.routed_experts takes the routes (by expert, stable), zero for the routes to held
-    experts. On CUDA it is queued on the current stream (nothing waits); on the CPU it runs at once."""
+    weight, in the order ops_kimi_k3.routed_experts takes the routes (by expert, stable), zero for the routes the
+    device holds (given as -1 - expert in `ids`). On CUDA it is queued on the current stream (nothing waits); on the
+    CPU it runs at once."""
 
     def __init__(self, table: ExpertTable, tokens: int, top_k: int, dtype: torch.dtype, beta: float,
                  linear_beta: float | None, pinned: bool, threads: int | None = None):
@@ -257,15 +257,16 @@ class HostRouteStep:
         self.workspace = [torch.empty(routes, dtype=torch.int64), torch.empty(num_experts, dtype=torch.int64),
                           torch.empty(num_experts + 1, dtype=torch.int64),
                           torch.empty(4 * num_experts, dtype=torch.int64),  # pointers
+                          torch.empty(num_experts, dtype=torch.uint8),  # the held experts
                           torch.empty(routes, k // 2, dtype=work), torch.empty(routes, k // 2, dtype=work),
                           torch.empty(routes, inter // 2, dtype=work), torch.empty(routes, inter // 2, dtype=work),
                           torch.empty(routes, k, dtype=torch.float32)]
-        order, count, offsets, chosen, x_even, x_odd, hidden_even, hidden_odd, out_f32 = \
+        order, count, offsets, chosen, held, x_even, x_odd, hidden_even, hidden_odd, out_f32 = \
             (t.data_ptr() for t in self.workspace)
         gate_up_codes, gate_up_scales, down_codes, down_scales = (ctypes.addressof(p) for p in table.pointers)
         self.args = _RouteStepArgs(
             tokens, top_k, k, inter, num_experts, self.x.data_ptr(), self.ids.data_ptr(), self.out.data_ptr(),
-            gate_up_codes, gate_up_scales, down_codes, down_scales, table.held.data_ptr(), table.routes.data_ptr(),
+            gate_up_codes, gate_up_scales, down_codes, down_scales, held, table.routes.data_ptr(),
             float(beta), 0.0 if linear_beta is None else float(linear_beta), int(linear_beta is not None),
             int(dtype == torch.bfloat16), int(bf16_dot), thread_count(threads), order, count, offsets, chosen,
             x_even, x_odd, hidden_even, hidden_odd, out_f32, 0)

@@ -12,10 +12,10 @@ from kimik3.arguments import (bandwidth, context_tokens, gpu_memory_size, millis
 PLAN_ONLY_OPTIONS = ("gpus", "gpu_mem", "experts_format", "context", "nodes", "gpus_per_node", "tp", "ep",
                      "prefill_chunk", "hbm_bandwidth", "experts_offload", "host_mem", "experts_cache", "h2d_bandwidth",
                      "disk_bandwidth", "experts_compute", "measure", "host_bandwidth", "piecewise_layer_ms",
-                     "host_route_ms")
+                     "host_route_ms", "stream_layer_ms")
 # the options of the offload tiers' plan, which need --experts-offload
 OFFLOAD_PLAN_OPTIONS = ("host_mem", "experts_cache", "h2d_bandwidth", "disk_bandwidth", "experts_compute", "measure",
-                        "host_bandwidth", "piecewise_layer_ms", "host_route_ms")
+                        "host_bandwidth", "piecewise_layer_ms", "host_route_ms", "stream_layer_ms")
 # the options that ask for the per-rank plan of a parallel layout instead of the one-process layer split
 PARALLEL_PLAN_OPTIONS = ("nodes", "gpus_per_node", "tp", "ep", "prefill_chunk", "hbm_bandwidth")
 
@@ -152,7 +152,8 @@ def _offload_plan(args, config, context, gpu_memory, unit, usage_error) -> int:
                             experts_cache=args.experts_cache and args.experts_cache[0], mode=args.experts_offload,
                             experts_compute=args.experts_compute or "device", **rates,
                             **{name: value for name, value in (("piecewise_layer_s", args.piecewise_layer_ms),
-                                                               ("host_route_s", args.host_route_ms))
+                                                               ("host_route_s", args.host_route_ms),
+                                                               ("stream_layer_s", args.stream_layer_ms))
                                if value is not None},
                             **_given(args, "prefill_chunk", "h2d_bandwidth", "hbm_bandwidth", "disk_bandwidth"))
     except PlanError as exc:
@@ -372,12 +373,18 @@ def main(argv: list[str] | None = None) -> int:
                         "docs/benchmarks.md records)")
     p.add_argument("--piecewise-layer-ms", type=milliseconds,
                    help="with --experts-offload: milliseconds a MoE layer adds to a decode step beyond the GPU's own "
-                        "time (the decode loop captures the step between the routes' reads; default 1.5, measured on "
+                        "time where the routes are read by the host (experts copied: the decode loop captures the "
+                        "step between the routes' reads; default 1.5, measured on "
                         "an H100's host: bench_offload.py's loop and loop_held sections give yours)")
     p.add_argument("--host-route-ms", type=milliseconds,
-                   help="with --experts-offload: milliseconds a MoE layer computing experts on the CPU spends on the "
-                        "route beyond the kernel (default 1.1, measured on an H100's host: bench_offload.py's split "
+                   help="with --experts-offload: milliseconds a MoE layer computing experts on the CPU with its routes "
+                        "read by the host (a prefill chunk) spends on the route beyond the kernel (default 1.1, measured on an H100's host: bench_offload.py's split "
                         "section gives yours)")
+    p.add_argument("--stream-layer-ms", type=milliseconds,
+                   help="with --experts-offload: milliseconds a MoE layer adds to a decode step whose routes are "
+                        "computed on the CPU in the stream's order (experts_compute host, or auto where the CPU is "
+                        "faster; no read of the routes, the step captured whole), beyond the kernel (default 0.104, "
+                        "measured on an H100's host: bench_offload.py's loop_gpu and stream_held sections give yours)")
     p.add_argument("--disk-bandwidth", type=bandwidth,
                    help="with --experts-offload disk: disk-to-host bytes/s, e.g. 14GB/s (default: 7 GB/s, an assumption "
                         "for one PCIe 4.0 NVMe SSD's sequential read, not a measurement: measure yours)")

@@ -786,6 +786,14 @@ HOST_KERNEL_FRACTION_ASSUMED = 0.53
 # (8.22..8.61 - 3.94) / 3 ms on an H100's host (docs/benchmarks.md, "The decode loop captured piece by piece");
 # `--piecewise-layer-ms` gives yours.
 PIECEWISE_LAYER_S_ASSUMED = 1.5e-3
+# A decode step whose routes are computed on the CPU in the stream's order (experts_compute "host", or "auto" where
+# the CPU is faster; host_experts_kimi_k3's `StreamedRoutes`) reads no route on the host: the loop captures it whole,
+# and each MoE layer adds the stream's own cost beside the kernel (the copies of its rows and routes, the host
+# function's start, the outputs' copy back, the sums). Seconds a MoE layer: an ASSUMPTION, (the streamed step with
+# every expert placed on the GPU, so the host computes nothing - the slice's step captured whole) / MoE layers,
+# (4.381 - 4.068) / 3 ms on an H100's host (docs/benchmarks.md, "The routes computed in the stream's order");
+# `--stream-layer-ms` gives yours.
+STREAM_LAYER_S_ASSUMED = 0.104e-3
 # Seconds a MoE layer whose missing experts run on the CPU spends on the route itself, beyond the kernel (the split,
 # the rows crossing to host memory, the worker's hand-off, the outputs back and the sums): an ASSUMPTION, measured by
 # bench_offload's split section on the same host (same section of docs/benchmarks.md); `--host-route-ms` gives yours.
@@ -829,15 +837,15 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
                  host_bytes_per_s: float = HOST_EXPERTS_BYTES_ASSUMED,
                  host_flops: float = HOST_EXPERTS_FLOPS_ASSUMED, measured: dict | None = None,
                  piecewise_layer_s: float = PIECEWISE_LAYER_S_ASSUMED,
-                 host_route_s: float = HOST_ROUTE_S_ASSUMED) -> dict:
+                 host_route_s: float = HOST_ROUTE_S_ASSUMED, stream_layer_s: float = STREAM_LAYER_S_ASSUMED) -> dict:
     """One GPU with the routed experts in host memory (`from_pretrained(..., experts_offload="host",
     experts_cache_bytes=...)`): the GPU holds every other weight, the cache at `context`, the prefill chunk's
     workspace plus the compact stack of one layer's chosen experts (a prefill chooses up to all of them), and the
     expert cache: `experts_cache` bytes, default all that is left. Raises PlanError for a cache the GPU cannot hold
     or one below the load's minimum (one expert per MoE layer).
     Decode step bound = routed bytes moved / h2d_bandwidth + the GPU's own HBM bound + MoE layers x
-    `piecewise_layer_s` (the decode loop's step is captured between the routes' reads; each read costs that), no
-    overlap counted; bytes moved =
+    `piecewise_layer_s` (the decode loop's step is captured between the routes' reads; each read costs that; not
+    paid where the routes are computed on the CPU in the stream's order, below), no overlap counted; bytes moved =
     MoE layers x expected_moved_experts(batch) x bytes of one expert. Prefill chunk bound: the larger of
     its transfer (each layer's chosen experts cross once, expected_moved_experts(chunk x batch)) and its compute
     at bf16 peak (2 x active matmul parameters a token; attention's score products not counted).
@@ -850,10 +858,11 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
     experts_compute (the load option): "device" copies the missing experts as above; "host" computes them on the CPU,
     a layer's share taking max(bytes / host_bytes_per_s, routes x 2 x expert parameters / host_flops) plus its
     routes' inputs and outputs crossing PCIe plus the route's own `host_route_s` (a page-cache miss of the disk tier
-    adds its disk read); "auto" takes
-    the faster of the two per forward, as the load's HostRates do. `measured`: what `measure_rates` timed, recorded
+    adds its disk read), or for a forward of up to STREAM_MAX_TOKENS tokens with the experts in host memory (mode
+    "host": decode) `stream_layer_s` instead, its routes computed in the stream's order with no read by the host;
+    "auto" takes the faster of the two per forward, as the load's HostRates do. `measured`: what `measure_rates` timed, recorded
     in the plan. The GPU keeps CUDA_CONTEXT_RESERVE + ALLOCATOR_RESERVE_FRACTION of its memory free."""
-    from kimik3.modeling.host_experts_kimi_k3 import expected_distinct_experts
+    from kimik3.modeling.host_experts_kimi_k3 import STREAM_MAX_TOKENS, expected_distinct_experts
     from kimik3.modeling.offload_kimi_k3 import EXPERTS_COMPUTE_MODES, EXPERTS_OFFLOAD_MODES
 
     if experts_compute not in EXPERTS_COMPUTE_MODES:
@@ -914,15 +923,18 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
         """One MoE layer's missing experts: copied, or computed on the host; "auto" takes the faster."""
         lacking, routes = missing(tokens)
         copy = lacking * per_expert * move_s_per_byte
+        streamed = not disk and tokens <= STREAM_MAX_TOKENS
         host = max(lacking * per_expert * host_s_per_byte, routes * 2 * expert_params / host_flops) \
-            + routes * activation_bytes / h2d_bandwidth + (host_route_s if lacking else 0.0)
+            + routes * activation_bytes / h2d_bandwidth \
+            + (stream_layer_s if streamed else host_route_s if lacking else 0.0)
         where = {"device": "device", "host": "host"}.get(experts_compute, "host" if host < copy else "device")
         return {"copy_s": copy, "host_s": host, "where": where, "s": copy if where == "device" else host,
+                "host_streams": streamed, "streamed": streamed and where == "host",
                 "moved_bytes": lacking * per_expert if where == "device" else 0.0,
                 "host_bytes": lacking * per_expert if where == "host" else 0.0}
 
     decode_layer = layer_seconds(batch_size)
-    piecewise_s = moe_layers * piecewise_layer_s
+    piecewise_s = 0.0 if decode_layer["streamed"] else moe_layers * piecewise_layer_s
     decode_s = moe_layers * decode_layer["s"] + gpu_read / hbm_bandwidth + piecewise_s
     decode_moved = moe_layers * decode_layer["moved_bytes"]
 
@@ -952,6 +964,7 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
             "h2d_bandwidth": h2d_bandwidth, "hbm_bandwidth": hbm_bandwidth, "bf16_flops": bf16_flops,
             "experts_compute": experts_compute, "host_bytes_per_s": host_bytes_per_s, "host_flops": host_flops,
             "measured": measured or {}, "piecewise_layer_s": piecewise_layer_s, "host_route_s": host_route_s,
+            "stream_layer_s": stream_layer_s,
             "disk_bandwidth": disk_bandwidth if disk else None,
             "moe_layers": moe_layers, "num_experts": experts, "top_k": top_k, "bytes_per_expert": per_expert,
             "host": {"experts": experts_bytes, "left": host_memory - (page_cache if disk else experts_bytes),
@@ -963,6 +976,7 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
             "decode": {"moved_bytes": decode_moved, "gpu_bytes": gpu_read, "step_ms": decode_s * 1e3,
                        "gpu_ms": gpu_read / hbm_bandwidth * 1e3, "piecewise_ms": piecewise_s * 1e3,
                        "tokens_per_s": batch_size / decode_s, "where": decode_layer["where"],
+                       "streamed": decode_layer["streamed"], "host_streams": decode_layer["host_streams"],
                        "host_bytes": moe_layers * decode_layer["host_bytes"],
                        "layer_copy_ms": decode_layer["copy_s"] * 1e3, "layer_host_ms": decode_layer["host_s"] * 1e3},
             "prefill": prefill(chunk),
@@ -1077,6 +1091,8 @@ def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
                          if plan["piecewise_layer_s"] == PIECEWISE_LAYER_S_ASSUMED else "")
     route_assumed = (", ASSUMED: measured on an H100's host; --host-route-ms gives yours"
                      if plan["host_route_s"] == HOST_ROUTE_S_ASSUMED else "")
+    stream_assumed = (", ASSUMED: measured on an H100's host; --stream-layer-ms gives yours"
+                      if plan["stream_layer_s"] == STREAM_LAYER_S_ASSUMED else "")
     disk = plan["mode"] == "disk"
     where = "on disk, mapped from the shards" if disk else "in host memory"
     if disk:
@@ -1113,14 +1129,18 @@ def format_offload_plan(plan: dict, config, unit: str = "GB") -> str:
         + {"device": "copied to the GPU", "host": "computed on the CPU",
            "auto": "copied or computed on the CPU, whichever is faster for that forward"}[plan["experts_compute"]],
         f"decode step at batch {plan['batch']}: a layer's missing experts copied {d['layer_copy_ms']:,.2f} ms or "
-        f"computed on the CPU {d['layer_host_ms']:,.2f} ms (the route's own {plan['host_route_s'] * 1e3:,.2f} ms "
-        f"included{route_assumed}) -> {d['where']}; "
+        f"computed on the CPU {d['layer_host_ms']:,.2f} ms ("
+        + (f"in the stream's order, no route read: the stream's own {plan['stream_layer_s'] * 1e3:,.3f} ms "
+           f"included{stream_assumed}" if d["host_streams"] else
+           f"the route's own {plan['host_route_s'] * 1e3:,.2f} ms included{route_assumed}")
+        + f") -> {d['where']}; "
         + (f"{moved(d['moved_bytes'])}" if d["where"] == "device" else
            f"{fmt(d['host_bytes'])} read by the CPU")
-        + f" + {fmt(d['gpu_bytes'])} read / {plan['hbm_bandwidth'] / 1e12:.2f} TB/s HBM ({d['gpu_ms']:,.1f} ms) + "
-        f"the piecewise-captured loop's reads of the routes ({plan['moe_layers']} MoE layers x "
-        f"{plan['piecewise_layer_s'] * 1e3:,.2f} ms = {d['piecewise_ms']:,.1f} ms{piecewise_assumed}) = "
-        f"{d['step_ms']:,.1f} ms ({d['tokens_per_s']:,.2f} tokens/s; no overlap counted)",
+        + f" + {fmt(d['gpu_bytes'])} read / {plan['hbm_bandwidth'] / 1e12:.2f} TB/s HBM ({d['gpu_ms']:,.1f} ms)"
+        + ("; the loop captures the step whole" if d["streamed"] else
+           f" + the piecewise-captured loop's reads of the routes ({plan['moe_layers']} MoE layers x "
+           f"{plan['piecewise_layer_s'] * 1e3:,.2f} ms = {d['piecewise_ms']:,.1f} ms{piecewise_assumed})")
+        + f" = {d['step_ms']:,.1f} ms ({d['tokens_per_s']:,.2f} tokens/s; no overlap counted)",
         f"prefill chunk of {p['chunk']:,} tokens: experts {p['transfer_s']:,.2f} s ({p['where']}: "
         + (f"{fmt(p['moved_bytes'])} moved" if p["where"] == "device" else f"{fmt(p['host_bytes'])} read by the CPU")
         + f"), compute {p['compute_s']:,.2f} s at {plan['bf16_flops'] / 1e12:,.0f} TFLOP/s bf16 peak -> "

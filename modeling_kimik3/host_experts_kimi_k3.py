@@ -220,11 +220,9 @@ class StreamedRoutes:
         tensors on the device} for the layer): one compact stack of them, which the entries become views of (the
         placed experts are held once)."""
         experts = sorted(e for e in placed if e in entries)
-        self.table.held.zero_()
         self.placed = bool(experts)
         self.slots = self.compact = None
         if experts:
-            self.table.held[experts] = 1
             self.compact = tuple(torch.stack(stack) for stack in zip(*(entries[e] for e in experts)))
             for slot, expert in enumerate(experts):
                 entries[expert] = tuple(stack[slot] for stack in self.compact)
@@ -238,16 +236,21 @@ class StreamedRoutes:
         share)."""
         key = (x.shape[0], x.dtype, x.device)
         step = self.steps[key] if key in self.steps else self.prepare(*key)
-        host_out = self.kernels.host_routes_in_stream(x, top_indices, step)
         flat = top_indices.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // top_indices.shape[-1]
-        per_route = host_out
-        if self.placed:
-            slot = self.slots.index_select(0, flat.index_select(0, order))
-            device_out = run(x.index_select(0, token_of), slot.clamp(min=0).unsqueeze(-1),
-                             torch.ones((slot.numel(), 1), device=x.device), self.compact)
-            per_route = torch.where((slot >= 0).unsqueeze(-1), device_out, host_out)
+        if not self.placed:
+            return sum_routes(self.kernels.host_routes_in_stream(x, top_indices, step), order, token_of,
+                              top_weights, x.shape[0])
+        # the routes the device holds cross marked (-1 - expert), with the routes themselves: the step leaves out
+        # exactly the routes the device computes, whatever the map held when the step was queued
+        held = self.slots.index_select(0, flat) >= 0
+        host_out = self.kernels.host_routes_in_stream(x, torch.where(held, -1 - flat, flat).view_as(top_indices),
+                                                      step)
+        slot = self.slots.index_select(0, flat.index_select(0, order))
+        device_out = run(x.index_select(0, token_of), slot.clamp(min=0).unsqueeze(-1),
+                         torch.ones((slot.numel(), 1), device=x.device), self.compact)
+        per_route = torch.where((slot >= 0).unsqueeze(-1), device_out, host_out)
         return sum_routes(per_route, order, token_of, top_weights, x.shape[0])
 
 

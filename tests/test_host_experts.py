@@ -198,16 +198,16 @@ def _stacks(num_experts, k, inter, generator):
     (7, 96, 64, 3, 4, []), (7, 96, 64, 3, 4, [2, 5]), (5, 32, 160, 1, 5, [0, 1, 2, 3, 4]), (9, 160, 32, 6, 2, [8])])
 def test_the_host_step_gives_each_route_in_the_references_order(dtype, num_experts, k, inter, tokens, top_k, held):
     """Each route's expert output at its place in the order routed_experts takes the routes (by expert, stable), the
-    routes to held experts (the device's) left zero, every route counted for its expert."""
+    routes the device holds (sent as -1 - expert) left zero, every route counted for its expert."""
     generator = torch.Generator().manual_seed(num_experts * k + tokens)
     gate_up, down = _stacks(num_experts, k, inter, generator)
     counts = torch.zeros(num_experts, dtype=torch.int64)
     table = mxfp4_host.ExpertTable(gate_up, down, counts)
-    table.held[held] = 1
     step = mxfp4_host.HostRouteStep(table, tokens, top_k, dtype, 4.0, 25.0, pinned=False)
     x = torch.randn(tokens, k, generator=generator).to(dtype)
     ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
-    got = mxfp4_host.host_routes_in_stream(x, ids, mxfp4_host.register_step(step))
+    sent = torch.where(torch.isin(ids, torch.tensor(held, dtype=ids.dtype)), -1 - ids, ids)  # held: -1 - expert
+    got = mxfp4_host.host_routes_in_stream(x, sent, mxfp4_host.register_step(step))
     order = torch.argsort(ids.reshape(-1), stable=True)
     for place, route in enumerate(order.tolist()):
         expert, token = int(ids.reshape(-1)[route]), route // top_k
@@ -226,8 +226,9 @@ def test_the_host_step_refuses_a_bad_route_and_other_shapes():
     table = mxfp4_host.ExpertTable(gate_up, down, torch.zeros(4, dtype=torch.int64))
     step = mxfp4_host.HostRouteStep(table, 2, 2, torch.float32, 4.0, None, pinned=False)
     x = torch.randn(2, 64, generator=generator)
-    with pytest.raises(RuntimeError, match="status -3: a route's expert id is out of range"):
-        step.run(x, torch.tensor([[0, 4], [1, 2]]))
+    for bad in ([[0, 4], [1, 2]], [[0, -5], [1, 2]]):  # past the experts, as a route or marked held
+        with pytest.raises(RuntimeError, match="status -3: a route's expert id is out of range"):
+            step.run(x, torch.tensor(bad))
     assert not step.out.any()  # nothing half computed is left as an output
     assert torch.equal(step.run(x, torch.tensor([[0, 3], [1, 2]])) != 0, torch.ones(4, 64, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"built for x \(2, 64\) torch.float32 and routes \(2, 2\), given \(3, 64\)"):

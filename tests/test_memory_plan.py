@@ -414,7 +414,12 @@ def test_the_plan_recommends_one_prefill_chunk_that_fits(capsys):
 
 
 def test_host_compute_plan_weighs_the_cpu_against_the_copy(capsys):
-    from kimik3.memory import HOST_ROUTE_S_ASSUMED, PIECEWISE_LAYER_S_ASSUMED, expected_moved_experts
+    from kimik3.memory import (
+        HOST_ROUTE_S_ASSUMED,
+        PIECEWISE_LAYER_S_ASSUMED,
+        STREAM_LAYER_S_ASSUMED,
+        expected_moved_experts,
+    )
 
     base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--host-mem",
             "1500GB", "--context", "128K", "--prefill-chunk", "1024", "--json"]
@@ -426,12 +431,22 @@ def test_host_compute_plan_weighs_the_cpu_against_the_copy(capsys):
     cached = host["cached_per_layer"]
     lacking = expected_moved_experts(896, 16, 1, cached)
     routes = 16 * (1 - cached / 896)
-    layer = max(lacking * 17_547_264 / 100e9, routes * 6 * 3072 * 3584 / 2e12) + routes * 4 * 3584 / 50e9 \
-        + HOST_ROUTE_S_ASSUMED  # the route's own cost, beyond the kernel
-    assert host["decode"]["layer_host_ms"] == pytest.approx(layer * 1e3)
-    rest = host["decode"]["gpu_bytes"] / 4.8e12 + 92 * PIECEWISE_LAYER_S_ASSUMED
-    assert host["decode"]["step_ms"] == pytest.approx((92 * layer + rest) * 1e3)
+    kernel = max(lacking * 17_547_264 / 100e9, routes * 6 * 3072 * 3584 / 2e12) + routes * 4 * 3584 / 50e9
+    # decode computes its routes in the stream's order: the stream's own cost beyond the kernel, no read of the
+    # routes, so no piecewise loop
+    layer = kernel + STREAM_LAYER_S_ASSUMED
+    assert host["decode"]["layer_host_ms"] == pytest.approx(layer * 1e3) and host["decode"]["streamed"]
+    assert host["decode"]["step_ms"] == pytest.approx((92 * layer + host["decode"]["gpu_bytes"] / 4.8e12) * 1e3)
     assert host["decode"]["moved_bytes"] == 0 and host["decode"]["where"] == "host"
+    # copied, the routes are read: each MoE layer pays its read in the piecewise loop
+    assert not device["decode"]["streamed"] and device["decode"]["piecewise_ms"] == pytest.approx(
+        92 * PIECEWISE_LAYER_S_ASSUMED * 1e3)
+    # a prefill chunk (past STREAM_MAX_TOKENS) reads its routes: the route's own cost instead
+    chunk_lacking = expected_moved_experts(896, 16, 1024, cached)
+    chunk_routes = 1024 * 16 * (1 - cached / 896)
+    chunk_layer = max(chunk_lacking * 17_547_264 / 100e9, chunk_routes * 6 * 3072 * 3584 / 2e12) \
+        + chunk_routes * 4 * 3584 / 50e9 + HOST_ROUTE_S_ASSUMED
+    assert host["prefill"]["transfer_s"] == pytest.approx(92 * chunk_layer)
     # at the assumed rates (the CPU's 100 GB/s against PCIe's 50) the CPU is faster at decode, the copy at prefill
     assert auto["decode"]["step_ms"] == host["decode"]["step_ms"] < device["decode"]["step_ms"]
     assert auto["prefill"]["where"] == "device" and host["prefill"]["where"] == "host"
@@ -480,34 +495,47 @@ def test_a_plan_for_another_hosts_dram_says_what_it_assumes(capsys):
             "docs/benchmarks.md records") in capsys.readouterr().out
 
 
-def test_the_plan_counts_the_reads_of_the_routes_and_the_cpu_route_and_takes_yours(capsys):
-    """An offloaded model's decode step is captured between the host's reads of each MoE layer's routes, and each
-    read costs the step time with the GPU idle; a MoE layer computing on the CPU also pays its route beside the
-    kernel. Both are stated as assumed until given."""
+def test_the_plan_counts_the_reads_of_the_routes_the_stream_and_the_cpu_route_and_takes_yours(capsys):
+    """Copied experts: the decode step is captured between the host's reads of each MoE layer's routes, and each read
+    costs the step time with the GPU idle. Computed on the CPU: decode streams its routes (no read, the step whole)
+    and pays the stream's cost a MoE layer; a prefill chunk reads them and pays the route's own cost. Each is stated
+    as assumed until given."""
     base = ["memory", "--plan", "--gpus", "1", "--gpu-mem", "141GB", "--experts-offload", "host", "--host-mem",
-            "1500GB", "--context", "128K", "--prefill-chunk", "1024", "--experts-compute", "host"]
+            "1500GB", "--context", "128K", "--prefill-chunk", "1024"]
     plans = {}
-    for name, extra in (("assumed", []), ("given", ["--piecewise-layer-ms", "0.5", "--host-route-ms", "0.25"]),
-                        ("none", ["--piecewise-layer-ms", "0", "--host-route-ms", "0"])):
-        assert main([*base, *extra, "--json"]) == 0
-        plans[name] = json.loads(capsys.readouterr().out)
-    assumed, given, none = (plans[n]["decode"] for n in ("assumed", "given", "none"))
-    assert plans["given"]["piecewise_layer_s"] == 0.5e-3 and plans["given"]["host_route_s"] == 0.25e-3
-    assert given["piecewise_ms"] == pytest.approx(92 * 0.5) and none["piecewise_ms"] == 0
-    # the route is a layer's fixed cost: the layer's share moves by it alone, the step by it per MoE layer
-    assert given["layer_host_ms"] - none["layer_host_ms"] == pytest.approx(0.25)
-    assert given["step_ms"] - none["step_ms"] == pytest.approx(92 * 0.25 + 92 * 0.5)
-    # with neither, the step is the CPU's experts and the GPU's HBM read
-    assert none["step_ms"] == pytest.approx(92 * none["layer_host_ms"] + none["gpu_ms"])
-    assert assumed["step_ms"] > given["step_ms"] > none["step_ms"]
-    assert main(base) == 0
+    given_ms = ["--piecewise-layer-ms", "0.5", "--host-route-ms", "0.25", "--stream-layer-ms", "0.05"]
+    for name, extra in (("assumed", []), ("given", given_ms),
+                        ("none", ["--piecewise-layer-ms", "0", "--host-route-ms", "0", "--stream-layer-ms", "0"])):
+        for compute in ("host", "device"):
+            assert main([*base, "--experts-compute", compute, *extra, "--json"]) == 0
+            plans[name, compute] = json.loads(capsys.readouterr().out)
+    given = plans["given", "host"]
+    assert (given["piecewise_layer_s"], given["host_route_s"], given["stream_layer_s"]) == (0.5e-3, 0.25e-3, 0.05e-3)
+    host = {name: plans[name, "host"]["decode"] for name in ("assumed", "given", "none")}
+    copied = {name: plans[name, "device"]["decode"] for name in ("assumed", "given", "none")}
+    # computed on the CPU: the stream's cost a layer, nothing for reads (the step is captured whole)
+    assert host["given"]["piecewise_ms"] == host["none"]["piecewise_ms"] == 0
+    assert host["given"]["layer_host_ms"] - host["none"]["layer_host_ms"] == pytest.approx(0.05)
+    assert host["given"]["step_ms"] - host["none"]["step_ms"] == pytest.approx(92 * 0.05)
+    assert host["none"]["step_ms"] == pytest.approx(92 * host["none"]["layer_host_ms"] + host["none"]["gpu_ms"])
+    # the prefill chunk's routes are read: the route's own cost a layer
+    assert plans["given", "host"]["prefill"]["transfer_s"] - plans["none", "host"]["prefill"]["transfer_s"] == \
+        pytest.approx(92 * 0.25e-3)
+    # copied: each read in the piecewise loop
+    assert copied["given"]["piecewise_ms"] == pytest.approx(92 * 0.5) and copied["none"]["piecewise_ms"] == 0
+    assert copied["given"]["step_ms"] - copied["none"]["step_ms"] == pytest.approx(92 * 0.5)
+    assert host["assumed"]["step_ms"] > host["given"]["step_ms"] > host["none"]["step_ms"]
+    assert main([*base, "--experts-compute", "host"]) == 0
+    out = capsys.readouterr().out
+    assert ("(in the stream's order, no route read: the stream's own 0.104 ms included, ASSUMED: measured on an "
+            "H100's host; --stream-layer-ms gives yours)") in out and "the loop captures the step whole" in out
+    assert main([*base, "--experts-compute", "device"]) == 0
     out = capsys.readouterr().out
     assert ("the piecewise-captured loop's reads of the routes (92 MoE layers x 1.50 ms = 138.0 ms, ASSUMED: "
             "measured on an H100's host") in out
-    assert "(the route's own 1.10 ms included, ASSUMED: measured on an H100's host" in out
-    assert main([*base, "--piecewise-layer-ms", "0.5", "--host-route-ms", "0.25"]) == 0
+    assert main([*base, "--experts-compute", "device", *given_ms]) == 0
     out = capsys.readouterr().out
-    assert "92 MoE layers x 0.50 ms = 46.0 ms)" in out and "the route's own 0.25 ms included)" in out
+    assert "92 MoE layers x 0.50 ms = 46.0 ms)" in out and "the stream's own 0.050 ms included)" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -534,6 +562,8 @@ def test_the_plan_counts_the_reads_of_the_routes_and_the_cpu_route_and_takes_you
     pytest.param(["--no-offload", "--no-host-mem", "--piecewise-layer-ms", "2"],
                  "argument --piecewise-layer-ms: only with --experts-offload",
                  id="memory-plan-piecewise-layer-without-offload"),
+    pytest.param(["--stream-layer-ms", "inf"], "argument --stream-layer-ms: 'inf' is not a duration",
+                 id="memory-plan-stream-layer-infinite"),
 ])
 def test_offload_plan_bad_input_exits_2_naming_the_option(capsys, argv, message):
     argv = list(argv)

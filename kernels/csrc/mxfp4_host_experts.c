@@ -374,16 +374,17 @@ const char *k3_mxfp4_host_isa(void) {
  * argument and the memory it points to, and calls no CUDA function (a host function may not).
  *
  * The routes are taken in the order ops_kimi_k3.routed_experts takes them (by expert, stable: a counting sort), the
- * routes to experts held on the device (`held[e]` nonzero) are left out, and each other route's expert output (before
- * its routing weight, in the model's dtype) is written at its place in that order: out [R, K], R = tokens x top_k.
- * The device fills the held routes' rows and sums every route in that order, as the eager split does. */
+ * routes to experts held on the device are left out (the device marks them in the routes it sends, as -1 - expert:
+ * its map of what it holds and the routes cross together, in stream order), and each other route's expert output
+ * (before its routing weight, in the model's dtype) is written at its place in that order: out [R, K], R = tokens x
+ * top_k. The device fills the held routes' rows and sums every route in that order, as the eager split does. */
 typedef struct {
     int64_t tokens, top_k, K, I, num_experts;
     const void *x;        /* [tokens, K], the model's dtype (bf16 words or f32), pinned */
-    const int64_t *ids;   /* [tokens, top_k] the routes' experts, pinned */
+    const int64_t *ids;   /* [tokens, top_k] the routes' experts (-1 - expert: held on the device), pinned */
     void *out;            /* [R, K], the model's dtype, pinned */
     const uint8_t *const *gate_up_codes, *const *gate_up_scales, *const *down_codes, *const *down_scales; /* [E] */
-    const uint8_t *held;  /* [E] nonzero: the device computes that expert's routes */
+    uint8_t *held;        /* [E] workspace: nonzero where this step's routes mark the expert held */
     int64_t *routes;      /* [E] routes counted per expert (the placement's frequencies) */
     float beta, linear_beta;
     int has_linear_beta, bf16, bf16_dot, threads;
@@ -409,20 +410,22 @@ void k3_host_routes_step(void *arg) {
     const size_t row_bytes = (size_t)K * (s->bf16 ? 2 : 4);
     memset(s->out, 0, (size_t)R * row_bytes);
     memset(s->count, 0, sizeof(int64_t) * (size_t)E);
+    memset(s->held, 0, (size_t)E);
     for (int64_t r = 0; r < R; ++r) {
-        int64_t e = s->ids[r];
+        int64_t e = s->ids[r] < 0 ? -1 - s->ids[r] : s->ids[r];
         if (e < 0 || e >= E) {
             s->status = -3;
             return;
         }
         s->count[e] += 1;
+        if (s->ids[r] < 0) s->held[e] = 1;
     }
     for (int64_t e = 0; e < E; ++e) s->routes[e] += s->count[e];
     /* stable counting sort: position of each route in the by-expert order, the held experts' routes included */
     int64_t *start = s->offsets; /* reused: start of each expert's run in the full order */
     start[0] = 0;
     for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + s->count[e];
-    for (int64_t r = 0; r < R; ++r) s->order[start[s->ids[r]]++] = r;
+    for (int64_t r = 0; r < R; ++r) s->order[start[s->ids[r] < 0 ? -1 - s->ids[r] : s->ids[r]]++] = r;
     /* the host's experts in ascending id, their rows gathered (split into even and odd values) in that order */
     int n = 0;
     int64_t rows = 0, first = 0;
