@@ -188,8 +188,8 @@ class StreamedRoutes:
     """One offloaded layer's routes computed on the CPU in the device's stream order (docs/design.md, Routed experts
     computed where they live): the format's host step (`kernels`: kimik3.kernels.mxfp4_host) is queued between the
     copy of the layer's rows and routes into pinned memory and the copy of its outputs back, so no host thread reads
-    the routes and a decode step captures as one CUDA graph. The routes to the experts the cache placed on the device
-    for good (`ExpertCache.place`) run there, over a compact stack of them and a map from expert to its place in it;
+    the routes and a decode step captures as one CUDA graph. The routes to the experts the device's cache holds run
+    there, over the cache's slots (offload_kimi_k3.LayerSlots: fixed stacks and a device map from expert to slot);
     the step leaves them out. Every route is summed on the device in the reference's order (`sum_routes`).
 
     A step (pinned buffers of fixed address) is made per (tokens, dtype, device) and kept. Making one cannot be
@@ -200,9 +200,6 @@ class StreamedRoutes:
         self.table = kernels.ExpertTable(stacks[:2], stacks[2:], routes)
         self.top_k, self.situ_betas = top_k, situ_betas
         self.steps: dict[tuple, int] = {}
-        self.placement = -1  # the cache's placement the device share was built for (ExpertCache.placements)
-        self.placed = False
-        self.slots = self.compact = None
 
     @torch.compiler.disable
     def prepare(self, tokens: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -214,42 +211,25 @@ class StreamedRoutes:
             self.steps[key] = self.kernels.register_step(step)
         return self.steps[key]
 
-    @torch.compiler.disable
-    def place(self, placement: int, entries: dict, placed, device: torch.device) -> None:
-        """The device's share for the experts placed for good (`placed`, ids; `entries` the cache's {expert: its
-        tensors on the device} for the layer): one compact stack of them, which the entries become views of (the
-        placed experts are held once)."""
-        experts = sorted(e for e in placed if e in entries)
-        self.placed = bool(experts)
-        self.slots = self.compact = None
-        if experts:
-            self.compact = tuple(torch.stack(stack) for stack in zip(*(entries[e] for e in experts)))
-            for slot, expert in enumerate(experts):
-                entries[expert] = tuple(stack[slot] for stack in self.compact)
-            slots = torch.full((self.table.num_experts,), -1, dtype=torch.int64)
-            slots[experts] = torch.arange(len(experts))
-            self.slots = slots.to(device)
-        self.placement = placement
-
-    def __call__(self, x, top_indices, top_weights, run):
-        """The layer's routed experts' output [T, Dl] for rows x [T, Dl] (`run`: the module's op, for the device's
-        share)."""
+    def __call__(self, x, top_indices, top_weights, run, slots=None):
+        """The layer's routed experts' output [T, Dl] for rows x [T, Dl]; `slots` the experts the device holds
+        (`map`, `stacks`), `run` the module's op for them."""
         key = (x.shape[0], x.dtype, x.device)
         step = self.steps[key] if key in self.steps else self.prepare(*key)
         flat = top_indices.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // top_indices.shape[-1]
-        if not self.placed:
+        if slots is None:
             return sum_routes(self.kernels.host_routes_in_stream(x, top_indices, step), order, token_of,
                               top_weights, x.shape[0])
         # the routes the device holds cross marked (-1 - expert), with the routes themselves: the step leaves out
-        # exactly the routes the device computes, whatever the map held when the step was queued
-        held = self.slots.index_select(0, flat) >= 0
+        # exactly the routes the device computes, read from the map in the same stream order
+        held = slots.map.index_select(0, flat) >= 0
         host_out = self.kernels.host_routes_in_stream(x, torch.where(held, -1 - flat, flat).view_as(top_indices),
                                                       step)
-        slot = self.slots.index_select(0, flat.index_select(0, order))
+        slot = slots.map.index_select(0, flat.index_select(0, order))
         device_out = run(x.index_select(0, token_of), slot.clamp(min=0).unsqueeze(-1),
-                         torch.ones((slot.numel(), 1), device=x.device), self.compact)
+                         torch.ones((slot.numel(), 1), device=x.device), slots.stacks)
         per_route = torch.where((slot >= 0).unsqueeze(-1), device_out, host_out)
         return sum_routes(per_route, order, token_of, top_weights, x.shape[0])
 

@@ -235,17 +235,53 @@ class ExpertFetch:
         # the moved experts the cache keeps: their own copies of the compact rows, on the current stream
         wanted = set(self.ids)
         for position in self.missed:
-            self.cache._keep(self.layer, self.ids[position], tuple(stack[position].clone() for stack in self.compact),
-                             wanted)
+            self.cache._keep(self.layer, self.ids[position], tuple(stack[position] for stack in self.compact), wanted)
         chosen = to_device(torch.tensor(self.ids, dtype=self.top_indices.dtype), self.top_indices.device)
         return torch.searchsorted(chosen, self.top_indices), self.compact
+
+
+class LayerSlots:
+    """One layer's cached experts in fixed places on the device: one tensor per stack [capacity, ...] (`stacks`),
+    each cached expert in a slot of them (the cache's entries are views of its slot) and `map` [E] on the device
+    (expert -> its slot, -1 where not cached). A slot and the map are written on the current stream, one after the
+    other, so whatever reads the map in stream order (a streamed forward: host_experts_kimi_k3.StreamedRoutes) finds
+    the expert it names in the slot."""
+
+    def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], capacity: int, num_experts: int,
+                 device: torch.device):
+        # zeros: a free slot is read by the device's share of a streamed forward (its rows then discarded)
+        self.stacks = tuple(torch.zeros((capacity, *shape), dtype=dtype, device=device) for shape, dtype in shapes)
+        self.map = torch.full((num_experts,), -1, dtype=torch.int64, device=device)
+        self.free = list(range(capacity))
+        self.slot_of: dict[int, int] = {}
+
+    def store(self, expert: int, piece) -> tuple[torch.Tensor, ...]:
+        """Copies `piece` (the expert's tensors, one a stack) into a free slot; returns the slot's views."""
+        slot = self.free.pop()
+        for stack, part in zip(self.stacks, piece):
+            stack[slot].copy_(part)
+        self.map[expert] = slot
+        self.slot_of[expert] = slot
+        return tuple(stack[slot] for stack in self.stacks)
+
+    def drop(self, expert: int) -> None:
+        self.map[expert] = -1
+        self.free.append(self.slot_of.pop(expert))
+
+
+def _source_layout(source) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], int]:
+    """(shape and dtype of one expert in each stack, number of experts) of a layer's stacks [E, ...] or ExpertParts."""
+    if isinstance(source, ExpertParts):
+        return source.shapes(), len(source.parts[0])
+    return [(tuple(stack.shape[1:]), stack.dtype) for stack in source], source[0].shape[0]
 
 
 class ExpertCache:
     """The device's expert cache of one model. Its byte budget is split evenly across the offloaded MoE layers; each
     layer keeps at most `capacity` experts and evicts its least recently used one first, never one its current
-    forward chose nor one `place` pinned. A chosen expert that does not fit (a forward choosing more experts than a
-    layer keeps, as a prefill does) is moved for that forward only. Counts what moves (`moves`, `moved_bytes`), what
+    forward chose nor one `place` pinned; a layer's experts live in fixed slots (`LayerSlots`, `slots`). A chosen
+    expert that does not fit (a forward choosing more experts than a layer keeps, as a prefill does) is moved for
+    that forward only. Counts what moves (`moves`, `moved_bytes`), what
     hits, what the CPU computed (`host_experts`, `host_routes`, `kernel_calls`) and how often each layer routed to
     each expert (`routes`, the frequencies `place_hot_experts` places by).
 
@@ -261,7 +297,7 @@ class ExpertCache:
 
     `in_stream`: with compute "host" (or "auto" where `rates.streams` says the CPU is faster for the experts a forward
     of that many tokens is expected to choose), a forward of up to STREAM_MAX_TOKENS tokens on CUDA computes every
-    route to an expert not placed on the device (`place`) on the CPU in the stream's order (`StreamedRoutes`: no read of the
+    route to an expert the layer does not hold on the CPU in the stream's order (`StreamedRoutes`: no read of the
     routes by the host, one CUDA graph a decode step) where the format has a host step (packed MXFP4, SiTU, the
     package's kernel built); None (the default) there, True on the CPU too (its step runs at once), False never (the
     routes read on the host, `fetch`)."""
@@ -276,6 +312,7 @@ class ExpertCache:
         self.bytes_per_expert = bytes_per_expert
         self.capacity = per_layer // bytes_per_expert
         self.layers: dict[int, OrderedDict] = {}
+        self.slots: dict[int, LayerSlots] = {}
         self.pinned: dict[int, set] = {}
         self.routes: dict[int, torch.Tensor] = {}
         self.moves = self.moved_bytes = self.hits = 0
@@ -285,7 +322,6 @@ class ExpertCache:
         self.host_kernel: bool | None = None
         self.side_stream = True
         self.in_stream: bool | None = None
-        self.placements = 0  # counts `place` calls: a layer's streamed routes rebuild their device share after one
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pool = None
 
@@ -295,6 +331,14 @@ class ExpertCache:
     def clear(self) -> None:
         self.layers.clear()
         self.pinned.clear()
+        self.slots.clear()
+
+    def layer_slots(self, layer: int, source, device: torch.device) -> LayerSlots:
+        """The layer's slots (made at its first use, `capacity` of them): `source` its stacks or ExpertParts."""
+        if layer not in self.slots:
+            shapes, num_experts = _source_layout(source)
+            self.slots[layer] = LayerSlots(shapes, self.capacity, num_experts, device)
+        return self.slots[layer]
 
     def _copy_stream(self, device: torch.device):
         if device.type != "cuda" or not self.side_stream:
@@ -364,6 +408,7 @@ class ExpertCache:
             compact = tuple(torch.empty((len(ids), *shape), dtype=dtype, device=device) for shape, dtype in shapes)
         event = None
         if missed:
+            self.layer_slots(layer, source, device)  # where `wait` keeps its share of the moved experts
             stream = self._copy_stream(device)
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(device))
@@ -395,23 +440,26 @@ class ExpertCache:
             raise ExpertsOffloadError("placing experts mapped a tensor per expert from the release's shards: load "
                                       "with experts_offload='host', or an adopted folder's converted copy")
         entries = self.layers.setdefault(layer, OrderedDict())
+        slots = self.layer_slots(layer, source, device)
         for expert in [e for e in entries if e not in experts]:
             del entries[expert]
+            slots.drop(expert)
         for expert in experts:
             if expert not in entries:
-                entries[expert] = tuple(stack[expert].to(device, copy=True) for stack in source)
+                entries[expert] = slots.store(expert, tuple(stack[expert] for stack in source))
         self.pinned[layer] = set(experts)
-        self.placements += 1
 
     def _keep(self, layer: int, expert: int, piece, wanted: set) -> None:
-        entries, pinned = self.layers[layer], self.pinned.get(layer, set())
+        """Keeps a moved expert (`piece`: its rows of the forward's compact stacks, copied into a slot)."""
+        entries, pinned, slots = self.layers[layer], self.pinned.get(layer, set()), self.slots[layer]
         while len(entries) >= self.capacity:
             oldest = next((e for e in entries if e not in pinned), None)
             if oldest is None or oldest in wanted:
                 # every cached expert is pinned or one this forward uses: this one is moved for it alone
                 return
             del entries[oldest]
-        entries[expert] = piece
+            slots.drop(oldest)
+        entries[expert] = slots.store(expert, piece)
 
 
 class LayerOffload:
@@ -458,9 +506,6 @@ class LayerOffload:
                 counts = torch.cat([counts, counts.new_zeros(num_experts - counts.numel())])
                 self.cache.routes[self.layer] = counts
             self.stream = StreamedRoutes(fmt.host_route_kernels(), stacks, counts, self.top_k, situ_betas)
-        if self.stream.placement != self.cache.placements:
-            self.stream.place(self.cache.placements, self.cache.layers.setdefault(self.layer, OrderedDict()),
-                              self.cache.pinned.get(self.layer, ()), device)
         return self.stream
 
     def prepare_stream(self, tokens: int, dtype: torch.dtype, device: torch.device, stacks, fmt,
@@ -474,10 +519,10 @@ class LayerOffload:
 
     def stream_routes(self, x, top_indices, top_weights, stacks, fmt, run, situ_betas):
         """The layer's routed experts computed in the stream's order (`StreamedRoutes`)."""
-        stream = self.stream
-        if not isinstance(stream, StreamedRoutes) or stream.placement != self.cache.placements:
-            stream = self._streamed(stacks, fmt, situ_betas, x.device)
-        return stream(x, top_indices, top_weights, run)
+        stream = self.stream if isinstance(self.stream, StreamedRoutes) else self._streamed(stacks, fmt, situ_betas,
+                                                                                             x.device)
+        # the experts this layer holds on the device (its slots, if any) run there
+        return stream(x, top_indices, top_weights, run, self.cache.slots.get(self.layer))
 
     def start_host_share(self, x, fetched: ExpertFetch, stacks, fmt, run, situ_betas) -> None:
         """Starts the CPU's share of `fetched` over the rows `x` (host_experts_kimi_k3.HostShare), once."""

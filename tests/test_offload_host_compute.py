@@ -265,7 +265,7 @@ def test_streamed_routes_give_the_one_device_tokens_and_read_no_route(models, ho
     route to an expert not placed on the device, and no route is read by the host (`ExpertCache.fetch` is never
     called) for forwards up to STREAM_MAX_TOKENS tokens; a longer one reads them. The kernel's f32 sums run in its
     own order, so the logits are close to the one-device model's (not bit for bit), the greedy tokens equal. Placed
-    experts run on the device over one compact stack, which the cache's entries become views of."""
+    experts run on the device over the cache's slots (its entries are views of them)."""
     import kimik3.modeling.offload_kimi_k3 as offload
     from kimik3.modeling.host_experts_kimi_k3 import StreamedRoutes
 
@@ -288,14 +288,15 @@ def test_streamed_routes_give_the_one_device_tokens_and_read_no_route(models, ho
         assert torch.equal(g.argmax(-1), w.argmax(-1))
     layers = [m.offload for m in model.modules() if getattr(m, "offload", None) is not None]
     assert len(reads) == len(layers) and all(shape[0] == 18 for shape in reads)  # the prompt's forward only
-    assert all(isinstance(layer.stream, StreamedRoutes) and layer.stream.placed == hot for layer in layers)
+    assert all(isinstance(layer.stream, StreamedRoutes) and (layer.layer in cache.slots) == hot for layer in layers)
     for layer in layers:  # every decode route counted (the prompt's by the read, the calibration's by the step)
         assert int(cache.routes[layer.layer].sum()) == (5 * 6 if hot else 0) + 18 * 6 + 4 * 2 * 6
-    if hot:
-        stream = layers[0].stream
-        for slot, expert in enumerate(sorted(cache.pinned[0])):
-            assert cache.layers[0][expert][0].data_ptr() == stream.compact[0][slot].data_ptr()
-        assert int((stream.slots >= 0).sum()) == cache.capacity
+    if hot:  # the placed experts are held once, in the layer's slots, which the device's map names
+        slots = cache.slots[0]
+        for expert in cache.pinned[0]:
+            assert cache.layers[0][expert][0].data_ptr() == slots.stacks[0][slots.slot_of[expert]].data_ptr()
+            assert int(slots.map[expert]) == slots.slot_of[expert]
+        assert int((slots.map >= 0).sum()) == cache.capacity == len(cache.pinned[0])
 
 
 def test_a_streamed_step_compiles_as_one_graph_and_the_loop_captures_it_whole(models):
@@ -325,3 +326,28 @@ def test_a_streamed_step_compiles_as_one_graph_and_the_loop_captures_it_whole(mo
     kwargs = dict(max_new_tokens=5, do_sample=False, cache_implementation="static", decode_block_steps=2,
                   decode_compile=False)
     assert torch.equal(loop.generate(ids, model=model, **kwargs), loop.generate(ids, model=reference, **kwargs))
+
+
+def test_streamed_routes_run_the_experts_the_cache_holds_on_the_device(models):
+    """The experts a copying prefill left in the device's cache (its slots) are computed there by a streamed decode,
+    the others on the CPU: with the host's copy of every cached expert zeroed, the decode still gives the one-device
+    logits (were a cached expert's routes computed on the CPU, its zeroed bytes would change them)."""
+    reference = models["mxfp4"]
+    model = _placed(reference, "device", experts_per_layer=8, split=False)
+    cache = model.experts_cache
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        want_out = reference(ids, use_cache=True)
+        assert all(len(entries) == 8 for entries in cache.layers.values())
+        for module in model.modules():
+            if getattr(module, "offload", None) is not None:
+                held = list(cache.layers[module.offload.layer])
+                for stack in module.stacks():
+                    stack.data[held] = 0
+        cache.compute, cache.in_stream = "host", True
+        token = out.logits[:, -1:].argmax(-1)
+        got = model(token, past_key_values=out.past_key_values, use_cache=True).logits
+        want = reference(token, past_key_values=want_out.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert cache.moves > 0 and all(int((slots.map >= 0).sum()) == 8 for slots in cache.slots.values())
