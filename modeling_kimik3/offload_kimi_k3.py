@@ -497,7 +497,7 @@ class LayerOffload:
         return self.stream is not False
 
     @torch.compiler.disable
-    def _streamed(self, stacks, fmt, situ_betas, device) -> StreamedRoutes:
+    def _streamed(self, stacks, fmt, situ_betas) -> StreamedRoutes:
         # made at the first streamed forward (a compiled step finds it made: `prepare_stream`)
         if self.stream is None:
             counts = self.cache.routes.get(self.layer, torch.zeros(0, dtype=torch.int64))
@@ -514,13 +514,12 @@ class LayerOffload:
         (the decode loop calls it before its first step)."""
         if not self.streams(tokens, device, fmt, situ_betas):
             return False
-        self._streamed(stacks, fmt, situ_betas, device).prepare(tokens, dtype, device)
+        self._streamed(stacks, fmt, situ_betas).prepare(tokens, dtype, device)
         return True
 
     def stream_routes(self, x, top_indices, top_weights, stacks, fmt, run, situ_betas):
         """The layer's routed experts computed in the stream's order (`StreamedRoutes`)."""
-        stream = self.stream if isinstance(self.stream, StreamedRoutes) else self._streamed(stacks, fmt, situ_betas,
-                                                                                             x.device)
+        stream = self.stream if isinstance(self.stream, StreamedRoutes) else self._streamed(stacks, fmt, situ_betas)
         # the experts this layer holds on the device (its slots, if any) run there
         return stream(x, top_indices, top_weights, run, self.cache.slots.get(self.layer))
 
