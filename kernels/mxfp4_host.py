@@ -27,12 +27,14 @@ it against that reference).
 
 import ctypes
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -230,27 +232,15 @@ class ExpertTable:
         self.routes = routes
 
 
-class HostRouteStep:
-    """The CPU's step for one layer's routes of `tokens` tokens x `top_k` (`table`: the layer's experts) in `dtype`
-    (f32 or bf16): `run(x, ids)` returns [tokens x top_k, K] in dtype, each route's expert output before its routing
-    weight, in the order ops_kimi_k3.routed_experts takes the routes (by expert, stable), zero for the routes the
-    device holds (given as -1 - expert in `ids`). On CUDA it is queued on the current stream (nothing waits); on the
-    CPU it runs at once."""
+class StepBuffers:
+    """The pinned buffers (the rows, the routes, the outputs) and the workspace of the host steps of one shape on one
+    device, shared by every layer's step of that shape: their host functions run one after another in the stream's
+    order, each done with them before the next layer's copies start (one stream a device)."""
 
-    def __init__(self, table: ExpertTable, tokens: int, top_k: int, dtype: torch.dtype, beta: float,
-                 linear_beta: float | None, pinned: bool, threads: int | None = None):
-        lib = library()
-        if lib is None:
-            raise RuntimeError(f"the host experts kernel is not available: {unavailable_reason()}")
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"host route step: the model's dtype must be f32 or bf16, got {dtype}")
-        k, inter, num_experts = table.k, table.inter, table.num_experts
-        if k % MXFP4_GROUP_SIZE or inter % MXFP4_GROUP_SIZE:
-            raise ValueError(f"host route step: K={k} and I={inter} must be multiples of {MXFP4_GROUP_SIZE}")
+    def __init__(self, tokens: int, top_k: int, k: int, inter: int, num_experts: int, dtype: torch.dtype,
+                 bf16_dot: bool, pinned: bool):
         routes = tokens * top_k
-        bf16_dot = dtype == torch.bfloat16 and bool(lib.k3_mxfp4_host_bf16_dot())
         work = torch.bfloat16 if bf16_dot else torch.float32
-        self.table, self.tokens, self.top_k, self.dtype = table, tokens, top_k, dtype
         self.x = torch.empty(tokens, k, dtype=dtype, pin_memory=pinned)
         self.ids = torch.empty(tokens, top_k, dtype=torch.int64, pin_memory=pinned)
         self.out = torch.empty(routes, k, dtype=dtype, pin_memory=pinned)
@@ -261,8 +251,46 @@ class HostRouteStep:
                           torch.empty(routes, k // 2, dtype=work), torch.empty(routes, k // 2, dtype=work),
                           torch.empty(routes, inter // 2, dtype=work), torch.empty(routes, inter // 2, dtype=work),
                           torch.empty(routes, k, dtype=torch.float32)]
+
+
+_BUFFERS: "weakref.WeakValueDictionary[tuple, StepBuffers]" = weakref.WeakValueDictionary()
+
+
+def step_buffers(tokens: int, top_k: int, k: int, inter: int, num_experts: int, dtype: torch.dtype, bf16_dot: bool,
+                 device: torch.device) -> StepBuffers:
+    """The shared buffers of the steps of this shape on `device` (pinned on CUDA), made while none is alive."""
+    key = (tokens, top_k, k, inter, num_experts, dtype, bf16_dot, str(device))
+    with _lock:
+        buffers = _BUFFERS.get(key)
+        if buffers is None:
+            buffers = _BUFFERS[key] = StepBuffers(tokens, top_k, k, inter, num_experts, dtype, bf16_dot,
+                                                  pinned=device.type == "cuda")
+        return buffers
+
+
+class HostRouteStep:
+    """The CPU's step for one layer's routes of `tokens` tokens x `top_k` (`table`: the layer's experts) in `dtype`
+    (f32 or bf16): `run(x, ids)` returns [tokens x top_k, K] in dtype, each route's expert output before its routing
+    weight, in the order ops_kimi_k3.routed_experts takes the routes (by expert, stable), zero for the routes the
+    device holds (given as -1 - expert in `ids`). On CUDA it is queued on the current stream (nothing waits); on the
+    CPU it runs at once."""
+
+    def __init__(self, table: ExpertTable, tokens: int, top_k: int, dtype: torch.dtype, beta: float,
+                 linear_beta: float | None, device: torch.device, threads: int | None = None):
+        lib = library()
+        if lib is None:
+            raise RuntimeError(f"the host experts kernel is not available: {unavailable_reason()}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"host route step: the model's dtype must be f32 or bf16, got {dtype}")
+        k, inter, num_experts = table.k, table.inter, table.num_experts
+        if k % MXFP4_GROUP_SIZE or inter % MXFP4_GROUP_SIZE:
+            raise ValueError(f"host route step: K={k} and I={inter} must be multiples of {MXFP4_GROUP_SIZE}")
+        bf16_dot = dtype == torch.bfloat16 and bool(lib.k3_mxfp4_host_bf16_dot())
+        self.table, self.tokens, self.top_k, self.dtype = table, tokens, top_k, dtype
+        self.buffers = step_buffers(tokens, top_k, k, inter, num_experts, dtype, bf16_dot, torch.device(device))
+        self.x, self.ids, self.out = self.buffers.x, self.buffers.ids, self.buffers.out
         order, count, offsets, chosen, held, x_even, x_odd, hidden_even, hidden_odd, out_f32 = \
-            (t.data_ptr() for t in self.workspace)
+            (t.data_ptr() for t in self.buffers.workspace)
         gate_up_codes, gate_up_scales, down_codes, down_scales = (ctypes.addressof(p) for p in table.pointers)
         self.args = _RouteStepArgs(
             tokens, top_k, k, inter, num_experts, self.x.data_ptr(), self.ids.data_ptr(), self.out.data_ptr(),
@@ -328,19 +356,26 @@ def _cuda(name: str, result: int) -> None:
         raise RuntimeError(f"{name} failed with CUresult {result}")
 
 
-# The steps a model made, by number: the custom op takes the number (an int is a constant of a compiled graph)
-_STEPS: list[HostRouteStep] = []
+# The steps made, by number: the custom op takes the number (an int is a constant of a compiled graph). Weak: the
+# caller keeps its steps alive (host_experts_kimi_k3.StreamedRoutes, as long as its model), so a model's pinned
+# buffers go with it.
+_STEPS: "weakref.WeakValueDictionary[int, HostRouteStep]" = weakref.WeakValueDictionary()
+_NEXT_STEP = itertools.count()
 
 
 def register_step(step: HostRouteStep) -> int:
-    with _lock:
-        _STEPS.append(step)
-        return len(_STEPS) - 1
+    """The step's number for `host_routes_in_stream`; the caller keeps the step alive."""
+    number = next(_NEXT_STEP)
+    _STEPS[number] = step
+    return number
 
 
 @custom_op("host_routes")
 def _host_routes_op(x: torch.Tensor, ids: torch.Tensor, step: int) -> torch.Tensor:
-    return _STEPS[step].run(x, ids)
+    made = _STEPS.get(step)
+    if made is None:
+        raise RuntimeError(f"host route step {step} is gone (its model was freed)")
+    return made.run(x, ids)
 
 
 @_host_routes_op.register_fake
@@ -353,5 +388,5 @@ def host_routes_in_stream(x: torch.Tensor, ids: torch.Tensor, step: int) -> torc
     return torch.ops.kimik3.host_routes(x, ids, step)
 
 
-__all__ = ["ExpertTable", "HostRouteStep", "host_experts", "host_routes_in_stream", "isa", "library", "register_step",
+__all__ = ["ExpertTable", "HostRouteStep", "StepBuffers", "host_experts", "host_routes_in_stream", "isa", "library", "register_step",
            "unavailable_reason"]

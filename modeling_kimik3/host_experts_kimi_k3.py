@@ -199,15 +199,16 @@ class StreamedRoutes:
         self.kernels = kernels
         self.table = kernels.ExpertTable(stacks[:2], stacks[2:], routes)
         self.top_k, self.situ_betas = top_k, situ_betas
-        self.steps: dict[tuple, int] = {}
+        self.steps: dict[tuple, int] = {}  # by (tokens, dtype, device): the step's number
+        self._made = []  # the steps themselves (the kernels' registry holds them weakly)
 
     @torch.compiler.disable
     def prepare(self, tokens: int, dtype: torch.dtype, device: torch.device) -> int:
         """The number of the step for `tokens` tokens in `dtype` on `device`, made if new."""
         key = (tokens, dtype, device)
         if key not in self.steps:
-            step = self.kernels.HostRouteStep(self.table, tokens, self.top_k, dtype, *self.situ_betas,
-                                              pinned=device.type == "cuda")
+            step = self.kernels.HostRouteStep(self.table, tokens, self.top_k, dtype, *self.situ_betas, device)
+            self._made.append(step)
             self.steps[key] = self.kernels.register_step(step)
         return self.steps[key]
 

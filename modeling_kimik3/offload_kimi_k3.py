@@ -251,6 +251,7 @@ class LayerSlots:
                  device: torch.device):
         # zeros: a free slot is read by the device's share of a streamed forward (its rows then discarded)
         self.stacks = tuple(torch.zeros((capacity, *shape), dtype=dtype, device=device) for shape, dtype in shapes)
+        self.capacity = capacity
         self.map = torch.full((num_experts,), -1, dtype=torch.int64, device=device)
         self.free = list(range(capacity))
         self.slot_of: dict[int, int] = {}
@@ -334,11 +335,19 @@ class ExpertCache:
         self.slots.clear()
 
     def layer_slots(self, layer: int, source, device: torch.device) -> LayerSlots:
-        """The layer's slots (made at its first use, `capacity` of them): `source` its stacks or ExpertParts."""
-        if layer not in self.slots:
+        """The layer's slots (made at its first use, `capacity` of them, again after `capacity` changed while the
+        layer held nothing): `source` its stacks or ExpertParts."""
+        slots = self.slots.get(layer)
+        if slots is not None and slots.capacity != self.capacity:
+            if self.layers.get(layer):
+                raise ExpertsOffloadError(
+                    f"the expert cache's capacity is {self.capacity} experts a layer, but layer {layer} holds "
+                    f"{len(self.layers[layer])} in {slots.capacity} slots: clear() the cache after changing it")
+            slots = None
+        if slots is None:
             shapes, num_experts = _source_layout(source)
-            self.slots[layer] = LayerSlots(shapes, self.capacity, num_experts, device)
-        return self.slots[layer]
+            slots = self.slots[layer] = LayerSlots(shapes, self.capacity, num_experts, device)
+        return slots
 
     def _copy_stream(self, device: torch.device):
         if device.type != "cuda" or not self.side_stream:

@@ -203,7 +203,7 @@ def test_the_host_step_gives_each_route_in_the_references_order(dtype, num_exper
     gate_up, down = _stacks(num_experts, k, inter, generator)
     counts = torch.zeros(num_experts, dtype=torch.int64)
     table = mxfp4_host.ExpertTable(gate_up, down, counts)
-    step = mxfp4_host.HostRouteStep(table, tokens, top_k, dtype, 4.0, 25.0, pinned=False)
+    step = mxfp4_host.HostRouteStep(table, tokens, top_k, dtype, 4.0, 25.0, torch.device("cpu"))
     x = torch.randn(tokens, k, generator=generator).to(dtype)
     ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
     sent = torch.where(torch.isin(ids, torch.tensor(held, dtype=ids.dtype)), -1 - ids, ids)  # held: -1 - expert
@@ -224,7 +224,7 @@ def test_the_host_step_refuses_a_bad_route_and_other_shapes():
     generator = torch.Generator().manual_seed(3)
     gate_up, down = _stacks(4, 64, 32, generator)
     table = mxfp4_host.ExpertTable(gate_up, down, torch.zeros(4, dtype=torch.int64))
-    step = mxfp4_host.HostRouteStep(table, 2, 2, torch.float32, 4.0, None, pinned=False)
+    step = mxfp4_host.HostRouteStep(table, 2, 2, torch.float32, 4.0, None, torch.device("cpu"))
     x = torch.randn(2, 64, generator=generator)
     for bad in ([[0, 4], [1, 2]], [[0, -5], [1, 2]]):  # past the experts, as a route or marked held
         with pytest.raises(RuntimeError, match="status -3: a route's expert id is out of range"):
@@ -236,4 +236,28 @@ def test_the_host_step_refuses_a_bad_route_and_other_shapes():
     with pytest.raises(ValueError, match=r"routes' counts must be a contiguous int64 CPU tensor of 4 values"):
         mxfp4_host.ExpertTable(gate_up, down, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="the model's dtype must be f32 or bf16, got torch.float16"):
-        mxfp4_host.HostRouteStep(table, 2, 2, torch.float16, 4.0, None, pinned=False)
+        mxfp4_host.HostRouteStep(table, 2, 2, torch.float16, 4.0, None, torch.device("cpu"))
+
+
+def test_steps_of_one_shape_share_their_buffers_and_a_freed_step_is_named():
+    """Every layer's step of one shape on one device shares one set of pinned buffers and workspace (their host
+    functions run one after another in the stream's order); the registry holds steps weakly, so a freed model's steps
+    go with it and the op names a step that is gone."""
+    import gc
+
+    generator = torch.Generator().manual_seed(5)
+    tables = [mxfp4_host.ExpertTable(*_stacks(4, 64, 32, generator), torch.zeros(4, dtype=torch.int64))
+              for _ in range(2)]
+    first, second = (mxfp4_host.HostRouteStep(t, 2, 2, torch.float32, 4.0, None, torch.device("cpu")) for t in tables)
+    other = mxfp4_host.HostRouteStep(tables[0], 3, 2, torch.float32, 4.0, None, torch.device("cpu"))
+    assert first.buffers is second.buffers and other.buffers is not first.buffers
+    x, ids = torch.randn(2, 64, generator=generator), torch.tensor([[0, 3], [1, 2]])
+    number = mxfp4_host.register_step(second)
+    want = second.run(x, ids)
+    assert not torch.equal(first.run(x, ids), want)  # its own layer's experts, through the shared buffers
+    assert torch.equal(mxfp4_host.host_routes_in_stream(x, ids, number), want)
+    del second
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"host route step {number} is gone"):
+        mxfp4_host.host_routes_in_stream(x, ids, number)
+

@@ -532,6 +532,14 @@ def test_attention_with_lse_falls_back_to_flash_where_cudnn_refuses(monkeypatch)
 # ------------------------------------------------------------------------ custom ops (torch.compile keeps the kernels)
 
 
+_STEPS_KEPT = []  # the host steps the cases name (the kernels' registry holds them weakly)
+
+
+def _kept(host, step) -> int:
+    _STEPS_KEPT.append(step)
+    return host.register_step(step)
+
+
 def _custom_op_cases():
     """Inputs for every `torch.ops.kimik3.*` op: decode-step shapes, strided views where the model passes them."""
     registered = importlib.import_module(kernels.__name__ + "._base").CUSTOM_OPS
@@ -571,7 +579,7 @@ def _custom_op_cases():
     table = host.ExpertTable(gate_up, ops.quantize_mxfp4(randn(5, 64, 32)), torch.zeros(5, dtype=torch.int64))
     cases["host_routes"] = [
         (randn(3, 64, dtype=dtype), torch.tensor([[0, 4], [4, 1], [2, 0]]),
-         host.register_step(host.HostRouteStep(table, 3, 2, dtype, 4.0, 25.0, pinned=False)))
+         _kept(host, host.HostRouteStep(table, 3, 2, dtype, 4.0, 25.0, torch.device("cpu"))))
         for dtype in (torch.float32, torch.bfloat16)]
     assert set(cases) == set(registered)
     return cases

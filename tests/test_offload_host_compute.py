@@ -351,3 +351,21 @@ def test_streamed_routes_run_the_experts_the_cache_holds_on_the_device(models):
         want = reference(token, past_key_values=want_out.past_key_values, use_cache=True).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert cache.moves > 0 and all(int((slots.map >= 0).sum()) == 8 for slots in cache.slots.values())
+
+
+def test_a_capacity_changed_under_held_experts_is_refused_by_name(models):
+    """A layer's experts live in slots made at its first use, `capacity` of them: a capacity changed while the layer
+    holds experts is refused by name (never a slot past the stacks), and after `clear()` the slots are made anew."""
+    from kimik3.modeling.offload_kimi_k3 import ExpertsOffloadError
+
+    model = _placed(models["dense"], "device", experts_per_layer=3, split=False)
+    cache = model.experts_cache
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(12)))
+        cache.capacity = 5
+        with pytest.raises(ExpertsOffloadError, match=r"capacity is 5 experts a layer, but layer 0 holds 3 in 3 "
+                                                      r"slots: clear\(\) the cache after changing it"):
+            model(torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(13)))
+        cache.clear()
+        model(torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(13)))
+    assert all(slots.capacity == 5 and len(cache.layers[layer]) == 5 for layer, slots in cache.slots.items())
