@@ -384,13 +384,17 @@ def main():
             row["moved_bytes_per_prefill"] = (cache.moved_bytes - before) // 2  # warm-up + one timed call
             row["transfer_bound_s"] = round(row["moved_bytes_per_prefill"] / bandwidth, 3)
             emit(f"{tag}.prefill_{tokens}", row)
-    if "host" in sections:
+    def kernel_alone():
+        """The host's DRAM read and the kernel alone over one layer's chosen experts (sections host and dram)."""
         dram = dram_read_bytes_per_s()
         emit("host.dram_read_bytes_per_s", round(dram))
         for batch in batches:
             row = host_experts(experts[0], batch, model.config, bandwidth)
             row["kernel_fraction_of_dram_read"] = round(row["kernel_bytes_per_s"] / dram, 3)
             emit(f"host_experts.decode_b{batch}", row)
+
+    if "host" in sections:
+        kernel_alone()
         cache.rates = measure_host_rates(experts[0], torch.device("cuda"))
         emit("host.rates", {"copy_bytes_per_s": round(cache.rates.copy_bytes_per_s),
                             "host_bytes_per_s": round(cache.rates.host_bytes_per_s),
@@ -417,12 +421,18 @@ def main():
             for batch in batches:
                 emit(f"loop_{compute}.decode_b{batch}", loop_decode(model, batch, args.context))
         cache.compute = "device"
-    if "loop_held" in sections:  # every expert placed on the GPU: what the routes' reads and the pieces cost alone
-        budgeted = cache.capacity  # back at the end: the sections after this one run under the budget
-        cache.compute, cache.capacity = "device", args.experts
+    def hold_every_expert(compute: str) -> int:
+        """Every expert of every layer placed on the GPU, under `compute`; returns the capacity to give back at the
+        section's end (the sections after it run under the budget)."""
+        budgeted = cache.capacity
+        cache.compute, cache.capacity = compute, args.experts
         cache.clear()
         for module in experts:
             cache.place(module.offload.layer, list(range(args.experts)), module.stacks(), torch.device("cuda"))
+        return budgeted
+
+    if "loop_held" in sections:  # every expert placed on the GPU: what the routes' reads and the pieces cost alone
+        budgeted = hold_every_expert("device")
         # batch 1: at 8 the compact stacks of the chosen experts no longer fit beside every expert
         emit("held.decode_b1", decode(model, 1, args.context, args.steps, stats))
         emit("loop_held.decode_b1", loop_decode(model, 1, args.context))
@@ -440,13 +450,8 @@ def main():
             emit("loop_held.profile", {"written": args.profile_out})
         cache.clear()
         cache.capacity = budgeted
-    if "dram" in sections:  # the host's DRAM read and the kernel alone over one layer's chosen experts
-        dram = dram_read_bytes_per_s()
-        emit("host.dram_read_bytes_per_s", round(dram))
-        for batch in batches:
-            row = host_experts(experts[0], batch, model.config, bandwidth)
-            row["kernel_fraction_of_dram_read"] = round(row["kernel_bytes_per_s"] / dram, 3)
-            emit(f"host_experts.decode_b{batch}", row)
+    if "dram" in sections and "host" not in sections:
+        kernel_alone()
     if "stream" in sections or "stream_auto" in sections:
         # "host" with the routes read by the host against computed in the stream's order; "auto" (streamed where
         # the rates measured here say the CPU is faster)
@@ -463,11 +468,7 @@ def main():
                 emit(f"{tag}.loop_decode_b{batch}", loop_decode(model, batch, args.context))
         cache.in_stream, cache.compute = None, "device"
     if "stream_held" in sections:  # every expert placed on the GPU, streamed: what the stream's host step costs alone
-        budgeted = cache.capacity
-        cache.compute, cache.capacity = "host", args.experts
-        cache.clear()
-        for module in experts:
-            cache.place(module.offload.layer, list(range(args.experts)), module.stacks(), torch.device("cuda"))
+        budgeted = hold_every_expert("host")
         emit("stream_held.decode_b1", decode(model, 1, args.context, args.steps, stats))
         emit("stream_held.loop_decode_b1", loop_decode(model, 1, args.context))
         cache.clear()
