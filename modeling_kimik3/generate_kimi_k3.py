@@ -227,9 +227,10 @@ def decode_loop(model, input_ids, logits_processor, stopping_criteria, generatio
         streamer.put(input_ids.cpu())
     reason = "synced_gpus" if synced_gpus else loop_refusal(model, logits_processor, stopping_criteria,
                                                             generation_config, model_kwargs)
-    if reason is None and speculative and _experts_off_device(model):
-        # a round is captured whole, and the host reads each layer's routes inside it
-        reason = "speculative rounds with routed experts in host memory"
+    if reason is None and speculative and _rounds_read_routes(model, decode_draft, input_ids.shape[0],
+                                                              decode_proposals):
+        # a round is captured whole, and the host would read each layer's routes inside it
+        reason = "speculative rounds with routed experts in host memory whose routes the host reads"
     if reason is None and speculative:
         reason = speculation_refusal(model, decode_draft, decode_proposals, logits_processor)
         if reason is not None:
@@ -433,6 +434,13 @@ def _recompile_limits(per_frame: int, overall: int) -> dict:
     if overall_name is not None:
         limits[overall_name] = overall
     return limits
+
+
+def _rounds_read_routes(model, draft, batch: int, proposals: int) -> bool:
+    """Whether the host would read routes inside a speculative round or a plain block (`_routes_read_by_host`): the
+    target's verify of `proposals` + 1 tokens a row and its plain steps, the draft's steps."""
+    return (_routes_read_by_host(model, batch) or _routes_read_by_host(model, batch * (proposals + 1))
+            or (draft is not None and _routes_read_by_host(draft, batch)))
 
 
 def piecewise_decode_step():

@@ -369,3 +369,31 @@ def test_a_capacity_changed_under_held_experts_is_refused_by_name(models):
         cache.clear()
         model(torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(13)))
     assert all(slots.capacity == 5 and len(cache.layers[layer]) == 5 for layer, slots in cache.slots.items())
+
+
+def test_speculative_rounds_run_in_the_loop_when_every_route_streams(models, caplog):
+    """A round is captured whole, so the loop runs speculative rounds for an offloaded model only where no route is
+    read by the host (every layer streams at the round's widths): then its tokens are plain greedy's and rounds ran;
+    with the routes read it falls back to transformers' loop, saying why."""
+    import logging
+
+    import kimik3.modeling.generate_kimi_k3 as loop
+
+    reference = models["mxfp4"]
+    phrase = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    ids = torch.cat([phrase, phrase, phrase[:, :3]], dim=1)
+    kwargs = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", eos_token_id=None)
+    want = loop.generate(ids, model=reference, **kwargs)
+    for in_stream in (True, False):
+        model = _placed(reference, "host", split=False)
+        model.experts_cache.in_stream = in_stream
+        report = {}
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            got = loop.generate(ids, model=model, prompt_lookup_num_tokens=3, decode_fallback=False,
+                                decode_report=report, **kwargs)
+        assert torch.equal(got, want)
+        if in_stream:
+            assert report["rounds"] >= 2 and "decode loop not used" not in caplog.text
+        else:
+            assert not report and "routed experts in host memory whose routes the host reads" in caplog.text
