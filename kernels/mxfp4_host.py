@@ -244,7 +244,8 @@ class StepBuffers:
         self.x = torch.empty(tokens, k, dtype=dtype, pin_memory=pinned)
         self.ids = torch.empty(tokens, top_k, dtype=torch.int64, pin_memory=pinned)
         self.out = torch.empty(routes, k, dtype=dtype, pin_memory=pinned)
-        self.workspace = [torch.empty(routes, dtype=torch.int64), torch.empty(num_experts, dtype=torch.int64),
+        # count [E + 1]: the step reuses it for the n + 1 offsets of its experts, n up to E
+        self.workspace = [torch.empty(routes, dtype=torch.int64), torch.empty(num_experts + 1, dtype=torch.int64),
                           torch.empty(num_experts + 1, dtype=torch.int64),
                           torch.empty(4 * num_experts, dtype=torch.int64),  # pointers
                           torch.empty(num_experts, dtype=torch.uint8),  # the held experts

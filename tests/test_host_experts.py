@@ -195,7 +195,8 @@ def _stacks(num_experts, k, inter, generator):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_experts,k,inter,tokens,top_k,held", [
-    (7, 96, 64, 3, 4, []), (7, 96, 64, 3, 4, [2, 5]), (5, 32, 160, 1, 5, [0, 1, 2, 3, 4]), (9, 160, 32, 6, 2, [8])])
+    (7, 96, 64, 3, 4, []), (7, 96, 64, 3, 4, [2, 5]), (5, 32, 160, 1, 5, [0, 1, 2, 3, 4]), (9, 160, 32, 6, 2, [8]),
+    (5, 32, 96, 2, 5, [])])  # the last: every expert chosen, none held (the step's offsets fill its E + 1 places)
 def test_the_host_step_gives_each_route_in_the_references_order(dtype, num_experts, k, inter, tokens, top_k, held):
     """Each route's expert output at its place in the order routed_experts takes the routes (by expert, stable), the
     routes the device holds (sent as -1 - expert) left zero, every route counted for its expert."""

@@ -389,7 +389,7 @@ typedef struct {
     float beta, linear_beta;
     int has_linear_beta, bf16, bf16_dot, threads;
     /* workspace for R rows, the model's layer alone: */
-    int64_t *order, *count, *offsets;  /* [R], [E], [E + 1] */
+    int64_t *order, *count, *offsets;  /* [R], [E + 1] (reused as the n + 1 offsets of the host's experts), [E + 1] */
     const uint8_t **chosen;            /* [4 E]: the chosen experts' pointers, four lists */
     void *x_even, *x_odd, *hidden_even, *hidden_odd;  /* [R, K/2] x2, [R, I/2] x2 (bf16 words or f32) */
     float *work;                       /* [R, K] */
