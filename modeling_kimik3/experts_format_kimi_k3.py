@@ -74,10 +74,10 @@ class ExpertsFormat:
         host_experts_kimi_k3.host_routes)."""
         return None
 
-    def host_route_kernels(self):
-        """The module whose host step computes a layer's routes on the CPU in a CUDA stream's order
-        (host_experts_kimi_k3.StreamedRoutes: `ExpertTable`, `HostRouteStep`, `register_step`,
-        `host_routes_in_stream`), None where the format has none."""
+    def host_kernels(self):
+        """The module of the format's CPU kernels over its stored bytes, None where it has none or they cannot be
+        built: `run_on_host` calls it, and host_experts_kimi_k3.StreamedRoutes takes its host step (`ExpertTable`,
+        `HostRouteStep`, `register_step`, `host_routes_in_stream`)."""
         return None
 
     def empty(self, shape: tuple[int, int, int], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -182,19 +182,16 @@ class Mxfp4Experts(ExpertsFormat):
         return 0.5 + 1 / MXFP4_GROUP_SIZE
 
     def run_on_host(self, x, offsets, stacks, experts, situ_betas):
-        # kimik3.kernels.mxfp4_host: the packed bytes multiplied where they are (no dequantised copy); absent from a
-        # folder's copy of the code without the package, or unbuildable (no C compiler): the reference runs
-        try:
-            from kimik3.kernels import mxfp4_host
-        except ImportError:
-            return None
-        if x.dtype not in (torch.float32, torch.bfloat16) or mxfp4_host.library() is None:
+        mxfp4_host = self.host_kernels()
+        if mxfp4_host is None or x.dtype not in (torch.float32, torch.bfloat16):
             return None
         gate_codes, gate_scales, down_codes, down_scales = stacks
         return mxfp4_host.host_experts(x, offsets, [(gate_codes[e], gate_scales[e]) for e in experts],
                                        [(down_codes[e], down_scales[e]) for e in experts], *situ_betas)
 
-    def host_route_kernels(self):
+    def host_kernels(self):
+        # kimik3.kernels.mxfp4_host: the packed bytes multiplied where they are (no dequantised copy); absent from a
+        # folder's copy of the code without the package, or unbuildable (no C compiler): the reference runs
         try:
             from kimik3.kernels import mxfp4_host
         except ImportError:

@@ -334,6 +334,17 @@ class ExpertCache:
         self.pinned.clear()
         self.slots.clear()
 
+    def route_counts(self, layer: int, num_experts: int) -> torch.Tensor:
+        """The layer's routes counted per expert (`routes[layer]`, int64 on the CPU, one place an expert), made at its
+        first use and then counted into in place (a streamed layer's host step holds its address)."""
+        counts = self.routes.get(layer)
+        if counts is None or counts.numel() < num_experts:
+            grown = torch.zeros(num_experts, dtype=torch.int64)
+            if counts is not None:
+                grown[:counts.numel()] = counts
+            counts = self.routes[layer] = grown
+        return counts
+
     def layer_slots(self, layer: int, source, device: torch.device) -> LayerSlots:
         """The layer's slots (made at its first use, `capacity` of them, again after `capacity` changed while the
         layer held nothing): `source` its stacks or ExpertParts."""
@@ -389,10 +400,8 @@ class ExpertCache:
         chosen_cpu = per_expert.nonzero().squeeze(1)  # ascending
         route_counts = per_expert[chosen_cpu]
         ids = chosen_cpu.tolist()
-        counts = self.routes.get(layer, torch.zeros(0, dtype=torch.int64))
-        if ids and ids[-1] >= counts.numel():  # grown to the largest id seen
-            counts = torch.cat([counts, counts.new_zeros(ids[-1] + 1 - counts.numel())])
-        self.routes[layer] = counts.index_add_(0, chosen_cpu, route_counts)
+        shapes, num_experts = _source_layout(source)
+        self.route_counts(layer, num_experts).index_add_(0, chosen_cpu, route_counts)
         entries = self.layers.setdefault(layer, OrderedDict())
         parts = source if isinstance(source, ExpertParts) else None
         absent = [(expert, int(count)) for expert, count in zip(ids, route_counts.tolist()) if expert not in entries]
@@ -412,8 +421,6 @@ class ExpertCache:
             held.append((position, pieces))
         compact = None
         if missed or not held:
-            shapes = parts.shapes() if parts is not None else [(tuple(stack.shape[1:]), stack.dtype)
-                                                                for stack in source]
             compact = tuple(torch.empty((len(ids), *shape), dtype=dtype, device=device) for shape, dtype in shapes)
         event = None
         if missed:
@@ -502,19 +509,16 @@ class LayerOffload:
                                                                cache.bytes_per_expert, self.flops_per_route):
             return False
         if self.stream is None:
-            self.stream = False if fmt.host_route_kernels() is None else None
+            self.stream = False if fmt.host_kernels() is None else None
         return self.stream is not False
 
     @torch.compiler.disable
     def _streamed(self, stacks, fmt, situ_betas) -> StreamedRoutes:
         # made at the first streamed forward (a compiled step finds it made: `prepare_stream`)
         if self.stream is None:
-            counts = self.cache.routes.get(self.layer, torch.zeros(0, dtype=torch.int64))
-            num_experts = stacks[0].shape[0]
-            if counts.numel() < num_experts:  # the step counts into every expert's place
-                counts = torch.cat([counts, counts.new_zeros(num_experts - counts.numel())])
-                self.cache.routes[self.layer] = counts
-            self.stream = StreamedRoutes(fmt.host_route_kernels(), stacks, counts, self.top_k, situ_betas)
+            self.stream = StreamedRoutes(fmt.host_kernels(), stacks,
+                                         self.cache.route_counts(self.layer, stacks[0].shape[0]), self.top_k,
+                                         situ_betas)
         return self.stream
 
     def prepare_stream(self, tokens: int, dtype: torch.dtype, device: torch.device, stacks, fmt,
