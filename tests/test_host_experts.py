@@ -262,3 +262,25 @@ def test_steps_of_one_shape_share_their_buffers_and_a_freed_step_is_named():
     with pytest.raises(RuntimeError, match=f"host route step {number} is gone"):
         mxfp4_host.host_routes_in_stream(x, ids, number)
 
+
+
+def test_the_host_step_carries_non_finite_rows_as_the_kernel_does():
+    """Rows holding inf and NaN (a model gone wrong upstream) reach the step's outputs exactly as the kernel gives
+    them for the same rows grouped by expert: the step neither hides them nor spreads them to other tokens' routes."""
+    generator = torch.Generator().manual_seed(8)
+    gate_up, down = _stacks(6, 64, 32, generator)
+    table = mxfp4_host.ExpertTable(gate_up, down, torch.zeros(6, dtype=torch.int64))
+    step = mxfp4_host.HostRouteStep(table, 3, 2, torch.float32, 4.0, 25.0, torch.device("cpu"))
+    x = torch.randn(3, 64, generator=generator)
+    x[0, 5], x[2, 7] = float("inf"), float("nan")
+    ids = torch.tensor([[1, 4], [4, 0], [2, 1]])
+    got = step.run(x, ids)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    offsets = [0, *torch.cumsum(counts, 0).tolist()]
+    want = mxfp4_host.host_experts(x[order // 2], offsets, [(gate_up[0][e], gate_up[1][e]) for e in experts],
+                                   [(down[0][e], down[1][e]) for e in experts], 4.0, 25.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    token_one = (order // 2 == 1).nonzero().squeeze(1)  # token 1's routes: finite
+    assert got[token_one].isfinite().all() and not got.isfinite().all()
