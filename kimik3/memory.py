@@ -784,7 +784,8 @@ HOST_KERNEL_FRACTION_ASSUMED = 0.53
 # the device's share of the routed experts eagerly. Seconds one MoE layer adds so beyond the GPU's own time: an
 # ASSUMPTION, (the piecewise step with every expert held on the GPU - the slice's step captured whole) / MoE layers,
 # (8.22..8.61 - 3.94) / 3 ms on an H100's host (docs/benchmarks.md, "The decode loop captured piece by piece");
-# `--piecewise-layer-ms` gives yours.
+# `--piecewise-layer-ms` gives yours. The model's "auto" weighs the same figure (HostRates.read_layer_s; a test holds
+# the two equal, as for the stream's and the rates above).
 PIECEWISE_LAYER_S_ASSUMED = 1.5e-3
 # A decode step whose routes are computed on the CPU in the stream's order (experts_compute "host", or "auto" where
 # the CPU is faster; host_experts_kimi_k3's `StreamedRoutes`) reads no route on the host: the loop captures it whole,

@@ -26,12 +26,17 @@ class HostRates:
     weighs (`experts_compute="auto"`): `copy_bytes_per_s` host -> device, `host_bytes_per_s` the CPU's rate over packed
     expert bytes with one token per expert (a memory-bound pass), `host_flops` its rate with many tokens per expert
     (compute-bound). `measure_host_rates` times them on this machine; the defaults are ASSUMPTIONS (PCIe 5.0 x16 pinned
-    copies; a server socket's kernel at about 100 GB/s and 2 TFLOP/s) until then."""
+    copies; a server socket's kernel at about 100 GB/s and 2 TFLOP/s) until then. Beside the experts, a MoE layer
+    costs a fixed time on each path, which `streams` weighs: `stream_layer_s` where its routes are computed in the
+    stream's order, `read_layer_s` where the host reads them first (the device idles while they cross). Both are
+    ASSUMPTIONS measured on an H100's host, the figures of kimik3 memory's plan (kimik3/memory.py,
+    STREAM_LAYER_S_ASSUMED and PIECEWISE_LAYER_S_ASSUMED; a test holds the two places equal)."""
 
     def __init__(self, copy_bytes_per_s: float = 50e9, host_bytes_per_s: float = 100e9, host_flops: float = 2e12,
-                 measured: bool = False):
+                 measured: bool = False, stream_layer_s: float = 0.104e-3, read_layer_s: float = 1.5e-3):
         self.copy_bytes_per_s, self.host_bytes_per_s, self.host_flops = copy_bytes_per_s, host_bytes_per_s, host_flops
         self.measured = measured
+        self.stream_layer_s, self.read_layer_s = stream_layer_s, read_layer_s
 
     def __repr__(self) -> str:
         return (f"HostRates(copy {self.copy_bytes_per_s / 1e9:.1f} GB/s, host {self.host_bytes_per_s / 1e9:.1f} GB/s, "
@@ -48,13 +53,19 @@ class HostRates:
         return self.host_seconds(experts, routes, bytes_per_expert, flops_per_route) < \
             self.copy_seconds(experts, bytes_per_expert)
 
-    def streams(self, tokens: int, num_experts: int, top_k: int, bytes_per_expert: int,
-                flops_per_route: float) -> bool:
-        """Whether a forward of `tokens` tokens computes its routes on the CPU in the stream's order under "auto"
-        (decided before its routes are known, so for the experts it is expected to choose under uniform routing:
-        `expected_distinct_experts`)."""
-        return self.on_host(round(expected_distinct_experts(num_experts, top_k, tokens)), tokens * top_k,
-                            bytes_per_expert, flops_per_route)
+    def streams(self, tokens: int, num_experts: int, top_k: int, bytes_per_expert: int, flops_per_route: float,
+                held: int = 0) -> bool:
+        """Whether a forward of `tokens` tokens computes its routes on the CPU in the stream's order under "auto",
+        the layer holding `held` experts on the device. Decided before its routes are known, so for the experts it is
+        expected to choose under uniform routing (`expected_distinct_experts`), each held with probability
+        held / num_experts: streamed, the CPU computes the missing ones and the layer pays `stream_layer_s`; read,
+        the layer pays `read_layer_s` and then computes them where `on_host` says (CPU or copy)."""
+        missing = 1 - min(held, num_experts) / num_experts
+        experts = round(expected_distinct_experts(num_experts, top_k, tokens) * missing)
+        routes = tokens * top_k * missing
+        host = self.host_seconds(experts, routes, bytes_per_expert, flops_per_route)
+        read = min(host, self.copy_seconds(experts, bytes_per_expert))
+        return host + self.stream_layer_s < read + self.read_layer_s
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:

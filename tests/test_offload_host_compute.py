@@ -106,6 +106,42 @@ def test_the_auto_choice_follows_the_rates(models):
     assert model.experts_cache.host_routes > 0 and model.experts_cache.moves == before
 
 
+def test_streaming_weighs_each_paths_per_layer_cost_and_the_held_experts():
+    """"auto" streams a forward where the CPU's experts plus the stream's cost per layer beat the read path's best
+    (CPU or copy) plus its route read; experts held on the device are computed by neither side."""
+    bytes_per_expert, flops = 17_498_112, 6 * 3072 * 3584
+    expert_s = bytes_per_expert / 50e9  # one expert's copy at 50 GB/s: 0.35 ms
+    # the CPU 20% slower than the copy by bytes: at one token (16 experts, 1.1 ms behind) the route read it saves
+    # (1.5 ms against the stream's 0.1) makes streaming faster; at 64 tokens (~612 experts, 43 ms behind) it is not
+    rates = HostRates(copy_bytes_per_s=50e9, host_bytes_per_s=50e9 / 1.2, host_flops=1e15)
+    assert rates.streams(1, 896, 16, bytes_per_expert, flops)
+    assert not rates.streams(64, 896, 16, bytes_per_expert, flops)
+    # with every expert held on the device neither side computes one: only the per-layer costs are left
+    assert rates.streams(64, 896, 16, bytes_per_expert, flops, held=896)
+    # the per-layer costs decide at the margin: a stream dearer than the read flips the one-token choice
+    assert not HostRates(copy_bytes_per_s=50e9, host_bytes_per_s=50e9 / 1.2, host_flops=1e15, stream_layer_s=2e-3,
+                         read_layer_s=1e-3).streams(1, 896, 16, bytes_per_expert, flops)
+    # held experts shrink both sides: a CPU 40% slower is 2.2 ms behind over 16 missing experts (past the 1.4 ms
+    # margin), 1.1 ms over the 8 missing when half are held
+    slow = HostRates(copy_bytes_per_s=50e9, host_bytes_per_s=50e9 / 1.4, host_flops=1e15)
+    assert 16 * 0.4 * expert_s > 1.5e-3 - 0.104e-3 > 8 * 0.4 * expert_s
+    assert not slow.streams(1, 896, 16, bytes_per_expert, flops)
+    assert slow.streams(1, 896, 16, bytes_per_expert, flops, held=448)
+
+
+def test_the_runtime_rates_assume_what_the_plan_assumes():
+    """HostRates (the model's code, which cannot import the package) and kimik3 memory's plan state the same
+    assumptions: a changed figure in one place fails here."""
+    from kimik3 import memory
+
+    rates = HostRates()
+    assert rates.copy_bytes_per_s == memory.H2D_BANDWIDTH_ASSUMED
+    assert rates.host_bytes_per_s == memory.HOST_EXPERTS_BYTES_ASSUMED
+    assert rates.host_flops == memory.HOST_EXPERTS_FLOPS_ASSUMED
+    assert rates.stream_layer_s == memory.STREAM_LAYER_S_ASSUMED
+    assert rates.read_layer_s == memory.PIECEWISE_LAYER_S_ASSUMED
+
+
 def test_a_placement_pins_its_experts_against_eviction(models):
     model = _placed(models["dense"], "device", experts_per_layer=3)
     cache = model.experts_cache
