@@ -373,8 +373,7 @@ class Engine:
         together = self._read_together()
         for job in list(self.reading):
             try:
-                read = not job.done and self._may_read(job) and \
-                    (self._prompt_read(job) if job in together else self._read(job))
+                read = job in together or (not job.done and self._may_read(job) and self._read(job))
             except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
                 self._fail(job, error)
                 read = False
@@ -436,8 +435,11 @@ class Engine:
         several in one forward: left-padded to the longest of a group whose padded tokens fit in `prefill_chunk`
         (MLA has no positional encoding and the KDA layers skip the padding, so each row is its prompt alone), the
         batch's cache then split into one per prompt. A burst of short requests costs one forward a group instead of
-        one a request. A group whose forward fails is read job by job (its own caches untouched), so only the prompt
-        that fails ends its request. Returns the jobs read, their first token not yet sampled (`_prompt_read`)."""
+        one a request. Each group's first tokens are sampled and posted as soon as its forward ends (`_prompt_read`),
+        before the next group's runs: a burst's first requests see their first token after one group's forward, not
+        after every group's. A group whose forward fails is read job by job (its own caches untouched), so only the
+        prompt that fails ends its request; one whose first token fails (non-finite logits) ends alone. Returns the
+        jobs read (their first token sampled, or ended by their error)."""
         fresh = []
         # (beyond the store's block a prompt read alone writes the KDA snapshot a later block hit needs)
         longest = self.prefill_chunk if self.store is None else min(self.prefill_chunk, self.store.block_size)
@@ -465,6 +467,11 @@ class Engine:
                 self._read_group(group)
             except Exception:  # noqa: BLE001 - each is read alone then, so a prompt that fails ends its request alone
                 continue
+            for job in group:
+                try:
+                    self._prompt_read(job)
+                except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
+                    self._fail(job, error)
             read.update(group)
         return read
 

@@ -1008,3 +1008,43 @@ def test_short_prompts_that_come_together_are_read_in_one_forward(server):
         assert job.cached_tokens == 20 and job.new_ids == server.alone(longer, 4)
     finally:
         engine.stop()
+
+
+def test_a_group_of_short_prompts_posts_its_first_tokens_before_the_next_group_is_read(server):
+    """Four fresh prompts of 20 tokens under a 40-token chunk are read in two groups of two: the first group's
+    first tokens reach their mailboxes right after its forward, before the second group's forward runs (posting
+    every first token after the last group's forward made a burst's mean time to first token that of all its
+    groups), and every job gets generate()'s tokens of it alone."""
+    from kimik3.serve import Engine
+
+    engine = Engine(server.model, server.tokenizer, max_requests=8, prefill_chunk=40, prefix_cache_bytes=None)
+    prompts = [list(range(10 + 20 * i, 30 + 20 * i)) for i in range(4)]
+    events = []
+    hook = server.model.register_forward_hook(lambda module, args, output: events.append(("forward", None)))
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, Sampling(max_tokens=3, temperature=0.0), loop) for ids in prompts]
+        for index, job in enumerate(jobs):
+            def post(item, index=index, post=job.post):
+                events.append(("post", index))
+                post(item)
+            job.post = post
+        engine.submit(jobs)
+        for job in jobs:
+            while (item := await job.mailbox.get()) is not None:
+                assert not isinstance(item, Exception), item
+        return jobs
+
+    try:
+        jobs = asyncio.run(run())
+    finally:
+        hook.remove()
+        engine.stop()
+    forwards = [at for at, (kind, _) in enumerate(events) if kind == "forward"]
+    first_post = {index: events.index(("post", index)) for index in range(4)}
+    assert engine.stats["prefill_forwards"] == 2
+    assert first_post[0] < forwards[1] and first_post[1] < forwards[1]  # the first group's, before the second group
+    assert forwards[1] < first_post[2] < forwards[2] and forwards[1] < first_post[3] < forwards[2]
+    for job, ids in zip(jobs, prompts):
+        assert job.new_ids == server.alone(ids, 3)
