@@ -20,7 +20,8 @@ and the flags; a build that fails leaves `library()` None and `unavailable_reaso
 reference runs. ctypes releases the GIL for the call, so a Python thread can run it while the GPU works.
 
 `host_experts(x, offsets, gate_up, down, betas)` is the op: the rows of x grouped by expert, each expert's packed
-stacks as (codes, scales) views of its host tensors; it returns each row's expert output in x's dtype (f32 or bf16),
+stacks as (codes, scales) views of its host tensors (gate_up fused, or its gate and up matrices apart: the release's
+w1 and w3 mapped from its shards); it returns each row's expert output in x's dtype (f32 or bf16),
 the value `ops_kimi_k3.routed_experts` gives that row before the routing weights (tests/test_host_experts.py holds
 it against that reference).
 """
@@ -81,8 +82,8 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     fn = lib.k3_mxfp4_host_experts
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 6,
+                   ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.k3_host_routes_step.restype = None
@@ -129,6 +130,46 @@ def _check_stack(name: str, codes: torch.Tensor, scales: torch.Tensor, rows: int
         raise ValueError(f"{name}: the host kernel reads contiguous CPU tensors")
 
 
+def _gate_and_up(name: str, codes, scales, inter: int, k: int) -> tuple[torch.Tensor, ...]:
+    """One expert's (gate codes, gate scales, up codes, up scales): from a fused gate_up (codes [2I, K/2], scales
+    [2I, K/32]; gate rows first), or from its gate and up apart ((w1, w3) codes and (w1, w3) scales, [I, ...] each)."""
+    if isinstance(codes, torch.Tensor):
+        _check_stack(name, codes, scales, 2 * inter, k)
+        return codes[:inter], scales[:inter], codes[inter:], scales[inter:]
+    if len(codes) != 2 or len(scales) != 2:
+        raise ValueError(f"{name}: gate and up apart are two codes and two scales tensors, got {len(codes)} and "
+                         f"{len(scales)}")
+    _check_stack(f"{name} (gate)", codes[0], scales[0], inter, k)
+    _check_stack(f"{name} (up)", codes[1], scales[1], inter, k)
+    return codes[0], scales[0], codes[1], scales[1]
+
+
+def _down(name: str, codes, scales, inter: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's down (codes, scales): tensors, or one-tensor tuples (the release's w2)."""
+    codes, scales = (part if isinstance(part, torch.Tensor) else part[0] for part in (codes, scales))
+    _check_stack(name, codes, scales, k, inter)
+    return codes, scales
+
+
+def _inter(gate_up_codes) -> int:
+    """I of an expert's gate_up codes, fused [2I, K/2] or apart ((w1, w3) [I, K/2] each)."""
+    if isinstance(gate_up_codes, torch.Tensor):
+        return gate_up_codes.shape[0] // 2
+    return gate_up_codes[0].shape[0]
+
+
+def _expert_pointers(gate_up, down, inter: int, k: int) -> list[ctypes.Array]:
+    """The six pointer lists the kernel reads (gate codes, gate scales, up codes, up scales, down codes, down
+    scales), one entry an expert, each tensor checked by name."""
+    lists = [[] for _ in range(6)]
+    for e, ((gu_codes, gu_scales), (dn_codes, dn_scales)) in enumerate(zip(gate_up, down)):
+        tensors = (*_gate_and_up(f"gate_up of expert {e}", gu_codes, gu_scales, inter, k),
+                   *_down(f"down of expert {e}", dn_codes, dn_scales, inter, k))
+        for pointers, tensor in zip(lists, tensors):
+            pointers.append(tensor)
+    return [_pointers(tensors) for tensors in lists]
+
+
 def thread_count(suggested: int | None = None) -> int:
     """The kernel's threads: `KIMIK3_HOST_THREADS` where set, else `suggested` (the caller's), else torch's intra-op
     thread count."""
@@ -144,8 +185,9 @@ def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.
                  down: list[tuple[torch.Tensor, torch.Tensor]], beta: float | None, linear_beta: float | None,
                  threads: int | None = None) -> torch.Tensor:
     """x [R, K] (f32 or bf16, CPU): rows offsets[e] .. offsets[e+1] routed to expert e, whose packed stacks are
-    gate_up[e] = (codes [2I, K/2], scales [2I, K/32]) and down[e] = (codes [K, I/2], scales [K, I/32]). Returns
-    [R, K] in x's dtype: each row's expert output before the routing weight."""
+    gate_up[e] = (codes [2I, K/2], scales [2I, K/32]) (or its gate and up apart: ((w1, w3) codes, (w1, w3) scales))
+    and down[e] = (codes [K, I/2], scales [K, I/32]). Returns [R, K] in x's dtype: each row's expert output before the
+    routing weight."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"the host experts kernel is not available: {unavailable_reason()}")
@@ -159,12 +201,10 @@ def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.
         raise ValueError(f"host experts: offsets {offsets} do not split {rows} rows among {n} experts")
     if n == 0 or rows == 0:
         return x.new_zeros(rows, k)
-    inter = gate_up[0][0].shape[0] // 2
+    inter = _inter(gate_up[0][0])
     if k % MXFP4_GROUP_SIZE or inter % MXFP4_GROUP_SIZE:
         raise ValueError(f"host experts: K={k} and I={inter} must be multiples of {MXFP4_GROUP_SIZE}")
-    for e in range(n):
-        _check_stack(f"gate_up of expert {e}", *gate_up[e], 2 * inter, k)
-        _check_stack(f"down of expert {e}", *down[e], k, inter)
+    pointers = _expert_pointers(gate_up, down, inter, k)
     # a bf16 model's rows stay bf16 where the build has AVX512-BF16 (its pair dot product); else f32 (exact)
     bf16_dot = x.dtype == torch.bfloat16 and bool(lib.k3_mxfp4_host_bf16_dot())
     work = torch.bfloat16 if bf16_dot else torch.float32
@@ -175,9 +215,7 @@ def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.
     out = torch.empty(rows, k)
     offsets_c = (ctypes.c_int64 * (n + 1))(*offsets)
     status = lib.k3_mxfp4_host_experts(
-        x_even.data_ptr(), x_odd.data_ptr(), offsets_c, n,
-        _pointers([c for c, _ in gate_up]), _pointers([s for _, s in gate_up]),
-        _pointers([c for c, _ in down]), _pointers([s for _, s in down]), k, inter,
+        x_even.data_ptr(), x_odd.data_ptr(), offsets_c, n, *pointers, k, inter,
         1.0 if beta is None else float(beta), 0.0 if linear_beta is None else float(linear_beta),
         int(linear_beta is not None), int(x.dtype == torch.bfloat16), int(bf16_dot),
         hidden_even.data_ptr(), hidden_odd.data_ptr(), out.data_ptr(), thread_count(threads))
@@ -198,8 +236,8 @@ def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.
 class _RouteStepArgs(ctypes.Structure):
     # the C struct k3_route_step, field for field
     _fields_ = [(name, ctypes.c_int64) for name in ("tokens", "top_k", "K", "I", "num_experts")] + \
-        [(name, ctypes.c_void_p) for name in ("x", "ids", "out", "gate_up_codes", "gate_up_scales", "down_codes",
-                                              "down_scales", "held", "routes")] + \
+        [(name, ctypes.c_void_p) for name in ("x", "ids", "out", "gate_codes", "gate_scales", "up_codes", "up_scales",
+                                              "down_codes", "down_scales", "held", "routes")] + \
         [("beta", ctypes.c_float), ("linear_beta", ctypes.c_float)] + \
         [(name, ctypes.c_int) for name in ("has_linear_beta", "bf16", "bf16_dot", "threads")] + \
         [(name, ctypes.c_void_p) for name in ("order", "count", "offsets", "chosen", "x_even", "x_odd",
@@ -211,24 +249,22 @@ STEP_STATUS = {-1: "its work lists could not be allocated", -3: "a route's exper
 
 
 class ExpertTable:
-    """One layer's host stacks as the step reads them: each expert's four pointers (gate_up codes and scales, down
-    codes and scales) and `routes` [E] (int64, the routes the steps counted per expert). Holds the stacks, so the
-    pointers stay valid."""
+    """One layer's experts as the step reads them: each expert's six pointers (gate, up and down codes and scales)
+    and `routes` [E] (int64, the routes the steps counted per expert). `gate_up` and `down` are (codes, scales), each
+    a host stack [E, ...] or a list of one entry an expert (the release's parts: (w1, w3) and (w2,), mapped from its
+    shards). Holds them, so the pointers stay valid."""
 
-    def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
-                 routes: torch.Tensor):
-        num_experts, rows, half_k = gate_up[0].shape
-        k, inter = 2 * half_k, rows // 2
-        for e in (0, num_experts - 1):
-            _check_stack(f"gate_up of expert {e}", gate_up[0][e], gate_up[1][e], 2 * inter, k)
-            _check_stack(f"down of expert {e}", down[0][e], down[1][e], k, inter)
+    def __init__(self, gate_up, down, routes: torch.Tensor):
+        num_experts, first = len(gate_up[0]), gate_up[0][0]
+        # K from the gate_up codes' [., K/2] (fused, or w1 of the parts)
+        k, inter = 2 * (first if isinstance(first, torch.Tensor) else first[0]).shape[-1], _inter(first)
         if routes.dtype != torch.int64 or routes.shape != (num_experts,) or routes.device.type != "cpu" \
                 or not routes.is_contiguous():
             raise ValueError(f"the routes' counts must be a contiguous int64 CPU tensor of {num_experts} values, got "
                              f"{routes.dtype} {tuple(routes.shape)} on {routes.device}")
         self.stacks = (*gate_up, *down)
         self.num_experts, self.k, self.inter = num_experts, k, inter
-        self.pointers = [_pointers(list(stack.unbind(0))) for stack in self.stacks]
+        self.pointers = _expert_pointers(zip(gate_up[0], gate_up[1]), zip(down[0], down[1]), inter, k)
         self.routes = routes
 
 
@@ -247,7 +283,7 @@ class StepBuffers:
         # count [E + 1]: the step reuses it for the n + 1 offsets of its experts, n up to E
         self.workspace = [torch.empty(routes, dtype=torch.int64), torch.empty(num_experts + 1, dtype=torch.int64),
                           torch.empty(num_experts + 1, dtype=torch.int64),
-                          torch.empty(4 * num_experts, dtype=torch.int64),  # pointers
+                          torch.empty(6 * num_experts, dtype=torch.int64),  # pointers
                           torch.empty(num_experts, dtype=torch.uint8),  # the held experts
                           torch.empty(routes, k // 2, dtype=work), torch.empty(routes, k // 2, dtype=work),
                           torch.empty(routes, inter // 2, dtype=work), torch.empty(routes, inter // 2, dtype=work),
@@ -292,10 +328,9 @@ class HostRouteStep:
         self.x, self.ids, self.out = self.buffers.x, self.buffers.ids, self.buffers.out
         order, count, offsets, chosen, held, x_even, x_odd, hidden_even, hidden_odd, out_f32 = \
             (t.data_ptr() for t in self.buffers.workspace)
-        gate_up_codes, gate_up_scales, down_codes, down_scales = (ctypes.addressof(p) for p in table.pointers)
         self.args = _RouteStepArgs(
             tokens, top_k, k, inter, num_experts, self.x.data_ptr(), self.ids.data_ptr(), self.out.data_ptr(),
-            gate_up_codes, gate_up_scales, down_codes, down_scales, held, table.routes.data_ptr(),
+            *(ctypes.addressof(p) for p in table.pointers), held, table.routes.data_ptr(),
             float(beta), 0.0 if linear_beta is None else float(linear_beta), int(linear_beta is not None),
             int(dtype == torch.bfloat16), int(bf16_dot), thread_count(threads), order, count, offsets, chosen,
             x_even, x_odd, hidden_even, hidden_odd, out_f32, 0)

@@ -502,8 +502,8 @@ class LayerOffload:
         """Whether a forward of `tokens` tokens on `device` computes this layer's routes in the stream's order
         (`ExpertCache.in_stream`)."""
         cache = self.cache
-        if cache.compute == "device" or self.parts is not None or tokens > STREAM_MAX_TOKENS or situ_betas is None \
-                or cache.in_stream is False or (cache.in_stream is None and device.type != "cuda"):
+        if cache.compute == "device" or tokens > STREAM_MAX_TOKENS or situ_betas is None or cache.in_stream is False \
+                or (cache.in_stream is None and device.type != "cuda"):
             return False
         held = cache.slots.get(self.layer)
         if cache.compute == "auto" and not cache.rates.streams(tokens, self.num_experts, self.top_k,
@@ -516,11 +516,13 @@ class LayerOffload:
 
     @torch.compiler.disable
     def _streamed(self, stacks, fmt, situ_betas) -> StreamedRoutes:
-        # made at the first streamed forward (a compiled step finds it made: `prepare_stream`)
+        # made at the first streamed forward (a compiled step finds it made: `prepare_stream`); the host step reads
+        # the release's parts where they are mapped (its gate and up apart), as it reads a host stack
         if self.stream is None:
-            self.stream = StreamedRoutes(fmt.host_kernels(), stacks,
-                                         self.cache.route_counts(self.layer, stacks[0].shape[0]), self.top_k,
-                                         situ_betas)
+            source = stacks if self.parts is None else self.parts.parts
+            self.stream = StreamedRoutes(fmt.host_kernels(), source, self.cache.route_counts(self.layer,
+                                                                                             self.num_experts),
+                                         self.top_k, situ_betas)
         return self.stream
 
     def prepare_stream(self, tokens: int, dtype: torch.dtype, device: torch.device, stacks, fmt,

@@ -221,6 +221,52 @@ def test_the_host_step_gives_each_route_in_the_references_order(dtype, num_exper
     assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=num_experts))
 
 
+def _apart(codes, scales, inter):
+    """An expert's gate_up as the release stores it: w1 and w3 in tensors of their own (new memory, not views)."""
+    return (codes[:inter].clone(), codes[inter:].clone()), (scales[:inter].clone(), scales[inter:].clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_and_up_apart_give_the_fused_stacks_bits(dtype):
+    """The kernel reads an expert's gate and up through pointers of their own: with w1 and w3 in separate tensors
+    (the release's parts, (w2,) for down) the op and the stream's step give exactly the fused stacks' outputs. A
+    kernel that took up's rows at gate's address + I rows would read past w1 here and differ."""
+    generator = torch.Generator().manual_seed(21)
+    num_experts, k, inter, tokens, top_k = 5, 96, 64, 3, 3
+    (gu_codes, gu_scales), (dn_codes, dn_scales) = _stacks(num_experts, k, inter, generator)
+    parts_gate_up = [_apart(gu_codes[e], gu_scales[e], inter) for e in range(num_experts)]
+    parts_down = [((dn_codes[e].clone(),), (dn_scales[e].clone(),)) for e in range(num_experts)]
+    x = torch.randn(7, k, generator=generator).to(dtype)
+    offsets, chosen = [0, 2, 2, 7], [4, 0, 2]
+    fused = mxfp4_host.host_experts(x, offsets, [(gu_codes[e], gu_scales[e]) for e in chosen],
+                                    [(dn_codes[e], dn_scales[e]) for e in chosen], 4.0, 25.0)
+    apart = mxfp4_host.host_experts(x, offsets, [parts_gate_up[e] for e in chosen], [parts_down[e] for e in chosen],
+                                    4.0, 25.0)
+    assert torch.equal(apart, fused)
+    ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    rows = torch.randn(tokens, k, generator=generator).to(dtype)
+    outs = []
+    for gate_up, down in (((gu_codes, gu_scales), (dn_codes, dn_scales)),
+                          (([c for c, _ in parts_gate_up], [s for _, s in parts_gate_up]),
+                           ([c for c, _ in parts_down], [s for _, s in parts_down]))):
+        table = mxfp4_host.ExpertTable(gate_up, down, torch.zeros(num_experts, dtype=torch.int64))
+        step = mxfp4_host.HostRouteStep(table, tokens, top_k, dtype, 4.0, 25.0, torch.device("cpu"))
+        outs.append(mxfp4_host.host_routes_in_stream(rows, ids, mxfp4_host.register_step(step)))
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda g: [((g[0][0][0],), g[0][1]), g[1]], "gate_up of expert 0: gate and up apart are two codes and two scales"),
+    (lambda g: [g[0], ((g[1][0][0], g[1][0][1][:, :8].contiguous()), g[1][1])],
+     r"gate_up of expert 1 \(up\): codes \(32, 8\)"),
+], ids=["host-kernel-apart-one-part", "host-kernel-apart-up-shape"])
+def test_gate_and_up_apart_are_checked_by_name(edit, message):
+    x, offsets, gate_up, down = _refusal_inputs()
+    apart = [_apart(codes, scales, 32) for codes, scales in gate_up]
+    with pytest.raises(ValueError, match=message):
+        mxfp4_host.host_experts(x, offsets, edit(apart), down, None, None)
+
+
 def test_the_host_step_refuses_a_bad_route_and_other_shapes():
     generator = torch.Generator().manual_seed(3)
     gate_up, down = _stacks(4, 64, 32, generator)

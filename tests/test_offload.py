@@ -481,6 +481,44 @@ def test_disk_tier_maps_the_release_layout_a_tensor_per_expert_through_an_adopte
     _check_decode_and_reused_cache(model, whole)
 
 
+def test_disk_tier_release_parts_stream_their_routes_to_the_cpu_kernel_where_they_are_mapped(release_folders,
+                                                                                            monkeypatch):
+    """experts_compute="host" on the disk tier of an adopted release folder: each layer's routes are computed by the
+    host step over the release's w1, w3 and w2 where they are mapped (gate and up apart, no copy of an expert), in
+    the stream's order (forced on the CPU, where the step runs at once): no route is read by the host and no expert
+    moves for forwards up to STREAM_MAX_TOKENS tokens. The kernel's f32 sums run in its own order, so the logits are
+    close to the whole model's (not bit for bit) and the greedy tokens equal."""
+    from transformers import AutoModelForCausalLM
+
+    from kimik3.kernels import mxfp4_host
+
+    assert mxfp4_host.library() is not None, mxfp4_host.unavailable_reason()
+    _, adopted, whole = release_folders
+    model = AutoModelForCausalLM.from_pretrained(str(adopted), experts_offload="disk", experts_cache_bytes=10 ** 6,
+                                                 experts_compute="host", trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    model.experts_cache.in_stream = True
+    reads = []
+    cache_class = type(model.experts_cache)  # the folder's copy of the code (trust_remote_code)
+    fetch = cache_class.fetch
+    monkeypatch.setattr(cache_class, "fetch", lambda self, *a, **k: reads.append(1) or fetch(self, *a, **k))
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want, got = whole(ids, use_cache=True), model(ids, use_cache=True)
+        for step in range(4):
+            torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+            token = want.logits[:, -1:].argmax(-1)
+            assert torch.equal(got.logits[:, -1:].argmax(-1), token), step
+            want = whole(token, past_key_values=want.past_key_values, use_cache=True)
+            got = model(token, past_key_values=got.past_key_values, use_cache=True)
+    assert not reads and model.experts_cache.moves == 0
+    layers = [m.offload for m in model.modules() if getattr(m, "offload", None) is not None]
+    assert len(layers) == 2
+    for layer in layers:  # the step's table holds the mapped parts themselves
+        assert type(layer.stream).__name__ == "StreamedRoutes" and layer.stream.table.stacks[0] is layer.parts.parts[0]
+        assert int(model.experts_cache.routes[layer.layer].sum()) == (10 + 4 * 2) * layer.top_k
+
+
 def test_disk_tier_keeps_the_layers_the_device_map_names_on_the_host(dense, folder, reads):
     model = KimiK3ForCausalLM.from_pretrained(folder, experts_offload="disk", experts_cache_bytes=10 ** 6,
                                               device_map={"": "cpu", "model.layers.2.mlp.experts": "cpu"})

@@ -274,14 +274,16 @@ static inline void dot(const uint8_t *codes, const uint8_t *scales, const void *
 }
 
 /* The routed experts of `n` experts for the rows of x grouped by expert: rows offsets[e] .. offsets[e+1] go to
- * expert e, whose packed stacks are gate_up (codes [2I, K/2], scales [2I, K/32]; gate rows first) and down (codes
- * [K, I/2], scales [K, I/32]). x_even / x_odd: [R, K/2] each (x split into its even and odd values). Writes
+ * expert e, whose packed matrices are gate and up (codes [I, K/2], scales [I, K/32] each: the two halves of a fused
+ * gate_up stack, or the release's w1 and w3 tensors wherever they are) and down (codes [K, I/2], scales [K, I/32]).
+ * x_even / x_odd: [R, K/2] each (x split into its even and odd values). Writes
  * out [R, K] (f32 holding values of the dtype) and uses hidden_even / hidden_odd [R, I/2] as workspace. With
  * `bf16_dot` (a bf16 model where the build has AVX512-BF16: k3_mxfp4_host_bf16_dot) the inputs and the workspace
  * are bf16 words and the products run through row_dot_bf16; else they are f32. Returns 0, -1 when the work lists
  * cannot be allocated, -2 for bf16_dot where it is not built or the model is not bf16. */
 int k3_mxfp4_host_experts(const void *x_even, const void *x_odd, const int64_t *offsets, int n,
-                          const uint8_t *const *gate_up_codes, const uint8_t *const *gate_up_scales,
+                          const uint8_t *const *gate_codes, const uint8_t *const *gate_scales,
+                          const uint8_t *const *up_codes, const uint8_t *const *up_scales,
                           const uint8_t *const *down_codes, const uint8_t *const *down_scales, int64_t K, int64_t I,
                           float beta, float linear_beta, int has_linear_beta, int bf16, int bf16_dot,
                           void *hidden_even, void *hidden_odd, float *out, int threads) {
@@ -308,15 +310,16 @@ int k3_mxfp4_host_experts(const void *x_even, const void *x_odd, const int64_t *
         for (int64_t item = 0; item < (int64_t)busy * up_blocks; ++item) {
             int e = which[item / up_blocks];
             int64_t row0 = (item % up_blocks) * ROWS, row1 = row0 + ROWS < I ? row0 + ROWS : I;
-            const uint8_t *codes = gate_up_codes[e], *scales = gate_up_scales[e];
+            const uint8_t *g_codes = gate_codes[e], *g_scales = gate_scales[e];
+            const uint8_t *u_codes = up_codes[e], *u_scales = up_scales[e];
             for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += TOKENS) {
                 int count = (int)(offsets[e + 1] - r0 < TOKENS ? offsets[e + 1] - r0 : TOKENS);
                 for (int64_t i = row0; i < row1; ++i) {
                     float gate[TOKENS], up[TOKENS];
-                    dot(codes + i * half_k, scales + i * (K / GROUP), x_even, x_odd, r0 * half_k, half_k,
+                    dot(g_codes + i * half_k, g_scales + i * (K / GROUP), x_even, x_odd, r0 * half_k, half_k,
                         K / GROUP, count, gate, bf16_dot);
-                    dot(codes + (I + i) * half_k, scales + (I + i) * (K / GROUP), x_even, x_odd, r0 * half_k,
-                        half_k, K / GROUP, count, up, bf16_dot);
+                    dot(u_codes + i * half_k, u_scales + i * (K / GROUP), x_even, x_odd, r0 * half_k, half_k,
+                        K / GROUP, count, up, bf16_dot);
                     void *hidden = (i & 1) ? hidden_odd : hidden_even;
                     for (int t = 0; t < count; ++t) {
                         float value = to_dtype(situ_glu(to_dtype(gate[t], bf16), to_dtype(up[t], bf16), beta,
@@ -383,14 +386,16 @@ typedef struct {
     const void *x;        /* [tokens, K], the model's dtype (bf16 words or f32), pinned */
     const int64_t *ids;   /* [tokens, top_k] the routes' experts (-1 - expert: held on the device), pinned */
     void *out;            /* [R, K], the model's dtype, pinned */
-    const uint8_t *const *gate_up_codes, *const *gate_up_scales, *const *down_codes, *const *down_scales; /* [E] */
+    /* [E] each: every expert's gate, up and down codes and scales */
+    const uint8_t *const *gate_codes, *const *gate_scales, *const *up_codes, *const *up_scales;
+    const uint8_t *const *down_codes, *const *down_scales;
     uint8_t *held;        /* [E] workspace: nonzero where this step's routes mark the expert held */
     int64_t *routes;      /* [E] routes counted per expert (the placement's frequencies) */
     float beta, linear_beta;
     int has_linear_beta, bf16, bf16_dot, threads;
     /* workspace for R rows, the model's layer alone: */
     int64_t *order, *count, *offsets;  /* [R], [E + 1] (reused as the n + 1 offsets of the host's experts), [E + 1] */
-    const uint8_t **chosen;            /* [4 E]: the chosen experts' pointers, four lists */
+    const uint8_t **chosen;            /* [6 E]: the chosen experts' pointers, six lists */
     void *x_even, *x_odd, *hidden_even, *hidden_odd;  /* [R, K/2] x2, [R, I/2] x2 (bf16 words or f32) */
     float *work;                       /* [R, K] */
     int status;           /* 0, or why the last step wrote zeros: -1 allocation, -3 an expert id out of range */
@@ -430,14 +435,17 @@ void k3_host_routes_step(void *arg) {
     int n = 0;
     int64_t rows = 0, first = 0;
     int64_t *host_offsets = s->count; /* reused: offsets into the gathered rows, n + 1 of them */
-    const uint8_t **gu_c = s->chosen, **gu_s = s->chosen + E, **dn_c = s->chosen + 2 * E, **dn_s = s->chosen + 3 * E;
+    const uint8_t **g_c = s->chosen, **g_s = s->chosen + E, **u_c = s->chosen + 2 * E, **u_s = s->chosen + 3 * E;
+    const uint8_t **dn_c = s->chosen + 4 * E, **dn_s = s->chosen + 5 * E;
     /* walk the full order expert by expert (start[] now holds each run's end) */
     int64_t run_begin = 0;
     for (int64_t e = 0; e < E; ++e) {
         int64_t run_end = start[e];
         if (run_end > run_begin && !s->held[e]) {
-            gu_c[n] = s->gate_up_codes[e];
-            gu_s[n] = s->gate_up_scales[e];
+            g_c[n] = s->gate_codes[e];
+            g_s[n] = s->gate_scales[e];
+            u_c[n] = s->up_codes[e];
+            u_s[n] = s->up_scales[e];
             dn_c[n] = s->down_codes[e];
             dn_s[n] = s->down_scales[e];
             host_offsets[n] = first;
@@ -464,7 +472,7 @@ void k3_host_routes_step(void *arg) {
     }
     host_offsets[n] = rows;
     if (n) {
-        int status = k3_mxfp4_host_experts(s->x_even, s->x_odd, host_offsets, n, gu_c, gu_s, dn_c, dn_s, K, s->I,
+        int status = k3_mxfp4_host_experts(s->x_even, s->x_odd, host_offsets, n, g_c, g_s, u_c, u_s, dn_c, dn_s, K, s->I,
                                            s->beta, s->linear_beta, s->has_linear_beta, s->bf16, s->bf16_dot,
                                            s->hidden_even, s->hidden_odd, s->work, s->threads);
         if (status) {
