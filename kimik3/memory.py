@@ -924,7 +924,9 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
         """One MoE layer's missing experts: copied, or computed on the host; "auto" takes the faster."""
         lacking, routes = missing(tokens)
         copy = lacking * per_expert * move_s_per_byte
-        streamed = not disk and tokens <= STREAM_MAX_TOKENS
+        # the disk tier streams too: the host step reads the mapped bytes where they are (our stacks, or the
+        # release's w1, w3 and w2), at the page cache's rate or the disk's (host_s_per_byte)
+        streamed = tokens <= STREAM_MAX_TOKENS
         host = max(lacking * per_expert * host_s_per_byte, routes * 2 * expert_params / host_flops) \
             + routes * activation_bytes / h2d_bandwidth \
             + (stream_layer_s if streamed else host_route_s if lacking else 0.0)

@@ -451,6 +451,20 @@ def test_host_compute_plan_weighs_the_cpu_against_the_copy(capsys):
     assert auto["decode"]["step_ms"] == host["decode"]["step_ms"] < device["decode"]["step_ms"]
     assert auto["prefill"]["where"] == "device" and host["prefill"]["where"] == "host"
     assert auto["prefill"]["bound_s"] == pytest.approx(min(host["prefill"]["bound_s"], device["prefill"]["bound_s"]))
+    # the disk tier streams its decode routes too (the host step reads the mapped bytes): with the page cache
+    # holding every expert it is the host tier's step; paged from the disk, each byte also pays the disk's read
+    disk_base = [*base[:base.index("--experts-offload") + 1], "disk", *base[base.index("--host-mem"):]]
+    assert main([*disk_base, "--experts-compute", "host"]) == 0
+    cached_disk = json.loads(capsys.readouterr().out)
+    assert cached_disk["decode"]["streamed"] and cached_disk["host"]["from_disk"] == 0
+    assert cached_disk["decode"]["step_ms"] == pytest.approx(host["decode"]["step_ms"])
+    paged = [*disk_base[:disk_base.index("--host-mem")], *disk_base[disk_base.index("--host-mem") + 2:]]
+    assert main([*paged, "--experts-compute", "host"]) == 0
+    from_disk = json.loads(capsys.readouterr().out)
+    assert from_disk["decode"]["streamed"] and from_disk["host"]["from_disk"] == 1
+    disk_kernel = max(lacking * 17_547_264 * (1 / 100e9 + 1 / 7e9), routes * 6 * 3072 * 3584 / 2e12) \
+        + routes * 4 * 3584 / 50e9
+    assert from_disk["decode"]["layer_host_ms"] == pytest.approx((disk_kernel + STREAM_LAYER_S_ASSUMED) * 1e3)
 
 
 def test_measure_times_this_machine_and_plans_with_it(capsys, monkeypatch):
