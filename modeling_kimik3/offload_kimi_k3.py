@@ -182,6 +182,12 @@ class ExpertParts:
         return [((sum(part.shape[0] for part in stack[0]), *stack[0][0].shape[1:]), stack[0][0].dtype)
                 for stack in self.parts]
 
+    def stacks(self, count: int) -> tuple[torch.Tensor, ...]:
+        """The first `count` experts as stacks [count, ...] in our order, in host memory (a copy: what the rates of
+        "auto" are timed on, `measure_host_rates`, where the module holds no stack of its own)."""
+        count = min(count, len(self.parts[0]))
+        return tuple(torch.stack([torch.cat(stack[e]) for e in range(count)]) for stack in self.parts)
+
     def copy_into(self, expert: int, outs: tuple[torch.Tensor, ...], non_blocking: bool) -> None:
         """Copies expert `expert`'s parts into `outs` (one tensor a stack, on the device), straight from the mapped
         bytes, as a host stack's `out.copy_(stack[e])`."""
@@ -632,8 +638,9 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int | str, m
                                       flops_per_route=6 * module.intermediate_size * module.latent_size,
                                       top_k=module.config.num_experts_per_token, num_experts=module.num_experts)
     cache.compute = compute or "device"
-    if cache.compute == "auto":
-        cache.rates = measure_host_rates(experts_modules[0], device)
+    if cache.compute == "auto":  # timed on the first layer's experts (the release's parts: a few of them assembled)
+        parts = mapped.get(experts_modules[0])
+        cache.rates = measure_host_rates(experts_modules[0], device, stacks=None if parts is None else parts.stacks(8))
     return cache
 
 

@@ -519,6 +519,27 @@ def test_disk_tier_release_parts_stream_their_routes_to_the_cpu_kernel_where_the
         assert int(model.experts_cache.routes[layer.layer].sum()) == (10 + 4 * 2) * layer.top_k
 
 
+def test_auto_on_the_release_disk_tier_times_its_rates_on_assembled_parts(release_folders):
+    """experts_compute="auto" times the CPU and the copy on the first layer's experts at load; on the release's disk
+    tier the module holds none of its own (meta placeholders: the load raised before), so a few are assembled from
+    the mapped parts, equal to the fused stacks of the model loaded whole; its tokens are the whole model's."""
+    from transformers import AutoModelForCausalLM
+
+    _, adopted, whole = release_folders
+    model = AutoModelForCausalLM.from_pretrained(str(adopted), experts_offload="disk", experts_cache_bytes=10 ** 6,
+                                                 experts_compute="auto", trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    rates = model.experts_cache.rates
+    assert rates.measured and min(rates.copy_bytes_per_s, rates.host_bytes_per_s, rates.host_flops) > 0
+    offloaded, held = ([m for m in each.modules() if type(m).__name__ == "KimiK3Experts"][0]  # the folder's classes
+                       for each in (model, whole))
+    for assembled, stack in zip(offloaded.offload.parts.stacks(3), held.stacks()):
+        assert torch.equal(assembled, stack[:3])
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(8))
+    kwargs = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids, **kwargs), whole.generate(ids, **kwargs))
+
+
 def test_disk_tier_keeps_the_layers_the_device_map_names_on_the_host(dense, folder, reads):
     model = KimiK3ForCausalLM.from_pretrained(folder, experts_offload="disk", experts_cache_bytes=10 ** 6,
                                               device_map={"": "cpu", "model.layers.2.mlp.experts": "cpu"})
