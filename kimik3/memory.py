@@ -930,7 +930,10 @@ def offload_plan(config, gpu_memory: int, host_memory: int, context: int, batch_
         host = max(lacking * per_expert * host_s_per_byte, routes * 2 * expert_params / host_flops) \
             + routes * activation_bytes / h2d_bandwidth \
             + (stream_layer_s if streamed else host_route_s if lacking else 0.0)
-        where = {"device": "device", "host": "host"}.get(experts_compute, "host" if host < copy else "device")
+        # "auto" weighs what each side pays beside the experts, as the model's HostRates.streams does: copying in the
+        # decode loop reads the routes (the piecewise loop's cost a layer), streaming pays the stream (in `host`)
+        read = piecewise_layer_s if streamed else 0.0
+        where = {"device": "device", "host": "host"}.get(experts_compute, "host" if host < copy + read else "device")
         return {"copy_s": copy, "host_s": host, "where": where, "s": copy if where == "device" else host,
                 "host_streams": streamed, "streamed": streamed and where == "host",
                 "moved_bytes": lacking * per_expert if where == "device" else 0.0,

@@ -451,6 +451,16 @@ def test_host_compute_plan_weighs_the_cpu_against_the_copy(capsys):
     assert auto["decode"]["step_ms"] == host["decode"]["step_ms"] < device["decode"]["step_ms"]
     assert auto["prefill"]["where"] == "device" and host["prefill"]["where"] == "host"
     assert auto["prefill"]["bound_s"] == pytest.approx(min(host["prefill"]["bound_s"], device["prefill"]["bound_s"]))
+    # "auto" weighs the piecewise read the copy pays in the decode loop: a host whose kernel is slower than the copy
+    # by less than a read still streams (5.74 against 5.07 ms a layer at 94 GB/s: 0.67 ms < 1.5), by more it copies
+    picks = {}
+    for bandwidth in ("94GB/s", "80GB/s"):
+        assert main([*base, "--experts-compute", "auto", "--host-bandwidth", bandwidth, "--h2d-bandwidth",
+                     "55.3GB/s"]) == 0
+        picks[bandwidth] = json.loads(capsys.readouterr().out)["decode"]
+    assert picks["94GB/s"]["layer_copy_ms"] < picks["94GB/s"]["layer_host_ms"] < \
+        picks["94GB/s"]["layer_copy_ms"] + PIECEWISE_LAYER_S_ASSUMED * 1e3 < picks["80GB/s"]["layer_host_ms"]
+    assert picks["94GB/s"]["where"] == "host" and picks["80GB/s"]["where"] == "device"
     # the disk tier streams its decode routes too (the host step reads the mapped bytes): with the page cache
     # holding every expert it is the host tier's step; paged from the disk, each byte also pays the disk's read
     disk_base = [*base[:base.index("--experts-offload") + 1], "disk", *base[base.index("--host-mem"):]]
