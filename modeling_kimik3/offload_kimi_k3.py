@@ -182,11 +182,15 @@ class ExpertParts:
         return [((sum(part.shape[0] for part in stack[0]), *stack[0][0].shape[1:]), stack[0][0].dtype)
                 for stack in self.parts]
 
+    def expert(self, expert: int) -> tuple[torch.Tensor, ...]:
+        """Expert `expert` as one tensor a stack of ours (its parts' rows together), in host memory (a copy)."""
+        return tuple(torch.cat(stack[expert]) for stack in self.parts)
+
     def stacks(self, count: int) -> tuple[torch.Tensor, ...]:
         """The first `count` experts as stacks [count, ...] in our order, in host memory (a copy: what the rates of
         "auto" are timed on, `measure_host_rates`, where the module holds no stack of its own)."""
-        count = min(count, len(self.parts[0]))
-        return tuple(torch.stack([torch.cat(stack[e]) for e in range(count)]) for stack in self.parts)
+        experts = [self.expert(e) for e in range(min(count, len(self.parts[0])))]
+        return tuple(torch.stack(tensors) for tensors in zip(*experts))
 
     def copy_into(self, expert: int, outs: tuple[torch.Tensor, ...], non_blocking: bool) -> None:
         """Copies expert `expert`'s parts into `outs` (one tensor a stack, on the device), straight from the mapped
@@ -452,23 +456,23 @@ class ExpertCache:
         return ExpertFetch(self, layer, ids, top_indices, compact, held, missed, event, host_ids, top_cpu)
 
     def place(self, layer: int, experts: list[int], source, device: torch.device) -> None:
-        """Keeps `experts` of `layer` on `device` for good: copied now from `source` (the layer's stacks), never
-        evicted (hot experts: `place_hot_experts`). Refused beyond the layer's capacity."""
+        """Keeps `experts` of `layer` on `device` for good: copied now from `source` (the layer's stacks, or the
+        release's parts mapped from its shards), never evicted (hot experts: `place_hot_experts`). Refused beyond the
+        layer's capacity."""
         experts = sorted(set(int(e) for e in experts))
         if len(experts) > self.capacity:
             raise ExpertsOffloadError(f"placing {len(experts)} experts on the device in layer {layer} of the cache: "
                                       f"it keeps {self.capacity} a layer (experts_cache_bytes)")
-        if isinstance(source, ExpertParts):
-            raise ExpertsOffloadError("placing experts mapped a tensor per expert from the release's shards: load "
-                                      "with experts_offload='host', or an adopted folder's converted copy")
         entries = self.layers.setdefault(layer, OrderedDict())
         slots = self.layer_slots(layer, source, device)
         for expert in [e for e in entries if e not in experts]:
             del entries[expert]
             slots.drop(expert)
         for expert in experts:
-            if expert not in entries:
-                entries[expert] = slots.store(expert, tuple(stack[expert] for stack in source))
+            if expert not in entries:  # (the release's parts: the expert assembled from them, then copied)
+                piece = source.expert(expert) if isinstance(source, ExpertParts) else \
+                    tuple(stack[expert] for stack in source)
+                entries[expert] = slots.store(expert, piece)
         self.pinned[layer] = set(experts)
 
     def _keep(self, layer: int, expert: int, piece, wanted: set) -> None:

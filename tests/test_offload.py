@@ -519,6 +519,37 @@ def test_disk_tier_release_parts_stream_their_routes_to_the_cpu_kernel_where_the
         assert int(model.experts_cache.routes[layer.layer].sum()) == (10 + 4 * 2) * layer.top_k
 
 
+def test_hot_experts_of_the_release_disk_tier_are_placed_from_its_parts_and_run_on_the_device(release_folders):
+    """place_hot_experts on the release's disk tier (each expert's w1, w3 and w2 mapped apart): the hot ones are
+    assembled from the parts into the cache's slots (equal to the fused stacks of the model loaded whole; it was
+    refused before), and a streamed decode (forced on the CPU) runs them on the device and the rest on the CPU, with
+    the whole model's greedy tokens."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    _, adopted, whole = release_folders
+    model = AutoModelForCausalLM.from_pretrained(str(adopted), experts_offload="disk", experts_cache_bytes=10 ** 6,
+                                                 experts_compute="host", trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    model.experts_cache.in_stream = True
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        model(ids)  # a calibration prompt: its routes counted
+    offload = sys.modules[type(model.experts_cache).__module__]  # the folder's copy of the code
+    placed = offload.place_hot_experts(model, per_layer=2)
+    held = [m for m in whole.modules() if type(m).__name__ == "KimiK3Experts"]
+    cache = model.experts_cache
+    for layer, experts in placed.items():
+        assert len(experts) == 2 and set(cache.pinned[layer]) == set(experts)
+        slots = cache.slots[layer]
+        for expert in experts:
+            for slot_stack, stack in zip(slots.stacks, held[layer].stacks()):
+                assert torch.equal(slot_stack[slots.slot_of[expert]], stack[expert])
+    kwargs = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(ids, **kwargs), whole.generate(ids, **kwargs))
+
+
 def test_auto_on_the_release_disk_tier_times_its_rates_on_assembled_parts(release_folders):
     """experts_compute="auto" times the CPU and the copy on the first layer's experts at load; on the release's disk
     tier the module holds none of its own (meta placeholders: the load raised before), so a few are assembled from
