@@ -515,10 +515,10 @@ class LayerOffload:
         if cache.compute == "device" or tokens > STREAM_MAX_TOKENS or situ_betas is None or cache.in_stream is False \
                 or (cache.in_stream is None and device.type != "cuda"):
             return False
-        held = cache.slots.get(self.layer)
+        slots = cache.slots.get(self.layer)  # the experts the device holds run there, whichever path
         if cache.compute == "auto" and not cache.rates.streams(tokens, self.num_experts, self.top_k,
                                                                cache.bytes_per_expert, self.flops_per_route,
-                                                               len(held.slot_of) if held is not None else 0):
+                                                               len(slots.slot_of) if slots is not None else 0):
             return False
         if self.stream is None:
             self.stream = False if fmt.host_kernels() is None else None

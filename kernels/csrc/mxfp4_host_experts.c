@@ -472,8 +472,8 @@ void k3_host_routes_step(void *arg) {
     }
     host_offsets[n] = rows;
     if (n) {
-        int status = k3_mxfp4_host_experts(s->x_even, s->x_odd, host_offsets, n, g_c, g_s, u_c, u_s, dn_c, dn_s, K, s->I,
-                                           s->beta, s->linear_beta, s->has_linear_beta, s->bf16, s->bf16_dot,
+        int status = k3_mxfp4_host_experts(s->x_even, s->x_odd, host_offsets, n, g_c, g_s, u_c, u_s, dn_c, dn_s, K,
+                                           s->I, s->beta, s->linear_beta, s->has_linear_beta, s->bf16, s->bf16_dot,
                                            s->hidden_even, s->hidden_odd, s->work, s->threads);
         if (status) {
             s->status = status;
