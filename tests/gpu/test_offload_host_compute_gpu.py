@@ -161,3 +161,51 @@ def test_streamed_routes_in_bf16_stay_as_close_as_the_gpu_models_own_bf16():
     assert all(isinstance(m.offload.stream, StreamedRoutes) for m in placed.modules()
                if getattr(m, "offload", None) is not None)
     assert got <= 2 * own + 1e-3, (got, own)
+
+
+def test_the_release_disk_tier_streams_its_routes_over_the_mapped_parts(tmp_path, monkeypatch):
+    """An adopted release folder loaded through the Auto class with its experts on the disk tier
+    (experts_offload="disk": each expert's w1, w3 and w2 mapped from the release's shards) and experts_compute="host"
+    on CUDA: every decode route is computed by the host step over the mapped parts in the stream's order (no route
+    read, no expert moved; the hot ones placed from the parts run on the GPU), the decode loop captures the step
+    whole, and the greedy tokens are those of the folder loaded whole on the GPU."""
+    import sys
+
+    import torch._dynamo
+    from transformers import AutoModelForCausalLM
+
+    from kimik3.convert import testing
+    from kimik3.convert.adopt import adopt
+
+    release = testing.write_release_checkpoint(tmp_path / "release" / "k3", seed=5, num_layers=3,
+                                               num_experts=8).path
+    adopt(release, tmp_path / "adopted", experts_format="mxfp4")
+    load = dict(trust_remote_code=True, dtype=torch.float32)
+    whole = AutoModelForCausalLM.from_pretrained(str(tmp_path / "adopted"), device_map="cuda", **load).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "adopted"), device_map="cuda", experts_offload="disk",
+                                                 experts_cache_bytes=10 ** 6, experts_compute="host", **load).eval()
+    layers = [m.offload for m in model.modules() if getattr(m, "offload", None) is not None]
+    assert layers and all(layer.parts is not None for layer in layers)
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.no_grad():
+        model(ids[:1, :5])  # a calibration prompt, streamed
+        offload = sys.modules[type(model.experts_cache).__module__]  # the folder's copy of the code
+        offload.place_hot_experts(model, per_layer=2)
+        torch.testing.assert_close(model(ids).logits, whole(ids).logits, rtol=2e-4, atol=2e-4)
+    assert model.experts_cache.moves == 0
+    assert all(type(layer.stream).__name__ == "StreamedRoutes" and layer.layer in model.experts_cache.slots
+               for layer in layers)
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, cache_implementation="static")
+    want = whole.generate(ids, **kwargs)
+    captures, graph = [], torch.cuda.graph
+
+    def count(*args, **kw):
+        captures.append(1)
+        return graph(*args, **kw)
+
+    monkeypatch.setattr(torch.cuda, "graph", count)
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(ids, **kwargs), want)
+    assert 1 <= len(captures) <= 2  # the loop's own graphs (a block of steps, a one-step tail): the step whole
+    assert model.experts_cache.moves == 0
+    torch._dynamo.reset()
