@@ -16,6 +16,18 @@ if not torch.cuda.is_available():
 from k3_test_utils import offloaded_copy  # noqa: E402
 
 
+def _count_graph_captures(monkeypatch) -> list:
+    """torch.cuda.graph counted from here on: the returned list grows by one a capture."""
+    captures, graph = [], torch.cuda.graph
+
+    def count(*args, **kwargs):
+        captures.append(1)
+        return graph(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "graph", count)
+    return captures
+
+
 @pytest.fixture(scope="module", params=["dense", "mxfp4"])
 def on_gpu(request):
     from kimik3.tiny import build_tiny_model, packed_mxfp4_copy
@@ -128,13 +140,7 @@ def test_streamed_routes_run_in_one_captured_decode_step(hot, monkeypatch):
     counted = sum(int(layer.cache.routes[layer.layer].sum()) for layer in layers)
     assert counted >= len(layers) * (2 * 9 * 6)
 
-    captures, graph = [], torch.cuda.graph
-
-    def count(*args, **kwargs):
-        captures.append(1)
-        return graph(*args, **kwargs)
-
-    monkeypatch.setattr(torch.cuda, "graph", count)
+    captures = _count_graph_captures(monkeypatch)
     torch._dynamo.reset()
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static",
                   decode_block_steps=4)
@@ -197,13 +203,7 @@ def test_the_release_disk_tier_streams_its_routes_over_the_mapped_parts(tmp_path
                for layer in layers)
     kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, cache_implementation="static")
     want = whole.generate(ids, **kwargs)
-    captures, graph = [], torch.cuda.graph
-
-    def count(*args, **kw):
-        captures.append(1)
-        return graph(*args, **kw)
-
-    monkeypatch.setattr(torch.cuda, "graph", count)
+    captures = _count_graph_captures(monkeypatch)
     torch._dynamo.reset()
     assert torch.equal(model.generate(ids, **kwargs), want)
     assert 1 <= len(captures) <= 2  # the loop's own graphs (a block of steps, a one-step tail): the step whole
