@@ -75,9 +75,19 @@ def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> floa
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
+def select_experts(stack, ids: list[int]) -> torch.Tensor:
+    """The experts `ids` of one stack as a compact copy [len(ids), ...]: from a host stack [E, ...], or from the
+    release's parts (a tuple of row pieces an expert, `offload_kimi_k3.ExpertParts.parts`), joined in our rows'
+    order."""
+    if isinstance(stack, torch.Tensor):
+        return stack.index_select(0, torch.tensor(ids, dtype=torch.int64))
+    return torch.stack([torch.cat(stack[e]) for e in ids])
+
+
 def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_betas) -> tuple[torch.Tensor, int]:
     """(each host route's expert output, 1 if the format's CPU kernel computed them else 0). `rows` [R, Dl] on the
-    CPU, sorted by expert (`sorted_ids`); `stacks`: the layer's host stacks [E, ...] in the format's order."""
+    CPU, sorted by expert (`sorted_ids`); `stacks`: the layer's host stacks [E, ...] in the format's order, or the
+    release's parts in that order (`ExpertParts.parts`: the kernel reads them where they are mapped)."""
     ids = torch.tensor(host_ids, dtype=torch.int64)
     counts = torch.bincount(torch.searchsorted(ids, sorted_ids.long()), minlength=len(host_ids)).tolist()
     offsets = [0]
@@ -88,7 +98,7 @@ def host_routes(rows, sorted_ids, host_ids: list[int], stacks, fmt, run, situ_be
         if out is not None:
             return out, 1
     # the reference: the module's op over a copy of the chosen experts (a compact stack of them, not the layer's)
-    compact = tuple(stack.index_select(0, ids) for stack in stacks)
+    compact = tuple(select_experts(stack, host_ids) for stack in stacks)
     local = torch.searchsorted(ids, sorted_ids.long()).unsqueeze(-1)
     return run(rows, local, torch.ones(local.shape), compact), 0
 

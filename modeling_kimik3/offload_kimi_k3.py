@@ -37,6 +37,7 @@ from .host_experts_kimi_k3 import (
     StreamedRoutes,
     measure_host_rates,
     routed_split,
+    select_experts,
     to_device,
 )
 from .parallel_kimi_k3 import PARALLEL_LOAD_KWARGS
@@ -184,13 +185,12 @@ class ExpertParts:
 
     def expert(self, expert: int) -> tuple[torch.Tensor, ...]:
         """Expert `expert` as one tensor a stack of ours (its parts' rows together), in host memory (a copy)."""
-        return tuple(torch.cat(stack[expert]) for stack in self.parts)
+        return tuple(select_experts(stack, [expert])[0] for stack in self.parts)
 
     def stacks(self, count: int) -> tuple[torch.Tensor, ...]:
         """The first `count` experts as stacks [count, ...] in our order, in host memory (a copy: what the rates of
         "auto" are timed on, `measure_host_rates`, where the module holds no stack of its own)."""
-        experts = [self.expert(e) for e in range(min(count, len(self.parts[0])))]
-        return tuple(torch.stack(tensors) for tensors in zip(*experts))
+        return tuple(select_experts(stack, list(range(min(count, len(stack))))) for stack in self.parts)
 
     def copy_into(self, expert: int, outs: tuple[torch.Tensor, ...], non_blocking: bool) -> None:
         """Copies expert `expert`'s parts into `outs` (one tensor a stack, on the device), straight from the mapped
@@ -402,8 +402,8 @@ class ExpertCache:
         """`gather`'s copies issued, not yet waited for (`ExpertFetch.wait`). With experts to move, the compact stacks
         are allocated on the current stream and the missed experts copied into them from the host on the copy stream,
         one copy per run of consecutive ids and stack, once the copy stream has waited for the current one (the
-        stacks' memory is the current stream's), unless this forward computes them on the CPU (`compute`; the
-        release's per-expert parts are always copied); the held ones are added by `wait`."""
+        stacks' memory is the current stream's), unless this forward computes them on the CPU (`compute`: over the
+        host stacks or the release's parts where they are mapped); the held ones are added by `wait`."""
         # the forward's one read of its routes from the device: what is chosen, and how often, is counted here
         top_cpu = top_indices.to("cpu")
         per_expert = torch.bincount(top_cpu.reshape(-1).long())
@@ -416,7 +416,7 @@ class ExpertCache:
         parts = source if isinstance(source, ExpertParts) else None
         absent = [(expert, int(count)) for expert, count in zip(ids, route_counts.tolist()) if expert not in entries]
         host_ids = []
-        if parts is None and self._on_host(len(absent), sum(c for _, c in absent), flops_per_route):
+        if self._on_host(len(absent), sum(c for _, c in absent), flops_per_route):
             host_ids = [expert for expert, _ in absent]
             ids = [expert for expert in ids if expert in entries]
             self.host_experts += len(host_ids)
@@ -529,10 +529,9 @@ class LayerOffload:
         # made at the first streamed forward (a compiled step finds it made: `prepare_stream`); the host step reads
         # the release's parts where they are mapped (its gate and up apart), as it reads a host stack
         if self.stream is None:
-            source = stacks if self.parts is None else self.parts.parts
-            self.stream = StreamedRoutes(fmt.host_kernels(), source, self.cache.route_counts(self.layer,
-                                                                                             self.num_experts),
-                                         self.top_k, situ_betas)
+            self.stream = StreamedRoutes(fmt.host_kernels(), self._host_source(stacks),
+                                         self.cache.route_counts(self.layer, self.num_experts), self.top_k,
+                                         situ_betas)
         return self.stream
 
     def prepare_stream(self, tokens: int, dtype: torch.dtype, device: torch.device, stacks, fmt,
@@ -550,14 +549,19 @@ class LayerOffload:
         # the experts this layer holds on the device (its slots, if any) run there
         return stream(x, top_indices, top_weights, run, self.cache.slots.get(self.layer))
 
+    def _host_source(self, stacks):
+        """What the CPU reads this layer's experts from: its host stacks, or the release's parts where mapped."""
+        return stacks if self.parts is None else self.parts.parts
+
     def start_host_share(self, x, fetched: ExpertFetch, stacks, fmt, run, situ_betas) -> None:
         """Starts the CPU's share of `fetched` over the rows `x` (host_experts_kimi_k3.HostShare), once."""
         if fetched.host_ids and fetched.host_share is None:
-            fetched.host_share = HostShare(self.cache, x, fetched, stacks, fmt, run, situ_betas)
+            fetched.host_share = HostShare(self.cache, x, fetched, self._host_source(stacks), fmt, run, situ_betas)
 
     def routed_split(self, x, top_indices, top_weights, fetched: ExpertFetch, stacks, fmt, run, situ_betas):
         """The layer's routed experts when `fetched` computes some on the CPU (host_experts_kimi_k3.routed_split)."""
-        return routed_split(self.cache, x, top_indices, top_weights, fetched, stacks, fmt, run, situ_betas)
+        return routed_split(self.cache, x, top_indices, top_weights, fetched, self._host_source(stacks), fmt, run,
+                            situ_betas)
 
     def apply(self, module, fn) -> None:
         """`module._apply(fn)` (`model.to(...)`, `.cuda()`, `.half()`) for an offloaded expert module: its stacks stay

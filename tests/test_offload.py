@@ -519,6 +519,34 @@ def test_disk_tier_release_parts_stream_their_routes_to_the_cpu_kernel_where_the
         assert int(model.experts_cache.routes[layer.layer].sum()) == (10 + 4 * 2) * layer.top_k
 
 
+@pytest.mark.parametrize("kernel", [False, True])  # the reference, the format's kernel
+def test_the_read_paths_cpu_share_reads_the_release_parts_where_they_are_mapped(release_folders, kernel):
+    """experts_compute="host" with the routes read by the host (a prefill chunk's path; `in_stream = False`) on the
+    release's disk tier: the CPU's share is computed over the mapped parts, not copied (no expert moves). The
+    reference joins the chosen experts' parts into a compact copy (`select_experts`) and gives the whole model's
+    logits bit for bit; the format's kernel reads w1, w3 and w2 where they are and is close (its f32 order)."""
+    from transformers import AutoModelForCausalLM
+
+    _, adopted, whole = release_folders
+    model = AutoModelForCausalLM.from_pretrained(str(adopted), experts_offload="disk", experts_cache_bytes=10 ** 6,
+                                                 experts_compute="host", trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    cache = model.experts_cache
+    cache.in_stream, cache.host_kernel = False, kernel
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        want, got = whole(ids, use_cache=True), model(ids, use_cache=True)
+        for step in range(3):
+            if kernel:
+                torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+            else:
+                assert torch.equal(got.logits, want.logits), step
+            token = want.logits[:, -1:].argmax(-1)
+            want = whole(token, past_key_values=want.past_key_values, use_cache=True)
+            got = model(token, past_key_values=got.past_key_values, use_cache=True)
+    assert cache.moves == 0 and cache.host_routes > 0 and (cache.kernel_calls > 0) == kernel
+
+
 def test_hot_experts_of_the_release_disk_tier_are_placed_from_its_parts_and_run_on_the_device(release_folders):
     """place_hot_experts on the release's disk tier (each expert's w1, w3 and w2 mapped apart): the hot ones are
     assembled from the parts into the cache's slots (equal to the fused stacks of the model loaded whole; it was
