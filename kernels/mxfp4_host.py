@@ -151,11 +151,11 @@ def _down(name: str, codes, scales, inter: int, k: int) -> tuple[torch.Tensor, t
     return codes, scales
 
 
-def _inter(gate_up_codes) -> int:
-    """I of an expert's gate_up codes, fused [2I, K/2] or apart ((w1, w3) [I, K/2] each)."""
+def _gate_up_dims(gate_up_codes) -> tuple[int, int]:
+    """(K, I) of an expert's gate_up codes, fused [2I, K/2] or apart ((w1, w3) [I, K/2] each)."""
     if isinstance(gate_up_codes, torch.Tensor):
-        return gate_up_codes.shape[0] // 2
-    return gate_up_codes[0].shape[0]
+        return 2 * gate_up_codes.shape[-1], gate_up_codes.shape[0] // 2
+    return 2 * gate_up_codes[0].shape[-1], gate_up_codes[0].shape[0]
 
 
 def _expert_pointers(gate_up, down, inter: int, k: int) -> list[ctypes.Array]:
@@ -201,7 +201,7 @@ def host_experts(x: torch.Tensor, offsets: list[int], gate_up: list[tuple[torch.
         raise ValueError(f"host experts: offsets {offsets} do not split {rows} rows among {n} experts")
     if n == 0 or rows == 0:
         return x.new_zeros(rows, k)
-    inter = _inter(gate_up[0][0])
+    inter = _gate_up_dims(gate_up[0][0])[1]
     if k % MXFP4_GROUP_SIZE or inter % MXFP4_GROUP_SIZE:
         raise ValueError(f"host experts: K={k} and I={inter} must be multiples of {MXFP4_GROUP_SIZE}")
     pointers = _expert_pointers(gate_up, down, inter, k)
@@ -255,9 +255,8 @@ class ExpertTable:
     shards). Holds them, so the pointers stay valid."""
 
     def __init__(self, gate_up, down, routes: torch.Tensor):
-        num_experts, first = len(gate_up[0]), gate_up[0][0]
-        # K from the gate_up codes' [., K/2] (fused, or w1 of the parts)
-        k, inter = 2 * (first if isinstance(first, torch.Tensor) else first[0]).shape[-1], _inter(first)
+        num_experts = len(gate_up[0])
+        k, inter = _gate_up_dims(gate_up[0][0])
         if routes.dtype != torch.int64 or routes.shape != (num_experts,) or routes.device.type != "cpu" \
                 or not routes.is_contiguous():
             raise ValueError(f"the routes' counts must be a contiguous int64 CPU tensor of {num_experts} values, got "

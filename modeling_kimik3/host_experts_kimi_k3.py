@@ -256,16 +256,20 @@ class StreamedRoutes:
         return sum_routes(per_route, order, token_of, top_weights, x.shape[0])
 
 
+# Experts `measure_host_rates` times the CPU's one-token pass over (at most; the disk tier's caller assembles this many)
+MEASURED_EXPERTS = 8
+
+
 def measure_host_rates(module, device=None, repeats: int = 3, stacks=None) -> HostRates:
     """The rates of `HostRates` timed on this machine with one offloaded expert module's own stacks (or `stacks`,
     where the module holds none: the disk tier's release parts assembled, `offload_kimi_k3.ExpertParts.stacks`): the
-    CPU's share (the format's kernel, or the reference where it has none) over one token of each of up to 8 experts,
-    and 32 tokens of one; the copy of one expert to `device` (host memory to host memory where it is the CPU). Best of
+    CPU's share (the format's kernel, or the reference where it has none) over one token of each of up to
+    MEASURED_EXPERTS experts, and 32 tokens of one; the copy of one expert to `device` (host memory to host memory where it is the CPU). Best of
     `repeats`, after a warm-up."""
     import time
 
     stacks, fmt = module.stacks() if stacks is None else stacks, module.format
-    experts = min(8, stacks[0].shape[0])
+    experts = min(MEASURED_EXPERTS, stacks[0].shape[0])
     latent = module.latent_size
     betas = (module.config.activation_situ_beta, module.config.activation_situ_linear_beta)
     target = torch.device(device) if device is not None else torch.device("cpu")

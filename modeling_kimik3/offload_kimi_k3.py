@@ -31,6 +31,7 @@ from .files_kimi_k3 import (
     read_safetensors_header,
 )
 from .host_experts_kimi_k3 import (
+    MEASURED_EXPERTS,
     STREAM_MAX_TOKENS,
     HostRates,
     HostShare,
@@ -648,7 +649,8 @@ def offload_routed_experts(experts_modules, mode: str, cache_bytes: int | str, m
     cache.compute = compute or "device"
     if cache.compute == "auto":  # timed on the first layer's experts (the release's parts: a few of them assembled)
         parts = mapped.get(experts_modules[0])
-        cache.rates = measure_host_rates(experts_modules[0], device, stacks=None if parts is None else parts.stacks(8))
+        cache.rates = measure_host_rates(experts_modules[0], device,
+                                         stacks=None if parts is None else parts.stacks(MEASURED_EXPERTS))
     return cache
 
 
