@@ -264,8 +264,8 @@ def measure_host_rates(module, device=None, repeats: int = 3, stacks=None) -> Ho
     """The rates of `HostRates` timed on this machine with one offloaded expert module's own stacks (or `stacks`,
     where the module holds none: the disk tier's release parts assembled, `offload_kimi_k3.ExpertParts.stacks`): the
     CPU's share (the format's kernel, or the reference where it has none) over one token of each of up to
-    MEASURED_EXPERTS experts, and 32 tokens of one; the copy of one expert to `device` (host memory to host memory where it is the CPU). Best of
-    `repeats`, after a warm-up."""
+    MEASURED_EXPERTS experts, and 32 tokens of one; the copy of one expert to `device` (host memory to host memory
+    where it is the CPU). Best of `repeats`, after a warm-up."""
     import time
 
     stacks, fmt = module.stacks() if stacks is None else stacks, module.format
