@@ -310,7 +310,8 @@ def main():
                              "stream), one_stream (copies on the compute stream), host "
                              "(experts_compute host/auto and the CPU kernel), loop (generate()'s decode loop: the "
                              "slice captured whole on the GPU, piecewise with the experts in host memory), "
-                             "loop_gpu (loop's first part alone), loop_held (piecewise with every expert placed on the GPU), stream (experts_compute "
+                             "loop_gpu (loop's first part alone), loop_device (loop's copies alone: the chosen "
+                             "experts the cache lacks copied to the GPU), loop_held (piecewise with every expert placed on the GPU), stream (experts_compute "
                              "host with the routes read by the host, then computed in the stream's order: eager and "
                              "the decode loop), stream_auto (the same, auto), dram (the host's DRAM read and the kernel "
                              "alone), stream_held (streamed with every expert placed on the GPU), "
@@ -411,11 +412,12 @@ def main():
             for tokens in chunks if compute == "auto" else ():
                 emit(f"compute_{compute}.prefill_{tokens}", prefill(model, tokens, repeats=1))
         cache.compute = "device"
-    if "loop" in sections:  # the decode loop with the step captured piece by piece between the routes' reads
-        if "host" not in sections:  # "auto" decides by the rates measured here
+    loop_computes = ("device", "host", "auto") if "loop" in sections else ("device",) if "loop_device" in sections else ()
+    if loop_computes:  # the decode loop with the step captured piece by piece between the routes' reads
+        if "host" not in sections and "auto" in loop_computes:  # "auto" decides by the rates measured here
             cache.rates = measure_host_rates(experts[0], torch.device("cuda"))
         cache.side_stream, cache.in_stream = True, False  # the routes read by the host (section stream: both)
-        for compute in ("device", "host", "auto"):
+        for compute in loop_computes:
             cache.compute = compute
             cache.clear()
             for batch in batches:
