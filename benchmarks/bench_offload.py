@@ -461,6 +461,9 @@ def main():
         runs += [("auto", None, "stream_auto")] if "stream_auto" in sections else []
         if "stream_auto" in sections:
             cache.rates = measure_host_rates(experts[0], torch.device("cuda"))
+            emit("stream_auto.rates", {"copy_bytes_per_s": round(cache.rates.copy_bytes_per_s),
+                                       "host_bytes_per_s": round(cache.rates.host_bytes_per_s),
+                                       "host_flops": round(cache.rates.host_flops)})
         cache.side_stream = True
         for compute, in_stream, tag in runs:
             cache.compute, cache.in_stream = compute, in_stream

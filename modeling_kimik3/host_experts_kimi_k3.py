@@ -256,50 +256,70 @@ class StreamedRoutes:
         return sum_routes(per_route, order, token_of, top_weights, x.shape[0])
 
 
-# Experts `measure_host_rates` times the CPU's one-token pass over (at most; the disk tier's caller assembles this many)
-MEASURED_EXPERTS = 8
+# Experts `measure_host_rates` times the CPU over (at most; the disk tier's caller assembles this many): two decode
+# steps' distinct experts at K3's top-16, so that consecutive timed steps read different experts (a step's 281 MB
+# outgrow the CPU's caches)
+MEASURED_EXPERTS = 32
 
 
 def measure_host_rates(module, device=None, repeats: int = 3, stacks=None) -> HostRates:
     """The rates of `HostRates` timed on this machine with one offloaded expert module's own stacks (or `stacks`,
-    where the module holds none: the disk tier's release parts assembled, `offload_kimi_k3.ExpertParts.stacks`): the
-    CPU's share (the format's kernel, or the reference where it has none) over one token of each of up to
-    MEASURED_EXPERTS experts, and 32 tokens of one; the copy of one expert to `device` (host memory to host memory
-    where it is the CPU). Best of `repeats`, after a warm-up."""
+    where the module holds none: the disk tier's release parts assembled, `offload_kimi_k3.ExpertParts.stacks`), each
+    the best of `repeats` after a warm-up:
+
+    * the CPU's rate over packed bytes, as a decode step runs it: one token's `top_k` experts through the format's
+      host step (`StreamedRoutes`' own, run at once on the CPU; each repeat on experts the others did not read), or
+      through `host_routes` (the reference) where the format has none. Its fixed cost per call is counted in, as a
+      layer pays it;
+    * the compute rate: 32 tokens of one expert through `host_routes`;
+    * the copy of one expert to `device` (host memory to host memory where it is the CPU)."""
     import time
 
     stacks, fmt = module.stacks() if stacks is None else stacks, module.format
-    experts = min(MEASURED_EXPERTS, stacks[0].shape[0])
+    num_experts = stacks[0].shape[0]
+    chosen = min(module.config.num_experts_per_token, num_experts)
     latent = module.latent_size
     betas = (module.config.activation_situ_beta, module.config.activation_situ_linear_beta)
     target = torch.device(device) if device is not None else torch.device("cpu")
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
 
     def best(fn) -> float:
-        fn()
+        fn(0)
         times = []
-        for _ in range(repeats):
+        for repeat in range(1, repeats + 1):
             start = time.perf_counter()
-            fn()
+            fn(repeat)
             if target.type == "cuda":
                 torch.cuda.synchronize(target)
             times.append(time.perf_counter() - start)
         return min(times)
 
+    def window(repeat: int) -> list[int]:  # `chosen` experts, none of them the previous repeat's where there are enough
+        first = repeat % max(1, num_experts // chosen) * chosen
+        return list(range(first, first + chosen))
+
     def host(tokens_each: int, count: int):
-        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-        rows = torch.randn(tokens_each * count, latent).to(torch.float32 if dtype == torch.float32 else torch.bfloat16)
+        rows = torch.randn(tokens_each * count, latent).to(dtype)
         sorted_ids = torch.arange(count).repeat_interleave(tokens_each)
-        return lambda: host_routes(rows, sorted_ids, list(range(count)), stacks, fmt,
-                                    lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas)
+        return lambda repeat: host_routes(rows, sorted_ids, list(range(count)), stacks, fmt,
+                                          lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas)
+
+    def step(kernels):
+        table = kernels.ExpertTable(stacks[:2], stacks[2:], torch.zeros(num_experts, dtype=torch.int64))
+        run = kernels.HostRouteStep(table, 1, chosen, dtype, *betas, torch.device("cpu"))
+        x = torch.randn(1, latent).to(dtype)
+        return lambda repeat: run.run(x, torch.tensor([window(repeat)], dtype=torch.int64))
 
     per_expert = sum(stack[0].numel() * stack.element_size() for stack in stacks)
-    one_token = best(host(1, experts))
+    kernels = fmt.host_kernels() if module.config.hidden_act != "silu" else None
+    one_token = best(step(kernels) if kernels is not None else host(1, chosen))
     many = 32
     many_tokens = best(host(many, 1))
     flops = 6 * module.intermediate_size * latent
     piece = tuple(stack[0] for stack in stacks)
-    copy = best(lambda: [p.to(target, non_blocking=target.type == "cuda", copy=True) for p in piece])
-    return HostRates(copy_bytes_per_s=per_expert / copy, host_bytes_per_s=experts * per_expert / one_token,
+    copy = best(lambda repeat: [p.to(target, non_blocking=target.type == "cuda", copy=True) for p in piece])
+    return HostRates(copy_bytes_per_s=per_expert / copy, host_bytes_per_s=chosen * per_expert / one_token,
                      host_flops=many * flops / many_tokens, measured=True)
 
 

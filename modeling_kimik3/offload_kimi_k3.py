@@ -330,12 +330,24 @@ class ExpertCache:
         self.moves = self.moved_bytes = self.hits = 0
         self.host_experts = self.host_routes = self.kernel_calls = 0
         self.compute = "device"
+        # bumped wherever what "auto" weighs changes at once (the rates, the placed experts, a cleared cache): each
+        # layer's choices are worked out again (`LayerOffload.streams`)
+        self.generation = 0
         self.rates = HostRates()
         self.host_kernel: bool | None = None
         self.side_stream = True
         self.in_stream: bool | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pool = None
+
+    @property
+    def rates(self) -> HostRates:
+        return self._rates
+
+    @rates.setter
+    def rates(self, rates: HostRates) -> None:
+        self._rates = rates
+        self.generation += 1
 
     def resident_bytes(self) -> int:
         return sum(len(entries) for entries in self.layers.values()) * self.bytes_per_expert
@@ -344,6 +356,7 @@ class ExpertCache:
         self.layers.clear()
         self.pinned.clear()
         self.slots.clear()
+        self.generation += 1
 
     def route_counts(self, layer: int, num_experts: int) -> torch.Tensor:
         """The layer's routes counted per expert (`routes[layer]`, int64 on the CPU, one place an expert), made at its
@@ -475,6 +488,7 @@ class ExpertCache:
                     tuple(stack[expert] for stack in source)
                 entries[expert] = slots.store(expert, piece)
         self.pinned[layer] = set(experts)
+        self.generation += 1
 
     def _keep(self, layer: int, expert: int, piece, wanted: set) -> None:
         """Keeps a moved expert (`piece`: its rows of the forward's compact stacks, copied into a slot)."""
@@ -504,10 +518,29 @@ class LayerOffload:
         self.top_k, self.num_experts = top_k, num_experts
         # the streamed routes (`streams`): None until known, False where the format has no host step
         self.stream: StreamedRoutes | bool | None = None
+        # "auto"'s choices (`streams`): bit t set where a forward of t tokens streams, worked out for the cache's
+        # `generation` and the experts the layer held then
+        self.auto_generation, self.auto_streams = -1, 0
 
     def fetch(self, top_indices, stacks, device) -> ExpertFetch:
+        if self.cache.compute == "auto":  # the read path keeps experts: the choices follow what the layer holds
+            self._choose()
         return self.cache.fetch(self.layer, top_indices, stacks if self.parts is None else self.parts, device,
                                 self.flops_per_route)
+
+    @torch.compiler.disable
+    def _choose(self) -> None:
+        """Works out "auto"'s choices for every forward that may stream (up to STREAM_MAX_TOKENS tokens) from the
+        rates and the experts the layer holds now. A compiled step reads only the result (two ints), so it is traced
+        again where a choice changes, not wherever the cache keeps one more expert."""
+        cache, slots = self.cache, self.cache.slots.get(self.layer)
+        held = len(slots.slot_of) if slots is not None else 0
+        choices = sum(1 << tokens for tokens in range(1, STREAM_MAX_TOKENS + 1)
+                      if cache.rates.streams(tokens, self.num_experts, self.top_k, cache.bytes_per_expert,
+                                             self.flops_per_route, held))
+        if self.auto_streams != choices:
+            self.auto_streams = choices
+        self.auto_generation = cache.generation
 
     def streams(self, tokens: int, device: torch.device, fmt, situ_betas) -> bool:
         """Whether a forward of `tokens` tokens on `device` computes this layer's routes in the stream's order
@@ -516,11 +549,11 @@ class LayerOffload:
         if cache.compute == "device" or tokens > STREAM_MAX_TOKENS or situ_betas is None or cache.in_stream is False \
                 or (cache.in_stream is None and device.type != "cuda"):
             return False
-        slots = cache.slots.get(self.layer)  # the experts the device holds run there, whichever path
-        if cache.compute == "auto" and not cache.rates.streams(tokens, self.num_experts, self.top_k,
-                                                               cache.bytes_per_expert, self.flops_per_route,
-                                                               len(slots.slot_of) if slots is not None else 0):
-            return False
+        if cache.compute == "auto":  # the experts the device holds run there, whichever path
+            if self.auto_generation != cache.generation:
+                self._choose()
+            if not self.auto_streams >> tokens & 1:
+                return False
         if self.stream is None:
             self.stream = False if fmt.host_kernels() is None else None
         return self.stream is not False

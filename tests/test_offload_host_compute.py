@@ -129,6 +129,44 @@ def test_streaming_weighs_each_paths_per_layer_cost_and_the_held_experts():
     assert slow.streams(1, 896, 16, bytes_per_expert, flops, held=448)
 
 
+def test_a_compiled_step_is_traced_again_where_autos_choice_changes_not_wherever_the_cache_keeps_an_expert(models):
+    """Under "auto" the read path keeps experts one forward after another; a compiled decode step reads only the
+    layer's choice, so it is traced again where the choice changes (new rates), not at every expert kept (a guard on
+    the cache's slots retraced the step each forward until dynamo's recompile limit, then ran it eagerly)."""
+    import torch._dynamo
+
+    model = _placed(models["mxfp4"], "auto")
+    cache = model.experts_cache
+    cache.in_stream = True  # on the CPU the stream's step runs at once
+    module = next(m for m in model.modules() if getattr(m, "offload", None) is not None)
+    if module.format.host_kernels() is None:
+        pytest.fail("the host kernel is not built here: a C compiler is part of the test environment")
+    cache.rates = HostRates(copy_bytes_per_s=1e15, host_bytes_per_s=1e3, host_flops=1e3)  # the read path copies
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend=backend)
+    def step(x):
+        return x + 1 if module.offload.streams(x.shape[0], x.device, module.format, module._situ_betas()) else x - 1
+
+    x = torch.zeros(1)
+    assert step(x).item() == -1 and step(x).item() == -1
+    traced = len(graphs)
+    for first in range(0, 16, 3):  # 6 experts a forward, 4 kept a layer: the kept ones change every forward
+        chosen = torch.tensor([[(first + i) % 16 for i in range(6)]])
+        module.offload.fetch(chosen, module.stacks(), torch.device("cpu")).wait()
+        assert step(x).item() == -1
+    assert len(cache.slots[module.offload.layer].slot_of) == 4
+    assert len(graphs) == traced
+    cache.rates = HostRates(copy_bytes_per_s=1e3, host_bytes_per_s=1e15, host_flops=1e15)  # now the CPU is faster
+    assert step(x).item() == 1 and len(graphs) > traced
+
+
 def test_the_runtime_rates_assume_what_the_plan_assumes():
     """HostRates (the model's code, which cannot import the package) and kimik3 memory's plan state the same
     assumptions: a changed figure in one place fails here."""
@@ -205,6 +243,24 @@ def test_measured_rates_are_positive_and_say_so(models):
     rates = measure_host_rates(module)
     assert rates.measured and "measured" in repr(rates)
     assert rates.copy_bytes_per_s > 0 and rates.host_bytes_per_s > 0 and rates.host_flops > 0
+
+
+def test_the_cpus_rate_is_timed_on_the_streams_own_step_over_experts_the_last_repeat_did_not_read(models,
+                                                                                                   monkeypatch):
+    """The CPU's byte rate is a decode step's: one token's top-k experts through the host step a stream runs, each
+    repeat over experts the previous one did not read (so none is timed from the CPU's caches)."""
+    from kimik3.kernels import mxfp4_host
+
+    model = _placed(models["mxfp4"], "device")
+    module = next(m for m in model.modules() if getattr(m, "offload", None) is not None)
+    if module.format.host_kernels() is None:
+        pytest.fail("the host kernel is not built here: a C compiler is part of the test environment")
+    seen, run = [], mxfp4_host.HostRouteStep.run
+    monkeypatch.setattr(mxfp4_host.HostRouteStep, "run", lambda step, x, ids: (seen.append(ids), run(step, x, ids))[1])
+    rates = measure_host_rates(module, repeats=3)
+    assert len(seen) == 4 and all(ids.shape == (1, module.config.num_experts_per_token) for ids in seen)
+    assert all(set(a.tolist()[0]).isdisjoint(b.tolist()[0]) for a, b in zip(seen, seen[1:]))
+    assert rates.measured and rates.host_bytes_per_s > 0
 
 
 def test_the_kernel_runs_the_cpu_share_when_asked(models):
