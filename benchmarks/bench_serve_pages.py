@@ -22,6 +22,11 @@
   twins     the same engine with 3 requests of n=4 (sampled, seeded; prompts of 130-500 tokens, 16 tokens each):
             latent bytes written into pages and the most pages held at a decode step, with the twins sharing their
             prompt's full pages and with every twin writing pages of its own (as before the sharing)
+  sessions  the same engine with its prefix store, 6 sessions whose prompts share a 600-token prefix (an agent's system
+            prompt and tools) and differ in a 40-token message, each arriving once the one before has joined the
+            batch (greedy, 24 tokens each): latent bytes written into pages, the most pages held at a decode step and
+            the prompt tokens taken from the store, with a prompt that starts from a running row's stored prompt
+            holding that row's full pages and with every row writing pages of its own (as before)
   step      one MLA layer's cache work in a decode step at K3's latent width (576 values, bf16; 8 rows of 1K-4K
             tokens): the paged cache's write + gather (and its slot set-up, once a step) against torch.cat of the
             padded batch, on the CPU or --device
@@ -103,7 +108,7 @@ def twins(block_size: int) -> dict:
         engine = Engine(model, None, max_requests=12, prefill_chunk=64, prefix_cache_bytes=0, block_size=block_size)
         if not shared:  # every twin written into pages of its own
             add_rows = engine.paged.add_rows
-            engine.paged.add_rows = lambda caches, twins=None: add_rows(caches)
+            engine.paged.add_rows = lambda caches, twins=None, shared=None: add_rows(caches)
         peak, decode = [0], engine._decode
 
         def watched():
@@ -133,6 +138,52 @@ def twins(block_size: int) -> dict:
             engine.stop()
         report["shared" if shared else "own"] = {"bytes": engine.stats["latent_bytes_copied"], "peak_pages": peak[0],
                                                  "tokens": tokens}
+    report["same_tokens"] = report["shared"]["tokens"] == report["own"]["tokens"]
+    return report
+
+
+def sessions(block_size: int) -> dict:
+    from kimik3.chat import load_chat
+    from kimik3.serve import Engine, Job, Sampling
+    from kimik3.tiny import write_tiny_folder
+
+    folder = tempfile.mkdtemp() + "/tiny"
+    write_tiny_folder(folder, num_hidden_layers=2, seed=3)
+    _, model = load_chat(folder)
+    generator = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 400, (600,), generator=generator).tolist()
+    prompts = [prefix + torch.randint(3, 400, (40,), generator=generator).tolist() for _ in range(6)]
+    report = {}
+    for shared in (True, False):
+        engine = Engine(model, None, max_requests=8, prefill_chunk=128, block_size=block_size)
+        if not shared:  # every row writes pages of its own, as before the sharing
+            engine._shared_pages = lambda job: None
+        peak, decode, jobs = [0], engine._decode, []
+
+        def watched():  # in the engine's thread: the next session comes once the last one has joined
+            decode()
+            peak[0] = max(peak[0], engine.paged.pages_held)
+            if len(jobs) < len(prompts) and jobs[-1] in engine.batch:
+                jobs.append(Job(prompts[len(jobs)], jobs[0].sampling, jobs[0].loop))
+                engine.submit(jobs[-1:])
+
+        engine._decode = watched
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            jobs.append(Job(prompts[0], Sampling(max_tokens=24, temperature=0.0), loop))
+            engine.submit(jobs[-1:])
+            while len(jobs) < len(prompts) or any(not job.done for job in jobs):
+                await asyncio.sleep(0.005)
+            return [job.new_ids for job in jobs]
+
+        try:
+            tokens = asyncio.run(run())
+        finally:
+            engine.stop()
+        report["shared" if shared else "own"] = {
+            "bytes": engine.stats["latent_bytes_copied"], "peak_pages": peak[0], "tokens": tokens,
+            "pages_shared": engine.stats["pages_shared"], "prompt_tokens_reused": engine.stats["prompt_tokens_reused"]}
     report["same_tokens"] = report["shared"]["tokens"] == report["own"]["tokens"]
     return report
 
@@ -196,6 +247,13 @@ def main() -> None:
           f"{pair['shared']['bytes']:,} bytes shared against {pair['own']['bytes']:,} each twin its own; most pages "
           f"held at a step {pair['shared']['peak_pages']} against {pair['own']['peak_pages']}; the same tokens: "
           f"{pair['same_tokens']}")
+    agents = sessions(args.block_size)
+    print(f"sessions ({args.block_size}-token pages, 6 sessions sharing a 600-token prefix, each arriving once the "
+          f"one before has joined): latents written into pages {agents['shared']['bytes']:,} bytes with the running "
+          f"rows' pages held against {agents['own']['bytes']:,} each row its own; most pages held at a step "
+          f"{agents['shared']['peak_pages']} against {agents['own']['peak_pages']}; pages held instead of written "
+          f"{agents['shared']['pages_shared']}; prompt tokens from the store {agents['shared']['prompt_tokens_reused']} "
+          f"and {agents['own']['prompt_tokens_reused']}; the same tokens: {agents['same_tokens']}")
     cost = step(args.device)
     print(f"step ({args.device}, one MLA layer, 8 rows of 1K-4K tokens, bf16): torch.cat of the padded batch "
           f"{cost['cat_ms']:.2f} ms; paged write + gather {cost['paged_16_ms']:.2f} ms at 16-token pages "

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,9 @@ class Job:
         self.images: dict | None = None  # the prompt's images (pixel_values, grid_thws): read in one forward
         self.images_read = False  # by a forward, or standing in a prefix the store gave back
         self.store_key: list[int] | None = None  # what the prefix store knows the prompt by (`Engine._store_key`)
+        # after a prefix-store hit: (the stored cache it copied from, the tokens whose latents it took from there);
+        # the row that holds that stored prompt's latents in its pages shares them when this job joins
+        self.stored_prefix: tuple | None = None
         # pool pages set aside for its cache while it reads (under --max-cache-bytes); None until they are (0: a twin
         # whose prompt fills whole pages needs none of its own)
         self.pages: int | None = None
@@ -245,7 +249,10 @@ class Engine:
         self.stopped = False
         self.stats = {"steps": 0, "decode_forwards": 0, "rows_decoded": 0, "prefill_forwards": 0,
                       "prompt_tokens_computed": 0, "prompt_tokens_reused": 0, "regroups": 0, "preemptions": 0,
-                      "tokens_recomputed": 0, "latent_bytes_copied": 0, "pages_held": 0}
+                      "tokens_recomputed": 0, "latent_bytes_copied": 0, "pages_held": 0, "pages_shared": 0}
+        # a stored prompt -> the job whose row holds its latents in pages (it read the prompt and joined with it):
+        # a later prompt that starts from it shares that row's full pages (`_regroup`); gone with the stored entry
+        self.page_holders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Under tensor parallelism (torchrun, a model loaded with a tp_plan) every rank runs this engine, since every
         # forward is a collective: rank 0 (the leader) takes the requests and samples, and at each step start tells
         # the other ranks which jobs came and which were cancelled, and after each forward the token each job drew
@@ -497,6 +504,7 @@ class Engine:
             job.cache_after_prompt = job.cache.copy_prefix(len(job.prompt_ids))
         if self.store is not None:
             self.store.insert(self._store_key(job), job.cache_after_prompt)
+            self.page_holders[job.cache_after_prompt] = job
         self._emit(job, job.last_logits)
         return True
 
@@ -542,15 +550,17 @@ class Engine:
             key = self._store_key(job)
             if job.resume_ids is not None:  # the prompt (stored when first read) and the tokens it produced
                 key = key + job.resume_ids[len(job.prompt_ids):]
-            tokens, cache = self.store.lookup(key)
+            tokens, cache, stored = self.store.lookup(key, with_source=True)
             if cache is not None and job.images is not None:
                 if self._holds_images(job, tokens, cache):
                     job.images_read = True  # the images stand in the stored state
                 else:
                     cache = None  # the images would have to run on a cache that holds tokens: read the prompt whole
             if cache is not None:
-                # the cache stands for `tokens`; those after its nearest KDA snapshot run with the first chunk
+                # the cache stands for `tokens`; those after its nearest KDA snapshot run with the first chunk (and
+                # write latents of their own: only those before them are the stored prompt's)
                 job.cache, job.prefilled = cache, tokens
+                job.stored_prefix = (stored, tokens - cache.pending_tokens)
                 self.stats["prompt_tokens_reused"] += tokens - cache.pending_tokens
                 if job.resume_ids is not None:
                     self.stats["tokens_recomputed"] += cache.pending_tokens
@@ -579,11 +589,27 @@ class Engine:
         caches = [job.cache for job in add]
         # a twin joins beside its source (read in the same pass, `_read`): it holds the source's full prompt pages
         twins = [add.index(job.twin) if job.twin in add[:position] else None for position, job in enumerate(add)]
+        shared = [None if twin is not None else self._shared_pages(job) for job, twin in zip(add, twins)]
         for job in add:
-            job.cache, job.resume_ids = None, None
-        self.paged.add_rows(caches, twins)
+            job.cache, job.resume_ids, job.stored_prefix = None, None, None
+        self.paged.add_rows(caches, twins, shared)
+        self.stats["pages_shared"] += sum(entry[1] for entry in shared if entry is not None)
         self.stats["latent_bytes_copied"] += self.paged.latent_bytes_copied - copied
         self.stats["regroups"] += 1
+
+    def _shared_pages(self, job: Job) -> tuple[int, int] | None:
+        """(row, pages) for `KimiK3PagedCache.add_rows(shared=)`: where the job's prompt started from a stored prompt
+        whose latents a row of the batch holds in its pages (the job that read it and joined with it, still there),
+        the full pages of the tokens it took from there; None otherwise."""
+        if job.stored_prefix is None:
+            return None
+        stored, tokens = job.stored_prefix
+        holder = self.page_holders.get(stored)
+        if holder is None or holder.done or holder not in self.batch[:len(self.paged.lengths)]:
+            return None
+        row = self.batch.index(holder)
+        pages = min(tokens, self.paged.lengths[row]) // self.block_size
+        return (row, pages) if pages else None
 
     # ------------------------------------------------------------------------------------------------------------
     # The pool under --max-cache-bytes: pages set aside for prompts being read, preemption when a step finds none
@@ -626,6 +652,8 @@ class Engine:
         """The job's pages (or those set aside for it) go back to the pool. A job in the batch is read again from its
         prompt and the tokens it produced (from the prefix store's longest match, which holds its prompt), then
         rejoins and goes on: its client sees the tokens it would have seen."""
+        for stored in [stored for stored, holder in self.page_holders.items() if holder is job]:
+            del self.page_holders[stored]  # it is read again: its next pages hold what that read gives
         if job in self.batch:
             row = self.batch.index(job)
             self.paged.remove_rows([row])
@@ -634,6 +662,7 @@ class Engine:
             with self.lock:
                 self.reading.insert(0, job)
         job.cache, job.prefilled, job.pages, job.twin, job.images_read = None, 0, None, None, False
+        job.stored_prefix = None
         self.stats["preemptions"] += 1
 
     @torch.no_grad()

@@ -789,7 +789,8 @@ class KimiK3PagedCache(KimiK3Cache):
     are free is an error: the caller frees pages first (the server preempts a sequence). It cannot crop, copy a
     prefix, record a rewind or reorder rows.
 
-    Rows may share pages (`add_rows(..., twins=)`: the `n` sequences of one request, which hold the same prompt).
+    Rows may share pages (`add_rows(..., twins=)`: the `n` sequences of one request, which hold the same prompt;
+    `shared=`: a row joining with a prefix whose latents another row's full pages hold, both from one stored prompt).
     Every held page has a reference count, the rows whose block tables hold it; a page goes back to the free list
     only when its last holder leaves (`remove_rows`), and `pages_held` counts it once. Only full pages are shared: a
     row appends into its last page, so a partial last page is each row's own copy (copy-on-write taken at the join,
@@ -871,7 +872,8 @@ class KimiK3PagedCache(KimiK3Cache):
 
     # ------------------------------------------------------------------------------------------------------------
     # Rows coming and going between forwards
-    def add_rows(self, caches: list[KimiK3Cache], twins: list[int | None] | None = None) -> None:
+    def add_rows(self, caches: list[KimiK3Cache], twins: list[int | None] | None = None,
+                 shared: list[tuple[int, int] | None] | None = None) -> None:
         """Append the rows of `caches` (growing caches of one row each, nothing pending): each row's MLA latents
         written into pages of its own (`pages_for(tokens, block_size)`), its KDA states and conv windows stacked
         after the rows here. The caches are not changed.
@@ -879,7 +881,12 @@ class KimiK3PagedCache(KimiK3Cache):
         `twins[i]` (None: a row of its own): the position j < i in `caches` of a cache holding the same tokens as
         cache i (the `n` sequences of one request after their shared prompt; the caller vouches that the tokens are
         the same, the lengths are checked). Row i then holds row j's full pages (a reference each) and writes only its
-        last, partial page's tokens into a page of its own: that is the page both rows append to next."""
+        last, partial page's tokens into a page of its own: that is the page both rows append to next.
+
+        `shared[i]` (None: nothing shared): `(row, pages)`, a row already here whose first `pages` pages (full ones)
+        cache i holds the same latents of (a prompt both took from one stored prompt: the caller vouches for the
+        values). Row i then holds those pages (a reference each) and writes its tokens from `pages * block_size` on
+        into pages of its own."""
         if not caches:
             return
         for cache in caches:
@@ -898,8 +905,28 @@ class KimiK3PagedCache(KimiK3Cache):
                 raise ValueError(f"KimiK3PagedCache.add_rows: twins[{row}]={twin!r} must be None or the position of "
                                  f"an earlier cache of the same length ({lengths[row]} tokens; the lengths are "
                                  f"{lengths})")
-        # a twin takes a page only for its partial last page (none when its tokens fill whole pages)
-        own = [own_pages(length, self.block_size, twin is not None) for length, twin in zip(lengths, twins)]
+        shared = [None] * len(caches) if shared is None else list(shared)
+        if len(shared) != len(caches):
+            raise ValueError(f"KimiK3PagedCache.add_rows: {len(shared)} shared entries for {len(caches)} caches (one "
+                             "entry a cache: None, or (a row here, its full pages the cache holds))")
+        for row, entry in enumerate(shared):
+            if entry is None:
+                continue
+            if twins[row] is not None:
+                raise ValueError(f"KimiK3PagedCache.add_rows: cache {row} is a twin and shares a row's pages too "
+                                 f"(twins[{row}]={twins[row]}, shared[{row}]={entry!r}): one or the other")
+            held, pages = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (held, pages)) or \
+                    not 0 <= held < len(self.lengths) or not 0 <= pages <= self.lengths[held] // self.block_size or \
+                    pages * self.block_size > lengths[row]:
+                raise ValueError(f"KimiK3PagedCache.add_rows: shared[{row}]={entry!r} must be None or (row, pages): a "
+                                 f"row here (0..{len(self.lengths) - 1}) and at most its full pages, within the "
+                                 f"cache's {lengths[row]} tokens")
+        # a twin takes a page only for its partial last page (none when its tokens fill whole pages), a row sharing
+        # another's pages only for its tokens after them
+        own = [own_pages(length, self.block_size, twin is not None) if entry is None else
+               pages_for(length - entry[1] * self.block_size, self.block_size)
+               for length, twin, entry in zip(lengths, twins, shared)]
         wanted = sum(own)
         if self.num_pages is not None and wanted > self.free_pages:
             raise ValueError(f"KimiK3PagedCache.add_rows: the rows take {wanted} pages of {self.block_size} tokens, "
@@ -908,12 +935,14 @@ class KimiK3PagedCache(KimiK3Cache):
             self._grow(1 + (self.num_pages or max(wanted, 16)),
                        [source.latents for source in caches[0].layers if not source.is_linear])
         first = len(self.lengths)
-        for cache, length, twin, count in zip(caches, lengths, twins, own):
-            shared = [] if twin is None else self.block_tables[first + twin][:length // self.block_size]
-            for page in shared:
+        for cache, length, twin, entry, count in zip(caches, lengths, twins, shared, own):
+            held = [] if twin is None else self.block_tables[first + twin][:length // self.block_size]
+            if entry is not None:
+                held = self.block_tables[entry[0]][:entry[1]]
+            for page in held:
                 self.refs[page] += 1
-            start = len(shared) * self.block_size  # the tokens from here on are written into the row's own pages
-            self.block_tables.append(shared + self._take(count))
+            start = len(held) * self.block_size  # the tokens from here on are written into the row's own pages
+            self.block_tables.append(held + self._take(count))
             self.lengths.append(length)
             slots = self._slots(len(self.lengths) - 1, start, length)
             for layer, source in zip(self.layers, cache.layers):

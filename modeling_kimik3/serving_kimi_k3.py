@@ -118,7 +118,10 @@ class KimiK3PrefixStore:
             self._by_block.setdefault(block_hash, set()).add(key)
         self._evict()
 
-    def lookup(self, token_ids) -> tuple[int, KimiK3Cache | None]:
+    def lookup(self, token_ids, with_source: bool = False):
+        """`(num_tokens, cache)` as the class says; with `with_source`, `(num_tokens, cache, stored)` where `stored` is
+        the stored cache the hit copied from (None on a miss): the latents of `cache`'s tokens before its pending
+        ones are `stored`'s, the same values (a server shares the pages of the row that holds them)."""
         ids = self._ids(token_ids)
         shared: dict[bytes, int] = {}  # entry -> the longest prefix of ids it can stand for
         # Whole stored prompts that the new one starts with (any length, not only block multiples)
@@ -141,14 +144,15 @@ class KimiK3PrefixStore:
                 best, best_key = (restored, tokens), key
         if best_key is None:
             self.misses += 1
-            return 0, None
+            return (0, None, None) if with_source else (0, None)
         restored, tokens = best
         self._entries.move_to_end(best_key)
         self.hits += 1
         self.tokens_reused += tokens
-        cache = self._entries[best_key][1].copy_prefix(tokens)
+        stored = self._entries[best_key][1]
+        cache = stored.copy_prefix(tokens)
         self.tokens_replayed += cache.pending_tokens
-        return tokens, cache
+        return (tokens, cache, stored) if with_source else (tokens, cache)
 
     def bytes_held(self) -> int:
         """MLA latents, live KDA states and snapshots of the stored caches (shared tensors counted once)."""

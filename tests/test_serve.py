@@ -603,6 +603,27 @@ def test_rows_that_cannot_share_pages_are_refused_by_name(server, lengths, twins
     assert paged.pages_held == 0 and paged.latent_bytes_copied == 0  # nothing taken
 
 
+@pytest.mark.parametrize("shared, named", [
+    ([(0, 3)], "shared[0]=(0, 3) must be None or (row, pages): a row here (0..0) and at most its full pages, within "
+               "the cache's 9 tokens"),
+    ([(1, 1)], "shared[0]=(1, 1) must be None or (row, pages): a row here (0..0)"),
+    ([(0, 2), None], "2 shared entries for 1 caches"),
+], ids=["paged-shared-beyond-the-rows-full-pages", "paged-shared-with-a-row-not-here", "paged-shared-not-one-a-cache"])
+def test_a_row_that_cannot_hold_anothers_pages_is_refused_by_name(server, shared, named):
+    """`add_rows(shared=)` (a prompt started from a running row's stored prompt) holds only full pages of a row
+    already in the batch, within the joining cache's tokens; anything else is refused before a page is taken."""
+    paged = server.engine.cache_code.KimiK3PagedCache(server.model.config, block_size=4)
+    paged.add_rows([_filled(server, 10)])  # 2 full pages and 2 tokens of a third
+    held, copied = paged.pages_held, paged.latent_bytes_copied
+    with pytest.raises(ValueError, match=re.escape(named)):
+        paged.add_rows([_filled(server, 9)], shared=shared)
+    assert paged.pages_held == held and paged.latent_bytes_copied == copied and len(paged.lengths) == 1
+    with pytest.raises(ValueError, match=re.escape("cache 1 is a twin and shares a row's pages too")):
+        paged.add_rows([_filled(server, 9), _filled(server, 9)], twins=[None, 0], shared=[None, (0, 2)])
+    paged.add_rows([_filled(server, 9)], shared=[(0, 2)])  # the row's 2 full pages: taken, one page of its own
+    assert paged.block_tables[1][:2] == paged.block_tables[0][:2] and paged.pages_held == held + 1
+
+
 def _run_jobs(jobs_of):
     """The jobs `jobs_of(loop)` gives, submitted in one call each list, until each has ended."""
     async def run():
@@ -670,6 +691,65 @@ def test_the_n_sequences_of_a_request_share_the_prompts_pages_and_keep_their_tok
             assert shared and all(held == filled - 2 * 3 for held, filled in shared)  # 3 pages held once, not thrice
         assert alone[2] and all(held == filled for held, filled in alone[2])
         engine.stop()
+        assert engine.paged.pages_held == 0 and sorted(engine.paged.free) == list(range(1, engine.paged._pool_pages))
+    finally:
+        engine.stop()
+
+
+def test_a_prompt_that_starts_from_a_running_rows_stored_prompt_holds_its_full_pages(server):
+    """Sessions sharing a long prefix while they run (an agent's system prompt and tools): B's prompt starts from A's
+    stored prompt while A decodes, and B joins holding A's full pages of that prefix (a reference each) instead of
+    writing them. The latents written into pages are B's own tokens after them, the pages held count the shared ones
+    once at every step both run, B keeps them when A leaves first, both give generate()'s tokens, and every page is
+    free at the end. C starts from the same stored prompt after A has left: nothing to share, written whole."""
+    from kimik3.serve import Engine
+
+    size, vocab = 4, server.model.config.vocab_size
+    first = torch.randint(3, vocab - 300, (30,), generator=torch.Generator().manual_seed(9)).tolist()  # 7 pages + 2
+    second, third = first + [40, 41, 42, 43, 44], first + [50, 51]  # B: 7 pages shared, 7 tokens of its own
+    row_bytes = server.model.config.mla_cache_dim * 4  # a token's latents in the one MLA layer (fp32)
+    engine = Engine(server.model, server.tokenizer, max_requests=4, prefill_chunk=16, block_size=size)
+    steps, marks, later = [], {}, {}
+    decode = engine._decode
+
+    def watched():  # in the engine's thread: B comes at the step after A joined, C once A and B have left
+        decode()
+        a, b = later["a"], later["b"]
+        if len(engine.batch) == 2:
+            steps.append((engine.paged.pages_held, sum(-(-length // size) for length in engine.paged.lengths)))
+        if a in engine.batch and "b" not in marks:
+            marks["b"] = (engine.stats["latent_bytes_copied"], engine.stats["pages_shared"])
+            engine.submit([b])
+        if b.done and a.done and "c" not in marks:
+            marks["c"] = (engine.stats["latent_bytes_copied"], engine.stats["pages_shared"])
+            engine.submit([later["c"]])
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        later.update(a=Job(first, Sampling(max_tokens=12, temperature=0.0), loop),
+                     b=Job(second, Sampling(max_tokens=16, temperature=0.0), loop),
+                     c=Job(third, Sampling(max_tokens=3, temperature=0.0), loop))
+        engine.submit([later["a"]])
+        for name in "abc":
+            while (item := await later[name].mailbox.get()) is not None:
+                assert not isinstance(item, Exception), item
+        while engine.busy():
+            await asyncio.sleep(0.005)
+
+    engine._decode = watched
+    try:
+        asyncio.run(run())
+        a, b, c = later["a"], later["b"], later["c"]
+        assert a.new_ids == server.alone(first, 12) and b.new_ids == server.alone(second, 16)
+        assert c.new_ids == server.alone(third, 3)
+        assert b.cached_tokens == c.cached_tokens == len(first)  # both started from A's stored prompt
+        copied_before_b, shared_before_b = marks["b"]
+        copied_before_c, shared_before_c = marks["c"]
+        assert shared_before_c - shared_before_b == 7  # B held A's 7 full pages
+        assert copied_before_c - copied_before_b == (35 - 28) * row_bytes  # B wrote only its tokens after them
+        assert steps and all(held == filled - 7 for held, filled in steps)  # shared pages counted once
+        assert engine.stats["pages_shared"] == shared_before_c  # C: A had left, nothing to share
+        assert engine.stats["latent_bytes_copied"] - copied_before_c == len(third) * row_bytes
         assert engine.paged.pages_held == 0 and sorted(engine.paged.free) == list(range(1, engine.paged._pool_pages))
     finally:
         engine.stop()
@@ -749,7 +829,7 @@ def test_a_pool_that_cannot_work_is_refused_by_flag(server, options, named):
 
 
 def test_a_batch_that_cannot_be_joined_ends_its_requests_by_name(server, monkeypatch):
-    def refuse(self, caches, twins=None):
+    def refuse(self, caches, twins=None, shared=None):
         raise RuntimeError("no room to join")
 
     monkeypatch.setattr(server.engine.cache_code.KimiK3PagedCache, "add_rows", refuse)
