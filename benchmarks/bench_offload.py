@@ -313,7 +313,7 @@ def main():
                              "loop_gpu (loop's first part alone), loop_device (loop's copies alone: the chosen "
                              "experts the cache lacks copied to the GPU), loop_held (piecewise with every expert placed on the GPU), stream (experts_compute "
                              "host with the routes read by the host, then computed in the stream's order: eager and "
-                             "the decode loop), stream_auto (the same, auto), dram (the host's DRAM read and the kernel "
+                             "the decode loop), stream_only (the stream's half alone), stream_auto (the same, auto), dram (the host's DRAM read and the kernel "
                              "alone), stream_held (streamed with every expert placed on the GPU), "
                              "split (where the CPU route's time goes, "
                              "per MoE layer), profile (torch.profiler's table of b=1 host decode steps, to "
@@ -454,10 +454,11 @@ def main():
         cache.capacity = budgeted
     if "dram" in sections and "host" not in sections:
         kernel_alone()
-    if "stream" in sections or "stream_auto" in sections:
-        # "host" with the routes read by the host against computed in the stream's order; "auto" (streamed where
-        # the rates measured here say the CPU is faster)
-        runs = [("host", False, "read"), ("host", None, "stream")] if "stream" in sections else []
+    if {"stream", "stream_only", "stream_auto"} & sections:
+        # "host" with the routes read by the host against computed in the stream's order (stream_only: the latter
+        # alone); "auto" (streamed where the rates measured here say the CPU is faster)
+        runs = [("host", False, "read")] if "stream" in sections else []
+        runs += [("host", None, "stream")] if {"stream", "stream_only"} & sections else []
         runs += [("auto", None, "stream_auto")] if "stream_auto" in sections else []
         if "stream_auto" in sections:
             cache.rates = measure_host_rates(experts[0], torch.device("cuda"))
