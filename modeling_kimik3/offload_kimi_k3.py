@@ -519,8 +519,8 @@ class LayerOffload:
         # the streamed routes (`streams`): None until known, False where the format has no host step
         self.stream: StreamedRoutes | bool | None = None
         # "auto"'s choices (`streams`): bit t set where a forward of t tokens streams, worked out for the cache's
-        # `generation` and the experts the layer held then
-        self.auto_generation, self.auto_streams = -1, 0
+        # `generation` and the experts the layer held then (`auto_held`)
+        self.auto_generation, self.auto_streams, self.auto_held = -1, 0, -1
 
     def fetch(self, top_indices, stacks, device) -> ExpertFetch:
         if self.cache.compute == "auto":  # the read path keeps experts: the choices follow what the layer holds
@@ -535,12 +535,14 @@ class LayerOffload:
         again where a choice changes, not wherever the cache keeps one more expert."""
         cache, slots = self.cache, self.cache.slots.get(self.layer)
         held = len(slots.slot_of) if slots is not None else 0
+        if held == self.auto_held and self.auto_generation == cache.generation:
+            return
         choices = sum(1 << tokens for tokens in range(1, STREAM_MAX_TOKENS + 1)
                       if cache.rates.streams(tokens, self.num_experts, self.top_k, cache.bytes_per_expert,
                                              self.flops_per_route, held))
         if self.auto_streams != choices:
             self.auto_streams = choices
-        self.auto_generation = cache.generation
+        self.auto_generation, self.auto_held = cache.generation, held
 
     def streams(self, tokens: int, device: torch.device, fmt, situ_betas) -> bool:
         """Whether a forward of `tokens` tokens on `device` computes this layer's routes in the stream's order
