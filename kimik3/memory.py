@@ -998,14 +998,15 @@ def measure_rates(config, experts_format: str | None = None, experts: int = 64, 
     """Times this machine for `--measure`: the host's DRAM read (a reduction over a buffer of the experts' size, at
     least `buffer_bytes`, by default larger than a server's last-level cache), the CPU's routed experts at the model's
     widths in its experts format (the CPU kernel where it builds, else the reference:
-    `host_experts_kimi_k3.host_routes`, what a load runs) over one token of each of `experts` experts and over `tokens`
-    tokens of one, and the pinned host-to-device copy where CUDA is available. Best of `repeats` after a warm-up.
+    `host_experts_kimi_k3.host_routes`, what a load runs): one token's top-k experts through the host step, as a
+    decode step runs them (`host_experts_kimi_k3.time_host_step`, windows of the `experts` experts; the reference over
+    one token of each where there is no host step), and `tokens` tokens of one, and the pinned host-to-device copy where CUDA is available. Best of `repeats` after a warm-up.
     Returns bytes/s and flop/s."""
     import time
 
     import torch
 
-    from kimik3.modeling.host_experts_kimi_k3 import host_routes
+    from kimik3.modeling.host_experts_kimi_k3 import host_routes, time_host_step
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     threads = threads or torch.get_num_threads()
@@ -1033,8 +1034,14 @@ def measure_rates(config, experts_format: str | None = None, experts: int = 64, 
             return min(times)
 
         rows_one = torch.randn(experts, latent).bfloat16()
-        one_token = best(lambda: host_routes(rows_one, torch.arange(experts), list(range(experts)), stacks, fmt, run,
-                                              betas))
+        # a decode step's pass, as a load times it (host_experts_kimi_k3.time_host_step: one token's top-k experts
+        # through the host step); the reference over one token of each expert where the format has no host step
+        chosen = min(text.num_experts_per_token, experts)
+        step = time_host_step(stacks, fmt, chosen, latent, torch.bfloat16, betas, repeats)
+        if step is None:
+            step, chosen = best(lambda: host_routes(rows_one, torch.arange(experts), list(range(experts)), stacks, fmt,
+                                                    run, betas)), experts
+        host_bytes_per_s = chosen * per_expert / step
         rows_many = torch.randn(tokens, latent).bfloat16()
         many = best(lambda: host_routes(rows_many, torch.zeros(tokens, dtype=torch.int64), [0], stacks, fmt, run,
                                          betas))
@@ -1058,7 +1065,7 @@ def measure_rates(config, experts_format: str | None = None, experts: int = 64, 
             name = f"kernel {mxfp4_host.isa()}"
         else:
             name = "reference (no CPU kernel for this format or it did not build)"
-        return {"dram_read_bytes_per_s": dram, "host_bytes_per_s": experts * per_expert / one_token,
+        return {"dram_read_bytes_per_s": dram, "host_bytes_per_s": host_bytes_per_s,
                 "host_flops": tokens * 6 * inter * latent / many, "h2d_bandwidth": h2d, "host_kernel": name,
                 "threads": threads, "experts": experts, "tokens": tokens, "bytes_per_expert": per_expert}
     finally:

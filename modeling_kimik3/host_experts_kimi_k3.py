@@ -262,22 +262,45 @@ class StreamedRoutes:
 MEASURED_EXPERTS = 32
 
 
+def time_host_step(stacks, fmt, top_k: int, latent: int, dtype: torch.dtype, situ_betas, repeats: int = 3):
+    """Seconds one token's `top_k` experts take through the format's host step (`StreamedRoutes`' own, run at once on
+    the CPU), its fixed cost per call counted in as a layer pays it: best of `repeats` after a warm-up, each call over
+    experts the previous one did not read where `stacks` hold enough (so none is timed from the CPU's caches). None
+    where the format has no host step. `stacks`: host stacks [E, ...] in the format's order."""
+    import time
+
+    kernels = fmt.host_kernels() if situ_betas is not None else None
+    if kernels is None:
+        return None
+    num_experts = stacks[0].shape[0]
+    chosen = min(top_k, num_experts)
+    table = kernels.ExpertTable(stacks[:2], stacks[2:], torch.zeros(num_experts, dtype=torch.int64))
+    step = kernels.HostRouteStep(table, 1, chosen, dtype, *situ_betas, torch.device("cpu"))
+    x = torch.randn(1, latent).to(dtype)
+    windows = max(1, num_experts // chosen)
+    times = []
+    for repeat in range(repeats + 1):
+        first = repeat % windows * chosen
+        ids = torch.arange(first, first + chosen, dtype=torch.int64)[None]
+        start = time.perf_counter()
+        step.run(x, ids)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
 def measure_host_rates(module, device=None, repeats: int = 3, stacks=None) -> HostRates:
     """The rates of `HostRates` timed on this machine with one offloaded expert module's own stacks (or `stacks`,
     where the module holds none: the disk tier's release parts assembled, `offload_kimi_k3.ExpertParts.stacks`), each
     the best of `repeats` after a warm-up:
 
     * the CPU's rate over packed bytes, as a decode step runs it: one token's `top_k` experts through the format's
-      host step (`StreamedRoutes`' own, run at once on the CPU; each repeat on experts the others did not read), or
-      through `host_routes` (the reference) where the format has none. Its fixed cost per call is counted in, as a
-      layer pays it;
+      host step (`time_host_step`), or through `host_routes` (the reference) where the format has none;
     * the compute rate: 32 tokens of one expert through `host_routes`;
     * the copy of one expert to `device` (host memory to host memory where it is the CPU)."""
     import time
 
     stacks, fmt = module.stacks() if stacks is None else stacks, module.format
-    num_experts = stacks[0].shape[0]
-    chosen = min(module.config.num_experts_per_token, num_experts)
+    chosen = min(module.config.num_experts_per_token, stacks[0].shape[0])
     latent = module.latent_size
     betas = (module.config.activation_situ_beta, module.config.activation_situ_linear_beta)
     target = torch.device(device) if device is not None else torch.device("cpu")
@@ -285,43 +308,35 @@ def measure_host_rates(module, device=None, repeats: int = 3, stacks=None) -> Ho
     dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
 
     def best(fn) -> float:
-        fn(0)
+        fn()
         times = []
-        for repeat in range(1, repeats + 1):
+        for _ in range(repeats):
             start = time.perf_counter()
-            fn(repeat)
+            fn()
             if target.type == "cuda":
                 torch.cuda.synchronize(target)
             times.append(time.perf_counter() - start)
         return min(times)
 
-    def window(repeat: int) -> list[int]:  # `chosen` experts, none of them the previous repeat's where there are enough
-        first = repeat % max(1, num_experts // chosen) * chosen
-        return list(range(first, first + chosen))
-
     def host(tokens_each: int, count: int):
         rows = torch.randn(tokens_each * count, latent).to(dtype)
         sorted_ids = torch.arange(count).repeat_interleave(tokens_each)
-        return lambda repeat: host_routes(rows, sorted_ids, list(range(count)), stacks, fmt,
-                                          lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas)
-
-    def step(kernels):
-        table = kernels.ExpertTable(stacks[:2], stacks[2:], torch.zeros(num_experts, dtype=torch.int64))
-        run = kernels.HostRouteStep(table, 1, chosen, dtype, *betas, torch.device("cpu"))
-        x = torch.randn(1, latent).to(dtype)
-        return lambda repeat: run.run(x, torch.tensor([window(repeat)], dtype=torch.int64))
+        return lambda: host_routes(rows, sorted_ids, list(range(count)), stacks, fmt,
+                                   lambda x, i, w, s: fmt.run(x, i, w, s, betas), betas)
 
     per_expert = sum(stack[0].numel() * stack.element_size() for stack in stacks)
-    kernels = fmt.host_kernels() if module.config.hidden_act != "silu" else None
-    one_token = best(step(kernels) if kernels is not None else host(1, chosen))
+    one_token = time_host_step(stacks, fmt, chosen, latent, dtype,
+                               None if module.config.hidden_act == "silu" else betas, repeats)
+    if one_token is None:
+        one_token = best(host(1, chosen))
     many = 32
     many_tokens = best(host(many, 1))
     flops = 6 * module.intermediate_size * latent
     piece = tuple(stack[0] for stack in stacks)
-    copy = best(lambda repeat: [p.to(target, non_blocking=target.type == "cuda", copy=True) for p in piece])
+    copy = best(lambda: [p.to(target, non_blocking=target.type == "cuda", copy=True) for p in piece])
     return HostRates(copy_bytes_per_s=per_expert / copy, host_bytes_per_s=chosen * per_expert / one_token,
                      host_flops=many * flops / many_tokens, measured=True)
 
 
 __all__ = ["STREAM_MAX_TOKENS", "HostRates", "HostShare", "StreamedRoutes", "expected_distinct_experts", "host_routes",
-           "measure_host_rates", "routed_split", "sum_routes"]
+           "measure_host_rates", "routed_split", "sum_routes", "time_host_step"]
