@@ -299,6 +299,7 @@ def main():
     parser.add_argument("--prefill", default="8192,65536", help="prefill chunk sizes, comma-separated")
     parser.add_argument("--cache-fraction", type=float, default=0.25)
     parser.add_argument("--skip-accelerate", action="store_true")
+    parser.add_argument("--batches", default="1,8", help="decode batch sizes, comma-separated")
     parser.add_argument("--host-threads", default="",
                         help="comma-separated thread counts of the host kernel (KIMIK3_HOST_THREADS) to decode with "
                              "under experts_compute='host' (eager and in the decode loop; streamed on CUDA), after the "
@@ -348,7 +349,7 @@ def main():
     bandwidth = h2d_bytes_per_s()
     emit("h2d_bytes_per_s_pinned", round(bandwidth))
 
-    batches = (1, 8)
+    batches = tuple(int(b) for b in args.batches.split(","))
     chunks = [int(c) for c in args.prefill.split(",") if c]
     if "gpu" in sections:
         for batch in batches:
