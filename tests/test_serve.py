@@ -755,6 +755,28 @@ def test_a_prompt_that_starts_from_a_running_rows_stored_prompt_holds_its_full_p
         engine.stop()
 
 
+def test_a_preempted_row_holds_no_stored_prompt_for_later_prompts(server):
+    """A row that is preempted is read again, perhaps from another stored prompt's latents: it no longer stands for the
+    prompt it stored, so a later prompt that starts from that prompt shares none of its pages."""
+    from kimik3.serve import Engine
+
+    engine = Engine(server.model, server.tokenizer, max_requests=2, prefill_chunk=16, block_size=4)
+    engine.stop()  # its state driven here, not by its thread
+    try:
+        ids = list(range(5, 17))
+        holder, other = Job(ids, Sampling(max_tokens=4), None), Job(ids + [20], Sampling(max_tokens=4), None)
+        stored = server.engine.code.KimiK3Cache(server.model.config)
+        engine.page_holders[stored] = holder
+        other.stored_prefix = (stored, len(ids))
+        engine.batch = [holder]
+        engine.paged.add_rows([_filled(server, len(ids))])
+        assert engine._shared_pages(other) == (0, 3)  # the holder's 3 full pages
+        engine._preempt(holder)
+        assert stored not in engine.page_holders and engine._shared_pages(other) is None
+    finally:
+        engine.stop()
+
+
 def test_a_twin_preempted_under_a_byte_budget_frees_only_its_own_pages_and_keeps_its_tokens(server):
     """n=3 greedy under a pool that cannot hold the three sequences at their longest: the twin that arrived last is
     preempted while it shares the prompt's pages; it gives up only the pages no other row holds (none is freed twice
