@@ -167,6 +167,43 @@ def test_a_compiled_step_is_traced_again_where_autos_choice_changes_not_wherever
     assert step(x).item() == 1 and len(graphs) > traced
 
 
+def test_autos_choice_in_a_compiled_step_follows_the_experts_the_read_path_keeps(models):
+    """The choice to stream weighs the experts the layer holds: under rates where the CPU is behind the copy by more
+    than the route read saves over the 6 experts a token chooses but not over the 4 it then misses once the layer
+    holds 4 of its 16, the compiled step copies first and streams once the read path has filled the layer's slots."""
+    import torch._dynamo
+
+    model = _placed(models["mxfp4"], "auto")
+    cache = model.experts_cache
+    cache.in_stream = True
+    module = next(m for m in model.modules() if getattr(m, "offload", None) is not None)
+    if module.format.host_kernels() is None:
+        pytest.fail("the host kernel is not built here: a C compiler is part of the test environment")
+    behind = cache.bytes_per_expert * (1 / 0.5e9 - 1 / 1e9)  # the CPU's lag a missing expert
+    cache.rates = HostRates(copy_bytes_per_s=1e9, host_bytes_per_s=0.5e9, host_flops=1e18, stream_layer_s=0.0,
+                            read_layer_s=5 * behind)  # streams below 5 missing experts
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend=backend)
+    def step(x):
+        return x + 1 if module.offload.streams(x.shape[0], x.device, module.format, module._situ_betas()) else x - 1
+
+    x = torch.zeros(1)
+    assert step(x).item() == -1 and step(x).item() == -1  # nothing held: 6 missing experts, copied
+    module.offload.fetch(torch.tensor([[0, 1, 2, 3, 4, 5]]), module.stacks(), torch.device("cpu")).wait()
+    assert len(cache.slots[module.offload.layer].slot_of) == 4
+    # the next fetch of the read path works the choices out again for the 4 held now
+    module.offload.fetch(torch.tensor([[0, 1, 2, 3, 6, 7]]), module.stacks(), torch.device("cpu")).wait()
+    traced = len(graphs)
+    assert step(x).item() == 1 and len(graphs) > traced  # 4 of 16 held: about 4 missing, streamed
+
+
 def test_the_runtime_rates_assume_what_the_plan_assumes():
     """HostRates (the model's code, which cannot import the package) and kimik3 memory's plan state the same
     assumptions: a changed figure in one place fails here."""
