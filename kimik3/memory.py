@@ -1074,7 +1074,7 @@ def measure_rates(config, experts_format: str | None = None, experts: int = 64, 
 
 def _rates_line(plan: dict) -> str:
     measured = plan["measured"]
-    host = (f"the CPU's experts: {plan['host_bytes_per_s'] / 1e9:,.1f} GB/s of packed bytes at one token an expert, "
+    host = (f"the CPU's experts: {plan['host_bytes_per_s'] / 1e9:,.1f} GB/s of packed bytes at one token (its top-k experts), "
             f"{plan['host_flops'] / 1e12:,.2f} TFLOP/s at many")
     target = measured.get("for_host_bandwidth")
     if target:
