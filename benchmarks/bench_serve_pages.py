@@ -252,8 +252,9 @@ def main() -> None:
           f"one before has joined): latents written into pages {agents['shared']['bytes']:,} bytes with the running "
           f"rows' pages held against {agents['own']['bytes']:,} each row its own; most pages held at a step "
           f"{agents['shared']['peak_pages']} against {agents['own']['peak_pages']}; pages held instead of written "
-          f"{agents['shared']['pages_shared']}; prompt tokens from the store {agents['shared']['prompt_tokens_reused']} "
-          f"and {agents['own']['prompt_tokens_reused']}; the same tokens: {agents['same_tokens']}")
+          f"{agents['shared']['pages_shared']}; prompt tokens from the store "
+          f"{agents['shared']['prompt_tokens_reused']} and {agents['own']['prompt_tokens_reused']}; the same tokens: "
+          f"{agents['same_tokens']}")
     cost = step(args.device)
     print(f"step ({args.device}, one MLA layer, 8 rows of 1K-4K tokens, bf16): torch.cat of the padded batch "
           f"{cost['cat_ms']:.2f} ms; paged write + gather {cost['paged_16_ms']:.2f} ms at 16-token pages "

@@ -1000,8 +1000,8 @@ def measure_rates(config, experts_format: str | None = None, experts: int = 64, 
     widths in its experts format (the CPU kernel where it builds, else the reference:
     `host_experts_kimi_k3.host_routes`, what a load runs): one token's top-k experts through the host step, as a
     decode step runs them (`host_experts_kimi_k3.time_host_step`, windows of the `experts` experts; the reference over
-    one token of each where there is no host step), and `tokens` tokens of one, and the pinned host-to-device copy where CUDA is available. Best of `repeats` after a warm-up.
-    Returns bytes/s and flop/s."""
+    one token of each where there is no host step), and `tokens` tokens of one, and the pinned host-to-device copy
+    where CUDA is available. Best of `repeats` after a warm-up. Returns bytes/s and flop/s."""
     import time
 
     import torch
@@ -1074,7 +1074,8 @@ def measure_rates(config, experts_format: str | None = None, experts: int = 64, 
 
 def _rates_line(plan: dict) -> str:
     measured = plan["measured"]
-    host = (f"the CPU's experts: {plan['host_bytes_per_s'] / 1e9:,.1f} GB/s of packed bytes at one token (its top-k experts), "
+    host = (f"the CPU's experts: {plan['host_bytes_per_s'] / 1e9:,.1f} GB/s of packed bytes at one token (its top-k "
+            "experts), "
             f"{plan['host_flops'] / 1e12:,.2f} TFLOP/s at many")
     target = measured.get("for_host_bandwidth")
     if target:
