@@ -250,8 +250,9 @@ class Engine:
         self.stats = {"steps": 0, "decode_forwards": 0, "rows_decoded": 0, "prefill_forwards": 0,
                       "prompt_tokens_computed": 0, "prompt_tokens_reused": 0, "regroups": 0, "preemptions": 0,
                       "tokens_recomputed": 0, "latent_bytes_copied": 0, "pages_held": 0, "pages_shared": 0}
-        # a stored prompt -> the job whose row holds its latents in pages (it read the prompt and joined with it):
-        # a later prompt that starts from it shares that row's full pages (`_regroup`); gone with the stored entry
+        # a stored prompt -> the job whose row holds its latents in pages (it read the prompt and joined with it), by
+        # weak references both ways (gone with the store's entry or the job): a later prompt that starts from it
+        # shares that row's full pages (`_regroup`)
         self.page_holders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Under tensor parallelism (torchrun, a model loaded with a tp_plan) every rank runs this engine, since every
         # forward is a collective: rank 0 (the leader) takes the requests and samples, and at each step start tells
@@ -504,7 +505,7 @@ class Engine:
             job.cache_after_prompt = job.cache.copy_prefix(len(job.prompt_ids))
         if self.store is not None:
             self.store.insert(self._store_key(job), job.cache_after_prompt)
-            self.page_holders[job.cache_after_prompt] = job
+            self.page_holders[job.cache_after_prompt] = weakref.ref(job)
         self._emit(job, job.last_logits)
         return True
 
@@ -604,7 +605,7 @@ class Engine:
         if job.stored_prefix is None:
             return None
         stored, tokens = job.stored_prefix
-        holder = self.page_holders.get(stored)
+        holder = self.page_holders.get(stored, lambda: None)()
         if holder is None or holder.done or holder not in self.batch[:len(self.paged.lengths)]:
             return None
         row = self.batch.index(holder)
@@ -652,7 +653,7 @@ class Engine:
         """The job's pages (or those set aside for it) go back to the pool. A job in the batch is read again from its
         prompt and the tokens it produced (from the prefix store's longest match, which holds its prompt), then
         rejoins and goes on: its client sees the tokens it would have seen."""
-        for stored in [stored for stored, holder in self.page_holders.items() if holder is job]:
+        for stored in [stored for stored, holder in self.page_holders.items() if holder() is job]:
             del self.page_holders[stored]  # it is read again: its next pages hold what that read gives
         if job in self.batch:
             row = self.batch.index(job)

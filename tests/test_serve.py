@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 
 import httpx
 import openai
@@ -766,7 +767,7 @@ def test_a_preempted_row_holds_no_stored_prompt_for_later_prompts(server):
         ids = list(range(5, 17))
         holder, other = Job(ids, Sampling(max_tokens=4), None), Job(ids + [20], Sampling(max_tokens=4), None)
         stored = server.engine.code.KimiK3Cache(server.model.config)
-        engine.page_holders[stored] = holder
+        engine.page_holders[stored] = weakref.ref(holder)
         other.stored_prefix = (stored, len(ids))
         engine.batch = [holder]
         engine.paged.add_rows([_filled(server, len(ids))])
