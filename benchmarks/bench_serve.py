@@ -19,6 +19,10 @@ bench_k3.py model (random bf16 weights, K3's widths, 8 layers, 64 experts) on on
                 engine, for N in --concurrency: tokens/s over all of them, mean and max request latency, mean time
                 to first token; against `generate()` of the same prompts one after the other (eager, dynamic cache:
                 the engine's own forward), timed over --sequential of them
+  long          --long-concurrency requests of a --long-prompt-token prompt each (longer than a chunk), submitted at
+                once: the engine reading them in lockstep (one batch, a row each, `Engine._read_lockstep`) against
+                each read alone (the engine before it): mean and max time to first token, prefill forwards, the same
+                tokens
   agent         an agent-like session: a --shared-prefix-token prefix (system prompt and tools), then --turns turns,
                 each prompt the previous one + the reply + --turn-tokens new tokens: time to first token a turn with
                 the prefix store, and without it (every turn read whole)
@@ -99,7 +103,11 @@ def main():
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=256)
     parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--long-prompt", type=int, default=8192)
+    parser.add_argument("--long-concurrency", type=int, default=8)
+    parser.add_argument("--sections", default="concurrency,long,agent")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
 
     from kimik3.serve import Engine
 
@@ -109,6 +117,7 @@ def main():
         model = build_tiny_model(seed=0).eval()
         args.concurrency, args.prompt, args.new_tokens, args.sequential = "1,4", 40, 8, 2
         args.shared_prefix, args.turns, args.turn_tokens, args.prefill_chunk = 600, 2, 20, 64
+        args.long_prompt, args.long_concurrency = 300, 4
         env = {"device": "cpu"}
     else:
         import bench_k3
@@ -134,6 +143,35 @@ def main():
 
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = [ids(args.prompt) for _ in range(max(levels))]
+    if "concurrency" in sections:
+        concurrency(model, args, prompts, levels, emit)
+    if "long" in sections:
+        long_prompts = [ids(args.long_prompt) for _ in range(args.long_concurrency)]
+        outputs = {}
+        for label, lockstep in (("warmup", True), ("lockstep", True), ("alone", False)):
+            engine = Engine(model, None, max_requests=args.long_concurrency + 1, prefill_chunk=args.prefill_chunk,
+                            prefix_cache_bytes=0)
+            if not lockstep:  # every prompt read alone, chunk by chunk (the engine before the lockstep)
+                engine._read_lockstep = set
+            try:
+                rows, wall = asyncio.run(run_jobs(engine, long_prompts, args.new_tokens))
+            finally:
+                engine.stop()
+            outputs[label] = [tokens for _, _, tokens in rows]
+            if label != "warmup":
+                emit(f"long_{label}", {
+                    "requests": args.long_concurrency, "prompt_tokens": args.long_prompt, "wall_s": round(wall, 4),
+                    "mean_ttft_s": round(sum(r[0] for r in rows) / len(rows), 4),
+                    "max_ttft_s": round(max(r[0] for r in rows), 4),
+                    "prefill_forwards": engine.stats["prefill_forwards"],
+                    "same_tokens_as_lockstep": outputs[label] == outputs["lockstep"]})
+    if "agent" in sections:
+        agent(model, args, ids, emit)
+
+
+def concurrency(model, args, prompts, levels, emit):
+    from kimik3.serve import Engine
+
     times, reference = sequential(model, prompts[:1] + prompts[:args.sequential], args.new_tokens)
     per_request = sorted(times[1:])[len(times[1:]) // 2]  # after one warm-up
     emit("sequential_generate", {"requests": args.sequential, "s_per_request": round(per_request, 4),
@@ -154,6 +192,10 @@ def main():
                 "greedy_equal_to_generate": same if level <= args.sequential else "not compared"})
     finally:
         engine.stop()
+
+
+def agent(model, args, ids, emit):
+    from kimik3.serve import Engine
 
     prefix = ids(args.shared_prefix)
     # the first session is a warm-up (kernels autotuned for the prefill's snapshot offsets and the turns' lengths)

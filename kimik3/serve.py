@@ -84,6 +84,9 @@ class Job:
         # after a prefix-store hit: (the stored cache it copied from, the tokens whose latents it took from there);
         # the row that holds that stored prompt's latents in its pages shares them when this job joins
         self.stored_prefix: tuple | None = None
+        # the prompts of the same length so far read with it in one batch (`Engine._read_lockstep`), while it is
+        self.lockstep: "Lockstep | None" = None
+        self.alone = False  # its lockstep's forward failed: it reads its prompt alone
         # pool pages set aside for its cache while it reads (under --max-cache-bytes); None until they are (0: a twin
         # whose prompt fills whole pages needs none of its own)
         self.pages: int | None = None
@@ -122,6 +125,15 @@ class Job:
 
 FINISH_REASONS = (None, "stop", "length")
 FINISH_CODES = {reason: code for code, reason in enumerate(FINISH_REASONS)}
+
+
+@dataclass
+class Lockstep:
+    """Prompts read in one batch, each row a prompt, every row at the same position (`Engine._read_lockstep`)."""
+
+    jobs: list
+    cache: object
+    position: int = 0
 
 
 class Replicas:
@@ -216,7 +228,8 @@ class Engine:
     starts reading only when the pages its cache will take are free, and a decode step that finds too few free pages
     preempts the sequence that arrived last (`_make_room`). With a prefix store (`prefix_cache_bytes`), a prompt
     starts from the longest stored prefix at a 512-token block or a whole earlier prompt (KDA snapshots written
-    during prefill), and every prompt is stored when read."""
+    during prefill), and every prompt is stored when read. Short prompts that start together are read in one padded
+    forward (`_read_together`), long ones in lockstep (`_read_lockstep`)."""
 
     def __init__(self, model, tokenizer, max_requests: int = 16, prefill_chunk: int = 512,
                  max_context: int | None = None, prefix_cache_bytes: int | None = 1 << 30,
@@ -244,6 +257,7 @@ class Engine:
         self.queue: deque[Job] = deque()
         self.reading: list[Job] = []  # prefilling, alone (a preempted job again, first in line)
         self.batch: list[Job] = []  # the rows of `paged`, in order
+        self.lockstep_groups: list[Lockstep] = []  # prompts being read in one batch (`_read_lockstep`)
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopped = False
@@ -378,8 +392,10 @@ class Engine:
     def _read_prompts(self) -> None:
         ready = []  # prompts read, or jobs that ended while reading (went away, failed, ended at their first token)
         self._set_pages_aside()
-        together = self._read_together()
+        together = self._read_together() | self._read_lockstep()
         for job in list(self.reading):
+            if job.lockstep is not None:
+                continue  # its batch read its chunk
             try:
                 read = job in together or (not job.done and self._may_read(job) and self._read(job))
             except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
@@ -483,6 +499,91 @@ class Engine:
             read.update(group)
         return read
 
+    def _read_lockstep(self) -> set:
+        """Prompts longer than the groups of `_read_together` take, starting from nothing at the same step (no stored
+        prefix, no images, not a twin), read in lockstep: one batch, a row each, one forward a step over the next
+        min(prefill_chunk, the shortest remainder) tokens of every row, so every row stays at the same position (no
+        padding: each row's conv windows and KDA state are its prompt's alone, and the batch's snapshots fall at the
+        store's block ends of every row). A row whose prompt ends is taken out into a cache of its own
+        (`KimiK3Cache.select_rows`, its snapshots with it), stored and sampled; the others go on. Rows that went
+        away or were preempted leave the batch. A forward that fails sends its rows back to read alone from the
+        start, so only a prompt that fails there ends its request. Returns the jobs read."""
+        started = []
+        longest = self.prefill_chunk if self.store is None else min(self.prefill_chunk, self.store.block_size)
+        for job in self.reading:
+            if job.done or job.cache is not None or job.twin is not None or job.images is not None or job.alone \
+                    or job.resume_ids is not None or job.lockstep is not None or not self._may_read(job) \
+                    or len(job.prompt_ids) <= longest:
+                continue
+            try:
+                self._start(job)  # a stored prefix: it goes on alone, from there
+            except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
+                self._fail(job, error)
+                continue
+            if job.prefilled == 0:
+                started.append(job)
+        if len(started) > 1:
+            group = Lockstep(started, self._new_cache(len(started)))
+            for job in started:
+                job.cache, job.lockstep = None, group
+            self.lockstep_groups.append(group)
+        read = set()
+        for group in list(self.lockstep_groups):
+            read |= self._lockstep_step(group)
+        return read
+
+    def _new_cache(self, rows: int = 1):
+        """A prompt's growing cache (with the store, KDA snapshots at its block ends, the store's bytes a row)."""
+        if self.store is None:
+            return self.code.KimiK3Cache(self.text_config)
+        return self.code.KimiK3Cache(self.text_config, snapshot_interval=self.store.block_size,
+                                     max_snapshot_bytes=self.prefix_cache_bytes * rows)
+
+    def _lockstep_step(self, group: Lockstep) -> set:
+        kept = [row for row, job in enumerate(group.jobs) if job.lockstep is group and not job.done]
+        for job in group.jobs:
+            if job.done:
+                job.lockstep = None  # it went away: `_read_prompts` ends it
+        if len(kept) < len(group.jobs):  # rows that went away or were preempted leave the batch
+            group.cache = group.cache.select_rows(kept) if kept and group.position else group.cache
+            group.jobs = [group.jobs[row] for row in kept]
+        if not group.jobs:
+            self.lockstep_groups.remove(group)
+            return set()
+        start = group.position
+        tokens = min(self.prefill_chunk, min(len(job.read_ids) - start for job in group.jobs))
+        ids = torch.tensor([job.read_ids[start:start + tokens] for job in group.jobs], device=self.device)
+        try:
+            out = self.model(input_ids=ids, past_key_values=group.cache, use_cache=True, logits_to_keep=1)
+        except Exception:  # noqa: BLE001 - each reads alone from the start, so a prompt that fails ends alone
+            self.lockstep_groups.remove(group)
+            for job in group.jobs:
+                job.lockstep, job.alone, job.prefilled = None, True, 0
+            return set()
+        self.stats["prompt_tokens_computed"] += ids.numel()
+        self.stats["prefill_forwards"] += 1
+        group.position = start + tokens
+        ended = [row for row, job in enumerate(group.jobs) if len(job.read_ids) == group.position]
+        read = set()
+        for row in ended:
+            job = group.jobs[row]
+            job.cache, job.prefilled, job.lockstep = group.cache.select_rows([row]), group.position, None
+            job.last_logits = out.logits[row, -1].float()
+            try:
+                self._prompt_read(job)
+            except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
+                self._fail(job, error)
+            read.add(job)
+        going = [row for row in range(len(group.jobs)) if row not in ended]
+        if ended and going:
+            group.cache = group.cache.select_rows(going)
+        group.jobs = [group.jobs[row] for row in going]
+        for job in group.jobs:
+            job.prefilled = group.position
+        if not group.jobs:
+            self.lockstep_groups.remove(group)
+        return read
+
     def _read_group(self, group: list[Job]) -> None:
         longest = max(len(job.prompt_ids) for job in group)
         ids = torch.tensor([[0] * (longest - len(job.prompt_ids)) + job.prompt_ids for job in group],
@@ -569,11 +670,9 @@ class Engine:
                 job.cached_tokens = tokens - cache.pending_tokens
                 self.stats["prompt_tokens_computed"] += cache.pending_tokens
                 return
-            # KDA snapshots at the store's block ends: a hit at any block restores the state there
-            job.cache = self.code.KimiK3Cache(self.text_config, snapshot_interval=self.store.block_size,
-                                              max_snapshot_bytes=self.prefix_cache_bytes)
+            job.cache = self._new_cache()  # KDA snapshots at the store's block ends: a hit at any block restores there
         else:
-            job.cache = self.code.KimiK3Cache(self.text_config)
+            job.cache = self._new_cache()
 
     def _regroup(self, add: list[Job] = ()) -> None:
         """The batch's rows after jobs left (done: their pages freed) or came (`add`, their caches holding what they
@@ -663,7 +762,7 @@ class Engine:
             with self.lock:
                 self.reading.insert(0, job)
         job.cache, job.prefilled, job.pages, job.twin, job.images_read = None, 0, None, None, False
-        job.stored_prefix = None
+        job.stored_prefix, job.lockstep = None, None
         self.stats["preemptions"] += 1
 
     @torch.no_grad()

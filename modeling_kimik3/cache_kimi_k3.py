@@ -478,6 +478,25 @@ class KimiK3Cache(Cache):
         copy.crop(num_tokens)
         return copy
 
+    def select_rows(self, rows: list[int]) -> "KimiK3Cache":
+        """A new growing cache holding the rows `rows` of this one, in that order: their MLA latents, KDA states and
+        conv windows, snapshots and token ids (this cache is not changed; nothing pending here, no rewind record).
+        A server reads prompts of one length in one batch and takes each out when its prompt ends."""
+        if self.pending_tokens:
+            raise ValueError(f"KimiK3Cache.select_rows: {self.pending_tokens} tokens are pending (a crop's replay)")
+        if not rows or any(not 0 <= row < self.batch_size for row in rows):
+            raise ValueError(f"KimiK3Cache.select_rows({rows}): the cache holds {self.batch_size} rows")
+        copy = KimiK3Cache.__new__(KimiK3Cache)
+        copy.__dict__.update(self.__dict__)
+        copy.layers = []
+        for layer in self.layers:
+            clone = type(layer).__new__(type(layer))
+            clone.__dict__.update(layer.__dict__)
+            copy.layers.append(clone)
+        copy.rewind = self.rewind.copy()
+        copy.batch_select_indices(torch.tensor(rows))
+        return copy
+
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()

@@ -1113,6 +1113,122 @@ def test_short_prompts_that_come_together_are_read_in_one_forward(server):
         engine.stop()
 
 
+def test_long_prompts_that_start_together_are_read_in_lockstep(server):
+    """Prompts longer than a chunk that start at the same step are read in one batch, every row at the same position:
+    chunks of min(prefill_chunk, the shortest remainder), a row taken out when its prompt ends. Prompts of 100, 130 and
+    130 tokens under a 48-token chunk take 4 forwards (48, 48, 4, 30) where alone they take 9, and each gets
+    generate()'s tokens. A row whose client goes away leaves the batch and its request ends; a forward that fails sends
+    its rows to read alone, so only the prompt that fails ends its request."""
+    from kimik3.serve import Engine
+
+    vocab = server.model.config.vocab_size
+    generator = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(3, vocab - 300, (length,), generator=generator).tolist() for length in (100, 130, 130)]
+    engine = Engine(server.model, server.tokenizer, max_requests=4, prefill_chunk=48)
+    try:
+        forwards = engine.stats["prefill_forwards"]
+        jobs = [job for [job] in _run_jobs(lambda loop: [
+            (engine, [Job(ids, Sampling(max_tokens=5, temperature=0.0), loop)]) for ids in prompts])]
+        assert engine.stats["prefill_forwards"] - forwards == 4
+        assert [job.new_ids for job in jobs] == [server.alone(ids, 5) for ids in prompts]
+
+        step, gone = engine._lockstep_step, []
+
+        def leaving(group):  # the second prompt's client goes away after the batch's first chunk
+            if group.position == 48 and not gone:
+                gone.append(group.jobs[1])
+                group.jobs[1].cancel_asked = group.jobs[1].cancelled = True
+            return step(group)
+
+        engine._lockstep_step = leaving
+        async def run():
+            loop = asyncio.get_running_loop()
+            jobs = [Job(ids, Sampling(max_tokens=5, temperature=0.0), loop) for ids in prompts]
+            for job in jobs:
+                engine.submit([job])
+            for job in jobs:
+                while (item := await job.mailbox.get()) is not None:
+                    assert not isinstance(item, Exception), item
+            return jobs
+
+        first, second, third = asyncio.run(run())
+        assert gone == [second] and second.new_ids == [] and second.cancelled
+        assert first.new_ids == server.alone(prompts[0], 5) and third.new_ids == server.alone(prompts[2], 5)
+        engine._lockstep_step = step
+
+        poison = 761  # a prompt holding it makes the model raise, in whatever batch it is read
+
+        def hook(module, args, kwargs):
+            ids = kwargs.get("input_ids")
+            if ids is not None and bool((ids == poison).any()):
+                raise RuntimeError("the model refused this prompt")
+
+        async def poisoned():
+            loop = asyncio.get_running_loop()
+            bad = prompts[1][:60] + [poison] + prompts[1][61:]  # in its second chunk: the batch's first went well
+            jobs = [Job(ids, Sampling(max_tokens=5, temperature=0.0), loop) for ids in (prompts[0], bad, prompts[2])]
+            for job in jobs:
+                engine.submit([job])
+            errors = []
+            for job in jobs:
+                while (item := await job.mailbox.get()) is not None:
+                    if isinstance(item, Exception):
+                        errors.append((job, str(item)))
+            return jobs, errors
+
+        handle = server.model.register_forward_pre_hook(hook, with_kwargs=True)
+        forwards = engine.stats["prefill_forwards"]
+        try:
+            (good, bad, other), errors = asyncio.run(poisoned())
+        finally:
+            handle.remove()
+        assert [job for job, _ in errors] == [bad] and "the model refused this prompt" in errors[0][1]
+        assert good.new_ids == server.alone(prompts[0], 5) and other.new_ids == server.alone(prompts[2], 5)
+        # the batch's first forward (its second failed), then each alone from the start: 3, the bad one's first chunk
+        # (its second fails), 3
+        assert engine.stats["prefill_forwards"] - forwards == 1 + 3 + 1 + 3
+    finally:
+        engine.stop()
+
+
+def test_a_cache_refuses_to_select_rows_it_does_not_hold_or_with_tokens_pending(server):
+    cache = _filled(server, 9)
+    for rows in ([1], [], [-1]):
+        with pytest.raises(ValueError, match=re.escape(f"KimiK3Cache.select_rows({rows}): the cache holds 1 rows")):
+            cache.select_rows(rows)
+    snapshots = server.engine.code.KimiK3Cache(server.model.config, snapshot_interval=4)
+    with torch.no_grad():
+        server.model(input_ids=torch.arange(3, 12)[None], past_key_values=snapshots, use_cache=True)
+    snapshots.crop(6)  # back to the snapshot at 4: 2 tokens pending for the next forward
+    with pytest.raises(ValueError, match=re.escape("KimiK3Cache.select_rows: 2 tokens are pending")):
+        snapshots.select_rows([0])
+    assert cache.select_rows([0]).get_seq_length() == 9 and cache.batch_size == 1  # the source unchanged
+
+
+def test_prompts_read_in_lockstep_leave_the_stores_block_snapshots_in_each_rows_cache(server):
+    """Two 600-token prompts read in one batch under 256-token chunks (256, 256, 88: the KDA snapshot at the store's
+    512-token block end written for both rows in the batch's second forward) are each stored with their own snapshot:
+    a later prompt that shares the first 520 tokens of one starts from its block at 512 and gets generate()'s tokens."""
+    from kimik3.serve import Engine
+
+    vocab = server.model.config.vocab_size
+    generator = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(3, vocab - 300, (600,), generator=generator).tolist() for _ in range(2)]
+    engine = Engine(server.model, server.tokenizer, max_requests=4, prefill_chunk=256)
+    try:
+        forwards = engine.stats["prefill_forwards"]
+        jobs = [job for [job] in _run_jobs(lambda loop: [
+            (engine, [Job(ids, Sampling(max_tokens=3, temperature=0.0), loop)]) for ids in prompts])]
+        assert engine.stats["prefill_forwards"] - forwards == 3
+        assert [job.new_ids for job in jobs] == [server.alone(ids, 3) for ids in prompts]
+        for row, ids in enumerate(prompts):
+            later = ids[:520] + [7, 8, 9]
+            [[job]] = _run_jobs(lambda loop: [(engine, [Job(later, Sampling(max_tokens=3, temperature=0.0), loop)])])
+            assert job.cached_tokens == 512 and job.new_ids == server.alone(later, 3)
+    finally:
+        engine.stop()
+
+
 def test_a_group_of_short_prompts_posts_its_first_tokens_before_the_next_group_is_read(server):
     """Four fresh prompts of 20 tokens under a 40-token chunk are read in two groups of two: the first group's
     first tokens reach their mailboxes right after its forward, before the second group's forward runs (posting
