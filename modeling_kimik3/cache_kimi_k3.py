@@ -707,6 +707,9 @@ class KimiK3StaticCache(KimiK3Cache):
     def copy_prefix(self, num_tokens: int) -> "KimiK3Cache":
         raise NotImplementedError("KimiK3Cache.copy_prefix: not supported for a static cache")
 
+    def select_rows(self, rows: list[int]) -> "KimiK3Cache":
+        raise NotImplementedError("KimiK3Cache.select_rows: not supported for a static cache")
+
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
@@ -1104,6 +1107,9 @@ class KimiK3PagedCache(KimiK3Cache):
 
     def copy_prefix(self, num_tokens: int) -> "KimiK3Cache":
         raise self._refuse("copy_prefix")
+
+    def select_rows(self, rows: list[int]) -> "KimiK3Cache":
+        raise self._refuse("select_rows")
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
         raise self._refuse("activate_past_recording")

@@ -1203,6 +1203,8 @@ def test_a_cache_refuses_to_select_rows_it_does_not_hold_or_with_tokens_pending(
     with pytest.raises(ValueError, match=re.escape("KimiK3Cache.select_rows: 2 tokens are pending")):
         snapshots.select_rows([0])
     assert cache.select_rows([0]).get_seq_length() == 9 and cache.batch_size == 1  # the source unchanged
+    with pytest.raises(NotImplementedError, match="KimiK3PagedCache.select_rows: not supported"):
+        server.engine.cache_code.KimiK3PagedCache(server.model.config).select_rows([0])
 
 
 def test_prompts_read_in_lockstep_leave_the_stores_block_snapshots_in_each_rows_cache(server):
