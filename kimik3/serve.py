@@ -464,20 +464,7 @@ class Engine:
         after every group's. A group whose forward fails is read job by job (its own caches untouched), so only the
         prompt that fails ends its request; one whose first token fails (non-finite logits) ends alone. Returns the
         jobs read (their first token sampled, or ended by their error)."""
-        fresh = []
-        # (beyond the store's block a prompt read alone writes the KDA snapshot a later block hit needs)
-        longest = self.prefill_chunk if self.store is None else min(self.prefill_chunk, self.store.block_size)
-        for job in self.reading:
-            if job.done or job.cache is not None or job.twin is not None or job.images is not None or \
-                    job.resume_ids is not None or not self._may_read(job) or len(job.prompt_ids) > longest:
-                continue
-            try:
-                self._start(job)  # a stored prefix: it goes on alone, from there
-            except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
-                self._fail(job, error)
-                continue
-            if job.prefilled == 0:
-                fresh.append(job)
+        fresh = self._fresh_prompts(short=True)
         groups, group = [], []
         for job in fresh:
             if group and (len(group) + 1) * max(len(j.prompt_ids) for j in (*group, job)) > self.prefill_chunk:
@@ -508,20 +495,7 @@ class Engine:
         (`KimiK3Cache.select_rows`, its snapshots with it), stored and sampled; the others go on. Rows that went
         away or were preempted leave the batch. A forward that fails sends its rows back to read alone from the
         start, so only a prompt that fails there ends its request. Returns the jobs read."""
-        started = []
-        longest = self.prefill_chunk if self.store is None else min(self.prefill_chunk, self.store.block_size)
-        for job in self.reading:
-            if job.done or job.cache is not None or job.twin is not None or job.images is not None or job.alone \
-                    or job.resume_ids is not None or job.lockstep is not None or not self._may_read(job) \
-                    or len(job.prompt_ids) <= longest:
-                continue
-            try:
-                self._start(job)  # a stored prefix: it goes on alone, from there
-            except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
-                self._fail(job, error)
-                continue
-            if job.prefilled == 0:
-                started.append(job)
+        started = self._fresh_prompts(short=False)
         if len(started) > 1:
             group = Lockstep(started, self._new_cache(len(started)))
             for job in started:
@@ -531,6 +505,27 @@ class Engine:
         for group in list(self.lockstep_groups):
             read |= self._lockstep_step(group)
         return read
+
+    def _fresh_prompts(self, short: bool) -> list[Job]:
+        """The prompts that start from nothing at this step, started (`_start`; a stored prefix sends a job on alone):
+        jobs not started yet (not a twin, no images, not resumed after a preemption, not sent to read alone), of at
+        most the tokens a padded group reads (`short`: a chunk, and within the store's block, beyond which a prompt
+        writes the KDA snapshot a later block hit needs) or more (not `short`)."""
+        longest = self.prefill_chunk if self.store is None else min(self.prefill_chunk, self.store.block_size)
+        fresh = []
+        for job in self.reading:
+            if job.done or job.cache is not None or job.twin is not None or job.images is not None or job.alone \
+                    or job.resume_ids is not None or job.lockstep is not None or not self._may_read(job) \
+                    or (len(job.prompt_ids) <= longest) != short:
+                continue
+            try:
+                self._start(job)
+            except Exception as error:  # noqa: BLE001 - this request gets it by name, the others go on
+                self._fail(job, error)
+                continue
+            if job.prefilled == 0:
+                fresh.append(job)
+        return fresh
 
     def _new_cache(self, rows: int = 1):
         """A prompt's growing cache (with the store, KDA snapshots at its block ends, the store's bytes a row)."""

@@ -467,6 +467,12 @@ class KimiK3Cache(Cache):
         tokens in between pending for its first forward). Tensors that neither cache writes in place are shared."""
         if not 0 < num_tokens <= self.get_seq_length():
             raise ValueError(f"KimiK3Cache.copy_prefix({num_tokens}): the cache holds {self.get_seq_length()} tokens")
+        copy = self._shallow_copy()
+        copy.crop(num_tokens)
+        return copy
+
+    def _shallow_copy(self) -> "KimiK3Cache":
+        # a new growing cache over this one's tensors: layers and snapshot table of its own, no rewind record
         copy = KimiK3Cache.__new__(KimiK3Cache)
         copy.__dict__.update(self.__dict__)
         copy.layers = []
@@ -475,7 +481,6 @@ class KimiK3Cache(Cache):
             clone.__dict__.update(layer.__dict__)
             copy.layers.append(clone)
         copy.rewind = self.rewind.copy()
-        copy.crop(num_tokens)
         return copy
 
     def select_rows(self, rows: list[int]) -> "KimiK3Cache":
@@ -486,14 +491,7 @@ class KimiK3Cache(Cache):
             raise ValueError(f"KimiK3Cache.select_rows: {self.pending_tokens} tokens are pending (a crop's replay)")
         if not rows or any(not 0 <= row < self.batch_size for row in rows):
             raise ValueError(f"KimiK3Cache.select_rows({rows}): the cache holds {self.batch_size} rows")
-        copy = KimiK3Cache.__new__(KimiK3Cache)
-        copy.__dict__.update(self.__dict__)
-        copy.layers = []
-        for layer in self.layers:
-            clone = type(layer).__new__(type(layer))
-            clone.__dict__.update(layer.__dict__)
-            copy.layers.append(clone)
-        copy.rewind = self.rewind.copy()
+        copy = self._shallow_copy()
         copy.batch_select_indices(torch.tensor(rows))
         return copy
 

@@ -129,19 +129,11 @@ def test_streaming_weighs_each_paths_per_layer_cost_and_the_held_experts():
     assert slow.streams(1, 896, 16, bytes_per_expert, flops, held=448)
 
 
-def test_a_compiled_step_is_traced_again_where_autos_choice_changes_not_wherever_the_cache_keeps_an_expert(models):
-    """Under "auto" the read path keeps experts one forward after another; a compiled decode step reads only the
-    layer's choice, so it is traced again where the choice changes (new rates), not at every expert kept (a guard on
-    the cache's slots retraced the step each forward until dynamo's recompile limit, then ran it eagerly)."""
+def _compiled_choice(module):
+    """(a compiled step that returns x + 1 where the layer streams a forward of x's rows, else x - 1; the graphs its
+    compiles made)"""
     import torch._dynamo
 
-    model = _placed(models["mxfp4"], "auto")
-    cache = model.experts_cache
-    cache.in_stream = True  # on the CPU the stream's step runs at once
-    module = next(m for m in model.modules() if getattr(m, "offload", None) is not None)
-    if module.format.host_kernels() is None:
-        pytest.fail("the host kernel is not built here: a C compiler is part of the test environment")
-    cache.rates = HostRates(copy_bytes_per_s=1e15, host_bytes_per_s=1e3, host_flops=1e3)  # the read path copies
     graphs = []
 
     def backend(gm, inputs):
@@ -154,6 +146,21 @@ def test_a_compiled_step_is_traced_again_where_autos_choice_changes_not_wherever
     def step(x):
         return x + 1 if module.offload.streams(x.shape[0], x.device, module.format, module._situ_betas()) else x - 1
 
+    return step, graphs
+
+
+def test_a_compiled_step_is_traced_again_where_autos_choice_changes_not_wherever_the_cache_keeps_an_expert(models):
+    """Under "auto" the read path keeps experts one forward after another; a compiled decode step reads only the
+    layer's choice, so it is traced again where the choice changes (new rates), not at every expert kept (a guard on
+    the cache's slots retraced the step each forward until dynamo's recompile limit, then ran it eagerly)."""
+    model = _placed(models["mxfp4"], "auto")
+    cache = model.experts_cache
+    cache.in_stream = True  # on the CPU the stream's step runs at once
+    module = next(m for m in model.modules() if getattr(m, "offload", None) is not None)
+    if module.format.host_kernels() is None:
+        pytest.fail("the host kernel is not built here: a C compiler is part of the test environment")
+    cache.rates = HostRates(copy_bytes_per_s=1e15, host_bytes_per_s=1e3, host_flops=1e3)  # the read path copies
+    step, graphs = _compiled_choice(module)
     x = torch.zeros(1)
     assert step(x).item() == -1 and step(x).item() == -1
     traced = len(graphs)
@@ -171,8 +178,6 @@ def test_autos_choice_in_a_compiled_step_follows_the_experts_the_read_path_keeps
     """The choice to stream weighs the experts the layer holds: under rates where the CPU is behind the copy by more
     than the route read saves over the 6 experts a token chooses but not over the 4 it then misses once the layer
     holds 4 of its 16, the compiled step copies first and streams once the read path has filled the layer's slots."""
-    import torch._dynamo
-
     model = _placed(models["mxfp4"], "auto")
     cache = model.experts_cache
     cache.in_stream = True
@@ -182,18 +187,7 @@ def test_autos_choice_in_a_compiled_step_follows_the_experts_the_read_path_keeps
     behind = cache.bytes_per_expert * (1 / 0.5e9 - 1 / 1e9)  # the CPU's lag a missing expert
     cache.rates = HostRates(copy_bytes_per_s=1e9, host_bytes_per_s=0.5e9, host_flops=1e18, stream_layer_s=0.0,
                             read_layer_s=5 * behind)  # streams below 5 missing experts
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-
-    @torch.compile(backend=backend)
-    def step(x):
-        return x + 1 if module.offload.streams(x.shape[0], x.device, module.format, module._situ_betas()) else x - 1
-
+    step, graphs = _compiled_choice(module)
     x = torch.zeros(1)
     assert step(x).item() == -1 and step(x).item() == -1  # nothing held: 6 missing experts, copied
     module.offload.fetch(torch.tensor([[0, 1, 2, 3, 4, 5]]), module.stacks(), torch.device("cpu")).wait()
