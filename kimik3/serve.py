@@ -84,7 +84,7 @@ class Job:
         # after a prefix-store hit: (the stored cache it copied from, the tokens whose latents it took from there);
         # the row that holds that stored prompt's latents in its pages shares them when this job joins
         self.stored_prefix: tuple | None = None
-        # the prompts of the same length so far read with it in one batch (`Engine._read_lockstep`), while it is
+        # the batch its prompt is read in, in lockstep with others (`Engine._read_lockstep`), until its prompt ends
         self.lockstep: "Lockstep | None" = None
         self.alone = False  # its lockstep's forward failed: it reads its prompt alone
         # pool pages set aside for its cache while it reads (under --max-cache-bytes); None until they are (0: a twin
