@@ -98,3 +98,48 @@ def test_prompt_cache_with_cpu_snapshots_reuses_exactly_on_cuda(model):
     cold = _greedy(model, diverging)
     _assert_same_run(_greedy(model, diverging, past_key_values=partial), cold,
                      _exact_scores(model, cold, diverging.shape[1]))
+
+
+def test_the_servers_lockstep_reading_and_shared_pages_give_each_prompts_greedy_tokens_on_cuda(model):
+    """`kimik3 serve`'s engine on CUDA (the fast kernels where importable), fp32: three long prompts read in lockstep
+    (one batch, every row at the same position), then while the first of another pair decodes, a prompt that starts
+    from its stored prompt and joins holding its full pages; each gives the greedy tokens of `generate()` alone."""
+    import asyncio
+
+    from kimik3.serve import Engine, Job, Sampling
+
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 120, (length,), generator=generator).tolist() for length in (100, 130, 130)]
+    engine = Engine(model, None, max_requests=4, prefill_chunk=48, block_size=16)
+
+    async def run(batches):
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for prompts_now, wait_for_join in batches:
+            if wait_for_join:  # the earlier job joined the batch (its prompt read and stored)
+                while jobs[-1] not in engine.batch:
+                    await asyncio.sleep(0.002)
+            now = [Job(ids, Sampling(max_tokens=8, temperature=0.0), loop) for ids in prompts_now]
+            for job in now:
+                engine.submit([job])
+            jobs += now
+        for job in jobs:
+            while (item := await job.mailbox.get()) is not None:
+                assert not isinstance(item, Exception), item
+        return jobs
+
+    def alone(ids):
+        out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    try:
+        forwards = engine.stats["prefill_forwards"]
+        jobs = asyncio.run(run([(prompts, False)]))
+        assert engine.stats["prefill_forwards"] - forwards < 9  # alone: 3 chunks each
+        assert [job.new_ids for job in jobs] == [alone(ids) for ids in prompts]
+        first = prompts[1][:70]
+        jobs = asyncio.run(run([([first], False), ([first + [7, 8, 9]], True)]))
+        assert engine.stats["pages_shared"] >= 70 // 16  # the second held the first's full pages
+        assert [job.new_ids for job in jobs] == [alone(first), alone(first + [7, 8, 9])]
+    finally:
+        engine.stop()
