@@ -537,11 +537,9 @@ class LayerOffload:
         held = len(slots.slot_of) if slots is not None else 0
         if held == self.auto_held and self.auto_generation == cache.generation:
             return
-        choices = sum(1 << tokens for tokens in range(1, STREAM_MAX_TOKENS + 1)
-                      if cache.rates.streams(tokens, self.num_experts, self.top_k, cache.bytes_per_expert,
-                                             self.flops_per_route, held))
-        if self.auto_streams != choices:
-            self.auto_streams = choices
+        self.auto_streams = sum(1 << tokens for tokens in range(1, STREAM_MAX_TOKENS + 1)
+                                if cache.rates.streams(tokens, self.num_experts, self.top_k, cache.bytes_per_expert,
+                                                       self.flops_per_route, held))
         self.auto_generation, self.auto_held = cache.generation, held
 
     def streams(self, tokens: int, device: torch.device, fmt, situ_betas) -> bool:

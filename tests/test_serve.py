@@ -644,6 +644,12 @@ def _run_jobs(jobs_of):
     return asyncio.run(run())
 
 
+def _greedy_each(engine, prompts, max_tokens):
+    """One greedy request a prompt, submitted together, run until each has ended: their jobs, in order."""
+    return [job for [job] in _run_jobs(lambda loop: [
+        (engine, [Job(ids, Sampling(max_tokens=max_tokens, temperature=0.0), loop)]) for ids in prompts])]
+
+
 def _request(ids, sampling, loop, n):
     """The jobs of one request of `n` sequences, as the HTTP side makes them (kimik3.serve.App.respond)."""
     jobs = [Job(ids, sampling, loop)]
@@ -1127,8 +1133,7 @@ def test_long_prompts_that_start_together_are_read_in_lockstep(server):
     engine = Engine(server.model, server.tokenizer, max_requests=4, prefill_chunk=48)
     try:
         forwards = engine.stats["prefill_forwards"]
-        jobs = [job for [job] in _run_jobs(lambda loop: [
-            (engine, [Job(ids, Sampling(max_tokens=5, temperature=0.0), loop)]) for ids in prompts])]
+        jobs = _greedy_each(engine, prompts, 5)
         assert engine.stats["prefill_forwards"] - forwards == 4
         assert [job.new_ids for job in jobs] == [server.alone(ids, 5) for ids in prompts]
 
@@ -1219,13 +1224,12 @@ def test_prompts_read_in_lockstep_leave_the_stores_block_snapshots_in_each_rows_
     engine = Engine(server.model, server.tokenizer, max_requests=4, prefill_chunk=256)
     try:
         forwards = engine.stats["prefill_forwards"]
-        jobs = [job for [job] in _run_jobs(lambda loop: [
-            (engine, [Job(ids, Sampling(max_tokens=3, temperature=0.0), loop)]) for ids in prompts])]
+        jobs = _greedy_each(engine, prompts, 3)
         assert engine.stats["prefill_forwards"] - forwards == 3
         assert [job.new_ids for job in jobs] == [server.alone(ids, 3) for ids in prompts]
-        for row, ids in enumerate(prompts):
+        for ids in prompts:
             later = ids[:520] + [7, 8, 9]
-            [[job]] = _run_jobs(lambda loop: [(engine, [Job(later, Sampling(max_tokens=3, temperature=0.0), loop)])])
+            [job] = _greedy_each(engine, [later], 3)
             assert job.cached_tokens == 512 and job.new_ids == server.alone(later, 3)
     finally:
         engine.stop()
