@@ -187,9 +187,11 @@ def scripted(server):
     state = {}
 
     def hook(module, args, kwargs, output):
-        # each row's tokens after this forward: its attention mask's in a batched decode, else the cache's
+        # each row's tokens after this forward: its attention mask's in a batched decode, else the cache's (every row
+        # of a forward without a mask holds as many: one prompt, or prompts read in lockstep)
         mask = kwargs.get("attention_mask")
-        lengths = mask.sum(-1).tolist() if mask is not None else [kwargs["past_key_values"].get_seq_length()]
+        lengths = mask.sum(-1).tolist() if mask is not None else \
+            [kwargs["past_key_values"].get_seq_length()] * output.logits.shape[0]
         for row, length in enumerate(lengths):
             position = length - state["prompt"]
             if 0 <= position < len(state["script"]):
