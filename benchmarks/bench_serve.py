@@ -18,7 +18,9 @@ bench_k3.py model (random bf16 weights, K3's widths, 8 layers, 64 experts) on on
   concurrency   N requests (a `--prompt`-token prompt each, `--new-tokens` greedy tokens) submitted at once to the
                 engine, for N in --concurrency: tokens/s over all of them, mean and max request latency, mean time
                 to first token; against `generate()` of the same prompts one after the other (eager, dynamic cache:
-                the engine's own forward), timed over --sequential of them
+                the engine's own forward), timed over --sequential of them; once for each engine decode step in
+                --decode-steps (`Engine(decode_step=)`: plain, fixed, captured), each level run once untimed first
+                (a captured step's buckets are captured on their first steps)
   long          --long-concurrency requests of a --long-prompt-token prompt each (longer than a chunk), submitted at
                 once: the engine reading them in lockstep (one batch, a row each, `Engine._read_lockstep`) against
                 each read alone (the engine before it): mean and max time to first token, prefill forwards, the same
@@ -106,6 +108,9 @@ def main():
     parser.add_argument("--long-prompt", type=int, default=8192)
     parser.add_argument("--long-concurrency", type=int, default=8)
     parser.add_argument("--sections", default="concurrency,long,agent")
+    parser.add_argument("--decode-steps", default=None,
+                        help="the engine's decode steps the concurrency section compares (default plain,captured on "
+                             "CUDA, plain,fixed on the CPU)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
 
@@ -126,6 +131,8 @@ def main():
 
         model = bench_k3.build(KimiK3ForCausalLM, bench_k3.k3_config(8, 64)).eval()
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.decode_steps is None:
+        args.decode_steps = "plain,captured" if torch.cuda.is_available() and not args.quick else "plain,fixed"
     model.generation_config.eos_token_id = None  # every request runs its --new-tokens
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -176,22 +183,43 @@ def concurrency(model, args, prompts, levels, emit):
     per_request = sorted(times[1:])[len(times[1:]) // 2]  # after one warm-up
     emit("sequential_generate", {"requests": args.sequential, "s_per_request": round(per_request, 4),
                                  "tokens_per_s": round(args.new_tokens / per_request, 1)})
-    engine = Engine(model, None, max_requests=max(levels) + 1, prefill_chunk=args.prefill_chunk,
-                    prefix_cache_bytes=0)
-    try:
-        asyncio.run(run_jobs(engine, prompts[:1], args.new_tokens))  # warm-up
-        for level in levels:
-            rows, wall = asyncio.run(run_jobs(engine, prompts[:level], args.new_tokens))
-            same = all(tokens == want for (_, _, tokens), want in zip(rows, reference[1:]))
-            emit(f"engine_c{level}", {
-                "requests": level, "wall_s": round(wall, 4), "tokens_per_s": round(level * args.new_tokens / wall, 1),
-                "speedup_vs_sequential": round(level * per_request / wall, 2),
-                "mean_latency_s": round(sum(r[1] for r in rows) / level, 4),
-                "max_latency_s": round(max(r[1] for r in rows), 4),
-                "mean_ttft_s": round(sum(r[0] for r in rows) / level, 4),
-                "greedy_equal_to_generate": same if level <= args.sequential else "not compared"})
-    finally:
-        engine.stop()
+    tokens_of = {}
+    for mode in args.decode_steps.split(","):
+        engine = Engine(model, None, max_requests=max(levels) + 1, prefill_chunk=args.prefill_chunk,
+                        prefix_cache_bytes=0, decode_step=mode)
+        decode, spent = engine._decode, [0.0]
+
+        def timed_decode():  # the engine thread's wall in decode steps (each ends reading its logits on the host)
+            start = time.perf_counter()
+            decode()
+            spent[0] += time.perf_counter() - start
+
+        engine._decode = timed_decode
+        try:
+            for level in levels:
+                asyncio.run(run_jobs(engine, prompts[:level], args.new_tokens))  # warm-up (and captures)
+                spent[0] = 0.0
+                before = {key: engine.stats[key] for key in ("decode_forwards", "decode_graph_replays",
+                                                             "decode_padding_rows")}
+                rows, wall = asyncio.run(run_jobs(engine, prompts[:level], args.new_tokens))
+                tokens_of[mode, level] = [tokens for _, _, tokens in rows]
+                same = all(tokens == want for (_, _, tokens), want in zip(rows, reference[1:]))
+                counts = {key: engine.stats[key] - value for key, value in before.items()}
+                emit(f"engine_{mode}_c{level}", {
+                    "decode_step": mode, "requests": level, "wall_s": round(wall, 4),
+                    "tokens_per_s": round(level * args.new_tokens / wall, 1),
+                    "speedup_vs_sequential": round(level * per_request / wall, 2),
+                    "mean_latency_s": round(sum(r[1] for r in rows) / level, 4),
+                    "max_latency_s": round(max(r[1] for r in rows), 4),
+                    "mean_ttft_s": round(sum(r[0] for r in rows) / level, 4),
+                    "decode_ms_per_step": round(1000 * spent[0] / max(counts["decode_forwards"], 1), 3),
+                    **counts, "decode_graphs_held": engine.stats["decode_graphs"],
+                    "capture_error": None if engine.steps is None else engine.steps.capture_error,
+                    "greedy_equal_to_generate": same if level <= args.sequential else "not compared",
+                    "same_tokens_as_first_mode": tokens_of[mode, level] == tokens_of[args.decode_steps.split(",")[0],
+                                                                                     level]})
+        finally:
+            engine.stop()
 
 
 def agent(model, args, ids, emit):

@@ -11,7 +11,8 @@ tokens are those of `generate()` on it alone. Prompts start from the prefix stor
 `--max-cache-bytes` prompts wait for pages, and a decode step that finds none preempts the sequence that arrived last
 (recomputed later from its prompt and the tokens it produced). The K3 chat format (kimik3.chat_format) renders
 messages, tools, `tool_choice` and `reasoning_effort` to ids (message text never becomes a control token), and the
-reply is split into `reasoning_content`, `content` and `tool_calls` (`Reply`)."""
+reply is split into `reasoning_content`, `content` and `tool_calls` (`Reply`). On CUDA the batch's decode forward is
+a CUDA graph captured once per bucket of rows and key length and replayed (`DecodeSteps`, `--decode-step`)."""
 
 import argparse
 import asyncio
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -217,6 +219,98 @@ class Replicas:
         return token, code
 
 
+DECODE_STEPS = ("auto", "plain", "fixed", "captured")
+
+
+def row_bucket(rows: int, slots: int) -> int:
+    """The rows a fixed-shape decode step runs for `rows` real ones: the next power of two, at most the slots held."""
+    return min(1 << (rows - 1).bit_length(), slots)
+
+
+def page_bucket(pages: int) -> int:
+    """The pages a row's keys span in a fixed-shape decode step whose longest row needs `pages`: that many up to 8,
+    then the next of 4, 5, 6, 7 or 8 times a power of two (at most a quarter more keys than needed), so a row's
+    growth crosses into a new bucket (a new capture) a few times per doubling."""
+    if pages <= 8:
+        return pages
+    unit = 1 << (pages.bit_length() - 3)
+    return -(-pages // unit) * unit
+
+
+class DecodeSteps:
+    """The batch's decode forward at fixed shapes (docs/design.md, Serving, Captured decode steps). The rows are
+    padded to a bucket (`row_bucket`) and every row's keys to the longest row's pages' bucket (`page_bucket`), and
+    the forward runs on the paged cache's `fixed_step` for that bucket: the same tensors at every step that falls in
+    it. With `capture` (CUDA) a bucket's first step runs eagerly on a side stream (kernels autotune, libraries take
+    their workspaces), its second is captured as a CUDA graph, and every later one replays it: one launch a step
+    instead of the forward's hundreds. A capture that fails (an op that reads a value on the host) turns capturing
+    off for the engine, by name in `capture_error` and a warning, and the steps run eagerly at the same shapes."""
+
+    def __init__(self, model, paged, capture: bool):
+        self.model, self.paged, self.capture = model, paged, capture
+        self.buckets: dict[tuple[int, int], dict] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for every bucket's graph
+        self.capture_error: str | None = None
+        self.counts = {"decode_graphs": 0, "decode_graph_replays": 0, "decode_padding_rows": 0}
+
+    def run(self, tokens: list[int]) -> torch.Tensor:
+        """The logits [rows, vocab] of one decode step whose rows (the paged cache's, in order) take `tokens`; the
+        paged cache holds the step's tokens after it."""
+        paged = self.paged
+        paged.reserve_pages(1)
+        rows = len(tokens)
+        shape = (row_bucket(rows, paged.slots_held()), page_bucket(max(map(len, paged.block_tables))))
+        addresses = tuple(tensor.data_ptr() for tensor in paged.buffers())
+        bucket = self.buckets.get(shape)
+        if bucket is None or bucket["addresses"] != addresses:  # a grown pool: the step's tensors are new ones
+            step = paged.fixed_step(*shape)
+            bucket = self.buckets[shape] = {
+                "addresses": addresses, "step": step, "graph": None, "warm": False, "logits": None,
+                "ids": torch.zeros(shape[0], 1, dtype=torch.long, device=step.inputs.device),
+                "host_ids": torch.zeros(shape[0], 1, dtype=torch.long, pin_memory=step.inputs.is_cuda)}
+        bucket["host_ids"].zero_()
+        bucket["host_ids"][:rows, 0] = torch.tensor(tokens)
+        bucket["ids"].copy_(bucket["host_ids"], non_blocking=True)
+        bucket["step"].load(paged.block_tables, [length + 1 for length in paged.lengths])
+        logits = self._forward(bucket)
+        paged.advance(1)
+        self.counts["decode_padding_rows"] += shape[0] - rows
+        return logits[:rows]
+
+    def _call(self, bucket: dict) -> torch.Tensor:
+        return self.model(input_ids=bucket["ids"], past_key_values=bucket["step"], use_cache=True).logits[:, -1]
+
+    def _forward(self, bucket: dict) -> torch.Tensor:
+        if not self.capture:
+            return self._call(bucket)
+        if bucket["graph"] is not None:
+            bucket["graph"].replay()
+            self.counts["decode_graph_replays"] += 1
+            return bucket["logits"]
+        if not bucket["warm"]:  # as a capture needs: the shapes' first run outside it, on a side stream
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                logits = self._call(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            bucket["warm"] = True
+            return logits
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                bucket["logits"] = self._call(bucket)
+        except Exception as error:  # noqa: BLE001 - the step runs eagerly; the reason is kept and shown
+            self.capture, self.capture_error = False, f"{type(error).__name__}: {error}"
+            warnings.warn(f"kimik3 serve: the decode step could not be captured as a CUDA graph ({self.capture_error});"
+                          " decode steps run eagerly at fixed shapes", stacklevel=2)
+            return self._call(bucket)
+        bucket["graph"] = graph
+        self.counts["decode_graphs"] += 1
+        graph.replay()
+        self.counts["decode_graph_replays"] += 1
+        return bucket["logits"]
+
+
 class Engine:
     """The scheduler: one thread runs steps. A step gives every job still reading its prompt one chunk (alone, on
     its own cache: a long prompt never holds up the others' decode), then one batched decode forward for every job
@@ -229,11 +323,13 @@ class Engine:
     preempts the sequence that arrived last (`_make_room`). With a prefix store (`prefix_cache_bytes`), a prompt
     starts from the longest stored prefix at a 512-token block or a whole earlier prompt (KDA snapshots written
     during prefill), and every prompt is stored when read. Short prompts that start together are read in one padded
-    forward (`_read_together`), long ones in lockstep (`_read_lockstep`)."""
+    forward (`_read_together`), long ones in lockstep (`_read_lockstep`). The decode forward (`decode_step`): "plain"
+    (the rows as they are, eagerly), "fixed" (at a bucket's fixed shapes, eagerly), "captured" (fixed, replayed from
+    CUDA graphs: `DecodeSteps`), "auto" (captured on one CUDA device with the routed experts on it, else plain)."""
 
     def __init__(self, model, tokenizer, max_requests: int = 16, prefill_chunk: int = 512,
                  max_context: int | None = None, prefix_cache_bytes: int | None = 1 << 30,
-                 max_cache_bytes: int | None = None, block_size: int = 64):
+                 max_cache_bytes: int | None = None, block_size: int = 64, decode_step: str = "auto"):
         # the model's own code (a folder loaded with trust_remote_code runs its copy): its cache and prefix store,
         # through the text model's module (a folder with a vision tower loads the multimodal one, which imports it)
         package = type(model).__module__.rpartition(".")[0]
@@ -253,7 +349,8 @@ class Engine:
         self.dtype_bytes = model.get_input_embeddings().weight.element_size()
         self.block_size = block_size
         self.paged = self.cache_code.KimiK3PagedCache(self.text_config, block_size=block_size,
-                                                      num_pages=self._pool_pages(max_cache_bytes, max_requests))
+                                                      num_pages=self._pool_pages(max_cache_bytes, max_requests),
+                                                      max_rows=max_requests)
         self.queue: deque[Job] = deque()
         self.reading: list[Job] = []  # prefilling, alone (a preempted job again, first in line)
         self.batch: list[Job] = []  # the rows of `paged`, in order
@@ -263,7 +360,8 @@ class Engine:
         self.stopped = False
         self.stats = {"steps": 0, "decode_forwards": 0, "rows_decoded": 0, "prefill_forwards": 0,
                       "prompt_tokens_computed": 0, "prompt_tokens_reused": 0, "regroups": 0, "preemptions": 0,
-                      "tokens_recomputed": 0, "latent_bytes_copied": 0, "pages_held": 0, "pages_shared": 0}
+                      "tokens_recomputed": 0, "latent_bytes_copied": 0, "pages_held": 0, "pages_shared": 0,
+                      "decode_graphs": 0, "decode_graph_replays": 0, "decode_padding_rows": 0}
         # a stored prompt -> the job whose row holds its latents in pages (it read the prompt and joined with it), by
         # weak references both ways (gone with the store's entry or the job): a later prompt that starts from it
         # shares that row's full pages (`_regroup`)
@@ -274,10 +372,30 @@ class Engine:
         # and whether it ended, so every rank runs the same forwards on the same caches (`Replicas`).
         self.replicas = Replicas.of(self.device)
         self.leader = self.replicas is None or self.replicas.rank == 0
+        self.decode_step = self._decode_step(decode_step)
+        self.steps = None if self.decode_step == "plain" else \
+            DecodeSteps(model, self.paged, capture=self.decode_step == "captured")
         self.by_key: dict[int, Job] = {}
         self.next_key = 0
         self.thread = threading.Thread(target=self._loop, name="kimik3-serve-engine", daemon=True)
         self.thread.start()
+
+    def _decode_step(self, asked: str) -> str:
+        """The decode forward `asked` for (`DECODE_STEPS`), "auto" resolved; a ValueError naming --decode-step where
+        it cannot run here."""
+        if asked not in DECODE_STEPS:
+            raise ValueError(f"decode_step={asked!r} (--decode-step) must be one of {', '.join(DECODE_STEPS)}")
+        # the host reads the routes of experts kept in host memory inside a forward: no graph holds that
+        offloaded = getattr(self.model, "experts_cache", None) is not None
+        capturable = self.device.type == "cuda" and self.replicas is None and not offloaded
+        if asked == "captured" and not capturable:
+            where = ("the model is not on a CUDA device" if self.device.type != "cuda" else "under tensor "
+                     "parallelism" if self.replicas is not None else "with the routed experts in host memory")
+            raise ValueError(f"decode_step='captured' (--decode-step captured): a CUDA graph cannot hold the decode "
+                             f"step {where}; use fixed or plain")
+        if asked == "auto":
+            return "captured" if capturable else "plain"
+        return asked
 
     def _pool_pages(self, max_cache_bytes: int | None, max_requests: int) -> int | None:
         """The pool's pages under a byte budget (None: no budget, a pool that grows): what the budget leaves after
@@ -767,12 +885,17 @@ class Engine:
         self._make_room()
         if not self.batch:
             return
-        ids = torch.tensor([[job.new_ids[-1]] for job in self.batch], device=self.device)
-        mask = self.paged.attention_mask(1).to(self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, past_key_values=self.paged, use_cache=True)
+        if self.steps is not None:
+            logits = self.steps.run([job.new_ids[-1] for job in self.batch])
+            self.stats.update(self.steps.counts)
+        else:
+            ids = torch.tensor([[job.new_ids[-1]] for job in self.batch], device=self.device)
+            mask = self.paged.attention_mask(1).to(self.device)
+            out = self.model(input_ids=ids, attention_mask=mask, past_key_values=self.paged, use_cache=True)
+            logits = out.logits[:, -1]
         self.stats["decode_forwards"] += 1
         self.stats["rows_decoded"] += len(self.batch)
-        for job, logits in zip(self.batch, out.logits[:, -1].float()):
+        for job, logits in zip(self.batch, logits.float()):
             if not job.done:
                 self._emit(job, logits)
 
@@ -959,8 +1082,11 @@ class App:
         @api.get("/health")
         async def health():
             alive = self.engine.thread.is_alive()
+            steps = self.engine.steps
             return JSONResponse({"status": "ok" if alive else "engine stopped", "model": self.model_name,
-                                 "busy": self.engine.busy(), "stats": dict(self.engine.stats)},
+                                 "busy": self.engine.busy(), "stats": dict(self.engine.stats),
+                                 "decode_step": self.engine.decode_step if steps is None or steps.capture_error is None
+                                 else "fixed", "capture_error": None if steps is None else steps.capture_error},
                                 status_code=200 if alive else 503)
 
         @api.get("/v1/models")
@@ -1282,7 +1408,7 @@ def tensor_parallel_options(plan: str) -> dict:
 def make_app(directory, model_name: str | None = None, max_requests: int = 16, prefill_chunk: int = 512,
              max_context: int | None = None, default_max_tokens: int = 256, prefix_cache_bytes: int | None = 1 << 30,
              max_cache_bytes: int | None = None, device: str | None = None, block_size: int = 64,
-             **load_options):
+             decode_step: str = "auto", **load_options):
     """(the FastAPI app, its engine) serving the folder `directory`, loaded as `kimik3 chat` loads it (the Auto
     classes with the folder's own code; `load_options` to `from_pretrained`)."""
     from kimik3.chat import load_chat
@@ -1294,7 +1420,8 @@ def make_app(directory, model_name: str | None = None, max_requests: int = 16, p
     if device:
         model.to(device)
     engine = Engine(model, tokenizer, max_requests=max_requests, prefill_chunk=prefill_chunk, max_context=max_context,
-                    prefix_cache_bytes=prefix_cache_bytes, max_cache_bytes=max_cache_bytes, block_size=block_size)
+                    prefix_cache_bytes=prefix_cache_bytes, max_cache_bytes=max_cache_bytes, block_size=block_size,
+                    decode_step=decode_step)
     processor, no_images = None, "this model has no vision tower"
     if getattr(model, "vision_tower", None) is not None:
         from kimik3.chat import ChatFolderError, check_vision_folder
@@ -1346,6 +1473,7 @@ def run(args) -> int:
                                prefill_chunk=args.prefill_chunk, max_context=args.max_model_len,
                                default_max_tokens=args.max_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
                                max_cache_bytes=args.max_cache_bytes, block_size=args.block_size,
+                               decode_step=args.decode_step,
                                experts_cache_bytes=args.experts_cache_bytes,
                                device=args.device, dtype=args.dtype, experts_offload=args.experts_offload,
                                experts_compute=args.experts_compute, tp_plan=args.tp_plan)

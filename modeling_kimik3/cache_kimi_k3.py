@@ -795,19 +795,95 @@ class KimiK3PagedLatentLayer:
             self.pages.zero_()
 
 
+
+class KimiK3SlotKDAStateLayer(KimiK3KDAStateLayer):
+    """KDA layer of a paged cache: row i's conv windows and f32 state in slot i of buffers that keep their addresses
+    ([capacity, ...]: `capacity` slots allocated with the first rows, twice as many whenever rows outgrow them).
+    Every forward rewrites the rows' slots in place; rows that leave are closed up (`keep`: the later rows move
+    down), so the rows are always the first `rows` slots and a fixed-shape step over the first n slots
+    (`KimiK3PagedStep`) reads and writes the same addresses at every step."""
+
+    is_compileable = True
+
+    def __init__(self, capacity: int | None = None):
+        self.capacity = capacity
+        self.slots: tuple[torch.Tensor, ...] | None = None  # the conv windows of q, k and v, then the state
+        self.rows = 0
+
+    @property
+    def conv_states(self) -> tuple[torch.Tensor, ...] | None:
+        return None if not self.rows else tuple(slot[: self.rows] for slot in self.slots[:-1])
+
+    @property
+    def recurrent_state(self) -> torch.Tensor | None:
+        return None if not self.rows else self.slots[-1][: self.rows]
+
+    def update(self, conv_states: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor) -> None:
+        for slot, value in zip(self.slots, (*conv_states, recurrent_state)):
+            slot[: value.shape[0]].copy_(value)
+
+    def append(self, conv_states: tuple[torch.Tensor, ...], recurrent_state: torch.Tensor) -> None:
+        """The rows of `conv_states` / `recurrent_state` ([k, ...] each) into the slots after the rows here."""
+        values = (*conv_states, recurrent_state.float())
+        count = values[-1].shape[0]
+        if self.slots is None or self.rows + count > self.slots[-1].shape[0]:
+            held = 0 if self.slots is None else self.slots[-1].shape[0]
+            capacity = max(self.rows + count, 2 * held, self.capacity or 0)
+            slots = tuple(value.new_zeros(capacity, *value.shape[1:]) for value in values)
+            for new, old in zip(slots, self.slots or ()):
+                new[: self.rows] = old[: self.rows]
+            self.slots = tuple(_static_address(slot) for slot in slots)
+        for slot, value in zip(self.slots, values):
+            slot[self.rows : self.rows + count] = value
+        self.rows += count
+
+    def keep(self, kept: list[int]) -> None:
+        """Only the rows `kept` (in order) stay, moved down to the first slots."""
+        if kept != list(range(len(kept))):
+            index = torch.tensor(kept, device=self.slots[-1].device)
+            for slot in self.slots:
+                slot[: len(kept)] = slot.index_select(0, index)
+        self.rows = len(kept)
+
+    def view(self, rows: int) -> "KimiK3SlotKDAStateLayer":
+        """The first `rows` slots as a layer of their own (a fixed-shape step's rows, padding included)."""
+        view = KimiK3SlotKDAStateLayer()
+        view.slots, view.rows = self.slots, rows
+        return view
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.slots or ()
+
+    def map_batch(self, fn) -> None:
+        raise NotImplementedError("KimiK3SlotKDAStateLayer: rows come and go with append / keep")
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows
+
+    def reset(self) -> None:
+        self.rows = 0  # the slots keep their addresses
+
+
 class KimiK3PagedCache(KimiK3Cache):
     """The running batch of a server (docs/design.md, Serving): `KimiK3PagedCache(config, block_size=64,
     num_pages=N)`. MLA latents live in a pool of `num_pages` pages of `block_size` tokens per MLA layer, and each row
     has a block table (the pages holding its tokens, in order); KDA states and conv windows are stacked per row, as
-    in the growing cache (fixed-size, rewritten by every forward). Between forwards rows come (`add_rows`: a
-    one-row growing cache's latents written into pages once) and go (`remove_rows`: their pages freed, no other
-    row's latents copied). A forward gives every row the same number of new, real tokens: they are appended into
+    in slots of fixed-address buffers (`KimiK3SlotKDAStateLayer`: fixed-size, rewritten in place by every forward;
+    `max_rows` slots allocated with the first rows, more when rows outgrow them). Between forwards rows come
+    (`add_rows`: a one-row growing cache's latents written into pages once, its states into the next slot) and go
+    (`remove_rows`: their pages freed, no other row's latents copied, the later rows' states moved down a slot). A forward gives every row the same number of new, real tokens: they are appended into
     each row's last page (a new page when it is full; `pages_needed` says how many a forward of T tokens takes),
     and each MLA layer reads its rows through their block tables, gathered and left-padded to the longest row (MLA
     has no positional encoding, so a row's padding changes nothing but the mask, `attention_mask`). Without
     `num_pages` the pool doubles when it runs out (one copy of the pool each time); with it, taking more pages than
     are free is an error: the caller frees pages first (the server preempts a sequence). It cannot crop, copy a
     prefix, record a rewind or reorder rows.
+
+    A decode step may also run at fixed shapes (`fixed_step`: the rows padded to a bucket, every row's keys to one
+    length), which a CUDA graph can capture and replay (docs/design.md, Serving, Captured decode steps): the caller
+    takes the step's pages (`reserve_pages(1)`), loads the rows' block tables into the step and, after the forward,
+    calls `advance(1)`.
 
     Rows may share pages (`add_rows(..., twins=)`: the `n` sequences of one request, which hold the same prompt;
     `shared=`: a row joining with a prefix whose latents another row's full pages hold, both from one stored prompt).
@@ -816,12 +892,15 @@ class KimiK3PagedCache(KimiK3Cache):
     row appends into its last page, so a partial last page is each row's own copy (copy-on-write taken at the join,
     where the rows are still equal), and a row's decode never writes a page another row reads."""
 
-    def __init__(self, config, block_size: int = 64, num_pages: int | None = None):
+    def __init__(self, config, block_size: int = 64, num_pages: int | None = None, max_rows: int | None = None):
         check_block_size(block_size)
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
             raise ValueError(f"KimiK3PagedCache: num_pages={num_pages!r} must be a whole number >= 1 (None: a pool "
                              "that grows)")
-        self.block_size, self.num_pages = block_size, num_pages
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+            raise ValueError(f"KimiK3PagedCache: max_rows={max_rows!r} must be a whole number >= 1 (None: slots for "
+                             "the rows as they come)")
+        self.block_size, self.num_pages, self.max_rows = block_size, num_pages, max_rows
         super().__init__(config)
         self.block_tables: list[list[int]] = []  # per row, the pages holding its tokens in order
         self.lengths: list[int] = []  # per row, the tokens it holds
@@ -832,8 +911,10 @@ class KimiK3PagedCache(KimiK3Cache):
         self._pool_pages = 0  # pages in each layer's pool, page 0 included
         self._step_slots: dict | None = None  # this forward's (write, read) slots, by device
 
-    def _new_layer(self, layer_type: str) -> KimiK3PagedLatentLayer | KimiK3KDAStateLayer:
-        return KimiK3KDAStateLayer() if layer_type == "linear_attention" else KimiK3PagedLatentLayer(self.block_size)
+    def _new_layer(self, layer_type: str) -> KimiK3PagedLatentLayer | KimiK3SlotKDAStateLayer:
+        if layer_type == "linear_attention":
+            return KimiK3SlotKDAStateLayer(self.max_rows)
+        return KimiK3PagedLatentLayer(self.block_size)
 
     @property
     def mla_layers(self) -> list[KimiK3PagedLatentLayer]:
@@ -970,16 +1051,13 @@ class KimiK3PagedCache(KimiK3Cache):
                     layer.write(slots, source.latents[0, start:])
                     self.latent_bytes_copied += source.latents[0, start:].nbytes
         for index in self.kda_layer_indices:
-            layer, rows = self.layers[index], [cache.layers[index] for cache in caches]
-            windows = [row.conv_states for row in rows]
-            states = [row.recurrent_state for row in rows]
-            if layer.recurrent_state is not None:
-                windows, states = [layer.conv_states, *windows], [layer.recurrent_state, *states]
-            layer.update(tuple(torch.cat(parts) for parts in zip(*windows)), torch.cat(states))
+            rows = [cache.layers[index] for cache in caches]
+            self.layers[index].append(tuple(torch.cat(parts) for parts in zip(*(row.conv_states for row in rows))),
+                                      torch.cat([row.recurrent_state for row in rows]))
 
     def remove_rows(self, rows: list[int]) -> None:
         """Drop the rows at `rows`: their pages go back to the free list (nothing is copied for the latents of the
-        rows that stay; their KDA states are restacked, as every forward rewrites them)."""
+        rows that stay; the KDA states of the rows after a gone one move down a slot)."""
         gone = set(rows)
         if not gone:
             return
@@ -991,13 +1069,7 @@ class KimiK3PagedCache(KimiK3Cache):
         self.block_tables = [self.block_tables[row] for row in kept]
         self.lengths = [self.lengths[row] for row in kept]
         for index in self.kda_layer_indices:
-            layer = self.layers[index]
-            if not kept:
-                layer.reset()
-                continue
-            keep = torch.tensor(kept, device=layer.recurrent_state.device)
-            layer.update(tuple(window.index_select(0, keep.to(window.device)) for window in layer.conv_states),
-                         layer.recurrent_state.index_select(0, keep))
+            self.layers[index].keep(kept)
 
     def attention_mask(self, num_tokens: int = 1) -> torch.Tensor:
         """[B, longest + num_tokens] long padding mask of a forward of `num_tokens` new tokens a row: 0 on each row's
@@ -1019,10 +1091,7 @@ class KimiK3PagedCache(KimiK3Cache):
         if token_mask is not None:
             raise ValueError("KimiK3PagedCache: every new token of a forward must be real (padding is the cache's: "
                              "pass attention_mask=cache.attention_mask(num_tokens))")
-        for row, length in enumerate(self.lengths):
-            missing = pages_for(length + num_tokens, self.block_size) - len(self.block_tables[row])
-            if missing > 0:
-                self.block_tables[row] += self._take(missing)
+        self.reserve_pages(num_tokens)
         # every row's tokens right-aligned at the longest row's end; the new ones are the last num_tokens columns
         lengths = torch.tensor(self.lengths) + num_tokens
         longest = int(lengths.max())
@@ -1040,6 +1109,13 @@ class KimiK3PagedCache(KimiK3Cache):
         write = read[:, longest - num_tokens:].reshape(-1)
         # moved once per device the MLA layers sit on (a model spread over devices), not once per layer
         self._step_slots = {pool.device: (write, read)}
+
+    def reserve_pages(self, num_tokens: int) -> None:
+        """Every row's pages for a forward of `num_tokens` more tokens (its last page's room, then new pages)."""
+        for row, length in enumerate(self.lengths):
+            missing = pages_for(length + num_tokens, self.block_size) - len(self.block_tables[row])
+            if missing > 0:
+                self.block_tables[row] += self._take(missing)
 
     def update_latents(self, latents: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """Write the [B, T, R + P] new latents into the rows' pages; returns every row's latents so far, gathered
@@ -1086,6 +1162,24 @@ class KimiK3PagedCache(KimiK3Cache):
         """Bytes of every MLA layer's pool, held or free (page 0 included)."""
         return sum(0 if layer.pages is None else layer.pages.nbytes for layer in self.mla_layers)
 
+    # ------------------------------------------------------------------------------------------------------------
+    # A decode step at fixed shapes
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors a fixed-shape step reads and writes: every MLA layer's pool and every KDA layer's slots (a
+        growing pool or more slots are new tensors: a step made before reads the old ones)."""
+        return [tensor for layer in self.layers for tensor in
+                (layer.buffers() if layer.is_linear else () if layer.pages is None else (layer.pages,))]
+
+    def slots_held(self) -> int:
+        """Rows the KDA layers' slots hold before they take more (the rows here before the first are allocated)."""
+        return min((len(self.lengths) if layer.slots is None else layer.slots[-1].shape[0]
+                    for layer in (self.layers[index] for index in self.kda_layer_indices)), default=len(self.lengths))
+
+    def fixed_step(self, rows: int, pages: int) -> "KimiK3PagedStep":
+        """A one-token decode step over the first `rows` rows (the rows here and padding after them, at most the
+        slots held) whose keys are `pages` pages long a row (at least the longest row's pages after the step)."""
+        return KimiK3PagedStep(self, rows, pages)
+
     def reset(self) -> None:
         """No rows; every page free (the pool stays allocated)."""
         for layer in self.layers:
@@ -1121,6 +1215,108 @@ class KimiK3PagedCache(KimiK3Cache):
 
     def split(self, key_mask):
         raise self._refuse("split")
+
+
+class KimiK3PagedStep(KimiK3Cache):
+    """A one-token decode step of a paged cache's rows at fixed shapes and addresses (`paged.fixed_step(rows,
+    pages)`), so that a CUDA graph can capture it once and replay it at every step whose rows and longest row fall in
+    the same bucket (docs/design.md, Serving, Captured decode steps).
+
+    It reads the paged cache's own storage: every MLA layer's pool of pages and the first `rows` slots of every KDA
+    layer (`KimiK3SlotKDAStateLayer.view`). The rows' block tables and token counts are the step's only inputs
+    besides the token ids, one device buffer ([rows, pages + 1]: the tables, then the tokens each row holds after
+    the step) that `load` fills from the host before each run; the slots a forward writes and reads, and which keys
+    are real, are computed from it inside the step (`begin_step`). Every row's keys are `pages * block_size` long,
+    its tokens first and masked keys after them (MLA has no positional encoding). A padding row (after the real
+    rows) holds one token in page 0: its one key reads zeros, it writes zeros back there (page 0 stays zero), and
+    its KDA slot holds whatever a row left there; nothing of it reaches a real row.
+
+    The step keeps no count of its own: the caller took the pages first (`reserve_pages(1)`) and advances the paged
+    cache after the forward (`advance(1)`), outside what a graph replays."""
+
+    is_static = True
+
+    def __init__(self, paged: KimiK3PagedCache, rows: int, pages: int):
+        held = paged.slots_held()
+        if not paged.batch_size or not paged.batch_size <= rows <= held:
+            raise ValueError(f"KimiK3PagedStep: {rows} rows for a cache of {paged.batch_size} rows in {held} slots")
+        needed = max((pages_for(length + 1, paged.block_size) for length in paged.lengths), default=1)
+        if pages < needed:
+            raise ValueError(f"KimiK3PagedStep: keys of {pages} pages a row; the longest row needs {needed}")
+        Cache.__init__(self, layers=[layer.view(rows) if layer.is_linear else layer for layer in paged.layers])
+        self._text_config, self.rewind = paged._text_config, None
+        self.block_size, self.rows, self.pages = paged.block_size, rows, pages
+        pool = paged.mla_layers[0].pages
+        self.inputs = torch.zeros(rows, pages + 1, dtype=torch.long, device=pool.device)
+        self._host = torch.zeros(rows, pages + 1, dtype=torch.long, pin_memory=pool.is_cuda)
+        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None  # this forward's (write, read) slots
+        self._valid: torch.Tensor | None = None  # [rows, keys], True on each row's tokens
+
+    def load(self, block_tables: list[list[int]], lengths: list[int]) -> None:
+        """The real rows' block tables and tokens held after the step (the padding rows: one token in page 0)."""
+        host = self._host
+        host.zero_()
+        host[:, -1] = 1
+        for row, (table, length) in enumerate(zip(block_tables, lengths)):
+            host[row, : len(table)] = torch.tensor(table)
+            host[row, -1] = length
+        self.inputs.copy_(host, non_blocking=True)
+
+    def is_fixed_shape_step(self, num_tokens: int) -> bool:
+        return num_tokens == 1
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return True
+
+    def begin_step(self, batch_size: int, num_tokens: int, token_mask: torch.Tensor | None,
+                   device: torch.device, input_ids: torch.Tensor | None = None) -> None:
+        """The slots of this forward from the loaded tables, on the device (nothing read by the host)."""
+        if (batch_size, num_tokens) != (self.rows, 1):
+            raise ValueError(f"KimiK3PagedStep: a forward of {batch_size} rows x {num_tokens} tokens on a step of "
+                             f"{self.rows} rows x 1 token")
+        tables, lengths = self.inputs[:, :-1], self.inputs[:, -1]
+        keys = torch.arange(self.pages * self.block_size, device=tables.device)
+        valid = keys[None] < lengths[:, None]
+        pages = tables.gather(1, (keys // self.block_size).expand(self.rows, -1))
+        read = torch.where(valid, pages * self.block_size + keys % self.block_size, 0)
+        write = read.gather(1, (lengths - 1)[:, None]).squeeze(1)  # a padding row: slot 0 (page 0)
+        self._slots, self._valid = (write, read), valid
+
+    def key_valid_mask(self, num_tokens: int = 1) -> torch.Tensor:
+        return self._valid[:, None, None, :]
+
+    def update_latents(self, latents: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Writes the rows' new latents into their pages (a padding row writes zeros into page 0); returns every
+        row's keys, [rows, pages * block_size, R + P]."""
+        layer = self.layers[layer_idx]
+        write, read = (slots.to(layer.pages.device) for slots in self._slots)
+        latents = latents.reshape(-1, latents.shape[-1])
+        layer.write(write, torch.where((write != 0)[:, None], latents, 0))
+        return layer.gather(read)
+
+    def advance(self, num_tokens: int) -> None:
+        pass  # the paged cache's count moves outside the replayed step
+
+    @property
+    def pending_tokens(self) -> int:
+        return 0
+
+    def records_step(self) -> bool:
+        return False
+
+    def snapshot_offsets(self) -> list[int]:
+        return []
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self.pages * self.block_size
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
 
 
 def paged_page_bytes(config, block_size: int, dtype_bytes: int = 2) -> int:
@@ -1159,6 +1355,7 @@ def snapshot_bytes(config, batch_size: int = 1, dtype_bytes: int = 2) -> int:
 __all__ = [
     "KimiK3Cache",
     "KimiK3PagedCache",
+    "KimiK3PagedStep",
     "KimiK3StaticCache",
     "analytic_cache_bytes",
     "paged_page_bytes",

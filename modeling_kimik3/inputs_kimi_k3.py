@@ -21,11 +21,16 @@ import torch
 from .cache_kimi_k3 import KimiK3Cache
 
 
+def capturing() -> bool:
+    """Whether CUDA is capturing a graph on this thread's stream (a host read there would end the capture)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def check_model_inputs(model, input_ids, inputs_embeds, attention_mask, cache) -> None:
     """Reject inputs that would otherwise fail deep inside a layer with an unrelated message, or silently give
     wrong outputs. Shape, dtype and cache-config checks cost nothing (under torch.compile they are decided at trace
-    time); the value checks read the inputs once, in a single host read, and are skipped while compiling, so the
-    static decode step stays one graph with no host synchronisation."""
+    time); the value checks read the inputs once, in a single host read, and are skipped while compiling or
+    capturing a CUDA graph, so the static decode step stays one graph with no host synchronisation."""
     for key, value in (("input_ids", input_ids), ("inputs_embeds", inputs_embeds),
                        ("attention_mask", attention_mask)):
         if value is not None and not isinstance(value, torch.Tensor):
@@ -78,7 +83,7 @@ def check_model_inputs(model, input_ids, inputs_embeds, attention_mask, cache) -
                     f"{tuple(inputs.shape)} and the cache holds {past_len} tokens: the mask must cover the "
                     f"cached and the new tokens, length {past_len} + {seq_len} = {past_len + seq_len}"
                 )
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or capturing():
         return
     # Every value check below is one flag (or the id range) in a single host read per forward: [low id, high id,
     # mask values other than 0/1, rows without a real token, media placeholders, non-finite real embeddings].

@@ -851,7 +851,11 @@ def test_a_twin_that_cannot_join_beside_its_first_sequence_reads_the_prompt_into
 @pytest.mark.parametrize("options, named", [
     ({"block_size": 0}, "block_size=0 (--block-size) must be a whole number of tokens >= 1"),
     ({"max_cache_bytes": 1000}, "max_cache_bytes=1,000 (--max-cache-bytes) holds no page"),
-], ids=["serve-block-size-not-positive", "serve-cache-budget-below-a-page"])
+    ({"decode_step": "graphs"}, "decode_step='graphs' (--decode-step) must be one of auto, plain, fixed, captured"),
+    ({"decode_step": "captured"}, "decode_step='captured' (--decode-step captured): a CUDA graph cannot hold the "
+                                  "decode step the model is not on a CUDA device; use fixed or plain"),
+], ids=["serve-block-size-not-positive", "serve-cache-budget-below-a-page", "serve-decode-step-unknown",
+        "serve-decode-step-captured-off-cuda"])
 def test_a_pool_that_cannot_work_is_refused_by_flag(server, options, named):
     from kimik3.serve import Engine
 
@@ -1275,3 +1279,139 @@ def test_a_group_of_short_prompts_posts_its_first_tokens_before_the_next_group_i
     assert forwards[1] < first_post[2] < forwards[2] and forwards[1] < first_post[3] < forwards[2]
     for job, ids in zip(jobs, prompts):
         assert job.new_ids == server.alone(ids, 3)
+
+
+def _paged_rows(code, model, prompts, size):
+    """A paged cache of a row a prompt (each read alone into a growing cache, then added) and each row's first
+    greedy token."""
+    paged = code.KimiK3PagedCache(model.config, block_size=size, max_rows=8)
+    caches, firsts = [], []
+    for ids in prompts:
+        cache = code.KimiK3Cache(model.config)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits
+        caches.append(cache)
+        firsts.append(int(logits[0, -1].argmax()))
+    paged.add_rows(caches)
+    return paged, firsts
+
+
+def test_a_fixed_shape_decode_step_computes_the_plain_steps_logits_and_touches_only_its_rows(server):
+    """`KimiK3PagedCache.fixed_step` (what a CUDA graph captures): three rows padded to four and their keys to a bucket
+    of more pages than the longest row holds give, step after step, the plain paged step's logits (fp32), write the
+    same latents into the rows' pages, leave page 0 zero and the rows' KDA slots as the plain step leaves them; the
+    padding row writes nothing a real row reads."""
+    from kimik3.serve import page_bucket
+
+    code, model, size = server.engine.cache_code, server.model, 4
+    prompts = [list(range(5, 8)), list(range(10, 31)), list(range(40, 49))]
+    plain, tokens = _paged_rows(code, model, prompts, size)
+    fixed, _ = _paged_rows(code, model, prompts, size)
+    kda = code.KimiK3PagedCache(model.config).kda_layer_indices[0]
+    slot_addresses = [slot.data_ptr() for slot in fixed.layers[kda].slots]
+    for _ in range(5):
+        ids = torch.tensor([[token] for token in tokens])
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=plain.attention_mask(1), past_key_values=plain,
+                         use_cache=True).logits[:, -1]
+            fixed.reserve_pages(1)
+            pages = page_bucket(max(map(len, fixed.block_tables))) + 2  # more keys than the longest row's
+            step = fixed.fixed_step(4, pages)
+            step.load(fixed.block_tables, [length + 1 for length in fixed.lengths])
+            padded = torch.cat([ids, torch.tensor([[77]])])  # the padding row's token: any id
+            got = model(input_ids=padded, past_key_values=step, use_cache=True).logits[:, -1]
+            fixed.advance(1)
+        torch.testing.assert_close(got[:3], want, rtol=0, atol=2e-5)
+        assert fixed.block_tables == plain.block_tables and fixed.lengths == plain.lengths
+        for ours, theirs in zip(fixed.mla_layers, plain.mla_layers):
+            assert not ours.pages[0].any()  # the padding row's latents went nowhere
+            held = torch.tensor(sorted(fixed.refs))
+            torch.testing.assert_close(ours.pages[held], theirs.pages[held], rtol=0, atol=2e-5)
+        for index in fixed.kda_layer_indices:
+            ours, theirs = fixed.layers[index], plain.layers[index]
+            for a, b in zip((*ours.conv_states, ours.recurrent_state), (*theirs.conv_states, theirs.recurrent_state)):
+                torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+        tokens = [int(row.argmax()) for row in want]
+    assert [slot.data_ptr() for slot in fixed.layers[kda].slots] == slot_addresses  # the same tensors throughout
+
+
+def test_the_paged_batchs_kda_slots_keep_their_addresses_as_rows_come_and_go(server):
+    """`KimiK3SlotKDAStateLayer`: a row leaving moves the later rows' states down a slot (their values, in order), a
+    row coming takes the next slot, and the buffers are the same tensors until rows outgrow them (twice the slots)."""
+    code, model = server.engine.cache_code, server.model
+    prompts = [list(range(5 + 10 * i, 12 + 10 * i)) for i in range(3)]
+    paged, _ = _paged_rows(code, model, prompts, 4)
+    index = paged.kda_layer_indices[0]
+    layer = paged.layers[index]
+    states = [layer.recurrent_state[row].clone() for row in range(3)]
+    addresses = [slot.data_ptr() for slot in layer.slots]
+    paged.remove_rows([0])
+    assert layer.rows == 2 and [slot.data_ptr() for slot in layer.slots] == addresses
+    torch.testing.assert_close(layer.recurrent_state, torch.stack(states[1:]), rtol=0, atol=0)
+    more, _ = _paged_rows(code, model, [list(range(90, 97))] * 7, 4)  # 9 rows: past the 8 slots
+    paged.add_rows([_one_row(code, model, list(range(90, 97)))])
+    assert layer.rows == 3 and [slot.data_ptr() for slot in layer.slots] == addresses
+    torch.testing.assert_close(layer.recurrent_state[2], more.layers[index].recurrent_state[0], rtol=0, atol=0)
+    paged.add_rows([_one_row(code, model, list(range(90, 97))) for _ in range(6)])
+    assert layer.rows == 9 and layer.slots[-1].shape[0] == 16 and layer.slots[-1].data_ptr() != addresses[-1]
+    torch.testing.assert_close(layer.recurrent_state[:2], torch.stack(states[1:]), rtol=0, atol=0)
+    assert paged.slots_held() == 16
+
+
+def _one_row(code, model, ids):
+    cache = code.KimiK3Cache(model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def test_the_engines_fixed_shape_steps_give_each_requests_greedy_tokens(server):
+    """The engine's decode forward at fixed shapes (`decode_step="fixed"`, what `captured` replays on CUDA): five
+    requests of different lengths and max_tokens, two joining a running batch, each with `generate()`'s greedy
+    tokens alone (fp32); rows were padded to the buckets; and a request whose client goes away leaves the others'
+    tokens as they were."""
+    from kimik3.serve import Engine
+
+    vocab = server.model.config.vocab_size
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, vocab - 300, (n,), generator=generator).tolist() for n in (7, 40, 90, 19, 61)]
+    new_tokens = [14, 5, 11, 9, 12]
+    engine = Engine(server.model, server.tokenizer, max_requests=6, prefill_chunk=32, block_size=4,
+                    prefix_cache_bytes=0, decode_step="fixed")
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            jobs = [Job(ids, Sampling(max_tokens=n, temperature=0.0), loop) for ids, n in zip(prompts, new_tokens)]
+            gone = Job(prompts[2], Sampling(max_tokens=40, temperature=0.0), loop)
+            for position, job in enumerate([*jobs[:3], gone, *jobs[3:]]):
+                if position == 4:  # the last two join a running batch
+                    while len(engine.batch) < 3:
+                        await asyncio.sleep(0.002)
+                    gone.cancel()
+                engine.submit([job])
+            for job in jobs:
+                while (item := await job.mailbox.get()) is not None:
+                    assert not isinstance(item, Exception), item
+            while engine.busy():
+                await asyncio.sleep(0.005)
+            return jobs
+
+        jobs = asyncio.run(run())
+        for job, ids, n in zip(jobs, prompts, new_tokens):
+            assert job.new_ids == server.alone(ids, n)
+        assert engine.stats["decode_padding_rows"] > 0 and engine.stats["decode_graphs"] == 0
+        assert engine.paged.pages_held == 0
+    finally:
+        engine.stop()
+
+
+def test_the_decode_steps_buckets_bound_the_padding():
+    """Rows padded to the next power of two (at most the slots held); keys to at most a quarter more pages than the
+    longest row needs, in at most four buckets per doubling past eight pages."""
+    from kimik3.serve import page_bucket, row_bucket
+
+    assert [row_bucket(rows, 6) for rows in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    buckets = [page_bucket(pages) for pages in range(1, 5000)]
+    assert all(pages <= bucket <= max(8, 1.25 * pages) for pages, bucket in zip(range(1, 5000), buckets))
+    for low in (16, 64, 1024):  # (low, 2 low]: four buckets
+        assert len({page_bucket(pages) for pages in range(low + 1, 2 * low + 1)}) == 4

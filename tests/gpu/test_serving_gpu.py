@@ -143,3 +143,52 @@ def test_the_servers_lockstep_reading_and_shared_pages_give_each_prompts_greedy_
         assert [job.new_ids for job in jobs] == [alone(first), alone(first + [7, 8, 9])]
     finally:
         engine.stop()
+
+
+def test_the_servers_captured_decode_steps_give_each_prompts_greedy_tokens_on_cuda(model):
+    """`kimik3 serve`'s decode steps replayed from CUDA graphs (`decode_step="captured"`, the default on one GPU), fp32:
+    five requests of different lengths and max_tokens joining and leaving (the rows padded to 1, 2, 4 or 8, the keys
+    to a bucket of pages), each with the greedy tokens of `generate()` alone; graphs were captured and replayed, no
+    capture failed, and the steps run eagerly at the same shapes (`fixed`) and as they are (`plain`) agree."""
+    import asyncio
+
+    from kimik3.serve import Engine, Job, Sampling
+
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 120, (length,), generator=generator).tolist() for length in (7, 40, 90, 19, 150)]
+    new_tokens = [20, 6, 30, 12, 25]
+
+    async def run(engine):
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, Sampling(max_tokens=n, temperature=0.0), loop) for ids, n in zip(prompts, new_tokens)]
+        for position, job in enumerate(jobs):
+            if position == 3:  # the last two join a running batch
+                while not engine.batch:
+                    await asyncio.sleep(0.002)
+            engine.submit([job])
+        for job in jobs:
+            while (item := await job.mailbox.get()) is not None:
+                assert not isinstance(item, Exception), item
+        return [job.new_ids for job in jobs]
+
+    def alone(ids, n):
+        out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    tokens = {}
+    for mode in ("captured", "fixed", "plain"):
+        engine = Engine(model, None, max_requests=8, prefill_chunk=64, block_size=16, prefix_cache_bytes=0,
+                        decode_step=mode)
+        try:
+            tokens[mode] = asyncio.run(run(engine))
+            if mode == "captured":
+                stats, steps = engine.stats, engine.steps
+                print({key: stats[key] for key in ("decode_forwards", "decode_graphs", "decode_graph_replays",
+                                                   "decode_padding_rows")})
+                assert steps.capture_error is None and steps.capture
+                # every bucket's second step is its capture; some bucket was replayed again after it
+                assert stats["decode_graphs"] >= 2 and stats["decode_graph_replays"] > stats["decode_graphs"]
+        finally:
+            engine.stop()
+    assert tokens["captured"] == [alone(ids, n) for ids, n in zip(prompts, new_tokens)]
+    assert tokens["fixed"] == tokens["captured"] and tokens["plain"] == tokens["captured"]
