@@ -120,6 +120,12 @@ def _forced_references() -> frozenset:
     return names
 
 
+def capturing() -> bool:
+    """Whether CUDA is capturing a graph on this thread's stream: like tracing under torch.compile, a host read of a
+    tensor's value there would end it (the reference ops take their sync-free forms)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def fast_path_allowed(name: str, *tensors: torch.Tensor | None) -> bool:
     """Whether FAST_OPS[name]'s declaration lets its fast twin run on these tensors (None entries are skipped; at
     least one tensor is needed). The one place where the declarations are read."""

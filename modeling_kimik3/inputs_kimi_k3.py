@@ -19,11 +19,7 @@ embedding, never its layers."""
 import torch
 
 from .cache_kimi_k3 import KimiK3Cache
-
-
-def capturing() -> bool:
-    """Whether CUDA is capturing a graph on this thread's stream (a host read there would end the capture)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+from .dispatch_kimi_k3 import capturing
 
 
 def check_model_inputs(model, input_ids, inputs_embeds, attention_mask, cache) -> None:

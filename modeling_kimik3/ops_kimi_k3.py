@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .dispatch_kimi_k3 import fast_op, fast_or_reference
+from .dispatch_kimi_k3 import capturing, fast_op, fast_or_reference
 
 
 def f32_island(fn):
@@ -464,9 +464,10 @@ def routed_experts(
 
     hidden_states [N, Dl]; top_indices / top_weights [N, k]; gate_up_proj [E, 2I, Dl] (gate/w1 rows first),
     down_proj [E, Dl, I]. Eagerly it loops over the experts that are hit (one host sync: a reference; the CUDA fast
-    path is sync-free); under torch.compile it gathers each token's k experts instead, which traces without a sync.
+    path is sync-free); under torch.compile or a CUDA graph's capture it gathers each token's k experts instead, which
+    runs without a sync.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or capturing():
         return _gathered_experts(hidden_states, top_indices, top_weights, gate_up_proj, down_proj, activation)
     num_tokens, top_k = top_indices.shape
     flat_experts = top_indices.reshape(-1)
