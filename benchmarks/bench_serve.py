@@ -217,7 +217,11 @@ def concurrency(model, args, prompts, levels, emit):
                     "capture_error": None if engine.steps is None else engine.steps.capture_error,
                     "greedy_equal_to_generate": same if level <= args.sequential else "not compared",
                     "same_tokens_as_first_mode": tokens_of[mode, level] == tokens_of[args.decode_steps.split(",")[0],
-                                                                                     level]})
+                                                                                     level],
+                    # where a row's greedy tokens first leave generate()'s (bf16: a near-tie rounded the other way)
+                    "first_difference_from_generate": [
+                        next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
+                        for (_, _, tokens), want in zip(rows, reference[1:])]})
         finally:
             engine.stop()
 

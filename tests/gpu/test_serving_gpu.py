@@ -192,3 +192,49 @@ def test_the_servers_captured_decode_steps_give_each_prompts_greedy_tokens_on_cu
             engine.stop()
     assert tokens["captured"] == [alone(ids, n) for ids, n in zip(prompts, new_tokens)]
     assert tokens["fixed"] == tokens["captured"] and tokens["plain"] == tokens["captured"]
+
+
+def test_the_servers_captured_decode_step_in_bf16_is_no_further_from_f32_than_the_plain_step(model):
+    """bf16 on the fast kernels: the captured fixed-shape step (rows padded to 4, keys to a bucket) and the plain
+    paged step, teacher-forced on the f32 model's tokens over 12 steps, each compared with the f32 model's logits
+    (its plain paged step): the captured step's logits are within the plain step's own distance from f32 (twice it,
+    plus bf16's step at the logits' scale), so a greedy token that differs between them differs at a near-tie that
+    bf16 rounding decides either way."""
+    import copy
+    import importlib
+
+    from kimik3.serve import DecodeSteps
+
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    code = importlib.import_module(type(model).__module__.rpartition(".")[0] + ".cache_kimi_k3")
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 120, (length,), generator=generator).tolist() for length in (7, 40, 90)]
+
+    def rows(of):
+        paged = code.KimiK3PagedCache(of.config, block_size=16, max_rows=8)
+        caches = []
+        for ids in prompts:
+            cache = code.KimiK3Cache(of.config)
+            with torch.no_grad():
+                of(input_ids=torch.tensor([ids], device="cuda"), past_key_values=cache, use_cache=True)
+            caches.append(cache)
+        paged.add_rows(caches)
+        return paged
+
+    exact, plain, captured = rows(model), rows(low), rows(low)
+    steps = DecodeSteps(low, captured, capture=True)
+    tokens = [5, 6, 7]
+    for _ in range(12):
+        ids = torch.tensor([[token] for token in tokens], device="cuda")
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=exact.attention_mask(1), past_key_values=exact,
+                         use_cache=True).logits[:, -1].float()
+            ours = low(input_ids=ids, attention_mask=plain.attention_mask(1), past_key_values=plain,
+                       use_cache=True).logits[:, -1].float()
+            got = steps.run(tokens).float()
+        rounding = (ours - want).abs().max().item()
+        gap = (got - ours).abs().max().item()
+        print(f"captured - plain {gap:.3e}; plain - f32 {rounding:.3e}")
+        assert gap <= 2 * rounding + want.abs().max().item() * 2 ** -8, (gap, rounding)
+        tokens = want.argmax(-1).tolist()
+    assert steps.capture_error is None and steps.counts["decode_graph_replays"] >= 10
