@@ -109,8 +109,8 @@ def main():
     parser.add_argument("--long-concurrency", type=int, default=8)
     parser.add_argument("--sections", default="concurrency,long,agent")
     parser.add_argument("--decode-steps", default=None,
-                        help="the engine's decode steps the concurrency section compares (default plain,captured on "
-                             "CUDA, plain,fixed on the CPU)")
+                        help="the engine's decode steps the concurrency section compares (default "
+                             "plain,captured,compiled on CUDA, plain,fixed on the CPU)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
 
@@ -132,7 +132,8 @@ def main():
         model = bench_k3.build(KimiK3ForCausalLM, bench_k3.k3_config(8, 64)).eval()
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.decode_steps is None:
-        args.decode_steps = "plain,captured" if torch.cuda.is_available() and not args.quick else "plain,fixed"
+        args.decode_steps = "plain,captured,compiled" if torch.cuda.is_available() and not args.quick else \
+            "plain,fixed"
     model.generation_config.eos_token_id = None  # every request runs its --new-tokens
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)

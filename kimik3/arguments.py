@@ -114,10 +114,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "pool that grows)")
     parser.add_argument("--block-size", type=positive_int, default=64,
                         help="tokens a page of MLA latents holds in the running batch's pool (default 64)")
-    parser.add_argument("--decode-step", choices=["auto", "plain", "fixed", "captured"], default="auto",
+    parser.add_argument("--decode-step", choices=["auto", "plain", "fixed", "captured", "compiled"], default="auto",
                         help="the batch's decode forward: captured (CUDA graphs replayed, the rows and keys padded to "
-                             "buckets), fixed (the same shapes, eager), plain (the rows as they are, eager); auto: "
-                             "captured on one CUDA device with the routed experts on it, else plain")
+                             "buckets), compiled (captured, torch.compile'd first: a compile a bucket), fixed (the "
+                             "same shapes, eager), plain (the rows as they are, eager); auto: captured on one CUDA "
+                             "device with the routed experts on it, else plain")
     parser.add_argument("--experts-offload", choices=["host", "disk"], default=None,
                         help="the load option experts_offload: routed experts kept in host memory or on disk")
     parser.add_argument("--experts-cache-bytes", type=experts_cache_bytes, default=None,

@@ -16,6 +16,7 @@ a CUDA graph captured once per bucket of rows and key length and replayed (`Deco
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import importlib
 import json
@@ -219,7 +220,7 @@ class Replicas:
         return token, code
 
 
-DECODE_STEPS = ("auto", "plain", "fixed", "captured")
+DECODE_STEPS = ("auto", "plain", "fixed", "captured", "compiled")
 
 
 def row_bucket(rows: int, slots: int) -> int:
@@ -237,6 +238,11 @@ def page_bucket(pages: int) -> int:
     return -(-pages // unit) * unit
 
 
+def _decode_logits(model, ids: torch.Tensor, step) -> torch.Tensor:
+    """The next-token logits of one decode forward of `ids` [rows, 1] on the fixed-shape step `step`."""
+    return model(input_ids=ids, past_key_values=step, use_cache=True).logits[:, -1]
+
+
 class DecodeSteps:
     """The batch's decode forward at fixed shapes (docs/design.md, Serving, Captured decode steps). The rows are
     padded to a bucket (`row_bucket`) and every row's keys to the longest row's pages' bucket (`page_bucket`), and
@@ -244,13 +250,33 @@ class DecodeSteps:
     it. With `capture` (CUDA) a bucket's first step runs eagerly on a side stream (kernels autotune, libraries take
     their workspaces), its second is captured as a CUDA graph, and every later one replays it: one launch a step
     instead of the forward's hundreds. A capture that fails (an op that reads a value on the host) turns capturing
-    off for the engine, by name in `capture_error` and a warning, and the steps run eagerly at the same shapes."""
+    off for the engine, by name in `capture_error` and a warning, and the steps run eagerly at the same shapes. With
+    `compile` the step is torch.compile'd before it is captured (one compile a bucket, at its first step: seconds,
+    while the engine waits), so the graphs replay fused kernels, as `generate()`'s decode loop does."""
 
-    def __init__(self, model, paged, capture: bool):
+    def __init__(self, model, paged, capture: bool, compile: bool = False):
         self.model, self.paged, self.capture = model, paged, capture
+        self.call = _decode_logits
+        if compile:
+            code = importlib.import_module(f"{type(model).__module__.rpartition('.')[0]}.generate_kimi_k3")
+            compiled = torch.compile(_decode_logits, fullgraph=True, dynamic=False)
+
+            def call(model, ids, step):  # a bucket is a shape: each compiles once, past dynamo's default limit
+                try:
+                    with torch._dynamo.config.patch(code._recompile_limits(256, 1024)):
+                        return compiled(model, ids, step)
+                except torch._dynamo.exc.TorchDynamoException as error:  # it did not compile: eager steps from here
+                    self.call, self.compile_error = _decode_logits, f"{type(error).__name__}: {error}"
+                    warnings.warn(f"kimik3 serve: the decode step did not compile ({self.compile_error}); it is "
+                                  "captured uncompiled", stacklevel=2)
+                    return _decode_logits(model, ids, step)
+
+            self.call = call
         self.buckets: dict[tuple[int, int], dict] = {}
+        self.addresses: tuple[int, ...] = ()  # the paged cache's tensors the buckets' steps read
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for every bucket's graph
         self.capture_error: str | None = None
+        self.compile_error: str | None = None
         self.counts = {"decode_graphs": 0, "decode_graph_replays": 0, "decode_padding_rows": 0}
 
     def run(self, tokens: list[int]) -> torch.Tensor:
@@ -261,24 +287,28 @@ class DecodeSteps:
         rows = len(tokens)
         shape = (row_bucket(rows, paged.slots_held()), page_bucket(max(map(len, paged.block_tables))))
         addresses = tuple(tensor.data_ptr() for tensor in paged.buffers())
+        if addresses != self.addresses:  # a grown pool or more slots: every step made (and graph captured) reads
+            self.buckets.clear()         # the tensors before them
+            self.addresses = addresses
         bucket = self.buckets.get(shape)
-        if bucket is None or bucket["addresses"] != addresses:  # a grown pool: the step's tensors are new ones
+        if bucket is None:
             step = paged.fixed_step(*shape)
             bucket = self.buckets[shape] = {
-                "addresses": addresses, "step": step, "graph": None, "warm": False, "logits": None,
+                "step": step, "graph": None, "warm": False, "logits": None,
                 "ids": torch.zeros(shape[0], 1, dtype=torch.long, device=step.inputs.device),
                 "host_ids": torch.zeros(shape[0], 1, dtype=torch.long, pin_memory=step.inputs.is_cuda)}
         bucket["host_ids"].zero_()
         bucket["host_ids"][:rows, 0] = torch.tensor(tokens)
         bucket["ids"].copy_(bucket["host_ids"], non_blocking=True)
         bucket["step"].load(paged.block_tables, [length + 1 for length in paged.lengths])
-        logits = self._forward(bucket)
+        with torch.cuda.device(bucket["ids"].device) if self.capture else contextlib.nullcontext():
+            logits = self._forward(bucket)  # (graphs and streams are made on the current device)
         paged.advance(1)
         self.counts["decode_padding_rows"] += shape[0] - rows
         return logits[:rows]
 
     def _call(self, bucket: dict) -> torch.Tensor:
-        return self.model(input_ids=bucket["ids"], past_key_values=bucket["step"], use_cache=True).logits[:, -1]
+        return self.call(self.model, bucket["ids"], bucket["step"])
 
     def _forward(self, bucket: dict) -> torch.Tensor:
         if not self.capture:
@@ -325,7 +355,8 @@ class Engine:
     during prefill), and every prompt is stored when read. Short prompts that start together are read in one padded
     forward (`_read_together`), long ones in lockstep (`_read_lockstep`). The decode forward (`decode_step`): "plain"
     (the rows as they are, eagerly), "fixed" (at a bucket's fixed shapes, eagerly), "captured" (fixed, replayed from
-    CUDA graphs: `DecodeSteps`), "auto" (captured on one CUDA device with the routed experts on it, else plain)."""
+    CUDA graphs: `DecodeSteps`), "compiled" (captured, torch.compile'd first), "auto" (captured on one CUDA device
+    with the routed experts on it, else plain)."""
 
     def __init__(self, model, tokenizer, max_requests: int = 16, prefill_chunk: int = 512,
                  max_context: int | None = None, prefix_cache_bytes: int | None = 1 << 30,
@@ -374,7 +405,8 @@ class Engine:
         self.leader = self.replicas is None or self.replicas.rank == 0
         self.decode_step = self._decode_step(decode_step)
         self.steps = None if self.decode_step == "plain" else \
-            DecodeSteps(model, self.paged, capture=self.decode_step == "captured")
+            DecodeSteps(model, self.paged, capture=self.decode_step in ("captured", "compiled"),
+                        compile=self.decode_step == "compiled")
         self.by_key: dict[int, Job] = {}
         self.next_key = 0
         self.thread = threading.Thread(target=self._loop, name="kimik3-serve-engine", daemon=True)
@@ -388,10 +420,10 @@ class Engine:
         # the host reads the routes of experts kept in host memory inside a forward: no graph holds that
         offloaded = getattr(self.model, "experts_cache", None) is not None
         capturable = self.device.type == "cuda" and self.replicas is None and not offloaded
-        if asked == "captured" and not capturable:
+        if asked in ("captured", "compiled") and not capturable:
             where = ("the model is not on a CUDA device" if self.device.type != "cuda" else "under tensor "
                      "parallelism" if self.replicas is not None else "with the routed experts in host memory")
-            raise ValueError(f"decode_step='captured' (--decode-step captured): a CUDA graph cannot hold the decode "
+            raise ValueError(f"decode_step={asked!r} (--decode-step {asked}): a CUDA graph cannot hold the decode "
                              f"step {where}; use fixed or plain")
         if asked == "auto":
             return "captured" if capturable else "plain"
@@ -1083,11 +1115,14 @@ class App:
         async def health():
             alive = self.engine.thread.is_alive()
             steps = self.engine.steps
+            errors = {"capture_error": None, "compile_error": None} if steps is None else \
+                {"capture_error": steps.capture_error, "compile_error": steps.compile_error}
+            # what the decode steps run as now: a capture or a compile that failed fell back by a step
+            running = "fixed" if errors["capture_error"] else "captured" if errors["compile_error"] else \
+                self.engine.decode_step
             return JSONResponse({"status": "ok" if alive else "engine stopped", "model": self.model_name,
                                  "busy": self.engine.busy(), "stats": dict(self.engine.stats),
-                                 "decode_step": self.engine.decode_step if steps is None or steps.capture_error is None
-                                 else "fixed", "capture_error": None if steps is None else steps.capture_error},
-                                status_code=200 if alive else 503)
+                                 "decode_step": running, **errors}, status_code=200 if alive else 503)
 
         @api.get("/v1/models")
         async def models():

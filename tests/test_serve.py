@@ -87,6 +87,8 @@ def test_models_and_health(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["model"] == MODEL
+    # "auto" off CUDA: the plain eager step, nothing to capture or compile
+    assert (health["decode_step"], health["capture_error"], health["compile_error"]) == ("plain", None, None)
 
 
 def test_concurrent_greedy_requests_equal_generate_of_each_alone(server):
@@ -851,7 +853,8 @@ def test_a_twin_that_cannot_join_beside_its_first_sequence_reads_the_prompt_into
 @pytest.mark.parametrize("options, named", [
     ({"block_size": 0}, "block_size=0 (--block-size) must be a whole number of tokens >= 1"),
     ({"max_cache_bytes": 1000}, "max_cache_bytes=1,000 (--max-cache-bytes) holds no page"),
-    ({"decode_step": "graphs"}, "decode_step='graphs' (--decode-step) must be one of auto, plain, fixed, captured"),
+    ({"decode_step": "graphs"}, "decode_step='graphs' (--decode-step) must be one of auto, plain, fixed, captured, "
+                                "compiled"),
     ({"decode_step": "captured"}, "decode_step='captured' (--decode-step captured): a CUDA graph cannot hold the "
                                   "decode step the model is not on a CUDA device; use fixed or plain"),
 ], ids=["serve-block-size-not-positive", "serve-cache-budget-below-a-page", "serve-decode-step-unknown",
@@ -1309,6 +1312,10 @@ def test_a_fixed_shape_decode_step_computes_the_plain_steps_logits_and_touches_o
     fixed, _ = _paged_rows(code, model, prompts, size)
     kda = code.KimiK3PagedCache(model.config).kda_layer_indices[0]
     slot_addresses = [slot.data_ptr() for slot in fixed.layers[kda].slots]
+    with pytest.raises(ValueError, match=r"KimiK3PagedStep: 2 rows for a cache of 3 rows in 8 slots"):
+        fixed.fixed_step(2, 8)
+    with pytest.raises(ValueError, match=r"KimiK3PagedStep: keys of 5 pages a row; the longest row needs 6"):
+        fixed.fixed_step(4, 5)  # 21 tokens + 1 at 4 a page
     for _ in range(5):
         ids = torch.tensor([[token] for token in tokens])
         with torch.no_grad():
@@ -1401,6 +1408,9 @@ def test_the_engines_fixed_shape_steps_give_each_requests_greedy_tokens(server):
             assert job.new_ids == server.alone(ids, n)
         assert engine.stats["decode_padding_rows"] > 0 and engine.stats["decode_graphs"] == 0
         assert engine.paged.pages_held == 0
+        # the pool grew while rows ran (a new tensor): the steps were made again on it (a graph would read the old)
+        assert engine.paged.pool_bytes_copied > 0
+        assert engine.steps.addresses == tuple(tensor.data_ptr() for tensor in engine.paged.buffers())
     finally:
         engine.stop()
 

@@ -238,3 +238,35 @@ def test_the_servers_captured_decode_step_in_bf16_is_no_further_from_f32_than_th
         assert gap <= 2 * rounding + want.abs().max().item() * 2 ** -8, (gap, rounding)
         tokens = want.argmax(-1).tolist()
     assert steps.capture_error is None and steps.counts["decode_graph_replays"] >= 10
+
+
+def test_the_servers_compiled_decode_steps_give_each_prompts_greedy_tokens_on_cuda(model):
+    """`decode_step="compiled"`: each bucket's step torch.compile'd (one graph, no break) and then captured; four
+    requests of different lengths, the greedy tokens of `generate()` alone (fp32), nothing fell back."""
+    import asyncio
+
+    from kimik3.serve import Engine, Job, Sampling
+
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 120, (length,), generator=generator).tolist() for length in (9, 50, 33, 70)]
+    engine = Engine(model, None, max_requests=4, prefill_chunk=64, block_size=16, prefix_cache_bytes=0,
+                    decode_step="compiled")
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, Sampling(max_tokens=10, temperature=0.0), loop) for ids in prompts]
+        engine.submit(jobs)
+        for job in jobs:
+            while (item := await job.mailbox.get()) is not None:
+                assert not isinstance(item, Exception), item
+        return [job.new_ids for job in jobs]
+
+    try:
+        tokens = asyncio.run(run())
+        assert engine.steps.compile_error is None and engine.steps.capture_error is None
+        assert engine.stats["decode_graph_replays"] > engine.stats["decode_graphs"] >= 1
+    finally:
+        engine.stop()
+    for ids, got in zip(prompts, tokens):
+        out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert got == out[0, len(ids):].tolist()
