@@ -189,11 +189,12 @@ def scripted(server):
     state = {}
 
     def hook(module, args, kwargs, output):
-        # each row's tokens after this forward: its attention mask's in a batched decode, else the cache's (every row
-        # of a forward without a mask holds as many: one prompt, or prompts read in lockstep)
-        mask = kwargs.get("attention_mask")
-        lengths = mask.sum(-1).tolist() if mask is not None else \
-            [kwargs["past_key_values"].get_seq_length()] * output.logits.shape[0]
+        # each row's tokens after this forward: its attention mask's in a batched decode, a fixed-shape decode step's
+        # own counts, else the cache's (every row of a forward without a mask holds as many: one prompt, or prompts
+        # read in lockstep)
+        mask, cache = kwargs.get("attention_mask"), kwargs["past_key_values"]
+        lengths = mask.sum(-1).tolist() if mask is not None else cache.inputs[:, -1].tolist() \
+            if type(cache).__name__ == "KimiK3PagedStep" else [cache.get_seq_length()] * output.logits.shape[0]
         for row, length in enumerate(lengths):
             position = length - state["prompt"]
             if 0 <= position < len(state["script"]):
