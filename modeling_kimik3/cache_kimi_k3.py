@@ -798,7 +798,8 @@ class KimiK3PagedLatentLayer:
 
 class KimiK3SlotKDAStateLayer(KimiK3KDAStateLayer):
     """KDA layer of a paged cache: row i's conv windows and f32 state in slot i of buffers that keep their addresses
-    ([capacity, ...]: `capacity` slots allocated with the first rows, twice as many whenever rows outgrow them).
+    ([slots, ...]: when rows outgrow them, new buffers of the next power of two of slots the rows need, at most
+    `capacity` unless the rows need more; the row buckets of a fixed-shape step are powers of two too).
     Every forward rewrites the rows' slots in place; rows that leave are closed up (`keep`: the later rows move
     down), so the rows are always the first `rows` slots and a fixed-shape step over the first n slots
     (`KimiK3PagedStep`) reads and writes the same addresses at every step."""
@@ -827,9 +828,10 @@ class KimiK3SlotKDAStateLayer(KimiK3KDAStateLayer):
         values = (*conv_states, recurrent_state.float())
         count = values[-1].shape[0]
         if self.slots is None or self.rows + count > self.slots[-1].shape[0]:
-            held = 0 if self.slots is None else self.slots[-1].shape[0]
-            capacity = max(self.rows + count, 2 * held, self.capacity or 0)
-            slots = tuple(value.new_zeros(capacity, *value.shape[1:]) for value in values)
+            needed = self.rows + count
+            wanted = 1 << (needed - 1).bit_length()
+            slots = max(needed, wanted if self.capacity is None else min(wanted, self.capacity))
+            slots = tuple(value.new_zeros(slots, *value.shape[1:]) for value in values)
             for new, old in zip(slots, self.slots or ()):
                 new[: self.rows] = old[: self.rows]
             self.slots = tuple(_static_address(slot) for slot in slots)
@@ -870,7 +872,7 @@ class KimiK3PagedCache(KimiK3Cache):
     num_pages=N)`. MLA latents live in a pool of `num_pages` pages of `block_size` tokens per MLA layer, and each row
     has a block table (the pages holding its tokens, in order); KDA states and conv windows are stacked per row, as
     in slots of fixed-address buffers (`KimiK3SlotKDAStateLayer`: fixed-size, rewritten in place by every forward;
-    `max_rows` slots allocated with the first rows, more when rows outgrow them). Between forwards rows come
+    a power of two of slots, more as rows come, at most `max_rows` where given). Between forwards rows come
     (`add_rows`: a one-row growing cache's latents written into pages once, its states into the next slot) and go
     (`remove_rows`: their pages freed, no other row's latents copied, the later rows' states moved down a slot). A forward gives every row the same number of new, real tokens: they are appended into
     each row's last page (a new page when it is full; `pages_needed` says how many a forward of T tokens takes),

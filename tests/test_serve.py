@@ -1313,8 +1313,9 @@ def test_a_fixed_shape_decode_step_computes_the_plain_steps_logits_and_touches_o
     fixed, _ = _paged_rows(code, model, prompts, size)
     kda = code.KimiK3PagedCache(model.config).kda_layer_indices[0]
     slot_addresses = [slot.data_ptr() for slot in fixed.layers[kda].slots]
-    with pytest.raises(ValueError, match=r"KimiK3PagedStep: 2 rows for a cache of 3 rows in 8 slots"):
-        fixed.fixed_step(2, 8)
+    for rows in (2, 5):  # fewer than the cache's rows; more than its slots (3 rows took 4)
+        with pytest.raises(ValueError, match=rf"KimiK3PagedStep: {rows} rows for a cache of 3 rows in 4 slots"):
+            fixed.fixed_step(rows, 8)
     with pytest.raises(ValueError, match=r"KimiK3PagedStep: keys of 5 pages a row; the longest row needs 6"):
         fixed.fixed_step(4, 5)  # 21 tokens + 1 at 4 a page
     for _ in range(5):
@@ -1345,7 +1346,8 @@ def test_a_fixed_shape_decode_step_computes_the_plain_steps_logits_and_touches_o
 
 def test_the_paged_batchs_kda_slots_keep_their_addresses_as_rows_come_and_go(server):
     """`KimiK3SlotKDAStateLayer`: a row leaving moves the later rows' states down a slot (their values, in order), a
-    row coming takes the next slot, and the buffers are the same tensors until rows outgrow them (twice the slots)."""
+    row coming takes the next slot, and the buffers are the same tensors until rows outgrow them (then the next power
+    of two of slots, at most max_rows=8 unless the rows need more)."""
     code, model = server.engine.cache_code, server.model
     prompts = [list(range(5 + 10 * i, 12 + 10 * i)) for i in range(3)]
     paged, _ = _paged_rows(code, model, prompts, 4)
@@ -1360,10 +1362,14 @@ def test_the_paged_batchs_kda_slots_keep_their_addresses_as_rows_come_and_go(ser
     paged.add_rows([_one_row(code, model, list(range(90, 97)))])
     assert layer.rows == 3 and [slot.data_ptr() for slot in layer.slots] == addresses
     torch.testing.assert_close(layer.recurrent_state[2], more.layers[index].recurrent_state[0], rtol=0, atol=0)
-    paged.add_rows([_one_row(code, model, list(range(90, 97))) for _ in range(6)])
-    assert layer.rows == 9 and layer.slots[-1].shape[0] == 16 and layer.slots[-1].data_ptr() != addresses[-1]
+    assert layer.slots[-1].shape[0] == 4  # 3 rows came first: 4 slots
+    paged.add_rows([_one_row(code, model, list(range(90, 97)))])
+    assert layer.rows == 4 and [slot.data_ptr() for slot in layer.slots] == addresses
+    paged.add_rows([_one_row(code, model, list(range(90, 97))) for _ in range(2)])
+    assert layer.rows == 6 and layer.slots[-1].shape[0] == 8 and layer.slots[-1].data_ptr() != addresses[-1]
     torch.testing.assert_close(layer.recurrent_state[:2], torch.stack(states[1:]), rtol=0, atol=0)
-    assert paged.slots_held() == 16
+    paged.add_rows([_one_row(code, model, list(range(90, 97))) for _ in range(3)])
+    assert layer.rows == 9 and paged.slots_held() == 9  # past max_rows: what the rows need
 
 
 def _one_row(code, model, ids):
