@@ -1256,6 +1256,10 @@ class KimiK3PagedStep(KimiK3Cache):
 
     def load(self, block_tables: list[list[int]], lengths: list[int]) -> None:
         """The real rows' block tables and tokens held after the step (the padding rows: one token in page 0)."""
+        if len(block_tables) > self.rows or any(len(table) > self.pages for table in block_tables):
+            raise ValueError(f"KimiK3PagedStep.load: {len(block_tables)} rows of up to "
+                             f"{max(map(len, block_tables), default=0)} pages for a step of {self.rows} rows of "
+                             f"{self.pages} pages (make the step for the rows' bucket: fixed_step)")
         host = self._host
         host.zero_()
         host[:, -1] = 1

@@ -1318,6 +1318,10 @@ def test_a_fixed_shape_decode_step_computes_the_plain_steps_logits_and_touches_o
             fixed.fixed_step(rows, 8)
     with pytest.raises(ValueError, match=r"KimiK3PagedStep: keys of 5 pages a row; the longest row needs 6"):
         fixed.fixed_step(4, 5)  # 21 tokens + 1 at 4 a page
+    step = fixed.fixed_step(4, 6)
+    for tables, named in (([[1] * 7, [2], [3]], "3 rows of up to 7 pages"), ([[1]] * 5, "5 rows of up to 1 pages")):
+        with pytest.raises(ValueError, match=rf"KimiK3PagedStep.load: {named} for a step of 4 rows of 6 pages"):
+            step.load(tables, [1] * len(tables))
     for _ in range(5):
         ids = torch.tensor([[token] for token in tokens])
         with torch.no_grad():
