@@ -54,7 +54,7 @@ def sync():
 
 async def run_jobs(engine, prompts, new_tokens, stagger=0.0):
     """Submits one greedy job a prompt; returns per job (seconds to the first token, seconds to the end, tokens)."""
-    from kimik3.serve import Job, Sampling
+    from kimik3.engine import Job, Sampling
 
     loop = asyncio.get_running_loop()
     start = time.perf_counter()
@@ -114,7 +114,7 @@ def main():
     args = parser.parse_args()
     sections = set(args.sections.split(","))
 
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     if args.quick:
         from kimik3.tiny import build_tiny_model
@@ -178,7 +178,7 @@ def main():
 
 
 def concurrency(model, args, prompts, levels, emit):
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     times, reference = sequential(model, prompts[:1] + prompts[:args.sequential], args.new_tokens)
     per_request = sorted(times[1:])[len(times[1:]) // 2]  # after one warm-up
@@ -228,7 +228,7 @@ def concurrency(model, args, prompts, levels, emit):
 
 
 def agent(model, args, ids, emit):
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     prefix = ids(args.shared_prefix)
     # the first session is a warm-up (kernels autotuned for the prefill's snapshot offsets and the turns' lengths)

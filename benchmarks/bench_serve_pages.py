@@ -47,7 +47,7 @@ import torch
 
 def regroup(max_cache_bytes: int | None, block_size: int) -> dict:
     from kimik3.chat import load_chat
-    from kimik3.serve import Engine, Job, Sampling
+    from kimik3.engine import Engine, Job, Sampling
     from kimik3.tiny import write_tiny_folder
 
     folder = tempfile.mkdtemp() + "/tiny"
@@ -95,7 +95,7 @@ def regroup(max_cache_bytes: int | None, block_size: int) -> dict:
 
 def twins(block_size: int) -> dict:
     from kimik3.chat import load_chat
-    from kimik3.serve import Engine, Job, Sampling
+    from kimik3.engine import Engine, Job, Sampling
     from kimik3.tiny import write_tiny_folder
 
     folder = tempfile.mkdtemp() + "/tiny"
@@ -144,7 +144,7 @@ def twins(block_size: int) -> dict:
 
 def sessions(block_size: int) -> dict:
     from kimik3.chat import load_chat
-    from kimik3.serve import Engine, Job, Sampling
+    from kimik3.engine import Engine, Job, Sampling
     from kimik3.tiny import write_tiny_folder
 
     folder = tempfile.mkdtemp() + "/tiny"

@@ -22,7 +22,8 @@ import torch
 import uvicorn
 
 from kimik3.chat_format import encode_chat, render_text
-from kimik3.serve import Job, Sampling, TextSoFar, make_app, stop_at
+from kimik3.engine import Job, Sampling, TextSoFar, stop_at
+from kimik3.serve import make_app
 from kimik3.tiny import write_tiny_folder
 from k3_test_utils import data_url, noise_image
 
@@ -551,7 +552,7 @@ def test_a_byte_budget_preempts_the_sequence_that_arrived_last_and_its_tokens_do
     caches do not fit together, and when a decode step finds no free page the one that arrived last gives its pages
     up, is read again later (its prompt from the prefix store, then the tokens it had produced) and goes on; every
     client gets generate()'s greedy tokens. A sequence the pool could never hold is a 400 naming the budget."""
-    from kimik3.serve import Engine, ServeError
+    from kimik3.engine import Engine, ServeError
 
     size, pool = 4, 12
     engine = Engine(server.model, server.tokenizer, max_requests=3, prefill_chunk=16, block_size=size,
@@ -666,7 +667,7 @@ def test_the_n_sequences_of_a_request_share_the_prompts_pages_and_keep_their_tok
     page each (exact bytes), pages held count the shared pages once at every decode step and all are free at the end;
     greedy twins give generate()'s tokens, seeded sampled twins (seed + index) the tokens of three n=1 requests with
     their seeds, which share nothing."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     size, ids = 4, list(range(5, 19))  # 14 tokens: 3 full pages and 2 tokens of a fourth
     row_bytes = server.model.config.mla_cache_dim * 4  # a token's latents in the one MLA layer (fp32)
@@ -714,7 +715,7 @@ def test_a_prompt_that_starts_from_a_running_rows_stored_prompt_holds_its_full_p
     writing them. The latents written into pages are B's own tokens after them, the pages held count the shared ones
     once at every step both run, B keeps them when A leaves first, both give generate()'s tokens, and every page is
     free at the end. C starts from the same stored prompt after A has left: nothing to share, written whole."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     size, vocab = 4, server.model.config.vocab_size
     first = torch.randint(3, vocab - 300, (30,), generator=torch.Generator().manual_seed(9)).tolist()  # 7 pages + 2
@@ -770,7 +771,7 @@ def test_a_prompt_that_starts_from_a_running_rows_stored_prompt_holds_its_full_p
 def test_a_preempted_row_holds_no_stored_prompt_for_later_prompts(server):
     """A row that is preempted is read again, perhaps from another stored prompt's latents: it no longer stands for the
     prompt it stored, so a later prompt that starts from that prompt shares none of its pages."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     engine = Engine(server.model, server.tokenizer, max_requests=2, prefill_chunk=16, block_size=4)
     engine.stop()  # its state driven here, not by its thread
@@ -794,7 +795,7 @@ def test_a_twin_preempted_under_a_byte_budget_frees_only_its_own_pages_and_keeps
     preempted while it shares the prompt's pages; it gives up only the pages no other row holds (none is freed twice
     or while held), is read again and rejoins, and every sequence ends with generate()'s tokens and every page
     free."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     # 12 tokens: 3 whole pages shared (a twin sets no page aside while it reads); 23 at the end, 6 + 3 + 3 pages
     size, pool, ids = 4, 10, list(range(5, 17))
@@ -829,7 +830,7 @@ def test_a_twin_that_cannot_join_beside_its_first_sequence_reads_the_prompt_into
     """Under a pool that holds one sequence, the twin (which would set aside only its partial page) cannot start
     beside its first sequence: it waits, then reads the prompt itself, setting its full pages aside anew; both get
     generate()'s tokens, each prompt is written into pages whole, and no page is left held."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     size, pool, ids = 4, 4, list(range(5, 19))  # 14 tokens + 2: 4 pages, the whole pool
     engine = Engine(server.model, server.tokenizer, max_requests=2, prefill_chunk=16, block_size=size,
@@ -861,7 +862,7 @@ def test_a_twin_that_cannot_join_beside_its_first_sequence_reads_the_prompt_into
 ], ids=["serve-block-size-not-positive", "serve-cache-budget-below-a-page", "serve-decode-step-unknown",
         "serve-decode-step-captured-off-cuda"])
 def test_a_pool_that_cannot_work_is_refused_by_flag(server, options, named):
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     with pytest.raises(ValueError, match=re.escape(named)):
         Engine(server.model, server.tokenizer, max_requests=2, **options)
@@ -1042,7 +1043,7 @@ def test_the_command_serves_from_a_process_of_its_own_and_stops_cleanly(folder, 
 def test_an_engine_without_a_tokenizer_counts_tokens(server):
     """The engine driven directly, as benchmarks/bench_serve.py drives it on a random-weight model with no
     tokenizer: its jobs get generate()'s greedy tokens (there is no text to decode, no stop sequence to look for)."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     engine = Engine(server.model, None, max_requests=2, prefill_chunk=16, prefix_cache_bytes=0)
 
@@ -1103,7 +1104,7 @@ def test_short_prompts_that_come_together_are_read_in_one_forward(server):
     """Fresh prompts that fit in a chunk, taken in at one step, are read in one left-padded forward and split into
     their own caches: each job's greedy tokens are generate()'s of it alone, and a later prompt extending one of them
     starts from that prompt stored whole."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     engine = Engine(server.model, server.tokenizer, max_requests=8, prefill_chunk=64)
     prompts = [[5, 6, 7], list(range(10, 30)), list(range(40, 51))]  # padded to 20 tokens: 3 x 20 <= 64
@@ -1135,7 +1136,7 @@ def test_long_prompts_that_start_together_are_read_in_lockstep(server):
     130 tokens under a 48-token chunk take 4 forwards (48, 48, 4, 30) where alone they take 9, and each gets
     generate()'s tokens. A row whose client goes away leaves the batch and its request ends; a forward that fails sends
     its rows to read alone, so only the prompt that fails ends its request."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     vocab = server.model.config.vocab_size
     generator = torch.Generator().manual_seed(21)
@@ -1226,7 +1227,7 @@ def test_prompts_read_in_lockstep_leave_the_stores_block_snapshots_in_each_rows_
     """Two 600-token prompts read in one batch under 256-token chunks (256, 256, 88: the KDA snapshot at the store's
     512-token block end written for both rows in the batch's second forward) are each stored with their own snapshot:
     a later prompt that shares the first 520 tokens of one starts from its block at 512 and gets generate()'s tokens."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     vocab = server.model.config.vocab_size
     generator = torch.Generator().manual_seed(23)
@@ -1250,7 +1251,7 @@ def test_a_group_of_short_prompts_posts_its_first_tokens_before_the_next_group_i
     first tokens reach their mailboxes right after its forward, before the second group's forward runs (posting
     every first token after the last group's forward made a burst's mean time to first token that of all its
     groups), and every job gets generate()'s tokens of it alone."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     engine = Engine(server.model, server.tokenizer, max_requests=8, prefill_chunk=40, prefix_cache_bytes=None)
     prompts = [list(range(10 + 20 * i, 30 + 20 * i)) for i in range(4)]
@@ -1305,7 +1306,7 @@ def test_a_fixed_shape_decode_step_computes_the_plain_steps_logits_and_touches_o
     of more pages than the longest row holds give, step after step, the plain paged step's logits (fp32), write the
     same latents into the rows' pages, leave page 0 zero and the rows' KDA slots as the plain step leaves them; the
     padding row writes nothing a real row reads."""
-    from kimik3.serve import page_bucket
+    from kimik3.engine import page_bucket
 
     code, model, size = server.engine.cache_code, server.model, 4
     prompts = [list(range(5, 8)), list(range(10, 31)), list(range(40, 49))]
@@ -1388,7 +1389,7 @@ def test_the_engines_fixed_shape_steps_give_each_requests_greedy_tokens(server):
     requests of different lengths and max_tokens, two joining a running batch, each with `generate()`'s greedy
     tokens alone (fp32); rows were padded to the buckets; and a request whose client goes away leaves the others'
     tokens as they were."""
-    from kimik3.serve import Engine
+    from kimik3.engine import Engine
 
     vocab = server.model.config.vocab_size
     generator = torch.Generator().manual_seed(8)
@@ -1429,7 +1430,7 @@ def test_the_engines_fixed_shape_steps_give_each_requests_greedy_tokens(server):
 def test_the_decode_steps_buckets_bound_the_padding():
     """Rows padded to the next power of two (at most the slots held); keys to at most a quarter more pages than the
     longest row needs, in at most four buckets per doubling past eight pages."""
-    from kimik3.serve import page_bucket, row_bucket
+    from kimik3.engine import page_bucket, row_bucket
 
     assert [row_bucket(rows, 6) for rows in range(1, 7)] == [1, 2, 4, 4, 6, 6]
     buckets = [page_bucket(pages) for pages in range(1, 5000)]

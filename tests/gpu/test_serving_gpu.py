@@ -106,7 +106,7 @@ def test_the_servers_lockstep_reading_and_shared_pages_give_each_prompts_greedy_
     from its stored prompt and joins holding its full pages; each gives the greedy tokens of `generate()` alone."""
     import asyncio
 
-    from kimik3.serve import Engine, Job, Sampling
+    from kimik3.engine import Engine, Job, Sampling
 
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 120, (length,), generator=generator).tolist() for length in (100, 130, 130)]
@@ -152,7 +152,7 @@ def test_the_servers_captured_decode_steps_give_each_prompts_greedy_tokens_on_cu
     capture failed, and the steps run eagerly at the same shapes (`fixed`) and as they are (`plain`) agree."""
     import asyncio
 
-    from kimik3.serve import Engine, Job, Sampling
+    from kimik3.engine import Engine, Job, Sampling
 
     generator = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 120, (length,), generator=generator).tolist() for length in (7, 40, 90, 19, 150)]
@@ -203,7 +203,7 @@ def test_the_servers_captured_decode_step_in_bf16_is_no_further_from_f32_than_th
     import copy
     import importlib
 
-    from kimik3.serve import DecodeSteps
+    from kimik3.engine import DecodeSteps
 
     low = copy.deepcopy(model).to(torch.bfloat16)
     code = importlib.import_module(type(model).__module__.rpartition(".")[0] + ".cache_kimi_k3")
@@ -245,7 +245,7 @@ def test_the_servers_compiled_decode_steps_give_each_prompts_greedy_tokens_on_cu
     requests of different lengths, the greedy tokens of `generate()` alone (fp32), nothing fell back."""
     import asyncio
 
-    from kimik3.serve import Engine, Job, Sampling
+    from kimik3.engine import Engine, Job, Sampling
 
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 120, (length,), generator=generator).tolist() for length in (9, 50, 33, 70)]
