@@ -26,6 +26,7 @@ DIR: a model folder's tokenizer (kimik3 tiny writes one). Run it under two insta
 
 import argparse
 import asyncio
+import functools
 import json
 import platform
 import time
@@ -52,7 +53,10 @@ def main():
     script = tokenizer.encode("".join([sentence] * (args.tokens // 8)) + "<|close|>think<|sep|><|open|>response<|sep|>"
                               + "".join([sentence] * 4), add_special_tokens=False)[:args.tokens]
     vocab = max(len(tokenizer), max(script) + 1)
-    engine = types.SimpleNamespace(tokenizer=tokenizer, eos=set(), _sample=serve.Engine._sample)
+    # the engine's side of a token without a model or its thread: one process (no replicas), the leader
+    engine = types.SimpleNamespace(tokenizer=tokenizer, eos=set(), _sample=serve.Engine._sample, leader=True,
+                                   replicas=None)
+    engine._choose = functools.partial(serve.Engine._choose, engine)
     times = []
 
     async def run():

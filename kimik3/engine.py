@@ -914,18 +914,34 @@ class Engine:
             logits = out.logits[:, -1]
         self.stats["decode_forwards"] += 1
         self.stats["rows_decoded"] += len(self.batch)
-        for job, logits in zip(self.batch, logits.float()):
-            if not job.done:
-                self._emit(job, logits)
+        self._emit_rows(self.batch, logits)
 
-    def _emit(self, job: Job, logits: torch.Tensor) -> None:
+    def _emit_rows(self, jobs: list[Job], logits: torch.Tensor) -> None:
+        """`_emit` for each job still running, from its row of `logits` [rows, vocab]: whether each row is finite and
+        its greedy token are read in one host read for the batch, and the rows that sample or report logprobs (which
+        read the whole row) cross to the host together, instead of a read or two a row. A row whose logits are not
+        all finite ends its own request (HTTP 500, by name); the rows are independent, so the others go on."""
+        rows = logits.float()
+        finite, greedy = torch.stack([torch.isfinite(rows).all(-1).long(), rows.argmax(-1)]).tolist()
+        whole = [row for row, job in enumerate(jobs) if job.sampling.temperature != 0 or
+                 job.sampling.logprobs is not None]
+        on_host = dict(zip(whole, rows[whole].cpu())) if whole else {}
+        for row, job in enumerate(jobs):
+            if job.done:
+                continue
+            try:
+                self._emit(job, on_host.get(row, rows[row]), (bool(finite[row]), greedy[row]))
+            except FloatingPointError as error:  # this row's logits alone: its request ends by name, the others go on
+                self._fail(job, error)
+
+    def _emit(self, job: Job, logits: torch.Tensor, read: tuple[bool, int] | None = None) -> None:
         """Samples the job's next token from `logits` (f32), posts it, and decides whether the job ends here: the
         leader does, and tells the other ranks (`Replicas.share`), whose copy of the job takes the same token and
-        end."""
+        end. `read`: whether the logits are finite and their greedy token, where the caller read them already."""
         failed = None
         if self.leader:
             try:
-                finite = self._choose(job, logits)
+                finite = self._choose(job, logits, read)
             except Exception as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised here
                 if self.replicas is None:
                     raise
@@ -945,11 +961,12 @@ class Engine:
         if not finite:  # never a token picked from NaN: the request ends by name
             raise FloatingPointError(f"the model's logits hold non-finite values after {len(job.new_ids)} tokens")
 
-    def _choose(self, job: Job, logits: torch.Tensor) -> bool:
+    def _choose(self, job: Job, logits: torch.Tensor, read: tuple[bool, int] | None = None) -> bool:
         """`_emit`'s choice on the leader; False (nothing chosen) for logits that are not all finite."""
-        if not bool(torch.isfinite(logits).all()):
+        finite, greedy = read if read is not None else (bool(torch.isfinite(logits).all()), None)
+        if not finite:
             return False
-        token = self._sample(logits, job)
+        token = greedy if greedy is not None and job.sampling.temperature == 0 else self._sample(logits, job)
         job.new_ids.append(token)
         if job.sampling.logprobs is not None:
             logprobs = torch.log_softmax(logits.cpu(), dim=-1)

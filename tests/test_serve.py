@@ -22,7 +22,7 @@ import torch
 import uvicorn
 
 from kimik3.chat_format import encode_chat, render_text
-from kimik3.engine import Job, Sampling, TextSoFar, stop_at
+from kimik3.engine import Job, Sampling, ServeError, TextSoFar, stop_at
 from kimik3.serve import make_app
 from kimik3.tiny import write_tiny_folder
 from k3_test_utils import data_url, noise_image
@@ -455,6 +455,49 @@ def test_a_forward_that_fails_ends_its_request_alone_and_the_server_goes_on(serv
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
 
 
+def test_a_row_whose_logits_go_non_finite_in_a_batched_step_ends_its_request_alone(server):
+    """Two greedy requests decoding in one batch; at the third decode step the first row's logits are NaN (as a
+    failing kernel would leave them): its request ends with an error naming non-finite logits, the other keeps
+    `generate()`'s tokens to its end, and the engine goes on serving."""
+    from kimik3.engine import Engine
+
+    prompts = [list(range(5, 17)), list(range(40, 61))]
+    engine = Engine(server.model, server.tokenizer, max_requests=2, prefill_chunk=64, prefix_cache_bytes=0)
+    emit_rows, steps = engine._emit_rows, []
+
+    def poisoned(jobs, logits):
+        steps.append(len(jobs))
+        if len(steps) == 3:
+            logits = logits.clone()
+            logits[0] = float("nan")
+        emit_rows(jobs, logits)
+
+    engine._emit_rows = poisoned
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            jobs = [Job(ids, Sampling(max_tokens=8, temperature=0.0), loop) for ids in prompts]
+            engine.submit(jobs)
+            outcomes = []
+            for job in jobs:
+                items = []
+                while (item := await job.mailbox.get()) is not None:
+                    items.append(item)
+                outcomes.append(items)
+            return jobs, outcomes
+
+        jobs, outcomes = asyncio.run(run())
+        assert steps[:3] == [2, 2, 2]  # both rows were in the poisoned step
+        failed, good = outcomes
+        assert isinstance(failed[-1], ServeError) and failed[-1].status == 500
+        assert "non-finite values after 3 tokens" in failed[-1].message and jobs[0].finish_reason == "error"
+        assert good == server.alone(prompts[1], 8) and jobs[1].finish_reason == "length"
+        [after] = _greedy_each(engine, [prompts[0]], 4)
+        assert after.new_ids == server.alone(prompts[0], 4)  # the engine serves on
+    finally:
+        engine.stop()
+
+
 def test_rows_come_and_go_through_pages_without_copying_the_others(server):
     """The paged batch (KimiK3PagedCache): a row coming writes its own latents into pages once, a row leaving frees its
     pages and copies nothing; every row decodes generate()'s greedy tokens (fp32) throughout, and the pages held are
@@ -552,7 +595,7 @@ def test_a_byte_budget_preempts_the_sequence_that_arrived_last_and_its_tokens_do
     caches do not fit together, and when a decode step finds no free page the one that arrived last gives its pages
     up, is read again later (its prompt from the prefix store, then the tokens it had produced) and goes on; every
     client gets generate()'s greedy tokens. A sequence the pool could never hold is a 400 naming the budget."""
-    from kimik3.engine import Engine, ServeError
+    from kimik3.engine import Engine
 
     size, pool = 4, 12
     engine = Engine(server.model, server.tokenizer, max_requests=3, prefill_chunk=16, block_size=size,
