@@ -225,6 +225,20 @@ def page_bucket(pages: int) -> int:
     return -(-pages // unit) * unit
 
 
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def prompt_lookup(ids: list[int], count: int, ngram: int = 3) -> list[int]:
+    """Up to `count` proposed next tokens by prompt lookup: the latest earlier occurrence of the last n tokens of `ids`
+    (n from `ngram` down to 1, the longest that occurs) and the tokens after it; [] where none occurs."""
+    for n in range(min(ngram, len(ids) - 1), 0, -1):
+        suffix = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == suffix:
+                return ids[start + n:start + n + count]
+    return []
+
+
 def _decode_logits(model, ids: torch.Tensor, step) -> torch.Tensor:
     """The next-token logits of one decode forward of `ids` [rows, 1] on the fixed-shape step `step`."""
     return model(input_ids=ids, past_key_values=step, use_cache=True).logits[:, -1]
@@ -347,7 +361,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, max_requests: int = 16, prefill_chunk: int = 512,
                  max_context: int | None = None, prefix_cache_bytes: int | None = 1 << 30,
-                 max_cache_bytes: int | None = None, block_size: int = 64, decode_step: str = "auto"):
+                 max_cache_bytes: int | None = None, block_size: int = 64, decode_step: str = "auto",
+                 speculative_tokens: int = 0):
         # the model's own code (a folder loaded with trust_remote_code runs its copy): its cache and prefix store,
         # through the text model's module (a folder with a vision tower loads the multimodal one, which imports it)
         package = type(model).__module__.rpartition(".")[0]
@@ -379,7 +394,8 @@ class Engine:
         self.stats = {"steps": 0, "decode_forwards": 0, "rows_decoded": 0, "prefill_forwards": 0,
                       "prompt_tokens_computed": 0, "prompt_tokens_reused": 0, "regroups": 0, "preemptions": 0,
                       "tokens_recomputed": 0, "latent_bytes_copied": 0, "pages_held": 0, "pages_shared": 0,
-                      "decode_graphs": 0, "decode_graph_replays": 0, "decode_padding_rows": 0}
+                      "decode_graphs": 0, "decode_graph_replays": 0, "decode_padding_rows": 0,
+                      "speculative_rounds": 0, "tokens_proposed": 0, "tokens_accepted": 0}
         # a stored prompt -> the job whose row holds its latents in pages (it read the prompt and joined with it), by
         # weak references both ways (gone with the store's entry or the job): a later prompt that starts from it
         # shares that row's full pages (`_regroup`)
@@ -391,6 +407,11 @@ class Engine:
         self.replicas = Replicas.of(self.device)
         self.leader = self.replicas is None or self.replicas.rank == 0
         self.decode_step = self._decode_step(decode_step)
+        if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or \
+                not 0 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens={speculative_tokens!r} (--speculative-tokens) must be a whole number "
+                             f"from 0 (off) to {MAX_SPECULATIVE_TOKENS}")
+        self.speculative_tokens = speculative_tokens
         self.steps = None if self.decode_step == "plain" else \
             DecodeSteps(model, self.paged, capture=self.decode_step in ("captured", "compiled"),
                         compile=self.decode_step == "compiled")
@@ -902,7 +923,7 @@ class Engine:
         if any(job.done for job in self.batch):
             self._regroup()
         self._make_room()
-        if not self.batch:
+        if not self.batch or self._speculate():
             return
         if self.steps is not None:
             logits = self.steps.run([job.new_ids[-1] for job in self.batch])
@@ -915,6 +936,50 @@ class Engine:
         self.stats["decode_forwards"] += 1
         self.stats["rows_decoded"] += len(self.batch)
         self._emit_rows(self.batch, logits)
+
+    @torch.no_grad()
+    def _speculate(self) -> bool:
+        """A speculative round in place of the decode step (`speculative_tokens`), where every row is greedy: each
+        row's next tokens proposed by prompt lookup over its prompt and its tokens so far, one forward verifying them
+        all (the rows' last tokens and proposals, padded to the longest with tokens that are only rejected), each row
+        taking the model's greedy tokens while they agree with its proposals and one past them, and the paged cache
+        keeping each row's own (`keep_verified`). Whether it ran: not where a row samples, under tensor parallelism,
+        where no row has a proposal, or where the pool lacks the pages the round would take."""
+        if not self.speculative_tokens or self.replicas is not None or \
+                any(job.sampling.temperature != 0 for job in self.batch):
+            return False
+        proposals = [prompt_lookup(job.prompt_ids + job.new_ids, self.speculative_tokens) for job in self.batch]
+        width = 1 + max(map(len, proposals))
+        if width == 1 or (self.paged.num_pages is not None and
+                          self.paged.pages_needed(width) > self.paged.free_pages - self._pages_aside()):
+            return False
+        ids = torch.tensor([[job.new_ids[-1], *proposal, *[job.new_ids[-1]] * (width - 1 - len(proposal))]
+                            for job, proposal in zip(self.batch, proposals)], device=self.device)
+        self.paged.begin_verify()
+        out = self.model(input_ids=ids, attention_mask=self.paged.attention_mask(width).to(self.device),
+                         past_key_values=self.paged, use_cache=True)
+        logits = out.logits.float()
+        finite, greedy = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)]).tolist()
+        kept = []
+        for row, (job, proposal) in enumerate(zip(self.batch, proposals)):
+            emitted = 0
+            while emitted < width and not job.done:
+                try:
+                    self._emit(job, logits[row, emitted], (bool(finite[row][emitted]), greedy[row][emitted]))
+                except FloatingPointError as error:  # this row alone ends (`_emit_rows`)
+                    self._fail(job, error)
+                    break
+                emitted += 1
+                if emitted > len(proposal) or greedy[row][emitted - 1] != proposal[emitted - 1]:
+                    break
+            kept.append(max(emitted, 1))
+            self.stats["tokens_proposed"] += len(proposal)
+            self.stats["tokens_accepted"] += max(emitted - 1, 0)
+        self.paged.keep_verified(kept)
+        self.stats["speculative_rounds"] += 1
+        self.stats["decode_forwards"] += 1
+        self.stats["rows_decoded"] += len(self.batch)
+        return True
 
     def _emit_rows(self, jobs: list[Job], logits: torch.Tensor) -> None:
         """`_emit` for each job still running, from its row of `logits` [rows, vocab]: whether each row is finite and

@@ -418,7 +418,7 @@ def tensor_parallel_options(plan: str) -> dict:
 def make_app(directory, model_name: str | None = None, max_requests: int = 16, prefill_chunk: int = 512,
              max_context: int | None = None, default_max_tokens: int = 256, prefix_cache_bytes: int | None = 1 << 30,
              max_cache_bytes: int | None = None, device: str | None = None, block_size: int = 64,
-             decode_step: str = "auto", **load_options):
+             decode_step: str = "auto", speculative_tokens: int = 0, **load_options):
     """(the FastAPI app, its engine) serving the folder `directory`, loaded as `kimik3 chat` loads it (the Auto
     classes with the folder's own code; `load_options` to `from_pretrained`)."""
     from kimik3.chat import load_chat
@@ -431,7 +431,7 @@ def make_app(directory, model_name: str | None = None, max_requests: int = 16, p
         model.to(device)
     engine = Engine(model, tokenizer, max_requests=max_requests, prefill_chunk=prefill_chunk, max_context=max_context,
                     prefix_cache_bytes=prefix_cache_bytes, max_cache_bytes=max_cache_bytes, block_size=block_size,
-                    decode_step=decode_step)
+                    decode_step=decode_step, speculative_tokens=speculative_tokens)
     processor, no_images = None, "this model has no vision tower"
     if getattr(model, "vision_tower", None) is not None:
         from kimik3.chat import ChatFolderError, check_vision_folder
@@ -483,7 +483,7 @@ def run(args) -> int:
                                prefill_chunk=args.prefill_chunk, max_context=args.max_model_len,
                                default_max_tokens=args.max_tokens, prefix_cache_bytes=args.prefix_cache_bytes,
                                max_cache_bytes=args.max_cache_bytes, block_size=args.block_size,
-                               decode_step=args.decode_step,
+                               decode_step=args.decode_step, speculative_tokens=args.speculative_tokens,
                                experts_cache_bytes=args.experts_cache_bytes,
                                device=args.device, dtype=args.dtype, experts_offload=args.experts_offload,
                                experts_compute=args.experts_compute, tp_plan=args.tp_plan)

@@ -40,7 +40,7 @@ the token ids of replays), reached through transformers' `crop` and our `copy_pr
 import torch
 from transformers.cache_utils import Cache
 
-from .rewind_kimi_k3 import DEFAULT_MAX_REWIND_TOKENS, KimiK3Rewind, KimiK3StaticRewind
+from .rewind_kimi_k3 import DEFAULT_MAX_REWIND_TOKENS, KimiK3KDARewindRecord, KimiK3Rewind, KimiK3StaticRewind
 
 
 def _static_address(tensor: torch.Tensor) -> torch.Tensor:
@@ -870,17 +870,19 @@ class KimiK3SlotKDAStateLayer(KimiK3KDAStateLayer):
 class KimiK3PagedCache(KimiK3Cache):
     """The running batch of a server (docs/design.md, Serving): `KimiK3PagedCache(config, block_size=64,
     num_pages=N)`. MLA latents live in a pool of `num_pages` pages of `block_size` tokens per MLA layer, and each row
-    has a block table (the pages holding its tokens, in order); KDA states and conv windows are stacked per row, as
-    in slots of fixed-address buffers (`KimiK3SlotKDAStateLayer`: fixed-size, rewritten in place by every forward;
-    a power of two of slots, more as rows come, at most `max_rows` where given). Between forwards rows come
-    (`add_rows`: a one-row growing cache's latents written into pages once, its states into the next slot) and go
-    (`remove_rows`: their pages freed, no other row's latents copied, the later rows' states moved down a slot). A forward gives every row the same number of new, real tokens: they are appended into
-    each row's last page (a new page when it is full; `pages_needed` says how many a forward of T tokens takes),
-    and each MLA layer reads its rows through their block tables, gathered and left-padded to the longest row (MLA
-    has no positional encoding, so a row's padding changes nothing but the mask, `attention_mask`). Without
+    has a block table (the pages holding its tokens, in order); KDA states and conv windows live in per-row slots
+    of fixed-address buffers (`KimiK3SlotKDAStateLayer`: fixed-size, rewritten in place by every forward; a power of
+    two of slots, more as rows come, at most `max_rows` where given). Between forwards rows come (`add_rows`: a
+    one-row growing cache's latents written into pages once, its states into the next slot) and go (`remove_rows`:
+    their pages freed, no other row's latents copied, the later rows' states moved down a slot). A forward gives
+    every row the same number of new, real tokens: they are appended into each row's last page (a new page when it
+    is full; `pages_needed` says how many a forward of T tokens takes), and each MLA layer reads its rows through
+    their block tables, gathered and left-padded to the longest row (MLA has no positional encoding, so a row's
+    padding changes nothing but the mask, `attention_mask`). Without
     `num_pages` the pool doubles when it runs out (one copy of the pool each time); with it, taking more pages than
     are free is an error: the caller frees pages first (the server preempts a sequence). It cannot crop, copy a
-    prefix, record a rewind or reorder rows.
+    prefix or reorder rows; a forward that verifies proposed tokens (`begin_verify`) is recorded so that each row
+    keeps its own number of them (`keep_verified`).
 
     A decode step may also run at fixed shapes (`fixed_step`: the rows padded to a bucket, every row's keys to one
     length), which a CUDA graph can capture and replay (docs/design.md, Serving, Captured decode steps): the caller
@@ -912,6 +914,7 @@ class KimiK3PagedCache(KimiK3Cache):
         self.pool_bytes_copied = 0  # a growing pool's copies of itself
         self._pool_pages = 0  # pages in each layer's pool, page 0 included
         self._step_slots: dict | None = None  # this forward's (write, read) slots, by device
+        self._verify: dict[int, KimiK3KDARewindRecord] | None = None  # a verify forward's record (`begin_verify`)
 
     def _new_layer(self, layer_type: str) -> KimiK3PagedLatentLayer | KimiK3SlotKDAStateLayer:
         if layer_type == "linear_attention":
@@ -1136,10 +1139,56 @@ class KimiK3PagedCache(KimiK3Cache):
         self._step_slots = None
 
     def records_step(self) -> bool:
-        return False
+        return self._verify is not None
 
     def snapshot_offsets(self) -> list[int]:
         return []
+
+    # ------------------------------------------------------------------------------------------------------------
+    # A verify forward: each row keeps its own number of the proposed tokens
+    def begin_verify(self) -> None:
+        """The next forward verifies proposed tokens (a speculative round): every KDA layer's rows' states and
+        windows are copied as they are now (the forward rewrites the slots in place) and the forward's per-token
+        inputs are recorded, so that `keep_verified` can take each row back to the tokens it keeps."""
+        self._verify = {index: KimiK3KDARewindRecord(tuple(window.clone() for window in self.layers[index].conv_states),
+                                                     self.layers[index].recurrent_state.clone())
+                        for index in self.kda_layer_indices}
+
+    def record_kda(self, layer_idx: int, conv_states, recurrent_state, pre_conv, recurrence_inputs) -> None:
+        self._verify[layer_idx].append(pre_conv, recurrence_inputs)
+
+    def keep_verified(self, kept: list[int]) -> None:
+        """After a verify forward of T tokens a row: row r keeps its first `kept[r]` (1..T) of them. Its MLA latents
+        past them are left where they are (no key reads them: its count ends before them) and the pages that held
+        only those go back to the pool; its KDA state and windows are those after its kept tokens, replayed from the
+        copies `begin_verify` took over the recorded inputs (the kernel a forward of that length would use)."""
+        if self._verify is None:
+            raise ValueError("KimiK3PagedCache.keep_verified: no verify forward was begun (begin_verify)")
+        records = self._verify
+        width = next(iter(records.values())).num_tokens if records else max(kept, default=0)
+        if len(kept) != len(self.lengths) or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= width
+                                                 for n in kept):
+            raise ValueError(f"KimiK3PagedCache.keep_verified({kept}): one count a row ({len(self.lengths)} rows), "
+                             f"each in 1..{width} (the verified tokens)")
+        self._verify = None
+        text = self._text_config
+        for row, count in enumerate(kept):
+            if count == width:
+                continue
+            self.lengths[row] -= width - count
+            table = self.block_tables[row]
+            needed = pages_for(self.lengths[row], self.block_size)
+            self._release(table[needed:])
+            self.block_tables[row] = table[:needed]
+            for index, record in records.items():
+                one = KimiK3KDARewindRecord(tuple(w[row:row + 1] for w in record.base_conv_states),
+                                            record.base_state[row:row + 1])
+                for pre_conv, inputs in zip(record.pre_conv, record.recurrence_inputs):
+                    one.append(tuple(x[row:row + 1] for x in pre_conv), tuple(x[row:row + 1] for x in inputs))
+                windows, state = one.state_after(count, text.linear_conv_kernel_size, text.kda_chunk_size)
+                layer = self.layers[index]
+                for slot, value in zip(layer.slots, (*windows, state)):
+                    slot[row:row + 1].copy_(value)
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """The longest row's tokens (the others are left-padded to it)."""
@@ -1188,13 +1237,14 @@ class KimiK3PagedCache(KimiK3Cache):
             if layer.is_linear:
                 layer.reset()
         self.free = list(range(self._pool_pages - 1, 0, -1))
-        self.block_tables, self.lengths, self.refs, self._step_slots = [], [], {}, None
+        self.block_tables, self.lengths, self.refs, self._step_slots, self._verify = [], [], {}, None, None
 
     # ------------------------------------------------------------------------------------------------------------
     # What a paged batch does not do
     def _refuse(self, what: str):
         return NotImplementedError(f"KimiK3PagedCache.{what}: not supported for the paged batch of a server (rows "
-                                   "come and go with add_rows / remove_rows; rewinds are the growing cache's)")
+                                   "come and go with add_rows / remove_rows; a verify forward's rows keep their "
+                                   "tokens with begin_verify / keep_verified)")
 
     def crop(self, max_length: int) -> None:
         raise self._refuse("crop")

@@ -902,8 +902,13 @@ def test_a_twin_that_cannot_join_beside_its_first_sequence_reads_the_prompt_into
                                 "compiled"),
     ({"decode_step": "captured"}, "decode_step='captured' (--decode-step captured): a CUDA graph cannot hold the "
                                   "decode step the model is not on a CUDA device; use fixed or plain"),
+    ({"speculative_tokens": -1}, "speculative_tokens=-1 (--speculative-tokens) must be a whole number from 0 (off) "
+                                 "to 16"),
+    ({"speculative_tokens": 17}, "speculative_tokens=17 (--speculative-tokens) must be a whole number from 0 (off) "
+                                 "to 16"),
 ], ids=["serve-block-size-not-positive", "serve-cache-budget-below-a-page", "serve-decode-step-unknown",
-        "serve-decode-step-captured-off-cuda"])
+        "serve-decode-step-captured-off-cuda", "serve-speculative-tokens-negative",
+        "serve-speculative-tokens-too-many"])
 def test_a_pool_that_cannot_work_is_refused_by_flag(server, options, named):
     from kimik3.engine import Engine
 
@@ -1480,3 +1485,79 @@ def test_the_decode_steps_buckets_bound_the_padding():
     assert all(pages <= bucket <= max(8, 1.25 * pages) for pages, bucket in zip(range(1, 5000), buckets))
     for low in (16, 64, 1024):  # (low, 2 low]: four buckets
         assert len({page_bucket(pages) for pages in range(low + 1, 2 * low + 1)}) == 4
+
+
+def test_a_verify_forward_keeps_each_rows_own_tokens_as_if_only_those_were_read(server):
+    """`KimiK3PagedCache.begin_verify` / `keep_verified`: three rows verify 4 tokens each in one forward and keep 1, 3
+    and 4 of them; the next step's logits equal (fp32, within 2e-5) those of each row read alone in a growing cache,
+    its prompt and then only its kept tokens; a row holds only the pages its kept tokens fill."""
+    code, model, size = server.engine.cache_code, server.model, 4
+    prompts = [list(range(5, 12)), list(range(20, 33)), list(range(40, 48))]
+    verified, _ = _paged_rows(code, model, prompts, size)
+    tokens = [[101, 102, 103, 104], [201, 202, 203, 204], [301, 302, 303, 304]]
+    kept, follow = [1, 3, 4], [7, 8, 9]
+    with pytest.raises(ValueError, match=r"keep_verified: no verify forward was begun \(begin_verify\)"):
+        verified.keep_verified(kept)
+    with torch.no_grad():
+        verified.begin_verify()
+        model(input_ids=torch.tensor(tokens), attention_mask=verified.attention_mask(4), past_key_values=verified,
+              use_cache=True)
+    with pytest.raises(ValueError, match=r"keep_verified\(\[1, 5, 4\]\): one count a row \(3 rows\), each in 1..4"):
+        verified.keep_verified([1, 5, 4])
+    verified.keep_verified(kept)
+    assert verified.lengths == [len(ids) + n for ids, n in zip(prompts, kept)]
+    assert [len(table) for table in verified.block_tables] == [-(-length // size) for length in verified.lengths]
+    assert verified.pages_held == sum(len(table) for table in verified.block_tables)
+    with torch.no_grad():
+        got = model(input_ids=torch.tensor([[t] for t in follow]), attention_mask=verified.attention_mask(1),
+                    past_key_values=verified, use_cache=True).logits[:, -1]
+        want = []
+        for ids, row, n, token in zip(prompts, tokens, kept, follow):
+            cache = code.KimiK3Cache(model.config)
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            for earlier in row[:n]:
+                model(input_ids=torch.tensor([[earlier]]), past_key_values=cache, use_cache=True)
+            want.append(model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1])
+    torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("speculative_tokens", [0, 4])
+def test_speculative_rounds_give_each_greedy_requests_tokens_in_fewer_forwards(server, speculative_tokens):
+    """`speculative_tokens`: the model steered (a hook on its logits, every position) to continue a 7-token cycle
+    after any token of it, so prompt lookup's proposals there are the model's own tokens; three greedy requests with
+    different max_tokens, two in the cycle and one outside it (the model's own tokens, which read the cache: each
+    round it keeps one of the verified tokens and goes back over the rest): each gets the tokens of `generate()`
+    alone under the same steering, and with speculation on in fewer decode forwards than tokens; off, one a token."""
+    from kimik3.engine import Engine
+
+    cycle = [501, 502, 503, 504, 505, 506, 507]
+    after = {token: cycle[(i + 1) % len(cycle)] for i, token in enumerate(cycle)}
+
+    def steer(module, args, kwargs, output):
+        # after a token of the cycle, its next token; elsewhere the model's own choice (which reads the cache)
+        ids = kwargs["input_ids"][:, -output.logits.shape[1]:]  # (a prefill keeps the last position's logits)
+        for row, position in (ids.unsqueeze(-1) == torch.tensor(cycle)).any(-1).nonzero().tolist():
+            output.logits[row, position] = -1e4
+            output.logits[row, position, after[int(ids[row, position])]] = 0.0
+        return output
+
+    prompts = [[5, 6] + cycle * 2 + [501, 502], [9] + cycle + [503], [11, 12, 13]]
+    max_tokens = [23, 10, 17]
+    handle = server.model.register_forward_hook(steer, with_kwargs=True)
+    engine = Engine(server.model, server.tokenizer, max_requests=4, prefill_chunk=64, block_size=4,
+                    prefix_cache_bytes=0, speculative_tokens=speculative_tokens)
+    try:
+        jobs = _run_jobs(lambda loop: [(engine, [Job(ids, Sampling(max_tokens=n, temperature=0.0), loop)
+                                                 for ids, n in zip(prompts, max_tokens)])])[0]
+        stats = dict(engine.stats)
+        for job, ids, n in zip(jobs, prompts, max_tokens):
+            assert job.new_ids == server.alone(ids, n)
+        assert engine.paged.pages_held == 0
+    finally:
+        engine.stop()
+        handle.remove()
+    if speculative_tokens:
+        assert stats["speculative_rounds"] > 0 and stats["tokens_accepted"] > 0
+        assert stats["decode_forwards"] < max(max_tokens) - 1  # several tokens a forward
+    else:
+        assert stats["speculative_rounds"] == 0 and stats["decode_forwards"] == max(max_tokens) - 1
