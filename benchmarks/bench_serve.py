@@ -25,6 +25,11 @@ bench_k3.py model (random bf16 weights, K3's widths, 8 layers, 64 experts) on on
                 once: the engine reading them in lockstep (one batch, a row each, `Engine._read_lockstep`) against
                 each read alone (the engine before it): mean and max time to first token, prefill forwards, the same
                 tokens
+  speculative   `Engine(speculative_tokens=)` off and on (--speculative-tokens, prompt lookup) at --spec-concurrency
+                greedy requests, on each of --spec-decode-steps: tokens/s, forwards, rounds, proposed and accepted
+                tokens; on the model's own tokens (random weights: whatever prompt lookup finds in them) and on the
+                model steered by a hook on its logits to continue a 16-token cycle its prompts end in (every proposal
+                accepted: the most speculation can give at that width)
   agent         an agent-like session: a --shared-prefix-token prefix (system prompt and tools), then --turns turns,
                 each prompt the previous one + the reply + --turn-tokens new tokens: time to first token a turn with
                 the prefix store, and without it (every turn read whole)
@@ -76,7 +81,10 @@ async def run_jobs(engine, prompts, new_tokens, stagger=0.0):
         return first, time.perf_counter() - submitted, list(job.new_ids)
 
     rows = await asyncio.gather(*(one(ids, i * stagger) for i, ids in enumerate(prompts)))
-    return rows, time.perf_counter() - start
+    wall = time.perf_counter() - start
+    while engine.busy():  # a stream ends before its row leaves the batch (in the engine's thread)
+        await asyncio.sleep(0.001)
+    return rows, wall
 
 
 def sequential(model, prompts, new_tokens):
@@ -107,6 +115,11 @@ def main():
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--long-prompt", type=int, default=8192)
     parser.add_argument("--long-concurrency", type=int, default=8)
+    parser.add_argument("--speculative-tokens", type=int, default=4)
+    parser.add_argument("--spec-concurrency", default="1,8")
+    parser.add_argument("--spec-decode-steps", default=None,
+                        help="the decode steps the speculative section runs under (default captured,plain on CUDA, "
+                             "fixed on the CPU)")
     parser.add_argument("--sections", default="concurrency,long,agent")
     parser.add_argument("--decode-steps", default=None,
                         help="the engine's decode steps the concurrency section compares (default "
@@ -122,7 +135,7 @@ def main():
         model = build_tiny_model(seed=0).eval()
         args.concurrency, args.prompt, args.new_tokens, args.sequential = "1,4", 40, 8, 2
         args.shared_prefix, args.turns, args.turn_tokens, args.prefill_chunk = 600, 2, 20, 64
-        args.long_prompt, args.long_concurrency = 300, 4
+        args.long_prompt, args.long_concurrency, args.spec_concurrency = 300, 4, "1,4"
         env = {"device": "cpu"}
     else:
         import bench_k3
@@ -173,6 +186,8 @@ def main():
                     "max_ttft_s": round(max(r[0] for r in rows), 4),
                     "prefill_forwards": engine.stats["prefill_forwards"],
                     "same_tokens_as_lockstep": outputs[label] == outputs["lockstep"]})
+    if "speculative" in sections:
+        speculative(model, args, ids, emit)
     if "agent" in sections:
         agent(model, args, ids, emit)
 
@@ -225,6 +240,61 @@ def concurrency(model, args, prompts, levels, emit):
                         for (_, _, tokens), want in zip(rows, reference[1:])]})
         finally:
             engine.stop()
+
+
+def speculative(model, args, ids, emit):
+    from kimik3.engine import Engine
+
+    if args.spec_decode_steps is None:
+        args.spec_decode_steps = "captured,plain" if torch.cuda.is_available() and not args.quick else "fixed"
+    vocab = model.config.vocab_size
+    cycle = list(range(vocab - 17, vocab - 1))
+    following = torch.full((vocab,), -1, dtype=torch.long, device=model.device)
+    following[cycle] = torch.tensor(cycle[1:] + cycle[:1], device=model.device)
+
+    def steer(module, inputs, kwargs, output):
+        # after a token of the cycle, its next one; elsewhere the model's own logits (tensor ops only: a captured
+        # decode step runs this hook inside its graph)
+        logits = output.logits
+        after = following[kwargs["input_ids"][:, -logits.shape[1]:]]
+        steered = torch.full_like(logits, -1e4).scatter_(-1, after.clamp(min=0).unsqueeze(-1), 0.0)
+        output.logits = torch.where((after >= 0).unsqueeze(-1), steered, logits)
+        return output
+
+    levels = [int(c) for c in args.spec_concurrency.split(",")]
+    for workload in ("own", "steered"):
+        prompts = [ids(args.prompt - 2 * len(cycle)) + (cycle * 2 if workload == "steered" else
+                                                        ids(2 * len(cycle))) for _ in range(max(levels))]
+        handle = model.register_forward_hook(steer, with_kwargs=True) if workload == "steered" else None
+        try:
+            for mode in args.spec_decode_steps.split(","):
+                tokens_off = {}
+                for proposals in (0, args.speculative_tokens):
+                    engine = Engine(model, None, max_requests=max(levels) + 1, prefill_chunk=args.prefill_chunk,
+                                    prefix_cache_bytes=0, decode_step=mode, speculative_tokens=proposals)
+                    try:
+                        for level in levels:
+                            asyncio.run(run_jobs(engine, prompts[:level], args.new_tokens))  # warm-up, captures
+                            keys = ("decode_forwards", "speculative_rounds", "tokens_proposed", "tokens_accepted")
+                            before = {key: engine.stats[key] for key in keys}
+                            rows, wall = asyncio.run(run_jobs(engine, prompts[:level], args.new_tokens))
+                            counts = {key: engine.stats[key] - value for key, value in before.items()}
+                            tokens = [row[2] for row in rows]
+                            if not proposals:
+                                tokens_off[level] = tokens
+                            emit(f"speculative_{workload}_{mode}_k{proposals}_c{level}", {
+                                "workload": workload, "decode_step": mode, "speculative_tokens": proposals,
+                                "requests": level, "wall_s": round(wall, 4),
+                                "tokens_per_s": round(level * args.new_tokens / wall, 1),
+                                "mean_latency_s": round(sum(r[1] for r in rows) / level, 4), **counts,
+                                "accepted_per_proposed": round(counts["tokens_accepted"] /
+                                                               max(counts["tokens_proposed"], 1), 3),
+                                "same_tokens_as_off": tokens == tokens_off[level]})
+                    finally:
+                        engine.stop()
+        finally:
+            if handle is not None:
+                handle.remove()
 
 
 def agent(model, args, ids, emit):

@@ -1521,13 +1521,15 @@ def test_a_verify_forward_keeps_each_rows_own_tokens_as_if_only_those_were_read(
     torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("speculative_tokens", [0, 4])
-def test_speculative_rounds_give_each_greedy_requests_tokens_in_fewer_forwards(server, speculative_tokens):
+@pytest.mark.parametrize("speculative_tokens,decode_step", [(0, "plain"), (4, "plain"), (4, "fixed")])
+def test_speculative_rounds_give_each_greedy_requests_tokens_in_fewer_forwards(server, speculative_tokens,
+                                                                               decode_step):
     """`speculative_tokens`: the model steered (a hook on its logits, every position) to continue a 7-token cycle
     after any token of it, so prompt lookup's proposals there are the model's own tokens; three greedy requests with
     different max_tokens, two in the cycle and one outside it (the model's own tokens, which read the cache: each
     round it keeps one of the verified tokens and goes back over the rest): each gets the tokens of `generate()`
-    alone under the same steering, and with speculation on in fewer decode forwards than tokens; off, one a token."""
+    alone under the same steering, and with speculation on in fewer decode forwards than tokens; off, one a token. The
+    fixed-shape steps (the captured steps' forward, run eagerly here) read the KDA slots a round rewrote."""
     from kimik3.engine import Engine
 
     cycle = [501, 502, 503, 504, 505, 506, 507]
@@ -1545,7 +1547,7 @@ def test_speculative_rounds_give_each_greedy_requests_tokens_in_fewer_forwards(s
     max_tokens = [23, 10, 17]
     handle = server.model.register_forward_hook(steer, with_kwargs=True)
     engine = Engine(server.model, server.tokenizer, max_requests=4, prefill_chunk=64, block_size=4,
-                    prefix_cache_bytes=0, speculative_tokens=speculative_tokens)
+                    prefix_cache_bytes=0, speculative_tokens=speculative_tokens, decode_step=decode_step)
     try:
         jobs = _run_jobs(lambda loop: [(engine, [Job(ids, Sampling(max_tokens=n, temperature=0.0), loop)
                                                  for ids, n in zip(prompts, max_tokens)])])[0]

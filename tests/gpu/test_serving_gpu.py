@@ -270,3 +270,61 @@ def test_the_servers_compiled_decode_steps_give_each_prompts_greedy_tokens_on_cu
     for ids, got in zip(prompts, tokens):
         out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert got == out[0, len(ids):].tolist()
+
+
+def test_the_servers_speculative_rounds_between_captured_steps_give_each_prompts_greedy_tokens_on_cuda(model):
+    """`speculative_tokens=4` with the captured decode steps (fp32): the model steered by a hook on its logits (tensor
+    ops only, so the captured step runs it in its graph) to continue a 7-token cycle after any token of it; three
+    greedy requests, two inside the cycle (prompt lookup's proposals are then the model's tokens) and one outside it
+    (its proposals, where it finds any, are mostly rejected; it goes on alone on captured steps): each gets
+    `generate()`'s tokens alone under the same steering, the cycle's requests mostly from accepted proposals, and the
+    rounds (eager verify forwards that rewrite the KDA slots in place) leave the captured steps' graphs valid: graphs
+    were replayed, and no capture failed."""
+    import asyncio
+
+    from kimik3.engine import Engine, Job, Sampling
+
+    cycle = list(range(101, 108))
+    following = torch.full((model.config.vocab_size,), -1, dtype=torch.long, device="cuda")
+    following[cycle] = torch.tensor(cycle[1:] + cycle[:1], device="cuda")
+
+    def steer(module, args, kwargs, output):
+        logits = output.logits
+        after = following[kwargs["input_ids"][:, -logits.shape[1]:]]
+        steered = torch.full_like(logits, -1e4).scatter_(-1, after.clamp(min=0).unsqueeze(-1), 0.0)
+        output.logits = torch.where((after >= 0).unsqueeze(-1), steered, logits)
+        return output
+
+    prompts = [[5, 6] + cycle * 2 + [101, 102], [9] + cycle + [103], [11, 12, 13, 14, 15]]
+    max_tokens = [23, 10, 30]  # the third, outside the cycle, goes on alone: steps with no proposal are captured
+    handle = model.register_forward_hook(steer, with_kwargs=True)
+    engine = Engine(model, None, max_requests=4, prefill_chunk=64, block_size=4, prefix_cache_bytes=0,
+                    decode_step="captured", speculative_tokens=4)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, Sampling(max_tokens=n, temperature=0.0), loop) for ids, n in zip(prompts, max_tokens)]
+        engine.submit(jobs)
+        for job in jobs:
+            while (item := await job.mailbox.get()) is not None:
+                assert not isinstance(item, Exception), item
+        return [job.new_ids for job in jobs]
+
+    try:
+        tokens = asyncio.run(run())
+        stats = dict(engine.stats)
+        print({key: stats[key] for key in ("decode_forwards", "speculative_rounds", "tokens_proposed",
+                                           "tokens_accepted", "decode_graphs", "decode_graph_replays")})
+        assert engine.steps.capture_error is None
+        want = []
+        for ids, n in zip(prompts, max_tokens):
+            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=n, do_sample=False,
+                                 pad_token_id=0)
+            want.append(out[0, len(ids):].tolist())
+    finally:
+        handle.remove()
+        engine.stop()
+    assert tokens == want
+    # the 23-token request in the cycle takes most of its 22 decoded tokens as accepted proposals (4 a round)
+    assert stats["speculative_rounds"] > 0 and stats["tokens_accepted"] >= 12
+    assert stats["decode_graph_replays"] >= 1
