@@ -5,6 +5,9 @@ expert). The gate_up matmul of one MoE layer (N 6144, K 3584, 64 experts, top-16
 * `gemv_b1`: 1 token (16 routed rows, one per expert) on the GEMV (`mxfp4._mxfp4_gemv_fwd`),
 * `gemv_b8`: 8 tokens (128 rows, about 2 per hit expert) on the GEMV,
 * `tiles_b8`: the same on the 16-row tiles (`mxfp4._mxfp4_grouped_matmul_fwd`, `tl.dot_scaled`),
+* `rows{R}[_f32x]_b{1,8}`: a candidate, the GEMV's tiles and decode with up to R routed rows of one expert per
+  program (each word loaded and decoded once for them, one accumulator a row), x as stored or converted to f32
+  first (the conversion timed with it); its outputs are compared with the GEMV's,
 
 each autotuned first, then run once inside an NVTX range named after it, so that
 
@@ -21,12 +24,84 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
 from _k3bench_utils import graph_us, uniform_routed_counts  # noqa: E402
 from kimik3.kernels import mxfp4
+from kimik3.kernels.mxfp4 import _e2m1_word, _e2m1_word_ptx, _e8m0, _expert_row_block
 
 N, K, EXPERTS, TOP_K = 6144, 3584, 64, 16
+
+
+@triton.jit
+def _row_part(codes, x_row, q, gmask, live, factor):
+    xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=gmask[:, None, None] & live,
+                 other=0.0).to(tl.float32)
+    return tl.sum(tl.sum(codes * xv[None, :, :, :], axis=3), axis=2) * factor
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw}, num_warps=w, num_stages=2)
+             for bn, bkw, w in ((8, 128, 4), (16, 64, 4), (16, 128, 4), (32, 32, 4), (32, 64, 4), (16, 32, 2))],
+    key=["N", "KW", "ROWS"],
+)
+@triton.jit
+def _rows_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.constexpr, ROWS: tl.constexpr,
+                      PTX_DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    GROUPS: tl.constexpr = BLOCK_KW // 4
+    expert, row0, row_end = _expert_row_block(ends_ptr, E, E_PAD, ROWS)
+    if expert < E:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)
+        p_rows = p_ptr + w_rows[:, None, None] * KW
+        s_rows = s_ptr + w_rows[:, None] * (KW // 4)
+        x0 = x_ptr + row0.to(tl.int64) * (8 * KW)
+        g_idx = tl.arange(0, GROUPS)
+        q_idx = tl.arange(0, 4)
+        acc0 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        for g0 in range(0, KW // 4, GROUPS):
+            g = g0 + g_idx
+            gmask = g < KW // 4
+            q = g[:, None] * 4 + q_idx[None, :]
+            wmask = cmask[:, None] & gmask[None, :]
+            word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
+            if PTX_DECODE:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
+            else:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
+            codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                                       tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
+            factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32)) * 16384.0
+            acc0 += _row_part(codes, x0, q, gmask, row0 < row_end, factor)
+            if ROWS >= 2:
+                acc1 += _row_part(codes, x0 + 8 * KW, q, gmask, row0 + 1 < row_end, factor)
+            if ROWS >= 4:
+                acc2 += _row_part(codes, x0 + 16 * KW, q, gmask, row0 + 2 < row_end, factor)
+                acc3 += _row_part(codes, x0 + 24 * KW, q, gmask, row0 + 3 < row_end, factor)
+        out = o_ptr + row0.to(tl.int64) * N + cols
+        tl.store(out, tl.sum(acc0, axis=1).to(o_ptr.dtype.element_ty), mask=cmask & (row0 < row_end))
+        if ROWS >= 2:
+            tl.store(out + N, tl.sum(acc1, axis=1).to(o_ptr.dtype.element_ty), mask=cmask & (row0 + 1 < row_end))
+        if ROWS >= 4:
+            tl.store(out + 2 * N, tl.sum(acc2, axis=1).to(o_ptr.dtype.element_ty), mask=cmask & (row0 + 2 < row_end))
+            tl.store(out + 3 * N, tl.sum(acc3, axis=1).to(o_ptr.dtype.element_ty), mask=cmask & (row0 + 3 < row_end))
+
+
+def rows_gemv(xs, packed, scale, ends, rows, f32_x):
+    num_rows, num_experts, n, kh = xs.shape[0], packed.shape[0], packed.shape[1], packed.shape[2]
+    x = xs.float() if f32_x else xs
+    out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
+    grid = lambda meta: (min(num_rows, triton.cdiv(num_rows, rows) + num_experts),  # noqa: E731
+                         triton.cdiv(n, meta["BLOCK_N"]))
+    _rows_gemv_kernel[grid](x, packed.view(torch.int32), scale, out, ends, n, kh // 4, num_experts,
+                            E_PAD=triton.next_power_of_2(num_experts), ROWS=rows,
+                            PTX_DECODE=mxfp4._ptx_decode(xs.device))
+    return out
 
 
 def main():
@@ -58,6 +133,30 @@ def main():
             "TBps_row_bytes": round(rows_bytes / us / 1e6, 2),
             "config": str(kernel.best_config)}
         print(json.dumps({name: results["cases"][name]}), flush=True)
+    for tokens in (1, 8):
+        counts = uniform_routed_counts(tokens, EXPERTS, TOP_K, dev)
+        ends = torch.cumsum(counts, 0).to(torch.int32)
+        xs = torch.randn(tokens * TOP_K, K, device=dev, dtype=torch.bfloat16)
+        want = mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends).float()
+        base = graph_us(lambda: mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends), 20)
+        for rows in (1, 2, 4):
+            for f32_x in (False, True):
+                name = f"rows{rows}{'_f32x' if f32_x else ''}_b{tokens}"
+                try:
+                    got = rows_gemv(xs, packed, scale, ends, rows, f32_x).float()
+                    us = graph_us(lambda: rows_gemv(xs, packed, scale, ends, rows, f32_x), 20)
+                    if rows == 2 and not f32_x:
+                        torch.cuda.nvtx.range_push(f"profile/{name}")
+                        rows_gemv(xs, packed, scale, ends, rows, f32_x)
+                        torch.cuda.synchronize()
+                        torch.cuda.nvtx.range_pop()
+                    entry = {"us": round(us, 1), "gemv_us_same_run": round(base, 1),
+                             "max_rel_diff_vs_gemv": (got - want).abs().max().item() / want.abs().max().item(),
+                             "config": str(_rows_gemv_kernel.best_config)}
+                except Exception as error:  # noqa: BLE001 - a diagnostic: the next variant still runs
+                    entry = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                results["cases"][name] = entry
+                print(json.dumps({name: entry}), flush=True)
     Path(os.environ.get("OUT", "."), "profile_mxfp4_decode.json").write_text(json.dumps(results, indent=1))
 
 
