@@ -43,6 +43,24 @@ def _max_score_gap(scores, other):
     return gap
 
 
+def _served_tokens(engine, prompts, max_tokens):
+    """Greedy jobs for `prompts` (max_tokens each) submitted to `engine` at once; their tokens when all have ended."""
+    import asyncio
+
+    from kimik3.engine import Job, Sampling
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, Sampling(max_tokens=n, temperature=0.0), loop) for ids, n in zip(prompts, max_tokens)]
+        engine.submit(jobs)
+        for job in jobs:
+            while (item := await job.mailbox.get()) is not None:
+                assert not isinstance(item, Exception), item
+        return [job.new_ids for job in jobs]
+
+    return asyncio.run(run())
+
+
 def _assert_same_tokens(got, expected):
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.scores, expected.scores, strict=True):
@@ -243,26 +261,14 @@ def test_the_servers_captured_decode_step_in_bf16_is_no_further_from_f32_than_th
 def test_the_servers_compiled_decode_steps_give_each_prompts_greedy_tokens_on_cuda(model):
     """`decode_step="compiled"`: each bucket's step torch.compile'd (one graph, no break) and then captured; four
     requests of different lengths, the greedy tokens of `generate()` alone (fp32), nothing fell back."""
-    import asyncio
-
-    from kimik3.engine import Engine, Job, Sampling
+    from kimik3.engine import Engine
 
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 120, (length,), generator=generator).tolist() for length in (9, 50, 33, 70)]
     engine = Engine(model, None, max_requests=4, prefill_chunk=64, block_size=16, prefix_cache_bytes=0,
                     decode_step="compiled")
-
-    async def run():
-        loop = asyncio.get_running_loop()
-        jobs = [Job(ids, Sampling(max_tokens=10, temperature=0.0), loop) for ids in prompts]
-        engine.submit(jobs)
-        for job in jobs:
-            while (item := await job.mailbox.get()) is not None:
-                assert not isinstance(item, Exception), item
-        return [job.new_ids for job in jobs]
-
     try:
-        tokens = asyncio.run(run())
+        tokens = _served_tokens(engine, prompts, [10] * len(prompts))
         assert engine.steps.compile_error is None and engine.steps.capture_error is None
         assert engine.stats["decode_graph_replays"] > engine.stats["decode_graphs"] >= 1
     finally:
@@ -280,9 +286,7 @@ def test_the_servers_speculative_rounds_between_captured_steps_give_each_prompts
     `generate()`'s tokens alone under the same steering, the cycle's requests mostly from accepted proposals, and the
     rounds (eager verify forwards that rewrite the KDA slots in place) leave the captured steps' graphs valid: graphs
     were replayed, and no capture failed."""
-    import asyncio
-
-    from kimik3.engine import Engine, Job, Sampling
+    from kimik3.engine import Engine
 
     cycle = list(range(101, 108))
     following = torch.full((model.config.vocab_size,), -1, dtype=torch.long, device="cuda")
@@ -300,18 +304,8 @@ def test_the_servers_speculative_rounds_between_captured_steps_give_each_prompts
     handle = model.register_forward_hook(steer, with_kwargs=True)
     engine = Engine(model, None, max_requests=4, prefill_chunk=64, block_size=4, prefix_cache_bytes=0,
                     decode_step="captured", speculative_tokens=4)
-
-    async def run():
-        loop = asyncio.get_running_loop()
-        jobs = [Job(ids, Sampling(max_tokens=n, temperature=0.0), loop) for ids, n in zip(prompts, max_tokens)]
-        engine.submit(jobs)
-        for job in jobs:
-            while (item := await job.mailbox.get()) is not None:
-                assert not isinstance(item, Exception), item
-        return [job.new_ids for job in jobs]
-
     try:
-        tokens = asyncio.run(run())
+        tokens = _served_tokens(engine, prompts, max_tokens)
         stats = dict(engine.stats)
         print({key: stats[key] for key in ("decode_forwards", "speculative_rounds", "tokens_proposed",
                                            "tokens_accepted", "decode_graphs", "decode_graph_replays")})
