@@ -524,14 +524,11 @@ def _e2m1_word(word):
         for bn, bkw, w, st in ((8, 128, 4, 2), (16, 64, 2, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2),
                                (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
     ],
-    # ROW_CLASS (routed rows per expert, 1 or 2) only keys the tuning: the tile that is best at one row per expert
-    # is 6% slower than the best at two (a tuning keyed on the shapes alone kept the first one it met;
-    # docs/benchmarks.md, Packed MXFP4 GEMV)
-    key=["N", "KW", "ROW_CLASS", "PTX_DECODE"],
+    key=["N", "KW", "PTX_DECODE"],
 )
 @triton.jit
-def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, ROW_CLASS, E_PAD: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr):
+def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr):
     # p_ptr: the packed bytes as int32 words, KW = K/8 per row; one E8M0 scale per 4 words (K % 32 == 0), so the
     # tile is [BLOCK_N rows, GROUPS scale groups, 4 words] and only whole groups are masked
     GROUPS: tl.constexpr = BLOCK_KW // 4
@@ -596,7 +593,6 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
 
     with torch.cuda.device(xs.device):  # Triton launches on the current device
         _mxfp4_gemv_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
-                                 min(MXFP4_GEMV_ROWS_PER_EXPERT, triton.cdiv(num_rows, num_experts)),
                                  E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device))
     return out
 
