@@ -120,8 +120,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "same shapes, eager), plain (the rows as they are, eager); auto: captured on one CUDA "
                              "device with the routed experts on it, else plain")
     parser.add_argument("--speculative-tokens", type=int, default=0,
-                        help="tokens proposed by prompt lookup and verified in one forward when every running "
-                             "request is greedy (0: off, the default; at most 16)")
+                        help="tokens proposed by prompt lookup and verified in one forward (a sampled request "
+                             "keeps each with its probability; 0: off, the default; at most 16)")
     parser.add_argument("--experts-offload", choices=["host", "disk"], default=None,
                         help="the load option experts_offload: routed experts kept in host memory or on disk")
     parser.add_argument("--experts-cache-bytes", type=experts_cache_bytes, default=None,

@@ -239,6 +239,27 @@ def prompt_lookup(ids: list[int], count: int, ngram: int = 3) -> list[int]:
     return []
 
 
+def speculative_draws(probs_at, proposal: list[int], generator: torch.Generator | None):
+    """A sampling row's tokens in a speculative round, one at a time: position i's proposal is kept with probability
+    p_i(proposal), p_i = `probs_at(i)` (the row's sampling distribution there, after temperature and top_p); the
+    first one not kept is replaced by a draw from p_i without it (renormalised), and the round's tokens end there; if
+    every proposal is kept, one more token is drawn from p_m (`probs_at` may give weights: top_p leaves them
+    unnormalised, and each is taken relative to their sum). A proposal is a draft that puts all its probability on
+    one token, so each token is distributed as a draw from p_i itself would be: the round changes how many forwards
+    the tokens take, not their distribution (tests/test_serve.py checks the frequencies). `probs_at` is called only
+    for the positions reached."""
+    for position, proposed in enumerate(proposal):
+        probs = probs_at(position)
+        if float(torch.rand((), generator=generator)) * float(probs.sum()) < float(probs[proposed]):
+            yield proposed
+            continue
+        rest = probs.clone()
+        rest[proposed] = 0.0
+        yield int(torch.multinomial(rest, 1, generator=generator))
+        return
+    yield int(torch.multinomial(probs_at(len(proposal)), 1, generator=generator))
+
+
 def _decode_logits(model, ids: torch.Tensor, step) -> torch.Tensor:
     """The next-token logits of one decode forward of `ids` [rows, 1] on the fixed-shape step `step`."""
     return model(input_ids=ids, past_key_values=step, use_cache=True).logits[:, -1]
@@ -939,14 +960,14 @@ class Engine:
 
     @torch.no_grad()
     def _speculate(self) -> bool:
-        """A speculative round in place of the decode step (`speculative_tokens`), where every row is greedy: each
-        row's next tokens proposed by prompt lookup over its prompt and its tokens so far, one forward verifying them
-        all (the rows' last tokens and proposals, padded to the longest with tokens that are only rejected), each row
-        taking the model's greedy tokens while they agree with its proposals and one past them, and the paged cache
-        keeping each row's own (`keep_verified`). Whether it ran: not where a row samples, under tensor parallelism,
-        where no row has a proposal, or where the pool lacks the pages the round would take."""
-        if not self.speculative_tokens or self.replicas is not None or \
-                any(job.sampling.temperature != 0 for job in self.batch):
+        """A speculative round in place of the decode step (`speculative_tokens`): each row's next tokens proposed by
+        prompt lookup over its prompt and its tokens so far, one forward verifying them all (the rows' last tokens and
+        proposals, padded to the longest with tokens that are only rejected), a greedy row taking the model's greedy
+        tokens while they agree with its proposals and one past them, a sampling row its `speculative_draws` (each
+        proposal kept with its probability), and the paged cache keeping each row's own (`keep_verified`). Whether it
+        ran: not under tensor parallelism, where no row has a proposal, or where the pool lacks the pages the round
+        would take."""
+        if not self.speculative_tokens or self.replicas is not None:
             return False
         proposals = [prompt_lookup(job.prompt_ids + job.new_ids, self.speculative_tokens) for job in self.batch]
         width = 1 + max(map(len, proposals))
@@ -963,14 +984,20 @@ class Engine:
         kept = []
         for row, (job, proposal) in enumerate(zip(self.batch, proposals)):
             emitted = 0
+            sampled = job.sampling.temperature != 0
+            draws = speculative_draws(lambda i, row=row, job=job: self._probs(logits[row, i], job), proposal,
+                                      job.generator) if sampled else None
             while emitted < width and not job.done:
+                is_finite = bool(finite[row][emitted])
+                # a sampling row draws only from finite logits (else `_emit` ends it by name)
+                token = next(draws) if sampled and is_finite else greedy[row][emitted]
                 try:
-                    self._emit(job, logits[row, emitted], (bool(finite[row][emitted]), greedy[row][emitted]))
+                    self._emit(job, logits[row, emitted], (is_finite, token), chosen=sampled)
                 except FloatingPointError as error:  # this row alone ends (`_emit_rows`)
                     self._fail(job, error)
                     break
                 emitted += 1
-                if emitted > len(proposal) or greedy[row][emitted - 1] != proposal[emitted - 1]:
+                if emitted > len(proposal) or token != proposal[emitted - 1]:
                     break
             kept.append(max(emitted, 1))
             self.stats["tokens_proposed"] += len(proposal)
@@ -999,14 +1026,16 @@ class Engine:
             except FloatingPointError as error:  # this row's logits alone: its request ends by name, the others go on
                 self._fail(job, error)
 
-    def _emit(self, job: Job, logits: torch.Tensor, read: tuple[bool, int] | None = None) -> None:
+    def _emit(self, job: Job, logits: torch.Tensor, read: tuple[bool, int] | None = None,
+              chosen: bool = False) -> None:
         """Samples the job's next token from `logits` (f32), posts it, and decides whether the job ends here: the
         leader does, and tells the other ranks (`Replicas.share`), whose copy of the job takes the same token and
-        end. `read`: whether the logits are finite and their greedy token, where the caller read them already."""
+        end. `read`: whether the logits are finite and their greedy token, where the caller read them already; with
+        `chosen`, the token the caller chose instead (a speculative round's draw for a sampling row)."""
         failed = None
         if self.leader:
             try:
-                finite = self._choose(job, logits, read)
+                finite = self._choose(job, logits, read, chosen)
             except Exception as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised here
                 if self.replicas is None:
                     raise
@@ -1026,12 +1055,14 @@ class Engine:
         if not finite:  # never a token picked from NaN: the request ends by name
             raise FloatingPointError(f"the model's logits hold non-finite values after {len(job.new_ids)} tokens")
 
-    def _choose(self, job: Job, logits: torch.Tensor, read: tuple[bool, int] | None = None) -> bool:
+    def _choose(self, job: Job, logits: torch.Tensor, read: tuple[bool, int] | None = None,
+                chosen: bool = False) -> bool:
         """`_emit`'s choice on the leader; False (nothing chosen) for logits that are not all finite."""
         finite, greedy = read if read is not None else (bool(torch.isfinite(logits).all()), None)
         if not finite:
             return False
-        token = greedy if greedy is not None and job.sampling.temperature == 0 else self._sample(logits, job)
+        token = greedy if greedy is not None and (chosen or job.sampling.temperature == 0) else \
+            self._sample(logits, job)
         job.new_ids.append(token)
         if job.sampling.logprobs is not None:
             logprobs = torch.log_softmax(logits.cpu(), dim=-1)
@@ -1052,16 +1083,22 @@ class Engine:
         return True
 
     @staticmethod
-    def _sample(logits: torch.Tensor, job: Job) -> int:
+    def _probs(logits: torch.Tensor, job: Job) -> torch.Tensor:
+        """The job's sampling distribution over the vocabulary (on the host): temperature, then top_p (unnormalised
+        after top_p: `torch.multinomial` takes weights)."""
         sampling = job.sampling
-        if sampling.temperature == 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.cpu() / sampling.temperature, dim=-1)
+        probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
         if sampling.top_p < 1.0:
             ordered, order = probs.sort(descending=True)
             keep = ordered.cumsum(-1) - ordered < sampling.top_p  # the smallest set reaching top_p
             probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
-        return int(torch.multinomial(probs, 1, generator=job.generator))
+        return probs
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, job: Job) -> int:
+        if job.sampling.temperature == 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(Engine._probs(logits, job), 1, generator=job.generator))
 
 
 def stop_at(text: str, stops: list[str]) -> int | None:

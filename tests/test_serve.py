@@ -1563,3 +1563,85 @@ def test_speculative_rounds_give_each_greedy_requests_tokens_in_fewer_forwards(s
         assert stats["decode_forwards"] < max(max_tokens) - 1  # several tokens a forward
     else:
         assert stats["speculative_rounds"] == 0 and stats["decode_forwards"] == max(max_tokens) - 1
+
+
+def test_speculative_draws_keep_each_tokens_distribution():
+    """`speculative_draws` (a sampling row's tokens in a round): over 20,000 rounds with fixed distributions p0, p1,
+    p2 on 6 tokens and proposals [2, 4], the first token's frequencies are p0's, the second's (after the first
+    proposal was kept) p1's, the third's (both kept) p2's, within four standard deviations; a rejected
+    proposal never comes back as the replacement, and the round ends at it. Fails if a proposal were kept whenever it
+    is likely (greedy-style), or the replacement drawn from p0 itself (the proposal twice as likely)."""
+    from kimik3.engine import speculative_draws
+
+    probs = [torch.tensor([0.1, 0.2, 0.3, 0.05, 0.25, 0.1]), torch.tensor([0.3, 0.1, 0.1, 0.1, 0.2, 0.2]),
+             torch.tensor([0.4, 0.1, 0.1, 0.2, 0.1, 0.1])]
+    probs[1] = probs[1] * 3  # weights, as top_p leaves them: taken relative to their sum
+    generator = torch.Generator().manual_seed(0)
+    counts = [torch.zeros(6) for _ in range(3)]
+    for _ in range(20_000):
+        tokens = list(speculative_draws(lambda i: probs[i], [2, 4], generator))
+        for position, token in enumerate(tokens):
+            counts[position][token] += 1
+        assert len(tokens) == 3 or tokens[-1] != [2, 4][len(tokens) - 1]  # a round ends at its replacement
+        assert tokens[:-1] == [2, 4][:len(tokens) - 1]
+    for position in range(3):
+        drawn = counts[position].sum()
+        frequencies, target = counts[position] / drawn, probs[position] / probs[position].sum()
+        # four standard deviations of a frequency at p = 1/2 over this position's draws (6,000 and 1,200 after it)
+        assert (frequencies - target).abs().max() < 4 * (0.25 / drawn) ** 0.5, (position, frequencies, target)
+    assert counts[1].sum() == pytest.approx(20_000 * 0.3, rel=0.05)  # the first proposal kept at p0's 0.3
+
+
+def test_speculative_rounds_run_for_sampling_rows_beside_greedy_ones(server):
+    """Sampling and greedy requests in one batch with `speculative_tokens=4`, the model steered to a 7-token cycle
+    after any token of it (there its distribution is one token: every proposal kept): two sampling requests (one
+    seeded) inside the cycle get the cycle's tokens in fewer forwards than tokens; a greedy request beside them gets
+    `generate()`'s tokens; a sampling request outside the cycle gets tokens of the vocabulary with a seed's
+    repeatability (the same run twice gives the same tokens). Off, the rounds never run."""
+    from kimik3.engine import Engine
+
+    cycle = [501, 502, 503, 504, 505, 506, 507]
+    after = {token: cycle[(i + 1) % len(cycle)] for i, token in enumerate(cycle)}
+
+    def steer(module, args, kwargs, output):
+        ids = kwargs["input_ids"][:, -output.logits.shape[1]:]
+        for row, position in (ids.unsqueeze(-1) == torch.tensor(cycle)).any(-1).nonzero().tolist():
+            output.logits[row, position] = -1e4
+            output.logits[row, position, after[int(ids[row, position])]] = 0.0
+        return output
+
+    prompts = [[5, 6] + cycle + [501], [9] + cycle + [503], [11, 12] + cycle + [505], [20, 21, 22]]
+    samplings = [Sampling(max_tokens=20, temperature=0.8, seed=7), Sampling(max_tokens=15, temperature=1.0),
+                 Sampling(max_tokens=12, temperature=0.0), Sampling(max_tokens=10, temperature=1.0, seed=3)]
+    handle = server.model.register_forward_hook(steer, with_kwargs=True)
+    runs = []
+    try:
+        for speculative_tokens in (4, 4, 0):
+            engine = Engine(server.model, server.tokenizer, max_requests=6, prefill_chunk=64, block_size=4,
+                            prefix_cache_bytes=0, speculative_tokens=speculative_tokens)
+            try:
+                jobs = _run_jobs(lambda loop: [(engine, [Job(ids, sampling, loop)
+                                                         for ids, sampling in zip(prompts, samplings)])])[0]
+                runs.append(([job.new_ids for job in jobs], dict(engine.stats)))
+                assert engine.paged.pages_held == 0
+            finally:
+                engine.stop()
+        greedy_alone = server.alone(prompts[2], 12)
+    finally:
+        handle.remove()
+    (tokens, stats), (again, _), (_, off) = runs
+
+    def continuing(token, n):  # the cycle's next n tokens after `token`
+        out = []
+        for _ in range(n):
+            token = after[token]
+            out.append(token)
+        return out
+
+    assert tokens[0] == continuing(501, 20) and tokens[1] == continuing(503, 15)
+    assert tokens[2] == greedy_alone
+    assert len(tokens[3]) == 10 and all(0 <= t < server.model.config.vocab_size for t in tokens[3])
+    assert again[3] == tokens[3] and again[0] == tokens[0]  # seeded: the same tokens again
+    assert stats["speculative_rounds"] > 0 and stats["tokens_accepted"] >= 20
+    assert stats["decode_forwards"] < 20 - 1  # the longest request's 19 decoded tokens in fewer forwards
+    assert off["speculative_rounds"] == 0
