@@ -1031,7 +1031,7 @@ class Engine:
         """Samples the job's next token from `logits` (f32), posts it, and decides whether the job ends here: the
         leader does, and tells the other ranks (`Replicas.share`), whose copy of the job takes the same token and
         end. `read`: whether the logits are finite and their greedy token, where the caller read them already; with
-        `chosen`, the token the caller chose instead (a speculative round's draw for a sampling row)."""
+        `chosen`, `read`'s token is the caller's choice for a sampling row too (a speculative round's draw)."""
         failed = None
         if self.leader:
             try:
