@@ -11,7 +11,10 @@ expert). The gate_up matmul of one MoE layer (N 6144, K 3584, 64 experts, top-16
 
 each autotuned first, then run once inside an NVTX range named after it, so that
 
-    ncu --clock-control none --nvtx --nvtx-include "profile/" --set full python3 benchmarks/diagnostics/profile_mxfp4_decode.py
+    ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats --section InstructionStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 benchmarks/diagnostics/profile_mxfp4_decode.py
 
 profiles exactly those three launches. Writes the autotuner's choices and each launch's time (CUDA events, outside
 the profiler) to $OUT/profile_mxfp4_decode.json.
@@ -160,7 +163,8 @@ def fma_rows_gemv(xs, packed, scale, ends, rows):
     grid = lambda meta: (min(num_rows, triton.cdiv(num_rows, rows) + num_experts),  # noqa: E731
                          triton.cdiv(n, meta["BLOCK_N"]))
     _fma_rows_kernel[grid](x, packed.view(torch.int32), scale, out, ends, n, kh // 4, num_experts,
-                           E_PAD=triton.next_power_of_2(num_experts), ROWS=rows, PTX_DECODE=mxfp4._ptx_decode(xs.device))
+                           E_PAD=triton.next_power_of_2(num_experts), ROWS=rows,
+                           PTX_DECODE=mxfp4._ptx_decode(xs.device))
     return out
 
 

@@ -63,7 +63,8 @@ def main():
             results["points"].append(point)
             print(json.dumps({key: point[key] for key in ("matmul", "tokens", "autotuned_us", "autotuned", "best")}),
                   flush=True)
-            Path(os.environ.get("OUT", "."), "sweep_mxfp4_gemv_registers.json").write_text(json.dumps(results, indent=1))
+            out_file = Path(os.environ.get("OUT", "."), "sweep_mxfp4_gemv_registers.json")
+            out_file.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
