@@ -1087,7 +1087,7 @@ class Engine:
         """The job's sampling distribution over the vocabulary (on the host): temperature, then top_p (unnormalised
         after top_p: `torch.multinomial` takes weights)."""
         sampling = job.sampling
-        probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
+        probs = torch.softmax(logits.cpu() / sampling.temperature, dim=-1)
         if sampling.top_p < 1.0:
             ordered, order = probs.sort(descending=True)
             keep = ordered.cumsum(-1) - ordered < sampling.top_p  # the smallest set reaching top_p

@@ -1521,6 +1521,20 @@ def test_a_verify_forward_keeps_each_rows_own_tokens_as_if_only_those_were_read(
     torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=2e-5)
 
 
+CYCLE = [501, 502, 503, 504, 505, 506, 507]
+CYCLE_NEXT = {token: CYCLE[(i + 1) % len(CYCLE)] for i, token in enumerate(CYCLE)}
+
+
+def _steer_to_cycle(module, args, kwargs, output):
+    """A forward hook (with_kwargs) steering the model's logits at every position: after a token of CYCLE, all on its
+    next one; elsewhere the model's own choice (which reads the cache)."""
+    ids = kwargs["input_ids"][:, -output.logits.shape[1]:]  # (a prefill keeps the last position's logits)
+    for row, position in (ids.unsqueeze(-1) == torch.tensor(CYCLE)).any(-1).nonzero().tolist():
+        output.logits[row, position] = -1e4
+        output.logits[row, position, CYCLE_NEXT[int(ids[row, position])]] = 0.0
+    return output
+
+
 @pytest.mark.parametrize("speculative_tokens,decode_step", [(0, "plain"), (4, "plain"), (4, "fixed")])
 def test_speculative_rounds_give_each_greedy_requests_tokens_in_fewer_forwards(server, speculative_tokens,
                                                                                decode_step):
@@ -1532,20 +1546,9 @@ def test_speculative_rounds_give_each_greedy_requests_tokens_in_fewer_forwards(s
     fixed-shape steps (the captured steps' forward, run eagerly here) read the KDA slots a round rewrote."""
     from kimik3.engine import Engine
 
-    cycle = [501, 502, 503, 504, 505, 506, 507]
-    after = {token: cycle[(i + 1) % len(cycle)] for i, token in enumerate(cycle)}
-
-    def steer(module, args, kwargs, output):
-        # after a token of the cycle, its next token; elsewhere the model's own choice (which reads the cache)
-        ids = kwargs["input_ids"][:, -output.logits.shape[1]:]  # (a prefill keeps the last position's logits)
-        for row, position in (ids.unsqueeze(-1) == torch.tensor(cycle)).any(-1).nonzero().tolist():
-            output.logits[row, position] = -1e4
-            output.logits[row, position, after[int(ids[row, position])]] = 0.0
-        return output
-
-    prompts = [[5, 6] + cycle * 2 + [501, 502], [9] + cycle + [503], [11, 12, 13]]
+    prompts = [[5, 6] + CYCLE * 2 + [501, 502], [9] + CYCLE + [503], [11, 12, 13]]
     max_tokens = [23, 10, 17]
-    handle = server.model.register_forward_hook(steer, with_kwargs=True)
+    handle = server.model.register_forward_hook(_steer_to_cycle, with_kwargs=True)
     engine = Engine(server.model, server.tokenizer, max_requests=4, prefill_chunk=64, block_size=4,
                     prefix_cache_bytes=0, speculative_tokens=speculative_tokens, decode_step=decode_step)
     try:
@@ -1600,20 +1603,10 @@ def test_speculative_rounds_run_for_sampling_rows_beside_greedy_ones(server):
     repeatability (the same run twice gives the same tokens). Off, the rounds never run."""
     from kimik3.engine import Engine
 
-    cycle = [501, 502, 503, 504, 505, 506, 507]
-    after = {token: cycle[(i + 1) % len(cycle)] for i, token in enumerate(cycle)}
-
-    def steer(module, args, kwargs, output):
-        ids = kwargs["input_ids"][:, -output.logits.shape[1]:]
-        for row, position in (ids.unsqueeze(-1) == torch.tensor(cycle)).any(-1).nonzero().tolist():
-            output.logits[row, position] = -1e4
-            output.logits[row, position, after[int(ids[row, position])]] = 0.0
-        return output
-
-    prompts = [[5, 6] + cycle + [501], [9] + cycle + [503], [11, 12] + cycle + [505], [20, 21, 22]]
+    prompts = [[5, 6] + CYCLE + [501], [9] + CYCLE + [503], [11, 12] + CYCLE + [505], [20, 21, 22]]
     samplings = [Sampling(max_tokens=20, temperature=0.8, seed=7), Sampling(max_tokens=15, temperature=1.0),
                  Sampling(max_tokens=12, temperature=0.0), Sampling(max_tokens=10, temperature=1.0, seed=3)]
-    handle = server.model.register_forward_hook(steer, with_kwargs=True)
+    handle = server.model.register_forward_hook(_steer_to_cycle, with_kwargs=True)
     runs = []
     try:
         for speculative_tokens in (4, 4, 0):
@@ -1634,7 +1627,7 @@ def test_speculative_rounds_run_for_sampling_rows_beside_greedy_ones(server):
     def continuing(token, n):  # the cycle's next n tokens after `token`
         out = []
         for _ in range(n):
-            token = after[token]
+            token = CYCLE_NEXT[token]
             out.append(token)
         return out
 
