@@ -1638,3 +1638,49 @@ def test_speculative_rounds_run_for_sampling_rows_beside_greedy_ones(server):
     assert stats["speculative_rounds"] > 0 and stats["tokens_accepted"] >= 20
     assert stats["decode_forwards"] < 20 - 1  # the longest request's 19 decoded tokens in fewer forwards
     assert off["speculative_rounds"] == 0
+
+
+def test_a_sampling_row_whose_logits_go_non_finite_inside_a_round_ends_its_request_alone(server):
+    """Inside a speculative round, a sampling row's logits go NaN at the position after token 505 (the model steered
+    to the cycle, then poisoned there): it keeps the three proposals before that position, then its request ends
+    with an error naming non-finite logits after 4 tokens, with no token drawn from the NaN; a greedy row in the same
+    round keeps the cycle's tokens to its end, and the engine serves on."""
+    from kimik3.engine import Engine
+
+    def steer_then_poison(module, args, kwargs, output):
+        output = _steer_to_cycle(module, args, kwargs, output)
+        ids = kwargs["input_ids"][:, -output.logits.shape[1]:]
+        output.logits[ids == 505] = float("nan")
+        return output
+
+    prompts = [[5, 6] + CYCLE + [501], [9] + CYCLE + [501]]
+    samplings = [Sampling(max_tokens=10, temperature=0.9, seed=1), Sampling(max_tokens=3, temperature=0.0)]
+    handle = server.model.register_forward_hook(steer_then_poison, with_kwargs=True)
+    engine = Engine(server.model, server.tokenizer, max_requests=2, prefill_chunk=64, block_size=4,
+                    prefix_cache_bytes=0, speculative_tokens=4)
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            jobs = [Job(ids, sampling, loop) for ids, sampling in zip(prompts, samplings)]
+            engine.submit(jobs)
+            outcomes = []
+            for job in jobs:
+                items = []
+                while (item := await job.mailbox.get()) is not None:
+                    items.append(item)
+                outcomes.append(items)
+            return jobs, outcomes
+
+        jobs, outcomes = asyncio.run(run())
+        failed, good = outcomes
+        assert failed[:-1] == [502, 503, 504, 505] and isinstance(failed[-1], ServeError)
+        assert "non-finite values after 4 tokens" in failed[-1].message and jobs[0].finish_reason == "error"
+        assert good == [502, 503, 504] and jobs[1].finish_reason == "length"
+        assert engine.stats["speculative_rounds"] >= 1
+    finally:
+        handle.remove()
+    try:
+        [after] = _greedy_each(engine, [prompts[0][:4]], 4)
+        assert after.new_ids == server.alone(prompts[0][:4], 4)  # the engine serves on
+    finally:
+        engine.stop()
