@@ -474,19 +474,8 @@ def test_a_row_whose_logits_go_non_finite_in_a_batched_step_ends_its_request_alo
 
     engine._emit_rows = poisoned
     try:
-        async def run():
-            loop = asyncio.get_running_loop()
-            jobs = [Job(ids, Sampling(max_tokens=8, temperature=0.0), loop) for ids in prompts]
-            engine.submit(jobs)
-            outcomes = []
-            for job in jobs:
-                items = []
-                while (item := await job.mailbox.get()) is not None:
-                    items.append(item)
-                outcomes.append(items)
-            return jobs, outcomes
-
-        jobs, outcomes = asyncio.run(run())
+        jobs, outcomes = _outcomes(engine, lambda loop: [Job(ids, Sampling(max_tokens=8, temperature=0.0), loop)
+                                                         for ids in prompts])
         assert steps[:3] == [2, 2, 2]  # both rows were in the poisoned step
         failed, good = outcomes
         assert isinstance(failed[-1], ServeError) and failed[-1].status == 500
@@ -689,6 +678,25 @@ def _run_jobs(jobs_of):
             while engine.busy():
                 await asyncio.sleep(0.005)
         return [jobs for _, jobs in groups]
+
+    return asyncio.run(run())
+
+
+def _outcomes(engine, jobs_of):
+    """The jobs `jobs_of(loop)` gives, submitted together, and what each one's stream held (tokens, then an error
+    where it ended with one), once each has ended and left the batch."""
+    async def run():
+        jobs = jobs_of(asyncio.get_running_loop())
+        engine.submit(jobs)
+        outcomes = []
+        for job in jobs:
+            items = []
+            while (item := await job.mailbox.get()) is not None:
+                items.append(item)
+            outcomes.append(items)
+        while engine.busy():  # a job's stream ends as its row leaves the batch, in the engine's thread
+            await asyncio.sleep(0.005)
+        return jobs, outcomes
 
     return asyncio.run(run())
 
@@ -1659,19 +1667,8 @@ def test_a_sampling_row_whose_logits_go_non_finite_inside_a_round_ends_its_reque
     engine = Engine(server.model, server.tokenizer, max_requests=2, prefill_chunk=64, block_size=4,
                     prefix_cache_bytes=0, speculative_tokens=4)
     try:
-        async def run():
-            loop = asyncio.get_running_loop()
-            jobs = [Job(ids, sampling, loop) for ids, sampling in zip(prompts, samplings)]
-            engine.submit(jobs)
-            outcomes = []
-            for job in jobs:
-                items = []
-                while (item := await job.mailbox.get()) is not None:
-                    items.append(item)
-                outcomes.append(items)
-            return jobs, outcomes
-
-        jobs, outcomes = asyncio.run(run())
+        jobs, outcomes = _outcomes(engine, lambda loop: [Job(ids, sampling, loop)
+                                                         for ids, sampling in zip(prompts, samplings)])
         failed, good = outcomes
         assert failed[:-1] == [502, 503, 504, 505] and isinstance(failed[-1], ServeError)
         assert "non-finite values after 4 tokens" in failed[-1].message and jobs[0].finish_reason == "error"
