@@ -218,6 +218,10 @@ def main(argv=None):
     parser.add_argument("--mxfp4-gemv-rows", type=int, nargs="+", default=None,
                         help="mxfp4: each configuration once per value of kernels.mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT "
                              "(routed rows per expert up to which the packed GEMV runs, beyond it the tiles)")
+    parser.add_argument("--mxfp4-settings", nargs="+", default=None,
+                        help="mxfp4: each configuration once per value, a comma-separated list of NAME=INT "
+                             "assignments to kernels.mxfp4's module constants ('' for the defaults), e.g. "
+                             "'MXFP4_GEMV_PREFETCH=0,MXFP4_GEMV_X_F32=0'")
     args = parser.parse_args(argv)
     ensure_kimik3()
     from kimik3.modeling.generate_kimi_k3 import DEFAULT_BLOCK_STEPS
@@ -247,21 +251,42 @@ def main(argv=None):
     for context in args.contexts:
         for batch in args.batches:
             for rows in args.mxfp4_gemv_rows or [None]:
-                if rows is not None:  # Triton's kernels: imported only when asked for
-                    from kimik3.kernels import mxfp4
-
-                    # the packed path is chosen at trace time: a fresh trace for every value
-                    mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT = rows
-                    torch._dynamo.reset()
-                row = run_configuration(model, stats, batch, context, args, device)
-                row["mxfp4_gemv_rows_per_expert"] = rows
-                results["decode"].append(row)
-                if args.out:
-                    partial = Path(args.out).with_suffix(".partial")
-                    partial.write_text(json.dumps(results, indent=1) + "\n")
-                    partial.replace(args.out)
-                print(json.dumps(row), flush=True)
+                for settings in args.mxfp4_settings or [None]:
+                    if rows is not None or settings is not None:  # Triton's kernels: imported only when asked for
+                        _apply_mxfp4_settings(rows, settings)
+                    row = run_configuration(model, stats, batch, context, args, device)
+                    row["mxfp4_gemv_rows_per_expert"] = rows
+                    row["mxfp4_settings"] = settings
+                    results["decode"].append(row)
+                    if args.out:
+                        partial = Path(args.out).with_suffix(".partial")
+                        partial.write_text(json.dumps(results, indent=1) + "\n")
+                        partial.replace(args.out)
+                    print(json.dumps(row), flush=True)
     return results
+
+
+_MXFP4_DEFAULTS = {}
+
+
+def _apply_mxfp4_settings(rows, settings):
+    """kernels.mxfp4's module constants for one configuration: MXFP4_GEMV_ROWS_PER_EXPERT = rows (unless None) and
+    the NAME=INT list `settings` ('' or None: the defaults), every other one at its default; then a fresh trace,
+    since the packed path and its kernels are chosen at trace time."""
+    from kimik3.kernels import mxfp4
+
+    if not _MXFP4_DEFAULTS:
+        _MXFP4_DEFAULTS.update({name: getattr(mxfp4, name) for name in dir(mxfp4) if name.startswith("MXFP4_")})
+    for name, value in _MXFP4_DEFAULTS.items():
+        setattr(mxfp4, name, value)
+    if rows is not None:
+        mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT = rows
+    for item in filter(None, (settings or "").split(",")):
+        name, _, value = item.partition("=")
+        if name.strip() not in _MXFP4_DEFAULTS:
+            raise SystemExit(f"--mxfp4-settings: kernels.mxfp4 has no constant {name.strip()!r}")
+        setattr(mxfp4, name.strip(), type(_MXFP4_DEFAULTS[name.strip()])(int(value)))
+    torch._dynamo.reset()
 
 
 if __name__ == "__main__":

@@ -518,19 +518,41 @@ def _e2m1_word(word):
             _e2m1_scaled(word >> 16), _e2m1_scaled(word >> 20), _e2m1_scaled(word >> 24), _e2m1_scaled(word >> 28))
 
 
+@triton.jit
+def _gemv_chunk(p_rows, s_rows, x_row, g0, KW, cmask, GROUPS: tl.constexpr):
+    # one step's operands: words [BLOCK_N, GROUPS, 4], E8M0 scales [BLOCK_N, GROUPS] and x [GROUPS, 4, 8] from scale
+    # group g0 on; groups past the row's end are masked (no memory traffic), so a prefetch past the end is free
+    g = g0 + tl.arange(0, GROUPS)
+    gmask = g < KW // 4
+    q = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # word index along the row: [GROUPS, 4]
+    wmask = cmask[:, None] & gmask[None, :]
+    word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
+    sc = tl.load(s_rows + g[None, :], mask=wmask, other=127)
+    # x as one 16-byte (bf16) or 32-byte (f32) vector per word: eight strided loads per word cost more than the
+    # decode (docs/benchmarks.md, Packed MXFP4 GEMV)
+    xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=gmask[:, None, None], other=0.0)
+    return word, sc, xv
+
+
 @triton.autotune(
     configs=[
         triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw}, num_warps=w, num_stages=st)
         for bn, bkw, w, st in ((8, 128, 4, 2), (16, 64, 2, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2),
                                (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
     ],
-    key=["N", "KW", "PTX_DECODE"],
+    # ROW_CLASS (routed rows per expert, 1 or 2) only keys the tuning: the tile that is best at one row per expert
+    # is not the best at two, and a tuning keyed on the shapes alone keeps the first one it meets
+    # (docs/benchmarks.md, Packed MXFP4 GEMV)
+    key=["N", "KW", "ROW_CLASS", "PTX_DECODE", "PREFETCH"],
 )
 @triton.jit
-def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr):
+def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, ROW_CLASS, E_PAD: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr,
+                       PREFETCH: tl.constexpr):
     # p_ptr: the packed bytes as int32 words, KW = K/8 per row; one E8M0 scale per 4 words (K % 32 == 0), so the
-    # tile is [BLOCK_N rows, GROUPS scale groups, 4 words] and only whole groups are masked
+    # tile is [BLOCK_N rows, GROUPS scale groups, 4 words] and only whole groups are masked. PREFETCH loads step
+    # i + 1's words, scales and x before step i's arithmetic, so their latency hides behind it (without it every
+    # step waits for its own loads: Triton pipelines no load that feeds no tl.dot)
     GROUPS: tl.constexpr = BLOCK_KW // 4
     # row program_id(0) and its expert: the tile kernels' row-block search with blocks of one row
     expert, row, _ = _expert_row_block(ends_ptr, E, E_PAD, 1)
@@ -541,37 +563,37 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl
         p_rows = p_ptr + w_rows[:, None, None] * KW
         s_rows = s_ptr + w_rows[:, None] * (KW // 4)
         x_row = x_ptr + row.to(tl.int64) * (8 * KW)
-        g_idx = tl.arange(0, GROUPS)
-        q_idx = tl.arange(0, 4)
         # one partial sum per (column, scale group) slot; reduced over the groups once at the end
         acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        word, sc, xv = _gemv_chunk(p_rows, s_rows, x_row, 0, KW, cmask, GROUPS)
         for g0 in range(0, KW // 4, GROUPS):
-            g = g0 + g_idx
-            gmask = g < KW // 4
-            q = g[:, None] * 4 + q_idx[None, :]  # word index along the row: [GROUPS, 4]
-            wmask = cmask[:, None] & gmask[None, :]
-            word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
+            if PREFETCH:
+                word_next, sc_next, xv_next = _gemv_chunk(p_rows, s_rows, x_row, g0 + GROUPS, KW, cmask, GROUPS)
+            else:
+                word, sc, xv = _gemv_chunk(p_rows, s_rows, x_row, g0, KW, cmask, GROUPS)
             if PTX_DECODE:
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
             else:
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
             # [BLOCK_N, GROUPS, 4 words, 8 codes]: join puts its pair last, so the last join is the fastest index
-            # (code i = 4a + 2b + c). Code i of word q multiplies element 8q + i of x, loaded as one 16-byte vector
-            # per word (eight strided loads per word cost more than the decode: docs/benchmarks.md, Packed MXFP4 GEMV).
-            # Products of 2^-14-scaled E2M1 values with 16-bit x are exact in f32; the group's power-of-two scale
-            # (times 2^14) multiplies its 32-term sum
+            # (code i = 4a + 2b + c); code i of word q multiplies element 8q + i of x. Products of 2^-14-scaled
+            # E2M1 values with 16-bit or f32 x are exact in f32; the group's power-of-two scale (times 2^14)
+            # multiplies its 32-term sum
             codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
                                        tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
-            xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=gmask[:, None, None],
-                         other=0.0).to(tl.float32)
-            part = tl.sum(tl.sum(codes * xv[None, :, :, :], axis=3), axis=2)
-            factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))
-            acc += (part * 16384.0) * factor
+            part = tl.sum(tl.sum(codes * xv.to(tl.float32)[None, :, :, :], axis=3), axis=2)
+            acc += (part * 16384.0) * _e8m0(sc.to(tl.int32))
+            if PREFETCH:
+                word, sc, xv = word_next, sc_next, xv_next
         out = tl.sum(acc, axis=1)
         tl.store(o_ptr + row.to(tl.int64) * N + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
 
 
 MXFP4_PTX_DECODE = True  # the f16-pair decode where it can run (off: the portable decode, for side-by-side runs)
+MXFP4_GEMV_PREFETCH = True  # each step's loads issued during the step before (off: for side-by-side runs)
+# x converted to f32 once per call: a 16-bit x costs the kernel a conversion per weight and row, more instructions
+# than the one FMA it feeds (off: x as stored, for side-by-side runs)
+MXFP4_GEMV_X_F32 = True
 
 
 def _ptx_decode(device: torch.device) -> bool:
@@ -588,12 +610,16 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
     # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
     words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
 
+    x = xs.float() if MXFP4_GEMV_X_F32 else xs
+
     def grid(meta):
         return (num_rows, triton.cdiv(n, meta["BLOCK_N"]))
 
     with torch.cuda.device(xs.device):  # Triton launches on the current device
-        _mxfp4_gemv_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
-                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device))
+        _mxfp4_gemv_kernel[grid](x, words, scale, out, ends, n, kh // 4, num_experts,
+                                 min(MXFP4_GEMV_ROWS_PER_EXPERT, triton.cdiv(num_rows, num_experts)),
+                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device),
+                                 PREFETCH=MXFP4_GEMV_PREFETCH)
     return out
 
 

@@ -156,6 +156,80 @@ def _fma_rows_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.c
                      mask=cmask & (row0 + 3 < row_end))
 
 
+@triton.jit
+def _row_sum(codes, x_row, g0, KW, GROUPS: tl.constexpr):
+    g = g0 + tl.arange(0, GROUPS)
+    q = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+    xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=(g < KW // 4)[:, None, None],
+                 other=0.0).to(tl.float32)
+    return tl.sum(tl.sum(codes * xv[None, :, :, :], axis=3), axis=2)
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw}, num_warps=w, num_stages=2)
+             for bn, bkw, w in ((16, 64, 2), (16, 64, 4), (8, 64, 4), (16, 32, 4), (32, 32, 8), (32, 64, 4),
+                                (8, 128, 4))],
+    key=["N", "KW", "ROWS"],
+)
+@triton.jit
+def _shared_rows_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.constexpr, ROWS: tl.constexpr,
+                        PTX_DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    # the product GEMV (prefetch, x in f32) with up to ROWS routed rows of one expert per program: each step's
+    # words decoded once for them; a row the block does not have is skipped by a branch, not computed masked
+    GROUPS: tl.constexpr = BLOCK_KW // 4
+    expert, row0, row_end = _expert_row_block(ends_ptr, E, E_PAD, ROWS)
+    if expert < E:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)
+        p_rows = p_ptr + w_rows[:, None, None] * KW
+        s_rows = s_ptr + w_rows[:, None] * (KW // 4)
+        x0 = x_ptr + row0.to(tl.int64) * (8 * KW)
+        acc0 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        word, sc, xv = mxfp4._gemv_chunk(p_rows, s_rows, x0, 0, KW, cmask, GROUPS)
+        for g0 in range(0, KW // 4, GROUPS):
+            word_next, sc_next, xv_next = mxfp4._gemv_chunk(p_rows, s_rows, x0, g0 + GROUPS, KW, cmask, GROUPS)
+            if PTX_DECODE:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
+            else:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
+            codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                                       tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
+            factor = _e8m0(sc.to(tl.int32)) * 16384.0
+            acc0 += tl.sum(tl.sum(codes * xv.to(tl.float32)[None, :, :, :], axis=3), axis=2) * factor
+            if ROWS >= 2:
+                if row0 + 1 < row_end:
+                    acc1 += _row_sum(codes, x0 + 8 * KW, g0, KW, GROUPS) * factor
+            if ROWS >= 4:
+                if row0 + 2 < row_end:
+                    acc2 += _row_sum(codes, x0 + 16 * KW, g0, KW, GROUPS) * factor
+                if row0 + 3 < row_end:
+                    acc3 += _row_sum(codes, x0 + 24 * KW, g0, KW, GROUPS) * factor
+            word, sc, xv = word_next, sc_next, xv_next
+        out = o_ptr + row0.to(tl.int64) * N + cols
+        tl.store(out, tl.sum(acc0, axis=1).to(o_ptr.dtype.element_ty), mask=cmask)
+        if ROWS >= 2:
+            tl.store(out + N, tl.sum(acc1, axis=1).to(o_ptr.dtype.element_ty), mask=cmask & (row0 + 1 < row_end))
+        if ROWS >= 4:
+            tl.store(out + 2 * N, tl.sum(acc2, axis=1).to(o_ptr.dtype.element_ty), mask=cmask & (row0 + 2 < row_end))
+            tl.store(out + 3 * N, tl.sum(acc3, axis=1).to(o_ptr.dtype.element_ty), mask=cmask & (row0 + 3 < row_end))
+
+
+def shared_rows_gemv(xs, packed, scale, ends, rows):
+    num_rows, num_experts, n, kh = xs.shape[0], packed.shape[0], packed.shape[1], packed.shape[2]
+    x = xs.float()
+    out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)
+    grid = lambda meta: (min(num_rows, triton.cdiv(num_rows, rows) + num_experts),  # noqa: E731
+                         triton.cdiv(n, meta["BLOCK_N"]))
+    _shared_rows_kernel[grid](x, packed.view(torch.int32), scale, out, ends, n, kh // 4, num_experts,
+                              E_PAD=triton.next_power_of_2(num_experts), ROWS=rows,
+                              PTX_DECODE=mxfp4._ptx_decode(xs.device))
+    return out
+
+
 def fma_rows_gemv(xs, packed, scale, ends, rows):
     num_rows, num_experts, n, kh = xs.shape[0], packed.shape[0], packed.shape[1], packed.shape[2]
     x = xs.float()
