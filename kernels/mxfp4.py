@@ -230,6 +230,73 @@ def _mxfp4_scaled_dot_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_P
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+# The same tiles from 32-bit words decoded as the GEMV decodes them (`_e2m1_word_ptx`, below: f16 pairs, exact
+# conversions to f32), each code times its group's scale in f32, then one MMA over the tile in k order (the eight
+# codes of a word joined as the GEMV joins them). TF32: the f32 weights and x upcast to f32 meet in a TF32 MMA, exact
+# for bf16 x (bf16 and every E2M1 value times a power of two fit TF32's 10 mantissa bits); otherwise the weights are
+# rounded to bf16, exactly. W_IS_A (tuned) puts the decoded weights on the MMA's register operand. Fewer
+# instructions a word than tl.dot_scaled's upcast (benchmarks/diagnostics/time_mxfp4_gemv_variants.py; a word-tile
+# kernel with the rows split into eight phases was measured slower and removed earlier).
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw, "W_IS_A": wa}, num_warps=w, num_stages=st)
+             for bn, bkw, w, st in ((64, 8, 4, 3), (64, 16, 4, 3), (128, 8, 4, 3), (128, 16, 8, 3), (64, 16, 4, 2))
+             for wa in (False, True)],
+    key=["N", "KW", "E_PAD", "TF32"],
+)
+@triton.jit
+def _mxfp4_word_tiles_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+                             W_IS_A: tl.constexpr, TF32: tl.constexpr, PTX_DECODE: tl.constexpr):
+    GROUPS: tl.constexpr = BLOCK_KW // 4
+    expert, row0, row_end = _expert_row_block(ends_ptr, E, E_PAD, BLOCK_M)
+    if expert < E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/8] word matrix
+        p_rows = p_ptr + w_rows[:, None, None] * KW
+        s_rows = s_ptr + w_rows[:, None] * (KW // 4)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * (8 * KW)
+        if W_IS_A:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g0 in range(0, KW // 4, GROUPS):
+            g = g0 + tl.arange(0, GROUPS)
+            gmask = g < KW // 4
+            q = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # word index along the row: [GROUPS, 4]
+            wmask = cmask[:, None] & gmask[None, :]
+            word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
+            if PTX_DECODE:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
+            else:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
+            # the codes are 2^-14 times their E2M1 values: the 2^14 goes into the group's scale
+            f = (_e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32)) * 16384.0)[:, :, None]
+            w = tl.reshape(tl.join(tl.join(tl.join(c0 * f, c4 * f), tl.join(c2 * f, c6 * f)),
+                                   tl.join(tl.join(c1 * f, c5 * f), tl.join(c3 * f, c7 * f))),
+                           (BLOCK_N, 8 * BLOCK_KW))  # element k of the step = code k % 8 of word k // 8
+            k = 32 * g0 + tl.arange(0, 8 * BLOCK_KW)
+            x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < 8 * KW)[None, :], other=0.0)
+            if TF32:
+                x = x.to(tl.float32)
+            else:
+                w = w.to(x_ptr.dtype.element_ty)
+            if W_IS_A:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="tf32" if TF32 else None)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32" if TF32 else None)
+        if W_IS_A:
+            out = o_ptr + rows.to(tl.int64)[None, :] * N + cols[:, None]
+            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
+        else:
+            out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
 def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
     """Checked, contiguous operands of the packed matmuls and their [M, N] output (unwritten)."""
     num_rows, k = xs.shape
@@ -244,12 +311,16 @@ def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
 
 
 MXFP4_SCALED_DOT = True  # bf16 tiles through tl.dot_scaled (off: the byte-decoding kernel, for side-by-side runs)
+# bf16 tiles from decoded words instead (ahead of MXFP4_SCALED_DOT): None (off), "bf16" or "tf32", the MMA's type
+MXFP4_WORD_TILES = None
 
 
-def _scaled_dot(xs: torch.Tensor) -> bool:
-    # measured on Hopper only (other GPUs, and a Triton without tl.dot_scaled, keep the byte-decoding kernel)
-    return (MXFP4_SCALED_DOT and xs.dtype == torch.bfloat16 and hasattr(tl, "dot_scaled") and xs.device.type == "cuda"
-            and torch.version.hip is None and torch.cuda.get_device_capability(xs.device)[0] == 9)
+def _scaled_dot(xs: torch.Tensor, word_tiles: bool = False) -> bool:
+    # measured on Hopper only (other GPUs, and a Triton without tl.dot_scaled, keep the byte-decoding kernel); the
+    # word tiles' bf16 MMA (or TF32 over bf16 x) is exact for bf16 x only, so f32 keeps the byte kernel's IEEE dots
+    return ((word_tiles or MXFP4_SCALED_DOT and hasattr(tl, "dot_scaled")) and xs.dtype == torch.bfloat16
+            and xs.device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(xs.device)[0] == 9)
 
 
 def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
@@ -258,6 +329,14 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     if num_rows == 0 or n == 0:
         return out
     grid = _row_block_grid(num_rows, num_experts, n)
+    if MXFP4_WORD_TILES and _scaled_dot(xs, word_tiles=True):
+        # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
+        words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
+        with torch.cuda.device(xs.device):
+            _mxfp4_word_tiles_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
+                                           E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=_FEW_ROWS_BLOCK_M,
+                                           TF32=MXFP4_WORD_TILES == "tf32", PTX_DECODE=_ptx_decode(xs.device))
+        return out
     if _scaled_dot(xs):
         with torch.cuda.device(xs.device):
             _mxfp4_scaled_dot_kernel[grid](xs, packed, scale, out, ends, n, kh, num_experts,
@@ -518,22 +597,6 @@ def _e2m1_word(word):
             _e2m1_scaled(word >> 16), _e2m1_scaled(word >> 20), _e2m1_scaled(word >> 24), _e2m1_scaled(word >> 28))
 
 
-@triton.jit
-def _gemv_chunk(p_rows, s_rows, x_row, g0, KW, cmask, GROUPS: tl.constexpr):
-    # one step's operands: words [BLOCK_N, GROUPS, 4], E8M0 scales [BLOCK_N, GROUPS] and x [GROUPS, 4, 8] from scale
-    # group g0 on; groups past the row's end are masked (no memory traffic), so a prefetch past the end is free
-    g = g0 + tl.arange(0, GROUPS)
-    gmask = g < KW // 4
-    q = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # word index along the row: [GROUPS, 4]
-    wmask = cmask[:, None] & gmask[None, :]
-    word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
-    sc = tl.load(s_rows + g[None, :], mask=wmask, other=127)
-    # x as one 16-byte (bf16) or 32-byte (f32) vector per word: eight strided loads per word cost more than the
-    # decode (docs/benchmarks.md, Packed MXFP4 GEMV)
-    xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=gmask[:, None, None], other=0.0)
-    return word, sc, xv
-
-
 @triton.autotune(
     configs=[
         triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw}, num_warps=w, num_stages=st)
@@ -543,16 +606,13 @@ def _gemv_chunk(p_rows, s_rows, x_row, g0, KW, cmask, GROUPS: tl.constexpr):
     # ROW_CLASS (routed rows per expert, 1 or 2) only keys the tuning: the tile that is best at one row per expert
     # is not the best at two, and a tuning keyed on the shapes alone keeps the first one it meets
     # (docs/benchmarks.md, Packed MXFP4 GEMV)
-    key=["N", "KW", "ROW_CLASS", "PTX_DECODE", "PREFETCH"],
+    key=["N", "KW", "ROW_CLASS", "PTX_DECODE"],
 )
 @triton.jit
 def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, ROW_CLASS, E_PAD: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr,
-                       PREFETCH: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr):
     # p_ptr: the packed bytes as int32 words, KW = K/8 per row; one E8M0 scale per 4 words (K % 32 == 0), so the
-    # tile is [BLOCK_N rows, GROUPS scale groups, 4 words] and only whole groups are masked. PREFETCH loads step
-    # i + 1's words, scales and x before step i's arithmetic, so their latency hides behind it (without it every
-    # step waits for its own loads: Triton pipelines no load that feeds no tl.dot)
+    # tile is [BLOCK_N rows, GROUPS scale groups, 4 words] and only whole groups are masked
     GROUPS: tl.constexpr = BLOCK_KW // 4
     # row program_id(0) and its expert: the tile kernels' row-block search with blocks of one row
     expert, row, _ = _expert_row_block(ends_ptr, E, E_PAD, 1)
@@ -563,37 +623,37 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, ROW_CLASS
         p_rows = p_ptr + w_rows[:, None, None] * KW
         s_rows = s_ptr + w_rows[:, None] * (KW // 4)
         x_row = x_ptr + row.to(tl.int64) * (8 * KW)
+        g_idx = tl.arange(0, GROUPS)
+        q_idx = tl.arange(0, 4)
         # one partial sum per (column, scale group) slot; reduced over the groups once at the end
         acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-        word, sc, xv = _gemv_chunk(p_rows, s_rows, x_row, 0, KW, cmask, GROUPS)
         for g0 in range(0, KW // 4, GROUPS):
-            if PREFETCH:
-                word_next, sc_next, xv_next = _gemv_chunk(p_rows, s_rows, x_row, g0 + GROUPS, KW, cmask, GROUPS)
-            else:
-                word, sc, xv = _gemv_chunk(p_rows, s_rows, x_row, g0, KW, cmask, GROUPS)
+            g = g0 + g_idx
+            gmask = g < KW // 4
+            q = g[:, None] * 4 + q_idx[None, :]  # word index along the row: [GROUPS, 4]
+            wmask = cmask[:, None] & gmask[None, :]
+            word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
             if PTX_DECODE:
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
             else:
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
             # [BLOCK_N, GROUPS, 4 words, 8 codes]: join puts its pair last, so the last join is the fastest index
-            # (code i = 4a + 2b + c); code i of word q multiplies element 8q + i of x. Products of 2^-14-scaled
-            # E2M1 values with 16-bit or f32 x are exact in f32; the group's power-of-two scale (times 2^14)
-            # multiplies its 32-term sum
+            # (code i = 4a + 2b + c). Code i of word q multiplies element 8q + i of x, loaded as one 16-byte vector
+            # per word (eight strided loads per word cost more than the decode: docs/benchmarks.md, Packed MXFP4 GEMV).
+            # Products of 2^-14-scaled E2M1 values with 16-bit x are exact in f32; the group's power-of-two scale
+            # (times 2^14) multiplies its 32-term sum
             codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
                                        tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
-            part = tl.sum(tl.sum(codes * xv.to(tl.float32)[None, :, :, :], axis=3), axis=2)
-            acc += (part * 16384.0) * _e8m0(sc.to(tl.int32))
-            if PREFETCH:
-                word, sc, xv = word_next, sc_next, xv_next
+            xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=gmask[:, None, None],
+                         other=0.0).to(tl.float32)
+            part = tl.sum(tl.sum(codes * xv[None, :, :, :], axis=3), axis=2)
+            factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))
+            acc += (part * 16384.0) * factor
         out = tl.sum(acc, axis=1)
         tl.store(o_ptr + row.to(tl.int64) * N + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
 
 
 MXFP4_PTX_DECODE = True  # the f16-pair decode where it can run (off: the portable decode, for side-by-side runs)
-MXFP4_GEMV_PREFETCH = True  # each step's loads issued during the step before (off: for side-by-side runs)
-# x converted to f32 once per call: a 16-bit x costs the kernel a conversion per weight and row, more instructions
-# than the one FMA it feeds (off: x as stored, for side-by-side runs)
-MXFP4_GEMV_X_F32 = True
 
 
 def _ptx_decode(device: torch.device) -> bool:
@@ -610,16 +670,13 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
     # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
     words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
 
-    x = xs.float() if MXFP4_GEMV_X_F32 else xs
-
     def grid(meta):
         return (num_rows, triton.cdiv(n, meta["BLOCK_N"]))
 
     with torch.cuda.device(xs.device):  # Triton launches on the current device
-        _mxfp4_gemv_kernel[grid](x, words, scale, out, ends, n, kh // 4, num_experts,
+        _mxfp4_gemv_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
                                  min(MXFP4_GEMV_ROWS_PER_EXPERT, triton.cdiv(num_rows, num_experts)),
-                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device),
-                                 PREFETCH=MXFP4_GEMV_PREFETCH)
+                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device))
     return out
 
 

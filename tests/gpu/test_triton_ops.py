@@ -370,16 +370,22 @@ def _packed_grouped_case(counts, n, dtype):
     return counts, ends, packed, scale, weight, xs
 
 
-@pytest.mark.parametrize("scaled_dot", [True, False])
+# the tile kernels by (MXFP4_SCALED_DOT, MXFP4_WORD_TILES); f32 runs the byte-decoding kernel under each
+TILE_KERNELS = {"scaled dot": (True, None), "bytes": (False, None), "words bf16": (True, "bf16"),
+                "words tf32": (True, "tf32")}
+
+
+@pytest.mark.parametrize("kernel", list(TILE_KERNELS))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("counts", [[3, 0, 40, 1, 0, 7], [0, 0, 1, 0, 0, 0], [200, 0, 0, 0, 0, 513]])
-def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, tol, scaled_dot, monkeypatch):
+def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, tol, kernel, monkeypatch):
     # the packed tiles dequantised inside the matmul = the dequantised experts times x, group by group; f32 uses
-    # IEEE dots (no TF32); bf16 through tl.dot_scaled or the byte-decoding kernel
+    # IEEE dots (no TF32); bf16 through tl.dot_scaled, the byte-decoding kernel or the word tiles
     from kimik3.kernels import mxfp4
     from kimik3.kernels.mxfp4 import mxfp4_grouped_matmul
 
-    monkeypatch.setattr(mxfp4, "MXFP4_SCALED_DOT", scaled_dot)
+    monkeypatch.setattr(mxfp4, "MXFP4_SCALED_DOT", TILE_KERNELS[kernel][0])
+    monkeypatch.setattr(mxfp4, "MXFP4_WORD_TILES", TILE_KERNELS[kernel][1])
 
     counts, ends, packed, scale, weight, xs = _packed_grouped_case(counts, 192, dtype)
     out = mxfp4_grouped_matmul(xs, packed, scale, ends)
@@ -540,23 +546,14 @@ def _gemv_operands(shape, counts, dtype):
     return ends, packed, scale, torch.randn(int(counts.sum()), k, device=DEV).to(dtype)
 
 
-# the GEMV's loop as measured beside the default: each step's loads issued a step early, x converted to f32 first
-GEMV_VARIANTS = {"prefetch, f32 x": (True, True), "neither": (False, False)}
-
-
-@pytest.mark.parametrize("variant", list(GEMV_VARIANTS))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 4e-3)])
 @pytest.mark.parametrize("case", ["empty and single rows", "partial blocks", "gate_up 1 token", "gate_up 2 tokens",
                                   "gate_up 8 tokens", "down 1 token", "down 2 tokens"])
-def test_mxfp4_gemv_matches_float64(case, dtype, tol, variant, monkeypatch):
+def test_mxfp4_gemv_matches_float64(case, dtype, tol):
     # the GEMV against float64 products of the dequantised experts: every output within f32 rounding of its sum
     # (f32 input: no TF32) or one bf16 rounding, measured against |x| @ |W|^T; decode shapes of the H200 benchmark
     # model (64 experts, top-16, gate_up 3584 -> 6144, down 3072 -> 3584; 1, 2 and 8 tokens: 0-2 rows per expert)
-    from kimik3.kernels import mxfp4
     from kimik3.kernels.mxfp4 import mxfp4_gemv
-
-    monkeypatch.setattr(mxfp4, "MXFP4_GEMV_PREFETCH", GEMV_VARIANTS[variant][0])
-    monkeypatch.setattr(mxfp4, "MXFP4_GEMV_X_F32", GEMV_VARIANTS[variant][1])
 
     shape, counts = {
         "empty and single rows": ((6, 192, 512), torch.tensor([1, 0, 2, 1, 0, 0])),
@@ -583,23 +580,26 @@ def test_mxfp4_gemv_matches_float64(case, dtype, tol, variant, monkeypatch):
     assert ((tiles.double() - ref).abs() / bound.clamp_min(1e-30)).max().item() < tol
 
 
-@pytest.mark.parametrize("variant", list(GEMV_VARIANTS))
+@pytest.mark.parametrize("kernel", ["gemv", *TILE_KERNELS])
 @pytest.mark.parametrize("dtype,tol,floor", [(torch.float32, 1e-6, 2.0 ** -144), (torch.bfloat16, 4e-3, 2.0 ** -130)])
-def test_mxfp4_gemv_every_finite_scale_byte(dtype, tol, floor, variant, monkeypatch):
+def test_mxfp4_kernels_every_finite_scale_byte(dtype, tol, floor, kernel, monkeypatch):
     # output column c of both experts has every scale group at E8M0 byte c: all 253 bytes whose weights are finite
     # in f32 (253 and 254 overflow for the larger codes, 255 is NaN in the format), denormal factors 0 and 1
     # included; x at 2^-12 keeps byte 252's sums finite. Each output within the f32 (or one bf16) rounding of its
     # sum plus a few denormal steps, against float64; 17 scale groups (K not a multiple of any step) and 253 columns
-    # (no multiple of a column block), one and two rows per expert
+    # (no multiple of a column block), one and two rows per expert; the GEMV and every tile kernel
     from kimik3.kernels import mxfp4
 
-    monkeypatch.setattr(mxfp4, "MXFP4_GEMV_PREFETCH", GEMV_VARIANTS[variant][0])
-    monkeypatch.setattr(mxfp4, "MXFP4_GEMV_X_F32", GEMV_VARIANTS[variant][1])
     counts = torch.tensor([1, 2])
     ends, packed, scale, xs = _gemv_operands((2, 253, 544), counts, dtype)
     scale.copy_(torch.arange(253, dtype=torch.uint8, device=DEV)[None, :, None].expand_as(scale))
     xs = (xs.float() * 2.0 ** -12).to(dtype)
-    out = mxfp4.mxfp4_gemv(xs, packed, scale, ends)
+    if kernel == "gemv":
+        out = mxfp4.mxfp4_gemv(xs, packed, scale, ends)
+    else:
+        monkeypatch.setattr(mxfp4, "MXFP4_SCALED_DOT", TILE_KERNELS[kernel][0])
+        monkeypatch.setattr(mxfp4, "MXFP4_WORD_TILES", TILE_KERNELS[kernel][1])
+        out = mxfp4.mxfp4_grouped_matmul(xs, packed, scale, ends)
     ref, bound = _packed_product_f64(xs, packed, scale, ends)
     assert torch.isfinite(ref).all() and torch.isfinite(out).all()
     excess = (out.double() - ref).abs() - (tol * bound + floor)
