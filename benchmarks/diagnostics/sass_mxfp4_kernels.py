@@ -1,0 +1,97 @@
+"""The packed MXFP4 kernels' machine code, counted without a GPU (a diagnostic, not a test): each kernel compiled by
+Triton for sm_90 (Hopper) with the specialisations a launch at the benchmark model's shapes gets (every pointer and
+N, K/8, experts divisible by 16), disassembled with the cuobjdump Triton ships, and its main loop (the longest
+backward branch) counted: instructions a loop step, 32-bit words of packed weights a thread handles a step, and so
+instructions per word, with the opcode mix and the registers a thread. Nsight Compute measured the GEMV at 52.6
+instructions a word on an H100 (docs/benchmarks.md, Packed MXFP4 GEMV); this count gives 52.6 for its tuned tile, so
+candidates can be compared before a GPU is at hand.
+
+Needs Triton (`pip download --no-deps triton==3.6.0` then `pip install --no-deps --target DIR` and DIR on
+PYTHONPATH is enough; no CUDA driver is used):
+
+    PYTHONPATH=/tmp/tritonlib python3 benchmarks/diagnostics/sass_mxfp4_kernels.py
+"""
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kimik3.kernels import mxfp4
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+PTR_AND_SIZES = ["x_ptr", "p_ptr", "s_ptr", "o_ptr", "ends_ptr", "N", "KW", "KH", "E"]
+
+
+def compile_sm90(kernel, signature, constexprs, num_warps, num_stages):
+    """kernel (a JITFunction, or an autotuner around one) compiled for sm_90; pointers and sizes divisible by 16."""
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in signature
+             if name in PTR_AND_SIZES}
+    source = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _cuobjdump(compiled, flag):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        return subprocess.run([str(CUOBJDUMP), flag, f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def main_loop(sass):
+    """(instructions, opcode counts) of the longest backward branch's body."""
+    best = None
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass):
+        at, to = int(m.group(1), 16), int(m.group(2), 16)
+        if to < at and (best is None or at - to > best[0] - best[1]):
+            best = (at, to)
+    ops = collections.Counter()
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]+)", sass):
+        if best and best[1] <= int(m.group(1), 16) <= best[0]:
+            ops[m.group(2)] += 1
+    return sum(ops.values()), ops
+
+
+def report(name, kernel, signature, constexprs, words_per_step, num_warps, num_stages):
+    compiled = compile_sm90(kernel, signature, constexprs, num_warps, num_stages)
+    count, ops = main_loop(_cuobjdump(compiled, "-sass"))
+    regs = re.search(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage"))
+    per_thread = words_per_step / (32 * num_warps)
+    print(f"{name}: {count} instructions a step, {per_thread:g} words a thread, {count / per_thread:.1f} a word, "
+          f"{regs.group(1) if regs else '?'} registers; {dict(ops.most_common(10))}", flush=True)
+
+
+def main():
+    x16 = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*u8", "o_ptr": "*bf16", "ends_ptr": "*i32", "N": "i32",
+           "KW": "i32", "E": "i32"}
+    for bn, bkw, w in ((16, 64, 2), (16, 64, 4), (32, 32, 4)):
+        report(f"GEMV BLOCK_N {bn} BLOCK_KW {bkw} {w} warps", mxfp4._mxfp4_gemv_kernel, {**x16, "ROW_CLASS": "i32"},
+               {"E_PAD": 64, "PTX_DECODE": True, "BLOCK_N": bn, "BLOCK_KW": bkw}, bn * bkw, w, 2)
+    for cfg in mxfp4._mxfp4_word_tiles_kernel.configs:
+        for tf32 in (False, True):
+            kw = dict(cfg.kwargs)
+            report(f"word tiles {'tf32' if tf32 else 'bf16'} {kw} {cfg.num_warps} warps {cfg.num_stages} stages",
+                   mxfp4._mxfp4_word_tiles_kernel, x16,
+                   {"E_PAD": 64, "BLOCK_M": 16, "TF32": tf32, "PTX_DECODE": True, **kw},
+                   kw["BLOCK_N"] * kw["BLOCK_KW"], cfg.num_warps, cfg.num_stages)
+    bytes16 = {**{k: v for k, v in x16.items() if k != "KW"}, "p_ptr": "*u8", "KH": "i32"}
+    for bn, bkh, w, st in ((64, 64, 4, 3), (64, 128, 4, 3)):
+        report(f"tl.dot_scaled tiles BLOCK_N {bn} BLOCK_KH {bkh} {w} warps", mxfp4._mxfp4_scaled_dot_kernel,
+               {k: bytes16[k] for k in ("x_ptr", "p_ptr", "s_ptr", "o_ptr", "ends_ptr", "N", "KH", "E")},
+               {"E_PAD": 64, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_KH": bkh}, bn * bkh // 4, w, st)
+
+
+if __name__ == "__main__":
+    main()
