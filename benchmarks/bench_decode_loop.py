@@ -219,9 +219,9 @@ def main(argv=None):
                         help="mxfp4: each configuration once per value of kernels.mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT "
                              "(routed rows per expert up to which the packed GEMV runs, beyond it the tiles)")
     parser.add_argument("--mxfp4-settings", nargs="+", default=None,
-                        help="mxfp4: each configuration once per value, a comma-separated list of NAME=INT "
-                             "assignments to kernels.mxfp4's module constants ('' for the defaults), e.g. "
-                             "'MXFP4_GEMV_PREFETCH=0,MXFP4_GEMV_X_F32=0'")
+                        help="mxfp4: each configuration once per value, a comma-separated list of NAME=VALUE "
+                             "assignments to kernels.mxfp4's module constants ('' for the defaults; VALUE an "
+                             "integer, None or a word), e.g. 'MXFP4_GEMV_ROWS_PER_EXPERT=1,MXFP4_WORD_TILES=tf32'")
     args = parser.parse_args(argv)
     ensure_kimik3()
     from kimik3.modeling.generate_kimi_k3 import DEFAULT_BLOCK_STEPS
@@ -271,8 +271,8 @@ _MXFP4_DEFAULTS = {}
 
 def _apply_mxfp4_settings(rows, settings):
     """kernels.mxfp4's module constants for one configuration: MXFP4_GEMV_ROWS_PER_EXPERT = rows (unless None) and
-    the NAME=INT list `settings` ('' or None: the defaults), every other one at its default; then a fresh trace,
-    since the packed path and its kernels are chosen at trace time."""
+    the NAME=VALUE list `settings` ('' or None: the defaults; VALUE an integer, None or a word), every other one at
+    its default; then a fresh trace, since the packed path and its kernels are chosen at trace time."""
     from kimik3.kernels import mxfp4
 
     if not _MXFP4_DEFAULTS:
@@ -285,7 +285,8 @@ def _apply_mxfp4_settings(rows, settings):
         name, _, value = item.partition("=")
         if name.strip() not in _MXFP4_DEFAULTS:
             raise SystemExit(f"--mxfp4-settings: kernels.mxfp4 has no constant {name.strip()!r}")
-        setattr(mxfp4, name.strip(), type(_MXFP4_DEFAULTS[name.strip()])(int(value)))
+        value = value.strip()
+        setattr(mxfp4, name.strip(), None if value == "None" else int(value) if value.lstrip("-").isdigit() else value)
     torch._dynamo.reset()
 
 
