@@ -60,6 +60,10 @@ from .moe import (
 # against 0.268 s dequantised; a 32K one (~585) 0.870 s against 0.733 s, and 64 experts at 8K (2048) 0.176 s against
 # 0.134 s.
 MXFP4_GEMV_ROWS_PER_EXPERT = 2
+# where the word tiles run (bf16 on Hopper, MXFP4_WORD_TILES on) the GEMV stops at 1: on an H100 they take 606.0 us
+# a layer at 2 rows per expert (8 tokens over 64 experts) against the GEMV's 973.9, and 332.1 against 264.9 at 1.1
+# (2 tokens); docs/benchmarks.md, Packed MXFP4 GEMV
+MXFP4_GEMV_ROWS_PER_EXPERT_BESIDE_WORD_TILES = 1
 MXFP4_TILE_ROWS_PER_EXPERT = 16
 MXFP4_GEMM_ROWS_PER_EXPERT = 256
 MXFP4_DEQUANT_CHUNK_BYTES = 1 << 30
@@ -230,7 +234,7 @@ def _mxfp4_scaled_dot_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_P
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-# The same tiles from 32-bit words decoded as the GEMV decodes them (`_e2m1_word_ptx`, below: f16 pairs, exact
+# The same tiles from 32-bit words decoded as the GEMV decodes them (`_e2m1_word_exact_ptx`, below: f16 pairs, exact
 # conversions to f32), each code times its group's scale in f32, then one MMA over the tile in k order (the eight
 # codes of a word joined as the GEMV joins them). TF32: the f32 weights and x upcast to f32 meet in a TF32 MMA, exact
 # for bf16 x (bf16 and every E2M1 value times a power of two fit TF32's 10 mantissa bits); otherwise the weights are
@@ -271,11 +275,11 @@ def _mxfp4_word_tiles_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_P
             wmask = cmask[:, None] & gmask[None, :]
             word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
             if PTX_DECODE:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact_ptx(word)
             else:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
-            # the codes are 2^-14 times their E2M1 values: the 2^14 goes into the group's scale
-            f = (_e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32)) * 16384.0)[:, :, None]
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact(word)
+            # exact: an E2M1 value times a power of two
+            f = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))[:, :, None]
             w = tl.reshape(tl.join(tl.join(tl.join(c0 * f, c4 * f), tl.join(c2 * f, c6 * f)),
                                    tl.join(tl.join(c1 * f, c5 * f), tl.join(c3 * f, c7 * f))),
                            (BLOCK_N, 8 * BLOCK_KW))  # element k of the step = code k % 8 of word k // 8
@@ -311,8 +315,10 @@ def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
 
 
 MXFP4_SCALED_DOT = True  # bf16 tiles through tl.dot_scaled (off: the byte-decoding kernel, for side-by-side runs)
-# bf16 tiles from decoded words instead (ahead of MXFP4_SCALED_DOT): None (off), "bf16" or "tf32", the MMA's type
-MXFP4_WORD_TILES = None
+# bf16 tiles from decoded words (ahead of MXFP4_SCALED_DOT): "bf16" or "tf32", the MMA's type, or None (off). On an
+# H100 (docs/benchmarks.md, Packed MXFP4 GEMV) bf16 word tiles take 606.0 us a layer at 8 tokens over 64 experts
+# against tl.dot_scaled's 919.8 and the GEMV's 973.9, 695.8 against 1055.1 at 16; TF32 684.0 and 782.4
+MXFP4_WORD_TILES = "bf16"
 
 
 def _scaled_dot(xs: torch.Tensor, word_tiles: bool = False) -> bool:
@@ -559,7 +565,7 @@ def mxfp4_grouped_gemm(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
 # portable decode). The portable decode (the interpreter, other backends) builds the same 2^-14-scaled values one
 # code at a time; both are exact, and the 2^14 goes back into the group's scale.
 
-_E2M1_F16_PAIRS_PTX = tl.constexpr("""
+_E2M1_F16_PAIRS_PTX_TEXT = """
 {
 .reg .b32 m, s, p;
 .reg .b16 lo, hi;
@@ -572,7 +578,18 @@ mov.b32 {lo, hi}, p; cvt.f32.f16 $2, lo; cvt.f32.f16 $6, hi;
 shr.b32 m, $8, 3; and.b32 m, m, 0x0E000E00; and.b32 s, $8, 0x80008000; or.b32 p, m, s;
 mov.b32 {lo, hi}, p; cvt.f32.f16 $3, lo; cvt.f32.f16 $7, hi;
 }
-""")  # a constexpr: jit functions read no other globals
+"""
+_E2M1_F16_PAIRS_PTX = tl.constexpr(_E2M1_F16_PAIRS_PTX_TEXT)  # a constexpr: jit functions read no other globals
+
+
+# The same decode times 2^14 in f16 before the conversions (exact: E2M1 values are normal f16 numbers, and f16
+# multiplies keep subnormal inputs), so each f32 is the E2M1 value itself: the word tiles multiply it by the group's
+# scale alone, which stays finite for every scale byte whose weights are (2^14 times the scale does not, from byte
+# 241 on).
+_E2M1_F16_PAIRS_EXACT_PTX = tl.constexpr(
+    _E2M1_F16_PAIRS_PTX_TEXT.replace(".reg .b32 m, s, p;", ".reg .b32 m, s, p, k;")
+    .replace(".reg .b16 lo, hi;", ".reg .b16 lo, hi;\nmov.b32 k, 0x74007400;")
+    .replace("or.b32 p, m, s;", "or.b32 p, m, s; mul.rn.f16x2 p, p, k;"))
 
 
 @triton.jit
@@ -584,6 +601,22 @@ def _e2m1_word_ptx(word):
     return (c0.to(tl.float32, bitcast=True), c1.to(tl.float32, bitcast=True), c2.to(tl.float32, bitcast=True),
             c3.to(tl.float32, bitcast=True), c4.to(tl.float32, bitcast=True), c5.to(tl.float32, bitcast=True),
             c6.to(tl.float32, bitcast=True), c7.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e2m1_word_exact_ptx(word):
+    # `_e2m1_word_ptx`'s eight codes as their E2M1 values (not times 2^-14)
+    c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+        _E2M1_F16_PAIRS_EXACT_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+    return (c0.to(tl.float32, bitcast=True), c1.to(tl.float32, bitcast=True), c2.to(tl.float32, bitcast=True),
+            c3.to(tl.float32, bitcast=True), c4.to(tl.float32, bitcast=True), c5.to(tl.float32, bitcast=True),
+            c6.to(tl.float32, bitcast=True), c7.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e2m1_word_exact(word):
+    return (_e2m1(word), _e2m1(word >> 4), _e2m1(word >> 8), _e2m1(word >> 12), _e2m1(word >> 16), _e2m1(word >> 20),
+            _e2m1(word >> 24), _e2m1(word >> 28))
 
 
 @triton.jit
@@ -734,11 +767,12 @@ _packed_matmul_op("mxfp4_grouped_gemm", "_mxfp4_grouped_gemm_fwd", "For many row
 # --------------------------------------------------------------------------------------------------------------
 # Packed experts: the routing of moe.py around the packed matmuls
 
-def mxfp4_experts_path(num_routed_rows: int, num_experts: int) -> str:
+def mxfp4_experts_path(num_routed_rows: int, num_experts: int, word_tiles: bool = False) -> str:
     """How the packed experts run for this many routed rows (tokens x top-k): "gemv", "tiles", "gemm" or
-    "dequantised" (module constants above). A static condition on shapes, so a compiled decode step picks its path at
-    trace time."""
-    if num_routed_rows <= MXFP4_GEMV_ROWS_PER_EXPERT * num_experts:
+    "dequantised" (module constants above); `word_tiles`: the tiles are the word-decoding kernel. A static condition
+    on shapes, dtype and device, so a compiled decode step picks its path at trace time."""
+    gemv_rows = MXFP4_GEMV_ROWS_PER_EXPERT_BESIDE_WORD_TILES if word_tiles else MXFP4_GEMV_ROWS_PER_EXPERT
+    if num_routed_rows <= min(gemv_rows, MXFP4_GEMV_ROWS_PER_EXPERT) * num_experts:
         return "gemv"
     if num_routed_rows <= MXFP4_TILE_ROWS_PER_EXPERT * num_experts:
         return "tiles"
@@ -762,7 +796,8 @@ def moe_experts_mxfp4(
     per block), and with many rows per expert chunks of dequantised experts through grouped_mm (never the whole
     stack at once; docs/benchmarks.md, Packed MXFP4 prefill)."""
     num_experts = gate_up_packed.shape[0]
-    path = mxfp4_experts_path(x.shape[0] * topk_indices.shape[-1], num_experts)
+    word_tiles = bool(MXFP4_WORD_TILES) and x.is_cuda and _scaled_dot(x, word_tiles=True)
+    path = mxfp4_experts_path(x.shape[0] * topk_indices.shape[-1], num_experts, word_tiles)
     matmul = {"gemv": mxfp4_gemv, "tiles": mxfp4_grouped_matmul, "gemm": mxfp4_grouped_gemm,
               "dequantised": mxfp4_dequantised_matmul}[path]
     return _routed_experts(

@@ -815,9 +815,16 @@ def test_mxfp4_experts_path_decision():
     assert mxfp4.mxfp4_experts_path(8192 * 16, 896) == "gemm"
     assert mxfp4.mxfp4_experts_path(32768 * 16, 896) == "dequantised"
     assert mxfp4.mxfp4_experts_path(0, 64) == "gemv"
+    # beside the word tiles (bf16 on Hopper) the GEMV stops at 1 row per expert: 8 tokens over 64 experts go to them
+    assert mxfp4.MXFP4_GEMV_ROWS_PER_EXPERT_BESIDE_WORD_TILES == 1
+    assert mxfp4.mxfp4_experts_path(4 * 16, 64, word_tiles=True) == "gemv"
+    assert mxfp4.mxfp4_experts_path(4 * 16 + 1, 64, word_tiles=True) == "tiles"
+    assert mxfp4.mxfp4_experts_path(8 * 16, 64, word_tiles=True) == "tiles"
+    assert mxfp4.mxfp4_experts_path(65 * 16, 64, word_tiles=True) == "gemm"
     with pytest.MonkeyPatch.context() as mp:  # the constants are the switch the benchmark flips
         mp.setattr(mxfp4, "MXFP4_GEMV_ROWS_PER_EXPERT", 0)
         assert mxfp4.mxfp4_experts_path(16, 64) == "tiles"
+        assert mxfp4.mxfp4_experts_path(16, 64, word_tiles=True) == "tiles"
 
 
 def test_moe_experts_mxfp4_runs_each_path_by_rows_per_expert():
