@@ -151,6 +151,8 @@ def byte_stats(model):
     # packed MXFP4 experts are parameters without gradient (uint8 codes + E8M0 scales): their bytes are what a decode
     # step reads
     for name, p in model.named_parameters():
+        if 0 in p.stride():  # a packed format's adapter points: stride-0 views of one element, no bytes to read
+            continue
         nbytes = p.numel() * p.element_size()
         if "embed_tokens" in name:
             stats["embed_bytes"] += nbytes
@@ -170,7 +172,7 @@ def byte_stats(model):
     if n_moe:  # per layer
         stats["expert_params_per_expert"] //= n_moe
         stats["expert_bytes_per_expert"] //= n_moe
-    stats["total_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    stats["total_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if 0 not in p.stride())
     return stats
 
 

@@ -281,3 +281,21 @@ def test_the_benchmarks_dry_run(tmp_path):
     assert {(r["batch"], r["context"]) for r in rows} == {(2, 16)}
     for row in rows:
         assert row["loop"]["tokens_equal_plain"] and row["loop"]["ms_per_step"] > 0 and row["plain"]["ms_per_step"] > 0
+
+
+def test_the_benchmarks_roofline_counts_packed_experts_by_their_bytes(monkeypatch):
+    # the packed benchmark model (shapes only, on the meta device): a decode step reads each hit expert's codes and
+    # scale bytes, not the stride-0 bf16 adapter points the packed format also registers as parameters
+    spec = importlib.util.spec_from_file_location("bench_k3", ROOT / "benchmarks" / "bench_k3.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "DEV", "meta")
+    from kimik3.modeling.modeling_kimi_k3 import KimiK3ForCausalLM
+
+    config = bench.k3_config(2, 64)
+    config.experts_format = "mxfp4"
+    stats = bench.byte_stats(bench.build(KimiK3ForCausalLM, config))
+    inter, latent = config.moe_intermediate_size, config.routed_expert_hidden_size  # gate_up [2I, L], down [L, I]
+    packed_bytes = 2 * inter * (latent // 2 + latent // 32) + latent * (inter // 2 + inter // 32)
+    assert stats["num_experts"] == 64 and stats["expert_bytes_per_expert"] == packed_bytes
