@@ -594,24 +594,26 @@ _E2M1_F16_PAIRS_EXACT_PTX = tl.constexpr(
 
 
 @triton.jit
-def _e2m1_word_ptx(word):
-    # the eight codes of a little-endian word (nibble i = element i) times 2^-14, two per f16 pair: pair p holds
-    # nibbles p and p + 4, i.e. the 16-bit halves of the word shifted alike
+def _e2m1_word_asm(word, PAIRS_PTX: tl.constexpr):
+    # the eight codes of a little-endian word (nibble i = element i) as f32 through PAIRS_PTX, two per f16 pair: pair
+    # p holds nibbles p and p + 4, i.e. the 16-bit halves of the word shifted alike
     c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-        _E2M1_F16_PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
     return (c0.to(tl.float32, bitcast=True), c1.to(tl.float32, bitcast=True), c2.to(tl.float32, bitcast=True),
             c3.to(tl.float32, bitcast=True), c4.to(tl.float32, bitcast=True), c5.to(tl.float32, bitcast=True),
             c6.to(tl.float32, bitcast=True), c7.to(tl.float32, bitcast=True))
 
 
 @triton.jit
+def _e2m1_word_ptx(word):
+    # the eight codes times 2^-14
+    return _e2m1_word_asm(word, _E2M1_F16_PAIRS_PTX)
+
+
+@triton.jit
 def _e2m1_word_exact_ptx(word):
-    # `_e2m1_word_ptx`'s eight codes as their E2M1 values (not times 2^-14)
-    c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-        _E2M1_F16_PAIRS_EXACT_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-    return (c0.to(tl.float32, bitcast=True), c1.to(tl.float32, bitcast=True), c2.to(tl.float32, bitcast=True),
-            c3.to(tl.float32, bitcast=True), c4.to(tl.float32, bitcast=True), c5.to(tl.float32, bitcast=True),
-            c6.to(tl.float32, bitcast=True), c7.to(tl.float32, bitcast=True))
+    # the eight codes as their E2M1 values
+    return _e2m1_word_asm(word, _E2M1_F16_PAIRS_EXACT_PTX)
 
 
 @triton.jit
