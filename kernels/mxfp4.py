@@ -240,8 +240,9 @@ def _mxfp4_scaled_dot_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_P
 # codes of a word joined as the GEMV joins them). TF32: the f32 weights and x upcast to f32 meet in a TF32 MMA, exact
 # for bf16 x (bf16 and every E2M1 value times a power of two fit TF32's 10 mantissa bits); otherwise the weights are
 # rounded to bf16, exactly. W_IS_A (tuned) puts the decoded weights on the MMA's register operand. Fewer
-# instructions a word than tl.dot_scaled's upcast (benchmarks/diagnostics/time_mxfp4_gemv_variants.py; a word-tile
-# kernel with the rows split into eight phases was measured slower and removed earlier).
+# instructions a word than tl.dot_scaled's upcast, and faster from 2 routed rows per expert (docs/benchmarks.md,
+# Packed MXFP4 GEMV; a word-tile kernel with the rows split into eight phases was measured slower and removed
+# earlier).
 
 
 @triton.autotune(
@@ -322,12 +323,17 @@ MXFP4_SCALED_DOT = True  # bf16 tiles through tl.dot_scaled (off: the byte-decod
 MXFP4_WORD_TILES = "bf16"
 
 
-def _scaled_dot(xs: torch.Tensor, word_tiles: bool = False) -> bool:
-    # measured on Hopper only (other GPUs, and a Triton without tl.dot_scaled, keep the byte-decoding kernel); the
-    # word tiles' bf16 MMA (or TF32 over bf16 x) is exact for bf16 x only, so f32 keeps the byte kernel's IEEE dots
-    return ((word_tiles or MXFP4_SCALED_DOT and hasattr(tl, "dot_scaled")) and xs.dtype == torch.bfloat16
-            and xs.device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(xs.device)[0] == 9)
+def _tile_kernel(xs: torch.Tensor) -> str:
+    """Which 16-row tile kernel runs for rows like xs: "words" (the word tiles), "scaled_dot" (`tl.dot_scaled`) or
+    "bytes" (the byte-decoding kernel). The first two were measured on Hopper only, and their bf16 MMA (or TF32 over
+    bf16 x) is exact for bf16 x only, so f32 and other GPUs keep the byte kernel's dots (IEEE for f32)."""
+    hopper_bf16 = (xs.dtype == torch.bfloat16 and xs.device.type == "cuda" and torch.version.hip is None
+                   and torch.cuda.get_device_capability(xs.device)[0] == 9)
+    if hopper_bf16 and MXFP4_WORD_TILES:
+        return "words"
+    if hopper_bf16 and MXFP4_SCALED_DOT and hasattr(tl, "dot_scaled"):
+        return "scaled_dot"
+    return "bytes"
 
 
 def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
@@ -336,7 +342,8 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     if num_rows == 0 or n == 0:
         return out
     grid = _row_block_grid(num_rows, num_experts, n)
-    if MXFP4_WORD_TILES and _scaled_dot(xs, word_tiles=True):
+    kernel = _tile_kernel(xs)
+    if kernel == "words":
         # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
         words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
         with torch.cuda.device(xs.device):
@@ -344,7 +351,7 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
                                            E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=_FEW_ROWS_BLOCK_M,
                                            TF32=MXFP4_WORD_TILES == "tf32", PTX_DECODE=_ptx_decode(xs.device))
         return out
-    if _scaled_dot(xs):
+    if kernel == "scaled_dot":
         with torch.cuda.device(xs.device):
             _mxfp4_scaled_dot_kernel[grid](xs, packed, scale, out, ends, n, kh, num_experts,
                                            E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=_FEW_ROWS_BLOCK_M)
@@ -775,6 +782,7 @@ def mxfp4_experts_path(num_routed_rows: int, num_experts: int, word_tiles: bool 
     "dequantised" (module constants above); `word_tiles`: the tiles are the word-decoding kernel. A static condition
     on shapes, dtype and device, so a compiled decode step picks its path at trace time."""
     gemv_rows = MXFP4_GEMV_ROWS_PER_EXPERT_BESIDE_WORD_TILES if word_tiles else MXFP4_GEMV_ROWS_PER_EXPERT
+    # MXFP4_GEMV_ROWS_PER_EXPERT = 0 turns the GEMV off beside either tile kernel (the GPU tests' switch)
     if num_routed_rows <= min(gemv_rows, MXFP4_GEMV_ROWS_PER_EXPERT) * num_experts:
         return "gemv"
     if num_routed_rows <= MXFP4_TILE_ROWS_PER_EXPERT * num_experts:
@@ -799,7 +807,7 @@ def moe_experts_mxfp4(
     per block), and with many rows per expert chunks of dequantised experts through grouped_mm (never the whole
     stack at once; docs/benchmarks.md, Packed MXFP4 prefill)."""
     num_experts = gate_up_packed.shape[0]
-    word_tiles = bool(MXFP4_WORD_TILES) and x.is_cuda and _scaled_dot(x, word_tiles=True)
+    word_tiles = x.is_cuda and _tile_kernel(x) == "words"
     path = mxfp4_experts_path(x.shape[0] * topk_indices.shape[-1], num_experts, word_tiles)
     matmul = {"gemv": mxfp4_gemv, "tiles": mxfp4_grouped_matmul, "gemm": mxfp4_grouped_gemm,
               "dequantised": mxfp4_dequantised_matmul}[path]
