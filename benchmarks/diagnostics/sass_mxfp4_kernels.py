@@ -9,13 +9,15 @@ candidates can be compared before a GPU is at hand.
 Needs Triton (`pip download --no-deps triton==3.6.0` then `pip install --no-deps --target DIR` and DIR on
 PYTHONPATH is enough; no CUDA driver is used):
 
-    PYTHONPATH=/tmp/tritonlib python3 benchmarks/diagnostics/sass_mxfp4_kernels.py
+    PYTHONPATH=/tmp/tritonlib python3 benchmarks/diagnostics/sass_mxfp4_kernels.py          # the decode kernels
+    PYTHONPATH=/tmp/tritonlib python3 benchmarks/diagnostics/sass_mxfp4_kernels.py --gemm   # the prefill GEMMs
 """
 
 import collections
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from triton.compiler import ASTSource
 from kimik3.kernels import mxfp4
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-PTR_AND_SIZES = ["x_ptr", "p_ptr", "s_ptr", "o_ptr", "ends_ptr", "N", "KW", "KH", "E"]
+PTR_AND_SIZES = ["x_ptr", "xe_ptr", "xo_ptr", "p_ptr", "s_ptr", "o_ptr", "ends_ptr", "M", "N", "KW", "KH", "E"]
 
 
 def compile_sm90(kernel, signature, constexprs, num_warps, num_stages):
@@ -73,7 +75,32 @@ def report(name, kernel, signature, constexprs, words_per_step, num_warps, num_s
           f"{regs.group(1) if regs else '?'} registers; {dict(ops.most_common(10))}", flush=True)
 
 
+def gemm_counts():
+    """The product's packed prefill GEMM (bytes decoded) against the word-decoding candidate
+    (`candidate_mxfp4_word_gemm.py`), for their autotuner's tiles."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from candidate_mxfp4_word_gemm import _word_gemm_kernel
+
+    ints = {"N": "i32", "E": "i32", "M": "i32"}
+    halves = {"xe_ptr": "*bf16", "xo_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*bf16", "ends_ptr": "*i32",
+              "KH": "i32", **ints}
+    for cfg in mxfp4._mxfp4_grouped_gemm_kernel.configs:
+        kw = dict(cfg.kwargs)
+        report(f"GEMM (bytes) {kw} {cfg.num_warps} warps {cfg.num_stages} stages", mxfp4._mxfp4_grouped_gemm_kernel,
+               halves, {"E_PAD": 1024, "W_IS_A": False, "SCALE_BCAST": True, "PRECISION": "tf32", **kw},
+               kw["BLOCK_N"] * kw["BLOCK_KH"] // 4, cfg.num_warps, cfg.num_stages)
+    words = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*u8", "o_ptr": "*bf16", "ends_ptr": "*i32", "KW": "i32", **ints}
+    for cfg in _word_gemm_kernel.configs:
+        kw = dict(cfg.kwargs)
+        for w_is_a in (False, True):
+            report(f"GEMM (words, candidate) {kw} W_IS_A {w_is_a} {cfg.num_warps} warps {cfg.num_stages} stages",
+                   _word_gemm_kernel, words, {"E_PAD": 1024, "PTX_DECODE": True, "PRECISION": "tf32", "W_IS_A": w_is_a,
+                                              **kw}, kw["BLOCK_N"] * kw["BLOCK_KW"], cfg.num_warps, cfg.num_stages)
+
+
 def main():
+    if "--gemm" in sys.argv[1:]:
+        return gemm_counts()
     x16 = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*u8", "o_ptr": "*bf16", "ends_ptr": "*i32", "N": "i32",
            "KW": "i32", "E": "i32"}
     for bn, bkw, w in ((16, 64, 2), (16, 64, 4), (32, 32, 4)):
