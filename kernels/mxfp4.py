@@ -449,6 +449,24 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 # last partial block of an expert); otherwise x is the A operand and the weights go through shared memory.
 
 
+@triton.jit
+def _gemm_program_block(ends_ptr, M, N, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    # program_id(0)'s (expert, first row, end of the expert's rows, column block): row blocks taken GROUP_M at a time
+    # over all column blocks. The row blocks counted are an upper bound (each has a row, at most one per expert is
+    # partial); those past the last real block get expert == E and return at once
+    num_m = tl.minimum(M, tl.cdiv(M, BLOCK_M) + E)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    expert, row0, row_end = _expert_row_block_of(pid_m, ends_ptr, E, E_PAD, BLOCK_M)
+    return expert, row0, row_end, pid_n
+
+
 @triton.autotune(
     configs=[
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_KH": bkh, "GROUP_M": 8}, num_warps=w, num_stages=st)
@@ -462,17 +480,7 @@ def _mxfp4_grouped_gemm_kernel(xe_ptr, xo_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M,
                                W_IS_A: tl.constexpr, SCALE_BCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr,
                                BLOCK_KH: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    # an upper bound on the row blocks (each has a row, at most one per expert is partial); those past the last
-    # real block return at once
-    num_m = tl.minimum(M, tl.cdiv(M, BLOCK_M) + E)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-    expert, row0, row_end = _expert_row_block_of(pid_m, ends_ptr, E, E_PAD, BLOCK_M)
+    expert, row0, row_end, pid_n = _gemm_program_block(ends_ptr, M, N, E, E_PAD, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < E:
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end

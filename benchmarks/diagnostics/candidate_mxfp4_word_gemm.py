@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, 
 from _k3bench_utils import graph_us, uniform_routed_counts  # noqa: E402
 
 from kimik3.kernels import mxfp4  # noqa: E402
-from kimik3.kernels.moe import _expert_row_block_of  # noqa: E402
-from kimik3.kernels.mxfp4 import _e2m1_word_exact, _e2m1_word_exact_ptx, _e8m0  # noqa: E402
+from kimik3.kernels.mxfp4 import _e2m1_word_exact, _e2m1_word_exact_ptx, _e8m0, _gemm_program_block  # noqa: E402
 
 
 @triton.autotune(
@@ -42,16 +41,8 @@ def _word_gemm_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M, N, KW, E, E_PAD: 
                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GROUP_M: tl.constexpr, PTX_DECODE: tl.constexpr,
                       PRECISION: tl.constexpr, W_IS_A: tl.constexpr):
     GROUPS: tl.constexpr = BLOCK_KW // 4
-    # the product GEMM's program order: row blocks in groups of GROUP_M over all column blocks
-    num_m = tl.minimum(M, tl.cdiv(M, BLOCK_M) + E)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-    expert, row0, row_end = _expert_row_block_of(pid_m, ends_ptr, E, E_PAD, BLOCK_M)
+    # the product GEMM's program order
+    expert, row0, row_end, pid_n = _gemm_program_block(ends_ptr, M, N, E, E_PAD, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < E:
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
