@@ -282,8 +282,7 @@ def _mxfp4_word_tiles_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_P
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact(word)
             # exact: an E2M1 value times a power of two
             f = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))[:, :, None]
-            w = tl.reshape(tl.join(tl.join(tl.join(c0 * f, c4 * f), tl.join(c2 * f, c6 * f)),
-                                   tl.join(tl.join(c1 * f, c5 * f), tl.join(c3 * f, c7 * f))),
+            w = tl.reshape(_codes_in_order(c0 * f, c1 * f, c2 * f, c3 * f, c4 * f, c5 * f, c6 * f, c7 * f),
                            (BLOCK_N, 8 * BLOCK_KW))  # element k of the step = code k % 8 of word k // 8
             k = 32 * g0 + tl.arange(0, 8 * BLOCK_KW)
             x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < 8 * KW)[None, :], other=0.0)
@@ -638,6 +637,13 @@ def _e2m1_word_exact(word):
 
 
 @triton.jit
+def _codes_in_order(c0, c1, c2, c3, c4, c5, c6, c7):
+    # a word's eight codes along a new last dimension in element order: join puts its pair last, so the last join is
+    # the fastest index (code i = 4a + 2b + c)
+    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+
+
+@triton.jit
 def _e2m1_scaled(code):
     return _e2m1_bits(code) * 5.192296858534828e33  # 2^112: the E2M1 value times 2^-14, the PTX decode's scale
 
@@ -688,13 +694,11 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, ROW_CLASS
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
             else:
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
-            # [BLOCK_N, GROUPS, 4 words, 8 codes]: join puts its pair last, so the last join is the fastest index
-            # (code i = 4a + 2b + c). Code i of word q multiplies element 8q + i of x, loaded as one 16-byte vector
-            # per word (eight strided loads per word cost more than the decode: docs/benchmarks.md, Packed MXFP4 GEMV).
-            # Products of 2^-14-scaled E2M1 values with 16-bit x are exact in f32; the group's power-of-two scale
-            # (times 2^14) multiplies its 32-term sum
-            codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
-                                       tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
+            # [BLOCK_N, GROUPS, 4 words, 8 codes]: code i of word q multiplies element 8q + i of x, loaded as one
+            # 16-byte vector per word (eight strided loads per word cost more than the decode: docs/benchmarks.md,
+            # Packed MXFP4 GEMV). Products of 2^-14-scaled E2M1 values with 16-bit x are exact in f32; the group's
+            # power-of-two scale (times 2^14) multiplies its 32-term sum
+            codes = tl.reshape(_codes_in_order(c0, c1, c2, c3, c4, c5, c6, c7), (BLOCK_N, GROUPS, 4, 8))
             xv = tl.load(x_row + 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :], mask=gmask[:, None, None],
                          other=0.0).to(tl.float32)
             part = tl.sum(tl.sum(codes * xv[None, :, :, :], axis=3), axis=2)

@@ -26,7 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, 
 from _k3bench_utils import graph_us, uniform_routed_counts  # noqa: E402
 
 from kimik3.kernels import mxfp4  # noqa: E402
-from kimik3.kernels.mxfp4 import _e2m1_word_exact, _e2m1_word_exact_ptx, _e8m0, _gemm_program_block  # noqa: E402
+from kimik3.kernels.mxfp4 import (  # noqa: E402
+    _codes_in_order,
+    _e2m1_word_exact,
+    _e2m1_word_exact_ptx,
+    _e8m0,
+    _gemm_program_block,
+)
 
 
 @triton.autotune(
@@ -67,8 +73,7 @@ def _word_gemm_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M, N, KW, E, E_PAD: 
             else:
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact(word)
             f = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))[:, :, None]
-            w = tl.reshape(tl.join(tl.join(tl.join(c0 * f, c4 * f), tl.join(c2 * f, c6 * f)),
-                                   tl.join(tl.join(c1 * f, c5 * f), tl.join(c3 * f, c7 * f))),
+            w = tl.reshape(_codes_in_order(c0 * f, c1 * f, c2 * f, c3 * f, c4 * f, c5 * f, c6 * f, c7 * f),
                            (BLOCK_N, 8 * BLOCK_KW)).to(x_ptr.dtype.element_ty)
             k = 32 * g0 + tl.arange(0, 8 * BLOCK_KW)
             x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < 8 * KW)[None, :], other=0.0)

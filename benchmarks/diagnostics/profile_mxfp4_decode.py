@@ -32,7 +32,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for _k3bench_utils
 from _k3bench_utils import graph_us, uniform_routed_counts  # noqa: E402
 from kimik3.kernels import mxfp4
-from kimik3.kernels.mxfp4 import _e2m1_word, _e2m1_word_ptx, _e8m0, _expert_row_block
+from kimik3.kernels.mxfp4 import _codes_in_order, _e2m1_word, _e2m1_word_ptx, _e8m0, _expert_row_block
 
 N, K, EXPERTS, TOP_K = 6144, 3584, 64, 16
 
@@ -77,8 +77,7 @@ def _rows_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
             else:
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
-            codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
-                                       tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
+            codes = tl.reshape(_codes_in_order(c0, c1, c2, c3, c4, c5, c6, c7), (BLOCK_N, GROUPS, 4, 8))
             factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32)) * 16384.0
             acc0 += _row_part(codes, x0, q, gmask, row0 < row_end, factor)
             if ROWS >= 2:
@@ -131,8 +130,7 @@ def _fma_rows_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.c
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_ptx(word)
             else:
                 c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(word)
-            codes = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
-                                       tl.join(tl.join(c1, c5), tl.join(c3, c7))), (BLOCK_N, GROUPS, 4, 8))
+            codes = tl.reshape(_codes_in_order(c0, c1, c2, c3, c4, c5, c6, c7), (BLOCK_N, GROUPS, 4, 8))
             factor = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32)) * 16384.0
             w = codes * factor[:, :, None, None]
             xo = 8 * q[:, :, None] + tl.arange(0, 8)[None, None, :]
