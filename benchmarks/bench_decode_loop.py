@@ -173,6 +173,16 @@ def tokens_equal(model, batch, context, new_tokens, block_steps):
 def run_configuration(model, stats, batch, context, args, device):
     synthetic = context > 4 * K and not args.dry_run
     roof = bench_k3.decode_roofline(stats, model.config, batch, context)
+    if args.loop_only:  # the loop alone: the kernels' figures side by side, without plain generate()'s compile
+        loop = measure_loop(model, stats, batch, context, args.new_tokens, args.block_steps, synthetic,
+                            profile=device.type == "cuda")
+        loop["gpu_kernel_ms_per_step"] = (loop.get("profile") or {}).get("gpu_kernel_ms_per_step")
+        loop["x_of_hbm_roofline"] = round(loop["ms_per_step"] / roof["hbm_roofline_ms"], 3)
+        if loop.get("streamer_ms_per_step"):
+            loop["streamer_x_hbm_roofline"] = round(loop["streamer_ms_per_step"] / roof["hbm_roofline_ms"], 3)
+        free_cuda()
+        return {"batch": batch, "context": context, "synthetic_context": synthetic,
+                "hbm_roofline_ms": roof["hbm_roofline_ms"], "bytes_per_step": roof["bytes_per_step"], "loop": loop}
     plain = bench_k3.measure_generate_decode(model, stats, batch, context, compiled=True,
                                              new_tokens=args.new_tokens, steady_from=min(8, args.new_tokens // 2),
                                              synthetic=synthetic, profile=device.type == "cuda")
@@ -211,6 +221,8 @@ def main(argv=None):
     parser.add_argument("--contexts", type=int, nargs="+", default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--block-steps", type=int, default=None, help="the loop's steps per host read")
+    parser.add_argument("--loop-only", action="store_true",
+                        help="time the loop alone (no plain generate(), no token comparison)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--experts-format", choices=("dense", "mxfp4"), default="dense",

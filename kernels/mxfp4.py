@@ -235,11 +235,14 @@ def _mxfp4_scaled_dot_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_P
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-# The same tiles from 32-bit words decoded as the GEMV decodes them (`_e2m1_word_exact_ptx`, below: f16 pairs, exact
-# conversions to f32), each code times its group's scale in f32, then one MMA over the tile in k order (the eight
-# codes of a word joined as the GEMV joins them). TF32: the f32 weights and x upcast to f32 meet in a TF32 MMA, exact
-# for bf16 x (bf16 and every E2M1 value times a power of two fit TF32's 10 mantissa bits); otherwise the weights are
-# rounded to bf16, exactly. W_IS_A (tuned) puts the decoded weights on the MMA's register operand. Fewer
+# The same tiles from 32-bit words. bf16 (BF16_PAIRS, the default where the PTX decode runs): each word straight to
+# four registers of two bf16 weights already times their group's scale (`_e2m1_word_bf16_scaled_ptx`, below).
+# Otherwise (TF32, the interpreter, or BF16_PAIRS off) as the GEMV decodes it (`_e2m1_word_exact_ptx`: f16 pairs,
+# exact conversions to f32), each code times its group's scale in f32. Either way one MMA runs over the step, whose
+# k are in pair order: a word's codes 0 4 1 5 2 6 3 7, as a PTX pair holds them, and x's eight elements alike
+# (`_codes_paired`), so no decoded pair is repacked. TF32: the f32 weights and x upcast to f32 meet in a TF32 MMA,
+# exact for bf16 x (bf16 and every E2M1 value times a power of two fit TF32's 10 mantissa bits); otherwise the
+# weights are bf16, exactly. W_IS_A (tuned) puts the decoded weights on the MMA's register operand. Fewer
 # instructions a word than tl.dot_scaled's upcast, and faster from 2 routed rows per expert (docs/benchmarks.md,
 # Packed MXFP4 GEMV; a word-tile kernel with the rows split into eight phases was measured slower and removed
 # earlier).
@@ -254,7 +257,8 @@ def _mxfp4_scaled_dot_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_P
 @triton.jit
 def _mxfp4_word_tiles_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_PAD: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                             W_IS_A: tl.constexpr, TF32: tl.constexpr, PTX_DECODE: tl.constexpr):
+                             W_IS_A: tl.constexpr, TF32: tl.constexpr, PTX_DECODE: tl.constexpr,
+                             BF16_PAIRS: tl.constexpr):
     GROUPS: tl.constexpr = BLOCK_KW // 4
     expert, row0, row_end = _expert_row_block(ends_ptr, E, E_PAD, BLOCK_M)
     if expert < E:
@@ -276,16 +280,22 @@ def _mxfp4_word_tiles_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_P
             q = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # word index along the row: [GROUPS, 4]
             wmask = cmask[:, None] & gmask[None, :]
             word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
-            if PTX_DECODE:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact_ptx(word)
+            sc = tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32)
+            if BF16_PAIRS:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_bf16_scaled_ptx(word, _e8m0_bf16_pair(sc)[:, :, None])
             else:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact(word)
-            # exact: an E2M1 value times a power of two
-            f = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))[:, :, None]
-            w = tl.reshape(_codes_in_order(c0 * f, c1 * f, c2 * f, c3 * f, c4 * f, c5 * f, c6 * f, c7 * f),
-                           (BLOCK_N, 8 * BLOCK_KW))  # element k of the step = code k % 8 of word k // 8
+                if PTX_DECODE:
+                    c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact_ptx(word)
+                else:
+                    c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact(word)
+                f = _e8m0(sc)[:, :, None]  # exact: an E2M1 value times a power of two
+                c0, c1, c2, c3, c4, c5, c6, c7 = c0 * f, c1 * f, c2 * f, c3 * f, c4 * f, c5 * f, c6 * f, c7 * f
+            # the step's k in pair order (`_codes_paired`), x's as well
+            w = tl.reshape(_codes_paired(c0, c1, c2, c3, c4, c5, c6, c7), (BLOCK_N, 8 * BLOCK_KW))
             k = 32 * g0 + tl.arange(0, 8 * BLOCK_KW)
             x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < 8 * KW)[None, :], other=0.0)
+            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_KW, 2, 4)), (0, 1, 3, 2)),
+                           (BLOCK_M, 8 * BLOCK_KW))
             if TF32:
                 x = x.to(tl.float32)
             else:
@@ -320,6 +330,9 @@ MXFP4_SCALED_DOT = True  # bf16 tiles through tl.dot_scaled (off: the byte-decod
 # H100 (docs/benchmarks.md, Packed MXFP4 GEMV) bf16 word tiles take 606.0 us a layer at 8 tokens over 64 experts
 # against tl.dot_scaled's 919.8 and the GEMV's 973.9, 695.8 against 1055.1 at 16; TF32 684.0 and 782.4
 MXFP4_WORD_TILES = "bf16"
+# bf16 word tiles decode each word straight to scaled bf16 pairs (`_e2m1_word_bf16_scaled_ptx`; off: through f32 and
+# the f32 scale multiply, for side-by-side runs): 40-43 instructions a word against 60-62 counted for sm_90
+MXFP4_WORD_TILES_BF16_PAIRS = True
 
 
 def _tile_kernel(xs: torch.Tensor) -> str:
@@ -345,10 +358,12 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     if kernel == "words":
         # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
         words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
+        tf32, ptx = MXFP4_WORD_TILES == "tf32", _ptx_decode(xs.device)
         with torch.cuda.device(xs.device):
             _mxfp4_word_tiles_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
                                            E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=_FEW_ROWS_BLOCK_M,
-                                           TF32=MXFP4_WORD_TILES == "tf32", PTX_DECODE=_ptx_decode(xs.device))
+                                           TF32=tf32, PTX_DECODE=ptx,
+                                           BF16_PAIRS=bool(MXFP4_WORD_TILES_BF16_PAIRS and ptx and not tf32))
         return out
     if kernel == "scaled_dot":
         with torch.cuda.device(xs.device):
@@ -636,11 +651,54 @@ def _e2m1_word_exact(word):
             _e2m1(word >> 24), _e2m1(word >> 28))
 
 
+# bf16 pairs straight from the word (the word tiles' bf16 MMA): a code's magnitude bits at bits 6-8 of a bf16
+# (exponent low bits + top mantissa bit) and its sign at bit 15 make the bf16 2^-126 times the E2M1 value (codes 0
+# and 1 on the denormals 0 and 2^-127); one multiply by 2^126 and one by the group's scale (both exact: bf16 multiplies
+# keep subnormals) give the scaled weights, two codes per instruction. Pair p holds nibbles p and p + 4.
+_E2M1_BF16_PAIRS_SCALED_PTX = tl.constexpr("""
+{
+.reg .b32 m, s, p, k;
+mov.b32 k, 0x7E807E80;
+shl.b32 m, $8, 6; and.b32 m, m, 0x01C001C0; shl.b32 s, $8, 12; and.b32 s, s, 0x80008000; or.b32 p, m, s;
+mul.rn.bf16x2 p, p, k; mul.rn.bf16x2 p, p, $9; mov.b32 {$0, $4}, p;
+shl.b32 m, $8, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, $8, 8; and.b32 s, s, 0x80008000; or.b32 p, m, s;
+mul.rn.bf16x2 p, p, k; mul.rn.bf16x2 p, p, $9; mov.b32 {$1, $5}, p;
+shr.b32 m, $8, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, $8, 4; and.b32 s, s, 0x80008000; or.b32 p, m, s;
+mul.rn.bf16x2 p, p, k; mul.rn.bf16x2 p, p, $9; mov.b32 {$2, $6}, p;
+shr.b32 m, $8, 6; and.b32 m, m, 0x01C001C0; and.b32 s, $8, 0x80008000; or.b32 p, m, s;
+mul.rn.bf16x2 p, p, k; mul.rn.bf16x2 p, p, $9; mov.b32 {$3, $7}, p;
+}
+""")
+
+
+@triton.jit
+def _e2m1_word_bf16_scaled_ptx(word, scale_pair):
+    # the eight codes of a word times the group's scale, as bf16; scale_pair: the scale as a bf16 pair
+    return tl.inline_asm_elementwise(_E2M1_BF16_PAIRS_SCALED_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [word, scale_pair],
+                                     dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _e8m0_bf16_pair(sc):
+    # 2^(sc - 127) as two bf16 in one int32: normal for sc >= 1, the denormal 2^-127 for sc == 0
+    half = tl.where(sc == 0, 0x0040, sc << 7)
+    return half | (half << 16)
+
+
 @triton.jit
 def _codes_in_order(c0, c1, c2, c3, c4, c5, c6, c7):
     # a word's eight codes along a new last dimension in element order: join puts its pair last, so the last join is
     # the fastest index (code i = 4a + 2b + c)
     return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+
+
+@triton.jit
+def _codes_paired(c0, c1, c2, c3, c4, c5, c6, c7):
+    # a word's eight codes along a new last dimension in pair order, codes 0 4 1 5 2 6 3 7: each pair of a PTX
+    # decode (codes p and p + 4, one 32-bit register) adjacent, where an MMA operand wants two adjacent k in one
+    # register, so the tiles pass the decoded pairs on without repacking them; x takes the same order of its eight
+    # elements (position 2i + j holds element 4j + i)
+    return tl.join(tl.join(tl.join(c0, c2), tl.join(c1, c3)), tl.join(tl.join(c4, c6), tl.join(c5, c7)))
 
 
 @triton.jit

@@ -107,11 +107,11 @@ def main():
         report(f"GEMV BLOCK_N {bn} BLOCK_KW {bkw} {w} warps", mxfp4._mxfp4_gemv_kernel, {**x16, "ROW_CLASS": "i32"},
                {"E_PAD": 64, "PTX_DECODE": True, "BLOCK_N": bn, "BLOCK_KW": bkw}, bn * bkw, w, 2)
     for cfg in mxfp4._mxfp4_word_tiles_kernel.configs:
-        for tf32 in (False, True):
+        for name, tf32, pairs in (("bf16 pairs", False, True), ("bf16 via f32", False, False), ("tf32", True, False)):
             kw = dict(cfg.kwargs)
-            report(f"word tiles {'tf32' if tf32 else 'bf16'} {kw} {cfg.num_warps} warps {cfg.num_stages} stages",
+            report(f"word tiles {name} {kw} {cfg.num_warps} warps {cfg.num_stages} stages",
                    mxfp4._mxfp4_word_tiles_kernel, x16,
-                   {"E_PAD": 64, "BLOCK_M": 16, "TF32": tf32, "PTX_DECODE": True, **kw},
+                   {"E_PAD": 64, "BLOCK_M": 16, "TF32": tf32, "PTX_DECODE": True, "BF16_PAIRS": pairs, **kw},
                    kw["BLOCK_N"] * kw["BLOCK_KW"], cfg.num_warps, cfg.num_stages)
     bytes16 = {**{k: v for k, v in x16.items() if k != "KW"}, "p_ptr": "*u8", "KH": "i32"}
     for bn, bkh, w, st in ((64, 64, 4, 3), (64, 128, 4, 3)):

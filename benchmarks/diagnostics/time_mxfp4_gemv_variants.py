@@ -4,8 +4,9 @@ the same routes and operands for every variant, each autotuned and then timed as
 
 * `gemv`: the GEMV (`mxfp4._mxfp4_gemv_fwd`, one program per routed row),
 * `tiles`: the 16-row tiles through `tl.dot_scaled` (`mxfp4._mxfp4_grouped_matmul_fwd`, MXFP4_WORD_TILES None),
-* `word_tiles_bf16` / `word_tiles_tf32`: the 16-row tiles from words decoded as the GEMV decodes them
-  (`mxfp4._mxfp4_word_tiles_kernel`, MXFP4_WORD_TILES "bf16" or "tf32").
+* `word_tiles_bf16` / `word_tiles_tf32`: the 16-row tiles from decoded words (`mxfp4._mxfp4_word_tiles_kernel`,
+  MXFP4_WORD_TILES "bf16" or "tf32"); bf16 decodes each word straight to scaled bf16 pairs, and
+  `word_tiles_bf16_via_f32` decodes it through f32 as the TF32 tiles do (MXFP4_WORD_TILES_BF16_PAIRS off).
 
 Each output is compared with float64 products of the dequantised experts, relative to |x| @ |W|^T. Writes
 $OUT/time_mxfp4_gemv_variants.json (or the working directory).
@@ -14,9 +15,10 @@ $OUT/time_mxfp4_gemv_variants.json (or the working directory).
 issued a step early (`gemv_prefetch`), x converted to f32 first (`gemv_f32x`), both, and up to 2 or 4 routed rows of
 one expert per program decoding each word once for them (`shared_rows2`, `shared_rows4`).)
 
-    python3 benchmarks/diagnostics/time_mxfp4_gemv_variants.py
+    python3 benchmarks/diagnostics/time_mxfp4_gemv_variants.py [--variants gemv word_tiles_bf16 ...] [--tokens 1 8]
 """
 
+import argparse
 import json
 import os
 import sys
@@ -35,9 +37,9 @@ SHAPES = {"gate_up": (6144, 3584), "down": (3584, 3072)}
 EXPERTS, TOP_K = 64, 16
 
 
-def tiles(word_tiles):
+def tiles(word_tiles, bf16_pairs=True):
     def run(xs, packed, scale, ends):
-        mxfp4.MXFP4_WORD_TILES = word_tiles
+        mxfp4.MXFP4_WORD_TILES, mxfp4.MXFP4_WORD_TILES_BF16_PAIRS = word_tiles, bf16_pairs
         return mxfp4._mxfp4_grouped_matmul_fwd(xs, packed, scale, ends)
     return run
 
@@ -46,6 +48,7 @@ VARIANTS = {
     "gemv": mxfp4._mxfp4_gemv_fwd,
     "tiles": tiles(None),
     "word_tiles_bf16": tiles("bf16"),
+    "word_tiles_bf16_via_f32": tiles("bf16", bf16_pairs=False),
     "word_tiles_tf32": tiles("tf32"),
 }
 TOKENS = (1, 2, 8, 16, 32)
@@ -65,6 +68,10 @@ def error_vs_reference(out, xs, packed, scale, ends):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    args = parser.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
     stacks = {name: (torch.randint(0, 256, (EXPERTS, n, k // 2), dtype=torch.uint8, device=dev),
@@ -72,12 +79,13 @@ def main():
               for name, (n, k) in SHAPES.items()}
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "points": []}
-    for tokens in TOKENS:
+    for tokens in args.tokens:
         counts = uniform_routed_counts(tokens, EXPERTS, TOP_K, dev)
         ends = torch.cumsum(counts, 0).to(torch.int32)
         point = {"tokens": tokens, "distinct_experts": int((counts > 0).sum()),
                  "max_rows_per_expert": int(counts.max()), "variants": {}}
-        for variant, fn in VARIANTS.items():
+        for variant in args.variants:
+            fn = VARIANTS[variant]
             entry = {}
             for name, (n, k) in SHAPES.items():
                 packed, scale = stacks[name]
@@ -99,7 +107,7 @@ def main():
             point["variants"][variant] = entry
             print(json.dumps({"tokens": tokens, variant: entry}), flush=True)
         results["points"].append(point)
-    mxfp4.MXFP4_WORD_TILES = None
+    mxfp4.MXFP4_WORD_TILES, mxfp4.MXFP4_WORD_TILES_BF16_PAIRS = None, True
     Path(os.environ.get("OUT", "."), "time_mxfp4_gemv_variants.json").write_text(json.dumps(results, indent=1))
 
 

@@ -371,8 +371,17 @@ def _packed_grouped_case(counts, n, dtype):
 
 
 # the tile kernels by (MXFP4_SCALED_DOT, MXFP4_WORD_TILES); f32 runs the byte-decoding kernel under each
-TILE_KERNELS = {"scaled dot": (True, None), "bytes": (False, None), "words bf16": (True, "bf16"),
-                "words tf32": (True, "tf32")}
+# (MXFP4_SCALED_DOT, MXFP4_WORD_TILES, MXFP4_WORD_TILES_BF16_PAIRS)
+TILE_KERNELS = {"scaled dot": (True, None, True), "bytes": (False, None, True), "words bf16": (True, "bf16", True),
+                "words bf16 via f32": (True, "bf16", False), "words tf32": (True, "tf32", True)}
+
+
+def _set_tile_kernel(monkeypatch, kernel):
+    from kimik3.kernels import mxfp4
+
+    names = ("MXFP4_SCALED_DOT", "MXFP4_WORD_TILES", "MXFP4_WORD_TILES_BF16_PAIRS")
+    for name, value in zip(names, TILE_KERNELS[kernel]):
+        monkeypatch.setattr(mxfp4, name, value)
 
 
 @pytest.mark.parametrize("kernel", list(TILE_KERNELS))
@@ -381,11 +390,9 @@ TILE_KERNELS = {"scaled dot": (True, None), "bytes": (False, None), "words bf16"
 def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, tol, kernel, monkeypatch):
     # the packed tiles dequantised inside the matmul = the dequantised experts times x, group by group; f32 uses
     # IEEE dots (no TF32); bf16 through tl.dot_scaled, the byte-decoding kernel or the word tiles
-    from kimik3.kernels import mxfp4
     from kimik3.kernels.mxfp4 import mxfp4_grouped_matmul
 
-    monkeypatch.setattr(mxfp4, "MXFP4_SCALED_DOT", TILE_KERNELS[kernel][0])
-    monkeypatch.setattr(mxfp4, "MXFP4_WORD_TILES", TILE_KERNELS[kernel][1])
+    _set_tile_kernel(monkeypatch, kernel)
 
     counts, ends, packed, scale, weight, xs = _packed_grouped_case(counts, 192, dtype)
     out = mxfp4_grouped_matmul(xs, packed, scale, ends)
@@ -597,8 +604,7 @@ def test_mxfp4_kernels_every_finite_scale_byte(dtype, tol, floor, kernel, monkey
     if kernel == "gemv":
         out = mxfp4.mxfp4_gemv(xs, packed, scale, ends)
     else:
-        monkeypatch.setattr(mxfp4, "MXFP4_SCALED_DOT", TILE_KERNELS[kernel][0])
-        monkeypatch.setattr(mxfp4, "MXFP4_WORD_TILES", TILE_KERNELS[kernel][1])
+        _set_tile_kernel(monkeypatch, kernel)
         out = mxfp4.mxfp4_grouped_matmul(xs, packed, scale, ends)
     ref, bound = _packed_product_f64(xs, packed, scale, ends)
     assert torch.isfinite(ref).all() and torch.isfinite(out).all()
