@@ -331,7 +331,8 @@ MXFP4_SCALED_DOT = True  # bf16 tiles through tl.dot_scaled (off: the byte-decod
 # against tl.dot_scaled's 919.8 and the GEMV's 973.9, 695.8 against 1055.1 at 16; TF32 684.0 and 782.4
 MXFP4_WORD_TILES = "bf16"
 # bf16 word tiles decode each word straight to scaled bf16 pairs (`_e2m1_word_bf16_scaled_ptx`; off: through f32 and
-# the f32 scale multiply, for side-by-side runs): 40-43 instructions a word against 60-62 counted for sm_90
+# the f32 scale multiply, for side-by-side runs): 40.4 instructions a word for the tuned tile against 57.0, and on an
+# H100 598.1 us a layer at 8 tokens against 644.2, 7% faster from 8 to 32 (docs/benchmarks.md, Packed MXFP4 GEMV)
 MXFP4_WORD_TILES_BF16_PAIRS = True
 
 

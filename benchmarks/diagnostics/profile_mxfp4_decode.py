@@ -5,6 +5,8 @@ expert). The gate_up matmul of one MoE layer (N 6144, K 3584, 64 experts, top-16
 * `gemv_b1`: 1 token (16 routed rows, one per expert) on the GEMV (`mxfp4._mxfp4_gemv_fwd`),
 * `gemv_b8`: 8 tokens (128 rows, about 2 per hit expert) on the GEMV,
 * `tiles_b8`: the same on the 16-row tiles (`mxfp4._mxfp4_grouped_matmul_fwd`, `tl.dot_scaled`),
+* `word_tiles_b8` / `word_tiles_via_f32_b8`: the same on the word tiles (`mxfp4._mxfp4_word_tiles_kernel`), each
+  word decoded to scaled bf16 pairs (the default) or through f32 (MXFP4_WORD_TILES_BF16_PAIRS off),
 * `rows{R}[_f32x]_b{1,8}`: a candidate, the GEMV's tiles and decode with up to R routed rows of one expert per
   program (each word loaded and decoded once for them, one accumulator a row), x as stored or converted to f32
   first (the conversion timed with it); its outputs are compared with the GEMV's,
@@ -16,7 +18,8 @@ each autotuned first, then run once inside an NVTX range named after it, so that
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         python3 benchmarks/diagnostics/profile_mxfp4_decode.py
 
-profiles exactly those three launches. Writes the autotuner's choices and each launch's time (CUDA events, outside
+profiles exactly those launches (PROFILE_CASES=word_tiles_b8,gemv_b1 runs those cases only; "candidates" the
+candidates below). Writes the autotuner's choices and each launch's time (CUDA events, outside
 the profiler) to $OUT/profile_mxfp4_decode.json.
 """
 
@@ -185,10 +188,20 @@ def main():
     scale = torch.randint(110, 122, (EXPERTS, N, K // 32), dtype=torch.uint8, device=dev)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "cases": {}}
-    for name, tokens, fwd, kernel in (("gemv_b1", 1, mxfp4._mxfp4_gemv_fwd, mxfp4._mxfp4_gemv_kernel),
-                                      ("gemv_b8", 8, mxfp4._mxfp4_gemv_fwd, mxfp4._mxfp4_gemv_kernel),
-                                      ("tiles_b8", 8, mxfp4._mxfp4_grouped_matmul_fwd,
-                                       mxfp4._mxfp4_scaled_dot_kernel)):
+    cases = (("gemv_b1", 1, mxfp4._mxfp4_gemv_fwd, mxfp4._mxfp4_gemv_kernel, {}),
+             ("gemv_b8", 8, mxfp4._mxfp4_gemv_fwd, mxfp4._mxfp4_gemv_kernel, {}),
+             ("tiles_b8", 8, mxfp4._mxfp4_grouped_matmul_fwd, mxfp4._mxfp4_scaled_dot_kernel,
+              {"MXFP4_WORD_TILES": None}),
+             ("word_tiles_b8", 8, mxfp4._mxfp4_grouped_matmul_fwd, mxfp4._mxfp4_word_tiles_kernel, {}),
+             ("word_tiles_via_f32_b8", 8, mxfp4._mxfp4_grouped_matmul_fwd, mxfp4._mxfp4_word_tiles_kernel,
+              {"MXFP4_WORD_TILES_BF16_PAIRS": False}))
+    only = os.environ.get("PROFILE_CASES")  # a comma-separated subset of the cases' names (and "candidates")
+    defaults = {name: getattr(mxfp4, name) for name in ("MXFP4_WORD_TILES", "MXFP4_WORD_TILES_BF16_PAIRS")}
+    for name, tokens, fwd, kernel, settings in cases:
+        if only and name not in only.split(","):
+            continue
+        for constant, value in {**defaults, **settings}.items():
+            setattr(mxfp4, constant, value)
         counts = uniform_routed_counts(tokens, EXPERTS, TOP_K, dev)
         ends = torch.cumsum(counts, 0).to(torch.int32)
         xs = torch.randn(tokens * TOP_K, K, device=dev, dtype=torch.bfloat16)
@@ -207,7 +220,9 @@ def main():
             "TBps_row_bytes": round(rows_bytes / us / 1e6, 2),
             "config": str(kernel.best_config)}
         print(json.dumps({name: results["cases"][name]}), flush=True)
-    for tokens in (1, 8):
+    for constant, value in defaults.items():
+        setattr(mxfp4, constant, value)
+    for tokens in (1, 8) if not only or "candidates" in only.split(",") else ():
         counts = uniform_routed_counts(tokens, EXPERTS, TOP_K, dev)
         ends = torch.cumsum(counts, 0).to(torch.int32)
         xs = torch.randn(tokens * TOP_K, K, device=dev, dtype=torch.bfloat16)
