@@ -16,8 +16,8 @@ scale per 32 weights, decoded in registers.
 
 * `mxfp4_dequant`: MXFP4 -> bf16/f32, bit-exact with the reference (the custom op `torch.ops.kimik3.mxfp4_dequant`).
 * `mxfp4_grouped_matmul`: expert-grouped matmul over packed weights in 16-row tiles, dequantised tile by tile in
-  registers (bf16 on Hopper from 32-bit words decoded as the GEMV decodes them, else Triton's `tl.dot_scaled` or a
-  byte decode); gradient for the activations only (the custom op `torch.ops.kimik3.mxfp4_grouped_matmul` without
+  registers (bf16 on Hopper from 32-bit words decoded straight to scaled bf16 pairs, else Triton's `tl.dot_scaled`
+  or a byte decode); gradient for the activations only (the custom op `torch.ops.kimik3.mxfp4_grouped_matmul` without
   autograd).
 * `mxfp4_grouped_gemm`: the same product for many rows per expert (prefill): large row blocks, each packed tile decoded
   once per block (the custom op `torch.ops.kimik3.mxfp4_grouped_gemm` without autograd).
