@@ -281,6 +281,9 @@ def test_the_benchmarks_dry_run(tmp_path):
     assert {(r["batch"], r["context"]) for r in rows} == {(2, 16)}
     for row in rows:
         assert row["loop"]["tokens_equal_plain"] and row["loop"]["ms_per_step"] > 0 and row["plain"]["ms_per_step"] > 0
+    # --loop-only: the loop timed alone, no plain generate() and no token comparison
+    (row,) = bench.main(["--dry-run", "--loop-only"])["decode"]
+    assert row["loop"]["ms_per_step"] > 0 and "plain" not in row and "tokens_equal_plain" not in row["loop"]
 
 
 def test_the_benchmarks_roofline_counts_packed_experts_by_their_bytes(monkeypatch):
