@@ -251,10 +251,7 @@ def _mxfp4_scaled_dot_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_P
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw, "W_IS_A": wa}, num_warps=w, num_stages=st)
              for bn, bkw, w, st in ((64, 8, 4, 3), (64, 16, 4, 3), (128, 8, 4, 3), (128, 16, 8, 3), (64, 16, 4, 2))
-             for wa in (False, True)]
-    # more words in flight (deeper pipelines, wider tiles), and the words loaded straight to registers (1 stage)
-    + [triton.Config({"BLOCK_N": bn, "BLOCK_KW": 8, "W_IS_A": False}, num_warps=w, num_stages=st)
-       for bn, w, st in ((128, 4, 4), (128, 4, 5), (256, 8, 3), (128, 4, 1), (64, 2, 3))],
+             for wa in (False, True)],
     key=["N", "KW", "E_PAD", "TF32", "BF16_PAIRS"],
 )
 @triton.jit
