@@ -370,8 +370,8 @@ def _packed_grouped_case(counts, n, dtype):
     return counts, ends, packed, scale, weight, xs
 
 
-# the tile kernels by (MXFP4_SCALED_DOT, MXFP4_WORD_TILES); f32 runs the byte-decoding kernel under each
-# (MXFP4_SCALED_DOT, MXFP4_WORD_TILES, MXFP4_WORD_TILES_BF16_PAIRS)
+# the tile kernels by (MXFP4_SCALED_DOT, MXFP4_WORD_TILES, MXFP4_WORD_TILES_BF16_PAIRS); f32 runs the
+# byte-decoding kernel under each
 TILE_KERNELS = {"scaled dot": (True, None, True), "bytes": (False, None, True), "words bf16": (True, "bf16", True),
                 "words bf16 via f32": (True, "bf16", False), "words tf32": (True, "tf32", True)}
 
