@@ -275,21 +275,8 @@ def _mxfp4_word_tiles_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_P
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g0 in range(0, KW // 4, GROUPS):
-            g = g0 + tl.arange(0, GROUPS)
-            gmask = g < KW // 4
-            q = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # word index along the row: [GROUPS, 4]
-            wmask = cmask[:, None] & gmask[None, :]
-            word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
-            sc = tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32)
-            if BF16_PAIRS:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_bf16_scaled_ptx(word, _e8m0_bf16_pair(sc)[:, :, None])
-            else:
-                if PTX_DECODE:
-                    c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact_ptx(word)
-                else:
-                    c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact(word)
-                f = _e8m0(sc)[:, :, None]  # exact: an E2M1 value times a power of two
-                c0, c1, c2, c3, c4, c5, c6, c7 = c0 * f, c1 * f, c2 * f, c3 * f, c4 * f, c5 * f, c6 * f, c7 * f
+            c0, c1, c2, c3, c4, c5, c6, c7 = _scaled_word_codes(p_rows, s_rows, g0, cmask, KW, GROUPS, PTX_DECODE,
+                                                                BF16_PAIRS)
             # the step's k in pair order (`_codes_paired`), x's as well
             w = tl.reshape(_codes_paired(c0, c1, c2, c3, c4, c5, c6, c7), (BLOCK_N, 8 * BLOCK_KW))
             k = 32 * g0 + tl.arange(0, 8 * BLOCK_KW)
@@ -684,6 +671,30 @@ def _e8m0_bf16_pair(sc):
     # 2^(sc - 127) as two bf16 in one int32: normal for sc >= 1, the denormal 2^-127 for sc == 0
     half = tl.where(sc == 0, 0x0040, sc << 7)
     return half | (half << 16)
+
+
+@triton.jit
+def _scaled_word_codes(p_rows, s_rows, g0, cmask, KW, GROUPS: tl.constexpr, PTX_DECODE: tl.constexpr,
+                       BF16_PAIRS: tl.constexpr):
+    # one K step of a word tile: the words of scale groups g0 .. g0 + GROUPS - 1 of the rows p_rows ([BLOCK_N,
+    # GROUPS, 4], whole groups masked), each code times its group's scale: code i of every word, eight tensors,
+    # bf16 straight from the word (BF16_PAIRS) or f32
+    g = g0 + tl.arange(0, GROUPS)
+    gmask = g < KW // 4
+    q = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # word index along the row: [GROUPS, 4]
+    wmask = cmask[:, None] & gmask[None, :]
+    word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
+    sc = tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32)
+    if BF16_PAIRS:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_bf16_scaled_ptx(word, _e8m0_bf16_pair(sc)[:, :, None])
+    else:
+        if PTX_DECODE:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact_ptx(word)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact(word)
+        f = _e8m0(sc)[:, :, None]  # exact: an E2M1 value times a power of two
+        c0, c1, c2, c3, c4, c5, c6, c7 = c0 * f, c1 * f, c2 * f, c3 * f, c4 * f, c5 * f, c6 * f, c7 * f
+    return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @triton.jit

@@ -26,13 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, 
 from _k3bench_utils import graph_us, uniform_routed_counts  # noqa: E402
 
 from kimik3.kernels import mxfp4  # noqa: E402
-from kimik3.kernels.mxfp4 import (  # noqa: E402
-    _codes_in_order,
-    _e2m1_word_exact,
-    _e2m1_word_exact_ptx,
-    _e8m0,
-    _gemm_program_block,
-)
+from kimik3.kernels.mxfp4 import _codes_in_order, _gemm_program_block, _scaled_word_codes  # noqa: E402
 
 
 @triton.autotune(
@@ -63,17 +57,11 @@ def _word_gemm_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M, N, KW, E, E_PAD: 
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g0 in range(0, KW // 4, GROUPS):
-            g = g0 + tl.arange(0, GROUPS)
-            gmask = g < KW // 4
-            q = g[:, None] * 4 + tl.arange(0, 4)[None, :]
-            wmask = cmask[:, None] & gmask[None, :]
-            word = tl.load(p_rows + q[None, :, :], mask=wmask[:, :, None], other=0)
-            if PTX_DECODE:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact_ptx(word)
-            else:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word_exact(word)
-            f = _e8m0(tl.load(s_rows + g[None, :], mask=wmask, other=127).to(tl.int32))[:, :, None]
-            w = tl.reshape(_codes_in_order(c0 * f, c1 * f, c2 * f, c3 * f, c4 * f, c5 * f, c6 * f, c7 * f),
+            # the word tiles' step, f32 decode (the bf16 pairs do not compile into this kernel's shared-memory
+            # operand with Triton 3.6: docs/benchmarks.md, Packed MXFP4 GEMV)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _scaled_word_codes(p_rows, s_rows, g0, cmask, KW, GROUPS, PTX_DECODE,
+                                                                False)
+            w = tl.reshape(_codes_in_order(c0, c1, c2, c3, c4, c5, c6, c7),
                            (BLOCK_N, 8 * BLOCK_KW)).to(x_ptr.dtype.element_ty)
             k = 32 * g0 + tl.arange(0, 8 * BLOCK_KW)
             x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < 8 * KW)[None, :], other=0.0)
