@@ -235,6 +235,36 @@ def _mxfp4_scaled_dot_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KH, E, E_P
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+# The tiles with the decoded weights on either MMA operand (W_IS_A: out^T = W x^T, the weights in registers): the
+# accumulator's shape, one step's dot and the store of the [rows, cols] output, for each orientation.
+@triton.jit
+def _tile_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W_IS_A: tl.constexpr):
+    if W_IS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _tile_dot(x, w, acc, W_IS_A: tl.constexpr, PRECISION: tl.constexpr):
+    if W_IS_A:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_tile(o_ptr, acc, rows, rmask, cols, cmask, N, W_IS_A: tl.constexpr):
+    if W_IS_A:
+        out = o_ptr + rows.to(tl.int64)[None, :] * N + cols[:, None]
+        tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
+    else:
+        out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
 # The same tiles from 32-bit words. bf16 (BF16_PAIRS, the default where the PTX decode runs): each word straight to
 # four registers of two bf16 weights already times their group's scale (`_e2m1_word_bf16_scaled_ptx`, below).
 # Otherwise (TF32, the interpreter, or BF16_PAIRS off) as the GEMV decodes it (`_e2m1_word_exact_ptx`: f16 pairs,
@@ -270,10 +300,7 @@ def _mxfp4_word_tiles_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_P
         p_rows = p_ptr + w_rows[:, None, None] * KW
         s_rows = s_ptr + w_rows[:, None] * (KW // 4)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * (8 * KW)
-        if W_IS_A:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _tile_acc(BLOCK_M, BLOCK_N, W_IS_A)
         for g0 in range(0, KW // 4, GROUPS):
             c0, c1, c2, c3, c4, c5, c6, c7 = _scaled_word_codes(p_rows, s_rows, g0, cmask, KW, GROUPS, PTX_DECODE,
                                                                 BF16_PAIRS)
@@ -287,16 +314,8 @@ def _mxfp4_word_tiles_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_P
                 x = x.to(tl.float32)
             else:
                 w = w.to(x_ptr.dtype.element_ty)
-            if W_IS_A:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision="tf32" if TF32 else None)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32" if TF32 else None)
-        if W_IS_A:
-            out = o_ptr + rows.to(tl.int64)[None, :] * N + cols[:, None]
-            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
-        else:
-            out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+            acc = _tile_dot(x, w, acc, W_IS_A, "tf32" if TF32 else None)
+        _store_tile(o_ptr, acc, rows, rmask, cols, cmask, N, W_IS_A)
 
 
 def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
@@ -491,10 +510,7 @@ def _mxfp4_grouped_gemm_kernel(xe_ptr, xo_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M,
         w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/2] packed matrix
         xe_rows = xe_ptr + rows.to(tl.int64)[:, None] * KH
         xo_rows = xo_ptr + rows.to(tl.int64)[:, None] * KH
-        if W_IS_A:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _tile_acc(BLOCK_M, BLOCK_N, W_IS_A)
         for start in range(0, KH, BLOCK_KH):
             j = start + tl.arange(0, BLOCK_KH)
             jmask = j < KH
@@ -516,18 +532,9 @@ def _mxfp4_grouped_gemm_kernel(xe_ptr, xo_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M,
             # exact in bf16/f32: an E2M1 value times a power of two
             w_even = (_e2m1(byte & 15) * factor).to(xe_ptr.dtype.element_ty)
             w_odd = (_e2m1(byte >> 4) * factor).to(xe_ptr.dtype.element_ty)
-            if W_IS_A:
-                acc = tl.dot(w_even, tl.trans(x_even), acc, input_precision=PRECISION)
-                acc = tl.dot(w_odd, tl.trans(x_odd), acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(x_even, tl.trans(w_even), acc, input_precision=PRECISION)
-                acc = tl.dot(x_odd, tl.trans(w_odd), acc, input_precision=PRECISION)
-        if W_IS_A:
-            out = o_ptr + rows.to(tl.int64)[None, :] * N + cols[:, None]
-            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
-        else:
-            out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+            acc = _tile_dot(x_even, w_even, acc, W_IS_A, PRECISION)
+            acc = _tile_dot(x_odd, w_odd, acc, W_IS_A, PRECISION)
+        _store_tile(o_ptr, acc, rows, rmask, cols, cmask, N, W_IS_A)
 
 
 MXFP4_GEMM_W_IS_A = False  # which MMA operand the decoded weights are (module note above); measured, see docs

@@ -26,7 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, 
 from _k3bench_utils import graph_us, uniform_routed_counts  # noqa: E402
 
 from kimik3.kernels import mxfp4  # noqa: E402
-from kimik3.kernels.mxfp4 import _codes_in_order, _gemm_program_block, _scaled_word_codes  # noqa: E402
+from kimik3.kernels.mxfp4 import (  # noqa: E402
+    _codes_in_order,
+    _gemm_program_block,
+    _scaled_word_codes,
+    _store_tile,
+    _tile_acc,
+    _tile_dot,
+)
 
 
 @triton.autotune(
@@ -52,10 +59,7 @@ def _word_gemm_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M, N, KW, E, E_PAD: 
         p_rows = p_ptr + w_rows[:, None, None] * KW
         s_rows = s_ptr + w_rows[:, None] * (KW // 4)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * (8 * KW)
-        if W_IS_A:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _tile_acc(BLOCK_M, BLOCK_N, W_IS_A)
         for g0 in range(0, KW // 4, GROUPS):
             # the word tiles' step, f32 decode (the bf16 pairs do not compile into this kernel's shared-memory
             # operand with Triton 3.6: docs/benchmarks.md, Packed MXFP4 GEMV)
@@ -65,16 +69,8 @@ def _word_gemm_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M, N, KW, E, E_PAD: 
                            (BLOCK_N, 8 * BLOCK_KW)).to(x_ptr.dtype.element_ty)
             k = 32 * g0 + tl.arange(0, 8 * BLOCK_KW)
             x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < 8 * KW)[None, :], other=0.0)
-            if W_IS_A:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        if W_IS_A:
-            out = o_ptr + rows.to(tl.int64)[None, :] * N + cols[:, None]
-            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
-        else:
-            out = o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-            tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+            acc = _tile_dot(x, w, acc, W_IS_A, PRECISION)
+        _store_tile(o_ptr, acc, rows, rmask, cols, cmask, N, W_IS_A)
 
 
 def word_gemm(xs, packed, scale, group_ends, w_is_a=False):
