@@ -259,7 +259,12 @@ def main(argv=None):
                            or "cpu", "torch": torch.__version__,
                            "transformers": __import__("transformers").__version__},
                "experts_format": args.experts_format, "new_tokens": args.new_tokens,
-               "block_steps": args.block_steps, "decode": []}
+               "block_steps": args.block_steps,
+               # the roofline's inputs, and the memory the model holds: a packed format's adapter points must stay
+               # stride-0 views (no bytes), or both grow by the dense experts' size
+               "byte_stats": stats,
+               "allocated_bytes_after_build": torch.cuda.memory_allocated() if device.type == "cuda" else None,
+               "decode": []}
     for context in args.contexts:
         for batch in args.batches:
             for rows in args.mxfp4_gemv_rows or [None]:
