@@ -2,7 +2,8 @@
 Triton for sm_90 (Hopper) with the specialisations a launch at the benchmark model's shapes gets (every pointer and
 N, K/8, experts divisible by 16), disassembled with the cuobjdump Triton ships, and its main loop (the longest
 backward branch) counted: instructions a loop step, 32-bit words of packed weights a thread handles a step, and so
-instructions per word, with the opcode mix and the registers a thread. Nsight Compute measured the GEMV at 52.6
+instructions per word, with the opcode mix, the registers a thread and the step's global loads: plain loads the step
+waits for (LDG) and asynchronous copies into shared memory issued steps ahead by Triton's pipeline (LDGSTS). Nsight Compute measured the GEMV at 52.6
 instructions a word on an H100 (docs/benchmarks.md, Packed MXFP4 GEMV); this count gives 52.6 for its tuned tile, so
 candidates can be compared before a GPU is at hand.
 
@@ -72,7 +73,8 @@ def report(name, kernel, signature, constexprs, words_per_step, num_warps, num_s
     regs = re.search(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage"))
     per_thread = words_per_step / (32 * num_warps)
     print(f"{name}: {count} instructions a step, {per_thread:g} words a thread, {count / per_thread:.1f} a word, "
-          f"{regs.group(1) if regs else '?'} registers; {dict(ops.most_common(10))}", flush=True)
+          f"{regs.group(1) if regs else '?'} registers; global loads a step: {ops['LDG']} waited for in the step (LDG), "
+          f"{ops['LDGSTS']} asynchronous copies (LDGSTS); {dict(ops.most_common(10))}", flush=True)
 
 
 def gemm_counts():
@@ -103,9 +105,11 @@ def main():
         return gemm_counts()
     x16 = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*u8", "o_ptr": "*bf16", "ends_ptr": "*i32", "N": "i32",
            "KW": "i32", "E": "i32"}
-    for bn, bkw, w in ((16, 64, 2), (16, 64, 4), (32, 32, 4)):
-        report(f"GEMV BLOCK_N {bn} BLOCK_KW {bkw} {w} warps", mxfp4._mxfp4_gemv_kernel, {**x16, "ROW_CLASS": "i32"},
-               {"E_PAD": 64, "PTX_DECODE": True, "BLOCK_N": bn, "BLOCK_KW": bkw}, bn * bkw, w, 2)
+    for stages in (1, 2, 3):  # MXFP4_GEMV_STAGES: 1 the product's default
+        for bn, bkw, w in ((16, 64, 2), (16, 64, 4), (32, 32, 4)):
+            report(f"GEMV BLOCK_N {bn} BLOCK_KW {bkw} {w} warps, {stages} stage(s)", mxfp4._mxfp4_gemv_kernel,
+                   {**x16, "ROW_CLASS": "i32"},
+                   {"E_PAD": 64, "PTX_DECODE": True, "BLOCK_N": bn, "BLOCK_KW": bkw, "STAGES": stages}, bn * bkw, w, 2)
     for cfg in mxfp4._mxfp4_word_tiles_kernel.configs:
         for name, tf32, pairs in (("bf16 pairs", False, True), ("bf16 via f32", False, False), ("tf32", True, False)):
             kw = dict(cfg.kwargs)
@@ -113,6 +117,14 @@ def main():
                    mxfp4._mxfp4_word_tiles_kernel, x16,
                    {"E_PAD": 64, "BLOCK_M": 16, "TF32": tf32, "PTX_DECODE": True, "BF16_PAIRS": pairs, **kw},
                    kw["BLOCK_N"] * kw["BLOCK_KW"], cfg.num_warps, cfg.num_stages)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sweep_mxfp4_word_tiles import CONFIGS as WORD_TILE_SWEEP
+
+    for bn, bkw, w, st, w_is_a in WORD_TILE_SWEEP[len(mxfp4._mxfp4_word_tiles_kernel.configs):]:
+        report(f"word tiles bf16 pairs (sweep) BLOCK_N {bn} BLOCK_KW {bkw} W_IS_A {w_is_a} {w} warps {st} stages",
+               mxfp4._mxfp4_word_tiles_kernel, x16,
+               {"E_PAD": 64, "BLOCK_M": 16, "TF32": False, "PTX_DECODE": True, "BF16_PAIRS": True, "BLOCK_N": bn,
+                "BLOCK_KW": bkw, "W_IS_A": w_is_a}, bn * bkw, w, st)
     bytes16 = {**{k: v for k, v in x16.items() if k != "KW"}, "p_ptr": "*u8", "KH": "i32"}
     for bn, bkh, w, st in ((64, 64, 4, 3), (64, 128, 4, 3)):
         report(f"tl.dot_scaled tiles BLOCK_N {bn} BLOCK_KH {bkh} {w} warps", mxfp4._mxfp4_scaled_dot_kernel,

@@ -3,6 +3,7 @@ benchmark model (gate_up N 6144 K 3584, down N 3584 K 3072, 64 experts, top-16 r
 the same routes and operands for every variant, each autotuned and then timed as a CUDA graph replay:
 
 * `gemv`: the GEMV (`mxfp4._mxfp4_gemv_fwd`, one program per routed row),
+* `gemv_stages2` / `gemv_stages3`: the GEMV with its loads pipelined, 2 or 3 steps in flight (MXFP4_GEMV_STAGES),
 * `tiles`: the 16-row tiles through `tl.dot_scaled` (`mxfp4._mxfp4_grouped_matmul_fwd`, MXFP4_WORD_TILES None),
 * `word_tiles_bf16` / `word_tiles_tf32`: the 16-row tiles from decoded words (`mxfp4._mxfp4_word_tiles_kernel`,
   MXFP4_WORD_TILES "bf16" or "tf32"); bf16 decodes each word straight to scaled bf16 pairs, and
@@ -35,6 +36,14 @@ from kimik3.modeling import ops_kimi_k3 as ops  # noqa: E402
 
 SHAPES = {"gate_up": (6144, 3584), "down": (3584, 3072)}
 EXPERTS, TOP_K = 64, 16
+DEFAULTS = mxfp4.MXFP4_WORD_TILES, mxfp4.MXFP4_WORD_TILES_BF16_PAIRS, mxfp4.MXFP4_GEMV_STAGES
+
+
+def gemv(stages):
+    def run(xs, packed, scale, ends):
+        mxfp4.MXFP4_GEMV_STAGES = stages
+        return mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends)
+    return run
 
 
 def tiles(word_tiles, bf16_pairs=True):
@@ -45,7 +54,9 @@ def tiles(word_tiles, bf16_pairs=True):
 
 
 VARIANTS = {
-    "gemv": mxfp4._mxfp4_gemv_fwd,
+    "gemv": gemv(1),
+    "gemv_stages2": gemv(2),
+    "gemv_stages3": gemv(3),
     "tiles": tiles(None),
     "word_tiles_bf16": tiles("bf16"),
     "word_tiles_bf16_via_f32": tiles("bf16", bf16_pairs=False),
@@ -107,7 +118,7 @@ def main():
             point["variants"][variant] = entry
             print(json.dumps({"tokens": tokens, variant: entry}), flush=True)
         results["points"].append(point)
-    mxfp4.MXFP4_WORD_TILES, mxfp4.MXFP4_WORD_TILES_BF16_PAIRS = None, True
+    mxfp4.MXFP4_WORD_TILES, mxfp4.MXFP4_WORD_TILES_BF16_PAIRS, mxfp4.MXFP4_GEMV_STAGES = DEFAULTS
     Path(os.environ.get("OUT", "."), "time_mxfp4_gemv_variants.json").write_text(json.dumps(results, indent=1))
 
 
