@@ -94,10 +94,11 @@ def gemm_counts():
     words = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*u8", "o_ptr": "*bf16", "ends_ptr": "*i32", "KW": "i32", **ints}
     for cfg in _word_gemm_kernel.configs:
         kw = dict(cfg.kwargs)
-        for w_is_a in (False, True):
-            report(f"GEMM (words, candidate) {kw} W_IS_A {w_is_a} {cfg.num_warps} warps {cfg.num_stages} stages",
-                   _word_gemm_kernel, words, {"E_PAD": 1024, "PTX_DECODE": True, "PRECISION": "tf32", "W_IS_A": w_is_a,
-                                              **kw}, kw["BLOCK_N"] * kw["BLOCK_KW"], cfg.num_warps, cfg.num_stages)
+        for w_is_a, pairs in ((False, False), (True, False), (True, True)):
+            report(f"GEMM (words, candidate) {kw} W_IS_A {w_is_a}{', bf16 pairs' if pairs else ''} {cfg.num_warps} "
+                   f"warps {cfg.num_stages} stages", _word_gemm_kernel, words,
+                   {"E_PAD": 1024, "PTX_DECODE": True, "PRECISION": "tf32", "W_IS_A": w_is_a, "BF16_PAIRS": pairs,
+                    **kw}, kw["BLOCK_N"] * kw["BLOCK_KW"], cfg.num_warps, cfg.num_stages)
 
 
 def main():
