@@ -790,9 +790,9 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, ROW_CLASS
 
 MXFP4_PTX_DECODE = True  # the f16-pair decode where it can run (off: the portable decode, for side-by-side runs)
 # the GEMV's steps in flight (1: none; the kernel's loads wait in the step that uses them). Compiled for sm_90 on the
-# CPU (benchmarks/diagnostics/sass_mxfp4_kernels.py), 3 moves the words and x to asynchronous copies (the scale bytes,
-# 2 a thread, stay a plain load) and takes the 2-warp tile from 98 registers to 72 at 57.7 instructions a word
-# against 50.7; not yet timed on a GPU (docs/benchmarks.md, Packed MXFP4 GEMV)
+# CPU (benchmarks/diagnostics/sass_mxfp4_kernels.py), 3 moves the words and x to asynchronous copies, and the scale
+# bytes where a thread's share of them is 4 bytes (the 2-warp tile), which it takes from 98 registers to 72 at 57.7
+# instructions a word against 50.7; not yet timed on a GPU (docs/benchmarks.md, Packed MXFP4 GEMV)
 MXFP4_GEMV_STAGES = 1
 
 
