@@ -159,6 +159,17 @@ def graph_us(fn, iters: int, warmup: int = 3) -> float:
     return event_us(graph.replay, iters, warmup=1)
 
 
+def copy_bytes_per_s(nbytes: int = 2 << 30, iters: int = 10) -> float:
+    """This GPU's device-to-device copy rate, bytes read plus bytes written a second over `iters` copies of `nbytes`
+    (how HBM_BYTES_PER_S was measured on the H200 kind), for a roofline of the card a run is on."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = event_us(lambda: dst.copy_(src), iters)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (us * 1e-6)
+
+
 # the operands fla's chunk_kda is handed for bf16 inputs (kernels.kda.KDA_CHUNK_OPERANDS), by the tag the benchmarks
 # and diagnostics name them with: bf16 as given; fp16, 11 significant bits at bf16's bytes; f32 intermediates
 KDA_OPERANDS = {"bf16": None, "f16": torch.float16, "f32": torch.float32}

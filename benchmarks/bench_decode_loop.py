@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_k3  # noqa: E402
-from _k3bench_utils import ensure_kimik3, free_cuda  # noqa: E402
+from _k3bench_utils import copy_bytes_per_s, ensure_kimik3, free_cuda  # noqa: E402
 
 K = 1024
 
@@ -264,6 +264,9 @@ def main(argv=None):
                # stride-0 views (no bytes), or both grow by the dense experts' size
                "byte_stats": stats,
                "allocated_bytes_after_build": torch.cuda.memory_allocated() if device.type == "cuda" else None,
+               # the card's own copy rate: each row's roofline is at the H200 kind's 4.3 TB/s (the issue's), and at
+               # this rate as well, so a run on another card reads against its own HBM
+               "device_copy_bytes_per_s": copy_bytes_per_s() if device.type == "cuda" else None,
                "decode": []}
     for context in args.contexts:
         for batch in args.batches:
@@ -272,6 +275,7 @@ def main(argv=None):
                     if rows is not None or settings is not None:  # Triton's kernels: imported only when asked for
                         _apply_mxfp4_settings(rows, settings)
                     row = run_configuration(model, stats, batch, context, args, device)
+                    _this_device_roofline(row, results["device_copy_bytes_per_s"])
                     row["mxfp4_gemv_rows_per_expert"] = rows
                     row["mxfp4_settings"] = settings
                     results["decode"].append(row)
@@ -281,6 +285,18 @@ def main(argv=None):
                         partial.replace(args.out)
                     print(json.dumps(row), flush=True)
     return results
+
+
+def _this_device_roofline(row, copy_rate):
+    """The row's roofline at this card's measured copy rate, and the loop's wall against it."""
+    if not copy_rate:
+        return
+    row["hbm_roofline_ms_this_device"] = round(row["bytes_per_step"] / copy_rate * 1e3, 3)
+    loop = row["loop"]
+    for key in ("ms_per_step", "streamer_ms_per_step"):
+        if loop.get(key):
+            loop[key.replace("ms_per_step", "x_this_device_roofline")] = round(
+                loop[key] / row["hbm_roofline_ms_this_device"], 3)
 
 
 _MXFP4_DEFAULTS = {}

@@ -284,6 +284,12 @@ def test_the_benchmarks_dry_run(tmp_path):
     # --loop-only: the loop timed alone, no plain generate() and no token comparison
     (row,) = bench.main(["--dry-run", "--loop-only"])["decode"]
     assert row["loop"]["ms_per_step"] > 0 and "plain" not in row and "tokens_equal_plain" not in row["loop"]
+    # a card's own roofline: the step's bytes at the copy rate measured on it (none on the CPU)
+    assert results["device_copy_bytes_per_s"] is None and "hbm_roofline_ms_this_device" not in row
+    bench._this_device_roofline(row, 2e12)
+    assert row["hbm_roofline_ms_this_device"] == round(row["bytes_per_step"] / 2e9, 3)
+    assert row["loop"]["x_this_device_roofline"] == round(
+        row["loop"]["ms_per_step"] / row["hbm_roofline_ms_this_device"], 3)
 
 
 def test_the_benchmarks_roofline_counts_packed_experts_by_their_bytes(monkeypatch):

@@ -3,9 +3,10 @@ packed grouped GEMM (`mxfp4._mxfp4_grouped_gemm_kernel`) with its weights decode
 decode them (`mxfp4._e2m1_word_exact_ptx`: the E2M1 values in f16 pairs, exact f32 conversions, one multiply by the
 group's scale), the eight codes of a word joined in k order, so x needs no even/odd split and one MMA takes the
 step; with the decoded weights as the MMA's register operand (W_IS_A) it can also decode each word straight to
-scaled bf16 pairs as the bf16 word tiles do (`word_gemm(..., bf16_pairs=True)`). Its machine code counts fewer instructions a word than the byte-decoding GEMM's 73-112
-(`sass_mxfp4_kernels.py --gemm`); the issue's prefill target asks the packed GEMM for 80% of cuBLAS's bf16 grouped
-GEMM on the same groups, where it reached about half (docs/benchmarks.md, Packed MXFP4 prefill).
+scaled bf16 pairs as the bf16 word tiles do (`word_gemm(..., bf16_pairs=True)`). Its machine code counts fewer
+instructions a word than the byte-decoding GEMM's 73-112 (`sass_mxfp4_kernels.py --gemm`); the issue's prefill
+target asks the packed GEMM for 80% of cuBLAS's bf16 grouped GEMM on the same groups, where it reached about half
+(docs/benchmarks.md, Packed MXFP4 prefill).
 
 On a GPU, `main()` times it beside the product's packed GEMM and grouped_mm over the dequantised experts, at one
 MoE layer of the release's 896 experts for an 8K prefill (about 146 rows per expert; gate_up N 6144 K 3584, down N

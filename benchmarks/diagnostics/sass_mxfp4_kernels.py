@@ -73,8 +73,8 @@ def report(name, kernel, signature, constexprs, words_per_step, num_warps, num_s
     regs = re.search(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage"))
     per_thread = words_per_step / (32 * num_warps)
     print(f"{name}: {count} instructions a step, {per_thread:g} words a thread, {count / per_thread:.1f} a word, "
-          f"{regs.group(1) if regs else '?'} registers; global loads a step: {ops['LDG']} waited for in the step (LDG), "
-          f"{ops['LDGSTS']} asynchronous copies (LDGSTS); {dict(ops.most_common(10))}", flush=True)
+          f"{regs.group(1) if regs else '?'} registers; global loads a step: {ops['LDG']} waited for in the step "
+          f"(LDG), {ops['LDGSTS']} asynchronous copies (LDGSTS); {dict(ops.most_common(10))}", flush=True)
 
 
 def gemm_counts():
