@@ -8,7 +8,10 @@ Why these configs: Triton 3.6 copies a load into shared memory ahead of its step
 thread's share is at least 4 bytes. At 8 words a row a step (BLOCK_KW 8) a step's scales are 2 bytes a row, so
 their load stays in the step, which then waits for it; at 16 words (4 scale bytes a row) with 128 or 256 columns
 and 4 or 8 warps it is pipelined (sm_90 compile on the CPU, `sass_mxfp4_kernels.py`), at 128 registers a thread
-against 80. The autotuner's configs are the first ten. Writes $OUT/sweep_mxfp4_word_tiles.json.
+against 80, and register caps (`maxnreg`) for more resident warps: 96 lets 5 of those 128-thread programs share an
+SM instead of 4 (no loads or stores of spilled registers in the loop at 96, sm_90 compile on the CPU), 72 lets 7
+of the tuned tile's share one instead of 6 (4 spilled loads a step). The autotuner's configs are the first ten.
+Writes $OUT/sweep_mxfp4_word_tiles.json.
 
     python3 benchmarks/diagnostics/sweep_mxfp4_word_tiles.py [--tokens 1 8 32]
 """
@@ -30,11 +33,13 @@ from kimik3.kernels.moe import _FEW_ROWS_BLOCK_M, _row_block_grid  # noqa: E402
 
 SHAPES = {"gate_up": (6144, 3584), "down": (3584, 3072)}
 EXPERTS, TOP_K = 64, 16
-# (BLOCK_N, BLOCK_KW, warps, stages, W_IS_A): the autotuner's, then the pipelined-scale ones and deeper pipelines
-CONFIGS = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_KW"], c.num_warps, c.num_stages, c.kwargs["W_IS_A"])
+# (BLOCK_N, BLOCK_KW, warps, stages, W_IS_A, maxnreg): the autotuner's, then the pipelined-scale ones, deeper
+# pipelines and register caps
+CONFIGS = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_KW"], c.num_warps, c.num_stages, c.kwargs["W_IS_A"], None)
            for c in mxfp4._mxfp4_word_tiles_kernel.configs] + [
-    (128, 16, 4, 3, False), (128, 16, 4, 4, False), (256, 16, 8, 3, False), (256, 16, 8, 4, False),
-    (128, 8, 4, 4, False), (128, 8, 4, 2, False), (256, 8, 8, 3, False), (64, 8, 4, 4, False)]
+    (128, 16, 4, 3, False, None), (128, 16, 4, 4, False, None), (256, 16, 8, 3, False, None),
+    (256, 16, 8, 4, False, None), (128, 8, 4, 4, False, None), (128, 8, 4, 2, False, None),
+    (256, 8, 8, 3, False, None), (64, 8, 4, 4, False, None), (128, 16, 4, 3, False, 96), (128, 8, 4, 3, False, 72)]
 
 
 def main():
@@ -61,7 +66,7 @@ def main():
             point = {"tokens": tokens, "matmul": name, "distinct_experts": distinct, "autotuned_us": round(base, 1),
                      "autotuned": str(mxfp4._mxfp4_word_tiles_kernel.best_config), "configs": []}
             bytes_read = distinct * n * (k // 2 + k // 32)
-            for bn, bkw, w, st, w_is_a in CONFIGS:
+            for bn, bkw, w, st, w_is_a, reg in CONFIGS:
                 out = torch.empty_like(want)
                 grid = _row_block_grid(xs.shape[0], EXPERTS, n)({"BLOCK_N": bn})
 
@@ -69,8 +74,8 @@ def main():
                     mxfp4._mxfp4_word_tiles_kernel.fn[grid](
                         xs, words, scale, out, ends, n, k // 8, EXPERTS, E_PAD=EXPERTS, BLOCK_M=_FEW_ROWS_BLOCK_M,
                         TF32=False, PTX_DECODE=True, BF16_PAIRS=True, BLOCK_N=bn, BLOCK_KW=bkw, W_IS_A=w_is_a,
-                        num_warps=w, num_stages=st)
-                entry = {"config": [bn, bkw, w, st, w_is_a]}
+                        num_warps=w, num_stages=st, **({} if reg is None else {"maxnreg": reg}))
+                entry = {"config": [bn, bkw, w, st, w_is_a, reg]}
                 try:
                     launch()
                     us = graph_us(launch, 20)
