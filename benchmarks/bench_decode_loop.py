@@ -177,9 +177,7 @@ def run_configuration(model, stats, batch, context, args, device):
         loop = measure_loop(model, stats, batch, context, args.new_tokens, args.block_steps, synthetic,
                             profile=device.type == "cuda")
         loop["gpu_kernel_ms_per_step"] = (loop.get("profile") or {}).get("gpu_kernel_ms_per_step")
-        loop["x_of_hbm_roofline"] = round(loop["ms_per_step"] / roof["hbm_roofline_ms"], 3)
-        if loop.get("streamer_ms_per_step"):
-            loop["streamer_x_hbm_roofline"] = round(loop["streamer_ms_per_step"] / roof["hbm_roofline_ms"], 3)
+        _over_roofline(loop, roof["hbm_roofline_ms"], "x_of_hbm_roofline", "streamer_x_hbm_roofline")
         free_cuda()
         return {"batch": batch, "context": context, "synthetic_context": synthetic,
                 "hbm_roofline_ms": roof["hbm_roofline_ms"], "bytes_per_step": roof["bytes_per_step"], "loop": loop}
@@ -200,14 +198,12 @@ def run_configuration(model, stats, batch, context, args, device):
     row = {"batch": batch, "context": context, "synthetic_context": synthetic,
            "hbm_roofline_ms": roof["hbm_roofline_ms"], "bytes_per_step": roof["bytes_per_step"],
            "plain": plain_row, "loop": loop}
-    for name, part in (("plain", plain_row), ("loop", loop)):
-        part["x_of_hbm_roofline"] = round(part["ms_per_step"] / roof["hbm_roofline_ms"], 3)
+    for part in (plain_row, loop):
+        _over_roofline(part, roof["hbm_roofline_ms"], "x_of_hbm_roofline", "streamer_x_hbm_roofline")
         if part.get("gpu_kernel_ms_per_step"):
             part["wall_x_gpu_kernel_time"] = round(part["ms_per_step"] / part["gpu_kernel_ms_per_step"], 3)
-    if loop.get("streamer_ms_per_step"):
-        loop["streamer_x_hbm_roofline"] = round(loop["streamer_ms_per_step"] / roof["hbm_roofline_ms"], 3)
-        if gpu:
-            loop["streamer_x_gpu_kernel_time"] = round(loop["streamer_ms_per_step"] / gpu, 3)
+    if loop.get("streamer_ms_per_step") and gpu:
+        loop["streamer_x_gpu_kernel_time"] = round(loop["streamer_ms_per_step"] / gpu, 3)
     row["loop_speedup_at_the_wall"] = round(plain_row["ms_per_step"] / loop["ms_per_step"], 3)
     free_cuda()
     return row
@@ -287,16 +283,21 @@ def main(argv=None):
     return results
 
 
+def _over_roofline(part, roofline_ms, key, streamer_key):
+    """A part's wall clock over a roofline, as `key`, and its streamer's clock, where it has one, as `streamer_key`."""
+    part[key] = round(part["ms_per_step"] / roofline_ms, 3)
+    if part.get("streamer_ms_per_step"):
+        part[streamer_key] = round(part["streamer_ms_per_step"] / roofline_ms, 3)
+
+
 def _this_device_roofline(row, copy_rate):
-    """The row's roofline at this card's measured copy rate, and the loop's wall against it."""
+    """The row's roofline at this card's measured copy rate, and each part's wall against it."""
     if not copy_rate:
         return
     row["hbm_roofline_ms_this_device"] = round(row["bytes_per_step"] / copy_rate * 1e3, 3)
-    loop = row["loop"]
-    for key in ("ms_per_step", "streamer_ms_per_step"):
-        if loop.get(key):
-            loop[key.replace("ms_per_step", "x_this_device_roofline")] = round(
-                loop[key] / row["hbm_roofline_ms_this_device"], 3)
+    for part in (row[name] for name in ("plain", "loop") if name in row):
+        _over_roofline(part, row["hbm_roofline_ms_this_device"], "x_this_device_roofline",
+                       "streamer_x_this_device_roofline")
 
 
 _MXFP4_DEFAULTS = {}

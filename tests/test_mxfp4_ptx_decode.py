@@ -12,6 +12,7 @@ import torch
 from kimik3.kernels import mxfp4
 from kimik3.modeling import ops_kimi_k3 as ops
 
+
 def _e2m1_values():
     # code c -> its value: the reference dequantisation of bytes whose low nibble is c (scale byte 127: 2^0)
     packed = torch.arange(16, dtype=torch.uint8).reshape(1, 16)  # 16 bytes: low nibble c, high nibble 0

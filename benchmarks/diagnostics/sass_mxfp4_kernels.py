@@ -3,9 +3,9 @@ Triton for sm_90 (Hopper) with the specialisations a launch at the benchmark mod
 N, K/8, experts divisible by 16), disassembled with the cuobjdump Triton ships, and its main loop (the longest
 backward branch) counted: instructions a loop step, 32-bit words of packed weights a thread handles a step, and so
 instructions per word, with the opcode mix, the registers a thread and the step's global loads: plain loads the step
-waits for (LDG) and asynchronous copies into shared memory issued steps ahead by Triton's pipeline (LDGSTS). Nsight Compute measured the GEMV at 52.6
-instructions a word on an H100 (docs/benchmarks.md, Packed MXFP4 GEMV); this count gives 52.6 for its tuned tile, so
-candidates can be compared before a GPU is at hand.
+waits for (LDG) and asynchronous copies into shared memory issued steps ahead by Triton's pipeline (LDGSTS). Nsight
+Compute measured the GEMV at 52.6 instructions a word on an H100 (docs/benchmarks.md, Packed MXFP4 GEMV); this count
+gives 52.6 for its tuned tile, so candidates can be compared before a GPU is at hand.
 
 Needs Triton (`pip download --no-deps triton==3.6.0` then `pip install --no-deps --target DIR` and DIR on
 PYTHONPATH is enough; no CUDA driver is used):

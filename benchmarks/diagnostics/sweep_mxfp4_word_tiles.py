@@ -31,8 +31,8 @@ from _k3bench_utils import graph_us, uniform_routed_counts  # noqa: E402
 from kimik3.kernels import mxfp4  # noqa: E402
 from kimik3.kernels.moe import _FEW_ROWS_BLOCK_M, _row_block_grid  # noqa: E402
 
-SHAPES = {"gate_up": (6144, 3584), "down": (3584, 3072)}
-EXPERTS, TOP_K = 64, 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the layer the packed-decode timings share
+from time_mxfp4_gemv_variants import EXPERTS, SHAPES, TOP_K  # noqa: E402
 # (BLOCK_N, BLOCK_KW, warps, stages, W_IS_A, maxnreg): the autotuner's, then the pipelined-scale ones, deeper
 # pipelines and register caps
 CONFIGS = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_KW"], c.num_warps, c.num_stages, c.kwargs["W_IS_A"], None)
@@ -52,13 +52,15 @@ def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "points": []}
     out_file = Path(os.environ.get("OUT", "."), "sweep_mxfp4_word_tiles.json")
+    stacks = {name: (torch.randint(0, 256, (EXPERTS, n, k // 2), dtype=torch.uint8, device=dev),
+                     torch.randint(110, 122, (EXPERTS, n, k // 32), dtype=torch.uint8, device=dev))
+              for name, (n, k) in SHAPES.items()}
     for tokens in args.tokens:
         counts = uniform_routed_counts(tokens, EXPERTS, TOP_K, dev)
         ends = torch.cumsum(counts, 0).to(torch.int32)
         distinct = int((counts > 0).sum())
         for name, (n, k) in SHAPES.items():
-            packed = torch.randint(0, 256, (EXPERTS, n, k // 2), dtype=torch.uint8, device=dev)
-            scale = torch.randint(110, 122, (EXPERTS, n, k // 32), dtype=torch.uint8, device=dev)
+            packed, scale = stacks[name]
             words = packed.view(torch.int32)
             xs = torch.randn(tokens * TOP_K, k, device=dev, dtype=torch.bfloat16)
             want = mxfp4._mxfp4_grouped_matmul_fwd(xs, packed, scale, ends)  # autotunes
