@@ -928,6 +928,9 @@ def main():
     parser.add_argument("--only", default="", help="comma list of section prefixes to run (builds run as needed)")
     parser.add_argument("--prefill-1m-budget-s", type=float, default=240.0)  # warm 1M: ~155 s (docs/benchmarks.md)
     parser.add_argument("--chunk-1m", type=int, default=32 * K)
+    parser.add_argument("--mla-prefill-block-size", type=int, default=None,
+                        help="the benchmark model's mla_prefill_block_size (keys per expanded block of the blockwise "
+                             "prefill over a cache; default: the config's)")
     parser.add_argument("--kernel-table-top", type=int, default=KERNEL_TABLE_TOP,
                         help="kernels listed per profiled decode step (all of them: a large number)")
     args = parser.parse_args()
@@ -968,12 +971,16 @@ def main():
 
     def build_k3():
         t = time.perf_counter()
-        holder["model"] = build(KimiK3ForCausalLM, k3_config(args.layers, args.experts))
+        config = k3_config(args.layers, args.experts)
+        if args.mla_prefill_block_size is not None:
+            config.mla_prefill_block_size = args.mla_prefill_block_size
+        holder["model"] = build(KimiK3ForCausalLM, config)
         holder["driver"] = K3Driver(holder["model"])
         holder["stats"] = byte_stats(holder["model"])
         return {"build_s": round(time.perf_counter() - t, 1), "params_gib": round(holder["stats"]["total_bytes"] / 2**30,
                                                                                    2),
-                "layer_types": list(holder["model"].config.layer_types), **holder["stats"]}
+                "layer_types": list(holder["model"].config.layer_types),
+                "mla_prefill_block_size": holder["model"].config.mla_prefill_block_size, **holder["stats"]}
 
     sec("k3.build", build_k3, 30)
     if "driver" in holder:
