@@ -740,12 +740,11 @@ def _e2m1_word(word):
     # ROW_CLASS (routed rows per expert, 1 or 2) only keys the tuning: the tile that is best at one row per expert
     # is not the best at two, and a tuning keyed on the shapes alone keeps the first one it meets
     # (docs/benchmarks.md, Packed MXFP4 GEMV)
-    key=["N", "KW", "ROW_CLASS", "PTX_DECODE", "STAGES"],
+    key=["N", "KW", "ROW_CLASS", "PTX_DECODE"],
 )
 @triton.jit
 def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, ROW_CLASS, E_PAD: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PTX_DECODE: tl.constexpr):
     # p_ptr: the packed bytes as int32 words, KW = K/8 per row; one E8M0 scale per 4 words (K % 32 == 0), so the
     # tile is [BLOCK_N rows, GROUPS scale groups, 4 words] and only whole groups are masked
     GROUPS: tl.constexpr = BLOCK_KW // 4
@@ -762,9 +761,7 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, ROW_CLASS
         q_idx = tl.arange(0, 4)
         # one partial sum per (column, scale group) slot; reduced over the groups once at the end
         acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-        # STAGES > 1 (MXFP4_GEMV_STAGES): Triton's pipeline copies the words and x of the next STAGES - 1 steps
-        # into shared memory while this one runs; a loop without a dot is pipelined only when asked
-        for g0 in tl.range(0, KW // 4, GROUPS, num_stages=STAGES):
+        for g0 in range(0, KW // 4, GROUPS):
             g = g0 + g_idx
             gmask = g < KW // 4
             q = g[:, None] * 4 + q_idx[None, :]  # word index along the row: [GROUPS, 4]
@@ -789,11 +786,6 @@ def _mxfp4_gemv_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, ROW_CLASS
 
 
 MXFP4_PTX_DECODE = True  # the f16-pair decode where it can run (off: the portable decode, for side-by-side runs)
-# the GEMV's steps in flight (1: none; the kernel's loads wait in the step that uses them). Compiled for sm_90 on the
-# CPU (benchmarks/diagnostics/sass_mxfp4_kernels.py), 3 moves the words and x to asynchronous copies, and the scale
-# bytes where a thread's share of them is 4 bytes (the 2-warp tile), which it takes from 98 registers to 72 at 57.7
-# instructions a word against 50.7; not yet timed on a GPU (docs/benchmarks.md, Packed MXFP4 GEMV)
-MXFP4_GEMV_STAGES = 1
 
 
 def _ptx_decode(device: torch.device) -> bool:
@@ -816,8 +808,7 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
     with torch.cuda.device(xs.device):  # Triton launches on the current device
         _mxfp4_gemv_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
                                  min(MXFP4_GEMV_ROWS_PER_EXPERT, triton.cdiv(num_rows, num_experts)),
-                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device),
-                                 STAGES=MXFP4_GEMV_STAGES)
+                                 E_PAD=triton.next_power_of_2(num_experts), PTX_DECODE=_ptx_decode(xs.device))
     return out
 
 

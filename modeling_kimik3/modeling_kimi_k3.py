@@ -468,7 +468,11 @@ class KimiK3MLAAttention(nn.Module):
         expanded copy of the whole context. Causal masking is only needed on the chunk's own (diagonal) block."""
         seq_len, kv_len = query.shape[2], latents.shape[1]
         past_len = kv_len - seq_len
-        block = self.config.mla_prefill_block_size
+        # Each block costs one merge into the chunk's f32 output whatever its size, so a block holds at least twice
+        # the chunk's queries: a 32K chunk over 256K cached keys ran at 609 TFLOP/s with 64K-key blocks, 572 with
+        # 16K (docs/benchmarks.md, 1M-token prompt), and the expanded block's workspace stays of the order of the
+        # merge's own
+        block = max(self.config.mla_prefill_block_size, 2 * seq_len)
         spans = [(s, min(s + block, past_len)) for s in range(0, past_len, block)] + [(past_len, kv_len)]
         attend = fast_or_reference("attention_with_lse", query)
         out = lse = None

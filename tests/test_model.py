@@ -204,8 +204,8 @@ def test_init_weights_sets_every_custom_parameter_on_load(tmp_path):
 
 
 def test_blockwise_chunked_prefill_over_many_key_blocks_equals_full_forward(monkeypatch):
-    """Chunked prefill continuing a cache merges key blocks by log-sum-exp; with 3-token blocks every chunk spans
-    several blocks, and the result must be the one-shot forward."""
+    """Chunked prefill continuing a cache merges key blocks by log-sum-exp; with 3-token blocks (raised to twice the
+    chunk's queries) every chunk spans several blocks, and the result must be the one-shot forward."""
     import dataclasses
 
     import kimik3.modeling.dispatch_kimi_k3 as dispatch
@@ -219,14 +219,14 @@ def test_blockwise_chunked_prefill_over_many_key_blocks_equals_full_forward(monk
     monkeypatch.setitem(dispatch.FAST_OPS, "attention_with_lse", spy)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        out = model(ids[:, :7], use_cache=True)
+        out = model(ids[:, :16], use_cache=True)
         cache, pieces = cache_of(out), [out.logits]
-        for start, end in ((7, 12), (12, 13), (13, 26)):
+        for start, end in ((16, 18), (18, 19), (19, 20), (20, 26)):
             pieces.append(model(ids[:, start:end], cache=cache).logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
-    # one MLA layer; chunks of 5, 1 (absorbed decode, no blocks) and 13 tokens over 7, -, 13 cached tokens:
-    # key blocks of at most 3 plus the chunk's own diagonal block
-    assert calls == [3, 3, 1, 5] + [3, 3, 3, 3, 1, 13]
+    # one MLA layer; chunks of 2, 1 (absorbed decode, no blocks), 1 and 6 tokens over 16, -, -, 20 cached tokens:
+    # key blocks of max(3, 2 x chunk) (4 and 12) plus the chunk's own diagonal block
+    assert calls == [4, 4, 4, 4, 2] + [12, 8, 6]
 
 
 def test_router_observer_sees_the_padding_mask():

@@ -88,8 +88,7 @@ def main():
             def call(ptx=ptx, x=x):
                 mxfp4._mxfp4_gemv_kernel.fn[grid](x, words, scale, out, ends, n, kw, experts,
                                                        min(2, triton.cdiv(rows, experts)), E_PAD=64,
-                                                       BLOCK_N=bn, BLOCK_KW=bkw, PTX_DECODE=ptx, STAGES=1,
-                                                       num_warps=warps)
+                                                       BLOCK_N=bn, BLOCK_KW=bkw, PTX_DECODE=ptx, num_warps=warps)
             row[name] = event_us(call, 50)
             assert torch.allclose(out.float(), ref, rtol=2e-2, atol=1e-2), (tag, name)
         for name, mode in (("probe_load", 0), ("probe_decode", 1), ("probe_strided_x", 2)):

@@ -106,11 +106,9 @@ def main():
         return gemm_counts()
     x16 = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*u8", "o_ptr": "*bf16", "ends_ptr": "*i32", "N": "i32",
            "KW": "i32", "E": "i32"}
-    for stages in (1, 2, 3):  # MXFP4_GEMV_STAGES: 1 the product's default
-        for bn, bkw, w in ((16, 64, 2), (16, 64, 4), (32, 32, 4)):
-            report(f"GEMV BLOCK_N {bn} BLOCK_KW {bkw} {w} warps, {stages} stage(s)", mxfp4._mxfp4_gemv_kernel,
-                   {**x16, "ROW_CLASS": "i32"},
-                   {"E_PAD": 64, "PTX_DECODE": True, "BLOCK_N": bn, "BLOCK_KW": bkw, "STAGES": stages}, bn * bkw, w, 2)
+    for bn, bkw, w in ((16, 64, 2), (16, 64, 4), (32, 32, 4)):
+        report(f"GEMV BLOCK_N {bn} BLOCK_KW {bkw} {w} warps", mxfp4._mxfp4_gemv_kernel, {**x16, "ROW_CLASS": "i32"},
+               {"E_PAD": 64, "PTX_DECODE": True, "BLOCK_N": bn, "BLOCK_KW": bkw}, bn * bkw, w, 2)
     for cfg in mxfp4._mxfp4_word_tiles_kernel.configs:
         for name, tf32, pairs in (("bf16 pairs", False, True), ("bf16 via f32", False, False), ("tf32", True, False)):
             kw = dict(cfg.kwargs)

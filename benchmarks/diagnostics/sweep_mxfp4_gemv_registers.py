@@ -49,7 +49,7 @@ def main():
                     extra = {} if reg is None else {"maxnreg": reg}
                     mxfp4._mxfp4_gemv_kernel.fn[(xs.shape[0], triton.cdiv(n, bn))](
                         xs, words, scale, out, ends, n, k // 8, 64, min(2, triton.cdiv(xs.shape[0], 64)), E_PAD=64,
-                        PTX_DECODE=True, STAGES=1, BLOCK_N=bn,
+                        PTX_DECODE=True, BLOCK_N=bn,
                         BLOCK_KW=bkw, num_warps=w, num_stages=2, **extra)
                 try:
                     launch()

@@ -3,7 +3,6 @@ benchmark model (gate_up N 6144 K 3584, down N 3584 K 3072, 64 experts, top-16 r
 the same routes and operands for every variant, each autotuned and then timed as a CUDA graph replay:
 
 * `gemv`: the GEMV (`mxfp4._mxfp4_gemv_fwd`, one program per routed row),
-* `gemv_stages2` / `gemv_stages3`: the GEMV with its loads pipelined, 2 or 3 steps in flight (MXFP4_GEMV_STAGES),
 * `tiles`: the 16-row tiles through `tl.dot_scaled` (`mxfp4._mxfp4_grouped_matmul_fwd`, MXFP4_WORD_TILES None),
 * `word_tiles_bf16` / `word_tiles_tf32`: the 16-row tiles from decoded words (`mxfp4._mxfp4_word_tiles_kernel`,
   MXFP4_WORD_TILES "bf16" or "tf32"); bf16 decodes each word straight to scaled bf16 pairs, and
@@ -14,7 +13,9 @@ $OUT/time_mxfp4_gemv_variants.json (or the working directory).
 
 (h100_time_mxfp4_gemv_variants_2026-12-07.json also holds GEMV variants measured and removed: each step's loads
 issued a step early (`gemv_prefetch`), x converted to f32 first (`gemv_f32x`), both, and up to 2 or 4 routed rows of
-one expert per program decoding each word once for them (`shared_rows2`, `shared_rows4`).)
+one expert per program decoding each word once for them (`shared_rows2`, `shared_rows4`);
+h100_time_mxfp4_gemv_variants_2026-12-07_stages.json the GEMV's loop pipelined by Triton, 2 or 3 steps in flight
+(`gemv_stages2`, `gemv_stages3`), measured slower at 1, 2 and 8 tokens and removed.)
 
     python3 benchmarks/diagnostics/time_mxfp4_gemv_variants.py [--variants gemv word_tiles_bf16 ...] [--tokens 1 8]
 """
@@ -36,14 +37,7 @@ from kimik3.modeling import ops_kimi_k3 as ops  # noqa: E402
 
 SHAPES = {"gate_up": (6144, 3584), "down": (3584, 3072)}
 EXPERTS, TOP_K = 64, 16
-DEFAULTS = mxfp4.MXFP4_WORD_TILES, mxfp4.MXFP4_WORD_TILES_BF16_PAIRS, mxfp4.MXFP4_GEMV_STAGES
-
-
-def gemv(stages):
-    def run(xs, packed, scale, ends):
-        mxfp4.MXFP4_GEMV_STAGES = stages
-        return mxfp4._mxfp4_gemv_fwd(xs, packed, scale, ends)
-    return run
+DEFAULTS = mxfp4.MXFP4_WORD_TILES, mxfp4.MXFP4_WORD_TILES_BF16_PAIRS
 
 
 def tiles(word_tiles, bf16_pairs=True):
@@ -54,9 +48,7 @@ def tiles(word_tiles, bf16_pairs=True):
 
 
 VARIANTS = {
-    "gemv": gemv(1),
-    "gemv_stages2": gemv(2),
-    "gemv_stages3": gemv(3),
+    "gemv": mxfp4._mxfp4_gemv_fwd,
     "tiles": tiles(None),
     "word_tiles_bf16": tiles("bf16"),
     "word_tiles_bf16_via_f32": tiles("bf16", bf16_pairs=False),
@@ -118,7 +110,7 @@ def main():
             point["variants"][variant] = entry
             print(json.dumps({"tokens": tokens, variant: entry}), flush=True)
         results["points"].append(point)
-    mxfp4.MXFP4_WORD_TILES, mxfp4.MXFP4_WORD_TILES_BF16_PAIRS, mxfp4.MXFP4_GEMV_STAGES = DEFAULTS
+    mxfp4.MXFP4_WORD_TILES, mxfp4.MXFP4_WORD_TILES_BF16_PAIRS = DEFAULTS
     Path(os.environ.get("OUT", "."), "time_mxfp4_gemv_variants.json").write_text(json.dumps(results, indent=1))
 
 

@@ -553,19 +553,14 @@ def _gemv_operands(shape, counts, dtype):
     return ends, packed, scale, torch.randn(int(counts.sum()), k, device=DEV).to(dtype)
 
 
-@pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 4e-3)])
 @pytest.mark.parametrize("case", ["empty and single rows", "partial blocks", "gate_up 1 token", "gate_up 2 tokens",
                                   "gate_up 8 tokens", "down 1 token", "down 2 tokens"])
-def test_mxfp4_gemv_matches_float64(case, dtype, tol, stages, monkeypatch):
+def test_mxfp4_gemv_matches_float64(case, dtype, tol):
     # the GEMV against float64 products of the dequantised experts: every output within f32 rounding of its sum
     # (f32 input: no TF32) or one bf16 rounding, measured against |x| @ |W|^T; decode shapes of the H200 benchmark
-    # model (64 experts, top-16, gate_up 3584 -> 6144, down 3072 -> 3584; 1, 2 and 8 tokens: 0-2 rows per expert);
-    # its loop as it runs (1 step) and pipelined (3, MXFP4_GEMV_STAGES)
-    from kimik3.kernels import mxfp4
+    # model (64 experts, top-16, gate_up 3584 -> 6144, down 3072 -> 3584; 1, 2 and 8 tokens: 0-2 rows per expert)
     from kimik3.kernels.mxfp4 import mxfp4_gemv
-
-    monkeypatch.setattr(mxfp4, "MXFP4_GEMV_STAGES", stages)
 
     shape, counts = {
         "empty and single rows": ((6, 192, 512), torch.tensor([1, 0, 2, 1, 0, 0])),
@@ -592,22 +587,21 @@ def test_mxfp4_gemv_matches_float64(case, dtype, tol, stages, monkeypatch):
     assert ((tiles.double() - ref).abs() / bound.clamp_min(1e-30)).max().item() < tol
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemv_stages3", *TILE_KERNELS])
+@pytest.mark.parametrize("kernel", ["gemv", *TILE_KERNELS])
 @pytest.mark.parametrize("dtype,tol,floor", [(torch.float32, 1e-6, 2.0 ** -144), (torch.bfloat16, 4e-3, 2.0 ** -130)])
 def test_mxfp4_kernels_every_finite_scale_byte(dtype, tol, floor, kernel, monkeypatch):
     # output column c of both experts has every scale group at E8M0 byte c: all 253 bytes whose weights are finite
     # in f32 (253 and 254 overflow for the larger codes, 255 is NaN in the format), denormal factors 0 and 1
     # included; x at 2^-12 keeps byte 252's sums finite. Each output within the f32 (or one bf16) rounding of its
     # sum plus a few denormal steps, against float64; 17 scale groups (K not a multiple of any step) and 253 columns
-    # (no multiple of a column block), one and two rows per expert; the GEMV (also pipelined) and every tile kernel
+    # (no multiple of a column block), one and two rows per expert; the GEMV and every tile kernel
     from kimik3.kernels import mxfp4
 
     counts = torch.tensor([1, 2])
     ends, packed, scale, xs = _gemv_operands((2, 253, 544), counts, dtype)
     scale.copy_(torch.arange(253, dtype=torch.uint8, device=DEV)[None, :, None].expand_as(scale))
     xs = (xs.float() * 2.0 ** -12).to(dtype)
-    if kernel.startswith("gemv"):
-        monkeypatch.setattr(mxfp4, "MXFP4_GEMV_STAGES", 3 if kernel == "gemv_stages3" else 1)
+    if kernel == "gemv":
         out = mxfp4.mxfp4_gemv(xs, packed, scale, ends)
     else:
         _set_tile_kernel(monkeypatch, kernel)
