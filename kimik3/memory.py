@@ -595,8 +595,10 @@ def prefill_workspace(config, tp: int, ep: int, chunk: int, batch_size: int, con
     stream = (3 + blocks) * tokens * hidden * bf16
     mla_heads, kda_heads = text.num_attention_heads // tp, text.linear_num_heads // tp
     kv_block = min(max(text.mla_prefill_block_size, 2 * chunk), max(context - chunk, chunk)) * batch_size
-    mla = (tokens * mla_heads * text.qk_head_dim * bf16 + kv_block * mla_heads * (text.qk_head_dim + text.v_head_dim)
-           * bf16 + 2 * tokens * mla_heads * (text.v_head_dim + 1) * 4)
+    # the expanded block: kv_b_proj's output (no-PE keys and values; the values stay a view of it) and the assembled
+    # keys (no-PE part and the shared k_pe)
+    expanded = kv_block * mla_heads * (text.qk_nope_head_dim + text.v_head_dim + text.qk_head_dim) * bf16
+    mla = tokens * mla_heads * text.qk_head_dim * bf16 + expanded + 2 * tokens * mla_heads * (text.v_head_dim + 1) * 4
     kda = tokens * kda_heads * text.linear_head_dim * (4 * bf16 + 4)
     experts = text.num_experts // ep if ep > 1 else text.num_experts
     width = text.moe_intermediate_size // (1 if ep > 1 else tp)
