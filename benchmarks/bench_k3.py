@@ -929,8 +929,9 @@ def main():
     parser.add_argument("--prefill-1m-budget-s", type=float, default=240.0)  # warm 1M: ~155 s (docs/benchmarks.md)
     parser.add_argument("--chunk-1m", type=int, default=32 * K)
     parser.add_argument("--mla-prefill-block-size", type=int, default=None,
-                        help="the benchmark model's mla_prefill_block_size (keys per expanded block of the blockwise "
-                             "prefill over a cache; default: the config's)")
+                        help="the benchmark model's mla_prefill_block_size (the fewest keys per expanded block of the "
+                             "blockwise prefill over a cache; a block also holds at least twice the chunk's tokens; "
+                             "default: the config's)")
     parser.add_argument("--kernel-table-top", type=int, default=KERNEL_TABLE_TOP,
                         help="kernels listed per profiled decode step (all of them: a large number)")
     args = parser.parse_args()
