@@ -581,8 +581,8 @@ def prefill_workspace(config, tp: int, ep: int, chunk: int, batch_size: int, con
     activations), term by term; an estimate from the model's widths, not a measurement:
       stream: the residual stream, its layer input and output, and Block AttnRes's banked block sums (one
         hidden-wide tensor per block of attn_res_block_size layers);
-      attention: the larger of MLA (this rank's queries, one expanded key/value block of mla_prefill_block_size
-        cached tokens or twice the chunk, f32 output and log-sum-exp merge) and KDA (q/k/v/g of this rank's heads,
+      attention: the larger of MLA (this rank's queries, one expanded key/value block of mla_prefill_key_block
+        cached tokens, f32 output and log-sum-exp merge) and KDA (q/k/v/g of this rank's heads,
         f32 output);
       moe: the routed tokens' copies (top-k), their gate/up and down activations at this rank's width, and, for
         packed experts, the packed prefill's own transient (`packed_prefill_transient`);
@@ -594,7 +594,7 @@ def prefill_workspace(config, tp: int, ep: int, chunk: int, batch_size: int, con
     blocks = -(-len(text.layer_types) // text.attn_res_block_size) if text.attn_res_block_size else 0
     stream = (3 + blocks) * tokens * hidden * bf16
     mla_heads, kda_heads = text.num_attention_heads // tp, text.linear_num_heads // tp
-    kv_block = min(max(text.mla_prefill_block_size, 2 * chunk), max(context - chunk, chunk)) * batch_size
+    kv_block = min(text.mla_prefill_key_block(chunk), max(context - chunk, chunk)) * batch_size
     # the expanded block: kv_b_proj's output (no-PE keys and values; the values stay a view of it) and the assembled
     # keys (no-PE part and the shared k_pe)
     expanded = kv_block * mla_heads * (text.qk_nope_head_dim + text.v_head_dim + text.qk_head_dim) * bf16

@@ -570,6 +570,13 @@ class KimiK3TextConfig(_FolderCodeOnly, PretrainedConfig):
         """Values cached per token per MLA layer: normalised latent followed by the shared k_pe."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def mla_prefill_key_block(self, queries: int) -> int:
+        """Cached keys the blockwise MLA prefill of a chunk of `queries` expands at a time. Each block costs one
+        merge into the chunk's f32 output whatever its size, so a block holds at least twice the chunk's queries: a
+        32K chunk over 256K cached keys ran at 609 TFLOP/s with 64K-key blocks, 572 with 16K (docs/benchmarks.md,
+        1M-token prompt), and the expanded block's workspace stays of the order of the merge's own."""
+        return max(self.mla_prefill_block_size, 2 * queries)
+
     @property
     def latent_size(self) -> int:
         return self.routed_expert_hidden_size or self.hidden_size

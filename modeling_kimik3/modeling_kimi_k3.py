@@ -332,14 +332,6 @@ def _causal_mask(query_len: int, key_len: int, device: torch.device) -> torch.Te
     return torch.arange(key_len, device=device)[None, :] <= q_pos[:, None]
 
 
-def _prefill_key_block(config, queries: int) -> int:
-    """Cached keys expanded at a time by the blockwise prefill of a chunk of `queries`. Each block costs one merge
-    into the chunk's f32 output whatever its size, so a block holds at least twice the chunk's queries: a 32K chunk
-    over 256K cached keys ran at 609 TFLOP/s with 64K-key blocks, 572 with 16K (docs/benchmarks.md, 1M-token
-    prompt), and the expanded block's workspace stays of the order of the merge's own."""
-    return max(config.mla_prefill_block_size, 2 * queries)
-
-
 def _merge_attention_blocks(out, lse, block_out, block_lse):
     """Two key blocks' attention outputs (f32 [B, H, T, Dv]) and log-sum-exps (f32 [B, H, T]) as one:
     out = exp(lse - merged) out + exp(block_lse - merged) block_out, merged = logaddexp(lse, block_lse). The second
@@ -476,7 +468,7 @@ class KimiK3MLAAttention(nn.Module):
         expanded copy of the whole context. Causal masking is only needed on the chunk's own (diagonal) block."""
         seq_len, kv_len = query.shape[2], latents.shape[1]
         past_len = kv_len - seq_len
-        block = _prefill_key_block(self.config, seq_len)
+        block = self.config.mla_prefill_key_block(seq_len)
         spans = [(s, min(s + block, past_len)) for s in range(0, past_len, block)] + [(past_len, kv_len)]
         attend = fast_or_reference("attention_with_lse", query)
         out = lse = None

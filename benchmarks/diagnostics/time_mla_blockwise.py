@@ -2,7 +2,7 @@
 model (96 heads, latents 512 + 64, head dims 192/128), one prefill chunk of `--chunk` queries continuing a cache of
 `--past` tokens, as each chunk of the 1M-token prefill does (docs/benchmarks.md, 1M-token prompt).
 
-For each key block size (the model's rule, `_prefill_key_block`, replaced by the size) it times, by CUDA events:
+For each key block size (the config's rule, `mla_prefill_key_block`, replaced by the size) it times, by CUDA events:
 
 * `attention`: `attention_with_lse`'s fast twin alone over one past block of expanded keys (what cuDNN reaches at
   chunk x block),
@@ -64,11 +64,11 @@ def main():
                           dtype=torch.bfloat16)
     attend = fast_or_reference("attention_with_lse", query)
     flop = heads * FLOP_PER_PAIR_HEAD * chunk * (past + chunk / 2)
-    model_merge, model_block = modeling._merge_attention_blocks, modeling._prefill_key_block
+    model_merge, model_block = modeling._merge_attention_blocks, type(config).mla_prefill_key_block
     rows, reference = [], None
     with torch.no_grad():
         for block in args.blocks:
-            modeling._prefill_key_block = lambda config, queries, block=block: block
+            type(config).mla_prefill_key_block = lambda self, queries, block=block: block
             key, value = attn._expand_latents(latents[:, :block])
             out, lse = attend(query, key, value, attn.scaling, False)
             row = {"block": block,
@@ -91,13 +91,13 @@ def main():
                 row[f"{name}_tflops"] = round(flop / us / 1e6, 1)
                 row[f"{name}_max_abs_diff"] = float((result.float() - reference).abs().max())
                 del result
-            modeling._prefill_key_block = model_block
+            type(config).mla_prefill_key_block = model_block
             row = {k: round(v, 1) if isinstance(v, float) and k.endswith("_us") else v for k, v in row.items()}
             print(json.dumps(row), flush=True)
             rows.append(row)
             torch.cuda.empty_cache()
     machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "chunk": chunk, "past": past,
-               "model_block": model_block(config, chunk)}
+               "model_block": config.mla_prefill_key_block(chunk)}
     out_dir = Path(os.environ.get("OUT", "."))
     (out_dir / "time_mla_blockwise.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
 
