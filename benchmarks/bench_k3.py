@@ -53,6 +53,7 @@ from _k3bench_utils import (  # noqa: E402
     HBM_BYTES_PER_S,
     KDA_OPERANDS,
     Runner,
+    copy_bytes_per_s,
     ensure_kimik3,
     event_us,
     expected_distinct_experts,
@@ -574,19 +575,12 @@ def _gemm_us():
     return event_us(lambda: torch.mm(a, b), 20)
 
 
-def _copy_us(num_bytes):
-    src = torch.empty(num_bytes, device=DEV, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return event_us(lambda: dst.copy_(src), 10)
-
-
 def measure_ceilings():
     """This machine's 8192^3 bf16 GEMM (FLOP/s) and 2 GiB device-to-device copy (bytes read + written per second),
     each the mean of back-to-back calls timed by CUDA events."""
-    gemm_us, copy_us = _gemm_us(), _copy_us(2**31)
+    gemm_us, copy_rate = _gemm_us(), copy_bytes_per_s(2**31)
     free_cuda()
-    return {"bf16_gemm_flops_per_s": round(2 * 8192**3 / (gemm_us * 1e-6)),
-            "hbm_copy_bytes_per_s": round(2 * 2**31 / (copy_us * 1e-6))}
+    return {"bf16_gemm_flops_per_s": round(2 * 8192**3 / (gemm_us * 1e-6)), "hbm_copy_bytes_per_s": round(copy_rate)}
 
 
 def section_env():
