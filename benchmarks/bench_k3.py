@@ -869,10 +869,13 @@ def with_mxfp4_kernel(kernel, fn):
 
 def with_mxfp4_prefill(path, fn):
     """fn() with the packed routed experts' prefill matmuls on `path`: "gemm" (the packed grouped GEMM at any number
-    of rows per expert) or "dequantised" (chunks of experts dequantised for grouped_mm, from the tiles' limit on)."""
+    of rows per expert), "gemm_bytes" (the same on the byte-decoding GEMM, `MXFP4_GEMM_WORDS` off) or "dequantised"
+    (chunks of experts dequantised for grouped_mm, from the tiles' limit on)."""
     from kimik3.kernels import mxfp4
 
-    return with_setting(mxfp4, "MXFP4_GEMM_ROWS_PER_EXPERT", {"gemm": 1 << 40, "dequantised": 0}[path], fn)
+    rows = {"gemm": 1 << 40, "gemm_bytes": 1 << 40, "dequantised": 0}[path]
+    return with_setting(mxfp4, "MXFP4_GEMM_ROWS_PER_EXPERT", rows, lambda: with_setting(
+        mxfp4, "MXFP4_GEMM_WORDS", path != "gemm_bytes", fn))
 
 
 def without_conv_step_kernel(fn):
@@ -1142,11 +1145,12 @@ def main():
         model, stats = holder["model"], holder["stats"]
         mxfp4_driver = K3Driver(model)
         # prefill with the packed experts' matmuls on the default rule (mxfp4.MXFP4_GEMM_ROWS_PER_EXPERT) and, side
-        # by side, forced onto the packed grouped GEMM and onto the chunks of dequantised experts
+        # by side, forced onto the packed grouped GEMM (the word GEMM, then the byte GEMM) and onto the chunks of
+        # dequantised experts
         for tokens in (8 * K, 32 * K):
             sec(f"mxfp4.prefill_default_{tokens // K}k",
                 lambda t=tokens: measure_prefill(mxfp4_driver, stats, t, repeats=3 if t <= 8 * K else 2), 30)
-            for path in ("gemm", "dequantised"):
+            for path in ("gemm", "gemm_bytes", "dequantised"):
                 sec(f"mxfp4.prefill_{path}_{tokens // K}k", lambda t=tokens, p=path: with_mxfp4_prefill(
                     p, lambda: measure_prefill(mxfp4_driver, stats, t, repeats=3 if t <= 8 * K else 2)), 30)
         for batch in (1, 8):

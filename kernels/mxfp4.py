@@ -19,8 +19,8 @@ scale per 32 weights, decoded in registers.
   registers (bf16 on Hopper from 32-bit words decoded straight to scaled bf16 pairs, else Triton's `tl.dot_scaled`
   or a byte decode); gradient for the activations only (the custom op `torch.ops.kimik3.mxfp4_grouped_matmul` without
   autograd).
-* `mxfp4_grouped_gemm`: the same product for many rows per expert (prefill): large row blocks, each packed tile decoded
-  once per block (the custom op `torch.ops.kimik3.mxfp4_grouped_gemm` without autograd).
+* `mxfp4_grouped_gemm`: the same product for many rows per expert (prefill): large row blocks, each packed tile
+  decoded from its words once per block (the custom op `torch.ops.kimik3.mxfp4_grouped_gemm` without autograd).
 * `mxfp4_gemv`: the same product for 1-2 rows per expert (decode): one routed row per program, no `tl.dot`, the
   weights decoded and summed in registers (the custom op `torch.ops.kimik3.mxfp4_gemv` without autograd).
 * `moe_experts_mxfp4`: the routed experts (moe.py's routing) on one of three paths by routed rows per expert, the
@@ -59,7 +59,8 @@ from .moe import (
 # 1.00 ms at 2 (8 tokens x top-16 over 64 experts), though a second row re-reads its expert, and 1.95 against 1.05 ms
 # at 4: the GEMV stops at 2. At 896 experts an 8K prefill (~146 rows per expert) takes 0.225 s on the packed GEMM
 # against 0.268 s dequantised; a 32K one (~585) 0.870 s against 0.733 s, and 64 experts at 8K (2048) 0.176 s against
-# 0.134 s.
+# 0.134 s. (Those are the byte GEMM's; the word GEMM that replaced it, 1.34-1.38x faster alone, may move the crossover:
+# not yet measured.)
 MXFP4_GEMV_ROWS_PER_EXPERT = 2
 # where the word tiles run (bf16 on Hopper, MXFP4_WORD_TILES on) the GEMV stops at 1: on an H100 they take 606.0 us
 # a layer at 2 rows per expert (8 tokens over 64 experts) against the GEMV's 973.9, and 332.1 against 264.9 at 1.1
@@ -331,6 +332,12 @@ def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
     return xs.contiguous(), packed.contiguous(), scale.contiguous(), group_ends.to(torch.int32).contiguous(), out
 
 
+def _packed_words(packed: torch.Tensor) -> torch.Tensor:
+    """Contiguous packed bytes [E, N, K/2] as int32 words [E, N, K/8]: K/2 bytes a row, a multiple of 16, so whole
+    little-endian words (a view, unless the bytes start off a word)."""
+    return (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
+
+
 MXFP4_SCALED_DOT = True  # bf16 tiles through tl.dot_scaled (off: the byte-decoding kernel, for side-by-side runs)
 # bf16 tiles from decoded words (ahead of MXFP4_SCALED_DOT): "bf16" or "tf32", the MMA's type, or None (off). On an
 # H100 (docs/benchmarks.md, Packed MXFP4 GEMV) bf16 word tiles take 606.0 us a layer at 8 tokens over 64 experts
@@ -363,8 +370,7 @@ def _mxfp4_grouped_matmul_fwd(xs, packed, scale, group_ends):
     grid = _row_block_grid(num_rows, num_experts, n)
     kernel = _tile_kernel(xs)
     if kernel == "words":
-        # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
-        words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
+        words = _packed_words(packed)
         tf32, ptx = MXFP4_WORD_TILES == "tf32", _ptx_decode(xs.device)
         with torch.cuda.device(xs.device):
             _mxfp4_word_tiles_kernel[grid](xs, words, scale, out, ends, n, kh // 4, num_experts,
@@ -463,9 +469,11 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 # a weight tile is read from HBM about once and reused from L2 by the row blocks of its expert, and a row block's
 # rows stay in L2 across the column blocks.
 #
-# The rows come split into their even and odd columns (two contiguous [M, K/2] halves, one copy per call): the
-# low nibble of byte j is column 2j and the high nibble column 2j+1, so each half meets one nibble's [BLOCK_N,
-# BLOCK_KH] tile in a plain dot with no interleave in registers. W_IS_A puts the decoded weights on the MMA's
+# Two kernels share that schedule: the word GEMM (the default, below) and the byte GEMM first written, kept for
+# side-by-side runs (MXFP4_GEMM_WORDS off). The byte GEMM takes the rows split into their even and odd columns (two
+# contiguous [M, K/2] halves, one copy per call): the low nibble of byte j is column 2j and the high nibble column
+# 2j+1, so each half meets one nibble's [BLOCK_N, BLOCK_KH] tile in a plain dot with no interleave in registers.
+# W_IS_A puts the decoded weights on the MMA's
 # register operand (out^T = W x^T, the rows on the MMA's narrow N side, so row blocks of 32-64 waste little on the
 # last partial block of an expert); otherwise x is the A operand and the weights go through shared memory.
 
@@ -541,19 +549,78 @@ MXFP4_GEMM_W_IS_A = False  # which MMA operand the decoded weights are (module n
 MXFP4_GEMM_SCALE_BCAST = True  # scales loaded once per group and broadcast (else one gathered load per byte)
 
 
+# The same GEMM from 32-bit words, as the word tiles decode them (`_scaled_word_codes`): a word's eight codes joined
+# in k order (`_codes_in_order`), so x is read as it is, unsplit, and one MMA takes each step. The decoded weights
+# are the MMA's register operand (out^T = W x^T), where bf16 x on Hopper decodes each word straight to scaled bf16
+# pairs (BF16_PAIRS; in the shared-memory operand Triton 3.6 does not compile them); elsewhere (f32, fp16, other
+# GPUs, the interpreter) the f32 decode and one multiply by the group's scale, exact. On an H100 (docs/benchmarks.md,
+# Packed MXFP4 prefill) one 896-expert layer at 8K tokens runs at 286 / 287 TFLOP/s (gate_up / down) with the bf16
+# pairs, 278 through f32, against the byte GEMM's 213 / 207 and cuBLAS's grouped GEMM over a bf16 copy at 356 / 351;
+# and it needs no even/odd copy of the rows (0.875 GiB at 8K for gate_up).
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_KW": bkw, "GROUP_M": 8}, num_warps=w, num_stages=st)
+             for bm, bn, bkw, w, st in ((128, 128, 8, 8, 3), (128, 128, 16, 8, 3), (128, 256, 8, 8, 3),
+                                        (256, 128, 8, 8, 3), (64, 128, 16, 4, 3), (128, 128, 8, 4, 4))],
+    key=["N", "KW", "E_PAD", "BF16_PAIRS"],
+)
+@triton.jit
+def _mxfp4_word_gemm_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M, N, KW, E, E_PAD: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+                            GROUP_M: tl.constexpr, PTX_DECODE: tl.constexpr, PRECISION: tl.constexpr,
+                            BF16_PAIRS: tl.constexpr):
+    GROUPS: tl.constexpr = BLOCK_KW // 4
+    expert, row0, row_end, pid_n = _gemm_program_block(ends_ptr, M, N, E, E_PAD, BLOCK_M, BLOCK_N, GROUP_M)
+    if expert < E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/8] word matrix
+        p_rows = p_ptr + w_rows[:, None, None] * KW
+        s_rows = s_ptr + w_rows[:, None] * (KW // 4)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * (8 * KW)
+        acc = _tile_acc(BLOCK_M, BLOCK_N, True)
+        for g0 in range(0, KW // 4, GROUPS):
+            c0, c1, c2, c3, c4, c5, c6, c7 = _scaled_word_codes(p_rows, s_rows, g0, cmask, KW, GROUPS, PTX_DECODE,
+                                                                BF16_PAIRS)
+            w = tl.reshape(_codes_in_order(c0, c1, c2, c3, c4, c5, c6, c7),
+                           (BLOCK_N, 8 * BLOCK_KW)).to(x_ptr.dtype.element_ty)
+            k = 32 * g0 + tl.arange(0, 8 * BLOCK_KW)
+            x = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < 8 * KW)[None, :], other=0.0)
+            acc = _tile_dot(x, w, acc, True, PRECISION)
+        _store_tile(o_ptr, acc, rows, rmask, cols, cmask, N, True)
+
+
+MXFP4_GEMM_WORDS = True  # the prefill GEMM decodes words (off: the byte-decoding GEMM, for side-by-side runs)
+
+
+def _gemm_bf16_pairs(xs: torch.Tensor) -> bool:
+    """Whether the word GEMM decodes to scaled bf16 pairs for rows like xs: bf16 on Hopper with the PTX decode, as
+    the word tiles (measured there only; `_tile_kernel`)."""
+    return (xs.dtype == torch.bfloat16 and _ptx_decode(xs.device)
+            and torch.cuda.get_device_capability(xs.device)[0] == 9)
+
+
 def _mxfp4_grouped_gemm_fwd(xs, packed, scale, group_ends):
     xs, packed, scale, ends, out = _mxfp4_matmul_operands(xs, packed, scale, group_ends)
     (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
     if num_rows == 0 or n == 0:
         return out
-    halves = xs.view(num_rows, kh, 2)
-    x_even, x_odd = halves[..., 0].contiguous(), halves[..., 1].contiguous()
 
     def grid(meta):
         num_m = min(num_rows, triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts)
         return (num_m * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    with torch.cuda.device(xs.device):  # Triton launches on the current device
+    if MXFP4_GEMM_WORDS:
+        with torch.cuda.device(xs.device):  # Triton launches on the current device
+            _mxfp4_word_gemm_kernel[grid](xs, _packed_words(packed), scale, out, ends, num_rows, n, kh // 4,
+                                          num_experts, E_PAD=triton.next_power_of_2(num_experts),
+                                          PTX_DECODE=_ptx_decode(xs.device), PRECISION=_dot_precision(xs.dtype),
+                                          BF16_PAIRS=_gemm_bf16_pairs(xs))
+        return out
+    halves = xs.view(num_rows, kh, 2)
+    x_even, x_odd = halves[..., 0].contiguous(), halves[..., 1].contiguous()
+    with torch.cuda.device(xs.device):
         _mxfp4_grouped_gemm_kernel[grid](x_even, x_odd, packed, scale, out, ends, num_rows, n, kh, num_experts,
                                          E_PAD=triton.next_power_of_2(num_experts), W_IS_A=MXFP4_GEMM_W_IS_A,
                                          SCALE_BCAST=MXFP4_GEMM_SCALE_BCAST,
@@ -564,9 +631,9 @@ def _mxfp4_grouped_gemm_fwd(xs, packed, scale, group_ends):
 def mxfp4_grouped_gemm(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        group_ends: torch.Tensor) -> torch.Tensor:
     """`mxfp4_grouped_matmul` (same arguments, same numbers: f32 accumulation, one rounding to xs.dtype) for many
-    rows per expert (prefill): row blocks of 32-128 rows, each packed tile decoded once per row block, no dequantised
-    copy of the stack. Without autograd recording it runs as the custom op `torch.ops.kimik3.mxfp4_grouped_gemm`;
-    gradient for xs only."""
+    rows per expert (prefill): row blocks of 64-256 rows, each packed tile decoded from its words once per row block,
+    no dequantised copy of the stack. Without autograd recording it runs as the custom op
+    `torch.ops.kimik3.mxfp4_grouped_gemm`; gradient for xs only."""
     if needs_grad(xs):
         return _MXFP4GroupedMatmul.apply(xs, packed, scale, group_ends, _mxfp4_grouped_gemm_fwd)
     return torch.ops.kimik3.mxfp4_grouped_gemm(xs, packed, scale, group_ends)  # one node under compile
@@ -799,8 +866,7 @@ def _mxfp4_gemv_fwd(xs, packed, scale, group_ends):
     (num_rows, n), (num_experts, _, kh) = out.shape, packed.shape
     if num_rows == 0 or n == 0:
         return out
-    # K/2 bytes per row, a multiple of 16: whole little-endian words (a view, unless the bytes start off a word)
-    words = (packed if packed.storage_offset() % 4 == 0 else packed.clone()).view(torch.int32)
+    words = _packed_words(packed)
 
     def grid(meta):
         return (num_rows, triton.cdiv(n, meta["BLOCK_N"]))

@@ -7,14 +7,17 @@ near-uniform routing, ~146 rows per expert at 8K tokens), timed for
 * `dequantised_chunks`: `mxfp4.mxfp4_dequantised_matmul`, chunks of experts dequantised within
   `MXFP4_DEQUANT_CHUNK_BYTES` (the path beyond `MXFP4_GEMM_ROWS_PER_EXPERT`),
 * `grouped_mm_bf16`: `grouped_mm` alone on that bf16 stack (the dequantisation not timed),
-* `gemm_w_is_a` / `gemm_x_is_a` (`_bcast`): the packed grouped GEMM (`mxfp4._mxfp4_grouped_gemm_kernel`) with the
-  decoded weights as the MMA's register operand or as the shared-memory one, the scales gathered per byte or loaded
-  once per group and broadcast (its autotuned config printed),
+* `gemm_words` (`_f32`): the packed grouped GEMM (`mxfp4._mxfp4_word_gemm_kernel`, the default), the words decoded
+  to scaled bf16 pairs on Hopper, or (`_f32`) through f32 as elsewhere,
+* `gemm_w_is_a` / `gemm_x_is_a` (`_bcast`): the byte-decoding GEMM (`mxfp4._mxfp4_grouped_gemm_kernel`,
+  `MXFP4_GEMM_WORDS` off) with the decoded weights as the MMA's register operand or as the shared-memory one, the
+  scales gathered per byte or loaded once per group and broadcast (each GEMM's autotuned config printed),
 * `grouped_mm_bf16_64_experts`: `grouped_mm` with the same rows over 64 bf16 experts (2048 rows each: the
   benchmark model's expert count, the speed the 896-expert prefill is held to),
 
-each with milliseconds, TFLOP/s, the peak of memory allocated above the inputs, and the packed GEMM's largest
-difference from the dequantised path (relative to its largest value). Writes JSON to $OUT or the working directory.
+each with milliseconds, TFLOP/s, the peak of memory allocated above the inputs (and that peak less the output: the
+transient), and the packed GEMM's largest difference from the dequantised path (relative to its largest value).
+Writes JSON to $OUT or the working directory.
 
     python benchmarks/diagnostics/diagnose_mxfp4_prefill.py --tokens 8192,32768
 """
@@ -55,13 +58,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="8192,32768")
     parser.add_argument("--experts", type=int, default=896)
-    parser.add_argument("--variants", default="gemm_x_is_a_bcast,gemm_x_is_a,gemm_w_is_a_bcast",
-                        help="packed GEMM variants: gemm_{w,x}_is_a[_bcast] (scales broadcast from one load a group)")
+    parser.add_argument("--variants", default="gemm_words,gemm_words_f32,gemm_x_is_a_bcast",
+                        help="packed GEMM variants: gemm_words[_f32] (the word GEMM; _f32: its f32 decode), "
+                             "gemm_{w,x}_is_a[_bcast] (the byte GEMM; _bcast: scales broadcast from one load a group)")
     args = parser.parse_args()
     dev = "cuda"
     bf = torch.bfloat16
     torch.manual_seed(0)
-    defaults = mxfp4.MXFP4_GEMM_W_IS_A, mxfp4.MXFP4_GEMM_SCALE_BCAST
+    defaults = mxfp4.MXFP4_GEMM_WORDS, mxfp4.MXFP4_GEMM_W_IS_A, mxfp4.MXFP4_GEMM_SCALE_BCAST, mxfp4._gemm_bf16_pairs
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name, (n, k) in SHAPES.items():
         packed = torch.randint(0, 256, (args.experts, n, k // 2), device=dev, dtype=torch.uint8)
@@ -74,8 +78,9 @@ def main():
 
             def record(label, fn):
                 ms, peak = measure(fn)
+                out_bytes = xs.shape[0] * n * xs.element_size()
                 row[label] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
-                              "peak_gib": round(peak / 2**30, 2)}
+                              "peak_gib": round(peak / 2**30, 2), "transient_gib": round((peak - out_bytes) / 2**30, 2)}
                 print(json.dumps({f"{name}_{tokens}": {label: row[label]}}), flush=True)
 
             def dequantised_stack():
@@ -89,17 +94,22 @@ def main():
             record("grouped_mm_bf16", lambda: _grouped_mm_fn()(xs, weight.transpose(-2, -1), offs=ends))
             del weight
             for label in args.variants.split(","):
+                words = label.startswith("gemm_words")
+                mxfp4.MXFP4_GEMM_WORDS = words
                 mxfp4.MXFP4_GEMM_W_IS_A = label.startswith("gemm_w_is_a")
                 mxfp4.MXFP4_GEMM_SCALE_BCAST = label.endswith("_bcast")
+                mxfp4._gemm_bf16_pairs = (lambda _: False) if label == "gemm_words_f32" else defaults[3]
+                kernel = mxfp4._mxfp4_word_gemm_kernel if words else mxfp4._mxfp4_grouped_gemm_kernel
                 try:
                     record(label, lambda: mxfp4._mxfp4_grouped_gemm_fwd(xs, packed, scale, ends))
                     after = mxfp4._mxfp4_grouped_gemm_fwd(xs, packed, scale, ends).float()
                     row[label]["max_rel_diff"] = float((after - before).abs().max() / before.abs().max())
-                    row[label]["config"] = str(mxfp4._mxfp4_grouped_gemm_kernel.best_config)
+                    row[label]["config"] = str(kernel.best_config)
                 except Exception as error:  # a config the compiler refuses: say so, keep measuring
                     row[label] = {"error": repr(error)[:300]}
                 print(json.dumps({f"{name}_{tokens}": {label: row[label]}}), flush=True)
-            mxfp4.MXFP4_GEMM_W_IS_A, mxfp4.MXFP4_GEMM_SCALE_BCAST = defaults
+            (mxfp4.MXFP4_GEMM_WORDS, mxfp4.MXFP4_GEMM_W_IS_A, mxfp4.MXFP4_GEMM_SCALE_BCAST,
+             mxfp4._gemm_bf16_pairs) = defaults
             w64 = torch.randn(64, n, k, device=dev, dtype=bf)
             ends64 = routed_rows(tokens, 64, TOP_K, dev)
             record("grouped_mm_bf16_64_experts", lambda: _grouped_mm_fn()(xs, w64.transpose(-2, -1), offs=ends64))

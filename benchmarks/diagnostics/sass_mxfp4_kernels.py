@@ -78,11 +78,8 @@ def report(name, kernel, signature, constexprs, words_per_step, num_warps, num_s
 
 
 def gemm_counts():
-    """The product's packed prefill GEMM (bytes decoded) against the word-decoding candidate
-    (`candidate_mxfp4_word_gemm.py`), for their autotuner's tiles."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from candidate_mxfp4_word_gemm import _word_gemm_kernel
-
+    """The product's packed prefill GEMMs, the byte-decoding one and the word-decoding one (the default, with the
+    bf16 pairs and with the f32 decode), for their autotuner's tiles."""
     ints = {"N": "i32", "E": "i32", "M": "i32"}
     halves = {"xe_ptr": "*bf16", "xo_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*bf16", "ends_ptr": "*i32",
               "KH": "i32", **ints}
@@ -92,13 +89,13 @@ def gemm_counts():
                halves, {"E_PAD": 1024, "W_IS_A": False, "SCALE_BCAST": True, "PRECISION": "tf32", **kw},
                kw["BLOCK_N"] * kw["BLOCK_KH"] // 4, cfg.num_warps, cfg.num_stages)
     words = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*u8", "o_ptr": "*bf16", "ends_ptr": "*i32", "KW": "i32", **ints}
-    for cfg in _word_gemm_kernel.configs:
+    for cfg in mxfp4._mxfp4_word_gemm_kernel.configs:
         kw = dict(cfg.kwargs)
-        for w_is_a, pairs in ((False, False), (True, False), (True, True)):
-            report(f"GEMM (words, candidate) {kw} W_IS_A {w_is_a}{', bf16 pairs' if pairs else ''} {cfg.num_warps} "
-                   f"warps {cfg.num_stages} stages", _word_gemm_kernel, words,
-                   {"E_PAD": 1024, "PTX_DECODE": True, "PRECISION": "tf32", "W_IS_A": w_is_a, "BF16_PAIRS": pairs,
-                    **kw}, kw["BLOCK_N"] * kw["BLOCK_KW"], cfg.num_warps, cfg.num_stages)
+        for pairs in (True, False):
+            report(f"GEMM (words){', bf16 pairs' if pairs else ', f32 decode'} {kw} {cfg.num_warps} warps "
+                   f"{cfg.num_stages} stages", mxfp4._mxfp4_word_gemm_kernel, words,
+                   {"E_PAD": 1024, "PTX_DECODE": True, "PRECISION": "tf32", "BF16_PAIRS": pairs, **kw},
+                   kw["BLOCK_N"] * kw["BLOCK_KW"], cfg.num_warps, cfg.num_stages)
 
 
 def main():

@@ -402,17 +402,33 @@ def test_mxfp4_grouped_matmul_matches_grouped_mm_of_dequantised(counts, dtype, t
     assert rel_err(out, ref) < tol, rel_err(out, ref)
 
 
-@pytest.mark.parametrize("w_is_a", [True, False])
+# the prefill GEMMs: the word GEMM (the default: bf16 pairs for bf16 on Hopper), the same through its f32 decode (as
+# on other GPUs), and the byte GEMM with the decoded weights on either MMA operand
+GEMM_KERNELS = ["words", "words via f32", "bytes", "bytes, W_IS_A"]
+
+
+def _set_gemm_kernel(monkeypatch, kernel):
+    from kimik3.kernels import mxfp4
+
+    monkeypatch.setattr(mxfp4, "MXFP4_GEMM_WORDS", kernel.startswith("words"))
+    monkeypatch.setattr(mxfp4, "MXFP4_GEMM_W_IS_A", kernel == "bytes, W_IS_A")
+    if kernel == "words via f32":
+        monkeypatch.setattr(mxfp4, "_gemm_bf16_pairs", lambda xs: False)
+
+
+@pytest.mark.parametrize("kernel", GEMM_KERNELS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("counts", [[3, 0, 40, 1, 0, 7], [0, 0, 1, 0, 0, 0], [200, 0, 0, 0, 0, 513],
                                     [129, 64, 0, 65, 300, 2]])
-def test_mxfp4_grouped_gemm_matches_float64(counts, dtype, tol, w_is_a, monkeypatch):
-    # the prefill GEMM (row blocks of 32-128 over all column blocks, rows split into even and odd columns): groups
-    # ending inside, at and one past a row block, empty groups, scales 0/1/200/127, N not a multiple of a column
-    # block; either MMA operand for the decoded weights
+def test_mxfp4_grouped_gemm_matches_float64(counts, dtype, tol, kernel, monkeypatch):
+    # the prefill GEMM (row blocks of 64-256 over all column blocks): groups ending inside, at and one past a row
+    # block, empty groups, scales 0/1/200/127, N not a multiple of a column block; each GEMM kernel
     from kimik3.kernels import mxfp4
 
-    monkeypatch.setattr(mxfp4, "MXFP4_GEMM_W_IS_A", w_is_a)
+    _set_gemm_kernel(monkeypatch, kernel)
+    if kernel == "words" and dtype == torch.bfloat16:  # the kernel the Hopper bf16 prefill runs
+        assert mxfp4._gemm_bf16_pairs(torch.empty(0, dtype=dtype, device=DEV)) == (
+            torch.cuda.get_device_capability()[0] == 9)
     counts, ends, packed, scale, weight, xs = _packed_grouped_case(counts, 200, dtype)
     out = mxfp4.mxfp4_grouped_gemm(xs, packed, scale, ends)
     assert out.dtype == dtype and out.shape == (xs.shape[0], 200)
@@ -587,14 +603,14 @@ def test_mxfp4_gemv_matches_float64(case, dtype, tol):
     assert ((tiles.double() - ref).abs() / bound.clamp_min(1e-30)).max().item() < tol
 
 
-@pytest.mark.parametrize("kernel", ["gemv", *TILE_KERNELS])
+@pytest.mark.parametrize("kernel", ["gemv", *TILE_KERNELS, *(f"gemm {k}" for k in GEMM_KERNELS)])
 @pytest.mark.parametrize("dtype,tol,floor", [(torch.float32, 1e-6, 2.0 ** -144), (torch.bfloat16, 4e-3, 2.0 ** -130)])
 def test_mxfp4_kernels_every_finite_scale_byte(dtype, tol, floor, kernel, monkeypatch):
     # output column c of both experts has every scale group at E8M0 byte c: all 253 bytes whose weights are finite
     # in f32 (253 and 254 overflow for the larger codes, 255 is NaN in the format), denormal factors 0 and 1
     # included; x at 2^-12 keeps byte 252's sums finite. Each output within the f32 (or one bf16) rounding of its
     # sum plus a few denormal steps, against float64; 17 scale groups (K not a multiple of any step) and 253 columns
-    # (no multiple of a column block), one and two rows per expert; the GEMV and every tile kernel
+    # (no multiple of a column block), one and two rows per expert; the GEMV, every tile kernel and every GEMM
     from kimik3.kernels import mxfp4
 
     counts = torch.tensor([1, 2])
@@ -603,6 +619,9 @@ def test_mxfp4_kernels_every_finite_scale_byte(dtype, tol, floor, kernel, monkey
     xs = (xs.float() * 2.0 ** -12).to(dtype)
     if kernel == "gemv":
         out = mxfp4.mxfp4_gemv(xs, packed, scale, ends)
+    elif kernel.startswith("gemm "):
+        _set_gemm_kernel(monkeypatch, kernel[len("gemm "):])
+        out = mxfp4.mxfp4_grouped_gemm(xs, packed, scale, ends)
     else:
         _set_tile_kernel(monkeypatch, kernel)
         out = mxfp4.mxfp4_grouped_matmul(xs, packed, scale, ends)
