@@ -266,6 +266,15 @@ def _store_tile(o_ptr, acc, rows, rmask, cols, cmask, N, W_IS_A: tl.constexpr):
         tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _word_tile_rows(p_ptr, s_ptr, x_ptr, expert, rows, cols, N, KW):
+    # a word tile's operand rows: the words [BLOCK_N, 1, 1] and scale bytes [BLOCK_N, 1] of the expert's output
+    # columns `cols` (rows of the [E*N, K/8] word and [E*N, K/32] scale matrices), and x's `rows` [BLOCK_M, 1]
+    w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)
+    return (p_ptr + w_rows[:, None, None] * KW, s_ptr + w_rows[:, None] * (KW // 4),
+            x_ptr + rows.to(tl.int64)[:, None] * (8 * KW))
+
+
 # The same tiles from 32-bit words. bf16 (BF16_PAIRS, the default where the PTX decode runs): each word straight to
 # four registers of two bf16 weights already times their group's scale (`_e2m1_word_bf16_scaled_ptx`, below).
 # Otherwise (TF32, the interpreter, or BF16_PAIRS off) as the GEMV decodes it (`_e2m1_word_exact_ptx`: f16 pairs,
@@ -297,10 +306,7 @@ def _mxfp4_word_tiles_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, N, KW, E, E_P
         rmask = rows < row_end
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
-        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/8] word matrix
-        p_rows = p_ptr + w_rows[:, None, None] * KW
-        s_rows = s_ptr + w_rows[:, None] * (KW // 4)
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * (8 * KW)
+        p_rows, s_rows, x_rows = _word_tile_rows(p_ptr, s_ptr, x_ptr, expert, rows, cols, N, KW)
         acc = _tile_acc(BLOCK_M, BLOCK_N, W_IS_A)
         for g0 in range(0, KW // 4, GROUPS):
             c0, c1, c2, c3, c4, c5, c6, c7 = _scaled_word_codes(p_rows, s_rows, g0, cmask, KW, GROUPS, PTX_DECODE,
@@ -575,10 +581,7 @@ def _mxfp4_word_gemm_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M, N, KW, E, E
         rmask = rows < row_end
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
-        w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/8] word matrix
-        p_rows = p_ptr + w_rows[:, None, None] * KW
-        s_rows = s_ptr + w_rows[:, None] * (KW // 4)
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * (8 * KW)
+        p_rows, s_rows, x_rows = _word_tile_rows(p_ptr, s_ptr, x_ptr, expert, rows, cols, N, KW)
         acc = _tile_acc(BLOCK_M, BLOCK_N, True)
         for g0 in range(0, KW // 4, GROUPS):
             c0, c1, c2, c3, c4, c5, c6, c7 = _scaled_word_codes(p_rows, s_rows, g0, cmask, KW, GROUPS, PTX_DECODE,
