@@ -331,7 +331,10 @@ def _mxfp4_matmul_operands(xs, packed, scale, group_ends):
     num_experts, n, kh = packed.shape
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise TypeError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
-    if kh * 2 != k or scale.shape != (num_experts, n, k // MXFP4_GROUP_SIZE) or group_ends.shape != (num_experts,):
+    # K a whole number of scale groups, as the reference's dequantisation asks: K = 48 with one scale a row agrees
+    # with K // 32, while the kernels would read part of a second group (or drop it)
+    if (kh * 2 != k or k % MXFP4_GROUP_SIZE or scale.shape != (num_experts, n, k // MXFP4_GROUP_SIZE)
+            or group_ends.shape != (num_experts,)):
         raise ValueError(f"MXFP4 grouped matmul shapes do not match: x {tuple(xs.shape)}, packed "
                          f"{tuple(packed.shape)}, scale {tuple(scale.shape)}, group_ends {tuple(group_ends.shape)}")
     out = torch.empty(num_rows, n, dtype=xs.dtype, device=xs.device)

@@ -799,6 +799,23 @@ def test_mxfp4_gemv_reference_is_the_product_of_the_dequantised_experts(counts):
                                grouped_product_f64(xs.bfloat16(), dense, ends), rtol=8e-3, atol=1e-2)
 
 
+def test_packed_matmul_operands_refuse_a_k_of_part_of_a_scale_group():
+    """The CUDA launchers' operand check refuses what the reference refuses: K = 48 (one and a half scale groups)
+    with one scale a row, whose shapes agree with K // 32, and a scale count that does not match K; each error names
+    the shapes. A whole number of groups passes."""
+    mxfp4 = importlib.import_module(f"{kernels.__name__}.mxfp4")
+    ends = torch.tensor([2, 3], dtype=torch.int32)
+    packed, scale = torch.zeros(2, 8, 24, dtype=torch.uint8), torch.full((2, 8, 1), 127, dtype=torch.uint8)
+    for bad_scale in (scale, torch.full((2, 8, 2), 127, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match=r"shapes do not match: x \(3, 48\), packed \(2, 8, 24\)"):
+            mxfp4._mxfp4_matmul_operands(torch.zeros(3, 48), packed, bad_scale, ends)
+        with pytest.raises(ValueError, match="MXFP4 shapes do not match"):  # the reference's own check
+            ops.dequantize_mxfp4(packed, bad_scale)
+    out = mxfp4._mxfp4_matmul_operands(torch.zeros(3, 64), torch.zeros(2, 8, 32, dtype=torch.uint8),
+                                       torch.full((2, 8, 2), 127, dtype=torch.uint8), ends)[-1]
+    assert out.shape == (3, 8)
+
+
 def test_mxfp4_experts_path_decision():
     """GEMV up to MXFP4_GEMV_ROWS_PER_EXPERT routed rows per expert on average, the tile kernel up to
     MXFP4_TILE_ROWS_PER_EXPERT, the packed grouped GEMM beyond."""
