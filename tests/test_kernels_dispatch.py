@@ -816,6 +816,20 @@ def test_packed_matmul_operands_refuse_a_k_of_part_of_a_scale_group():
     assert out.shape == (3, 8)
 
 
+def test_packed_words_are_the_bytes_as_little_endian_words_wherever_the_bytes_start():
+    """The word kernels' operand: packed bytes as int32 words, a view where the bytes start on a word, a copy where
+    they start off one (a slice one byte in), the same words either way."""
+    mxfp4 = importlib.import_module(f"{kernels.__name__}.mxfp4")
+    flat = torch.randint(0, 256, (1 + 2 * 3 * 16,), dtype=torch.uint8)
+    for offset in (0, 1):
+        packed = flat[offset:offset + 2 * 3 * 16].view(2, 3, 16)
+        words = mxfp4._packed_words(packed)
+        assert words.shape == (2, 3, 4) and words.dtype == torch.int32
+        assert (words.data_ptr() == packed.data_ptr()) == (offset == 0)
+        expected = sum(packed.view(2, 3, 4, 4)[..., i].long() << (8 * i) for i in range(4))
+        assert torch.equal(words.long() & 0xFFFFFFFF, expected)
+
+
 def test_mxfp4_experts_path_decision():
     """GEMV up to MXFP4_GEMV_ROWS_PER_EXPERT routed rows per expert on average, the tile kernel up to
     MXFP4_TILE_ROWS_PER_EXPERT, the packed grouped GEMM beyond."""
