@@ -482,9 +482,9 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 # side-by-side runs (MXFP4_GEMM_WORDS off). The byte GEMM takes the rows split into their even and odd columns (two
 # contiguous [M, K/2] halves, one copy per call): the low nibble of byte j is column 2j and the high nibble column
 # 2j+1, so each half meets one nibble's [BLOCK_N, BLOCK_KH] tile in a plain dot with no interleave in registers.
-# W_IS_A puts the decoded weights on the MMA's
-# register operand (out^T = W x^T, the rows on the MMA's narrow N side, so row blocks of 32-64 waste little on the
-# last partial block of an expert); otherwise x is the A operand and the weights go through shared memory.
+# W_IS_A puts the decoded weights on the MMA's register operand (out^T = W x^T, the rows on the MMA's narrow N side,
+# so row blocks of 32-64 waste little on the last partial block of an expert); otherwise x is the A operand and the
+# weights go through shared memory.
 
 
 @triton.jit
