@@ -22,6 +22,12 @@ import torch  # noqa: E402
 
 torch.set_num_threads(int(_threads))
 
+# pytest rewrites each test module's asserts and caches the result as bytecode beside it, unless bytecode writing is
+# off (PYTHONDONTWRITEBYTECODE, set on some CI images): then every worker rewrote every module on every run, about 5
+# of a worker's 15 s of collection on a 2-core machine. The suite writes its own bytecode whatever the environment
+# says; this process only, so the fresh interpreters the tests start keep the environment as given.
+sys.dont_write_bytecode = False
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
