@@ -505,6 +505,17 @@ def _gemm_program_block(ends_ptr, M, N, E, E_PAD: tl.constexpr, BLOCK_M: tl.cons
     return expert, row0, row_end, pid_n
 
 
+@triton.jit
+def _gemm_tile_rows_cols(row0, row_end, pid_n, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # a GEMM program's output rows (from row0, those before row_end its expert's) and columns (column block pid_n,
+    # those before N real), each with its mask
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    return rows, rmask, cols, cmask
+
+
 @triton.autotune(
     configs=[
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_KH": bkh, "GROUP_M": 8}, num_warps=w, num_stages=st)
@@ -520,10 +531,7 @@ def _mxfp4_grouped_gemm_kernel(xe_ptr, xo_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M,
                                BLOCK_KH: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     expert, row0, row_end, pid_n = _gemm_program_block(ends_ptr, M, N, E, E_PAD, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < E:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N
+        rows, rmask, cols, cmask = _gemm_tile_rows_cols(row0, row_end, pid_n, N, BLOCK_M, BLOCK_N)
         w_rows = expert.to(tl.int64) * N + cols.to(tl.int64)  # rows of the [E*N, K/2] packed matrix
         xe_rows = xe_ptr + rows.to(tl.int64)[:, None] * KH
         xo_rows = xo_ptr + rows.to(tl.int64)[:, None] * KH
@@ -580,10 +588,7 @@ def _mxfp4_word_gemm_kernel(x_ptr, p_ptr, s_ptr, o_ptr, ends_ptr, M, N, KW, E, E
     GROUPS: tl.constexpr = BLOCK_KW // 4
     expert, row0, row_end, pid_n = _gemm_program_block(ends_ptr, M, N, E, E_PAD, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < E:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N
+        rows, rmask, cols, cmask = _gemm_tile_rows_cols(row0, row_end, pid_n, N, BLOCK_M, BLOCK_N)
         p_rows, s_rows, x_rows = _word_tile_rows(p_ptr, s_ptr, x_ptr, expert, rows, cols, N, KW)
         acc = _tile_acc(BLOCK_M, BLOCK_N, True)
         for g0 in range(0, KW // 4, GROUPS):
