@@ -582,8 +582,7 @@ def prefill_workspace(config, tp: int, ep: int, chunk: int, batch_size: int, con
       stream: the residual stream, its layer input and output, and Block AttnRes's banked block sums (one
         hidden-wide tensor per block of attn_res_block_size layers);
       attention: the larger of MLA (this rank's queries, one expanded key/value block of mla_prefill_key_block
-        cached tokens, f32 output and log-sum-exp merge) and KDA (q/k/v/g of this rank's heads,
-        f32 output);
+        cached tokens, f32 output and log-sum-exp merge) and KDA (q/k/v/g of this rank's heads, f32 output);
       moe: the routed tokens' copies (top-k), their gate/up and down activations at this rank's width, and, for
         packed experts, the packed prefill's own transient (`packed_prefill_transient`);
       head: the last token's logits in f32 (generation keeps one).
@@ -614,9 +613,11 @@ def prefill_workspace(config, tp: int, ep: int, chunk: int, batch_size: int, con
 
 def packed_prefill_transient(experts: int, width: int, latent: int, routed: int) -> int:
     """The bytes the packed experts' prefill adds for `routed` routed rows over `experts` experts of intermediate
-    `width` (kernels/mxfp4.py, `moe_experts_mxfp4`): up to MXFP4_GEMM_ROWS_PER_EXPERT rows per expert the packed
+    `width` (kernels/mxfp4.py, `moe_experts_mxfp4`): up to MXFP4_GEMM_ROWS_PER_EXPERT rows per expert the byte
     GEMM's even/odd split of its input rows (gate_up's is the wider), beyond it one chunk of dequantised experts
-    (at most MXFP4_DEQUANT_CHUNK_BYTES, at least one expert)."""
+    (at most MXFP4_DEQUANT_CHUNK_BYTES, at least one expert). The word GEMM, the default since 2026-12-08, makes no
+    such copy; the split stays counted, an upper bound, until the word GEMM has run its GPU tests
+    (docs/benchmarks.md, Packed MXFP4 prefill), so a plan also holds with `MXFP4_GEMM_WORDS` off."""
     from kimik3.kernels import mxfp4
 
     bf16 = 2
